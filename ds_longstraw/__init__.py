@@ -1,0 +1,13 @@
+"""ds_longstraw: long-context GRPO as a transaction on DeepSpeed.
+
+Capture a shared prompt once without autograd, keep only the state each architecture needs on owned pages,
+score reference log-probs without a graph, replay one response at a time with autograd, accumulate gradients,
+and take one reduction and one optimizer step.
+"""
+
+from .config import LongstrawConfig, parse_config
+from .group import GRPOGroup
+from .objective import GRPOObjective
+from .transaction import GroupResult, grpo_backward
+
+__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "grpo_backward", "parse_config"]

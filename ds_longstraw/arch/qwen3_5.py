@@ -1,0 +1,174 @@
+"""Adapter for transformers' qwen3_5 hybrid models (Gated DeltaNet + gated full attention).
+
+It runs one *segment* of tokens (a capture chunk, a replay block, a prefix-pass chunk) through the decoder stack,
+starting from carried state, by calling the model's own submodules: the adapter never copies a weight, so the
+same code serves a plain model, a peft-wrapped one and a ZeRO-3 partitioned one (whose hooks gather each
+submodule's weights when it is called).
+
+Legend: T tokens of the segment, C hidden size, H/K query/kv heads, D head dim; K/V pages are token-major
+[T, K, D]; GDN recurrent state [1, Hv, dk, dv] (float32, float64 for float64 models); conv tail [1, conv_dim, k-1]
+(the last k-1 tokens of the pre-convolution projection).
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
+
+from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+
+@dataclass
+class SegmentOutput:
+    hidden: torch.Tensor  # [1, T, C], before the final norm
+    gdn_state: dict = field(default_factory=dict)  # layer -> recurrent state after the segment
+    conv_tail: dict = field(default_factory=dict)  # layer -> conv tail after the segment
+    keys: dict = field(default_factory=dict)  # layer -> K of the segment's tokens [T, K, D]
+    values: dict = field(default_factory=dict)  # layer -> V [T, K, D]
+
+
+@contextmanager
+def _forward_replaced(module, fn):
+    """Call `module(...)` with `fn` as its forward, so that module hooks (ZeRO-3's parameter gathering) still run
+    for parameters the module owns directly (GDN's A_log and dt_bias are read outside any submodule)."""
+    module.forward = fn
+    try:
+        yield
+    finally:
+        del module.forward
+
+
+class Qwen35Adapter:
+    family = "qwen3_5"
+    state_kinds = {"gdn": "recurrent state + conv tail", "attention": "K, V pages"}
+
+    def __init__(self, model):
+        self.model = model
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        body = lm.model
+        if hasattr(body, "language_model"):  # Qwen3_5ForConditionalGeneration: text stack inside
+            body = body.language_model
+        self.lm_head = lm.lm_head
+        self.body = body
+        self.config = body.config
+        self.layers = body.layers
+        self.layer_types = list(self.config.layer_types)[: self.config.num_hidden_layers]
+        self.gdn_layers = [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+        self.attn_layers = [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+        unknown = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+        if unknown:
+            raise ValueError(f"qwen3_5 adapter: unknown layer types {sorted(unknown)}")
+
+    # -- shapes ------------------------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return self.body.embed_tokens.weight.dtype
+
+    @property
+    def device(self):
+        return self.body.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    def kv_shape(self):
+        return (self.config.num_key_value_heads, self.config.head_dim)
+
+    def state_dtype(self):
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    # -- pieces ------------------------------------------------------------------------------------------
+    def _gdn(self, module, h_1TC, state, tail):
+        batch, t, _ = h_1TC.shape
+        kernel = module.conv_kernel_size
+        mixed = module.in_proj_qkv(h_1TC).transpose(1, 2)
+        z = module.in_proj_z(h_1TC).reshape(batch, t, -1, module.head_v_dim)
+        b = module.in_proj_b(h_1TC)
+        a = module.in_proj_a(h_1TC)
+        if tail is None:  # the start of the prompt: the causal convolution sees zeros before it
+            tail = mixed.new_zeros(batch, module.conv_dim, kernel - 1)
+        full = torch.cat([tail.to(mixed.dtype), mixed], dim=-1)
+        new_tail = full[:, :, full.shape[-1] - (kernel - 1):]
+        # The module pads k-1 on both sides; output i then covers inputs [i-k+1, i] of `full`.
+        conv = module.conv1d(full.to(module.conv1d.weight.dtype))[:, :, kernel - 1: kernel - 1 + t]
+        mixed = ACT2FN[module.activation](conv).to(mixed.dtype).transpose(1, 2)
+        query, key, value = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+        query = query.reshape(batch, t, -1, module.head_k_dim)
+        key = key.reshape(batch, t, -1, module.head_k_dim)
+        value = value.reshape(batch, t, -1, module.head_v_dim)
+        beta = b.sigmoid()
+        g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the model defines it
+        out, new_state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+        out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(batch, t, -1)), new_state, new_tail
+
+    def gdn_forward(self, module, h_1TC, state, tail):
+        result = {}
+
+        def forward(*_):
+            result["value"] = self._gdn(module, h_1TC, state, tail)
+            return result["value"][0]
+
+        with _forward_replaced(module, forward):
+            module()
+        return result["value"]
+
+    def attention_forward(self, module, h_1TC, cos, sin, past):
+        batch, t, _ = h_1TC.shape
+        d = module.head_dim
+        query, gate = torch.chunk(module.q_proj(h_1TC).view(batch, t, -1, d * 2), 2, dim=-1)
+        gate = gate.reshape(batch, t, -1)
+        query = module.q_norm(query).transpose(1, 2)
+        key = module.k_norm(module.k_proj(h_1TC).view(batch, t, -1, d)).transpose(1, 2)
+        value = module.v_proj(h_1TC).view(batch, t, -1, d).transpose(1, 2)
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
+        out_HTD, _ = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling)
+        out = out_HTD.transpose(0, 1).reshape(batch, t, -1) * torch.sigmoid(gate)
+        return module.o_proj(out), key[0].transpose(0, 1), value[0].transpose(0, 1)
+
+    def embed(self, ids):
+        return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
+
+    def rotary(self, hidden, start):
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return self.body.rotary_emb(hidden, positions)
+
+    def logprobs(self, hidden_1TC, targets):
+        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64)."""
+        logits = self.lm_head(self.body.norm(hidden_1TC))[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logp = torch.log_softmax(logits.to(acc), dim=-1)
+        return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+
+    # -- the segment -------------------------------------------------------------------------------------
+    def forward_segment(self, ids, start, gdn_carry, past):
+        """Run tokens `ids` (positions start .. start+T-1) through every layer.
+
+        gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
+        past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks).
+        """
+        hidden = self.embed(ids)
+        cos, sin = self.rotary(hidden, start)
+        out = SegmentOutput(hidden=None)
+        for index, layer in enumerate(self.layers[: len(self.layer_types)]):
+            residual = hidden
+            h = layer.input_layernorm(hidden)
+            if self.layer_types[index] == LINEAR_ATTENTION:
+                state, tail = gdn_carry.get(index, (None, None))
+                mixed, out.gdn_state[index], out.conv_tail[index] = self.gdn_forward(layer.linear_attn, h, state, tail)
+            else:
+                mixed, out.keys[index], out.values[index] = self.attention_forward(
+                    layer.self_attn, h, cos, sin, past.get(index, []))
+            hidden = residual + mixed
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        out.hidden = hidden
+        return out

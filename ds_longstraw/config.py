@@ -1,0 +1,82 @@
+"""The "longstraw" block of a DeepSpeed JSON, typed and validated at the door.
+
+Example (inside the DeepSpeed config)::
+
+    "longstraw": {"enabled": true, "prefix_grad": "exact", "capture_chunk": 8192,
+                  "offload": {"tier": "nvme", "nvme_path": "/local_nvme/longstraw"}, "cp_size": 8}
+
+Unknown keys and bad values raise ValueError naming the key, before any work starts.
+"""
+
+from typing import Literal
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError
+
+BLOCK_NAME = "longstraw"
+
+
+class AioConfig(DeepSpeedConfigModel):
+    """DeepSpeed async I/O settings for the NVMe tier (same names as DeepSpeed's "aio" block)."""
+
+    block_size: int = Field(1048576, gt=0)
+    queue_depth: int = Field(8, gt=0)
+    intra_op_parallelism: int = Field(1, gt=0)
+    single_submit: bool = False
+    overlap_events: bool = True
+
+
+class OffloadConfig(DeepSpeedConfigModel):
+    """Where retained prompt state (and exact-mode gradient pages) live."""
+
+    tier: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    host_memory_budget_gb: float | None = Field(None, gt=0)
+    staging_depth: int = Field(1, ge=1)
+    aio: AioConfig = Field(default_factory=AioConfig)
+
+
+class LongstrawConfig(DeepSpeedConfigModel):
+    """Settings of the GRPO transaction.
+
+    prefix_grad: "detached" treats the captured prompt state as a constant (the paper's semantics);
+        "exact" also back-propagates through the prompt (gradients equal full-sequence autograd).
+    capture_chunk: prompt tokens per capture chunk (bounds activation memory of capture and of the
+        exact-mode prefix pass).
+    replay_block: response tokens per replay block (bounds attention score memory of one replay step).
+    page_tokens: tokens per page of retained per-token state.
+    cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
+    """
+
+    enabled: bool = True
+    prefix_grad: Literal["detached", "exact"] = "detached"
+    capture_chunk: int = Field(4096, gt=0)
+    replay_block: int = Field(1024, gt=0)
+    page_tokens: int = Field(1024, gt=0)
+    offload: OffloadConfig = Field(default_factory=OffloadConfig)
+    cp_size: int = Field(1, ge=1)
+    cp_attention: Literal["lse", "ulysses"] = "lse"
+    progress: bool = False
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        value = item.get("input")
+        parts.append(f"'{BLOCK_NAME}.{key}' = {value!r}: {item['msg']}")
+    return "; ".join(parts)
+
+
+def parse_config(config) -> LongstrawConfig:
+    """Turn a dict (the JSON block), a LongstrawConfig or None into a validated LongstrawConfig."""
+    if config is None:
+        return LongstrawConfig()
+    if isinstance(config, LongstrawConfig):
+        return config
+    if not isinstance(config, dict):
+        raise ValueError(f"the '{BLOCK_NAME}' block must be a dict, got {type(config).__name__}")
+    try:
+        return LongstrawConfig(**config)
+    except ValidationError as error:
+        raise ValueError(f"invalid '{BLOCK_NAME}' config: {_describe(error)}") from None

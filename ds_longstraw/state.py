@@ -1,0 +1,73 @@
+"""The retained state of a captured prompt, and the capture that fills it.
+
+Capture runs prompt[:-1] through the model chunk by chunk WITHOUT autograd and keeps only what later tokens
+read: per Gated DeltaNet layer the recurrent state and the conv tail, per full-attention layer K and V on owned
+pages. In exact mode it also checkpoints the GDN state at every chunk start, so the prefix pass can recompute
+one chunk at a time.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_longstraw.offload import PagePool
+
+
+@dataclass
+class ChunkBoundary:
+    start: int
+    end: int
+    gdn_carry: dict  # layer -> (recurrent state, conv tail) at `start` (None, None at the prompt start)
+
+
+@dataclass
+class PrefixState:
+    length: int  # captured tokens: len(prompt) - 1
+    pool: PagePool  # "k" and "v" streams of every attention layer
+    gdn_carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the prefix
+    boundaries: list = field(default_factory=list)  # exact mode only
+
+    def retained_bytes(self) -> dict:
+        """Bytes kept for later tokens, by layer type (checkpoints of exact mode reported apart)."""
+        gdn = sum(s.numel() * s.element_size() + t.numel() * t.element_size() for s, t in self.gdn_carry.values())
+        checkpoints = sum(s.numel() * s.element_size() + t.numel() * t.element_size()
+                          for b in self.boundaries for s, t in b.gdn_carry.values() if s is not None)
+        return {"attention_kv_pages": self.pool.state_bytes(), "gdn_state": gdn, "gdn_checkpoints": checkpoints}
+
+    def release(self):
+        self.pool.release()
+        self.gdn_carry.clear()
+        self.boundaries.clear()
+
+
+def _detached_carry(carry):
+    return {layer: (state.detach(), tail.detach()) for layer, (state, tail) in carry.items()}
+
+
+def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:
+    """Capture prompt_ids[:-1] under no_grad into a PrefixState."""
+    ids = prompt_ids[:-1]
+    length = ids.numel()
+    pool = PagePool(settings.page_tokens, device=adapter.device, rank=rank)
+    for layer in adapter.attn_layers:
+        for name in ("k", "v"):
+            pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
+    state = PrefixState(length=length, pool=pool)
+    carry = {}
+    chunk = settings.capture_chunk
+    with torch.no_grad():
+        for start in range(0, length, chunk):
+            end = min(length, start + chunk)
+            if keep_boundaries:
+                state.boundaries.append(ChunkBoundary(start, end, dict(carry)))
+            past = {layer: [(pool.read(layer, "k", 0, start), pool.read(layer, "v", 0, start))]
+                    for layer in adapter.attn_layers}
+            out = adapter.forward_segment(ids[start:end], start, carry, past)
+            carry = _detached_carry({layer: (out.gdn_state[layer], out.conv_tail[layer]) for layer in adapter.gdn_layers})
+            for layer in adapter.attn_layers:
+                pool.append(layer, "k", out.keys[layer])
+                pool.append(layer, "v", out.values[layer])
+            if progress is not None:
+                progress(end - start)
+    state.gdn_carry = carry
+    return state

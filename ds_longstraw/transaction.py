@@ -1,0 +1,148 @@
+"""grpo_backward: one GRPO group as a transaction.
+
+    capture-ref  (kl_coef > 0) capture the reference policy's prompt state without autograd
+    score-ref    reference log-probs of every member without a graph; then free that state
+    capture      the policy's prompt state without autograd (exact mode: plus chunk-boundary checkpoints)
+    replay       for each member: replay [prompt[-1], response[:-1]] with autograd, backward its loss share,
+                 drop the graph (exact mode: d(state) accumulates on gradient pages)
+    prefix       (exact mode) reverse pass over the capture chunks
+Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
+"""
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from .arch import adapter_for
+from .config import parse_config
+from .group import GRPOGroup
+from .memory import PhaseMeter
+from .objective import GRPOObjective
+from .prefix_pass import prefix_backward
+from .replay import member_inputs, prefix_leaves, replay_member
+from .state import capture_prefix
+
+
+@dataclass
+class GroupResult:
+    loss: float
+    logprobs: list  # per member, detached, float64 on CPU
+    ref_logprobs: list | None
+    advantages: torch.Tensor
+    phases: dict  # name -> PhaseStats(seconds, peak_bytes)
+    retained_bytes: dict  # by layer type
+    grad_page_bytes: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.peak_bytes for p in self.phases.values()), default=0)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases.values())
+
+
+@contextmanager
+def _reference_policy(model, ref_model):
+    """The reference: a separate model, or the same peft model with its adapters disabled (no weight copy)."""
+    if ref_model is not None:
+        yield ref_model
+    elif hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield model
+    else:
+        raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
+
+
+def _progress_bar(enabled, total, desc):
+    if not enabled:
+        return nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
+
+
+def _capture(adapter, group, settings, keep_boundaries, desc):
+    with _progress_bar(settings.progress, group.prompt_ids.numel() - 1, desc) as bar:
+        return capture_prefix(adapter, group.prompt_ids, settings, keep_boundaries,
+                              progress=None if bar is None else bar.update)
+
+
+def score_reference(ref_model, group, settings):
+    """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
+    adapter = adapter_for(ref_model)
+    state = _capture(adapter, group, settings, False, "capture (reference)")
+    leaves = prefix_leaves(adapter, state, requires_grad=False)
+    scores = []
+    with torch.no_grad():
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            scores.append(replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block).double().cpu())
+    del leaves
+    state.release()
+    return scores
+
+
+def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None) -> GroupResult:
+    """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
+
+    config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
+    a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
+    """
+    settings = parse_config(config)
+    objective = objective or GRPOObjective()
+    if not isinstance(group, GRPOGroup):
+        raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
+    adapter = adapter_for(model)
+    group.check_vocab(adapter.vocab_size)
+    if settings.cp_size > 1 or cp_group is not None:
+        raise ValueError("cp_size > 1 is not available in this build (context parallelism: issue 6)")
+    if settings.offload.tier != "none":
+        raise ValueError(f"offload.tier={settings.offload.tier!r} is not available in this build (offload tiers: issue 5)")
+    if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
+        raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
+    exact = settings.prefix_grad == "exact"
+    meter = PhaseMeter(adapter.device)
+    advantages = objective.advantages(group)
+
+    ref_logprobs = None
+    if objective.kl_coef > 0:
+        with meter.phase("reference"), _reference_policy(model, ref_model) as reference:
+            ref_logprobs = score_reference(reference, group, settings)
+
+    with meter.phase("capture"):
+        state = _capture(adapter, group, settings, exact, "capture")
+    retained = state.retained_bytes()
+
+    logprobs, loss = [], 0.0
+    with meter.phase("replay"):
+        leaves = prefix_leaves(adapter, state, requires_grad=exact)
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            with torch.enable_grad():
+                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)
+                ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+                share = objective.member_loss(group, member, logp, advantages, ref)
+                if share.requires_grad:
+                    share.backward()
+            loss += float(share.detach())
+            logprobs.append(logp.detach().double().cpu())
+            del logp, share
+
+    grad_page_bytes = state.pool.grad_bytes()
+    if exact:
+        with meter.phase("prefix"):
+            d_final = {}
+            for layer, (recurrent, tail) in leaves.gdn_carry.items():
+                d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
+                                  torch.zeros_like(tail) if tail.grad is None else tail.grad)
+            with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
+                prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
+                                progress=None if bar is None else bar.update)
+        grad_page_bytes = state.pool.grad_bytes()
+    del leaves
+    state.release()
+    return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes)

@@ -1,0 +1,19 @@
+"""Compute kernels of ds_longstraw, each a fast path beside a plain reference with the same signature.
+
+Installed as ``ds_longstraw.kernels`` (a top-level ``kernels`` package would shadow the real package of that
+name that transformers probes for).
+"""
+
+from .attention import partial_attention, partial_attention_reference, attention_with_past
+from .lse import merge_partials, merge_partials_reference
+from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+__all__ = [
+    "partial_attention",
+    "partial_attention_reference",
+    "attention_with_past",
+    "merge_partials",
+    "merge_partials_reference",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+]

@@ -1,0 +1,150 @@
+"""Partial softmax attention returning (out, lse), and attention of a query block over paged past keys.
+
+Legend: H query heads, K key/value heads (H % K == 0, head h reads kv head h // (H // K)), Tq queries, Tk keys,
+D head dim. Layouts: q_HTD [H, Tq, D]; k_KTD, v_KTD [K, Tk, D]; out_HTD [H, Tq, D]; lse_HT [H, Tq].
+
+`partial_attention` is memory-bounded: the forward walks key blocks with an online softmax, and the backward
+recomputes each block's probabilities from the saved (out, lse) instead of keeping a [Tq, Tk] score matrix alive.
+That is what lets a prompt chunk attend to millions of past keys with autograd on (exact-mode prefix pass).
+`partial_attention_reference` is the plain dense version with the same signature; tests compare the two.
+
+Masking: with `causal_offset=None` every query sees every key. Otherwise query i sees key j iff
+j <= i + causal_offset (0 for a block attending to itself). Queries that see no key get out = 0, lse = -inf.
+"""
+
+import torch
+
+from .lse import merge_partials
+
+KEY_BLOCK = 2048
+
+
+def _group(q_HTD, kv_heads):
+    heads, tq, d = q_HTD.shape
+    return q_HTD.reshape(kv_heads, heads // kv_heads, tq, d)
+
+
+def _block_mask(tq, k0, k1, causal_offset, device):
+    if causal_offset is None:
+        return None
+    rows = torch.arange(tq, device=device).unsqueeze(1)
+    cols = torch.arange(k0, k1, device=device).unsqueeze(0)
+    return cols > rows + causal_offset  # True where masked
+
+
+def partial_attention_reference(q_HTD, k_KTD, v_KTD, scale, causal_offset=None):
+    """Dense softmax attention over all keys at once (plain autograd)."""
+    kv_heads, tk, _ = k_KTD.shape
+    q_KRTD = _group(q_HTD, kv_heads)
+    s = torch.einsum("krtd,ksd->krts", q_KRTD, k_KTD) * scale
+    mask = _block_mask(q_HTD.shape[1], 0, tk, causal_offset, q_HTD.device)
+    if mask is not None:
+        s = s.masked_fill(mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+    out = torch.einsum("krts,ksd->krtd", p, v_KTD)
+    return out.reshape(q_HTD.shape), lse.reshape(q_HTD.shape[:2])
+
+
+class _PartialAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+        kv_heads, tk, _ = k_KTD.shape
+        q_KRTD = _group(q_HTD, kv_heads)
+        tq = q_HTD.shape[1]
+        acc_dtype = torch.float64 if q_HTD.dtype == torch.float64 else torch.float32
+        out = torch.zeros(q_KRTD.shape, dtype=acc_dtype, device=q_HTD.device)
+        run_max = torch.full(q_KRTD.shape[:-1], float("-inf"), dtype=acc_dtype, device=q_HTD.device)
+        run_sum = torch.zeros_like(run_max)
+        for k0 in range(0, tk, key_block):
+            k1 = min(tk, k0 + key_block)
+            if causal_offset is not None and k0 > tq - 1 + causal_offset:
+                break  # every later key is masked for every query
+            s = torch.einsum("krtd,ksd->krts", q_KRTD, k_KTD[:, k0:k1]).to(acc_dtype) * scale
+            mask = _block_mask(tq, k0, k1, causal_offset, q_HTD.device)
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            new_max = torch.maximum(run_max, s.amax(-1))
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            rescale = torch.exp(run_max - safe_max)
+            p = torch.exp(s - safe_max.unsqueeze(-1))
+            run_sum = run_sum * rescale + p.sum(-1)
+            out = out * rescale.unsqueeze(-1) + torch.einsum("krts,ksd->krtd", p, v_KTD[:, k0:k1].to(acc_dtype))
+            run_max = new_max
+        safe_max = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
+        lse = torch.where(run_sum > 0, safe_max + torch.log(run_sum), torch.full_like(run_sum, float("-inf")))
+        out = torch.where(run_sum.unsqueeze(-1) > 0, out / run_sum.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(out))
+        out = out.to(q_HTD.dtype).reshape(q_HTD.shape)
+        lse = lse.reshape(q_HTD.shape[:2])
+        ctx.save_for_backward(q_HTD, k_KTD, v_KTD, out, lse)
+        ctx.scale, ctx.causal_offset, ctx.key_block = scale, causal_offset, key_block
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        # With p = exp(s - lse): dv = p^T dout; dp = dout v^T; ds = p * (dp - <dout, out>) + p * dlse.
+        q_HTD, k_KTD, v_KTD, out, lse = ctx.saved_tensors
+        scale, causal_offset = ctx.scale, ctx.causal_offset
+        kv_heads, tk, _ = k_KTD.shape
+        tq = q_HTD.shape[1]
+        acc = torch.float64 if q_HTD.dtype == torch.float64 else torch.float32
+        if dout_HTD is None:
+            dout_HTD = torch.zeros_like(out)
+        if dlse_HT is None:
+            dlse_HT = torch.zeros_like(lse)
+        q = _group(q_HTD, kv_heads).to(acc)
+        dout = _group(dout_HTD, kv_heads).to(acc)
+        lse_K = lse.reshape(q.shape[:-1]).to(acc)
+        safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
+        delta = (dout * _group(out, kv_heads).to(acc)).sum(-1) - dlse_HT.reshape(q.shape[:-1]).to(acc)
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device)
+        dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device)
+        for k0 in range(0, tk, ctx.key_block):
+            k1 = min(tk, k0 + ctx.key_block)
+            if causal_offset is not None and k0 > tq - 1 + causal_offset:
+                break
+            kb, vb = k_KTD[:, k0:k1].to(acc), v_KTD[:, k0:k1].to(acc)
+            s = torch.einsum("krtd,ksd->krts", q, kb) * scale
+            mask = _block_mask(tq, k0, k1, causal_offset, q.device)
+            if mask is not None:
+                s = s.masked_fill(mask, float("-inf"))
+            p = torch.exp(s - safe_lse.unsqueeze(-1))
+            dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
+            dp = torch.einsum("krtd,ksd->krts", dout, vb)
+            ds = p * (dp - delta.unsqueeze(-1)) * scale
+            dq += torch.einsum("krts,ksd->krtd", ds, kb)
+            dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
+        return (dq.reshape(q_HTD.shape).to(q_HTD.dtype), dk.to(k_KTD.dtype), dv.to(v_KTD.dtype), None, None, None)
+
+
+def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=KEY_BLOCK):
+    """Softmax attention of queries over one set of keys, returning (out_HTD, lse_HT).
+
+    Exact (not approximate) attention; memory is O(Tq * key_block) per head in forward and backward.
+    An empty key set returns out = 0 and lse = -inf.
+    """
+    if q_HTD.dim() != 3 or k_KTD.dim() != 3 or k_KTD.shape != v_KTD.shape[:2] + k_KTD.shape[2:]:
+        raise ValueError(f"expected q [H,Tq,D], k/v [K,Tk,D]; got {tuple(q_HTD.shape)}, {tuple(k_KTD.shape)}")
+    if q_HTD.shape[0] % k_KTD.shape[0]:
+        raise ValueError(f"query heads {q_HTD.shape[0]} not a multiple of kv heads {k_KTD.shape[0]}")
+    if k_KTD.shape[1] == 0:
+        out = q_HTD.new_zeros(q_HTD.shape[:2] + (v_KTD.shape[-1],))
+        lse = torch.full(q_HTD.shape[:2], float("-inf"), dtype=torch.float32 if q_HTD.dtype != torch.float64 else q_HTD.dtype, device=q_HTD.device)
+        return out, lse
+    return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
+
+
+def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale):
+    """Causal attention of a query block over earlier segments plus itself.
+
+    `past` is a sequence of (k_KTD, v_KTD) segments that lie entirely before the block (prompt pages, earlier
+    response blocks); every query sees all of them, and sees the block's own keys causally. Partials merge by LSE.
+    """
+    out, lse = partial_attention(q_HTD, k_new_KTD, v_new_KTD, scale, causal_offset=0)
+    for k_KTD, v_KTD in past:
+        if k_KTD.shape[1] == 0:
+            continue
+        o2, l2 = partial_attention(q_HTD, k_KTD, v_KTD, scale)
+        out, lse = merge_partials(out, lse, o2, l2.to(lse.dtype))
+    return out, lse

@@ -1,0 +1,115 @@
+"""Pages of per-token retained state, owned by one rank, indexed by (layer, name, token range).
+
+A stream is one retained tensor of one layer (say layer 3's "k"), token-major: [tokens, *shape]. Its tokens are
+cut into pages of `page_tokens`; the page table maps (layer, name, page index) to where the page lives. Each
+stream may have a gradient stream of the same shape (exact mode accumulates d(state) there).
+
+This module holds the device tier: a stream's pages are views into one arena reserved at the stream's full
+length, so reading a token range of a resident layer costs no copy. Host and NVMe tiers store the same pages
+elsewhere and stage them to the compute device one layer at a time.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageKey:
+    rank: int
+    layer: int
+    name: str
+    index: int  # page number within the stream: tokens [index * page_tokens, (index + 1) * page_tokens)
+
+
+class _Stream:
+    def __init__(self, tokens, shape, dtype, device):
+        self.capacity = tokens
+        self.length = 0
+        self.data = torch.empty((tokens, *shape), dtype=dtype, device=device)
+        self.grad = None
+
+
+class PagePool:
+    """Pages of one rank's retained streams on the compute device."""
+
+    tier = "device"
+
+    def __init__(self, page_tokens: int, device=None, rank: int = 0):
+        if page_tokens <= 0:
+            raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
+        self.page_tokens = page_tokens
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.rank = rank
+        self._streams: dict[tuple[int, str], _Stream] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------------------
+    def reserve(self, layer: int, name: str, tokens: int, shape, dtype):
+        """Declare a stream of `tokens` tokens, each a tensor of `shape`; pages are filled by `append`."""
+        key = (layer, name)
+        if key in self._streams:
+            raise ValueError(f"stream {key} is already reserved")
+        self._streams[key] = _Stream(tokens, tuple(shape), dtype, self.device)
+
+    def streams(self):
+        return list(self._streams)
+
+    def length(self, layer: int, name: str) -> int:
+        return self._stream(layer, name).length
+
+    def pages(self, layer: int, name: str):
+        """Page keys of a stream's filled tokens, in order (the page table's view of one stream)."""
+        stream = self._stream(layer, name)
+        count = -(-stream.length // self.page_tokens)
+        return [PageKey(self.rank, layer, name, i) for i in range(count)]
+
+    def state_bytes(self) -> int:
+        return sum(s.data.numel() * s.data.element_size() for s in self._streams.values())
+
+    def grad_bytes(self) -> int:
+        return sum(s.grad.numel() * s.grad.element_size() for s in self._streams.values() if s.grad is not None)
+
+    def bytes_by_stream(self) -> dict:
+        return {key: s.data.numel() * s.data.element_size() for key, s in self._streams.items()}
+
+    # -- data ------------------------------------------------------------------------------------------
+    def append(self, layer: int, name: str, values):
+        """Write the next tokens of a stream (token-major tensor)."""
+        stream = self._stream(layer, name)
+        end = stream.length + values.shape[0]
+        if end > stream.capacity:
+            raise ValueError(f"stream {(layer, name)} overflows its {stream.capacity} reserved tokens")
+        stream.data[stream.length:end].copy_(values)
+        stream.length = end
+
+    def read(self, layer: int, name: str, start: int = 0, end: int | None = None):
+        """Tokens [start, end) of a stream, on the compute device (a view for the device tier)."""
+        stream = self._stream(layer, name)
+        end = stream.length if end is None else end
+        if not (0 <= start <= end <= stream.length):
+            raise ValueError(f"range [{start}, {end}) outside stream {(layer, name)} of {stream.length} tokens")
+        return stream.data[start:end]
+
+    def add_grad(self, layer: int, name: str, start: int, grad):
+        """Accumulate d(loss)/d(tokens [start, start + len(grad))) on the stream's gradient pages."""
+        stream = self._stream(layer, name)
+        if stream.grad is None:
+            stream.grad = torch.zeros_like(stream.data)
+        stream.grad[start:start + grad.shape[0]].add_(grad.to(stream.grad.dtype))
+
+    def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None):
+        stream = self._stream(layer, name)
+        end = stream.length if end is None else end
+        if stream.grad is None:
+            return torch.zeros_like(stream.data[start:end])
+        return stream.grad[start:end]
+
+    def release(self):
+        """Free every page (state and gradient)."""
+        self._streams.clear()
+
+    def _stream(self, layer, name):
+        try:
+            return self._streams[(layer, name)]
+        except KeyError:
+            raise KeyError(f"no stream ({layer}, {name!r}) on rank {self.rank}") from None
