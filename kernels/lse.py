@@ -17,7 +17,11 @@ def merge_partials(out1_HTD, lse1_HT, out2_HTD, lse2_HT):
     top_HT = torch.maximum(lse1_HT, lse2_HT)
     # A query that no key of either partial reaches keeps lse = -inf; shift by 0 there so nothing is nan.
     shift_HT = torch.where(torch.isinf(top_HT), torch.zeros_like(top_HT), top_HT).detach()
-    lse_HT = shift_HT + torch.log(torch.exp(lse1_HT - shift_HT) + torch.exp(lse2_HT - shift_HT))
+    total_HT = torch.exp(lse1_HT - shift_HT) + torch.exp(lse2_HT - shift_HT)
+    # log(0) would give -inf with an infinite derivative (nan gradient): take log(1) there and mask the value.
+    seen_HT = total_HT > 0
+    lse_HT = torch.where(seen_HT, shift_HT + torch.log(torch.where(seen_HT, total_HT, torch.ones_like(total_HT))),
+                         torch.full_like(total_HT, float("-inf")))
     safe_lse_HT = torch.where(torch.isinf(lse_HT), torch.zeros_like(lse_HT), lse_HT)
     w1 = torch.exp(lse1_HT - safe_lse_HT).unsqueeze(-1)
     w2 = torch.exp(lse2_HT - safe_lse_HT).unsqueeze(-1)

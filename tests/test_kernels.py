@@ -1,0 +1,116 @@
+"""Fast paths against their plain references: values and gradients, awkward sizes, -inf partials.
+
+Tolerance 1e-10 absolute in float64: both sides compute the same sums in different orders (blockwise online
+softmax vs dense; chunked WY solve vs token loop), which leaves ~1e-14 relative on these sizes.
+"""
+
+import pytest
+import torch
+
+from ds_longstraw.kernels import (chunk_gated_delta_rule, merge_partials, merge_partials_reference,
+                                  partial_attention, partial_attention_reference, recurrent_gated_delta_rule)
+
+F64 = dict(dtype=torch.float64)
+
+
+def _nan_poisoned_grad_check(outputs, inputs):
+    grads = torch.autograd.grad(outputs, inputs, allow_unused=True)
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("tq,tk", [(1, 1), (13, 63), (63, 111), (17, 17)])
+@pytest.mark.parametrize("causal_offset", [None, 0, 5, -3])
+def test_partial_attention_matches_dense(heads, kv_heads, tq, tk, causal_offset):
+    gen = torch.Generator().manual_seed(tq * 1000 + tk)
+    q = torch.randn(heads, tq, 8, generator=gen, **F64).requires_grad_()
+    k = torch.randn(kv_heads, tk, 8, generator=gen, **F64).requires_grad_()
+    v = torch.randn(kv_heads, tk, 8, generator=gen, **F64).requires_grad_()
+    out, lse = partial_attention(q, k, v, 0.35, causal_offset, key_block=16)
+    ref_out, ref_lse = partial_attention_reference(q, k, v, 0.35, causal_offset)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-10)  # -inf rows must match as -inf
+    dout = torch.randn(out.shape, generator=gen, **F64)
+    dlse = torch.randn(lse.shape, generator=gen, **F64)
+    seen = torch.isfinite(ref_lse)
+    objective = (out * dout).sum() + (lse.masked_fill(~seen, 0) * dlse).sum()
+    ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
+    for g, r in zip(_nan_poisoned_grad_check(objective, [q, k, v]), _nan_poisoned_grad_check(ref_objective, [q, k, v])):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
+
+
+def test_partial_attention_empty_keys():
+    q = torch.randn(2, 5, 4, **F64)
+    out, lse = partial_attention(q, torch.zeros(1, 0, 4, **F64), torch.zeros(1, 0, 4, **F64), 0.5)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+
+
+def test_partial_attention_rejects_bad_heads():
+    with pytest.raises(ValueError, match="not a multiple"):
+        partial_attention(torch.randn(3, 2, 4), torch.randn(2, 2, 4), torch.randn(2, 2, 4), 1.0)
+
+
+def test_merge_is_exact_split_of_attention():
+    """Attention over keys [0, n) == LSE merge of attention over a split of the keys, including empty shards."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 7, 8, generator=gen, **F64).requires_grad_()
+    k = torch.randn(2, 40, 8, generator=gen, **F64).requires_grad_()
+    v = torch.randn(2, 40, 8, generator=gen, **F64).requires_grad_()
+    full_out, full_lse = partial_attention_reference(q, k, v, 0.3)
+    cuts = [0, 0, 13, 13, 40, 40]  # empty shards at both ends and in the middle
+    out, lse = None, None
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        o, l = partial_attention(q, k[:, a:b], v[:, a:b], 0.3)
+        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
+    torch.testing.assert_close(out, full_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
+    g = torch.autograd.grad(out.sum() + lse.sum(), [q, k, v])
+    r = torch.autograd.grad(full_out.sum() + full_lse.sum(), [q, k, v])
+    for a, b in zip(g, r):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+def test_merge_handles_all_neg_inf_without_nan():
+    out1 = torch.zeros(1, 3, 2, **F64, requires_grad=True)
+    lse1 = torch.tensor([[float("-inf"), 0.5, float("-inf")]], **F64, requires_grad=True)
+    out2 = torch.randn(1, 3, 2, **F64, requires_grad=True)
+    lse2 = torch.tensor([[float("-inf"), float("-inf"), 1.0]], **F64, requires_grad=True)
+    out, lse = merge_partials(out1, lse1, out2, lse2)
+    ref_out, ref_lse = merge_partials_reference([out1, out2], [lse1, lse2])
+    torch.testing.assert_close(lse, ref_lse)
+    torch.testing.assert_close(out, ref_out)
+    assert (out[0, 0] == 0).all()
+    grads = torch.autograd.grad(out.sum() + lse.masked_fill(torch.isinf(lse), 0).sum(), [out1, lse1, out2, lse2])
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("t,chunk", [(1, 64), (63, 16), (111, 32), (64, 64)])
+@pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_delta_rule_matches_token_loop(t, chunk, hk, hv, with_state):
+    gen = torch.Generator().manual_seed(t + hv)
+    q = torch.randn(1, t, hk, 8, generator=gen, **F64).requires_grad_()
+    k = torch.randn(1, t, hk, 8, generator=gen, **F64).requires_grad_()
+    v = torch.randn(1, t, hv, 6, generator=gen, **F64).requires_grad_()
+    g = (-torch.rand(1, t, hv, generator=gen, **F64) * 4).requires_grad_()
+    beta = torch.rand(1, t, hv, generator=gen, **F64).requires_grad_()
+    s0 = torch.randn(1, hv, 8, 6, generator=gen, **F64).requires_grad_() if with_state else None
+    kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, **kwargs)
+    ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-10)
+    inputs = [q, k, v, g, beta] + ([s0] if with_state else [])
+    w_out, w_state = torch.randn(out.shape, generator=gen, **F64), torch.randn(state.shape, generator=gen, **F64)
+    mine = torch.autograd.grad((out * w_out).sum() + (state * w_state).sum(), inputs)
+    ref = torch.autograd.grad((ref_out * w_out).sum() + (ref_state * w_state).sum(), inputs)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
+
+
+def test_delta_rule_keeps_bf16_state_in_float32():
+    q = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16)
+    out, state = chunk_gated_delta_rule(q, q, torch.randn(1, 5, 2, 4, dtype=torch.bfloat16),
+                                        -torch.rand(1, 5, 2), torch.rand(1, 5, 2), output_final_state=True)
+    assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
