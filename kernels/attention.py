@@ -17,6 +17,9 @@ import torch
 from .lse import merge_partials
 
 KEY_BLOCK = 2048
+# Forward through PyTorch's fused CPU flash kernel where it applies; the blockwise torch loop below is both the
+# fallback and the path the fused one is tested against (set False to force it).
+USE_FUSED = True
 
 
 def _group(q_HTD, kv_heads):
@@ -46,9 +49,41 @@ def partial_attention_reference(q_HTD, k_KTD, v_KTD, scale, causal_offset=None):
     return out.reshape(q_HTD.shape), lse.reshape(q_HTD.shape[:2])
 
 
+def _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset):
+    """PyTorch's fused CPU flash attention, which also returns the lse; None where it does not apply.
+
+    It masks causally only for a block attending to itself (Tq == Tk, offset 0). Grouped heads: with no mask the
+    query heads of one kv head stack into one longer query sequence; the causal self block repeats its (chunk-
+    sized) keys instead.
+    """
+    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fused is None or q_HTD.device.type != "cpu" or q_HTD.dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        return None
+    heads, tq, d = q_HTD.shape
+    kv_heads, tk, _ = k_KTD.shape
+    if causal_offset is None:
+        q = q_HTD.reshape(1, kv_heads, (heads // kv_heads) * tq, d)
+        out, lse = fused(q, k_KTD.unsqueeze(0), v_KTD.unsqueeze(0), 0.0, False, scale=scale)
+    elif causal_offset == 0 and tq == tk:
+        rep = heads // kv_heads
+        k = k_KTD.repeat_interleave(rep, dim=0).unsqueeze(0)
+        v = v_KTD.repeat_interleave(rep, dim=0).unsqueeze(0)
+        out, lse = fused(q_HTD.unsqueeze(0), k, v, 0.0, True, scale=scale)
+    else:
+        return None
+    return out.reshape(heads, tq, d), lse.reshape(heads, tq)
+
+
 class _PartialAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+        ctx.scale, ctx.causal_offset, ctx.key_block = scale, causal_offset, key_block
+        fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
+        if fused is not None:
+            out, lse = fused
+            lse = lse.to(torch.float64 if q_HTD.dtype == torch.float64 else torch.float32)
+            ctx.save_for_backward(q_HTD, k_KTD, v_KTD, out, lse)
+            return out, lse
         kv_heads, tk, _ = k_KTD.shape
         q_KRTD = _group(q_HTD, kv_heads)
         tq = q_HTD.shape[1]
@@ -77,7 +112,6 @@ class _PartialAttention(torch.autograd.Function):
         out = out.to(q_HTD.dtype).reshape(q_HTD.shape)
         lse = lse.reshape(q_HTD.shape[:2])
         ctx.save_for_backward(q_HTD, k_KTD, v_KTD, out, lse)
-        ctx.scale, ctx.causal_offset, ctx.key_block = scale, causal_offset, key_block
         return out, lse
 
     @staticmethod

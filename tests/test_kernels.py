@@ -40,6 +40,24 @@ def test_partial_attention_matches_dense(heads, kv_heads, tq, tk, causal_offset)
         torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("causal_offset", [None, 0])
+def test_fused_and_blockwise_paths_agree(monkeypatch, dtype, atol, causal_offset):
+    """The fused CPU forward and the blockwise loop are two paths of one op: both against the dense reference."""
+    from ds_longstraw.kernels import attention
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(6, 37, 16, generator=gen, dtype=dtype)
+    k = torch.randn(2, 37, 16, generator=gen, dtype=dtype)
+    v = torch.randn(2, 37, 16, generator=gen, dtype=dtype)
+    ref = partial_attention_reference(q, k, v, 0.25, causal_offset)
+    for fused in (True, False):
+        monkeypatch.setattr(attention, "USE_FUSED", fused)
+        out, lse = partial_attention(q, k, v, 0.25, causal_offset, key_block=8)
+        torch.testing.assert_close(out, ref[0], rtol=0, atol=atol)
+        torch.testing.assert_close(lse, ref[1].to(lse.dtype), rtol=0, atol=atol)
+
+
 def test_partial_attention_empty_keys():
     q = torch.randn(2, 5, 4, **F64)
     out, lse = partial_attention(q, torch.zeros(1, 0, 4, **F64), torch.zeros(1, 0, 4, **F64), 0.5)

@@ -1,0 +1,207 @@
+"""Side-by-side measurements of ds_longstraw and the baselines, each configuration in a fresh process.
+
+    python -m ds_longstraw.bench grid [--prompts 8192,32768,131072] [--groups 2,8] [--out BENCHMARKS.md]
+    python -m ds_longstraw.bench one --method longstraw-detached --prompt 32768 --group 8   (one JSON line)
+
+Memory is the kernel's high-water mark (VmHWM) of the fresh process: "step peak" is that mark during the step
+minus the resident memory just before it (weights, interpreter and libraries excluded), which is what grows with
+prompt length and group size. Time is the step's wall time on this machine.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+METHODS = ("longstraw-detached", "longstraw-exact", "conventional", "per_member")
+
+
+def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False):
+    from .baselines import conventional, per_member
+    from .memory import host_current_bytes, host_peak_bytes, reset_host_peak
+    from .shapes import build_model, synthetic_group
+    from .transaction import grpo_backward
+
+    torch.manual_seed(seed)
+    model = build_model(shape, dtype=getattr(torch, dtype), seed=seed)
+    group = synthetic_group(prompt, group_size, response, model.config.vocab_size, seed=seed)
+    config = {"capture_chunk": chunk, "replay_block": 1024, "progress": progress}
+    if method.startswith("longstraw"):
+        config["prefix_grad"] = method.split("-")[1]
+        step = lambda: grpo_backward(model, group, config=config)  # noqa: E731
+    elif method == "conventional":
+        step = lambda: conventional(model, group, config=config)  # noqa: E731
+    elif method == "per_member":
+        step = lambda: per_member(model, group, config=config)  # noqa: E731
+    else:
+        raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
+    before = host_current_bytes()
+    reset_host_peak()
+    start = time.perf_counter()
+    result = step()
+    seconds = time.perf_counter() - start
+    peak = host_peak_bytes()
+    return {
+        "method": method, "prompt": prompt, "group": group_size, "response": response, "shape": shape,
+        "seconds": seconds, "process_peak_bytes": peak, "step_peak_bytes": peak - before,
+        "loss": result.loss, "retained_bytes": result.retained_bytes, "grad_page_bytes": result.grad_page_bytes,
+        "phases": {name: {"seconds": p.seconds, "peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
+    }
+
+
+def run_fresh(method, prompt, group_size, response, timeout=3600, **kwargs):
+    """run_one in a fresh interpreter (so one configuration's peak never hides in another's)."""
+    args = [sys.executable, "-m", "ds_longstraw.bench", "one", "--method", method, "--prompt", str(prompt),
+            "--group", str(group_size), "--response", str(response)]
+    for key, value in kwargs.items():
+        args += [f"--{key}", str(value)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mb(value):
+    return f"{value / 2**20:,.0f}"
+
+
+def grid(prompts, groups, response, methods, skip, out, plot):
+    rows = []
+    total = len(prompts) * len(groups) * len(methods)
+    done = 0
+    for prompt in prompts:
+        for group_size in groups:
+            for method in methods:
+                done += 1
+                if (method, prompt) in skip:
+                    print(f"[{done}/{total}] {method} prompt={prompt} G={group_size}: skipped ({skip[(method, prompt)]})", flush=True)
+                    rows.append({"method": method, "prompt": prompt, "group": group_size, "skipped": skip[(method, prompt)]})
+                    continue
+                print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
+                row = run_fresh(method, prompt, group_size, response)
+                print(f"{row['seconds']:.1f} s, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
+                rows.append(row)
+    return rows
+
+
+def _find(rows, method, prompt, group_size):
+    for row in rows:
+        if row["method"] == method and row["prompt"] == prompt and row["group"] == group_size and "skipped" not in row:
+            return row
+    return None
+
+
+def table(rows, command):
+    lines = [f"Command: `{command}`", "",
+             "| method | prompt | G | step time (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | |")
+            continue
+        kv = row["retained_bytes"].get("attention_kv_pages", 0)
+        lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {row['seconds']:.2f} | "
+                     f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
+                     f"{_mb(row.get('grad_page_bytes', 0))} |")
+    lines += ["", "Ratios (same run):", ""]
+    prompts = sorted({r["prompt"] for r in rows})
+    groups = sorted({r["group"] for r in rows})
+    for prompt in prompts:
+        detached = {g: _find(rows, "longstraw-detached", prompt, g) for g in groups}
+        if len(groups) >= 2 and detached[groups[0]] and detached[groups[-1]]:
+            a, b = detached[groups[0]]["step_peak_bytes"], detached[groups[-1]]["step_peak_bytes"]
+            pa, pb = detached[groups[0]]["process_peak_bytes"], detached[groups[-1]]["process_peak_bytes"]
+            lines.append(f"- prompt {prompt}: detached peak growth G={groups[0]} -> G={groups[-1]}: step "
+                         f"{100 * (b - a) / a:+.2f}%, process {100 * (pb - pa) / pa:+.2f}%")
+        g = groups[-1]
+        mine, conv, per = detached[g], _find(rows, "conventional", prompt, g), _find(rows, "per_member", prompt, g)
+        exact = _find(rows, "longstraw-exact", prompt, g)
+        if mine and conv:
+            lines.append(f"- prompt {prompt}, G={g}: detached step peak / conventional = "
+                         f"{mine['step_peak_bytes'] / conv['step_peak_bytes']:.3f} "
+                         f"(process peak {mine['process_peak_bytes'] / conv['process_peak_bytes']:.3f})")
+        if mine and per:
+            lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = {per['seconds'] / mine['seconds']:.1f}x")
+        if mine and exact:
+            lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = {exact['seconds'] / mine['seconds']:.2f}x; "
+                         f"exact step peak {_mb(exact['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
+                         f"+ grad pages {_mb(exact['grad_page_bytes'])} MiB")
+    return "\n".join(lines)
+
+
+def plot_rows(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({r["group"] for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        for method in METHODS:
+            pts = sorted((r["prompt"], r["step_peak_bytes"] / 2**20) for r in rows
+                         if r["method"] == method and r["group"] == g and "skipped" not in r)
+            if pts:
+                ax.plot([p for p, _ in pts], [m for _, m in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("step peak memory (MiB)")
+        ax.set_title(f"G = {g}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m ds_longstraw.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("one")
+    one.add_argument("--method", choices=METHODS, required=True)
+    one.add_argument("--prompt", type=int, required=True)
+    one.add_argument("--group", type=int, required=True)
+    one.add_argument("--response", type=int, default=256)
+    one.add_argument("--shape", default="small")
+    one.add_argument("--chunk", type=int, default=4096)
+    one.add_argument("--dtype", default="float32")
+    many = sub.add_parser("grid")
+    many.add_argument("--prompts", default="8192,32768,131072")
+    many.add_argument("--groups", default="2,8")
+    many.add_argument("--response", type=int, default=256)
+    many.add_argument("--methods", default=",".join(METHODS))
+    many.add_argument("--skip", default="per_member@131072,conventional@131072",
+                      help="method@prompt pairs not run (too slow or too large for a 2-core, 24 GiB machine)")
+    many.add_argument("--out", default=None, help="markdown file to write the table to")
+    many.add_argument("--plot", default=None, help="PNG of step peak memory vs prompt length")
+    args = parser.parse_args(argv)
+    if args.command == "one":
+        row = run_one(args.method, args.prompt, args.group, args.response, args.shape, args.chunk, args.dtype)
+        print(json.dumps(row))
+        return
+    prompts = [int(x) for x in args.prompts.split(",")]
+    groups = [int(x) for x in args.groups.split(",")]
+    skip = {}
+    for item in filter(None, args.skip.split(",")):
+        method, prompt = item.split("@")
+        skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
+    rows = grid(prompts, groups, args.response, args.methods.split(","), skip, args.out, args.plot)
+    command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
+    text = table(rows, command)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle:
+            handle.write(text + "\n")
+        with open(args.out + ".json", "w") as handle:
+            json.dump(rows, handle, indent=1)
+    if args.plot:
+        plot_rows([r for r in rows if "skipped" not in r], args.plot)
+
+
+if __name__ == "__main__":
+    main()
