@@ -44,7 +44,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     start = time.perf_counter()
     result = step()
     seconds = time.perf_counter() - start
-    peak = host_peak_bytes()
+    # The meter resets the high-water mark at each phase start: the step's peak is the largest of its phases'.
+    peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {
         "method": method, "prompt": prompt, "group": group_size, "response": response, "shape": shape,
         "seconds": seconds, "process_peak_bytes": peak, "step_peak_bytes": peak - before,

@@ -132,8 +132,9 @@ class _PartialAttention(torch.autograd.Function):
         safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
         delta = (dout * _group(out, kv_heads).to(acc)).sum(-1) - dlse_HT.reshape(q.shape[:-1]).to(acc)
         dq = torch.zeros_like(q)
-        dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device)
-        dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device)
+        need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device) if need_kv else None
+        dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device) if need_kv else None
         for k0 in range(0, tk, ctx.key_block):
             k1 = min(tk, k0 + ctx.key_block)
             if causal_offset is not None and k0 > tq - 1 + causal_offset:
@@ -144,11 +145,15 @@ class _PartialAttention(torch.autograd.Function):
             if mask is not None:
                 s = s.masked_fill(mask, float("-inf"))
             p = torch.exp(s - safe_lse.unsqueeze(-1))
-            dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
+            if need_kv:
+                dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
             dp = torch.einsum("krtd,ksd->krts", dout, vb)
             ds = p * (dp - delta.unsqueeze(-1)) * scale
             dq += torch.einsum("krts,ksd->krtd", ds, kb)
-            dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
+            if need_kv:
+                dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
+        if not need_kv:  # constant pages (detached mode): no key/value gradient is computed or held
+            return dq.reshape(q_HTD.shape).to(q_HTD.dtype), None, None, None, None, None
         return (dq.reshape(q_HTD.shape).to(q_HTD.dtype), dk.to(k_KTD.dtype), dv.to(v_KTD.dtype), None, None, None)
 
 

@@ -1,0 +1,107 @@
+"""The `longstraw` command.
+
+    longstraw demo   one GRPO step on the embedded default (a small random qwen3_5 model, a 64K-token synthetic
+                     prompt, G = 4 responses) with per-phase figures and the conventional baseline beside it
+    longstraw plan   the tier planner (retained bytes per rank, what fits where)
+    longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
+"""
+
+import argparse
+import sys
+
+import psutil
+
+MiB = 2**20
+
+
+def _fmt(value):
+    return f"{value / MiB:,.1f} MiB"
+
+
+def _demo_parser(parser):
+    parser.add_argument("--prompt", type=int, default=65536, help="prompt tokens (default 65536)")
+    parser.add_argument("--group", type=int, default=4, help="G, responses in the group (default 4)")
+    parser.add_argument("--response", type=int, default=256, help="longest response (default 256 tokens)")
+    parser.add_argument("--mode", choices=["detached", "exact"], default="detached")
+    parser.add_argument("--shape", default="small")
+    parser.add_argument("--chunk", type=int, default=4096, help="capture_chunk")
+    parser.add_argument("--baseline", choices=["auto", "measure", "estimate", "skip"], default="auto",
+                        help="conventional baseline: measure it in a fresh process, estimate it from two small "
+                             "measured runs, or (auto) measure only when the estimate fits in half the free memory")
+
+
+def _conventional_figures(args):
+    from .bench import run_fresh
+
+    if args.baseline == "skip":
+        return None
+    small = [min(args.prompt, 2048), min(args.prompt, 4096)]
+    if args.baseline != "measure":
+        print(f"\nconventional baseline: measuring at {small[0]} and {small[1]} prompt tokens (fresh processes) ...")
+        runs = [run_fresh("conventional", n, args.group, args.response, shape=args.shape) for n in small]
+        if small[0] == small[1]:
+            estimate = runs[0]["step_peak_bytes"]
+        else:
+            slope = (runs[1]["step_peak_bytes"] - runs[0]["step_peak_bytes"]) / (small[1] - small[0])
+            estimate = runs[1]["step_peak_bytes"] + slope * (args.prompt - small[1])
+        fits = estimate < 0.5 * psutil.virtual_memory().available
+        if args.baseline == "estimate" or not fits:
+            why = "" if fits else " (would not fit in half of this machine's free memory)"
+            return {"label": f"ESTIMATE{why}: linear fit of step peaks measured at {small[0]} and {small[1]} tokens",
+                    "step_peak_bytes": estimate, "seconds": None}
+    print(f"conventional baseline: measuring at {args.prompt} prompt tokens in a fresh process ...")
+    row = run_fresh("conventional", args.prompt, args.group, args.response, shape=args.shape)
+    return {"label": "measured (fresh process)", **row}
+
+
+def demo(args):
+    import torch
+
+    from .bench import run_one
+
+    print(f"ds_longstraw demo: {args.shape} qwen3_5 model (random weights), prompt {args.prompt:,} tokens, "
+          f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.mode}, "
+          f"{torch.get_num_threads()} threads")
+    row = run_one(f"longstraw-{args.mode}", args.prompt, args.group, args.response, args.shape, args.chunk,
+                  progress=True)
+    print(f"\nGRPO step done: loss {row['loss']:.6f}, wall {row['seconds']:.1f} s")
+    print("\nphase        seconds   peak (process high-water mark)")
+    for name, phase in row["phases"].items():
+        print(f"  {name:<10} {phase['seconds']:8.2f}   {_fmt(phase['peak_bytes'])}")
+    print(f"  step peak above the pre-step resident set: {_fmt(row['step_peak_bytes'])}")
+    print("\nretained prompt state by layer type:")
+    for kind, size in row["retained_bytes"].items():
+        print(f"  {kind:<20} {_fmt(size)}")
+    if row["grad_page_bytes"]:
+        print(f"  gradient pages       {_fmt(row['grad_page_bytes'])}")
+    conv = _conventional_figures(args)
+    if conv is not None:
+        print(f"\nconventional baseline ({conv['label']}):")
+        print(f"  step peak {_fmt(conv['step_peak_bytes'])}"
+              + ("" if conv.get("seconds") is None else f", wall {conv['seconds']:.1f} s"))
+        print(f"  ds_longstraw step peak / conventional: {row['step_peak_bytes'] / conv['step_peak_bytes']:.3f}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":
+        from .offload import planner
+
+        return planner.main(argv[1:])
+    if argv and argv[0] == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _demo_parser(sub.add_parser("demo", help="one GRPO step on the embedded default"))
+    sub.add_parser("plan", help="tier planner (longstraw plan --help)")
+    sub.add_parser("bench", help="benchmarks (longstraw bench --help)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        demo(args)
+
+
+if __name__ == "__main__":
+    main()
