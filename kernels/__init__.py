@@ -4,7 +4,8 @@ Installed as ``ds_longstraw.kernels`` (a top-level ``kernels`` package would sha
 name that transformers probes for).
 """
 
-from .attention import partial_attention, partial_attention_reference, attention_with_past
+from .attention import (attention_with_past, attention_with_past_reference, partial_attention,
+                        partial_attention_reference)
 from .lse import merge_partials, merge_partials_reference
 from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -12,6 +13,7 @@ __all__ = [
     "partial_attention",
     "partial_attention_reference",
     "attention_with_past",
+    "attention_with_past_reference",
     "merge_partials",
     "merge_partials_reference",
     "chunk_gated_delta_rule",

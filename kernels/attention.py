@@ -74,87 +74,181 @@ def _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset):
     return out.reshape(heads, tq, d), lse.reshape(heads, tq)
 
 
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+    """Online-softmax forward over key blocks (no autograd inside)."""
+    kv_heads, tk, _ = k_KTD.shape
+    q_KRTD = _group(q_HTD, kv_heads)
+    tq = q_HTD.shape[1]
+    acc = _acc(q_HTD.dtype)
+    out = torch.zeros(q_KRTD.shape, dtype=acc, device=q_HTD.device)
+    run_max = torch.full(q_KRTD.shape[:-1], float("-inf"), dtype=acc, device=q_HTD.device)
+    run_sum = torch.zeros_like(run_max)
+    for k0 in range(0, tk, key_block):
+        k1 = min(tk, k0 + key_block)
+        if causal_offset is not None and k0 > tq - 1 + causal_offset:
+            break  # every later key is masked for every query
+        s = torch.einsum("krtd,ksd->krts", q_KRTD, k_KTD[:, k0:k1]).to(acc) * scale
+        mask = _block_mask(tq, k0, k1, causal_offset, q_HTD.device)
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        new_max = torch.maximum(run_max, s.amax(-1))
+        safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+        rescale = torch.exp(run_max - safe_max)
+        p = torch.exp(s - safe_max.unsqueeze(-1))
+        run_sum = run_sum * rescale + p.sum(-1)
+        out = out * rescale.unsqueeze(-1) + torch.einsum("krts,ksd->krtd", p, v_KTD[:, k0:k1].to(acc))
+        run_max = new_max
+    safe_max = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
+    lse = torch.where(run_sum > 0, safe_max + torch.log(run_sum), torch.full_like(run_sum, float("-inf")))
+    out = torch.where(run_sum.unsqueeze(-1) > 0, out / run_sum.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(out))
+    return out.to(q_HTD.dtype).reshape(q_HTD.shape), lse.reshape(q_HTD.shape[:2])
+
+
+def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+    fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
+    if fused is not None:
+        return fused[0], fused[1].to(_acc(q_HTD.dtype))
+    return _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
+
+
+def _blockwise_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, scale, causal_offset, key_block, need_kv):
+    """Gradients of one key set's share, given the (possibly merged) out and lse of the attention it is part of.
+
+    With p = exp(s - lse): dv = p^T dout; dp = dout v^T; ds = p * (dp - <dout, out>) + p * dlse. Because p uses
+    the merged lse and <dout, out> the merged out, each key set's share is exact on its own.
+    """
+    kv_heads, tk, _ = k_KTD.shape
+    tq = q_HTD.shape[1]
+    acc = _acc(q_HTD.dtype)
+    q = _group(q_HTD, kv_heads).to(acc)
+    dout = _group(dout_HTD, kv_heads).to(acc)
+    lse_K = lse.reshape(q.shape[:-1]).to(acc)
+    safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
+    delta = (dout * _group(out, kv_heads).to(acc)).sum(-1)
+    if dlse_HT is not None:
+        delta = delta - dlse_HT.reshape(q.shape[:-1]).to(acc)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device) if need_kv else None
+    dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device) if need_kv else None
+    for k0 in range(0, tk, key_block):
+        k1 = min(tk, k0 + key_block)
+        if causal_offset is not None and k0 > tq - 1 + causal_offset:
+            break
+        kb, vb = k_KTD[:, k0:k1].to(acc), v_KTD[:, k0:k1].to(acc)
+        s = torch.einsum("krtd,ksd->krts", q, kb) * scale
+        mask = _block_mask(tq, k0, k1, causal_offset, q.device)
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        p = torch.exp(s - safe_lse.unsqueeze(-1))
+        if need_kv:
+            dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
+        dp = torch.einsum("krtd,ksd->krts", dout, vb)
+        ds = p * (dp - delta.unsqueeze(-1)) * scale
+        dq += torch.einsum("krts,ksd->krtd", ds, kb)
+        if need_kv:
+            dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
+    dq = dq.reshape(q_HTD.shape).to(q_HTD.dtype)
+    if not need_kv:  # constant pages (detached mode): no key/value gradient is computed or held
+        return dq, None, None
+    return dq, dk.to(k_KTD.dtype), dv.to(v_KTD.dtype)
+
+
+def _fused_cpu_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, scale, causal_offset):
+    """PyTorch's fused CPU flash backward for one key set of a merged attention (no lse gradient); None where it
+    does not apply."""
+    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    if fused is None or q_HTD.device.type != "cpu":
+        return None
+    heads, tq, d = q_HTD.shape
+    kv_heads, tk, _ = k_KTD.shape
+    rep = heads // kv_heads
+    lse = lse.to(torch.float64 if q_HTD.dtype == torch.float64 else torch.float32)
+    if causal_offset is None:
+        shape = (1, kv_heads, rep * tq, d)
+        dq, dk, dv = fused(dout_HTD.reshape(shape).contiguous(), q_HTD.reshape(shape).contiguous(),
+                           k_KTD.unsqueeze(0).contiguous(), v_KTD.unsqueeze(0).contiguous(),
+                           out.reshape(shape).contiguous(), lse.reshape(1, kv_heads, rep * tq).contiguous(),
+                           0.0, False, scale=scale)
+        return dq.reshape(heads, tq, d), dk[0], dv[0]
+    if causal_offset == 0 and tq == tk:
+        k = k_KTD.repeat_interleave(rep, dim=0).unsqueeze(0)
+        v = v_KTD.repeat_interleave(rep, dim=0).unsqueeze(0)
+        dq, dk, dv = fused(dout_HTD.unsqueeze(0).contiguous(), q_HTD.unsqueeze(0).contiguous(), k, v,
+                           out.unsqueeze(0).contiguous(), lse.unsqueeze(0).contiguous(), 0.0, True, scale=scale)
+        return dq[0], dk[0].reshape(kv_heads, rep, tk, d).sum(1), dv[0].reshape(kv_heads, rep, tk, d).sum(1)
+    return None
+
+
+def _backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
+    if USE_FUSED and (dlse is None or not dlse.any()):
+        fused = _fused_cpu_backward(q, k, v, out, lse, dout, scale, causal_offset)
+        if fused is not None:
+            dq, dk, dv = fused
+            return dq, (dk if need_kv else None), (dv if need_kv else None)
+    return _blockwise_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv)
+
+
 class _PartialAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
         ctx.scale, ctx.causal_offset, ctx.key_block = scale, causal_offset, key_block
-        fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
-        if fused is not None:
-            out, lse = fused
-            lse = lse.to(torch.float64 if q_HTD.dtype == torch.float64 else torch.float32)
-            ctx.save_for_backward(q_HTD, k_KTD, v_KTD, out, lse)
-            return out, lse
-        kv_heads, tk, _ = k_KTD.shape
-        q_KRTD = _group(q_HTD, kv_heads)
-        tq = q_HTD.shape[1]
-        acc_dtype = torch.float64 if q_HTD.dtype == torch.float64 else torch.float32
-        out = torch.zeros(q_KRTD.shape, dtype=acc_dtype, device=q_HTD.device)
-        run_max = torch.full(q_KRTD.shape[:-1], float("-inf"), dtype=acc_dtype, device=q_HTD.device)
-        run_sum = torch.zeros_like(run_max)
-        for k0 in range(0, tk, key_block):
-            k1 = min(tk, k0 + key_block)
-            if causal_offset is not None and k0 > tq - 1 + causal_offset:
-                break  # every later key is masked for every query
-            s = torch.einsum("krtd,ksd->krts", q_KRTD, k_KTD[:, k0:k1]).to(acc_dtype) * scale
-            mask = _block_mask(tq, k0, k1, causal_offset, q_HTD.device)
-            if mask is not None:
-                s = s.masked_fill(mask, float("-inf"))
-            new_max = torch.maximum(run_max, s.amax(-1))
-            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            rescale = torch.exp(run_max - safe_max)
-            p = torch.exp(s - safe_max.unsqueeze(-1))
-            run_sum = run_sum * rescale + p.sum(-1)
-            out = out * rescale.unsqueeze(-1) + torch.einsum("krts,ksd->krtd", p, v_KTD[:, k0:k1].to(acc_dtype))
-            run_max = new_max
-        safe_max = torch.where(torch.isinf(run_max), torch.zeros_like(run_max), run_max)
-        lse = torch.where(run_sum > 0, safe_max + torch.log(run_sum), torch.full_like(run_sum, float("-inf")))
-        out = torch.where(run_sum.unsqueeze(-1) > 0, out / run_sum.clamp_min(1e-300).unsqueeze(-1), torch.zeros_like(out))
-        out = out.to(q_HTD.dtype).reshape(q_HTD.shape)
-        lse = lse.reshape(q_HTD.shape[:2])
+        out, lse = _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
         ctx.save_for_backward(q_HTD, k_KTD, v_KTD, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout_HTD, dlse_HT):
-        # With p = exp(s - lse): dv = p^T dout; dp = dout v^T; ds = p * (dp - <dout, out>) + p * dlse.
         q_HTD, k_KTD, v_KTD, out, lse = ctx.saved_tensors
-        scale, causal_offset = ctx.scale, ctx.causal_offset
-        kv_heads, tk, _ = k_KTD.shape
-        tq = q_HTD.shape[1]
-        acc = torch.float64 if q_HTD.dtype == torch.float64 else torch.float32
         if dout_HTD is None:
             dout_HTD = torch.zeros_like(out)
-        if dlse_HT is None:
-            dlse_HT = torch.zeros_like(lse)
-        q = _group(q_HTD, kv_heads).to(acc)
-        dout = _group(dout_HTD, kv_heads).to(acc)
-        lse_K = lse.reshape(q.shape[:-1]).to(acc)
-        safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
-        delta = (dout * _group(out, kv_heads).to(acc)).sum(-1) - dlse_HT.reshape(q.shape[:-1]).to(acc)
-        dq = torch.zeros_like(q)
         need_kv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-        dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device) if need_kv else None
-        dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device) if need_kv else None
-        for k0 in range(0, tk, ctx.key_block):
-            k1 = min(tk, k0 + ctx.key_block)
-            if causal_offset is not None and k0 > tq - 1 + causal_offset:
-                break
-            kb, vb = k_KTD[:, k0:k1].to(acc), v_KTD[:, k0:k1].to(acc)
-            s = torch.einsum("krtd,ksd->krts", q, kb) * scale
-            mask = _block_mask(tq, k0, k1, causal_offset, q.device)
-            if mask is not None:
-                s = s.masked_fill(mask, float("-inf"))
-            p = torch.exp(s - safe_lse.unsqueeze(-1))
-            if need_kv:
-                dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
-            dp = torch.einsum("krtd,ksd->krts", dout, vb)
-            ds = p * (dp - delta.unsqueeze(-1)) * scale
-            dq += torch.einsum("krts,ksd->krtd", ds, kb)
-            if need_kv:
-                dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
-        if not need_kv:  # constant pages (detached mode): no key/value gradient is computed or held
-            return dq.reshape(q_HTD.shape).to(q_HTD.dtype), None, None, None, None, None
-        return (dq.reshape(q_HTD.shape).to(q_HTD.dtype), dk.to(k_KTD.dtype), dv.to(v_KTD.dtype), None, None, None)
+        dq, dk, dv = _backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, ctx.scale, ctx.causal_offset,
+                               ctx.key_block, need_kv)
+        return dq, dk, dv, None, None, None
+
+
+class _AttentionWithPast(torch.autograd.Function):
+    """Causal attention of a block over earlier key sets plus itself, merged in forward; the backward walks the
+    key sets one at a time with the MERGED out and lse (ring-attention style), never holding more than one key
+    set's scores."""
+
+    @staticmethod
+    def forward(ctx, q_HTD, scale, key_block, *kv_sets):
+        pairs = list(zip(kv_sets[0::2], kv_sets[1::2]))  # the last pair is the block itself (causal)
+        out, lse = None, None
+        for index, (k_KTD, v_KTD) in enumerate(pairs):
+            causal = 0 if index == len(pairs) - 1 else None
+            if k_KTD.shape[1] == 0:
+                continue
+            o, l = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
+            out, lse = (o, l) if out is None else merge_partials(out, lse, o, l.to(lse.dtype))
+        ctx.scale, ctx.key_block, ctx.count = scale, key_block, len(pairs)
+        ctx.save_for_backward(q_HTD, out, lse, *kv_sets)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        q_HTD, out, lse, *kv_sets = ctx.saved_tensors
+        if dout_HTD is None:
+            dout_HTD = torch.zeros_like(out)
+        dq_total = torch.zeros_like(q_HTD)
+        grads = []
+        for index in range(ctx.count):
+            k_KTD, v_KTD = kv_sets[2 * index], kv_sets[2 * index + 1]
+            need_kv = ctx.needs_input_grad[3 + 2 * index] or ctx.needs_input_grad[4 + 2 * index]
+            if k_KTD.shape[1] == 0:
+                grads += [torch.zeros_like(k_KTD) if need_kv else None] * 2
+                continue
+            causal = 0 if index == ctx.count - 1 else None
+            dq, dk, dv = _backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, ctx.scale, causal,
+                                   ctx.key_block, need_kv)
+            dq_total += dq
+            grads += [dk, dv]
+        return (dq_total, None, None, *grads)
 
 
 def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=KEY_BLOCK):
@@ -174,16 +268,23 @@ def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=
     return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
-def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale):
-    """Causal attention of a query block over earlier segments plus itself.
+def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK):
+    """Causal attention of a query block over earlier segments plus itself, returning (out_HTD, lse_HT).
 
     `past` is a sequence of (k_KTD, v_KTD) segments that lie entirely before the block (prompt pages, earlier
-    response blocks); every query sees all of them, and sees the block's own keys causally. Partials merge by LSE.
+    response blocks); every query sees all of them, and sees the block's own keys causally. Partials merge by
+    LSE; the backward reuses the merged out and lse. `attention_with_past_reference` composes the same result
+    from `partial_attention` and `merge_partials` with plain autograd.
     """
-    out, lse = partial_attention(q_HTD, k_new_KTD, v_new_KTD, scale, causal_offset=0)
+    flat = []
     for k_KTD, v_KTD in past:
-        if k_KTD.shape[1] == 0:
-            continue
-        o2, l2 = partial_attention(q_HTD, k_KTD, v_KTD, scale)
+        flat += [k_KTD, v_KTD]
+    return _AttentionWithPast.apply(q_HTD, scale, key_block, *flat, k_new_KTD, v_new_KTD)
+
+
+def attention_with_past_reference(q_HTD, past, k_new_KTD, v_new_KTD, scale):
+    out, lse = partial_attention_reference(q_HTD, k_new_KTD, v_new_KTD, scale, causal_offset=0)
+    for k_KTD, v_KTD in past:
+        o2, l2 = partial_attention_reference(q_HTD, k_KTD, v_KTD, scale)
         out, lse = merge_partials(out, lse, o2, l2.to(lse.dtype))
     return out, lse

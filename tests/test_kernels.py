@@ -132,3 +132,31 @@ def test_delta_rule_keeps_bf16_state_in_float32():
     out, state = chunk_gated_delta_rule(q, q, torch.randn(1, 5, 2, 4, dtype=torch.bfloat16),
                                         -torch.rand(1, 5, 2), torch.rand(1, 5, 2), output_final_state=True)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("segments", [[0], [23], [23, 0, 9], [1, 40]])
+@pytest.mark.parametrize("with_lse_grad", [False, True])
+def test_attention_with_past_matches_composed_reference(monkeypatch, fused, segments, with_lse_grad):
+    """Merged forward + per-key-set backward with the merged (out, lse) == dense partials merged by autograd,
+    for queries and for every key set's K/V (the pages' gradients in exact mode)."""
+    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+
+    monkeypatch.setattr(attention, "USE_FUSED", fused)
+    gen = torch.Generator().manual_seed(len(segments) * 7 + sum(segments))
+    q = torch.randn(6, 11, 8, generator=gen, **F64).requires_grad_()
+    past = [(torch.randn(2, n, 8, generator=gen, **F64).requires_grad_(),
+             torch.randn(2, n, 8, generator=gen, **F64).requires_grad_()) for n in segments]
+    k_new = torch.randn(2, 11, 8, generator=gen, **F64).requires_grad_()
+    v_new = torch.randn(2, 11, 8, generator=gen, **F64).requires_grad_()
+    inputs = [q, k_new, v_new] + [t for pair in past for t in pair]
+    out, lse = attention_with_past(q, past, k_new, v_new, 0.3, key_block=8)
+    ref_out, ref_lse = attention_with_past_reference(q, past, k_new, v_new, 0.3)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-10)
+    w = torch.randn(out.shape, generator=gen, **F64)
+    wl = torch.randn(lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(lse.shape, **F64)
+    mine = torch.autograd.grad((out * w).sum() + (lse * wl).sum(), inputs)
+    ref = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), inputs)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
