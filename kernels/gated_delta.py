@@ -86,9 +86,12 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     state = (torch.zeros(batch, heads, dk, dv, dtype=q.dtype, device=q.device)
              if initial_state is None else initial_state.to(q.dtype))
     outs = []
-    for i in range(n):
-        u = new_values[:, :, i] - state_reads[:, :, i] @ state
-        outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ u)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
+    # unbind once: indexing chunk i inside the loop would make every step's backward scatter into a zeros tensor
+    # of the whole sequence (quadratic in the number of chunks); unbind's backward is a single stack.
+    per_chunk = zip(*(x.unbind(2) for x in (new_values, state_reads, q_decayed, intra, chunk_decay, k_to_end)))
+    for values_i, reads_i, q_i, intra_i, decay_i, k_end_i in per_chunk:
+        u = values_i - reads_i @ state
+        outs.append(q_i @ state + intra_i @ u)
+        state = state * decay_i + k_end_i.transpose(-1, -2) @ u
     out = torch.stack(outs, dim=2).reshape(batch, heads, n * c, dv)[:, :, :t]
     return out.transpose(1, 2).to(query.dtype), (state if output_final_state else None)
