@@ -160,6 +160,20 @@ def plot_rows(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def write_section(path, name, text):
+    """Replace the text between <!-- bench:NAME --> and <!-- /bench:NAME --> in a markdown file (appending the
+    section when it is not there yet), so each benchmark rewrites only its own table."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    body = open(path).read() if os.path.exists(path) else ""
+    block = f"{begin}\n{text}\n{end}"
+    if begin in body and end in body:
+        body = body[:body.index(begin)] + block + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip("\n") + ("\n\n" if body else "") + block + "\n"
+    with open(path, "w") as handle:
+        handle.write(body)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m ds_longstraw.bench")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,9 +210,8 @@ def main(argv=None):
     text = table(rows, command)
     print(text)
     if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
-        with open(args.out + ".json", "w") as handle:
+        write_section(args.out, "grpo", text)
+        with open(os.path.splitext(args.out)[0] + ".grpo.json", "w") as handle:
             json.dump(rows, handle, indent=1)
     if args.plot:
         plot_rows([r for r in rows if "skipped" not in r], args.plot)
