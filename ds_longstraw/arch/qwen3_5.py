@@ -12,13 +12,14 @@ Legend: T tokens of the segment, C hidden size, H/K query/kv heads, D head dim; 
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
-from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule
+from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, merge_partials
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -85,7 +86,9 @@ class Qwen35Adapter:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     # -- pieces ------------------------------------------------------------------------------------------
-    def _gdn(self, module, h_1TC, state, tail):
+    def gdn_inputs(self, module, h_1TC, tail):
+        """What a GDN layer's delta rule reads: projections, the causal convolution continuing `tail` (None: the
+        prompt start) and the gates. Returns (query, key, value, g, beta, z, new_tail)."""
         batch, t, _ = h_1TC.shape
         kernel = module.conv_kernel_size
         mixed = module.in_proj_qkv(h_1TC).transpose(1, 2)
@@ -105,23 +108,27 @@ class Qwen35Adapter:
         value = value.reshape(batch, t, -1, module.head_v_dim)
         beta = b.sigmoid()
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the model defines it
+        return query, key, value, g, beta, z, new_tail
+
+    def _gdn(self, module, h_1TC, state, tail):
+        batch, t, _ = h_1TC.shape
+        query, key, value, g, beta, z, new_tail = self.gdn_inputs(module, h_1TC, tail)
         out, new_state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
                                                 output_final_state=True, use_qk_l2norm_in_kernel=True)
         out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(batch, t, -1)), new_state, new_tail
 
     def gdn_forward(self, module, h_1TC, state, tail):
-        result = {}
-
-        def forward(*_):
-            result["value"] = self._gdn(module, h_1TC, state, tail)
-            return result["value"][0]
+        # Under ZeRO-3 the module's hooks wrap its inputs and outputs (re-gathering A_log and dt_bias before this
+        # module's backward): so h goes in as an input and (out, state, tail) come back as the module's outputs.
+        def forward(h):
+            return self._gdn(module, h, state, tail)
 
         with _forward_replaced(module, forward):
-            module()
-        return result["value"]
+            return tuple(module(h_1TC))
 
-    def attention_forward(self, module, h_1TC, cos, sin, past):
+    def attention_qkv(self, module, h_1TC, cos, sin):
+        """query [1, H, T, D] (after q_norm, RoPE), output gate [1, T, H*D], key and value [1, K, T, D]."""
         batch, t, _ = h_1TC.shape
         d = module.head_dim
         query, gate = torch.chunk(module.q_proj(h_1TC).view(batch, t, -1, d * 2), 2, dim=-1)
@@ -130,10 +137,23 @@ class Qwen35Adapter:
         key = module.k_norm(module.k_proj(h_1TC).view(batch, t, -1, d)).transpose(1, 2)
         value = module.v_proj(h_1TC).view(batch, t, -1, d).transpose(1, 2)
         query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        return query, gate, key, value
+
+    def attention_output(self, module, out_HTD, gate):
+        """The gated output projection of attention results out_HTD [H, T, D]."""
+        out = out_HTD.transpose(0, 1).reshape(1, out_HTD.shape[1], -1) * torch.sigmoid(gate)
+        return module.o_proj(out)
+
+    def attention_forward(self, module, h_1TC, cos, sin, past, remote=None):
+        """remote: None, or a callable q_HTD -> (out_HTD, lse_HT) over keys held elsewhere (context-parallel
+        pages), merged with the local partial by LSE."""
+        query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
-        out_HTD, _ = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling)
-        out = out_HTD.transpose(0, 1).reshape(batch, t, -1) * torch.sigmoid(gate)
-        return module.o_proj(out), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling)
+        if remote is not None:
+            remote_out, remote_lse = remote(query[0])
+            out_HTD, lse_HT = merge_partials(out_HTD, lse_HT, remote_out, remote_lse.to(lse_HT.dtype))
+        return self.attention_output(module, out_HTD, gate), key[0].transpose(0, 1), value[0].transpose(0, 1)
 
     def embed(self, ids):
         return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
@@ -150,11 +170,13 @@ class Qwen35Adapter:
         return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     # -- the segment -------------------------------------------------------------------------------------
-    def forward_segment(self, ids, start, gdn_carry, past):
+    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
-        past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks).
+        past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks);
+        remote_attention: None, or a callable (layer, q_HTD) -> (out_HTD, lse_HT) over earlier keys that live on
+        other context-parallel ranks (ds_longstraw.parallel).
         """
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
@@ -166,8 +188,9 @@ class Qwen35Adapter:
                 state, tail = gdn_carry.get(index, (None, None))
                 mixed, out.gdn_state[index], out.conv_tail[index] = self.gdn_forward(layer.linear_attn, h, state, tail)
             else:
+                remote = None if remote_attention is None else partial(remote_attention, index)
                 mixed, out.keys[index], out.values[index] = self.attention_forward(
-                    layer.self_attn, h, cos, sin, past.get(index, []))
+                    layer.self_attn, h, cos, sin, past.get(index, []), remote)
             hidden = residual + mixed
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         out.hidden = hidden

@@ -1,0 +1,181 @@
+"""Benchmark: the GRPO transaction with the prompt sharded over CP 1/2/4 gloo ranks on CPU.
+
+Reports, per CP size and gradient mode: step time (wall of grpo_backward, slowest rank), phase times, bytes moved
+per replayed token (replay-phase bytes received, summed over ranks, per response token), capture bytes per
+attention / GDN layer (summed over ranks), exact mode's prefix-pass bytes, and retained K/V page bytes per rank.
+Ranks are forked local processes on one machine, each with --threads intra-op threads: on a 2-core machine CP 4
+oversubscribes, so its step time says little about speed; the byte counts are what the design moves.
+
+    python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact]
+"""
+
+import argparse
+import os
+import shlex
+import socket
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def build_model(layers, seed=0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
+    config = Qwen3_5TextConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
+        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=types,
+        max_position_embeddings=1 << 16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "mrope_section": [2, 2, 4]})
+    config._attn_implementation = "sdpa"
+    return Qwen3_5ForCausalLM(config).float()
+
+
+def build_group(prompt, responses, vocab=512, seed=0):
+    from ds_longstraw import GRPOGroup
+
+    gen = torch.Generator().manual_seed(seed)
+    count, length = responses
+    return GRPOGroup(torch.randint(0, vocab, (prompt,), generator=gen),
+                     [torch.randint(0, vocab, (length,), generator=gen) for _ in range(count)],
+                     rewards=torch.rand(count, generator=gen).tolist())
+
+
+def one_step(args, mode, cp_group=None, world=1, attention="lse"):
+    from ds_longstraw import GRPOObjective, grpo_backward
+
+    model = build_model(args.layers)
+    group = build_group(args.prompt, args.responses)
+    config = {"prefix_grad": mode, "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block,
+              "cp_size": world, "cp_attention": attention}
+    grpo_backward(model, build_group(64, (1, 4)), GRPOObjective(), config=dict(config), cp_group=cp_group)  # warm-up
+    best = None
+    for _ in range(args.repeat):  # the fastest of a few steps: this machine is shared
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        result = grpo_backward(model, group, GRPOObjective(), config=config, cp_group=cp_group)
+        seconds = time.perf_counter() - start
+        best = seconds if best is None else min(best, seconds)
+    seconds = best
+    return {"seconds": seconds, "phases": {k: v.seconds for k, v in result.phases.items()},
+            "retained": result.retained_bytes, "cp": result.extras.get("cp"), "tokens": group.response_tokens,
+            "attn_layers": [i for i in range(args.layers) if (i + 1) % 4 == 0],
+            "gdn_layers": [i for i in range(args.layers) if (i + 1) % 4]}
+
+
+def _worker(rank, world, port, args, mode, attention, out):
+    torch.set_num_threads(args.threads)
+    try:
+        if world == 1:  # the single-process transaction, in a child like the others
+            torch.save(one_step(args, mode), os.path.join(out, "rank0.pt"))
+            return
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        group = dist.new_group(list(range(world)), backend="gloo")
+        result = one_step(args, mode, group, world, attention)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        dist.barrier(group=group)
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+
+
+def run_world(args, mode, world, attention="lse"):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        raise RuntimeError(f"CP {world} failed: exit codes {[p.exitcode for p in procs]}")
+    return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def summarise(world, mode, attention, ranks):
+    first = ranks[0]
+    row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-",
+           "step_s": max(r["seconds"] for r in ranks),
+           "phases": {k: max(r["phases"].get(k, 0.0) for r in ranks) for k in first["phases"]},
+           "kv_pages_per_rank": max(r["retained"]["attention_kv_pages"] for r in ranks),
+           "replay_b_per_tok": 0.0, "capture_attn_b": 0, "capture_gdn_b": 0, "prefix_b": 0, "moves": "-"}
+    if world > 1:
+        tokens = first["tokens"]
+        attn = set(first["attn_layers"])
+
+        def total(phase, keep=lambda layer: True):
+            return sum(b for r in ranks for layer, b in r["cp"]["received_bytes_by_layer"].get(phase, {}).items()
+                       if keep(layer))
+
+        row["replay_b_per_tok"] = total("replay") / tokens
+        row["replay_b_per_tok_layer"] = row["replay_b_per_tok"] / len(attn)
+        row["capture_attn_b"] = total("capture", lambda layer: layer in attn) // len(attn)
+        gdn = set(first["gdn_layers"])
+        row["capture_gdn_b"] = total("capture", lambda layer: layer in gdn) // max(1, len(gdn))
+        row["prefix_b"] = total("prefix")
+        row["grad_reduce_b"] = total("reduce")
+        row["moves"] = ",".join(sorted(set(first["cp"]["capture_moves"].get("capture", {}).values())))
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--responses", default="4x32", help="GxT: G responses of T tokens")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--block", type=int, default=32)
+    parser.add_argument("--cp", default="1,2,4")
+    parser.add_argument("--modes", default="detached,exact")
+    parser.add_argument("--attention", default="lse,ulysses", help="capture attention paths for CP > 1")
+    parser.add_argument("--repeat", type=int, default=2, help="steps per row; the fastest is reported")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
+                        "machine makes multi-threaded OpenMP spin)")
+    args = parser.parse_args(argv)
+    import ds_longstraw  # noqa: F401  imported once here; the forked ranks inherit it (about 10 s each otherwise)
+
+    args.responses = tuple(int(x) for x in args.responses.split("x"))
+    rows = []
+    for mode in args.modes.split(","):
+        for world in (int(x) for x in args.cp.split(",")):
+            for attention in (["lse"] if world == 1 else args.attention.split(",")):
+                rows.append(summarise(world, mode, attention, run_world(args, mode, world, attention)))
+                print(f"# done cp={world} mode={mode} attention={attention}: {rows[-1]['step_s']:.2f} s",
+                      file=sys.stderr, flush=True)
+    print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
+          f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
+          f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
+    print("Bytes are received payload summed over the CP ranks; 'prefix B' is exact mode's remote-attention and "
+          "state-gradient traffic, 'grad all-reduce B' the one parameter-gradient all-reduce per group.\n")
+    print("| CP | mode | capture attention | step s | capture s | replay s | prefix s | K/V pages / rank "
+          "| replay B / token | replay B / token / attn layer | capture B / attn layer | capture B / GDN layer "
+          "| prefix B | grad all-reduce B |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        p = r["phases"]
+        moves = r["attention"] if r["attention"] != "lse" else f"lse ({r['moves']} travel)"
+        print(f"| {r['cp']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} | {r['step_s']:.2f} "
+              f"| {p.get('capture', 0):.2f} | {p.get('replay', 0):.2f} | {p.get('prefix', 0):.2f} "
+              f"| {r['kv_pages_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
+              f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "
+              f"| {r['prefix_b']:,} | {r.get('grad_reduce_b', 0):,} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Capture of a prompt sharded over context-parallel ranks: layer-major, one exchange per layer.
+
+Rank r owns prompt[:-1] tokens [lo_r, hi_r) (balanced contiguous shards, `groups.shard_bounds`). Layer l+1's
+input on rank r depends on layer l's output there, and for a GDN layer that output depends on every earlier
+rank's layer-l state, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
+rank boundaries before anyone moves on:
+  GDN layer        conv-tail contributions, then [B | P] transition summaries (all-gathers of constant size;
+                   gdn_scan.py);
+  attention layer  this rank's K/V go onto its own pages; queries meet earlier ranks' pages (cp_attention.py),
+                   or, with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
+Inside a layer the shard is processed `capture_chunk` tokens at a time; what stays alive across a layer is the
+shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of all attention layers for the target
+models). Every rank keeps the K/V pages of its own tokens only, the prompt's final GDN carry (the same, bit for
+bit, on every rank) and, in exact mode, the GDN carries at its own chunk starts.
+"""
+
+import torch
+
+from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
+from ds_longstraw.offload import PagePool
+from ds_longstraw.state import ChunkBoundary, PrefixState
+
+from .cp_attention import capture_attention_layer
+from .gdn_scan import capture_gdn_layer
+from .ulysses import ulysses_attention_layer
+
+
+def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None) -> PrefixState:
+    """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt)."""
+    ids_all = prompt_ids[:-1]
+    length = ids_all.numel()
+    bounds = cp.shards(length)
+    lo, hi = bounds[cp.rank]
+    ids = ids_all[lo:hi]
+    tokens = hi - lo
+    pool = PagePool(settings.page_tokens, device=adapter.device, rank=cp.rank)
+    for layer in adapter.attn_layers:
+        for name in ("k", "v"):
+            pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
+    chunk = settings.capture_chunk
+    spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
+    boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if keep_boundaries else None
+    final_carry = {}
+    with torch.no_grad():
+        hidden = adapter.embed(ids)
+        for index, layer in enumerate(adapter.layers[: len(adapter.layer_types)]):
+            normed = layer.input_layernorm(hidden)
+            if adapter.layer_types[index] == LINEAR_ATTENTION:
+                mixed, final_carry[index] = capture_gdn_layer(adapter, layer.linear_attn, normed, spans, cp, bounds,
+                                                              boundaries, index)
+            else:
+                attend = ulysses_attention_layer if settings.cp_attention == "ulysses" else capture_attention_layer
+                mixed = attend(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool, index, chunk)
+            del normed
+            hidden = hidden + mixed
+            del mixed
+            pieces = []
+            for a, b in spans:
+                h = hidden[:, a:b]
+                pieces.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+            hidden = torch.cat(pieces, 1) if pieces else hidden
+            if progress is not None:
+                progress(index)
+    state = PrefixState(length=length, pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo)
+    return state

@@ -1,0 +1,274 @@
+"""Attention across context-parallel ranks: queries meet every rank's K/V pages through (out, lse) partials.
+
+Legend: H query heads, K kv heads, D head dim, Tq queries, Tk keys; q_HTD [H, Tq, D]; pages are token-major
+[Tk, K, D] on their owner; out_HTD [H, Tq, D]; lse_HT [H, Tq]; N ranks, rank r owns prompt tokens [lo_r, hi_r).
+
+Three places, three movement choices (what is cheaper to move decides):
+  capture  every rank has a shard of queries and needs every EARLIER rank's pages of the same layer.
+           "kv": pages travel from rank j to each later rank (2 K D elements per token per receiver);
+           "q": queries travel to each earlier owner and (out, lse) come back ((2 H D + H) per token per owner).
+           `capture_move_bytes` evaluates both for the prompt's shard sizes; with grouped-query attention (H > K)
+           pages are the cheaper cargo. Pages travel one source rank at a time (transient: one shard of one layer).
+  replay   the response runs on every rank (see transaction.py); every rank computes the partial of the (same)
+           queries over its own pages, partials are all-gathered and LSE-merged in rank order (identical result
+           everywhere). Queries do not move at all; per layer and replayed token each rank receives
+           (N-1)(H D + H) elements forward and all-reduces H D (dq) backward.
+  prefix   (exact mode) one rank at a time recomputes its chunks with autograd; its chunk queries travel to the
+           earlier page owners, (out, lse) come back; backward sends (q, dout, lse, delta) and gets dq back. dK/dV
+           never leave the page owner: they are added to its gradient pages where they are computed.
+
+Backward reuses the merged (out, lse) (ring-attention form): with p = exp(s - lse_merged) a shard's keys give
+dv = p^T dout, ds = p (dout v^T - delta) scale, dq_part = ds k, dk = ds^T q, where
+delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards gives dq.
+"""
+
+import torch
+
+from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
+from ds_longstraw.kernels.attention import KEY_BLOCK, _block_mask, _group
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def empty_partial(q_HTD, value_dim=None):
+    """(out, lse) of a query block over no keys: out = 0, lse = -inf."""
+    d = q_HTD.shape[-1] if value_dim is None else value_dim
+    return (q_HTD.new_zeros(q_HTD.shape[:2] + (d,)),
+            torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device))
+
+
+def merge_in_order(partials):
+    """LSE-merge a list of (out, lse) partials left to right (the same order on every rank -> same bits)."""
+    out, lse = partials[0]
+    for o2, l2 in partials[1:]:
+        out, lse = merge_partials(out, lse, o2, l2.to(lse.dtype))
+    return out, lse
+
+
+def attention_delta(out_HTD, dout_HTD, dlse_HT):
+    """delta = rowsum(dout * out) - dlse, in accumulation precision."""
+    acc = _acc(out_HTD.dtype)
+    delta = (dout_HTD.to(acc) * out_HTD.to(acc)).sum(-1)
+    return delta if dlse_HT is None else delta - dlse_HT.to(acc)
+
+
+def attention_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset=None,
+                               key_block=KEY_BLOCK):
+    """One key shard's share of the gradients of a merged attention, given the MERGED lse and delta.
+
+    Returns (dq_part, dk, dv) in accumulation precision (float64 for float64 inputs, else float32): dq_part is
+    this shard's contribution to dq (sum over shards), dk/dv are complete for this shard's keys. Memory is
+    O(Tq * key_block) per head, as in the forward.
+    """
+    kv_heads, tk, _ = k_KTD.shape
+    acc = _acc(q_HTD.dtype)
+    q = _group(q_HTD, kv_heads).to(acc)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device)
+    dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device)
+    if tk == 0 or q.shape[2] == 0:
+        return dq.reshape(q_HTD.shape), dk, dv
+    tq = q.shape[2]
+    dout = _group(dout_HTD, kv_heads).to(acc)
+    lse = lse_HT.reshape(q.shape[:-1]).to(acc)
+    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    delta = delta_HT.reshape(q.shape[:-1]).to(acc)
+    for k0 in range(0, tk, key_block):
+        k1 = min(tk, k0 + key_block)
+        if causal_offset is not None and k0 > tq - 1 + causal_offset:
+            break
+        kb, vb = k_KTD[:, k0:k1].to(acc), v_KTD[:, k0:k1].to(acc)
+        s = torch.einsum("krtd,ksd->krts", q, kb) * scale
+        mask = _block_mask(tq, k0, k1, causal_offset, q.device)
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
+        p = torch.exp(s - safe_lse.unsqueeze(-1))
+        dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
+        ds = p * (torch.einsum("krtd,ksd->krts", dout, vb) - delta.unsqueeze(-1)) * scale
+        dq += torch.einsum("krts,ksd->krtd", ds, kb)
+        dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
+    return dq.reshape(q_HTD.shape), dk, dv
+
+
+def attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, dlse_HT, scale, causal_offset=None,
+                              key_block=KEY_BLOCK):
+    """Like `attention_grads_from_delta`, from the merged (out, lse) and the gradients of both."""
+    delta = attention_delta(out_HTD, dout_HTD, dlse_HT)
+    return attention_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta, scale, causal_offset, key_block)
+
+
+def chunked_partial(q_HTD, k_KTD, v_KTD, scale, chunk):
+    """partial_attention over all keys, `chunk` queries at a time (bounds score memory for long query shards)."""
+    if q_HTD.shape[1] == 0 or k_KTD.shape[1] == 0:
+        return empty_partial(q_HTD, v_KTD.shape[-1])
+    outs, lses = [], []
+    for a in range(0, q_HTD.shape[1], chunk):
+        o, l = partial_attention(q_HTD[:, a:a + chunk], k_KTD, v_KTD, scale)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def _pages_KTD(pool, layer):
+    return pool.read(layer, "k").transpose(0, 1), pool.read(layer, "v").transpose(0, 1)
+
+
+# -- capture ---------------------------------------------------------------------------------------------------
+def capture_move_bytes(bounds, heads, kv_heads, head_dim, elem_bytes, lse_bytes):
+    """Bytes one attention layer's capture moves over the whole group, for each choice.
+
+    kv: rank j's pages (2 K D per token) go to every later non-empty rank;
+    q:  rank j's queries (H D per token) go to every earlier non-empty rank, and (out, lse) (H D + H) come back.
+    """
+    sizes = [hi - lo for lo, hi in bounds]
+    kv = q = 0
+    for j, n in enumerate(sizes):
+        later = sum(1 for m in sizes[j + 1:] if m)
+        earlier = sum(1 for m in sizes[:j] if m)
+        if n and later:
+            kv += n * 2 * kv_heads * head_dim * elem_bytes * later
+        if n and earlier:
+            q += n * (2 * heads * head_dim * elem_bytes + heads * lse_bytes) * earlier
+    return {"kv": kv, "q": q}
+
+
+def _capture_kv_move(cp, q_HTD, pool, layer, scale, bounds, chunk):
+    """Pages travel: for each source rank j in turn, j sends its layer pages to every later non-empty rank."""
+    sizes = [hi - lo for lo, hi in bounds]
+    partials = [empty_partial(q_HTD)]
+    k_TKD = pool.read(layer, "k")
+    for j in range(cp.size - 1):
+        if sizes[j] == 0:
+            continue
+        if cp.rank == j:
+            kv = torch.stack([pool.read(layer, "k"), pool.read(layer, "v")])
+            for r in range(j + 1, cp.size):
+                if sizes[r]:
+                    cp.send(kv, r)
+        elif cp.rank > j and sizes[cp.rank]:
+            kv = cp.recv((2, sizes[j]) + tuple(k_TKD.shape[1:]), k_TKD.dtype, j, layer, "capture_kv",
+                         device=k_TKD.device)
+            partials.append(chunked_partial(q_HTD, kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale, chunk))
+            del kv
+            partials = [merge_in_order(partials)]
+    return partials[0]
+
+
+def _capture_q_move(cp, q_HTD, pool, layer, scale, bounds, chunk):
+    """Queries travel: for each client rank j in turn, j sends its queries to every earlier non-empty rank, which
+    returns the (out, lse) partial of those queries over its own pages."""
+    sizes = [hi - lo for lo, hi in bounds]
+    heads, _, dim = q_HTD.shape
+    acc = _acc(q_HTD.dtype)
+    result = empty_partial(q_HTD)
+    for j in range(1, cp.size):
+        servers = [i for i in range(j) if sizes[i]]
+        if sizes[j] == 0 or not servers:
+            continue
+        if cp.rank == j:
+            for i in servers:
+                cp.send(q_HTD, i)
+            partials = [result]
+            for i in servers:
+                out = cp.recv((heads, sizes[j], dim), q_HTD.dtype, i, layer, "capture_q_out", device=q_HTD.device)
+                lse = cp.recv((heads, sizes[j]), acc, i, layer, "capture_q_lse", device=q_HTD.device)
+                partials.append((out, lse))
+            result = merge_in_order(partials)
+        elif cp.rank in servers:
+            q = cp.recv((heads, sizes[j], dim), q_HTD.dtype, j, layer, "capture_q", device=q_HTD.device)
+            out, lse = chunked_partial(q, *_pages_KTD(pool, layer), scale, chunk)
+            cp.send(out, j)
+            cp.send(lse.to(acc), j)
+    return result
+
+
+def capture_remote_partial(cp, q_HTD, pool, layer, scale, bounds, chunk):
+    """(out, lse) of this rank's shard queries over every earlier rank's pages of `layer` (no autograd).
+    Every rank calls it for every attention layer; the choice of cargo is the same on every rank."""
+    move = cp.capture_move
+    if move == "auto":
+        elem = q_HTD.element_size()
+        cost = capture_move_bytes(bounds, q_HTD.shape[0], pool.read(layer, "k").shape[1], q_HTD.shape[-1], elem,
+                                  torch.finfo(_acc(q_HTD.dtype)).bits // 8)
+        move = "kv" if cost["kv"] <= cost["q"] else "q"
+    cp.decisions[(cp.phase_name, layer)] = move
+    mover = _capture_kv_move if move == "kv" else _capture_q_move
+    return mover(cp, q_HTD, pool, layer, scale, bounds, chunk)
+
+
+def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk):
+    """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
+
+    Pass A computes q, gate, K, V chunk by chunk and appends K/V to this rank's pages; the remote partial over
+    earlier ranks' pages is computed for the whole shard; pass B attends each chunk to itself (causal) and this
+    rank's earlier pages, merges the remote partial by LSE and applies the output projection."""
+    queries, gates = [], []
+    for a, b in spans:
+        cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
+        q, gate, k, v = adapter.attention_qkv(module, normed_1TC[:, a:b], cos, sin)
+        pool.append(layer, "k", k[0].transpose(0, 1))
+        pool.append(layer, "v", v[0].transpose(0, 1))
+        queries.append(q[0])
+        gates.append(gate)
+    heads = adapter.config.num_attention_heads
+    dim = module.head_dim
+    q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
+    remote_out, remote_lse = capture_remote_partial(cp, q_all, pool, layer, module.scaling, bounds, chunk)
+    del q_all
+    outs = []
+    for (a, b), q, gate in zip(spans, queries, gates):
+        past = [(pool.read(layer, "k", 0, a).transpose(0, 1), pool.read(layer, "v", 0, a).transpose(0, 1))]
+        out, lse = attention_with_past(q, past, pool.read(layer, "k", a, b).transpose(0, 1),
+                                       pool.read(layer, "v", a, b).transpose(0, 1), module.scaling)
+        out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
+        outs.append(adapter.attention_output(module, out, gate))
+    return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
+
+
+# -- replay: queries on every rank, partials all-gathered -----------------------------------------------------
+class _AllPagesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_HTD, op, layer):
+        k_KTD, v_KTD = _pages_KTD(op.pool, layer)
+        scale = op.scale(layer)
+        own = partial_attention(q_HTD, k_KTD, v_KTD, scale)
+        own = (own[0], own[1].to(_acc(q_HTD.dtype)))
+        outs = op.cp.all_gather(own[0], layer, "replay_out")
+        lses = op.cp.all_gather(own[1], layer, "replay_lse")
+        out, lse = merge_in_order(list(zip(outs, lses)))
+        ctx.save_for_backward(q_HTD, out, lse)
+        ctx.op, ctx.layer = op, layer
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        q_HTD, out, lse = ctx.saved_tensors
+        op, layer = ctx.op, ctx.layer
+        if dout_HTD is None:
+            dout_HTD = torch.zeros_like(out)
+        k_KTD, v_KTD = _pages_KTD(op.pool, layer)
+        dq, dk, dv = attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, op.scale(layer))
+        if op.exact and k_KTD.shape[1]:
+            # dK/dV of this rank's pages stay here, on its gradient pages.
+            op.pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
+            op.pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+        op.cp.all_reduce_(dq, layer, "replay_dq")
+        return dq.to(q_HTD.dtype), None, None
+
+
+class PagesAttention:
+    """remote_attention for replay and scoring: (layer, q_HTD) -> (out, lse) over every rank's prompt pages.
+
+    Every rank calls it with the same queries (the response is replayed on every rank). exact: dK/dV of each
+    rank's pages are added to its gradient pages."""
+
+    def __init__(self, cp, pool, adapter, exact=False):
+        self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
+
+    def scale(self, layer):
+        return self.adapter.layers[layer].self_attn.scaling
+
+    def __call__(self, layer, q_HTD):
+        return _AllPagesAttention.apply(q_HTD, self, layer)

@@ -1,0 +1,155 @@
+"""The context-parallel (CP) group as an explicit object: who owns which prompt tokens, and what moved.
+
+Every collective and point-to-point call here names `group=` (no hidden global parallel state); ranks are ranks
+*within* the CP group. `CPContext` also counts the payload bytes each rank receives, keyed by
+(phase, layer, op), so a run can report bytes moved per layer and per replayed token.
+
+Counting convention (logical payload, not wire bytes of a particular algorithm):
+  send/recv     the receiver counts the tensor's bytes;
+  all_gather    each rank counts (N-1) x the tensor's bytes;
+  all_reduce    each rank counts 2 (N-1)/N x the tensor's bytes (a ring all-reduce's receive volume).
+"""
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+CAPTURE_MOVES = ("auto", "kv", "q")
+
+
+def shard_bounds(length: int, size: int):
+    """Contiguous, balanced shards of `length` tokens over `size` ranks: [(lo, hi)] per rank. The first
+    length % size ranks get one token more; shards may be empty when length < size."""
+    base, extra = divmod(length, size)
+    bounds, lo = [], 0
+    for rank in range(size):
+        hi = lo + base + (1 if rank < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class Traffic:
+    """Bytes received by this rank, by (phase, layer, op); layer is -1 for traffic not tied to a layer."""
+
+    def __init__(self):
+        self.received = defaultdict(int)
+        self.messages = defaultdict(int)
+
+    def add(self, phase, layer, op, nbytes):
+        self.received[(phase, layer, op)] += int(nbytes)
+        self.messages[(phase, layer, op)] += 1
+
+    def total(self, phase=None) -> int:
+        return sum(b for (p, _, _), b in self.received.items() if phase is None or p == phase)
+
+    def by_layer(self, phase=None) -> dict:
+        out = defaultdict(int)
+        for (p, layer, _), b in self.received.items():
+            if phase is None or p == phase:
+                out[layer] += b
+        return dict(sorted(out.items()))
+
+    def by_op(self, phase=None) -> dict:
+        out = defaultdict(int)
+        for (p, _, op), b in self.received.items():
+            if phase is None or p == phase:
+                out[op] += b
+        return dict(sorted(out.items()))
+
+    def reset(self):
+        self.received.clear()
+        self.messages.clear()
+
+
+def _nbytes(tensor):
+    return tensor.numel() * tensor.element_size()
+
+
+class CPContext:
+    """A context-parallel process group and its bookkeeping.
+
+    group: the torch.distributed process group of the CP ranks (gloo on CPU, nccl on GPUs).
+    capture_move: how capture lets queries meet earlier ranks' K/V pages: "kv" (pages travel to the later
+        ranks), "q" (queries travel to the page owners and (out, lse) partials come back) or "auto" (whichever
+        moves fewer bytes for this prompt and model, by `cp_attention.capture_move_bytes`).
+    """
+
+    def __init__(self, group, capture_move: str = "auto"):
+        if capture_move not in CAPTURE_MOVES:
+            raise ValueError(f"capture_move must be one of {CAPTURE_MOVES}, got {capture_move!r}")
+        if group is None:
+            raise ValueError("CPContext needs an explicit process group")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.capture_move = capture_move
+        self.traffic = Traffic()
+        self.decisions = {}  # (phase, layer) -> "kv" | "q": what capture moved, per attention layer
+        self.phase_name = "idle"
+
+    @contextmanager
+    def phase(self, name):
+        saved, self.phase_name = self.phase_name, name
+        try:
+            yield
+        finally:
+            self.phase_name = saved
+
+    def shards(self, length):
+        return shard_bounds(length, self.size)
+
+    # -- collectives (each counts what this rank receives) ---------------------------------------------------
+    def all_gather(self, tensor, layer=-1, op="all_gather"):
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        self.traffic.add(self.phase_name, layer, op, (self.size - 1) * _nbytes(tensor))
+        return parts
+
+    def all_reduce_(self, tensor, layer=-1, op="all_reduce"):
+        dist.all_reduce(tensor, group=self.group)
+        self.traffic.add(self.phase_name, layer, op, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
+        return tensor
+
+    def send(self, tensor, dst):
+        dist.send(tensor.contiguous(), group=self.group, group_dst=dst)
+
+    def recv(self, shape, dtype, src, layer=-1, op="recv", device=None):
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buffer, group=self.group, group_src=src)
+        self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
+        return buffer
+
+    def barrier(self):
+        dist.barrier(group=self.group)
+
+    def report(self) -> dict:
+        """Plain-data summary of this rank's traffic (for GroupResult.extras): bytes received by phase, by
+        phase and layer, by phase and op; capture_moves: phase -> attention layer -> "kv" | "q" | "ulysses"."""
+        phases = sorted({p for (p, _, _) in self.traffic.received})
+        return {"rank": self.rank, "size": self.size,
+                "received_bytes": {p: self.traffic.total(p) for p in phases},
+                "received_bytes_by_layer": {p: self.traffic.by_layer(p) for p in phases},
+                "received_bytes_by_op": {p: self.traffic.by_op(p) for p in phases},
+                "capture_moves": {p: {layer: move for (q, layer), move in sorted(self.decisions.items()) if q == p}
+                                  for p in sorted({q for q, _ in self.decisions})}}
+
+
+def as_cp_context(cp_group, cp_size: int):
+    """Validate the (config cp_size, cp_group) pair at the door; returns a CPContext, or None for one rank."""
+    if isinstance(cp_group, CPContext):
+        context = cp_group
+    elif cp_group is None:
+        if cp_size > 1:
+            raise ValueError(f"'longstraw.cp_size' = {cp_size} needs cp_group (the process group of the CP ranks)")
+        return None
+    else:
+        if not dist.is_initialized():
+            raise ValueError("cp_group was given but torch.distributed is not initialized")
+        context = CPContext(cp_group)
+    if context.size != cp_size:
+        raise ValueError(f"'longstraw.cp_size' = {cp_size} but cp_group has {context.size} ranks")
+    return context if context.size > 1 else None

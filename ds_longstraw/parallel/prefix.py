@@ -1,0 +1,162 @@
+"""Exact mode's reverse pass over a prompt sharded over context-parallel ranks.
+
+The single-process prefix pass (prefix_pass.py) walks the capture chunks last to first; a chunk's backward needs
+the complete gradients of its outputs (its K/V rows, its end GDN carry), which later tokens produce. Across ranks
+the same order holds: rank r's chunks can run only once every later rank has run (they add dK/dV to rank r's
+pages, and rank r+1 produces d(carry at its start) = d(carry at rank r's end)). So ranks take TURNS, last to
+first (wall time about that of the single-process pass; memory stays one shard per rank):
+
+  turn s   rank s runs prefix_backward over its own chunks. Its own earlier pages are local autograd leaves; the
+           earlier ranks' pages are reached by `RemotePages`: its chunk queries go to every earlier non-empty
+           rank, whose partial (out, lse) comes back (forward); backward sends (q, dout, lse, delta), the page
+           owner adds dK/dV to ITS gradient pages and returns its dq share. The earlier ranks run `serve` until
+           rank s says DONE; later ranks are finished.
+           Then rank s sends d(GDN carry at its shard start) to rank s-1, where it is d(final carry).
+
+The last rank's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
+Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries].
+"""
+
+import torch
+
+from ds_longstraw.prefix_pass import prefix_backward
+
+from .cp_attention import _acc, _pages_KTD, attention_delta, attention_grads_from_delta, chunked_partial, merge_in_order
+
+FORWARD, BACKWARD, DONE = 1, 2, 3
+
+
+def _servers(sizes, owner):
+    """The ranks whose pages `owner`'s queries read: every earlier rank that holds tokens."""
+    return [i for i in range(owner) if sizes[i]]
+
+
+class _RemotePagesAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_HTD, session, layer):
+        out, lse = session.forward(layer, q_HTD)
+        ctx.save_for_backward(q_HTD, out, lse)
+        ctx.session, ctx.layer = session, layer
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        q_HTD, out, lse = ctx.saved_tensors
+        if dout_HTD is None:
+            dout_HTD = torch.zeros_like(out)
+        delta = attention_delta(out, dout_HTD, dlse_HT)
+        dq = ctx.session.backward(ctx.layer, q_HTD, dout_HTD, lse, delta)
+        return dq.to(q_HTD.dtype), None, None
+
+
+class RemotePages:
+    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the earlier ranks' pages."""
+
+    def __init__(self, cp, sizes):
+        self.cp = cp
+        self.servers = _servers(sizes, cp.rank)
+
+    def __call__(self, layer, q_HTD):
+        return _RemotePagesAttention.apply(q_HTD, self, layer)
+
+    def _header(self, op, layer, queries, device):
+        header = torch.tensor([op, layer, queries], dtype=torch.int64, device=device)
+        for i in self.servers:
+            self.cp.send(header, i)
+
+    def forward(self, layer, q_HTD):
+        cp, tq = self.cp, q_HTD.shape[1]
+        acc = _acc(q_HTD.dtype)
+        self._header(FORWARD, layer, tq, q_HTD.device)
+        for i in self.servers:
+            cp.send(q_HTD, i)
+        partials = [(q_HTD.new_zeros(q_HTD.shape),
+                     torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
+        for i in self.servers:
+            out = cp.recv(q_HTD.shape, q_HTD.dtype, i, layer, "prefix_out", device=q_HTD.device)
+            lse = cp.recv(q_HTD.shape[:2], acc, i, layer, "prefix_lse", device=q_HTD.device)
+            partials.append((out, lse))
+        return merge_in_order(partials)
+
+    def backward(self, layer, q_HTD, dout_HTD, lse_HT, delta_HT):
+        cp = self.cp
+        acc = _acc(q_HTD.dtype)
+        self._header(BACKWARD, layer, q_HTD.shape[1], q_HTD.device)
+        for i in self.servers:
+            cp.send(q_HTD, i)
+            cp.send(dout_HTD.to(q_HTD.dtype), i)
+            cp.send(torch.stack([lse_HT.to(acc), delta_HT.to(acc)]), i)
+        dq = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
+        for i in self.servers:
+            dq += cp.recv(q_HTD.shape, acc, i, layer, "prefix_dq", device=q_HTD.device)
+        return dq
+
+    def close(self, device):
+        self._header(DONE, -1, 0, device)
+
+
+def serve(cp, owner, adapter, pool, chunk):
+    """Answer `owner`'s requests against this rank's pages until it says DONE."""
+    cfg = adapter.config
+    heads, dim = cfg.num_attention_heads, cfg.head_dim
+    dtype = adapter.dtype
+    acc = _acc(dtype)
+    while True:
+        op, layer, tq = (int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header",
+                                                 device=adapter.device))
+        if op == DONE:
+            return
+        scale = adapter.layers[layer].self_attn.scaling
+        k_KTD, v_KTD = _pages_KTD(pool, layer)
+        q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=adapter.device)
+        if op == FORWARD:
+            out, lse = chunked_partial(q, k_KTD, v_KTD, scale, chunk)
+            cp.send(out, owner)
+            cp.send(lse.to(acc), owner)
+        elif op == BACKWARD:
+            dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=adapter.device)
+            lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=adapter.device)
+            dq, dk, dv = attention_grads_from_delta(q, k_KTD, v_KTD, lse, dout, delta, scale)
+            pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
+            pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+            cp.send(dq, owner)
+        else:
+            raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+
+
+def _carry_shapes(state):
+    """(state, tail) shapes and dtypes of every GDN layer, from the final carry every rank holds."""
+    return {layer: ((s.shape, s.dtype), (t.shape, t.dtype)) for layer, (s, t) in state.gdn_carry.items()}
+
+
+def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None):
+    """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
+
+    ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final GDN carry) from replay (used by the
+    last rank); chunk: queries per partial on the serving side. Parameter gradients of this rank's tokens
+    accumulate into .grad; the caller reduces them."""
+    sizes = [hi - lo for lo, hi in cp.shards(state.length)]
+    shapes = _carry_shapes(state)
+    for owner in range(cp.size - 1, cp.rank, -1):
+        if cp.rank in _servers(sizes, owner):
+            serve(cp, owner, adapter, state.pool, chunk)
+    if cp.rank < cp.size - 1:
+        d_final_carry = {}
+        for layer in adapter.gdn_layers:
+            (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
+            d_final_carry[layer] = (
+                cp.recv(s_shape, s_dtype, cp.rank + 1, layer, "prefix_d_state", device=adapter.device),
+                cp.recv(t_shape, t_dtype, cp.rank + 1, layer, "prefix_d_tail", device=adapter.device))
+    remote = RemotePages(cp, sizes)
+    d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
+                              remote_attention=remote if remote.servers else None)
+    remote.close(adapter.device)
+    if cp.rank > 0:
+        for layer in adapter.gdn_layers:
+            (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
+            d_state, d_tail = d_start.get(layer, (None, None))
+            zeros = dict(device=adapter.device)
+            cp.send(torch.zeros(s_shape, dtype=s_dtype, **zeros) if d_state is None else d_state.to(s_dtype),
+                    cp.rank - 1)
+            cp.send(torch.zeros(t_shape, dtype=t_dtype, **zeros) if d_tail is None else d_tail.to(t_dtype),
+                    cp.rank - 1)

@@ -1,0 +1,156 @@
+"""The GRPO transaction with the prompt sharded over a context-parallel (CP) group.
+
+Every rank of the CP group calls grpo_backward with the same group, config and cp_group; the phases are those of
+the single-process transaction (../transaction.py), with what crosses ranks made explicit:
+
+  reference  (kl_coef > 0) CP capture of the reference policy, scoring replayed on every rank, state freed
+  capture    layer-major CP capture (capture.py): each rank keeps the K/V pages of its own prompt shard; GDN
+             states cross ranks as transition summaries; every rank ends with the prompt's final GDN carry;
+             attention meets earlier pages by LSE-merged partials, or (cp_attention="ulysses") by all-to-alls
+  replay     every rank replays every member, identically: its attention layers reach the prompt pages of all
+             ranks through all-gathered (out, lse) partials (cp_attention.PagesAttention), so logits, losses
+             and the gradients replay produces are the same on every rank. Queries never move; compute outside
+             attention over the pages is replicated (responses are short next to the prompt; distributing
+             members over ranks would need the ranks' autograd graphs in lockstep).
+             Exact mode: dK/dV of each rank's pages go to its own gradient pages, d(final carry) is on all ranks.
+  prefix     (exact) ranks take turns last to first (prefix.py); the parameter gradients it produces differ per
+             rank (each covers its own tokens)
+  reduce     ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
+             is the group's gradient, and the same bits land on every rank even where replicated kernels are not
+             bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart
+When the call returns every rank holds the same, complete parameter gradients (accumulated into .grad: what
+.grad held before the call is kept apart from the reduction and added back).
+"""
+
+import torch
+
+from ds_longstraw.arch import adapter_for
+from ds_longstraw.memory import PhaseMeter
+from ds_longstraw.replay import PrefixLeaves, member_inputs, replay_member
+
+from .capture import cp_capture_prefix
+from .cp_attention import PagesAttention
+from .prefix import cp_prefix_backward
+from .ulysses import check_heads
+
+
+def _replay_leaves(adapter, state, requires_grad):
+    """The prompt state as replay sees it: the final GDN carry (leaves in exact mode); no local prompt pages (they
+    are reached through PagesAttention on every rank)."""
+    carry = {layer: (s.detach().requires_grad_(requires_grad), t.detach().requires_grad_(requires_grad))
+             for layer, (s, t) in state.gdn_carry.items()}
+    return PrefixLeaves(gdn_carry=carry, past={layer: [] for layer in adapter.attn_layers})
+
+
+def cp_score_reference(ref_model, group, settings, cp):
+    """Reference log-probs of every member on every rank, without a graph; the reference state is freed."""
+    adapter = adapter_for(ref_model)
+    state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp)
+    leaves = _replay_leaves(adapter, state, False)
+    remote = PagesAttention(cp, state.pool, adapter)
+    scores = []
+    with torch.no_grad():
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block, remote)
+            scores.append(logp.double().cpu())
+    state.release()
+    return scores
+
+
+def _take_grads(model):
+    """Detach the current .grad of every trainable parameter (to be added back after the reduction)."""
+    taken = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            taken[name] = param.grad
+            param.grad = None
+    return taken
+
+
+def _scale_grads_(model, factor):
+    for param in model.parameters():
+        if param.requires_grad and param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def _reduce_and_restore(model, taken, cp):
+    """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])
+    cp.all_reduce_(flat, -1, "param_grads")
+    offset = 0
+    for (name, param), grad in zip(params, grads):
+        count = grad.numel()
+        reduced = flat[offset:offset + count].view_as(grad).to(param.dtype)
+        offset += count
+        before = taken.get(name)
+        param.grad = reduced if before is None else before + reduced
+
+
+def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backward=None):
+    """The CP transaction (called by grpo_backward when cp_size > 1); returns a GroupResult."""
+    from ds_longstraw.transaction import GroupResult, _reference_policy
+
+    if backward is not None:
+        raise ValueError("cp_size > 1 with a custom backward (the DeepSpeed engine path) is not available yet: "
+                         "the CP gradient reduction works on .grad")
+    adapter = adapter_for(model)
+    if settings.cp_attention == "ulysses":
+        check_heads(adapter.config.num_attention_heads, adapter.config.num_key_value_heads, cp.size)
+    exact = settings.prefix_grad == "exact"
+    meter = PhaseMeter(adapter.device)
+    advantages = objective.advantages(group)
+    cp.traffic.reset()
+    cp.decisions.clear()
+
+    ref_logprobs = None
+    if objective.kl_coef > 0:
+        with meter.phase("reference"), cp.phase("reference"), _reference_policy(model, ref_model) as reference:
+            ref_logprobs = cp_score_reference(reference, group, settings, cp)
+
+    with meter.phase("capture"), cp.phase("capture"):
+        state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, keep_boundaries=exact)
+    retained = state.retained_bytes()
+
+    logprobs, loss = [], 0.0
+    before = _take_grads(model)  # what .grad held before this group: kept out of the reduction
+    with meter.phase("replay"), cp.phase("replay"):
+        leaves = _replay_leaves(adapter, state, exact)
+        remote = PagesAttention(cp, state.pool, adapter, exact=exact)
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            with torch.enable_grad():
+                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block, remote)
+                ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+                share = objective.member_loss(group, member, logp, advantages, ref)
+                if share.requires_grad:
+                    share.backward()
+            loss += float(share.detach())
+            logprobs.append(logp.detach().double().cpu())
+            del logp, share
+
+    _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
+    grad_page_bytes = state.pool.grad_bytes()
+    if exact:
+        with meter.phase("prefix"), cp.phase("prefix"):
+            d_final = {}
+            for layer, (recurrent, tail) in leaves.gdn_carry.items():
+                d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
+                                  torch.zeros_like(tail) if tail.grad is None else tail.grad)
+            lo, hi = cp.shards(state.length)[cp.rank]
+            ids = group.prompt_ids[:-1][lo:hi]
+            cp_prefix_backward(adapter, state, ids, d_final, cp, settings.capture_chunk)
+        grad_page_bytes = state.pool.grad_bytes()
+    with meter.phase("reduce"), cp.phase("reduce"):
+        _reduce_and_restore(model, before, cp)
+    del leaves
+    lo, hi = cp.shards(state.length)[cp.rank]
+    state.release()
+    replayed_tokens = group.response_tokens
+    extras = {"cp": dict(cp.report(), shard=(lo, hi), replayed_tokens=replayed_tokens)}
+    return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras)

@@ -1,0 +1,134 @@
+"""Run grpo_backward on N gloo ranks (forked local processes) and collect each rank's results in files.
+
+`run_cp(world, cases, out_dir)` forks `world` processes that join one gloo process group on localhost, build a
+CP group with new_group (not the default group: the code under test must use the group it is given), run every
+case and write `<case>.rank<r>.pt` with the rank's gradients, loss, log-probs, retained bytes and traffic.
+Forking (rather than spawning) reuses the parent's imports of torch/transformers (about 10 s per process here).
+
+A case is a dict: name, prompt_len, response_lens, mode, chunk, page, block, optional objective kwargs,
+optional ref_seed (KL to a separate reference model), optional capture_move ("auto"/"kv"/"q"), optional
+dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optional cp_attention, optional
+worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
+optional repeat (grpo_backward calls without zeroing .grad in between).
+"""
+
+import os
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+ROOT = os.path.dirname(TESTS)
+for path in (TESTS, ROOT):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_group(prompt_len, response_lens, seed=0, **extra):
+    from ds_longstraw import GRPOGroup
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, 97, (n,), generator=gen) for n in response_lens]
+    scores = torch.rand(len(responses), generator=gen).tolist()
+    if len(responses) == 1:
+        return GRPOGroup(prompt, responses, advantages=[0.7], **extra)
+    return GRPOGroup(prompt, responses, rewards=scores, **extra)
+
+
+def case_config(case, world):
+    return {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
+            "replay_block": case["block"], "cp_size": world, "cp_attention": case.get("cp_attention", "lse")}
+
+
+def runs_on(case, world):
+    return world in case.get("worlds", (world,))
+
+
+def _run_case(case, world, cp_group, out_dir, rank):
+    from ds_longstraw import GRPOObjective, grpo_backward
+    from ds_longstraw.parallel import CPContext
+    from models import float64_model, tiny_qwen3_5
+
+    dtype = getattr(torch, case.get("dtype", "float64"))
+    model = tiny_qwen3_5(dtype=dtype, **case.get("model", {}))
+    ref_model = None
+    if "ref_seed" in case:
+        ref_model = tiny_qwen3_5(dtype=dtype, seed=case["ref_seed"], **case.get("model", {}))
+    group = make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))
+    objective = GRPOObjective(**case.get("objective", {}))
+    context = CPContext(cp_group, capture_move=case.get("capture_move", "auto"))
+    model.zero_grad(set_to_none=True)
+    path = os.path.join(out_dir, f"{case['name']}.rank{rank}.pt")
+    with float64_model():
+        try:
+            for _ in range(case.get("repeat", 1)):  # repeat > 1: gradients must accumulate into .grad
+                result = grpo_backward(model, group, objective, config=case_config(case, world),
+                                       ref_model=ref_model, cp_group=context)
+        except ValueError as error:  # a case may expect a refusal at the door (recorded, asserted in pytest)
+            if not case.get("expect_error"):
+                raise
+            torch.save({"error": str(error)}, path)
+            return
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs,
+                "ref_logprobs": result.ref_logprobs, "retained": result.retained_bytes,
+                "phases": {k: (v.seconds, v.peak_bytes) for k, v in result.phases.items()},
+                "cp": result.extras["cp"]}, path)
+
+
+def worker(rank, world, port, cases, out_dir, cp_ranks=None):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        cp_group, cp_size = None, world
+        for ranks in cp_ranks or [list(range(world))]:  # new_group is collective: every rank creates every group
+            group = dist.new_group(ranks, backend="gloo")
+            if rank in ranks:
+                cp_group, cp_size = group, len(ranks)
+        for case in cases:
+            if runs_on(case, cp_size):
+                _run_case(case, cp_size, cp_group, out_dir, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_cp(world, cases, out_dir, timeout=600, cp_ranks=None):
+    """Fork `world` ranks, run `cases`, return {case name: [results by global rank]}; raise with the ranks'
+    tracebacks. cp_ranks: the CP groups as lists of global ranks (default: one group of all ranks), say
+    [[0, 2], [1, 3]] for two CP groups whose group ranks differ from their global ranks."""
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=worker, args=(r, world, port, cases, out_dir, cp_ranks)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"CP run on {world} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
+                           + "\n".join(errors))
+    cp_size = len(cp_ranks[0]) if cp_ranks else world
+    return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
+                           for r in range(world)] for case in cases if runs_on(case, cp_size)}
