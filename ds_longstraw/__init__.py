@@ -6,8 +6,10 @@ and take one reduction and one optimizer step.
 """
 
 from .config import LongstrawConfig, parse_config
+from .engine import StepResult, initialize
 from .group import GRPOGroup
 from .objective import GRPOObjective
 from .transaction import GroupResult, grpo_backward
 
-__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "grpo_backward", "parse_config"]
+__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "StepResult", "grpo_backward", "initialize",
+           "parse_config"]

@@ -11,7 +11,7 @@ Unknown keys and bad values raise ValueError naming the key, before any work sta
 from typing import Literal
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 BLOCK_NAME = "longstraw"
 
@@ -34,6 +34,13 @@ class OffloadConfig(DeepSpeedConfigModel):
     host_memory_budget_gb: float | None = Field(None, gt=0)
     staging_depth: int = Field(1, ge=1)
     aio: AioConfig = Field(default_factory=AioConfig)
+
+    @model_validator(mode="after")
+    def _nvme_needs_a_path(self):
+        # Whether the directory exists and is writable is checked when the pool is made (offload/nvme_pool.py).
+        if self.tier == "nvme" and not self.nvme_path:
+            raise ValueError("nvme_path must name a directory when tier = 'nvme'")
+        return self
 
 
 class LongstrawConfig(DeepSpeedConfigModel):

@@ -6,11 +6,13 @@ autograd from its checkpointed boundary state and the pages before it; the accum
 (its K/V rows, its end state and conv tail) are injected; backward adds parameter gradients, adds the gradients
 that land on earlier pages to their gradient pages, and yields d(boundary state), carried to chunk c-1.
 The live graph is one chunk; every prompt token's contribution is counted once, as in full-sequence autograd.
+Earlier pages are staged one layer at a time from the pool's tier (forward ascending, the backward re-stages
+descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
 """
 
 import torch
 
-from .replay import _to_grad_pages
+from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
 
 def _zeros_like_carry(recurrent, tail, like_state, like_tail):
@@ -18,8 +20,23 @@ def _zeros_like_carry(recurrent, tail, like_state, like_tail):
             torch.zeros_like(like_tail) if tail is None else tail)
 
 
-def prefix_backward(adapter, state, ids, d_final_carry, progress=None):
-    """ids: prompt[:-1]; d_final_carry: layer -> (d recurrent state, d conv tail) after the prefix."""
+def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None):
+    """ids: prompt[:-1] (a context-parallel rank: its own shard, at prompt position state.offset);
+    d_final_carry: layer -> (d recurrent state, d conv tail) after the prefix. Returns d(carry) at the start of the
+    captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
+
+    backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
+    one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
+    to each output is exactly the injected grad."""
+    pool = state.pool
+    stager = Stager(pool, adapter.attn_layers)
+    try:
+        return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager)
+    finally:
+        stager.close()
+
+
+def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager):
     pool = state.pool
     d_carry = d_final_carry
     for boundary in reversed(state.boundaries):
@@ -31,16 +48,10 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None):
                 carry[layer] = (None, None)
             else:
                 carry[layer] = (recurrent.detach().requires_grad_(True), tail.detach().requires_grad_(True))
-        past = {}
-        for layer in adapter.attn_layers:
-            pair = []
-            for name in ("k", "v"):
-                leaf = pool.read(layer, name, 0, start).detach().requires_grad_(True)
-                leaf.register_post_accumulate_grad_hook(_to_grad_pages(pool, layer, name, 0))
-                pair.append(leaf)
-            past[layer] = [tuple(pair)]
-        with torch.enable_grad():
-            out = adapter.forward_segment(ids[start:end], start, carry, past)
+        past = StagedPast(stager, adapter.attn_layers, 0, start, with_grad=True)
+        with torch.enable_grad(), staged_saves(stager):
+            out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
+                                          remote_attention)
             outputs, grads = [], []
             for layer in adapter.gdn_layers:
                 d_state, d_tail = d_carry[layer]
@@ -52,8 +63,10 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None):
                           pool.read_grad(layer, "v", start, end).to(out.values[layer])]
             # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
             live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
-            if live:
+            if live and backward is None:
                 torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+            elif live:
+                backward(sum((o * g.detach()).sum() for o, g in live))
         d_carry = {}
         for layer in adapter.gdn_layers:
             recurrent, tail = carry[layer]
@@ -62,3 +75,4 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None):
         del out, outputs, grads, live
         if progress is not None:
             progress(end - start)
+    return d_carry

@@ -4,11 +4,18 @@ A member's replay input is [prompt[-1], response[:-1]] at positions len(prompt)-
 the response tokens: every response token's log-prob (the first one too) comes out of the replay. Blocks of
 `replay_block` tokens carry GDN state forward and append their K/V to the past of later blocks, so attention
 score memory is bounded by one block while the member's graph spans the whole response.
+
+The prompt's K/V pages reach attention through a StagedPast (ds_longstraw.offload): each block's forward stages
+one layer's pages at a time from the pool's tier, and the graph keeps handles instead of staged copies
+(re-staged in backward), so with a host or NVMe tier no more than a few layers of pages are on the device.
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+
+from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
 
 @dataclass
@@ -17,51 +24,48 @@ class PrefixLeaves:
     onto gradient pages (exact mode)."""
 
     gdn_carry: dict
-    past: dict  # layer -> list of (K, V)
-    kv_leaves: list = field(default_factory=list)  # (layer, name, leaf) for exact mode
+    past: dict  # layer -> list of (K, V): a StagedPast, or a plain dict (context parallelism: no local pages)
+    kv_leaves: list = field(default_factory=list)  # unused since pages are staged (kept for callers that set it)
+    stager: object = None  # the StagedPast's stager, closed by release()
+
+    def release(self):
+        """Drop every staged layer (in-flight reads complete first)."""
+        if self.stager is not None:
+            self.stager.close()
 
 
 def prefix_leaves(adapter, state, requires_grad):
+    """Replay's view of the captured state. requires_grad (exact mode): the GDN carry tensors are leaves, and the
+    K/V pages' gradients go to the pool's gradient pages as each block's backward produces them."""
     carry = {}
     for layer, (recurrent, tail) in state.gdn_carry.items():
         carry[layer] = (recurrent.detach().requires_grad_(requires_grad), tail.detach().requires_grad_(requires_grad))
-    leaves = PrefixLeaves(gdn_carry=carry, past={})
-    for layer in adapter.attn_layers:
-        pair = []
-        for name in ("k", "v"):
-            tensor = state.pool.read(layer, name).detach()
-            if requires_grad:
-                tensor.requires_grad_(True)
-                tensor.register_post_accumulate_grad_hook(_to_grad_pages(state.pool, layer, name, 0))
-                leaves.kv_leaves.append((layer, name, tensor))
-            pair.append(tensor)
-        leaves.past[layer] = [tuple(pair)]
-    return leaves
+    # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
+    stager = Stager(state.pool, adapter.attn_layers, wrap=True)
+    past = StagedPast(stager, adapter.attn_layers, 0, state.length, with_grad=requires_grad)
+    return PrefixLeaves(gdn_carry=carry, past=past, stager=stager)
 
 
-def _to_grad_pages(pool, layer, name, start):
-    """After autograd accumulates a page leaf's gradient, move it onto the gradient pages and free it, so at most
-    one layer's transient gradient is alive at a time."""
+def replay_member(adapter, leaves, start, inputs, targets, block, remote_attention=None):
+    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on).
 
-    def hook(leaf):
-        pool.add_grad(layer, name, start, leaf.grad)
-        leaf.grad = None
-
-    return hook
-
-
-def replay_member(adapter, leaves, start, inputs, targets, block):
-    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on)."""
+    remote_attention: None, or the context-parallel attention over every rank's prompt pages (then
+    `leaves.past` holds no prompt pages; see ds_longstraw.parallel)."""
     carry = dict(leaves.gdn_carry)
-    past = {layer: list(segments) for layer, segments in leaves.past.items()}
+    staged = isinstance(leaves.past, StagedPast)
+    past = leaves.past.fresh() if staged else {layer: list(segments) for layer, segments in leaves.past.items()}
     logps = []
-    for offset in range(0, inputs.numel(), block):
-        end = min(inputs.numel(), offset + block)
-        out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past)
-        carry = {layer: (out.gdn_state[layer], out.conv_tail[layer]) for layer in out.gdn_state}
-        for layer in out.keys:
-            past[layer].append((out.keys[layer], out.values[layer]))
-        logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
+    with staged_saves(past.stager) if staged else nullcontext():
+        for offset in range(0, inputs.numel(), block):
+            end = min(inputs.numel(), offset + block)
+            out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past, remote_attention)
+            carry = {layer: (out.gdn_state[layer], out.conv_tail[layer]) for layer in out.gdn_state}
+            for layer in out.keys:
+                if staged:
+                    past.append(layer, (out.keys[layer], out.values[layer]))
+                else:
+                    past[layer].append((out.keys[layer], out.values[layer]))
+            logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
     return torch.cat(logps)
 
 

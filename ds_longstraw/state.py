@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_longstraw.offload import PagePool
+from ds_longstraw.offload import PagePool, Stager, StagedPast, make_pool
 
 
 @dataclass
@@ -26,6 +26,7 @@ class PrefixState:
     pool: PagePool  # "k" and "v" streams of every attention layer
     gdn_carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the prefix
     boundaries: list = field(default_factory=list)  # exact mode only
+    offset: int = 0  # prompt position of this rank's first captured token (context parallelism; else 0)
 
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by layer type (checkpoints of exact mode reported apart)."""
@@ -48,26 +49,35 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     """Capture prompt_ids[:-1] under no_grad into a PrefixState."""
     ids = prompt_ids[:-1]
     length = ids.numel()
-    pool = PagePool(settings.page_tokens, device=adapter.device, rank=rank)
-    for layer in adapter.attn_layers:
-        for name in ("k", "v"):
-            pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
-    state = PrefixState(length=length, pool=pool)
-    carry = {}
-    chunk = settings.capture_chunk
-    with torch.no_grad():
-        for start in range(0, length, chunk):
-            end = min(length, start + chunk)
-            if keep_boundaries:
-                state.boundaries.append(ChunkBoundary(start, end, dict(carry)))
-            past = {layer: [(pool.read(layer, "k", 0, start), pool.read(layer, "v", 0, start))]
-                    for layer in adapter.attn_layers}
-            out = adapter.forward_segment(ids[start:end], start, carry, past)
-            carry = _detached_carry({layer: (out.gdn_state[layer], out.conv_tail[layer]) for layer in adapter.gdn_layers})
-            for layer in adapter.attn_layers:
-                pool.append(layer, "k", out.keys[layer])
-                pool.append(layer, "v", out.values[layer])
-            if progress is not None:
-                progress(end - start)
+    # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
+    # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
+    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
+    try:
+        for layer in adapter.attn_layers:
+            for name in ("k", "v"):
+                pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
+        state = PrefixState(length=length, pool=pool)
+        carry = {}
+        chunk = settings.capture_chunk
+        stager = Stager(pool, adapter.attn_layers)
+        with torch.no_grad():
+            for start in range(0, length, chunk):
+                end = min(length, start + chunk)
+                if keep_boundaries:
+                    state.boundaries.append(ChunkBoundary(start, end, dict(carry)))
+                past = StagedPast(stager, adapter.attn_layers, 0, start)
+                out = adapter.forward_segment(ids[start:end], start, carry, past)
+                carry = _detached_carry({layer: (out.gdn_state[layer], out.conv_tail[layer]) for layer in adapter.gdn_layers})
+                for layer in adapter.attn_layers:
+                    pool.append(layer, "k", out.keys[layer])
+                    pool.append(layer, "v", out.values[layer])
+                del out, past
+                if progress is not None:
+                    progress(end - start)
+        stager.close()
+        pool.flush()  # the last partial pages too: after capture every page is on its tier
+    except BaseException:
+        pool.release()  # page files are removed on error as on success
+        raise
     state.gdn_carry = carry
     return state

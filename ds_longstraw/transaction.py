@@ -19,6 +19,8 @@ from .config import parse_config
 from .group import GRPOGroup
 from .memory import PhaseMeter
 from .objective import GRPOObjective
+from .parallel.groups import as_cp_context
+from .parallel.transaction import cp_grpo_backward
 from .prefix_pass import prefix_backward
 from .replay import member_inputs, prefix_leaves, replay_member
 from .state import capture_prefix
@@ -64,32 +66,48 @@ def _progress_bar(enabled, total, desc):
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter, group, settings, keep_boundaries, desc):
+def _capture(adapter, group, settings, keep_boundaries, desc, lockstep=None):
     with _progress_bar(settings.progress, group.prompt_ids.numel() - 1, desc) as bar:
-        return capture_prefix(adapter, group.prompt_ids, settings, keep_boundaries,
-                              progress=None if bar is None else bar.update)
+        state = capture_prefix(adapter, group.prompt_ids, settings, keep_boundaries,
+                               progress=None if bar is None else bar.update)
+    if lockstep is not None:  # ZeRO-3 data parallel: as many module calls as the other ranks (lockstep.py)
+        lockstep.pad_capture(adapter)
+    return state
 
 
-def score_reference(ref_model, group, settings):
+def score_reference(ref_model, group, settings, lockstep=None):
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
     adapter = adapter_for(ref_model)
-    state = _capture(adapter, group, settings, False, "capture (reference)")
-    leaves = prefix_leaves(adapter, state, requires_grad=False)
-    scores = []
-    with torch.no_grad():
-        for member in range(group.size):
-            inputs, targets = member_inputs(group, member)
-            scores.append(replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block).double().cpu())
-    del leaves
-    state.release()
+    state = _capture(adapter, group, settings, False, "capture (reference)", lockstep)
+    try:
+        leaves = prefix_leaves(adapter, state, requires_grad=False)
+        scores = []
+        with torch.no_grad():
+            for member in range(group.size):
+                inputs, targets = member_inputs(group, member)
+                real = targets.numel()
+                if lockstep is not None:
+                    inputs, targets = lockstep.pad_member(member, inputs, targets)
+                scores.append(replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)[:real].double().cpu())
+            if lockstep is not None:
+                lockstep.replay_dummy_members(adapter, leaves, state.length, replay_member, with_grad=False)
+        leaves.release()
+    finally:
+        state.release()  # page files of a host/NVMe tier go on error as on success
     return scores
 
 
-def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None) -> GroupResult:
+def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None,
+                  backward=None, lockstep=None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
 
     config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
     a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
+    backward: callable run on every scalar that is back-propagated (each member's loss share; in exact mode the
+    prefix pass's surrogate sum(output * injected grad), whose gradient is exactly the injected one). Default
+    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward.
+    lockstep: None, or a lockstep.Lockstep that pads this rank's module calls to those of the other data-parallel
+    ranks (ZeRO-3 gathers weights with collectives; the DeepSpeed engine sets it). Results are unchanged.
     """
     settings = parse_config(config)
     objective = objective or GRPOObjective()
@@ -97,12 +115,15 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
         raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
-    if settings.cp_size > 1 or cp_group is not None:
-        raise ValueError("cp_size > 1 is not available in this build (context parallelism: issue 6)")
-    if settings.offload.tier != "none":
-        raise ValueError(f"offload.tier={settings.offload.tier!r} is not available in this build (offload tiers: issue 5)")
+    cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
+    if cp is not None and settings.offload.tier != "none":
+        raise ValueError(f"offload.tier={settings.offload.tier!r} with cp_size > 1 is not wired yet: the context-parallel "
+                         f"capture keeps its pages on the device")
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
+    if cp is not None:  # the prompt sharded over a context-parallel group (parallel/transaction.py)
+        return cp_grpo_backward(model, group, objective, settings=settings, ref_model=ref_model, cp=cp,
+                                backward=backward)
     exact = settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
@@ -110,39 +131,48 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     ref_logprobs = None
     if objective.kl_coef > 0:
         with meter.phase("reference"), _reference_policy(model, ref_model) as reference:
-            ref_logprobs = score_reference(reference, group, settings)
+            ref_logprobs = score_reference(reference, group, settings, lockstep)
 
     with meter.phase("capture"):
-        state = _capture(adapter, group, settings, exact, "capture")
-    retained = state.retained_bytes()
+        state = _capture(adapter, group, settings, exact, "capture", lockstep)
+    try:
+        retained = state.retained_bytes()
 
-    logprobs, loss = [], 0.0
-    with meter.phase("replay"):
-        leaves = prefix_leaves(adapter, state, requires_grad=exact)
-        for member in range(group.size):
-            inputs, targets = member_inputs(group, member)
-            with torch.enable_grad():
-                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)
-                ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
-                share = objective.member_loss(group, member, logp, advantages, ref)
-                if share.requires_grad:
-                    share.backward()
-            loss += float(share.detach())
-            logprobs.append(logp.detach().double().cpu())
-            del logp, share
+        logprobs, loss = [], 0.0
+        with meter.phase("replay"):
+            leaves = prefix_leaves(adapter, state, requires_grad=exact)
+            for member in range(group.size):
+                inputs, targets = member_inputs(group, member)
+                real = targets.numel()
+                if lockstep is not None:
+                    inputs, targets = lockstep.pad_member(member, inputs, targets)
+                with torch.enable_grad():
+                    logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)[:real]
+                    ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+                    share = objective.member_loss(group, member, logp, advantages, ref)
+                    if share.requires_grad:
+                        share.backward() if backward is None else backward(share)
+                loss += float(share.detach())
+                logprobs.append(logp.detach().double().cpu())
+                del logp, share
+            if lockstep is not None:
+                lockstep.replay_dummy_members(adapter, leaves, state.length, replay_member, backward)
+            leaves.release()  # staged pages of the replay are not needed by the prefix pass
 
-    grad_page_bytes = state.pool.grad_bytes()
-    if exact:
-        with meter.phase("prefix"):
-            d_final = {}
-            for layer, (recurrent, tail) in leaves.gdn_carry.items():
-                d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
-                                  torch.zeros_like(tail) if tail.grad is None else tail.grad)
-            with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
-                prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
-                                progress=None if bar is None else bar.update)
         grad_page_bytes = state.pool.grad_bytes()
-    del leaves
-    state.release()
+        if exact:
+            with meter.phase("prefix"):
+                d_final = {}
+                for layer, (recurrent, tail) in leaves.gdn_carry.items():
+                    d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
+                                      torch.zeros_like(tail) if tail.grad is None else tail.grad)
+                with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
+                    prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
+                                    progress=None if bar is None else bar.update, backward=backward)
+                if lockstep is not None:
+                    lockstep.pad_prefix(adapter, backward)
+            grad_page_bytes = state.pool.grad_bytes()
+    finally:
+        state.release()  # page files of a host/NVMe tier go on error as on success
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
                        phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes)

@@ -1,5 +1,14 @@
 """Owned pages of retained prompt state and the tiers they live on (installed as ``ds_longstraw.offload``)."""
 
-from .pages import PagePool, PageKey
+from .factory import make_pool
+from .host_pool import HostPagePool
+from .io_engine import PageFileError
+from .nvme_pool import NvmePagePool
+from .page_table import PageEntry, PageTable
+from .pages import PageKey, PagePool
+from .staged_past import StagedPast, staged_saves
+from .stager import Stager
+from .states import PageState
 
-__all__ = ["PagePool", "PageKey"]
+__all__ = ["HostPagePool", "NvmePagePool", "PageEntry", "PageFileError", "PageKey", "PagePool", "PageState",
+           "PageTable", "StagedPast", "Stager", "make_pool", "staged_saves"]

@@ -5,8 +5,14 @@ cut into pages of `page_tokens`; the page table maps (layer, name, page index) t
 stream may have a gradient stream of the same shape (exact mode accumulates d(state) there).
 
 This module holds the device tier: a stream's pages are views into one arena reserved at the stream's full
-length, so reading a token range of a resident layer costs no copy. Host and NVMe tiers store the same pages
-elsewhere and stage them to the compute device one layer at a time.
+length, so reading a token range of a resident layer costs no copy. Host and NVMe tiers (tiered.py,
+host_pool.py, nvme_pool.py) store the same pages elsewhere behind the same interface and stage them to the
+compute device one layer at a time (stager.py).
+
+The interface every pool offers: reserve / append / flush / read / begin_read (a ticket whose `result()` is the
+tensor, so reads can be issued ahead) / add_grad / read_grad / release, and the bookkeeping queries streams /
+length / pages / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says whether `read` returns a
+fresh copy (host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
 """
 
 from dataclasses import dataclass
@@ -30,17 +36,32 @@ class _Stream:
         self.grad = None
 
 
+class ReadyRead:
+    """A read that is complete when issued (the device tier's reads are views)."""
+
+    def __init__(self, tensor):
+        self._tensor = tensor
+
+    def result(self):
+        return self._tensor
+
+    def release(self):
+        self._tensor = None
+
+
 class PagePool:
     """Pages of one rank's retained streams on the compute device."""
 
     tier = "device"
+    copies_on_read = False
 
-    def __init__(self, page_tokens: int, device=None, rank: int = 0):
+    def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1):
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
         self.page_tokens = page_tokens
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.rank = rank
+        self.staging_depth = staging_depth
         self._streams: dict[tuple[int, str], _Stream] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------------------
@@ -89,6 +110,18 @@ class PagePool:
         if not (0 <= start <= end <= stream.length):
             raise ValueError(f"range [{start}, {end}) outside stream {(layer, name)} of {stream.length} tokens")
         return stream.data[start:end]
+
+    def begin_read(self, layer: int, name: str, start: int = 0, end: int | None = None, kind: str = "state"):
+        """Issue a read of tokens [start, end); `.result()` is the tensor (here at once: a view)."""
+        if kind == "grad":
+            return ReadyRead(self.read_grad(layer, name, start, end))
+        return ReadyRead(self.read(layer, name, start, end))
+
+    def flush(self):
+        """Nothing to write back: device pages are resident as soon as they are appended."""
+
+    def host_bytes(self) -> int:
+        return 0 if self.device.type != "cpu" else self.state_bytes() + self.grad_bytes()
 
     def add_grad(self, layer: int, name: str, start: int, grad):
         """Accumulate d(loss)/d(tokens [start, start + len(grad))) on the stream's gradient pages."""

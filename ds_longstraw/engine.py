@@ -1,0 +1,230 @@
+"""`ds_longstraw.initialize`: `deepspeed.initialize` whose engine also runs GRPO groups as transactions.
+
+    engine, optimizer, _, scheduler = ds_longstraw.initialize(model=model, optimizer=opt, config="ds.json")
+    result = engine.grpo_step(group)          # capture, score, replay, (prefix), ONE reduction, ONE step
+
+What grpo_step is:
+  - every rank runs `grpo_backward` on its own group(s) inside `engine.coalesce_grad_reduction()`, routing each
+    backward (each member's loss share, and in exact mode the prefix pass's surrogate) through
+    `engine.backward(loss, scale_wrt_gas=False)`; gradients stay local on the parameters until the block exits,
+    which issues ONE reduction over the data-parallel ranks; then ONE `engine.step()`.
+    (FACTS.md: this path matched a single backward of the summed loss under ZeRO-3; per-member backward with
+    gradient_accumulation_steps=1 took a wrong step.)
+  - under ZeRO-3 the adapters call the model's submodules directly, so DeepSpeed's module hooks gather each
+    submodule's partitioned weights when it runs (capture, scoring, replay, prefix pass) and release them after.
+    Those gathers are collectives: ranks agree on a common transaction shape first and pad their own work up to
+    it with dummy work of zero gradient (lockstep.py), so ranks may bring groups of any shapes and counts.
+  - data parallel: rank r brings its own group(s) with loss L_r (each group's loss normalised within the group by
+    the objective's loss_agg; several groups on one rank are averaged). DeepSpeed averages gradients over ranks,
+    so the step follows the gradient of mean_r L_r: every rank's group weighs the same, whatever its token count.
+What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no sampling of
+responses (groups come in with their responses and rewards), no reuse of a capture across steps.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from .arch import adapter_for
+from .config import LongstrawConfig
+from .engine_config import load_ds_config, read_block
+from .group import GRPOGroup
+from .objective import GRPOObjective
+from .lockstep import Lockstep, common_shapes, dummy_group, shape_of
+from .transaction import GroupResult, grpo_backward
+
+
+@dataclass
+class StepResult:
+    loss: float  # this rank's loss: the mean of its groups' losses
+    mean_loss: float  # the loss whose gradient the step followed: mean over data-parallel ranks
+    groups: list  # GroupResult per group of this rank
+    global_step: int  # engine.global_steps after the step
+    lr: float | None
+    grad_norm: float | None  # global gradient norm DeepSpeed measured (None where it did not)
+    seconds: float
+    tokens: int  # prompt + response tokens of this rank's groups
+    skipped: bool = False  # the optimizer skipped the step (fp16 overflow)
+    extras: dict = field(default_factory=dict)
+
+
+def _float_or_none(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return float(value)
+
+
+def _zero3_param(param) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "ds_status")
+
+
+class LongstrawEngineMixin:
+    """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
+
+    longstraw_config: LongstrawConfig
+
+    def grpo_step(self, group, objective=None, ref_model=None) -> StepResult:
+        """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
+
+        ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
+        DeepSpeed engine; under ZeRO-3 give a ZeRO-3 engine so its weights are partitioned too). A peft policy's
+        reference is itself with its adapters disabled.
+        """
+        if not self.longstraw_config.enabled:
+            raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
+        groups = [group] if isinstance(group, GRPOGroup) else list(group)
+        if not groups:
+            raise ValueError("grpo_step needs at least one group on every rank")
+        adapter = adapter_for(self.module)
+        for index, item in enumerate(groups):
+            if not isinstance(item, GRPOGroup):
+                raise ValueError(f"grpo_step: group {index} is a {type(item).__name__}, not a GRPOGroup")
+            item.check_vocab(adapter.vocab_size)  # fail before any collective, not halfway through one
+        if isinstance(ref_model, DeepSpeedEngine):
+            ref_model = ref_model.module
+        settings = self.longstraw_config
+        start = time.perf_counter()
+        plan = self._lockstep_plan(groups)
+        skipped_before = getattr(self, "skipped_steps", 0)
+        results: list[GroupResult] = []
+        objective = objective or GRPOObjective()
+
+        def backward(loss):
+            self.backward(loss, scale_wrt_gas=False)
+
+        with self.coalesce_grad_reduction():
+            for item, lockstep, scale in plan:
+                # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
+                # back-propagates injected gradients that already carry it.
+                weighted = objective if scale == 1.0 else _Weighted(objective, scale)
+                result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
+                                       backward=backward, lockstep=lockstep)
+                if scale != 0.0:  # not a dummy group
+                    result.loss /= scale
+                    results.append(result)
+            _fill_missing_grads(self)
+        self.step()
+        loss = sum(r.loss for r in results) / len(results)
+        mean_loss = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mean_loss, group=self.data_parallel_group)
+        mean_loss = float(mean_loss.item()) / dist.get_world_size(group=self.data_parallel_group)
+        lrs = self.get_lr() if self.optimizer is not None else None
+        return StepResult(loss=loss, mean_loss=mean_loss, groups=results, global_step=self.global_steps,
+                          lr=_float_or_none(lrs[0]) if lrs else None,
+                          grad_norm=_float_or_none(self.get_global_grad_norm()),
+                          seconds=time.perf_counter() - start,
+                          tokens=sum(g.prompt_ids.numel() + g.response_tokens for g in groups),
+                          skipped=getattr(self, "skipped_steps", 0) != skipped_before)
+
+    def _lockstep_plan(self, groups):
+        """[(group, Lockstep or None, loss scale)]: this rank's groups (scale 1/len), padded under ZeRO-3 with
+        data parallelism to the slots and shapes every rank runs, dummy groups (scale 0) filling missing slots."""
+        settings = self.longstraw_config
+        scale = 1.0 / len(groups)
+        if self.zero_optimization_stage() != 3 or dist.get_world_size(group=self.data_parallel_group) == 1:
+            return [(group, None, scale) for group in groups]
+        shapes = [shape_of(group, settings) for group in groups]
+        plan = []
+        for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):
+            if slot < len(groups):
+                plan.append((groups[slot], Lockstep(shapes[slot], common, settings), scale))
+            else:
+                dummy = dummy_group()
+                plan.append((dummy, Lockstep(shape_of(dummy, settings), common, settings), 0.0))
+        return plan
+
+
+class _Weighted:
+    """An objective whose member loss shares are multiplied by `weight` (everything else delegated)."""
+
+    def __init__(self, objective, weight):
+        self.objective, self.weight = objective, weight
+
+    def __getattr__(self, name):
+        return getattr(self.objective, name)
+
+    def member_loss(self, *args, **kwargs):
+        return self.objective.member_loss(*args, **kwargs) * self.weight
+
+
+def _fill_missing_grads(engine):
+    """Give a zero gradient to a trainable parameter that some ranks left without one: DeepSpeed's one reduction
+    walks the parameters that HAVE a gradient (in buckets), and ranks that walk different sets issue mismatched
+    collectives. One small all-reduce per step finds such parameters. Under ZeRO-3 lockstep already makes every
+    rank call every module the same way; this serves stages 1 and 2, where a rank's model path may skip a part."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    if not params:
+        return
+    counts = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32, device=engine.device)
+    dist.all_reduce(counts, group=engine.data_parallel_group)
+    world = dist.get_world_size(group=engine.data_parallel_group)
+    needed = [p for p, count in zip(params, counts.tolist()) if 0 < count < world]
+    if not needed:
+        return
+    zero3 = [p for p in needed if _zero3_param(p)]
+    with deepspeed.zero.GatheredParameters(zero3, enabled=bool(zero3)):  # same list on every rank: a collective
+        for p in needed:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+_ENGINE_CLASSES: dict = {}
+
+
+def _with_grpo_step(engine):
+    base = type(engine)
+    if not isinstance(engine, LongstrawEngineMixin):
+        if base not in _ENGINE_CLASSES:
+            _ENGINE_CLASSES[base] = type(f"Longstraw{base.__name__}", (LongstrawEngineMixin, base),
+                                         {"__module__": __name__, "__doc__": base.__doc__})
+        engine.__class__ = _ENGINE_CLASSES[base]
+    return engine
+
+
+def _config_of(args, kwargs):
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key], key
+    for name in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, name, None) is not None:
+            return getattr(args, name), None
+    raise ValueError("ds_longstraw.initialize needs a DeepSpeed config: config=<dict or JSON path> "
+                     "(or args.deepspeed_config)")
+
+
+def _world_size():
+    import os
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    size = os.environ.get("WORLD_SIZE")
+    return int(size) if size and size.isdigit() else None
+
+
+def initialize(args=None, model=None, **kwargs):
+    """A drop-in for `deepspeed.initialize` (same keyword arguments, same 4-tuple back).
+
+    Before any work (no process group, no partitioning) it reads and validates the config's "longstraw" block
+    (ValueError naming the key; a near-miss block name such as "long_straw" is an error too) and checks that the
+    model has an architecture adapter. The engine returned is the engine DeepSpeed built, with `grpo_step` added and
+    the validated block at `engine.longstraw_config`.
+    """
+    config, key = _config_of(args, kwargs)
+    ds_config = load_ds_config(config)
+    settings = read_block(ds_config, world_size=_world_size())
+    if model is None:
+        raise ValueError("ds_longstraw.initialize requires a model")
+    if settings.enabled:
+        adapter_for(model)  # an unsupported architecture fails here, not at the first step
+    if key is not None:
+        kwargs[key] = ds_config  # DeepSpeed accepts str paths only; a pathlib.Path works here too
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
+    engine = _with_grpo_step(engine)
+    engine.longstraw_config = settings
+    return engine, optimizer, loader, scheduler

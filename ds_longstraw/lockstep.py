@@ -1,0 +1,151 @@
+"""Lockstep: the same module calls on every data-parallel rank, whatever group each rank brings.
+
+Under ZeRO-3 every call of a submodule all-gathers its partitioned weights (forward) and every backward through
+it gathers them again: these are collectives over the data-parallel ranks, so every rank must call the same
+submodules in the same order. A transaction's calls depend on its group only through its *shape*:
+
+    capture chunks c = ceil((len(prompt) - 1) / capture_chunk)   (also the reference capture, and exact mode's
+                                                                  prefix pass: one forward + backward per chunk)
+    members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block)
+
+(one `forward_segment` walks every layer whatever its token count). Ranks agree on the common shape (the
+element-wise maximum; `common_shapes`) and each pads its own transaction up to it with dummy work of the same
+structure, whose results are thrown away and whose gradients are exactly zero:
+
+  - capture: extra no-grad forwards of one token (outputs discarded);
+  - replay: a member with fewer blocks is extended past its end with dummy tokens. Causality keeps the real
+    tokens' log-probs unchanged, and the dummy log-probs are sliced off before the loss, so their backward
+    carries zeros; the graph has the structure of a longer response, so the backward gathers match too;
+  - members: dummy members (dummy tokens from the real captured state, loss 0 * sum(log p)) with the common
+    block counts, backward like a real member;
+  - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
+A rank with fewer groups (grpo_step with lists) runs dummy groups (`dummy_group`) whose loss is scaled by zero.
+
+The padding costs compute (one-token segments) and the weight gathers the other ranks do anyway: ranks would
+wait for the slowest one regardless. Not needed (and not used) without ZeRO-3 or with one data-parallel rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+PAD_TOKEN = 0
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    chunks: int  # capture chunks
+    blocks: tuple  # replay blocks per member
+
+    def encode(self) -> list:
+        return [self.chunks, len(self.blocks), *self.blocks]
+
+
+def shape_of(group, settings) -> GroupShape:
+    return GroupShape(chunks=_ceil_div(group.prompt_ids.numel() - 1, settings.capture_chunk),
+                      blocks=tuple(_ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
+
+
+def merge(shapes) -> GroupShape:
+    """The element-wise maximum of group shapes (missing members count as 0 blocks)."""
+    members = max(len(s.blocks) for s in shapes)
+    return GroupShape(chunks=max(s.chunks for s in shapes),
+                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes) for m in range(members)))
+
+
+def common_shapes(local_shapes, group=None) -> list:
+    """All-gather every rank's list of group shapes over `group` (a torch process group: the data-parallel ranks)
+    and return, per group slot, the common shape (slots: the most groups any rank has)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, [s.encode() for s in local_shapes], group=group)
+    slots = max(len(ranks_shapes) for ranks_shapes in gathered)
+    out = []
+    for slot in range(slots):
+        shapes = [GroupShape(code[0], tuple(code[2:2 + code[1]])) for ranks_shapes in gathered
+                  if slot < len(ranks_shapes) for code in [ranks_shapes[slot]]]
+        out.append(merge(shapes))
+    return out
+
+
+def dummy_group():
+    """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's shape;
+    the engine scales its loss by zero)."""
+    from .group import GRPOGroup
+
+    return GRPOGroup(prompt_ids=torch.full((2,), PAD_TOKEN), response_ids=[torch.full((1,), PAD_TOKEN)],
+                     advantages=[0.0])
+
+
+class Lockstep:
+    """How one rank pads one group's transaction up to the common shape (see the module docstring)."""
+
+    def __init__(self, local: GroupShape, common: GroupShape, settings):
+        if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(
+                b > c for b, c in zip(local.blocks, common.blocks)):
+            raise ValueError(f"lockstep: local shape {local} exceeds the common shape {common}")
+        self.local, self.common, self.settings = local, common, settings
+
+    @property
+    def capture_pad(self) -> int:
+        return self.common.chunks - self.local.chunks
+
+    # -- capture and prefix ------------------------------------------------------------------------------
+    def pad_capture(self, adapter, device=None):
+        """Extra no-grad forwards (the reference capture, the policy capture)."""
+        ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(self.capture_pad):
+                adapter.forward_segment(ids, 0, {}, {})
+
+    def pad_prefix(self, adapter, backward=None):
+        """Extra prefix-pass iterations: a one-token forward with grad whose chunk outputs (GDN state and conv
+        tail, K and V) are the roots of a zero surrogate, back-propagated like a real chunk's."""
+        ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+        for _ in range(self.capture_pad):
+            with torch.enable_grad():
+                out = adapter.forward_segment(ids, 0, {}, {})
+                outputs = [t for layer in adapter.gdn_layers for t in (out.gdn_state[layer], out.conv_tail[layer])]
+                outputs += [t for layer in adapter.attn_layers for t in (out.keys[layer], out.values[layer])]
+                live = [o for o in outputs if o.requires_grad]
+                if live:
+                    surrogate = sum((o * 0.0).sum() for o in live)
+                    surrogate.backward() if backward is None else backward(surrogate)
+            del out, outputs, live
+
+    # -- replay ------------------------------------------------------------------------------------------
+    def _padded_length(self, member, length):
+        blocks = self.common.blocks[member]
+        return max(length, (blocks - 1) * self.settings.replay_block + 1)
+
+    def pad_member(self, member, inputs, targets):
+        """Extend a member's replay inputs/targets past its end so it has the common number of blocks; the
+        caller slices the log-probs back to the real length."""
+        extra = self._padded_length(member, inputs.numel()) - inputs.numel()
+        if extra == 0:
+            return inputs, targets
+        pad = torch.full((extra,), PAD_TOKEN, dtype=inputs.dtype, device=inputs.device)
+        return torch.cat([inputs, pad]), torch.cat([targets, pad.to(targets.device)])
+
+    def dummy_members(self):
+        """(member slot, inputs, targets) of the members this rank lacks."""
+        for member in range(len(self.local.blocks), len(self.common.blocks)):
+            length = self._padded_length(member, 1)
+            ids = torch.full((length,), PAD_TOKEN, dtype=torch.long)
+            yield member, ids, ids
+
+    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+        """Replay the dummy members (replay: replay_member's signature minus the adapter) and, with grad,
+        back-propagate 0 * sum(log p) like a member's loss share."""
+        for _, inputs, targets in self.dummy_members():
+            with torch.enable_grad() if with_grad else torch.no_grad():
+                logp = replay(adapter, leaves, start, inputs, targets, self.settings.replay_block)
+                if with_grad and logp.requires_grad:
+                    zero = logp.sum() * 0.0
+                    zero.backward() if backward is None else backward(zero)
+            del logp

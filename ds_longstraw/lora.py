@@ -1,0 +1,54 @@
+"""LoRA / QLoRA policies through peft.
+
+Only the adapter parameters train; the base weights are frozen (and, under ZeRO-3, still partitioned and gathered
+module by module like any other weight). The reference policy of the KL term is the same module with its adapters
+disabled (`grpo_backward` enters `model.disable_adapter()`): no second copy of the weights.
+
+LoRA dropout must be 0 for the transaction: capture, replay and exact mode's prefix pass run the same tokens more
+than once and must see the same function each time.
+"""
+
+import torch
+
+# Linear layers of each family that adapters attach to: attention and GDN projections and the MLP.
+DEFAULT_TARGETS = {
+    "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                "out_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def _family(model) -> str:
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    return "qwen3_5" if model_type in ("qwen3_5", "qwen3_5_text") else model_type
+
+
+def apply_lora(model, r: int = 16, alpha: float = 32, dropout: float = 0.0, target_modules=None, seed=None):
+    """Wrap `model` in a peft LoRA model; returns the PeftModel (only adapter parameters require grad).
+
+    seed: when given, the adapter initialisation draws from this seed (so every rank builds the same adapters)."""
+    from peft import LoraConfig, get_peft_model
+
+    if r <= 0:
+        raise ValueError(f"lora.r must be > 0, got {r}")
+    if dropout != 0.0:
+        raise ValueError(f"lora.dropout = {dropout}: must be 0 (capture, replay and the prefix pass re-run tokens "
+                         "and must see the same function every time)")
+    targets = list(target_modules) if target_modules else DEFAULT_TARGETS.get(_family(model))
+    if not targets:
+        raise ValueError(f"no default LoRA target modules for model type {_family(model)!r}: set lora.target_modules")
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none",
+                        task_type="CAUSAL_LM")
+    if seed is not None:
+        torch.manual_seed(seed)
+    return get_peft_model(model, config)
+
+
+def adapter_parameter_names(model) -> list:
+    """Names of the parameters that train (peft's adapters): everything with requires_grad."""
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def trainable_summary(model) -> dict:
+    trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    return {"trainable_params": trainable, "total_params": total}

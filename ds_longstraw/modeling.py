@@ -1,0 +1,107 @@
+"""Building the policy: from a model shape config (random weights, no hub access) or from a local checkpoint.
+
+A shape config is a YAML (or dict) of transformers config fields plus `model_type` and, for hybrid models,
+`full_attention_interval` (every n-th layer is full attention; the rest Gated DeltaNet) which becomes
+`layer_types`. See configs/models/.
+
+Under ZeRO-3 a big model must be partitioned as it is built (no rank could hold a whole 27B model): the model is
+then constructed inside transformers' DeepSpeed integration (`HfDeepSpeedConfig`, which enters
+`deepspeed.zero.Init`), for random weights and for from_pretrained alike. zero_init "auto" does that for
+checkpoints and for shapes above `ZERO_INIT_ABOVE` parameters; small random models are built whole on every rank
+from the same seed (so a single-process reference builds the very same weights).
+"""
+
+import os
+
+import torch
+
+ZERO_INIT_ABOVE = 1 << 30  # parameters
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
+
+
+def as_dtype(name) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype = {name!r}: expected one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_shape(shape) -> dict:
+    """A shape config as a plain dict (from a dict or a YAML path)."""
+    if isinstance(shape, (str, os.PathLike)):
+        from omegaconf import OmegaConf
+
+        shape = OmegaConf.to_container(OmegaConf.load(os.fspath(shape)), resolve=True)
+    if not isinstance(shape, dict):
+        raise ValueError(f"a model shape must be a dict or a YAML path, got {type(shape).__name__}")
+    return dict(shape)
+
+
+def config_from_shape(shape):
+    """transformers config for a shape config (dict or YAML path)."""
+    from transformers import AutoConfig
+
+    fields = load_shape(shape)
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("model shape needs 'model_type' (say qwen3_5_text)")
+    interval = fields.pop("full_attention_interval", None)
+    if interval is not None and "layer_types" not in fields:
+        layers = fields["num_hidden_layers"]
+        fields["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                 for i in range(layers)]
+    fields.pop("name", None)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def parameter_count(config) -> int:
+    """Parameters of a model built from `config`, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _zero3(ds_config) -> bool:
+    zero = (ds_config or {}).get("zero_optimization") or {}
+    return isinstance(zero, dict) and zero.get("stage") == 3
+
+
+def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=None, zero_init="auto",
+                attn_implementation="sdpa"):
+    """The policy model (a transformers causal LM). Exactly one of `shape` (random weights from `seed`) and
+    `pretrained` (a local checkpoint directory) must be given; ds_config: the DeepSpeed config dict (for ZeRO-3
+    construction-time partitioning)."""
+    from transformers import AutoModelForCausalLM
+
+    if (shape is None) == (pretrained is None):
+        raise ValueError("give exactly one of model.shape (random weights) and model.pretrained (a local path)")
+    dtype = as_dtype(dtype)
+    if zero_init not in ("auto", True, False):
+        raise ValueError(f"model.zero_init = {zero_init!r}: expected auto, true or false")
+    config = None if pretrained is not None else config_from_shape(shape)
+    if zero_init == "auto":
+        zero_init = _zero3(ds_config) and (pretrained is not None or parameter_count(config) > ZERO_INIT_ABOVE)
+    elif zero_init and not _zero3(ds_config):
+        raise ValueError("model.zero_init = true needs zero_optimization.stage = 3 in the DeepSpeed config")
+    hf_ds_config = None
+    if zero_init:
+        from transformers.integrations import HfDeepSpeedConfig
+
+        hf_ds_config = HfDeepSpeedConfig(ds_config)  # noqa: F841 -- must stay alive while the model is built
+    torch.manual_seed(seed)
+    if pretrained is not None:
+        if not os.path.isdir(pretrained):
+            raise ValueError(f"model.pretrained = {pretrained!r} is not a local directory (no hub access)")
+        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, attn_implementation=attn_implementation)
+    else:
+        config._attn_implementation = attn_implementation
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if not zero_init:  # partitioned parameters are built in `dtype` already; .to would touch only stubs
+            model = model.to(dtype)
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,99 @@
+"""The run config of launch/train.py: an omegaconf structured config (typed; unknown keys are errors).
+
+    deepspeed --num_gpus 2 launch/train.py --config configs/run/quickstart.yaml train.max_steps=5 optim.lr=1e-4
+
+The YAML is merged onto these defaults, then command-line `key=value` overrides (omegaconf dotlist) on top.
+Relative paths in the YAML are taken relative to the current directory (run from the repository root).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+@dataclass
+class ModelConfig:
+    shape: Optional[str] = None  # YAML shape config (random weights), e.g. configs/models/tiny_qwen3_5.yaml
+    pretrained: Optional[str] = None  # or a local checkpoint directory (from_pretrained)
+    dtype: str = "float32"
+    seed: int = 0
+    zero_init: Any = "auto"  # partition while building (ZeRO-3): auto | true | false
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class LoraSettings:
+    enabled: bool = False
+    r: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: Optional[List[str]] = None  # default: the family's projections (ds_longstraw.lora)
+    qlora: bool = False  # 4-bit NF4 base weights (bitsandbytes, CUDA; model.pretrained only)
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    path: str = MISSING  # JSONL, one group per line (ds_longstraw.data)
+    tokenizer: Optional[str] = None  # local tokenizer directory for text records (default: model.pretrained)
+    shuffle_seed: Optional[int] = None
+    groups_per_rank: int = 1
+
+
+@dataclass
+class ObjectiveConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    loss_agg: str = "token-mean"
+    scale_rewards: bool = True
+
+
+@dataclass
+class OptimConfig:
+    # Used when the DeepSpeed config has no "optimizer" block (then torch.optim.AdamW over the trainable params).
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1
+    save_dir: Optional[str] = None  # DeepSpeed checkpoints (tags "step<N>")
+    save_every: int = 0  # 0: only at the end (when save_dir is set)
+    resume: Optional[str] = None  # "latest" or a tag such as step1 (from save_dir)
+    metrics: Optional[str] = None  # JSONL, one line per step (rank 0)
+    dump_params: Optional[str] = None  # torch.save of the full (gathered) trainable parameters at the end
+    progress: bool = True
+
+
+@dataclass
+class RunConfig:
+    deepspeed_config: str = MISSING  # DeepSpeed JSON with the "longstraw" block
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def load_run_config(path=None, overrides=()) -> RunConfig:
+    """Defaults <- YAML at `path` <- dotlist `overrides`; ValueError naming the key on unknown keys or bad types."""
+    try:
+        config = OmegaConf.structured(RunConfig)
+        if path is not None:
+            config = OmegaConf.merge(config, OmegaConf.load(path))
+        if overrides:
+            config = OmegaConf.merge(config, OmegaConf.from_dotlist(list(overrides)))
+        missing = sorted(OmegaConf.missing_keys(config))
+        if missing:
+            raise ValueError(f"run config is missing {missing}")
+        return config
+    except OmegaConfBaseException as error:
+        key = getattr(error, "full_key", None)
+        raise ValueError(f"run config: {'key ' + repr(key) + ': ' if key else ''}{error.msg}") from None

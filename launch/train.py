@@ -1,0 +1,219 @@
+"""GRPO training with ds_longstraw, for the `deepspeed` launcher.
+
+    deepspeed --num_gpus 2 launch/train.py --config configs/run/quickstart.yaml [key=value ...]
+    deepspeed --hostfile launch/hostfile.example launch/train.py --config configs/run/qwen3_6_27b_h20.yaml
+
+Reads GRPO groups (a shared prompt, G responses, rewards) from JSONL, one optimizer step per `grpo_step` (each
+data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients), prints and
+logs (JSONL) per-step metrics on rank 0, saves DeepSpeed checkpoints (tags "step<N>", with the step in the client
+state) and resumes from them (`train.resume=latest` or a tag). The run config is ds_longstraw.run_config.RunConfig
+(YAML + dotlist overrides); the DeepSpeed JSON it names carries the "longstraw" block.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="run config YAML (ds_longstraw.run_config.RunConfig)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=5 optim.lr=1e-4")
+    args = parser.parse_args(argv)
+    bad = [item for item in args.overrides if "=" not in item]
+    if bad:
+        parser.error(f"overrides must look like key=value, got {bad}")
+    return args
+
+
+def _tokenizer(run):
+    path = run.data.tokenizer or run.model.pretrained
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        if run.data.tokenizer:  # asked for explicitly: say so
+            raise
+        return None  # a checkpoint without tokenizer files: fine as long as the data holds token ids
+
+
+def _policy(run, ds_config):
+    from ds_longstraw.lora import apply_lora
+    from ds_longstraw.modeling import build_model
+
+    if run.lora.qlora:
+        raise ValueError("lora.qlora: 4-bit base weights need bitsandbytes on CUDA and model.pretrained; "
+                         "not available in this build (TODO: issue 4 follow-up, untestable without a GPU)")
+    model = build_model(shape=run.model.shape, pretrained=run.model.pretrained, dtype=run.model.dtype,
+                        seed=run.model.seed, ds_config=ds_config, zero_init=run.model.zero_init,
+                        attn_implementation=run.model.attn_implementation)
+    if run.lora.enabled:
+        model = apply_lora(model, r=run.lora.r, alpha=run.lora.alpha, dropout=run.lora.dropout,
+                           target_modules=run.lora.target_modules, seed=run.lora.seed)
+    return model
+
+
+def _reference(run, ds_config):
+    """The frozen reference policy for the KL term of a full fine-tune: the starting weights, in a ZeRO engine of
+    its own (no optimizer) so that under ZeRO-3 its weights are partitioned too."""
+    import deepspeed
+
+    from ds_longstraw.modeling import build_model
+
+    model = build_model(shape=run.model.shape, pretrained=run.model.pretrained, dtype=run.model.dtype,
+                        seed=run.model.seed, ds_config=ds_config, zero_init=run.model.zero_init,
+                        attn_implementation=run.model.attn_implementation)
+    model.requires_grad_(False).eval()
+    config = {k: v for k, v in ds_config.items() if k not in ("optimizer", "scheduler", "longstraw")}
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    return engine
+
+
+def _metrics(step, result, world):
+    """One line per step. On-policy without old log-probs the loss VALUE is -mean(advantage) whatever the weights
+    (the ratio is 1); the mean response log-prob (and the KL to the reference) show the policy moving."""
+    phases = {}
+    for group in result.groups:
+        for name, stats in group.phases.items():
+            phases[name] = phases.get(name, 0.0) + stats.seconds
+    logps = torch.cat([lp for group in result.groups for lp in group.logprobs])
+    kl = None
+    if all(group.ref_logprobs is not None for group in result.groups):
+        delta = torch.cat([r for group in result.groups for r in group.ref_logprobs]) - logps
+        kl = float((delta.exp() - delta - 1).mean())  # the k3 estimator the objective uses
+    return {
+        "step": step, "loss": result.loss, "mean_loss": result.mean_loss, "lr": result.lr,
+        "mean_logprob_rank0": float(logps.mean()), "kl_rank0": kl,
+        "grad_norm": result.grad_norm, "seconds": round(result.seconds, 4), "tokens_rank0": result.tokens,
+        "tokens_per_s_rank0": round(result.tokens / max(result.seconds, 1e-9), 2),
+        "groups_per_rank": len(result.groups), "responses_rank0": sum(len(g.logprobs) for g in result.groups),
+        "dp_world": world, "peak_bytes_rank0": max(g.peak_bytes for g in result.groups),
+        "phase_seconds_rank0": {k: round(v, 4) for k, v in phases.items()}, "skipped": result.skipped,
+    }
+
+
+def dump_trainable(engine, path, rank):
+    """Full copies of the trainable parameters (gathered one at a time under ZeRO-3), saved by rank 0."""
+    import deepspeed
+
+    out = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        with deepspeed.zero.GatheredParameters([param], enabled=hasattr(param, "ds_id")):
+            if rank == 0:
+                out[name] = param.detach().clone().cpu()
+    if rank == 0:
+        torch.save(out, path)
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from ds_longstraw.run_config import load_run_config
+
+    run = load_run_config(args.config, args.overrides)
+
+    # Everything that can be checked without a process group is checked first.
+    from ds_longstraw.engine_config import load_ds_config, read_block
+
+    ds_config = load_ds_config(run.deepspeed_config)
+    read_block(ds_config, world_size=int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    from ds_longstraw import GRPOObjective
+
+    objective = GRPOObjective(**run.objective)
+    from ds_longstraw.data import GroupSource
+
+    source = GroupSource(run.data.path, tokenizer=_tokenizer(run), shuffle_seed=run.data.shuffle_seed)
+    if run.train.resume and not run.train.save_dir:
+        raise ValueError("train.resume needs train.save_dir (where the checkpoints are)")
+
+    import deepspeed
+    from deepspeed import comm as dist
+
+    import ds_longstraw
+
+    deepspeed.init_distributed()
+    rank = dist.get_rank()
+    model = _policy(run, ds_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None
+    if "optimizer" not in ds_config:
+        optimizer = torch.optim.AdamW(trainable, lr=run.optim.lr, betas=tuple(run.optim.betas), eps=run.optim.eps,
+                                      weight_decay=run.optim.weight_decay)
+    engine, _, _, _ = ds_longstraw.initialize(model=model, optimizer=optimizer,
+                                              model_parameters=trainable if optimizer is None else None,
+                                              config=ds_config)
+    reference = _reference(run, ds_config) if objective.kl_coef > 0 and not run.lora.enabled else None
+    dp_group = engine.data_parallel_group
+    dp_rank, dp_world = dist.get_rank(group=dp_group), dist.get_world_size(group=dp_group)
+
+    start = 0
+    if run.train.resume:
+        tag = None if run.train.resume == "latest" else run.train.resume
+        path, client = engine.load_checkpoint(run.train.save_dir, tag=tag)
+        if path is None:
+            raise ValueError(f"train.resume = {run.train.resume!r}: no checkpoint in {run.train.save_dir!r}")
+        start = int(client["step"])
+    if rank == 0:
+        import psutil
+
+        from ds_longstraw.lora import trainable_summary
+
+        ready = time.time() - psutil.Process().create_time()
+        print(f"[longstraw] {len(source)} groups from {run.data.path}; dp_world={dp_world}; steps {start}.."
+              f"{run.train.max_steps}; {trainable_summary(engine.module)}; ready {ready:.1f} s after start",
+              flush=True)
+
+    metrics_file = None
+    if rank == 0 and run.train.metrics:
+        os.makedirs(os.path.dirname(os.path.abspath(run.train.metrics)), exist_ok=True)
+        metrics_file = open(run.train.metrics, "a" if run.train.resume else "w")  # a resumed run appends
+    bar = None
+    if rank == 0 and run.train.progress:
+        from tqdm import tqdm
+
+        # disable=None: no bar where stderr is not a terminal (logs); the per-step metric lines remain.
+        bar = tqdm(total=run.train.max_steps, initial=start, desc="grpo steps", unit="step", disable=None)
+    say = bar.write if bar is not None else print
+    started = time.perf_counter()
+    for step in range(start, run.train.max_steps):
+        groups = source.for_step(step, dp_rank, dp_world, run.data.groups_per_rank)
+        result = engine.grpo_step(groups, objective, ref_model=reference)
+        done = step + 1
+        if rank == 0:
+            record = _metrics(done, result, dp_world)
+            say("[longstraw] " + json.dumps(record))
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.mean_loss:.4f}")
+        last = done == run.train.max_steps
+        every = run.train.save_every
+        if run.train.save_dir and ((every and done % every == 0) or last):
+            engine.save_checkpoint(run.train.save_dir, tag=f"step{done}", client_state={"step": done})
+    if bar is not None:
+        bar.close()
+    if metrics_file is not None:
+        metrics_file.close()
+    if run.train.dump_params:
+        dump_trainable(engine, run.train.dump_params, rank)
+    if rank == 0:
+        print(f"[longstraw] done: steps {start}..{run.train.max_steps} in {time.perf_counter() - started:.1f} s",
+              flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""Asynchronous page-file reads and writes: DeepSpeed's aio op, or buffered I/O where O_DIRECT is refused.
+
+Both engines take the same calls: `submit_read(buffer, path, offset)`, `submit_write(buffer, path, offset)`,
+`wait()` (completes everything submitted on this engine; a no-op when nothing is pending). One engine is one
+queue: a caller that must wait for some transfers but not others uses several engines.
+
+The aio op's sharp edges are guarded here, because it reports none of them:
+- `wait()` with nothing pending, or a read past the end of a file, trips a C assert and aborts the process:
+  `wait` is skipped when nothing is pending and every read is checked against the file's size first;
+- a misaligned request "succeeds" and transfers nothing: sizes, offsets and buffers are checked for alignment;
+- it never looks at the result of a transfer (a full disk or an I/O error passes silently): writes are checked
+  against the file's size after completion, and readers verify page checksums.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+_AIO_MODULE = None
+
+
+def load_aio():
+    """DeepSpeed's async_io op, built on first use (JIT, ~3 minutes, cached in ~/.cache/torch_extensions).
+
+    Raises RuntimeError saying why when it cannot be built here (no libaio headers, no compiler).
+    """
+    global _AIO_MODULE
+    if _AIO_MODULE is None:
+        try:
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            builder = AsyncIOBuilder()
+            if not builder.is_compatible(verbose=False):
+                raise RuntimeError("AsyncIOBuilder is not compatible here (libaio development files missing? "
+                                   "apt-get install libaio-dev)")
+            _AIO_MODULE = builder.load(verbose=False)
+        except Exception as error:  # a failed JIT build raises many types; keep the reason, one type out
+            raise RuntimeError(f"DeepSpeed's async I/O op cannot be loaded: {error}") from error
+    return _AIO_MODULE
+
+
+class PageFileError(OSError):
+    """A page file could not be written or read back intact; the message names the file."""
+
+
+def _check_buffer(buffer, alignment, what):
+    if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
+        raise AssertionError(f"{what}: I/O buffers are contiguous uint8 CPU tensors, got {buffer.dtype} "
+                             f"on {buffer.device}")
+    if buffer.numel() % alignment or buffer.data_ptr() % 512:
+        raise AssertionError(f"{what}: {buffer.numel()} B at address {buffer.data_ptr():#x} is not aligned "
+                             f"to {alignment} B")
+
+
+def _file_size(path):
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        raise PageFileError(f"page file {path} is missing") from None
+
+
+def check_readable(path, offset, nbytes):
+    """Raise PageFileError unless bytes [offset, offset + nbytes) exist in `path` (a truncated page file)."""
+    size = _file_size(path)
+    if offset + nbytes > size:
+        raise PageFileError(f"page file {path} is truncated: {size} B, a page read needs bytes "
+                            f"[{offset}, {offset + nbytes})")
+
+
+class _Engine:
+    kind = "?"
+
+    def __init__(self, alignment):
+        self.alignment = alignment
+        self._writes = []  # (path, end offset) to check after completion
+        self._pending = 0
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    def _check(self, buffer, path, offset, what):
+        _check_buffer(buffer, self.alignment, f"{what} {path}")
+        if offset % self.alignment:
+            raise AssertionError(f"{what} {path}: offset {offset} not aligned to {self.alignment} B")
+
+    def _check_writes(self):
+        writes, self._writes = self._writes, []
+        for path, end in writes:
+            size = _file_size(path)
+            if size < end:
+                raise PageFileError(f"write to page file {path} did not land: {size} B on disk, expected at "
+                                    f"least {end} B (disk full or I/O error?)")
+
+
+class AioEngine(_Engine):
+    """One DeepSpeed aio handle (a queue with `intra_op_parallelism` worker threads)."""
+
+    kind = "aio"
+
+    def __init__(self, aio_module, aio_config, alignment):
+        super().__init__(alignment)
+        self._handle = aio_module.aio_handle(aio_config.block_size, aio_config.queue_depth, aio_config.single_submit,
+                                             aio_config.overlap_events, aio_config.intra_op_parallelism)
+
+    def submit_read(self, buffer, path, offset):
+        self._check(buffer, path, offset, "read")
+        check_readable(path, offset, buffer.numel())  # the op asserts (aborts) on a read past the end
+        if self._handle.async_pread(buffer, path, offset) != 0:
+            raise PageFileError(f"could not open page file {path} for reading")
+        self._pending += 1
+
+    def submit_write(self, buffer, path, offset):
+        self._check(buffer, path, offset, "write")
+        if self._handle.async_pwrite(buffer, path, offset) != 0:
+            raise PageFileError(f"could not open page file {path} for writing")
+        self._pending += 1
+        self._writes.append((path, offset + buffer.numel()))
+
+    def wait(self):
+        if self._pending == 0:  # the op asserts (aborts) on a wait with nothing pending
+            return
+        self._handle.wait()
+        self._pending = 0
+        self._check_writes()
+
+    def close(self):
+        # The handle's destructor asserts (aborts) when transfers are still pending: drain first.
+        self.wait()
+        self._handle = None
+
+
+class BufferedEngine(_Engine):
+    """os.pread / os.pwrite on one worker thread (page cache, no O_DIRECT) for filesystems that refuse O_DIRECT."""
+
+    kind = "buffered"
+
+    def __init__(self, alignment):
+        super().__init__(alignment)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-io")
+        self._futures = []
+
+    @staticmethod
+    def _transfer(read, buffer, path, offset):
+        view = memoryview(buffer.numpy())
+        done = 0
+        fd = os.open(path, os.O_RDONLY if read else os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            while done < len(view):
+                if read:
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                else:
+                    n = os.pwrite(fd, view[done:], offset + done)
+                if n <= 0:
+                    raise PageFileError(f"{'read from' if read else 'write to'} page file {path} stopped at "
+                                        f"byte {offset + done} of [{offset}, {offset + len(view)})")
+                done += n
+        finally:
+            os.close(fd)
+
+    def _submit(self, read, buffer, path, offset):
+        self._futures.append((path, self._pool.submit(self._transfer, read, buffer, path, offset)))
+        self._pending += 1
+
+    def submit_read(self, buffer, path, offset):
+        self._check(buffer, path, offset, "read")
+        check_readable(path, offset, buffer.numel())
+        self._submit(True, buffer, path, offset)
+
+    def submit_write(self, buffer, path, offset):
+        self._check(buffer, path, offset, "write")
+        self._submit(False, buffer, path, offset)
+        self._writes.append((path, offset + buffer.numel()))
+
+    def wait(self):
+        futures, self._futures = self._futures, []
+        self._pending = 0
+        first = None
+        for path, future in futures:  # collect every transfer before raising, so no buffer is still in use
+            try:
+                future.result()
+            except PageFileError as error:
+                first = first or error
+            except OSError as error:
+                first = first or PageFileError(f"I/O on page file {path} failed: {error}")
+        if first is not None:
+            self._writes.clear()
+            raise first
+        self._check_writes()
+
+    def close(self):
+        self._pool.shutdown(wait=True)

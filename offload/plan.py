@@ -1,0 +1,156 @@
+"""The tier plan: retained bytes per rank, what each tier needs of GPU, host and NVMe, and what fits.
+
+Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
+  pages          per-token state of every layer (model_shapes.py)      tier none: GPU; cpu: host; nvme: disk
+  gradient pages exact mode, as much again                              with the pages
+  gdn state      per sequence; exact mode adds one copy per chunk start  always GPU
+  staging        (depth + 1) staged layers of pages, plus one layer's dK/dV in float32 during backward
+                 (the attention backward computes them for the prompt pages in both modes)   GPU
+  host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
+The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
+parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
+10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
+What is not modelled: activation memory beyond the reserve (capture chunk, replay block, MoE dispatch), the
+optimizer state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
+them against measured captures.
+"""
+
+from dataclasses import dataclass, field
+
+from .model_shapes import ModelShape
+
+GiB = 2**30
+_WRITE_QUEUE = 64 << 20
+TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass
+class Layout:
+    gpus: int = 1
+    cp: int = 1
+    gpus_per_node: int = 1
+    gpu_memory: int | None = None  # bytes per GPU
+    host_memory: int | None = None  # bytes per node
+    nvme_free: int | None = None  # bytes per node (None: not known, assumed enough)
+    weights_per_rank: int | None = None  # bytes; None: ZeRO-3 estimate
+    weight_bytes: float = 2.0  # per parameter, for that estimate
+    reserve_fraction: float = 0.10
+    host_fraction: float = 0.80
+
+
+@dataclass
+class Plan:
+    shape: ModelShape
+    context: int
+    group_size: int
+    mode: str
+    layout: Layout
+    capture_chunk: int
+    tokens_per_rank: int = 0
+    retained: dict = field(default_factory=dict)  # category -> bytes per rank
+    weights_per_rank: int = 0
+    gpu_budget: int | None = None
+    host_budget: int | None = None
+    nvme_budget: int | None = None
+    needs: dict = field(default_factory=dict)  # tier -> {"gpu", "host", "nvme"} bytes
+    fits: dict = field(default_factory=dict)  # tier -> bool (None: unknown budget)
+    depth: dict = field(default_factory=dict)  # tier -> staging depth
+    tier: str | None = None
+    max_context: dict = field(default_factory=dict)  # tier -> prompt tokens (None: no bound known)
+
+
+def captured_tokens_per_rank(context: int, cp: int) -> int:
+    return -(-max(context - 1, 0) // cp)
+
+
+def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int) -> dict:
+    """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
+    tokens = captured_tokens_per_rank(context, cp)
+    out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
+    out["gdn_state"] = shape.gdn_state_bytes if shape.gdn_state_bytes else 0
+    chunks = -(-tokens // capture_chunk)
+    exact = mode == "exact"
+    # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
+    out["gdn_checkpoints"] = shape.gdn_state_bytes * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
+    out["gradient_pages"] = shape.bytes_per_token * tokens if exact else 0
+    return out
+
+
+def _needs(shape, tokens, retained, tier, depth):
+    pages = sum(v for k, v in retained.items() if k.endswith("_pages"))  # state and gradient pages
+    layer = shape.staged_layer_bytes_per_token * tokens
+    backward = layer * 4 // shape.dtype_bytes  # one layer's dK/dV in float32
+    constant = retained["gdn_state"] + retained["gdn_checkpoints"]
+    if tier == "none":
+        return {"gpu": pages + constant + backward, "host": 0, "nvme": 0}
+    staging = (depth + 1) * layer + backward
+    if tier == "cpu":
+        return {"gpu": constant + staging, "host": pages, "nvme": 0}
+    return {"gpu": constant + staging, "host": (depth + 1) * layer + _WRITE_QUEUE, "nvme": pages}
+
+
+def _fits(needs, plan):
+    for key, budget in (("gpu", plan.gpu_budget), ("host", plan.host_budget), ("nvme", plan.nvme_budget)):
+        if needs[key] and budget is not None and needs[key] > budget:
+            return False
+    return True
+
+
+def _depth_for(tier):
+    # Host copies are fast next to a layer's compute: one layer ahead hides them. NVMe reads are slower and
+    # burstier: two ahead where it fits.
+    return {"none": 1, "cpu": 1, "nvme": 2}[tier]
+
+
+def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
+              capture_chunk: int = 4096) -> Plan:
+    if mode not in ("detached", "exact"):
+        raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
+    if layout.cp < 1 or layout.gpus % layout.cp:
+        raise ValueError(f"cp = {layout.cp} must divide gpus = {layout.gpus}")
+    if context < 2 or group_size < 1:
+        raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
+    plan = Plan(shape, context, group_size, mode, layout, capture_chunk)
+    plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
+    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk)
+    plan.weights_per_rank = (layout.weights_per_rank if layout.weights_per_rank is not None
+                             else int(shape.params * layout.weight_bytes / layout.gpus))
+    if layout.gpu_memory is not None:
+        plan.gpu_budget = int(layout.gpu_memory * (1 - layout.reserve_fraction)) - plan.weights_per_rank
+    if layout.host_memory is not None:
+        plan.host_budget = int(layout.host_memory * layout.host_fraction / layout.gpus_per_node)
+    if layout.nvme_free is not None:
+        plan.nvme_budget = layout.nvme_free // layout.gpus_per_node
+    for tier in TIERS:
+        depth = _depth_for(tier)
+        needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth)
+        if tier == "nvme" and not _fits(needs, plan):
+            depth = 1
+            needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth)
+        plan.depth[tier], plan.needs[tier] = depth, needs
+        plan.fits[tier] = _fits(needs, plan)
+        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d)
+                  for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
+        plan.max_context[tier] = None if None in bounds else max(bounds)
+    plan.tier = next((t for t in TIERS if plan.fits[t]), None)
+    return plan
+
+
+def _max_context(shape, mode, layout, chunk, plan, tier, depth, limit=1 << 40):
+    """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
+    if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
+        return None
+
+    def ok(context):
+        retained = retained_per_rank(shape, context, layout.cp, mode, chunk)
+        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth), plan)
+
+    if not ok(2):
+        return 0
+    if ok(limit):
+        return None
+    lo, hi = 2, limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo

@@ -1,0 +1,185 @@
+"""`longstraw plan`: size the offload tiers before anything runs.
+
+    longstraw plan --model glm-5.2 --context 2M --group-size 8 --gpus 32 --cp 32 --gpus-per-node 8 \\
+                   --gpu-memory 96GB --host-memory 2TB --mode exact
+    python -m ds_longstraw.offload.planner --model path/to/config.json --context 512K ...
+
+Reports retained bytes per rank by layer type, what each tier needs of GPU, host and NVMe memory and whether it
+fits, the recommended `offload` block (tier, staging depth) and the longest prompt each tier allows. Memory the
+command is not given is detected: host memory with psutil, the CPU with py-cpuinfo, the GPU with torch (when
+one is visible), free NVMe space at --nvme-path. Sizes take a unit (96GB, 2TiB, 512M); a bare number is GiB.
+The model of what costs what is in plan.py; the byte figures per layer type in model_shapes.py.
+"""
+
+import argparse
+import json
+import re
+import shutil
+import sys
+
+from .model_shapes import load_config, shape_from_config
+from .plan import GiB, TIERS, Layout, make_plan
+
+_UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 96GB, 80GiB, 2TB, 512)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_tokens(text: str) -> int:
+    """Token counts: 2097152, 2M (= 2 * 2**20), 128K, 4.5M."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", str(text))
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (examples: 2097152, 2M, 128K)")
+    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="longstraw plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="qwen3.6-27b, glm-5.2, or a transformers config.json")
+    p.add_argument("--context", required=True, type=parse_tokens, help="prompt tokens (2M = 2,097,152)")
+    p.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
+    p.add_argument("--mode", choices=("detached", "exact"), default="detached", help="longstraw.prefix_grad")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all GPUs)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="default: min(gpus, 8)")
+    p.add_argument("--gpu-memory", type=parse_size, default=None, help="per GPU (default: detected)")
+    p.add_argument("--host-memory", type=parse_size, default=None, help="per node (default: detected)")
+    p.add_argument("--nvme-path", default=None, help="where page files would go (free space is detected)")
+    p.add_argument("--nvme-free", type=parse_size, default=None, help="free NVMe space per node")
+    p.add_argument("--weights", type=parse_size, default=None, help="weights per rank (default: ZeRO-3 estimate)")
+    p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes per parameter for that estimate")
+    p.add_argument("--reserve", type=float, default=0.10, help="GPU fraction kept for activations")
+    p.add_argument("--host-fraction", type=float, default=0.80, help="host memory fraction the tier may use")
+    p.add_argument("--capture-chunk", type=int, default=4096, help="longstraw.capture_chunk")
+    p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def _detect_host_memory():
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def _detect_cpu():
+    try:
+        import cpuinfo
+
+        return cpuinfo.get_cpu_info().get("brand_raw") or "unknown CPU"
+    except Exception:  # py-cpuinfo probes the machine in several ways; any failure only loses a label
+        return "unknown CPU"
+
+
+def _detect_gpu_memory():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory
+    except Exception:
+        pass
+    return None
+
+
+def _gib(n):
+    return "-" if n is None else f"{n / GiB:,.2f} GiB"
+
+
+def _tokens(n):
+    if n is None:
+        return "unbounded by the budgets given"
+    return f"{n:,} ({n / 2**20:.2f}M)" if n >= 2**20 else f"{n:,}"
+
+
+def render(plan, detected) -> str:
+    s, lay = plan.shape, plan.layout
+    lines = [f"# longstraw plan: {s.name} ({s.family}, ~{s.params / 1e9:.1f}B parameters)", "",
+             f"prompt {plan.context:,} tokens, G = {plan.group_size}, prefix_grad = {plan.mode}; {lay.gpus} GPUs, "
+             f"CP {lay.cp}, {lay.gpus_per_node} per node -> {plan.tokens_per_rank:,} captured tokens per rank.",
+             f"per rank: GPU {_gib(lay.gpu_memory)}, weights {_gib(plan.weights_per_rank)}, state budget "
+             f"{_gib(plan.gpu_budget)}; host budget {_gib(plan.host_budget)}; NVMe budget {_gib(plan.nvme_budget)}."]
+    if detected:
+        lines.append("detected: " + "; ".join(detected) + ".")
+    lines += ["", "## Retained bytes per rank", "", "| state | layers | bytes per token (all its layers) | per rank |",
+              "|---|---:|---:|---:|"]
+    gdn = s.layer_counts.get("gated_deltanet")
+    rows = {"attention_kv_pages": (s.layer_counts.get("full_attention"), "where"),
+            "mla_latent_pages": (s.layer_counts.get("mla"), "where"),
+            "indexer_key_pages": (s.layer_counts.get("indexer_full"), "where"),
+            "gdn_state": (gdn, "per sequence"), "gdn_checkpoints": (gdn, "per chunk start"),
+            "gradient_pages": ("as the pages", s.bytes_per_token)}
+    for key, value in plan.retained.items():
+        layers, per_token = rows[key]
+        if not layers or (not value and key in ("gdn_checkpoints", "gradient_pages")):
+            continue  # a layer type the model does not have, or exact mode's extras in detached mode
+        per_token = s.page_bytes_per_token[key] if per_token == "where" else per_token
+        lines.append(f"| {key} | {layers} | {per_token:,} | {_gib(value)} |" if isinstance(per_token, int)
+                     else f"| {key} | {layers} | {per_token} | {_gib(value)} |")
+    lines.append(f"| total | | | {_gib(sum(plan.retained.values()))} |")
+    lines += ["", "## Where it fits (per rank)", "", "| tier | staging depth | GPU | host | NVMe | fits | longest prompt |",
+              "|---|---:|---:|---:|---:|---|---:|"]
+    for tier in TIERS:
+        n = plan.needs[tier]
+        lines.append(f"| {tier} | {plan.depth[tier]} | {_gib(n['gpu'])} | {_gib(n['host'])} | {_gib(n['nvme'])} | "
+                     f"{'yes' if plan.fits[tier] else 'no'} | {_tokens(plan.max_context[tier])} |")
+    lines.append("")
+    if plan.tier is None:
+        lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt.")
+    else:
+        block = {"tier": plan.tier, "staging_depth": plan.depth[plan.tier]}
+        if plan.tier == "nvme":
+            block["nvme_path"] = "/local_nvme/longstraw"
+        lines.append(f"Recommended: \"offload\": {json.dumps(block)} (the first tier that fits, fastest first).")
+    return "\n".join(lines)
+
+
+def as_dict(plan) -> dict:
+    return {"model": plan.shape.name, "params": plan.shape.params, "context": plan.context,
+            "group_size": plan.group_size, "mode": plan.mode, "tokens_per_rank": plan.tokens_per_rank,
+            "retained_bytes_per_rank": plan.retained, "weights_per_rank": plan.weights_per_rank,
+            "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
+            "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
+            "max_context": plan.max_context}
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        name, config = load_config(args.model)
+        shape = shape_from_config(name, config, args.dtype_bytes)
+        detected = []
+        gpu_memory = args.gpu_memory
+        if gpu_memory is None:
+            gpu_memory = _detect_gpu_memory()
+            detected.append(f"GPU {_gib(gpu_memory)}" if gpu_memory else "no GPU visible (give --gpu-memory)")
+        host_memory = args.host_memory
+        if host_memory is None:
+            host_memory = _detect_host_memory()
+            detected.append(f"host {_gib(host_memory)} ({_detect_cpu()})")
+        nvme_free = args.nvme_free
+        if nvme_free is None and args.nvme_path:
+            nvme_free = shutil.disk_usage(args.nvme_path).free
+            detected.append(f"{_gib(nvme_free)} free at {args.nvme_path}")
+        cp = args.cp or args.gpus
+        layout = Layout(gpus=args.gpus, cp=cp, gpus_per_node=args.gpus_per_node or min(args.gpus, 8),
+                        gpu_memory=gpu_memory, host_memory=host_memory, nvme_free=nvme_free,
+                        weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
+                        reserve_fraction=args.reserve, host_fraction=args.host_fraction)
+        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, args.capture_chunk)
+    except (ValueError, OSError) as error:
+        print(f"longstraw plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(as_dict(plan), indent=2) if args.json else render(plan, detected))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

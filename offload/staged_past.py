@@ -1,0 +1,119 @@
+"""The captured prompt pages as attention's "past", staged one layer at a time, with autograd support.
+
+`StagedPast` is the mapping the adapters read as `past[layer]` (a list of (K, V) token-major segments): the
+prompt pages' segment is fetched from the stager only when a segment's forward reaches that layer, and later
+segments (earlier replay blocks) are appended as plain tensors.
+
+What stays alive, with a host or NVMe tier:
+- forward: the stager's window (this layer and `depth` layers ahead);
+- the autograd graph: NOT the staged pages. `saved_tensors` (the hooks below) replaces every saved tensor that
+  shares storage with a live staged copy by a handle (layer, range, name, view geometry); backward re-stages
+  the layer through the same stager when it needs it (walking the layers in reverse, reading ahead);
+- backward: one layer's staged pages and its dK/dV at a time.
+With the device tier the pages are views of storage that stays resident, and the hooks leave them alone.
+
+Exact mode: each staged segment goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to
+`pool.add_grad` (the gradient pages) instead of accumulating it on a leaf, so no leaf tensor keeps a whole
+layer alive across the member's replay.
+"""
+
+from collections.abc import Mapping
+from contextlib import contextmanager
+
+import torch
+
+
+class _PagesWithGrad(torch.autograd.Function):
+    """Identity on staged pages; backward adds the incoming gradient to the pool's gradient pages."""
+
+    @staticmethod
+    def forward(ctx, anchor, pages, sink):
+        ctx.sink = sink
+        return pages
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink(grad)
+        return None, None, None
+
+
+def _grad_sink(pool, layer, name, start):
+    def sink(grad):
+        pool.add_grad(layer, name, start, grad)
+
+    return sink
+
+
+class StagedPast(Mapping):
+    """layer -> [(K, V) of prompt tokens [start, end) (staged on access), *segments appended later].
+
+    with_grad (exact mode): the prompt segment is differentiable and its gradient lands on the pool's
+    gradient pages. `fresh()` gives an independent copy of the appended segments (one per replayed member).
+    """
+
+    def __init__(self, stager, layers, start, end, with_grad=False, names=("k", "v")):
+        self.stager = stager
+        self.start, self.end = start, end
+        self.with_grad = with_grad
+        self.names = tuple(names)
+        self._later = {layer: [] for layer in layers}
+        # Pages are constants of the graph; the anchor is the one input that makes _PagesWithGrad differentiable.
+        self._anchor = torch.zeros((), requires_grad=True) if with_grad else None
+
+    def __getitem__(self, layer):
+        later = self._later[layer]  # KeyError for layers without pages, as a dict would
+        pages = self.stager.get(layer, self.start, self.end)
+        pair = tuple(pages[name] for name in self.names)
+        if self.with_grad and self.end > self.start:
+            pool = self.stager.pool
+            pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
+                         for name, tensor in zip(self.names, pair))
+        return [pair, *later]
+
+    def __iter__(self):
+        return iter(self._later)
+
+    def __len__(self):
+        return len(self._later)
+
+    def append(self, layer, segment):
+        self._later[layer].append(segment)
+
+    def fresh(self):
+        copy = StagedPast.__new__(StagedPast)
+        copy.__dict__.update(self.__dict__)
+        copy._later = {layer: [] for layer in self._later}
+        return copy
+
+
+class _Handle:
+    __slots__ = ("key", "name", "size", "stride", "offset")
+
+    def __init__(self, key, name, tensor):
+        self.key, self.name = key, name
+        self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
+
+
+@contextmanager
+def staged_saves(stager):
+    """While active, autograd saves staged pages as handles and re-stages them in backward (see module doc).
+
+    Only the forward needs to run inside: the hooks are bound to the saved tensors when they are packed.
+    """
+    if not stager.pool.copies_on_read:
+        yield
+        return
+
+    def pack(tensor):
+        owner = stager.owner_of(tensor)
+        return tensor if owner is None else _Handle(*owner, tensor)
+
+    def unpack(saved):
+        if not isinstance(saved, _Handle):
+            return saved
+        layer, start, end = saved.key
+        base = stager.get(layer, start, end)[saved.name]
+        return base.as_strided(saved.size, saved.stride, saved.offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

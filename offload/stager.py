@@ -1,0 +1,126 @@
+"""The stager: brings one layer's pages to the compute device at a time, reading the next layers ahead.
+
+Computation walks the layers in order (forward) or in reverse (backward). `get(layer, start, end)` returns
+{name: tensor} for tokens [start, end) of that layer's streams; it also issues reads of the next
+`depth` layers in the direction of the walk (so their I/O overlaps this layer's compute) and releases every
+staged layer outside that window (the layer just finished among them). At most depth + 1 layers are staged at
+once; that and the pool's write queue bound the staging buffers.
+
+`wrap=True` makes the read-ahead wrap around the ends of the layer list, for walks that repeat (replay runs
+every block through all layers; backward then walks them back). A read-ahead for a range that the walk does
+not ask for (the next capture chunk asks for a longer one) is released unused.
+
+For the device tier reads are views and nothing moves, but the same code runs.
+"""
+
+import weakref
+
+
+class _Staged:
+    def __init__(self, tickets):
+        self.tickets = tickets  # name -> ReadTicket
+
+    def result(self):
+        return {name: ticket.result() for name, ticket in self.tickets.items()}
+
+    def release(self):
+        for ticket in self.tickets.values():
+            ticket.release()
+
+
+class Stager:
+    def __init__(self, pool, layers, names=("k", "v"), depth=None, wrap=False):
+        self.pool = pool
+        self.layers = list(layers)
+        self.names = tuple(names)
+        self.depth = pool.staging_depth if depth is None else depth
+        if self.depth < 0:
+            raise ValueError(f"staging depth must be >= 0, got {self.depth}")
+        self.wrap = wrap
+        self._position = {layer: i for i, layer in enumerate(self.layers)}
+        self._window: dict[tuple, _Staged] = {}  # (layer, start, end) -> staged reads
+        self._last = None
+        self._direction = 1
+        self._owned = {}  # storage address -> (weakref to a staged tensor, key, name); see owner_of
+        self.reads = 0  # reads issued (tests and the benchmark count them)
+        self.peak_staged = 0
+
+    def get(self, layer, start, end) -> dict:
+        """{name: tokens [start, end) of `layer`} on the compute device; valid until the walk moves on."""
+        key = (layer, start, end)
+        position = self._position[layer]
+        if self._last is not None and position != self._last:
+            self._direction = self._walk_direction(self._last, position)
+        self._last = position
+        if key not in self._window:
+            self._window[key] = self._issue(layer, start, end)
+        ahead = [(l, start, end) for l in self._ahead(position)]
+        for other in [k for k in self._window if k != key and k not in ahead]:
+            self._window.pop(other).release()
+        staged = self._window[key].result()
+        for k in ahead:
+            if k not in self._window:
+                self._window[k] = self._issue(*k)
+        self.peak_staged = max(self.peak_staged, len(self._window))
+        if self.pool.copies_on_read:
+            self._owned = {p: e for p, e in self._owned.items() if e[0]() is not None}  # drop dead copies
+            for name, tensor in staged.items():
+                ptr = tensor.untyped_storage().data_ptr()
+                self._owned[ptr] = (weakref.ref(tensor), key, name)
+        return staged
+
+    def owner_of(self, tensor):
+        """(key, name) when `tensor` shares storage with a live staged copy, else None.
+
+        Storage addresses are reused after a free, so a match counts only while the staged tensor is alive
+        (its storage, and so its address, cannot belong to anything else then).
+        """
+        entry = self._owned.get(tensor.untyped_storage().data_ptr())
+        if entry is None:
+            return None
+        ref, key, name = entry
+        staged = ref()
+        if staged is None or staged.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            return None
+        return key, name
+
+    def close(self):
+        """Release every staged layer (in-flight reads are completed first)."""
+        for staged in self._window.values():
+            staged.release()
+        self._window.clear()
+        self._owned.clear()
+        self._last = None
+
+    def _walk_direction(self, last, position):
+        """+1 or -1. A step to a neighbour gives the direction; a jump restarts a walk: forward from the first
+        layer, backward from the last (replay's next block, capture's next chunk, a backward after a forward)."""
+        count = len(self.layers)
+        step = position - last
+        if self.wrap and abs(step) > count // 2:  # the short way round
+            step -= count if step > 0 else -count
+        if abs(step) == 1:
+            return step
+        if position == 0:
+            return 1
+        if position == count - 1:
+            return -1
+        return 1 if step > 0 else -1
+
+    def _issue(self, layer, start, end):
+        self.reads += 1
+        return _Staged({name: self.pool.begin_read(layer, name, start, end) for name in self.names})
+
+    def _ahead(self, position):
+        count = len(self.layers)
+        out = []
+        for step in range(1, self.depth + 1):
+            nxt = position + step * self._direction
+            if self.wrap:
+                nxt %= count
+            elif not 0 <= nxt < count:
+                break
+            if nxt == position:
+                break
+            out.append(self.layers[nxt])
+        return out

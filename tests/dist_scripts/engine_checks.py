@@ -1,0 +1,266 @@
+"""Rank script of tests/test_engine.py, started by the real launcher, on one node (`deepspeed --num_gpus 2
+engine_checks.py --out D`) or, as the test does, as a 2-node job of one rank per node (two launcher invocations
+with a hostfile, --no_ssh and --node_rank 0/1, master on 127.0.0.1).
+
+Every rank runs every check (they are collective) and writes D/engine_rank<r>.json: check -> measured numbers (or
+the error). The single-process references are computed on each rank from a deep copy of the model taken before
+`ds_longstraw.initialize` partitions it (plain grpo_backward + the same torch optimizer, no process group).
+
+Checks (float32 tiny qwen3_5, ZeRO-3 with every parameter partitioned: stage3_param_persistence_threshold 0,
+gradient_clipping 0):
+  same_step   detached; both ranks bring the same group; two grpo_steps (SGD)
+              == two single-process grpo_backward + SGD steps
+  average     exact, host-memory page tier; rank 0 brings [A, B], rank 1 brings C; one step (SGD)
+              == SGD step on 1/2 (1/2 (g_A + g_B) + g_C); mean_loss == 1/2 (1/2 (L_A + L_B) + L_C)
+  checkpoint  detached, AdamW + DeepSpeed WarmupLR: step 1, save, step 2 -> P; a fresh engine on DIFFERENT initial
+              weights loads the step-1 checkpoint, takes step 2 -> Q; P == Q bit for bit (loss and lr too)
+  zero2       ZeRO stage 2 (weights replicated: no lockstep needed), rank r brings its own group; one step
+              == SGD on the mean of the two groups' gradients. Then a parameter only rank 0 gives a gradient
+              (loss sum(p^2) over all parameters on rank 0, all but lm_head on rank 1): grpo_step's zero fill lets
+              the one reduction run and lm_head moves by lr * 2p / 2, the rest by lr * 2p
+  lora        exact, peft LoRA (adapters made non-zero), kl_coef 0.1, a different group per rank (so the
+              reference scoring is padded too); one step (SGD over the adapters) == single-process step on the
+              mean of the two groups' gradients; frozen weights unchanged bit for bit; each rank's reference
+              log-probs == the base model's log-probs (and differ from the policy's, so the check can fail)
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: models.py
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+
+import ds_longstraw  # noqa: E402
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward  # noqa: E402
+from ds_longstraw.transaction import score_reference  # noqa: E402
+from models import tiny_qwen3_5  # noqa: E402
+
+
+def block(mode, tier="none"):
+    # chunk 16, page 8, replay block 4: prompts and responses below are not multiples of any of them
+    return {"enabled": True, "prefix_grad": mode, "capture_chunk": 16, "replay_block": 4, "page_tokens": 8,
+            "offload": {"tier": tier}}
+
+
+def ds_config(mode, tier="none", **extra):
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9, "longstraw": block(mode, tier)}
+    config.update(extra)
+    return config
+
+
+def make_group(seed, prompt_len, response_lens):
+    gen = torch.Generator().manual_seed(seed)
+    return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
+                     [torch.randint(0, 97, (n,), generator=gen) for n in response_lens],
+                     rewards=torch.rand(len(response_lens), generator=gen).tolist())
+
+
+def gathered(engine):
+    """Full copies of every parameter of a ZeRO-3 engine (collective)."""
+    out = {}
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            out[name] = param.detach().clone()
+    return out
+
+
+def step_error(engine_params, reference, before):
+    """||engine - reference|| / ||reference - before||: the engine's update against the reference update."""
+    ref = dict(reference.named_parameters())
+    num = sum(float(((engine_params[n] - ref[n].detach()) ** 2).sum()) for n in engine_params)
+    den = sum(float(((ref[n].detach() - before[n]) ** 2).sum()) for n in engine_params)
+    return (num / den) ** 0.5
+
+
+def snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_same_step(out_dir):
+    model = tiny_qwen3_5(torch.float32, seed=0)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config("detached"))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    losses, ref_losses = [], []
+    for group in [make_group(10, 37, [5, 1, 9]), make_group(11, 23, [4, 6])]:
+        losses.append(engine.grpo_step(group).mean_loss)
+        reference.zero_grad(set_to_none=True)
+        ref_losses.append(grpo_backward(reference, group, config=block("detached")).loss)
+        ref_opt.step()
+    return {"rel": step_error(gathered(engine), reference, before), "losses": losses, "ref_losses": ref_losses,
+            "global_steps": engine.global_steps}
+
+
+def check_average(out_dir):
+    rank = dist.get_rank()
+    model = tiny_qwen3_5(torch.float32, seed=1)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config("exact", tier="cpu"))
+    groups = {"A": make_group(20, 29, [3, 7]), "B": make_group(21, 19, [1, 2, 5]), "C": make_group(22, 41, [6, 2])}
+    mine = [groups["A"], groups["B"]] if rank == 0 else [groups["C"]]
+    result = engine.grpo_step(mine)
+    weights = {"A": 0.25, "B": 0.25, "C": 0.5}
+    grads, ref_loss = {}, 0.0
+    for name, group in groups.items():  # each group's gradient alone, then the weighted sum
+        reference.zero_grad(set_to_none=True)
+        ref_loss += weights[name] * grpo_backward(reference, group, config=block("exact")).loss
+        for pname, p in reference.named_parameters():
+            grads[pname] = grads.get(pname, 0.0) + weights[name] * p.grad
+    for pname, p in reference.named_parameters():
+        p.grad = grads[pname]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    return {"rel": step_error(gathered(engine), reference, before), "mean_loss": result.mean_loss,
+            "ref_mean_loss": ref_loss, "rank_groups": len(result.groups)}
+
+
+def check_checkpoint(out_dir):
+    config = ds_config("detached", scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    first, second = make_group(30, 33, [4, 3]), make_group(31, 27, [2, 8, 1])
+    ckpt = os.path.join(out_dir, "ckpt")
+
+    def engine_from(seed):
+        model = tiny_qwen3_5(torch.float32, seed=seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+        return ds_longstraw.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    engine = engine_from(3)
+    engine.grpo_step(first)
+    engine.save_checkpoint(ckpt, tag="step1", client_state={"step": 1})
+    straight = engine.grpo_step(second)
+    p = gathered(engine)
+
+    resumed = engine_from(4)  # different starting weights: everything must come from the checkpoint
+    path, client = resumed.load_checkpoint(ckpt, tag="step1")
+    again = resumed.grpo_step(second)
+    q = gathered(resumed)
+    return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "loss": straight.mean_loss,
+            "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr,
+            "client_step": client.get("step"), "loaded": path is not None,
+            "global_steps": [engine.global_steps, resumed.global_steps]}
+
+
+def check_lora(out_dir):
+    from ds_longstraw.lora import apply_lora
+
+    base = tiny_qwen3_5(torch.float32, seed=5)
+    base_copy = copy.deepcopy(base)
+    policy = apply_lora(base, r=4, alpha=8, seed=0)
+    with torch.no_grad():  # peft starts lora_B at zero (adapters a no-op): make them matter
+        gen = torch.Generator().manual_seed(6)
+        for name, p in policy.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    reference = copy.deepcopy(policy)
+    before = snapshot(policy)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    objective = GRPOObjective(kl_coef=0.1)
+    groups = [make_group(40, 35, [3, 5]), make_group(41, 18, [6, 1, 4])]
+    group = groups[dist.get_rank()]
+    engine, *_ = ds_longstraw.initialize(model=policy, optimizer=torch.optim.SGD(trainable, lr=0.1),
+                                         config=ds_config("exact"))
+    result = engine.grpo_step(group, objective)
+    grads = {}
+    for each in groups:  # the mean of the two ranks' group gradients
+        reference.zero_grad(set_to_none=True)
+        grpo_backward(reference, each, objective, config=block("exact"))
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                grads[name] = grads.get(name, 0.0) + 0.5 * p.grad
+    for name, p in reference.named_parameters():
+        if p.requires_grad:
+            p.grad = grads[name]
+    torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1).step()
+    after = gathered(engine)
+    trainable_names = {n for n, p in engine.module.named_parameters() if p.requires_grad}
+    frozen_changed = [n for n in after if n not in trainable_names and not torch.equal(after[n], before[n])]
+    adapters_moved = sum(float((after[n] - before[n]).abs().max() > 0) for n in trainable_names)
+    base_scores = score_reference(base_copy, group, ds_longstraw.parse_config(block("exact")))
+    ref_vs_base = max(float((a - b).abs().max()) for a, b in zip(result.groups[0].ref_logprobs, base_scores))
+    policy_vs_base = max(float((a - b).abs().max()) for a, b in zip(result.groups[0].logprobs, base_scores))
+    return {"rel": step_error({n: after[n] for n in trainable_names}, reference, before),
+            "frozen_changed": frozen_changed, "adapters_moved": adapters_moved, "adapters": len(trainable_names),
+            "all_adapters_are_lora": all("lora_" in n for n in trainable_names),
+            "ref_vs_base": ref_vs_base, "policy_vs_base": policy_vs_base}
+
+
+def check_zero2(out_dir):
+    from ds_longstraw.engine import _fill_missing_grads
+
+    rank = dist.get_rank()
+    model = tiny_qwen3_5(torch.float32, seed=7)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    config = ds_config("detached")
+    config["zero_optimization"] = {"stage": 2}
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    groups = [make_group(50, 30, [2, 6]), make_group(51, 45, [5, 3, 1])]
+    engine.grpo_step(groups[rank])
+    grads = {}
+    for group in groups:
+        reference.zero_grad(set_to_none=True)
+        grpo_backward(reference, group, config=block("detached"))
+        for name, p in reference.named_parameters():
+            grads[name] = grads.get(name, 0.0) + 0.5 * p.grad
+    for name, p in reference.named_parameters():
+        p.grad = grads[name]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    rel = step_error({n: p.detach().clone() for n, p in engine.module.named_parameters()}, reference, before)
+
+    start = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    with engine.coalesce_grad_reduction():
+        loss = sum((p ** 2).sum() for n, p in engine.module.named_parameters() if rank == 0 or "lm_head" not in n)
+        engine.backward(loss, scale_wrt_gas=False)
+        _fill_missing_grads(engine)
+    engine.step()
+    fill = 0.0
+    for name, p in engine.module.named_parameters():
+        factor = 0.5 if "lm_head" in name else 1.0
+        want = start[name] - 0.1 * factor * 2 * start[name]
+        fill = max(fill, float((p.detach() - want).abs().max() / want.abs().max()))
+    return {"rel": rel, "fill": fill}
+
+
+CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
+          "zero2": check_zero2, "lora": check_lora}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", default=",".join(CHECKS))
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    deepspeed.init_distributed()
+    results = {"world": dist.get_world_size(), "node": int(os.environ.get("CROSS_RANK", -1)),
+               "nodes": int(os.environ.get("CROSS_SIZE", -1)), "local_rank": int(os.environ.get("LOCAL_RANK", -1))}
+    for name in args.checks.split(","):
+        started = time.perf_counter()
+        try:
+            results[name] = CHECKS[name](args.out)
+        except Exception:  # recorded for pytest to show; the other checks still run
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    with open(os.path.join(args.out, f"engine_rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

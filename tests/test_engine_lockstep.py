@@ -1,0 +1,115 @@
+"""Lockstep (ds_longstraw/lockstep.py), single process: what makes ZeRO-3 data parallelism with different groups
+per rank possible, checked without a launcher.
+
+  module calls:  two groups of different shapes, each padded to their common shape, make the SAME sequence of
+                 parameter-owning module calls, forward and backward (what ZeRO-3 turns into weight gathers),
+                 and the same number of backward calls, in both gradient modes, with and without a KL reference;
+                 a dummy group padded to the same shape does too.
+  results:       padding leaves the loss, log-probs and gradients unchanged (float64 end to end under
+                 float64_model(); the dummy blocks change blocked matmul shapes, so agreement is to rounding:
+                 relative 1e-12, measured 2e-16 .. 3e-16. Without float64_model() transformers' norms round
+                 in float32 and the same comparison gives 1e-10).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, parse_config
+from ds_longstraw.lockstep import GroupShape, Lockstep, dummy_group, merge, shape_of
+from grads import grads_of, relative_l2
+from models import float64_model, tiny_qwen3_5
+
+BLOCK = {"capture_chunk": 8, "replay_block": 3, "page_tokens": 4}
+
+pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models on a shared 2-core box run many times faster on one thread (no spin-waiting)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _group(seed, prompt_len, response_lens):
+    gen = torch.Generator().manual_seed(seed)
+    return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
+                     [torch.randint(0, 97, (n,), generator=gen) for n in response_lens],
+                     rewards=torch.rand(len(response_lens), generator=gen).tolist())
+
+
+def _trace(model, group, lockstep, settings, objective, ref_model):
+    """Sequence of ("F"|"B", module) for modules owning parameters, and "backward" for each back-propagation."""
+    events, hooks = [], []
+    for name, module in model.named_modules():
+        if name and list(module.parameters(recurse=False)):
+            hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: events.append(("F", n))))
+            hooks.append(module.register_full_backward_pre_hook(lambda m, g, n=name: events.append(("B", n))))
+    if ref_model is not None:
+        for name, module in ref_model.named_modules():
+            if name and list(module.parameters(recurse=False)):
+                hooks.append(module.register_forward_pre_hook(lambda m, a, n=name: events.append(("ref", n))))
+
+    def backward(loss):
+        events.append("backward")
+        loss.backward()
+
+    try:
+        grpo_backward(model, group, objective, config=settings, ref_model=ref_model, backward=backward,
+                      lockstep=lockstep)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return events
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("kl", [0.0, 0.1], ids=["no-kl", "kl"])
+def test_padded_groups_make_the_same_module_calls(mode, kl):
+    settings = parse_config({**BLOCK, "prefix_grad": mode})
+    model = tiny_qwen3_5(torch.float32, seed=0)
+    ref_model = copy.deepcopy(model) if kl > 0 else None
+    objective = GRPOObjective(kl_coef=kl)
+    a, b = _group(1, 20, [4, 1, 7]), _group(2, 11, [5, 3])  # 3 vs 2 chunks; blocks [2, 1, 3] vs [2, 1]
+    dummy = dummy_group()
+    common = merge([shape_of(a, settings), shape_of(b, settings)])
+    assert common == GroupShape(chunks=3, blocks=(2, 1, 3))
+    traces = [_trace(model, g, Lockstep(shape_of(g, settings), common, settings), settings, objective, ref_model)
+              for g in (a, b, dummy)]
+    assert traces[0] == traces[1] == traces[2]
+    assert traces[0].count("backward") == 3 + (3 if mode == "exact" else 0)
+    # and without padding they differ (the check has teeth)
+    assert _trace(model, b, None, settings, objective, ref_model) != traces[1]
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_padding_leaves_results_unchanged(mode):
+    settings = parse_config({**BLOCK, "prefix_grad": mode})
+    model = tiny_qwen3_5(torch.float64, seed=3)
+    group = _group(4, 13, [2, 5])
+    objective = GRPOObjective(kl_coef=0.05)
+    ref_model = tiny_qwen3_5(torch.float64, seed=4)
+    common = GroupShape(chunks=4, blocks=(3, 2, 2, 1))
+    with float64_model():
+        plain_grads, plain = grads_of(model, lambda: grpo_backward(model, group, objective, config=settings,
+                                                                   ref_model=ref_model))
+        padded_grads, padded = grads_of(model, lambda: grpo_backward(
+            model, group, objective, config=settings, ref_model=ref_model,
+            lockstep=Lockstep(shape_of(group, settings), common, settings)))
+    assert relative_l2(padded_grads, plain_grads) < 1e-12
+    assert padded.loss == pytest.approx(plain.loss, rel=1e-12)
+    for x, y in zip(padded.logprobs + padded.ref_logprobs, plain.logprobs + plain.ref_logprobs):
+        assert x.shape == y.shape and torch.allclose(x, y, rtol=0, atol=1e-12)
+
+
+def test_shapes_and_bad_lockstep():
+    settings = parse_config(BLOCK)
+    assert shape_of(_group(0, 9, [3, 4]), settings) == GroupShape(1, (1, 2))
+    assert shape_of(_group(0, 10, [3, 4]), settings) == GroupShape(2, (1, 2))
+    assert merge([GroupShape(1, (2,)), GroupShape(3, (1, 1, 4))]) == GroupShape(3, (2, 1, 4))
+    with pytest.raises(ValueError, match="exceeds"):
+        Lockstep(GroupShape(2, (1,)), GroupShape(1, (1,)), settings)

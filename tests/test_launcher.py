@@ -1,0 +1,130 @@
+"""launch/train.py under the real `deepspeed` launcher (2 CPU ranks, ZeRO-3): training and checkpoint resume.
+(The multi-node path is tests/test_engine.py's 2-node job.)
+
+  train:   2 GRPO steps (detached, AdamW) from JSONL groups, checkpoint per step; the final weights == a
+           single-process reference: the same tiny model from the same shape config and seed, and per step the
+           mean over the two ranks' groups (the same JSONL rows, ds_longstraw.data order) of grpo_backward's
+           gradients, then the AdamW step.
+  resume:  a second job resumes the step-1 checkpoint and runs step 2: its final weights equal the first job's
+           bit for bit, and so does its step-2 metric line. It builds its model partitioned at construction
+           (model.zero_init=true: transformers' DeepSpeed integration enters deepspeed.zero.Init), the path
+           big models take; the weights then come from the checkpoint.
+Tolerance against the reference: float32, relative 1e-5 on the update (see test_engine.py). AdamW's eps is set
+to 1.0 so its update stays close to linear in the gradient: with eps 1e-8 the first steps are ~lr * sign(g) and
+would hide a gradient that is off by a factor.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+
+from dist_scripts.launching import REPO, finish, free_port, start
+
+pytestmark = pytest.mark.slow
+
+RUN = os.path.join(REPO, "configs", "run", "quickstart.yaml")
+SHAPE = os.path.join(REPO, "configs", "models", "tiny_qwen3_5.yaml")
+BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
+OPTIM = {"lr": 1e-3, "eps": 1.0, "weight_decay": 0.01}
+
+
+def _overrides(tmp, name, **extra):
+    items = {"deepspeed_config": tmp / "ds.json", "data.path": tmp / "groups.jsonl", "train.max_steps": 2,
+             "train.save_dir": tmp / "ckpt", "train.save_every": 1, "train.metrics": tmp / f"{name}.jsonl",
+             "train.dump_params": tmp / f"{name}.pt", "model.seed": 0,
+             **{f"optim.{k}": v for k, v in OPTIM.items()}, **extra}
+    return [f"{key}={value}" for key, value in items.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launcher")
+    with open(os.path.join(REPO, "configs", "deepspeed", "zero3_cpu.json")) as handle:
+        ds = json.load(handle)
+    ds.update(gradient_clipping=0.0, longstraw=BLOCK)
+    (tmp / "ds.json").write_text(json.dumps(ds))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_toy_groups", os.path.join(REPO, "launch", "make_toy_groups.py"))
+    make_toy_groups = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_toy_groups)
+    make_toy_groups.main([str(tmp / "groups.jsonl"), "--groups", "5", "--prompt-tokens", "40", "--response-tokens", "7"])
+
+    script = [os.path.join(REPO, "launch", "train.py"), "--config", RUN]
+    log = str(tmp / "train.log")
+    train = start(["--num_gpus", "2", "--master_port", str(free_port())], script + _overrides(tmp, "train"), log)
+    finish([train], timeout=300, logs=[log])
+
+    log = str(tmp / "resume.log")
+    resume = start(["--num_gpus", "2", "--master_port", str(free_port())],
+                   script + _overrides(tmp, "resume", **{"train.resume": "step1", "train.save_every": 0,
+                                                          "train.save_dir": tmp / "ckpt",
+                                                          "model.zero_init": "true"}), log)
+    finish([resume], timeout=300, logs=[log])
+    return tmp
+
+
+@pytest.fixture
+def one_thread():
+    """On this shared 2-core box the tiny reference runs ~25x faster on one thread than on two (spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _reference(tmp):
+    from ds_longstraw import grpo_backward
+    from ds_longstraw.data import GroupSource
+    from ds_longstraw.modeling import build_model
+
+    model = build_model(shape=SHAPE, dtype="float32", seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
+                                  weight_decay=OPTIM["weight_decay"])
+    source = GroupSource(tmp / "groups.jsonl")
+    for step in range(2):
+        total = {}
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            for group in source.for_step(step, rank, 2):
+                grpo_backward(model, group, config=BLOCK)
+            for name, p in model.named_parameters():
+                total[name] = total.get(name, 0.0) + 0.5 * p.grad
+        for name, p in model.named_parameters():
+            p.grad = total[name]
+        optimizer.step()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _lines(path):
+    with open(path) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def test_training_takes_the_reference_steps(runs, one_thread):
+    from ds_longstraw.modeling import build_model
+
+    start_weights = dict(build_model(shape=SHAPE, dtype="float32", seed=0).named_parameters())
+    got = torch.load(runs / "train.pt")
+    want = _reference(runs)
+    assert set(got) == set(want)
+    num = sum(float(((got[n] - want[n]) ** 2).sum()) for n in want)
+    den = sum(float(((want[n] - start_weights[n].detach()) ** 2).sum()) for n in want)
+    assert (num / den) ** 0.5 < 1e-5
+    metrics = _lines(runs / "train.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 2 for m in metrics)
+    assert {"latest", "step1", "step2"} <= set(os.listdir(runs / "ckpt"))
+
+
+def test_resume_from_step_1_reproduces_step_2_exactly(runs):
+    straight, resumed = torch.load(runs / "train.pt"), torch.load(runs / "resume.pt")
+    assert set(straight) == set(resumed)
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    step2 = _lines(runs / "train.jsonl")[1]
+    again = _lines(runs / "resume.jsonl")
+    assert [m["step"] for m in again] == [2]
+    for key in ("loss", "mean_loss", "lr", "grad_norm"):
+        assert again[0][key] == step2[key], key

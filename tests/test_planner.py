@@ -1,0 +1,131 @@
+"""The tier planner's estimates against measured runs of small models, and against the published figures.
+
+Equivalence chain:
+  plan.retained_per_rank(shape of a tiny qwen3_5 config) == PrefixState.retained_bytes() of a real capture of that
+  model (attention K/V pages, GDN state, exact mode's GDN checkpoints), byte for byte, for prompts that are not
+  multiples of the chunk; the gradient pages == GroupResult.grad_page_bytes of a real exact run.
+  Built-in shapes == mission/NUMBERS.md: 64 KiB per token and 17.2 GB per rank at 2M tokens on CP8 (Qwen3.6-27B);
+  95,232 B per token and 5.82 GiB per rank on CP32 (GLM-5.2).
+"""
+
+import json
+
+import pytest
+import torch
+
+from ds_longstraw import GRPOGroup, grpo_backward, parse_config
+from ds_longstraw.arch import adapter_for
+from ds_longstraw.offload.model_shapes import load_config, shape_from_config
+from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank
+from ds_longstraw.offload.planner import main, parse_size, parse_tokens
+from ds_longstraw.state import capture_prefix
+from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: on 2 shared cores a second one only contends (measured here: float64 conv1d, which the
+    GDN layers run, took 0.28 s per call with 2 threads under load and 0.4 ms with 1). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny_shape(dtype, layers=4):
+    config = tiny_qwen3_5_config(layers=layers).to_dict()
+    return shape_from_config("tiny", config, torch.empty((), dtype=dtype).element_size())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("prompt_len,chunk", [(2, 4), (23, 5), (40, 8)])
+@pytest.mark.parametrize("exact", [False, True])
+def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, exact):
+    model = tiny_qwen3_5(dtype=dtype, layers=8)
+    adapter = adapter_for(model)
+    settings = parse_config({"capture_chunk": chunk, "page_tokens": 3})
+    prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
+    with float64_model():
+        state = capture_prefix(adapter, prompt, settings, keep_boundaries=exact)
+    measured = state.retained_bytes()
+    state.release()
+    estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, "exact" if exact else "detached", chunk)
+    for key in ("attention_kv_pages", "gdn_state", "gdn_checkpoints"):
+        assert estimate[key] == measured[key], key
+
+
+def test_gradient_pages_match_a_real_exact_run():
+    model = tiny_qwen3_5()
+    gen = torch.Generator().manual_seed(1)
+    group = GRPOGroup(torch.randint(0, 97, (11,), generator=gen), [torch.randint(0, 97, (2,), generator=gen)],
+                      rewards=[1.0])
+    with float64_model():
+        result = grpo_backward(model, group, config={"prefix_grad": "exact", "capture_chunk": 4, "page_tokens": 3})
+    estimate = retained_per_rank(_tiny_shape(torch.float64), 11, 1, "exact", 4)
+    assert estimate["gradient_pages"] == result.grad_page_bytes > 0
+    assert estimate["attention_kv_pages"] == result.retained_bytes["attention_kv_pages"]
+
+
+def test_builtin_shapes_match_the_published_numbers():
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+    assert qwen.bytes_per_token == 64 * 1024
+    assert qwen.layer_counts == {"full_attention": 16, "gated_deltanet": 48}
+    per_rank = retained_per_rank(qwen, 2_097_152 + 1, 8, "detached", 4096)
+    assert per_rank["attention_kv_pages"] == 17_179_869_184  # 17.2 GB per rank on CP8
+    assert per_rank["gdn_state"] == 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)  # fp32 state + bf16 conv tail
+    assert 26e9 < qwen.params < 28e9
+    glm = shape_from_config(*load_config("glm-5.2"))
+    assert glm.bytes_per_token == 95_232
+    assert glm.layer_counts == {"mla": 78, "indexer_full": 21, "indexer_shared": 57}
+    per_rank = retained_per_rank(glm, 2_097_152 + 1, 32, "detached", 4096)
+    assert round(sum(v for k, v in per_rank.items() if k.endswith("_pages")) / GiB, 2) == 5.81  # paper: 5.8125 GiB
+    assert 7.0e11 < glm.params < 7.8e11
+
+
+def test_recommends_the_first_tier_that_fits():
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+
+    def plan(gpu, host, nvme=None, context=2 * 2**20):
+        layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=int(gpu * GiB), host_memory=int(host * GiB),
+                        nvme_free=None if nvme is None else int(nvme * GiB))
+        return make_plan(qwen, context, 8, "exact", layout)
+
+    assert plan(141, 2048).tier == "none"  # H200: 32 GiB of pages and gradient pages fit on the GPU
+    assert plan(40, 2048).tier == "cpu"
+    assert plan(40, 64, nvme=4096).tier == "nvme"
+    assert plan(40, 64, nvme=8).tier is None
+    p = plan(40, 2048)
+    for tier in ("none", "cpu", "nvme"):
+        longest = p.max_context[tier]
+        if longest:  # the longest prompt fits that tier, and a longer one does not
+            assert _fits(qwen, longest, tier)
+            assert not _fits(qwen, longest + 1024, tier)
+
+
+def _fits(shape, context, tier):
+    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=40 * GiB, host_memory=2048 * GiB)
+    return make_plan(shape, context, 8, "exact", layout).fits[tier]
+
+
+def test_cli_reports_and_recommends(capsys, tmp_path):
+    assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--gpu-memory", "96GB",
+                 "--host-memory", "2TB", "--mode", "exact"]) == 0
+    out = capsys.readouterr().out
+    assert "mla_latent_pages" in out and "indexer_key_pages" in out and "Recommended:" in out
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_qwen3_5_config().to_dict()))
+    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--host-memory", "2GiB",
+                 "--nvme-path", str(tmp_path), "--dtype-bytes", "4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["tokens_per_rank"] == 100 * 1024 - 1
+    assert plan["retained_bytes_per_rank"]["attention_kv_pages"] == (100 * 1024 - 1) * 2 * 2 * 16 * 4
+    assert plan["recommended_tier"] == "none"
+    assert main(["--model", "no-such-model", "--context", "1M", "--gpu-memory", "1", "--host-memory", "1"]) == 2
+    assert "neither a built-in shape" in capsys.readouterr().err
+
+
+def test_parsers():
+    assert parse_tokens("2M") == 2_097_152 and parse_tokens("128K") == 131_072 and parse_tokens("4096") == 4096
+    assert parse_size("96GB") == 96_000_000_000 and parse_size("80GiB") == 80 * GiB and parse_size("2") == 2 * GiB
+    with pytest.raises(Exception, match="not a size"):
+        parse_size("lots")
