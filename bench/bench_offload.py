@@ -193,7 +193,7 @@ def _gbs(nbytes, seconds):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nvme-path", default=None, help="directory on the disk under test (default: a temp dir)")
+    parser.add_argument("--nvme-path", default=None, help="directory on the disk under test (default: the temp dir)")
     parser.add_argument("--gib", type=float, default=1.0, help="bytes of K/V streams per measurement, GiB")
     parser.add_argument("--prompt", type=int, default=8192, help="prompt tokens of the peak-memory group")
     parser.add_argument("--skip-peak", action="store_true")
@@ -202,7 +202,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.child:
         return _peak_child(args)
-    with tempfile.TemporaryDirectory(dir=args.nvme_path or os.getcwd(), prefix="bench-offload-") as path:
+    with tempfile.TemporaryDirectory(dir=args.nvme_path, prefix="bench-offload-") as path:
         total = int(args.gib * GiB)
         rows, (tier_w, tier_r, plain_w, plain_r) = bench_nvme(path, total)
         rows += bench_host(total)

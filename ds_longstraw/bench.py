@@ -41,14 +41,14 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     before = host_current_bytes()
     reset_host_peak()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = step()
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     # The meter resets the high-water mark at each phase start: the step's peak is the largest of its phases'.
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {
         "method": method, "prompt": prompt, "group": group_size, "response": response, "shape": shape,
-        "seconds": seconds, "process_peak_bytes": peak, "step_peak_bytes": peak - before,
+        "seconds": seconds, "cpu_seconds": cpu_seconds, "threads": torch.get_num_threads(), "process_peak_bytes": peak, "step_peak_bytes": peak - before,
         "loss": result.loss, "retained_bytes": result.retained_bytes, "grad_page_bytes": result.grad_page_bytes,
         "phases": {name: {"seconds": p.seconds, "peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
     }
@@ -60,7 +60,9 @@ def run_fresh(method, prompt, group_size, response, timeout=3600, **kwargs):
             "--group", str(group_size), "--response", str(response)]
     for key, value in kwargs.items():
         args += [f"--{key}", str(value)]
+    # One intra-op thread unless told otherwise: then CPU seconds measure the work, whatever else the machine runs.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore")
+    env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
@@ -85,7 +87,7 @@ def grid(prompts, groups, response, methods, skip, out, plot):
                     continue
                 print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
                 row = run_fresh(method, prompt, group_size, response)
-                print(f"{row['seconds']:.1f} s, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
+                print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
                 rows.append(row)
     return rows
 
@@ -99,14 +101,14 @@ def _find(rows, method, prompt, group_size):
 
 def table(rows, command):
     lines = [f"Command: `{command}`", "",
-             "| method | prompt | G | step time (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | |")
+            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | | |")
             continue
         kv = row["retained_bytes"].get("attention_kv_pages", 0)
-        lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {row['seconds']:.2f} | "
+        lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {row['cpu_seconds']:.2f} | {row['seconds']:.2f} | "
                      f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
                      f"{_mb(row.get('grad_page_bytes', 0))} |")
     lines += ["", "Ratios (same run):", ""]
@@ -127,9 +129,9 @@ def table(rows, command):
                          f"{mine['step_peak_bytes'] / conv['step_peak_bytes']:.3f} "
                          f"(process peak {mine['process_peak_bytes'] / conv['process_peak_bytes']:.3f})")
         if mine and per:
-            lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = {per['seconds'] / mine['seconds']:.1f}x")
+            lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = {per['cpu_seconds'] / mine['cpu_seconds']:.1f}x (CPU seconds)")
         if mine and exact:
-            lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = {exact['seconds'] / mine['seconds']:.2f}x; "
+            lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = {exact['cpu_seconds'] / mine['cpu_seconds']:.2f}x (CPU seconds); "
                          f"exact step peak {_mb(exact['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
                          f"+ grad pages {_mb(exact['grad_page_bytes'])} MiB")
     return "\n".join(lines)

@@ -68,6 +68,7 @@ class LongstrawEngineMixin:
     """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
 
     longstraw_config: LongstrawConfig
+    longstraw_cp = None  # parallel.CPContext of this rank's CP group (cp_size > 1), built by initialize
 
     def grpo_step(self, group, objective=None, ref_model=None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
@@ -90,6 +91,8 @@ class LongstrawEngineMixin:
             ref_model = ref_model.module
         settings = self.longstraw_config
         start = time.perf_counter()
+        if self.longstraw_cp is not None:
+            _check_same_groups(groups, self.longstraw_cp)
         plan = self._lockstep_plan(groups)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
@@ -104,7 +107,7 @@ class LongstrawEngineMixin:
                 # back-propagates injected gradients that already carry it.
                 weighted = objective if scale == 1.0 else _Weighted(objective, scale)
                 result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
-                                       backward=backward, lockstep=lockstep)
+                                       cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep)
                 if scale != 0.0:  # not a dummy group
                     result.loss /= scale
                     results.append(result)
@@ -129,15 +132,52 @@ class LongstrawEngineMixin:
         scale = 1.0 / len(groups)
         if self.zero_optimization_stage() != 3 or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, scale) for group in groups]
-        shapes = [shape_of(group, settings) for group in groups]
+        cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard
+        shapes = [shape_of(group, settings, cp) for group in groups]
         plan = []
         for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):
             if slot < len(groups):
                 plan.append((groups[slot], Lockstep(shapes[slot], common, settings), scale))
             else:
                 dummy = dummy_group()
-                plan.append((dummy, Lockstep(shape_of(dummy, settings), common, settings), 0.0))
+                plan.append((dummy, Lockstep(shape_of(dummy, settings, cp), common, settings), 0.0))
         return plan
+
+
+def _check_same_groups(groups, cp):
+    """Every rank of a CP group must bring the same group(s) (the prompt is sharded, not the groups): a cheap
+    fingerprint is all-gathered over the CP group, so a mismatch fails here rather than as wrong gradients."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for group in groups:
+        for tensor in [group.prompt_ids, *group.response_ids]:
+            digest.update(str(tensor.numel()).encode())
+            digest.update(tensor.detach().cpu().to(torch.int64).numpy().tobytes())
+        for values in (group.rewards, group.advantages):
+            if values is not None:
+                digest.update(torch.as_tensor(values).detach().cpu().to(torch.float64).numpy().tobytes())
+    gathered = [None] * cp.size
+    torch.distributed.all_gather_object(gathered, digest.hexdigest(), group=cp.group)
+    if len(set(gathered)) != 1:
+        raise ValueError("grpo_step with cp_size > 1: the ranks of a context-parallel group (consecutive ranks) "
+                         "must bring the same group(s); they differ")
+
+
+def build_cp_groups(cp_size):
+    """Consecutive ranks [k N, (k+1) N) form CP group k (inside data-parallel replica k). Every rank creates every
+    group (torch.distributed.new_group is collective); returns this rank's parallel.CPContext."""
+    from .parallel.groups import CPContext
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if world % cp_size:
+        raise ValueError(f"'longstraw.cp_size' = {cp_size} does not divide the world size {world}")
+    mine = None
+    for start in range(0, world, cp_size):
+        group = torch.distributed.new_group(list(range(start, start + cp_size)))
+        if start <= rank < start + cp_size:
+            mine = group
+    return CPContext(mine)
 
 
 class _Weighted:
@@ -227,4 +267,5 @@ def initialize(args=None, model=None, **kwargs):
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
     engine = _with_grpo_step(engine)
     engine.longstraw_config = settings
+    engine.longstraw_cp = build_cp_groups(settings.cp_size) if settings.enabled and settings.cp_size > 1 else None
     return engine, optimizer, loader, scheduler

@@ -45,8 +45,14 @@ class GroupShape:
         return [self.chunks, len(self.blocks), *self.blocks]
 
 
-def shape_of(group, settings) -> GroupShape:
-    return GroupShape(chunks=_ceil_div(group.prompt_ids.numel() - 1, settings.capture_chunk),
+def shape_of(group, settings, cp=None) -> GroupShape:
+    """cp: None, or this rank's parallel.CPContext: then the chunks are those of this rank's shard of the prompt
+    (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py)."""
+    tokens = group.prompt_ids.numel() - 1
+    if cp is not None:
+        lo, hi = cp.shards(tokens)[cp.rank]
+        tokens = hi - lo
+    return GroupShape(chunks=_ceil_div(tokens, settings.capture_chunk),
                       blocks=tuple(_ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
 
 

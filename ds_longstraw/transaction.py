@@ -123,7 +123,7 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
     if cp is not None:  # the prompt sharded over a context-parallel group (parallel/transaction.py)
         return cp_grpo_backward(model, group, objective, settings=settings, ref_model=ref_model, cp=cp,
-                                backward=backward)
+                                backward=backward, lockstep=lockstep)
     exact = settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)

@@ -4,8 +4,8 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   pages          per-token state of every layer (model_shapes.py)      tier none: GPU; cpu: host; nvme: disk
   gradient pages exact mode, as much again                              with the pages
   gdn state      per sequence; exact mode adds one copy per chunk start  always GPU
-  staging        (depth + 1) staged layers of pages, plus one layer's dK/dV in float32 during backward
-                 (the attention backward computes them for the prompt pages in both modes)   GPU
+  staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's dK/dV in float32 during
+                 backward (detached mode computes no gradient for the pages)                   GPU
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
@@ -79,7 +79,8 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
 def _needs(shape, tokens, retained, tier, depth):
     pages = sum(v for k, v in retained.items() if k.endswith("_pages"))  # state and gradient pages
     layer = shape.staged_layer_bytes_per_token * tokens
-    backward = layer * 4 // shape.dtype_bytes  # one layer's dK/dV in float32
+    exact = retained["gradient_pages"] > 0
+    backward = layer * 4 // shape.dtype_bytes if exact else 0  # one layer's dK/dV in float32
     constant = retained["gdn_state"] + retained["gdn_checkpoints"]
     if tier == "none":
         return {"gpu": pages + constant + backward, "host": 0, "nvme": 0}

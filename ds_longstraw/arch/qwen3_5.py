@@ -16,6 +16,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
@@ -32,6 +33,11 @@ class SegmentOutput:
     conv_tail: dict = field(default_factory=dict)  # layer -> conv tail after the segment
     keys: dict = field(default_factory=dict)  # layer -> K of the segment's tokens [T, K, D]
     values: dict = field(default_factory=dict)  # layer -> V [T, K, D]
+
+
+def _delta_rule(query, key, value, g, beta, state):
+    return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
+                                  use_qk_l2norm_in_kernel=True)
 
 
 @contextmanager
@@ -113,8 +119,13 @@ class Qwen35Adapter:
     def _gdn(self, module, h_1TC, state, tail):
         batch, t, _ = h_1TC.shape
         query, key, value, g, beta, z, new_tail = self.gdn_inputs(module, h_1TC, tail)
-        out, new_state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
-                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+        if torch.is_grad_enabled():
+            # Keep only the rule's inputs for backward and recompute its chunked intermediates there: they are
+            # ~10x the inputs' size, and the exact-mode prefix pass holds a whole capture chunk's graph.
+            out, new_state = torch.utils.checkpoint.checkpoint(
+                _delta_rule, query, key, value, g, beta, state, use_reentrant=False)
+        else:
+            out, new_state = _delta_rule(query, key, value, g, beta, state)
         out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(batch, t, -1)), new_state, new_tail
 

@@ -25,8 +25,13 @@ from .gdn_scan import capture_gdn_layer
 from .ulysses import ulysses_attention_layer
 
 
-def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None) -> PrefixState:
-    """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt)."""
+def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, pad=0) -> PrefixState:
+    """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
+
+    pad: extra one-token chunks of dummy module calls per layer (ZeRO-3 lockstep, ../lockstep.py): at every place
+    where a layer calls a submodule once per chunk, this rank makes `pad` more calls on a zero token (outputs
+    discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
+    order, with the context-parallel exchanges at the same places in between."""
     ids_all = prompt_ids[:-1]
     length = ids_all.numel()
     bounds = cp.shards(length)
@@ -47,10 +52,16 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
             normed = layer.input_layernorm(hidden)
             if adapter.layer_types[index] == LINEAR_ATTENTION:
                 mixed, final_carry[index] = capture_gdn_layer(adapter, layer.linear_attn, normed, spans, cp, bounds,
-                                                              boundaries, index)
+                                                              boundaries, index, pad=pad)
             else:
-                attend = ulysses_attention_layer if settings.cp_attention == "ulysses" else capture_attention_layer
-                mixed = attend(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool, index, chunk)
+                if settings.cp_attention == "ulysses":
+                    if pad:
+                        raise ValueError("cp_attention='ulysses' under ZeRO-3 lockstep is not supported: use 'lse'")
+                    mixed = ulysses_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
+                                                    index, chunk)
+                else:
+                    mixed = capture_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
+                                                    index, chunk, pad=pad)
             del normed
             hidden = hidden + mixed
             del mixed
@@ -58,6 +69,9 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
             for a, b in spans:
                 h = hidden[:, a:b]
                 pieces.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+            dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
+            for _ in range(pad):
+                layer.mlp(layer.post_attention_layernorm(dummy))
             hidden = torch.cat(pieces, 1) if pieces else hidden
             if progress is not None:
                 progress(index)

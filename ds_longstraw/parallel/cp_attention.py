@@ -198,12 +198,13 @@ def capture_remote_partial(cp, q_HTD, pool, layer, scale, bounds, chunk):
     return mover(cp, q_HTD, pool, layer, scale, bounds, chunk)
 
 
-def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk):
+def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0):
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
     Pass A computes q, gate, K, V chunk by chunk and appends K/V to this rank's pages; the remote partial over
     earlier ranks' pages is computed for the whole shard; pass B attends each chunk to itself (causal) and this
-    rank's earlier pages, merges the remote partial by LSE and applies the output projection."""
+    rank's earlier pages, merges the remote partial by LSE and applies the output projection.
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py)."""
     queries, gates = [], []
     for a, b in spans:
         cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
@@ -212,6 +213,12 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
         pool.append(layer, "v", v[0].transpose(0, 1))
         queries.append(q[0])
         gates.append(gate)
+    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
+    dummy_out = []
+    for _ in range(pad):
+        cos, sin = adapter.rotary(dummy, 0)
+        q, gate, _, _ = adapter.attention_qkv(module, dummy, cos, sin)
+        dummy_out.append((torch.zeros_like(q[0]), gate))
     heads = adapter.config.num_attention_heads
     dim = module.head_dim
     q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
@@ -224,6 +231,8 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
                                        pool.read(layer, "v", a, b).transpose(0, 1), module.scaling)
         out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
         outs.append(adapter.attention_output(module, out, gate))
+    for out, gate in dummy_out:
+        adapter.attention_output(module, out, gate)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 

@@ -85,11 +85,13 @@ def fold_tails(parts, counts, width):
     return tail
 
 
-def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries, layer):
+def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries, layer, pad=0):
     """One GDN layer of the layer-major capture on this rank's shard (no autograd).
 
     Returns (output [1, T, C], (final state, final conv tail) of the whole prompt). boundaries: None, or the
     exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start.
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py); an empty shard
+    also makes a dummy call in place of its conv-tail projection.
     """
     width = module.conv_kernel_size - 1
     tokens = normed_1TC.shape[1]
@@ -101,6 +103,9 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
     part = normed_1TC.new_zeros(1, module.conv_dim, width)
     if count:
         part[:, :, width - count:] = module.in_proj_qkv(normed_1TC[:, tokens - count:]).transpose(1, 2)
+    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
+    if pad and not count:
+        module.in_proj_qkv(dummy)
     parts = cp.all_gather(part, layer, "gdn_tail")
     counts = [min(n, width) for n in sizes]
     tail_in = fold_tails(parts[:cp.rank], counts[:cp.rank], width) if lo > 0 else None
@@ -116,6 +121,8 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
 
         query, key, value, g, beta, _, tail = _call_module(module, inputs)
         summary = extend_summary(summary, query, key, value, g, beta)
+    for _ in range(pad):
+        _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None))
     summaries = cp.all_gather(summary, layer, "gdn_summary")
     state = fold_states(summaries[:cp.rank], sizes[:cp.rank], dv) if lo > 0 else None
     final_state = fold_states(summaries, sizes, dv)
@@ -127,5 +134,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
             boundaries[index].gdn_carry[layer] = (state, tail)
         out, state, tail = adapter.gdn_forward(module, normed_1TC[:, a:b], state, tail)
         outs.append(out)
+    for _ in range(pad):
+        adapter.gdn_forward(module, dummy, None, None)
     output = torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
     return output, (final_state, tail_final)

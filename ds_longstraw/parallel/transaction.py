@@ -20,6 +20,16 @@ the single-process transaction (../transaction.py), with what crosses ranks made
              bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart
 When the call returns every rank holds the same, complete parameter gradients (accumulated into .grad: what
 .grad held before the call is kept apart from the reduction and added back).
+
+With a caller's `backward` (the DeepSpeed engine, ../engine.py) there is no CP all-reduce here: the caller's own
+gradient reduction (DeepSpeed's, over every rank of the job) does the summing. Each rank back-propagates the whole
+replay (member loss shares as given) and cp.size x its own prefix-pass share (exact mode: the injected gradients
+d(final carry) and the gradient pages are scaled by cp.size before the prefix pass; the pass is linear in them).
+Summed over the N CP ranks that is N x the group's gradient; averaged over all D x N ranks of D data-parallel
+replicas (what DeepSpeed does with no mpu) it is (1/D) sum over replicas of each replica's group gradient: the
+data-parallel average. lockstep (ZeRO-3): capture chunks and replay members/blocks are padded with dummy calls so
+every rank of the job makes the same module calls (exact mode's prefix pass takes turns and is not padded: the
+engine refuses ZeRO-3 + cp_size > 1 + exact).
 """
 
 import torch
@@ -42,18 +52,31 @@ def _replay_leaves(adapter, state, requires_grad):
     return PrefixLeaves(gdn_carry=carry, past={layer: [] for layer in adapter.attn_layers})
 
 
-def cp_score_reference(ref_model, group, settings, cp):
+def _remote_replay(remote):
+    """replay_member with the CP remote attention bound (lockstep's dummy members take replay_member's signature)."""
+    def replay(adapter, leaves, start, inputs, targets, block):
+        return replay_member(adapter, leaves, start, inputs, targets, block, remote)
+    return replay
+
+
+def cp_score_reference(ref_model, group, settings, cp, lockstep=None):
     """Reference log-probs of every member on every rank, without a graph; the reference state is freed."""
     adapter = adapter_for(ref_model)
-    state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp)
+    pad = 0 if lockstep is None else lockstep.capture_pad
+    state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, pad=pad)
     leaves = _replay_leaves(adapter, state, False)
     remote = PagesAttention(cp, state.pool, adapter)
     scores = []
     with torch.no_grad():
         for member in range(group.size):
             inputs, targets = member_inputs(group, member)
+            real = targets.numel()
+            if lockstep is not None:
+                inputs, targets = lockstep.pad_member(member, inputs, targets)
             logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block, remote)
-            scores.append(logp.double().cpu())
+            scores.append(logp[:real].double().cpu())
+        if lockstep is not None:
+            lockstep.replay_dummy_members(adapter, leaves, state.length, _remote_replay(remote), with_grad=False)
     state.release()
     return scores
 
@@ -91,17 +114,34 @@ def _reduce_and_restore(model, taken, cp):
         param.grad = reduced if before is None else before + reduced
 
 
-def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backward=None):
-    """The CP transaction (called by grpo_backward when cp_size > 1); returns a GroupResult."""
+def _scale_injected_(state, d_final, factor):
+    """Exact mode under a caller's reduction: scale what the prefix pass injects (d final carry, gradient pages)."""
+    for layer, (d_state, d_tail) in list(d_final.items()):
+        d_final[layer] = (d_state * factor, d_tail * factor)
+    pool = state.pool
+    for layer, name in pool.streams():
+        grad = pool.read_grad(layer, name)
+        if grad.numel():
+            pool.add_grad(layer, name, 0, grad * (factor - 1))
+
+
+def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backward=None, lockstep=None):
+    """The CP transaction (called by grpo_backward when cp_size > 1); returns a GroupResult.
+
+    backward: None (this function all-reduces .grad over the CP group), or a callable that back-propagates and
+    whose caller reduces (see the module docstring for what each rank then contributes). lockstep: None, or the
+    ZeRO-3 padding of this rank's module calls (../lockstep.py; shape from lockstep.shape_of(..., cp=cp))."""
     from ds_longstraw.transaction import GroupResult, _reference_policy
 
-    if backward is not None:
-        raise ValueError("cp_size > 1 with a custom backward (the DeepSpeed engine path) is not available yet: "
-                         "the CP gradient reduction works on .grad")
+    exact = settings.prefix_grad == "exact"
+    if lockstep is not None and exact:
+        raise ValueError("prefix_grad='exact' with cp_size > 1 under ZeRO-3 is not supported: the context-parallel "
+                         "prefix pass takes turns across ranks, so ranks cannot make the same module calls (ZeRO-3 "
+                         "weight gathers are collectives over all ranks); use ZeRO stage 1/2 or 'detached'")
+    engine_reduce = backward is not None
     adapter = adapter_for(model)
     if settings.cp_attention == "ulysses":
         check_heads(adapter.config.num_attention_heads, adapter.config.num_key_value_heads, cp.size)
-    exact = settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
     cp.traffic.reset()
@@ -110,30 +150,38 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
     ref_logprobs = None
     if objective.kl_coef > 0:
         with meter.phase("reference"), cp.phase("reference"), _reference_policy(model, ref_model) as reference:
-            ref_logprobs = cp_score_reference(reference, group, settings, cp)
+            ref_logprobs = cp_score_reference(reference, group, settings, cp, lockstep)
 
+    pad = 0 if lockstep is None else lockstep.capture_pad
     with meter.phase("capture"), cp.phase("capture"):
-        state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, keep_boundaries=exact)
+        state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, keep_boundaries=exact, pad=pad)
     retained = state.retained_bytes()
 
     logprobs, loss = [], 0.0
-    before = _take_grads(model)  # what .grad held before this group: kept out of the reduction
+    before = None if engine_reduce else _take_grads(model)  # .grad before this group: kept out of the reduction
     with meter.phase("replay"), cp.phase("replay"):
         leaves = _replay_leaves(adapter, state, exact)
         remote = PagesAttention(cp, state.pool, adapter, exact=exact)
         for member in range(group.size):
             inputs, targets = member_inputs(group, member)
+            real = targets.numel()
+            if lockstep is not None:
+                inputs, targets = lockstep.pad_member(member, inputs, targets)
             with torch.enable_grad():
-                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block, remote)
+                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block,
+                                     remote)[:real]
                 ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
                 share = objective.member_loss(group, member, logp, advantages, ref)
                 if share.requires_grad:
-                    share.backward()
+                    share.backward() if backward is None else backward(share)
             loss += float(share.detach())
             logprobs.append(logp.detach().double().cpu())
             del logp, share
+        if lockstep is not None:
+            lockstep.replay_dummy_members(adapter, leaves, state.length, _remote_replay(remote), backward)
 
-    _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
+    if not engine_reduce:
+        _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
     grad_page_bytes = state.pool.grad_bytes()
     if exact:
         with meter.phase("prefix"), cp.phase("prefix"):
@@ -141,12 +189,15 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
             for layer, (recurrent, tail) in leaves.gdn_carry.items():
                 d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
                                   torch.zeros_like(tail) if tail.grad is None else tail.grad)
+            if engine_reduce and cp.size != 1:
+                _scale_injected_(state, d_final, cp.size)
             lo, hi = cp.shards(state.length)[cp.rank]
             ids = group.prompt_ids[:-1][lo:hi]
-            cp_prefix_backward(adapter, state, ids, d_final, cp, settings.capture_chunk)
+            cp_prefix_backward(adapter, state, ids, d_final, cp, settings.capture_chunk, backward=backward)
         grad_page_bytes = state.pool.grad_bytes()
-    with meter.phase("reduce"), cp.phase("reduce"):
-        _reduce_and_restore(model, before, cp)
+    if not engine_reduce:
+        with meter.phase("reduce"), cp.phase("reduce"):
+            _reduce_and_restore(model, before, cp)
     del leaves
     lo, hi = cp.shards(state.length)[cp.rank]
     state.release()

@@ -1,0 +1,120 @@
+"""Rank script of tests/test_engine_cp.py: `deepspeed --num_gpus W engine_cp_checks.py --out D` with W = 2 (one
+data-parallel replica of CP 2) or W = 4 (2 replicas x CP 2; consecutive ranks form a CP group).
+
+Every rank runs every check (they are collective) and writes D/engine_cp_rank<r>.json: check -> numbers (or the
+error). The single-process references come from a deep copy of the model taken before `ds_longstraw.initialize`
+partitions it: plain grpo_backward (no process group, no CP) + the same torch optimizer.
+
+Groups: A (prompt 30), B (prompt 26), C (prompt 41); capture_chunk 3 so the CP shards have different chunk counts
+(B: 13 / 12 tokens -> 5 / 4 chunks; across replicas 5 vs 7), replay_block 4, responses of different block counts.
+Replica 0 brings [A, B], replica 1 (W = 4) brings [C]: lockstep pads chunks, blocks, members and a whole group slot.
+The step must follow the data-parallel average: W = 2: (g_A + g_B) / 2; W = 4: (g_A + g_B) / 4 + g_C / 2.
+
+Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
+  zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2
+  zero2   ZeRO stage 2, exact (the CP prefix pass takes turns across ranks; no weight gathers to keep in step)
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: models.py
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed import comm as dist  # noqa: E402
+
+import ds_longstraw  # noqa: E402
+from ds_longstraw import grpo_backward  # noqa: E402
+from engine_checks import gathered, make_group, snapshot, step_error  # noqa: E402
+from models import tiny_qwen3_5  # noqa: E402
+
+CP = 2
+
+
+def block(mode, cp_size=CP):
+    return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
+            "cp_size": cp_size}
+
+
+def ds_config(mode, stage):
+    zero = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
+            "longstraw": block(mode)}
+
+
+GROUPS = {"A": (60, 30, [5, 1, 9]), "B": (61, 26, [4, 6]), "C": (62, 41, [2, 7])}
+
+
+def plan():
+    """(this rank's groups, {name: weight of its gradient in the data-parallel average})."""
+    replicas = dist.get_world_size() // CP
+    replica = dist.get_rank() // CP
+    groups = {name: make_group(*args) for name, args in GROUPS.items()}
+    per_replica = [["A", "B"], ["C"]][:replicas]
+    weights = {}
+    for names in per_replica:
+        for name in names:
+            weights[name] = 1.0 / (replicas * len(names))
+    return [groups[n] for n in per_replica[replica]], weights, groups
+
+
+def check(mode, stage, seed):
+    model = tiny_qwen3_5(torch.float32, seed=seed)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config(mode, stage))
+    mine, weights, groups = plan()
+    result = engine.grpo_step(mine)
+    grads, ref_loss = {}, 0.0
+    for name, weight in weights.items():
+        reference.zero_grad(set_to_none=True)
+        ref_loss += weight * grpo_backward(reference, groups[name], config=block(mode, 1)).loss
+        for pname, p in reference.named_parameters():
+            grads[pname] = grads.get(pname, 0.0) + weight * p.grad
+    for pname, p in reference.named_parameters():
+        p.grad = grads[pname]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    cp = engine.longstraw_cp
+    return {"rel": step_error(after, reference, before), "mean_loss": result.mean_loss, "ref_mean_loss": ref_loss,
+            "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
+            "shards": [g.extras["cp"]["shard"] for g in result.groups]}
+
+
+CHECKS = {"zero3": lambda: check("detached", 3, 0), "zero2": lambda: check("exact", 2, 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--checks", default=",".join(CHECKS))
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed()
+    results = {"world": dist.get_world_size()}
+    for name in args.checks.split(","):
+        started = time.perf_counter()
+        try:
+            results[name] = CHECKS[name]()
+        except Exception:  # recorded for pytest to show; the other checks still run
+            results[name] = {"error": traceback.format_exc()}
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    with open(os.path.join(args.out, f"engine_cp_rank{dist.get_rank()}.json"), "w") as handle:
+        json.dump(results, handle, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
