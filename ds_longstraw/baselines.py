@@ -2,8 +2,8 @@
 
 conventional: one prompt forward WITH autograd shared by all G responses, then one backward of the summed group
     loss. Exact gradients; the prompt's graph and every response's graph are alive together.
-per_member: a full prompt+response forward/backward per member through the model's own forward (as common GRPO
-    trainers do). Exact gradients; the prompt is recomputed G times.
+per_member: a full prompt+response forward/backward per member (as common GRPO trainers do), through the same
+    layer kernels as the transaction. Exact gradients; the prompt is recomputed G times.
 Both accumulate into .grad like grpo_backward and return a GroupResult.
 """
 
@@ -67,18 +67,19 @@ def per_member(model, group, objective=None, *, config=None, ref_model=None) -> 
     with meter.phase("forward_backward"):
         for member in range(group.size):
             response = group.response_ids[member]
-            ids = torch.cat([group.prompt_ids, response]).to(adapter.device).unsqueeze(0)
+            ids = torch.cat([group.prompt_ids, response[:-1]])
             with torch.enable_grad():
-                # logits only where they are used: the last len(response) + 1 positions.
-                logits = model(ids, use_cache=False, logits_to_keep=response.numel() + 1).logits[0, :-1]
-                acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-                logp = torch.log_softmax(logits.to(acc), -1).gather(-1, response.to(logits.device).unsqueeze(-1)).squeeze(-1)
+                # The whole sequence through the same layer kernels as the transaction (so the comparison is of
+                # schedules, not of kernels); logits only where they are used.
+                out = adapter.forward_segment(ids, 0, {}, {})
+                logp = adapter.logprobs(out.hidden[:, group.prompt_ids.numel() - 1:], response)
                 ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
                 share = objective.member_loss(group, member, logp, advantages, ref)
                 if share.requires_grad:
                     share.backward()
             loss += float(share.detach())
             logps.append(logp.detach().double().cpu())
+            del out, logp, share
     return GroupResult(loss=loss, logprobs=logps, ref_logprobs=ref_logprobs, advantages=advantages,
                        phases=meter.phases, retained_bytes={})
 

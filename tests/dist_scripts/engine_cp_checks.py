@@ -13,6 +13,8 @@ The step must follow the data-parallel average: W = 2: (g_A + g_B) / 2; W = 4: (
 Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2
   zero2   ZeRO stage 2, exact (the CP prefix pass takes turns across ranks; no weight gathers to keep in step)
+Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
+pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
 
 import argparse
@@ -67,6 +69,24 @@ def plan():
     return [groups[n] for n in per_replica[replica]], weights, groups
 
 
+def _fresh(seed):
+    return tiny_qwen3_5(torch.float32, seed=seed)
+
+
+def reference_step(reference, mode, weights, groups):
+    """Single process: SGD on sum_name weight * grad(group name) (no CP); returns (model after, weighted loss)."""
+    grads, loss = {}, 0.0
+    for name, weight in weights.items():
+        reference.zero_grad(set_to_none=True)
+        loss += weight * grpo_backward(reference, groups[name], config=block(mode, 1)).loss
+        for pname, p in reference.named_parameters():
+            grads[pname] = grads.get(pname, 0.0) + weight * p.grad
+    for pname, p in reference.named_parameters():
+        p.grad = grads[pname]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    return reference, loss
+
+
 def check(mode, stage, seed):
     model = tiny_qwen3_5(torch.float32, seed=seed)
     reference = copy.deepcopy(model)
@@ -75,18 +95,20 @@ def check(mode, stage, seed):
                                          config=ds_config(mode, stage))
     mine, weights, groups = plan()
     result = engine.grpo_step(mine)
-    grads, ref_loss = {}, 0.0
-    for name, weight in weights.items():
-        reference.zero_grad(set_to_none=True)
-        ref_loss += weight * grpo_backward(reference, groups[name], config=block(mode, 1)).loss
-        for pname, p in reference.named_parameters():
-            grads[pname] = grads.get(pname, 0.0) + weight * p.grad
-    for pname, p in reference.named_parameters():
-        p.grad = grads[pname]
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
     after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     cp = engine.longstraw_cp
-    return {"rel": step_error(after, reference, before), "mean_loss": result.mean_loss, "ref_mean_loss": ref_loss,
+    ref, ref_loss = reference_step(reference, mode, weights, groups)
+    # Controls: the same comparison against references that a wrong CP factor or averaging would approach (the
+    # first ignores the prefix pass's gradient, the second weighs every group equally); both must be far off.
+    wrong = {}
+    if mode == "exact":
+        wrong["vs_detached"] = reference_step(_fresh(seed), "detached", weights, groups)[0]
+    if len(weights) > 2:
+        wrong["vs_equal_weights"] = reference_step(_fresh(seed), mode, {n: 1 / len(weights) for n in weights},
+                                                   groups)[0]
+    controls = {k: step_error(after, v, before) for k, v in wrong.items()}
+    return {"rel": step_error(after, ref, before), "controls": controls, "mean_loss": result.mean_loss,
+            "ref_mean_loss": ref_loss,
             "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
             "shards": [g.extras["cp"]["shard"] for g in result.groups]}
 
