@@ -196,6 +196,7 @@ def main(argv=None):
                       help="method@prompt pairs not run (too slow or too large for a 2-core, 24 GiB machine)")
     many.add_argument("--out", default=None, help="markdown file to write the table to")
     many.add_argument("--plot", default=None, help="PNG of step peak memory vs prompt length")
+    many.add_argument("--section", default="grpo", help="name of the BENCHMARKS.md section to (re)write")
     args = parser.parse_args(argv)
     if args.command == "one":
         row = run_one(args.method, args.prompt, args.group, args.response, args.shape, args.chunk, args.dtype)
@@ -212,8 +213,8 @@ def main(argv=None):
     text = table(rows, command)
     print(text)
     if args.out:
-        write_section(args.out, "grpo", text)
-        with open(os.path.splitext(args.out)[0] + ".grpo.json", "w") as handle:
+        write_section(args.out, args.section, text)
+        with open(os.path.splitext(args.out)[0] + f".{args.section}.json", "w") as handle:
             json.dump(rows, handle, indent=1)
     if args.plot:
         plot_rows([r for r in rows if "skipped" not in r], args.plot)
