@@ -17,22 +17,23 @@ from .transaction import GroupResult, _reference_policy, score_reference
 from .config import parse_config
 
 
-def _reference_scores(model, group, objective, ref_model, settings):
-    if objective.kl_coef <= 0:
-        return None
-    with _reference_policy(model, ref_model) as reference:
-        return score_reference(reference, group, settings)
-
-
-def conventional(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
+def _start(model, group, objective, config, ref_model):
+    """What both baselines do first: check the input, score the reference (kl_coef > 0) under a meter."""
     settings = parse_config(config)
     objective = objective or GRPOObjective()
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     meter = PhaseMeter(adapter.device)
-    advantages = objective.advantages(group)
+    ref_logprobs = None
     with meter.phase("reference"):
-        ref_logprobs = _reference_scores(model, group, objective, ref_model, settings)
+        if objective.kl_coef > 0:
+            with _reference_policy(model, ref_model) as reference:
+                ref_logprobs = score_reference(reference, group, settings)
+    return objective, adapter, meter, objective.advantages(group), ref_logprobs
+
+
+def conventional(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
+    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, config, ref_model)
     with meter.phase("forward"), torch.enable_grad():
         ids = group.prompt_ids[:-1]
         prompt = adapter.forward_segment(ids, 0, {}, {})
@@ -55,14 +56,7 @@ def conventional(model, group, objective=None, *, config=None, ref_model=None) -
 
 
 def per_member(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
-    settings = parse_config(config)
-    objective = objective or GRPOObjective()
-    adapter = adapter_for(model)
-    group.check_vocab(adapter.vocab_size)
-    meter = PhaseMeter(adapter.device)
-    advantages = objective.advantages(group)
-    with meter.phase("reference"):
-        ref_logprobs = _reference_scores(model, group, objective, ref_model, settings)
+    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, config, ref_model)
     logps, loss = [], 0.0
     with meter.phase("forward_backward"):
         for member in range(group.size):
