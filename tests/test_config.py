@@ -38,7 +38,9 @@ BAD = {
     "near-miss-typo": ({"longstraww": {}, "zero_optimization": {"stage": 3}}, ["longstraww"]),
     "accumulation": ({**_ds(), "gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "4"]),
     "zero-stage-0": ({**_ds(), "zero_optimization": {"stage": 0}}, ["zero_optimization.stage", "0"]),
-    "cp-size": (_ds(cp_size=2), ["longstraw.cp_size", "2"]),
+    # cp_size > 1 runs under the engine (tests/test_engine_cp.py), but not exact mode under ZeRO-3
+    "cp-size-exact-zero3": (_ds(cp_size=2, prefix_grad="exact"), ["longstraw.cp_size", "2", "exact",
+                                                                   "zero_optimization.stage"]),
 }
 
 
@@ -153,3 +155,16 @@ def test_model_shapes():
     for name in ("tiny_qwen3_5.yaml", "small_qwen3_5.yaml"):
         small = config_from_shape(os.path.join(REPO, "configs", "models", name))
         assert small.layer_types[3] == "full_attention" and small.layer_types[0] == "linear_attention"
+
+
+def test_glm_5_2_shape_config_builds_its_transformers_config():
+    """configs/models/glm_5_2.yaml is a real glm_moe_dsa config whose retained bytes per token match
+    mission/NUMBERS.md: 78 x (512 + 64) x 2 B of latent + 21 x 128 x 2 B of indexer keys = 95,232 B."""
+    from ds_longstraw.modeling import config_from_shape
+
+    config = config_from_shape("configs/models/glm_5_2.yaml")
+    assert config.model_type == "glm_moe_dsa"
+    full = sum(kind == "full" for kind in config.indexer_types)
+    assert (config.num_hidden_layers, full) == (78, 21)
+    per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2 + full * config.index_head_dim * 2
+    assert per_token == 95_232
