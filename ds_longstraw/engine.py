@@ -17,6 +17,14 @@ What grpo_step is:
   - data parallel: rank r brings its own group(s) with loss L_r (each group's loss normalised within the group by
     the objective's loss_agg; several groups on one rank are averaged). DeepSpeed averages gradients over ranks,
     so the step follows the gradient of mean_r L_r: every rank's group weighs the same, whatever its token count.
+  - context parallelism ("longstraw": {"cp_size": N}): consecutive ranks [k N, (k+1) N) form CP group k, built by
+    `initialize`, inside data-parallel replica k; the N ranks of a replica bring the same group(s) (checked) and
+    shard each prompt (parallel/). DeepSpeed sees all D x N ranks as data parallel (weights partitioned over all
+    of them) and no explicit CP all-reduce runs: each CP rank back-propagates the whole replay and N x its own
+    exact-mode prefix share (parallel/transaction.py), so a replica's N ranks sum to N g_replica and DeepSpeed's
+    average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
+    per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls; exact mode
+    (whose CP prefix pass takes turns across ranks) needs ZeRO stage 1/2 and is refused with ZeRO-3 at initialize.
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no sampling of
 responses (groups come in with their responses and rewards), no reuse of a capture across steps.
 """
