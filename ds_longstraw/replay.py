@@ -73,3 +73,41 @@ def member_inputs(group, member):
     response = group.response_ids[member]
     inputs = torch.cat([group.prompt_ids[-1:], response[:-1]])
     return inputs, response
+
+
+def replay_group(adapter, leaves, start, group, objective, advantages, ref_logprobs, block, *, backward=None,
+                 lockstep=None, remote_attention=None):
+    """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
+
+    backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
+    lockstep: pads this rank's module calls to the other ranks' (dummy tokens and members; results unchanged).
+    Returns (group loss as a float, per-member log-probs detached on the CPU in float64).
+    """
+    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
+
+    logprobs, loss = [], 0.0
+    for member in range(group.size):
+        inputs, targets = member_inputs(group, member)
+        real = targets.numel()
+        if lockstep is not None:
+            inputs, targets = lockstep.pad_member(member, inputs, targets)
+        with torch.enable_grad():
+            logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
+            ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+            share = objective.member_loss(group, member, logp, advantages, ref)
+            if share.requires_grad:
+                share.backward() if backward is None else backward(share)
+        loss += float(share.detach())
+        logprobs.append(logp.detach().double().cpu())
+        del logp, share
+    if lockstep is not None:
+        lockstep.replay_dummy_members(adapter, leaves, start, replay, backward)
+    return loss, logprobs
+
+
+def final_carry_grads(leaves):
+    """d(loss)/d(GDN state, conv tail after the prefix), accumulated over the members (zeros where none)."""
+    return {layer: (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
+                    torch.zeros_like(tail) if tail.grad is None else tail.grad)
+            for layer, (recurrent, tail) in leaves.gdn_carry.items()}

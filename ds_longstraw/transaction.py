@@ -22,7 +22,7 @@ from .objective import GRPOObjective
 from .parallel.groups import as_cp_context
 from .parallel.transaction import cp_grpo_backward
 from .prefix_pass import prefix_backward
-from .replay import member_inputs, prefix_leaves, replay_member
+from .replay import final_carry_grads, member_inputs, prefix_leaves, replay_group, replay_member
 from .state import capture_prefix
 
 
@@ -138,34 +138,16 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     try:
         retained = state.retained_bytes()
 
-        logprobs, loss = [], 0.0
         with meter.phase("replay"):
             leaves = prefix_leaves(adapter, state, requires_grad=exact)
-            for member in range(group.size):
-                inputs, targets = member_inputs(group, member)
-                real = targets.numel()
-                if lockstep is not None:
-                    inputs, targets = lockstep.pad_member(member, inputs, targets)
-                with torch.enable_grad():
-                    logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)[:real]
-                    ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
-                    share = objective.member_loss(group, member, logp, advantages, ref)
-                    if share.requires_grad:
-                        share.backward() if backward is None else backward(share)
-                loss += float(share.detach())
-                logprobs.append(logp.detach().double().cpu())
-                del logp, share
-            if lockstep is not None:
-                lockstep.replay_dummy_members(adapter, leaves, state.length, replay_member, backward)
+            loss, logprobs = replay_group(adapter, leaves, state.length, group, objective, advantages, ref_logprobs,
+                                          settings.replay_block, backward=backward, lockstep=lockstep)
             leaves.release()  # staged pages of the replay are not needed by the prefix pass
 
         grad_page_bytes = state.pool.grad_bytes()
         if exact:
             with meter.phase("prefix"):
-                d_final = {}
-                for layer, (recurrent, tail) in leaves.gdn_carry.items():
-                    d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
-                                      torch.zeros_like(tail) if tail.grad is None else tail.grad)
+                d_final = final_carry_grads(leaves)
                 with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
                     prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
                                     progress=None if bar is None else bar.update, backward=backward)

@@ -36,7 +36,7 @@ import torch
 
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.memory import PhaseMeter
-from ds_longstraw.replay import PrefixLeaves, member_inputs, replay_member
+from ds_longstraw.replay import PrefixLeaves, final_carry_grads, member_inputs, replay_group, replay_member
 
 from .capture import cp_capture_prefix
 from .cp_attention import PagesAttention
@@ -157,38 +157,20 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
         state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, keep_boundaries=exact, pad=pad)
     retained = state.retained_bytes()
 
-    logprobs, loss = [], 0.0
     before = None if engine_reduce else _take_grads(model)  # .grad before this group: kept out of the reduction
     with meter.phase("replay"), cp.phase("replay"):
         leaves = _replay_leaves(adapter, state, exact)
         remote = PagesAttention(cp, state.pool, adapter, exact=exact)
-        for member in range(group.size):
-            inputs, targets = member_inputs(group, member)
-            real = targets.numel()
-            if lockstep is not None:
-                inputs, targets = lockstep.pad_member(member, inputs, targets)
-            with torch.enable_grad():
-                logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block,
-                                     remote)[:real]
-                ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
-                share = objective.member_loss(group, member, logp, advantages, ref)
-                if share.requires_grad:
-                    share.backward() if backward is None else backward(share)
-            loss += float(share.detach())
-            logprobs.append(logp.detach().double().cpu())
-            del logp, share
-        if lockstep is not None:
-            lockstep.replay_dummy_members(adapter, leaves, state.length, _remote_replay(remote), backward)
+        loss, logprobs = replay_group(adapter, leaves, state.length, group, objective, advantages, ref_logprobs,
+                                      settings.replay_block, backward=backward, lockstep=lockstep,
+                                      remote_attention=remote)
 
     if not engine_reduce:
         _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
     grad_page_bytes = state.pool.grad_bytes()
     if exact:
         with meter.phase("prefix"), cp.phase("prefix"):
-            d_final = {}
-            for layer, (recurrent, tail) in leaves.gdn_carry.items():
-                d_final[layer] = (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
-                                  torch.zeros_like(tail) if tail.grad is None else tail.grad)
+            d_final = final_carry_grads(leaves)
             if engine_reduce and cp.size != 1:
                 _scale_injected_(state, d_final, cp.size)
             lo, hi = cp.shards(state.length)[cp.rank]
