@@ -73,7 +73,9 @@ def _mb(value):
     return f"{value / 2**20:,.0f}"
 
 
-def grid(prompts, groups, response, methods, skip, out, plot):
+def grid(prompts, groups, response, methods, skip, partial_path=None):
+    """Run every configuration in a fresh process; each finished row is also appended to `partial_path` (JSON
+    lines) so an interrupted grid keeps what it measured."""
     rows = []
     total = len(prompts) * len(groups) * len(methods)
     done = 0
@@ -89,6 +91,9 @@ def grid(prompts, groups, response, methods, skip, out, plot):
                 row = run_fresh(method, prompt, group_size, response)
                 print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
                 rows.append(row)
+                if partial_path:
+                    with open(partial_path, "a") as handle:
+                        handle.write(json.dumps(row) + "\n")
     return rows
 
 
@@ -208,7 +213,8 @@ def main(argv=None):
     for item in filter(None, args.skip.split(",")):
         method, prompt = item.split("@")
         skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
-    rows = grid(prompts, groups, args.response, args.methods.split(","), skip, args.out, args.plot)
+    partial = None if not args.out else os.path.splitext(args.out)[0] + f".{args.section}.partial.jsonl"
+    rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial)
     command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
     text = table(rows, command)
     print(text)

@@ -49,9 +49,14 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             else:
                 carry[layer] = (recurrent.detach().requires_grad_(True), tail.detach().requires_grad_(True))
         past = StagedPast(stager, adapter.attn_layers, 0, start, with_grad=True)
+        # Recompute each layer in backward (one layer's graph alive instead of the chunk's) when plain autograd
+        # runs it. Not under the DeepSpeed engine: ZeRO-3 releases weights that torch's checkpoint would need
+        # again (TODO issue 3: route through DeepSpeed's activation checkpointing), nor across CP ranks, whose
+        # remote exchanges must not run twice.
+        checkpoint = remote_attention is None and backward is None
         with torch.enable_grad(), staged_saves(stager):
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
-                                          remote_attention)
+                                          remote_attention, checkpoint_layers=checkpoint)
             outputs, grads = [], []
             for layer in adapter.gdn_layers:
                 d_state, d_tail = d_carry[layer]

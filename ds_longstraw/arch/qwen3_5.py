@@ -181,28 +181,45 @@ class Qwen35Adapter:
         return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     # -- the segment -------------------------------------------------------------------------------------
-    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None):
+    def _layer(self, index, layer, hidden, cos, sin, gdn_carry, past, remote_attention):
+        """One decoder layer: (hidden out, state or K, conv tail or V)."""
+        residual = hidden
+        h = layer.input_layernorm(hidden)
+        if self.layer_types[index] == LINEAR_ATTENTION:
+            state, tail = gdn_carry.get(index, (None, None))
+            mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
+        else:
+            remote = None if remote_attention is None else partial(remote_attention, index)
+            mixed, first, second = self.attention_forward(layer.self_attn, h, cos, sin, past.get(index, []), remote)
+        hidden = residual + mixed
+        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden, first, second
+
+    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None, checkpoint_layers=False):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
         past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks);
         remote_attention: None, or a callable (layer, q_HTD) -> (out_HTD, lse_HT) over earlier keys that live on
-        other context-parallel ranks (ds_longstraw.parallel).
+        other context-parallel ranks (ds_longstraw.parallel);
+        checkpoint_layers: keep only each layer's input for backward and recompute the layer there (the exact-mode
+        prefix pass holds a whole capture chunk's graph otherwise); not with remote_attention, whose exchanges
+        must not run again during backward.
         """
+        assert not (checkpoint_layers and remote_attention is not None), "remote exchanges cannot be recomputed"
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
-            residual = hidden
-            h = layer.input_layernorm(hidden)
-            if self.layer_types[index] == LINEAR_ATTENTION:
-                state, tail = gdn_carry.get(index, (None, None))
-                mixed, out.gdn_state[index], out.conv_tail[index] = self.gdn_forward(layer.linear_attn, h, state, tail)
+            if checkpoint_layers and torch.is_grad_enabled():
+                results = torch.utils.checkpoint.checkpoint(
+                    self._layer, index, layer, hidden, cos, sin, gdn_carry, past, None, use_reentrant=False)
             else:
-                remote = None if remote_attention is None else partial(remote_attention, index)
-                mixed, out.keys[index], out.values[index] = self.attention_forward(
-                    layer.self_attn, h, cos, sin, past.get(index, []), remote)
-            hidden = residual + mixed
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+                results = self._layer(index, layer, hidden, cos, sin, gdn_carry, past, remote_attention)
+            hidden, first, second = results
+            if self.layer_types[index] == LINEAR_ATTENTION:
+                out.gdn_state[index], out.conv_tail[index] = first, second
+            else:
+                out.keys[index], out.values[index] = first, second
         out.hidden = hidden
         return out
