@@ -115,25 +115,28 @@ def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
     return _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
-def _blockwise_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, scale, causal_offset, key_block, need_kv):
-    """Gradients of one key set's share, given the (possibly merged) out and lse of the attention it is part of.
+def blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset=None,
+                               key_block=KEY_BLOCK, need_kv=True):
+    """One key set's share of the gradients of an attention whose key sets were merged, given the MERGED lse and
+    delta = <dout, out> - dlse (out the merged output). Returns (dq share, dk, dv) in accumulation precision
+    (float64 for float64 inputs, else float32); dk/dv are None when need_kv is False.
 
-    With p = exp(s - lse): dv = p^T dout; dp = dout v^T; ds = p * (dp - <dout, out>) + p * dlse. Because p uses
-    the merged lse and <dout, out> the merged out, each key set's share is exact on its own.
+    With p = exp(s - lse): dv = p^T dout; dp = dout v^T; ds = p * (dp - delta). Because p uses the merged lse and
+    delta the merged out, each key set's share is exact on its own; memory is O(Tq * key_block) per head.
     """
     kv_heads, tk, _ = k_KTD.shape
-    tq = q_HTD.shape[1]
     acc = _acc(q_HTD.dtype)
     q = _group(q_HTD, kv_heads).to(acc)
-    dout = _group(dout_HTD, kv_heads).to(acc)
-    lse_K = lse.reshape(q.shape[:-1]).to(acc)
-    safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
-    delta = (dout * _group(out, kv_heads).to(acc)).sum(-1)
-    if dlse_HT is not None:
-        delta = delta - dlse_HT.reshape(q.shape[:-1]).to(acc)
     dq = torch.zeros_like(q)
     dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device) if need_kv else None
     dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device) if need_kv else None
+    tq = q.shape[2]
+    if tk == 0 or tq == 0:
+        return dq.reshape(q_HTD.shape), dk, dv
+    dout = _group(dout_HTD, kv_heads).to(acc)
+    lse_K = lse_HT.reshape(q.shape[:-1]).to(acc)
+    safe_lse = torch.where(torch.isinf(lse_K), torch.zeros_like(lse_K), lse_K)
+    delta = delta_HT.reshape(q.shape[:-1]).to(acc)
     for k0 in range(0, tk, key_block):
         k1 = min(tk, k0 + key_block)
         if causal_offset is not None and k0 > tq - 1 + causal_offset:
@@ -146,12 +149,25 @@ def _blockwise_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, scale,
         p = torch.exp(s - safe_lse.unsqueeze(-1))
         if need_kv:
             dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
-        dp = torch.einsum("krtd,ksd->krts", dout, vb)
-        ds = p * (dp - delta.unsqueeze(-1)) * scale
+        ds = p * (torch.einsum("krtd,ksd->krts", dout, vb) - delta.unsqueeze(-1)) * scale
         dq += torch.einsum("krts,ksd->krtd", ds, kb)
         if need_kv:
             dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
-    dq = dq.reshape(q_HTD.shape).to(q_HTD.dtype)
+    return dq.reshape(q_HTD.shape), dk, dv
+
+
+def attention_delta(out_HTD, dout_HTD, dlse_HT):
+    """delta = rowsum(dout * out) - dlse, in accumulation precision."""
+    acc = _acc(out_HTD.dtype)
+    delta = (dout_HTD.to(acc) * out_HTD.to(acc)).sum(-1)
+    return delta if dlse_HT is None else delta - dlse_HT.to(acc)
+
+
+def _blockwise_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, scale, causal_offset, key_block, need_kv):
+    delta = attention_delta(out, dout_HTD, dlse_HT)
+    dq, dk, dv = blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse, dout_HTD, delta, scale, causal_offset,
+                                            key_block, need_kv)
+    dq = dq.to(q_HTD.dtype)
     if not need_kv:  # constant pages (detached mode): no key/value gradient is computed or held
         return dq, None, None
     return dq, dk.to(k_KTD.dtype), dv.to(v_KTD.dtype)

@@ -25,7 +25,7 @@ delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards
 import torch
 
 from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
-from ds_longstraw.kernels.attention import KEY_BLOCK, _block_mask, _group
+from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise_grads_from_delta
 
 
 def _acc(dtype):
@@ -47,49 +47,12 @@ def merge_in_order(partials):
     return out, lse
 
 
-def attention_delta(out_HTD, dout_HTD, dlse_HT):
-    """delta = rowsum(dout * out) - dlse, in accumulation precision."""
-    acc = _acc(out_HTD.dtype)
-    delta = (dout_HTD.to(acc) * out_HTD.to(acc)).sum(-1)
-    return delta if dlse_HT is None else delta - dlse_HT.to(acc)
-
-
 def attention_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset=None,
                                key_block=KEY_BLOCK):
-    """One key shard's share of the gradients of a merged attention, given the MERGED lse and delta.
-
-    Returns (dq_part, dk, dv) in accumulation precision (float64 for float64 inputs, else float32): dq_part is
-    this shard's contribution to dq (sum over shards), dk/dv are complete for this shard's keys. Memory is
-    O(Tq * key_block) per head, as in the forward.
-    """
-    kv_heads, tk, _ = k_KTD.shape
-    acc = _acc(q_HTD.dtype)
-    q = _group(q_HTD, kv_heads).to(acc)
-    dq = torch.zeros_like(q)
-    dk = torch.zeros(k_KTD.shape, dtype=acc, device=k_KTD.device)
-    dv = torch.zeros(v_KTD.shape, dtype=acc, device=v_KTD.device)
-    if tk == 0 or q.shape[2] == 0:
-        return dq.reshape(q_HTD.shape), dk, dv
-    tq = q.shape[2]
-    dout = _group(dout_HTD, kv_heads).to(acc)
-    lse = lse_HT.reshape(q.shape[:-1]).to(acc)
-    safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    delta = delta_HT.reshape(q.shape[:-1]).to(acc)
-    for k0 in range(0, tk, key_block):
-        k1 = min(tk, k0 + key_block)
-        if causal_offset is not None and k0 > tq - 1 + causal_offset:
-            break
-        kb, vb = k_KTD[:, k0:k1].to(acc), v_KTD[:, k0:k1].to(acc)
-        s = torch.einsum("krtd,ksd->krts", q, kb) * scale
-        mask = _block_mask(tq, k0, k1, causal_offset, q.device)
-        if mask is not None:
-            s = s.masked_fill(mask, float("-inf"))
-        p = torch.exp(s - safe_lse.unsqueeze(-1))
-        dv[:, k0:k1] = torch.einsum("krts,krtd->ksd", p, dout)
-        ds = p * (torch.einsum("krtd,ksd->krts", dout, vb) - delta.unsqueeze(-1)) * scale
-        dq += torch.einsum("krts,ksd->krtd", ds, kb)
-        dk[:, k0:k1] = torch.einsum("krts,krtd->ksd", ds, q)
-    return dq.reshape(q_HTD.shape), dk, dv
+    """One key shard's share of the gradients of a merged attention, given the MERGED lse and delta (see
+    kernels.attention.blockwise_grads_from_delta): (dq_part, dk, dv) in accumulation precision."""
+    return blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset,
+                                      key_block)
 
 
 def attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, dlse_HT, scale, causal_offset=None,
