@@ -111,3 +111,21 @@ def final_carry_grads(leaves):
     return {layer: (torch.zeros_like(recurrent) if recurrent.grad is None else recurrent.grad,
                     torch.zeros_like(tail) if tail.grad is None else tail.grad)
             for layer, (recurrent, tail) in leaves.gdn_carry.items()}
+
+
+def score_group(adapter, leaves, start, group, block, *, lockstep=None, remote_attention=None):
+    """Log-probs of every member's response WITHOUT a graph (reference scoring), float64 on the CPU."""
+    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
+
+    scores = []
+    with torch.no_grad():
+        for member in range(group.size):
+            inputs, targets = member_inputs(group, member)
+            real = targets.numel()
+            if lockstep is not None:
+                inputs, targets = lockstep.pad_member(member, inputs, targets)
+            scores.append(replay(adapter, leaves, start, inputs, targets, block)[:real].double().cpu())
+        if lockstep is not None:
+            lockstep.replay_dummy_members(adapter, leaves, start, replay, with_grad=False)
+    return scores

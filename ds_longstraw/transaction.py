@@ -22,7 +22,7 @@ from .objective import GRPOObjective
 from .parallel.groups import as_cp_context
 from .parallel.transaction import cp_grpo_backward
 from .prefix_pass import prefix_backward
-from .replay import final_carry_grads, member_inputs, prefix_leaves, replay_group, replay_member
+from .replay import final_carry_grads, prefix_leaves, replay_group, score_group
 from .state import capture_prefix
 
 
@@ -81,16 +81,7 @@ def score_reference(ref_model, group, settings, lockstep=None):
     state = _capture(adapter, group, settings, False, "capture (reference)", lockstep)
     try:
         leaves = prefix_leaves(adapter, state, requires_grad=False)
-        scores = []
-        with torch.no_grad():
-            for member in range(group.size):
-                inputs, targets = member_inputs(group, member)
-                real = targets.numel()
-                if lockstep is not None:
-                    inputs, targets = lockstep.pad_member(member, inputs, targets)
-                scores.append(replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block)[:real].double().cpu())
-            if lockstep is not None:
-                lockstep.replay_dummy_members(adapter, leaves, state.length, replay_member, with_grad=False)
+        scores = score_group(adapter, leaves, state.length, group, settings.replay_block, lockstep=lockstep)
         leaves.release()
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success

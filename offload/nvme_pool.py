@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import uuid
-import weakref
 import zlib
 
 import torch

@@ -36,7 +36,7 @@ import torch
 
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.memory import PhaseMeter
-from ds_longstraw.replay import PrefixLeaves, final_carry_grads, member_inputs, replay_group, replay_member
+from ds_longstraw.replay import PrefixLeaves, final_carry_grads, replay_group, score_group
 
 from .capture import cp_capture_prefix
 from .cp_attention import PagesAttention
@@ -52,13 +52,6 @@ def _replay_leaves(adapter, state, requires_grad):
     return PrefixLeaves(gdn_carry=carry, past={layer: [] for layer in adapter.attn_layers})
 
 
-def _remote_replay(remote):
-    """replay_member with the CP remote attention bound (lockstep's dummy members take replay_member's signature)."""
-    def replay(adapter, leaves, start, inputs, targets, block):
-        return replay_member(adapter, leaves, start, inputs, targets, block, remote)
-    return replay
-
-
 def cp_score_reference(ref_model, group, settings, cp, lockstep=None):
     """Reference log-probs of every member on every rank, without a graph; the reference state is freed."""
     adapter = adapter_for(ref_model)
@@ -66,17 +59,8 @@ def cp_score_reference(ref_model, group, settings, cp, lockstep=None):
     state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, pad=pad)
     leaves = _replay_leaves(adapter, state, False)
     remote = PagesAttention(cp, state.pool, adapter)
-    scores = []
-    with torch.no_grad():
-        for member in range(group.size):
-            inputs, targets = member_inputs(group, member)
-            real = targets.numel()
-            if lockstep is not None:
-                inputs, targets = lockstep.pad_member(member, inputs, targets)
-            logp = replay_member(adapter, leaves, state.length, inputs, targets, settings.replay_block, remote)
-            scores.append(logp[:real].double().cpu())
-        if lockstep is not None:
-            lockstep.replay_dummy_members(adapter, leaves, state.length, _remote_replay(remote), with_grad=False)
+    scores = score_group(adapter, leaves, state.length, group, settings.replay_block, lockstep=lockstep,
+                         remote_attention=remote)
     state.release()
     return scores
 
