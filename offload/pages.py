@@ -49,6 +49,16 @@ class ReadyRead:
         self._tensor = None
 
 
+def init_pool_basics(pool, page_tokens, device, rank, staging_depth):
+    """What every tier's pool holds: page size (checked), compute device, owning rank, staging depth."""
+    if page_tokens <= 0:
+        raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
+    pool.page_tokens = page_tokens
+    pool.device = torch.device(device) if device is not None else torch.device("cpu")
+    pool.rank = rank
+    pool.staging_depth = staging_depth
+
+
 class PagePool:
     """Pages of one rank's retained streams on the compute device."""
 
@@ -56,12 +66,7 @@ class PagePool:
     copies_on_read = False
 
     def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1):
-        if page_tokens <= 0:
-            raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
-        self.page_tokens = page_tokens
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.rank = rank
-        self.staging_depth = staging_depth
+        init_pool_basics(self, page_tokens, device, rank, staging_depth)
         self._streams: dict[tuple[int, str], _Stream] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .page_table import PageTable
-from .pages import PageKey
+from .pages import PageKey, init_pool_basics
 from .states import STAGING_TRANSITIONS, PageState, advance
 
 
@@ -88,12 +88,7 @@ class TieredPagePool:
     copies_on_read = True
 
     def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1):
-        if page_tokens <= 0:
-            raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
-        self.page_tokens = page_tokens
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        self.rank = rank
-        self.staging_depth = staging_depth
+        init_pool_basics(self, page_tokens, device, rank, staging_depth)
         self.table = PageTable(page_tokens, rank)
         self._streams: dict[tuple[int, str], StreamInfo] = {}
         self._released = False

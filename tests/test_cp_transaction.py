@@ -67,15 +67,6 @@ for _case in CASES:
 BY_NAME = {case["name"]: case for case in CASES}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: multi-threaded OpenMP only spins. Restored afterwards."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(saved)
-
-
 @pytest.fixture(scope="module")
 def single_process_retained():
     """retained_bytes of the single-process transaction for the "uneven-detached" case."""

@@ -26,15 +26,6 @@ BLOCK = {"capture_chunk": 8, "replay_block": 3, "page_tokens": 4}
 pytestmark = pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core box run many times faster on one thread (no spin-waiting)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _group(seed, prompt_len, response_lens):
     gen = torch.Generator().manual_seed(seed)
     return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),

@@ -28,16 +28,6 @@ def _group():
     return GRPOGroup(prompt, responses, rewards=[0.2, 0.9])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on 2 shared cores a second one only contends (measured here: float64 conv1d, which the
-    GDN layers run, took 0.28 s per call with 2 threads under load and 0.4 ms with 1). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_qwen3_5()

@@ -22,16 +22,6 @@ from ds_longstraw.state import capture_prefix
 from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: on 2 shared cores a second one only contends (measured here: float64 conv1d, which the
-    GDN layers run, took 0.28 s per call with 2 threads under load and 0.4 ms with 1). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny_shape(dtype, layers=4):
     config = tiny_qwen3_5_config(layers=layers).to_dict()
     return shape_from_config("tiny", config, torch.empty((), dtype=dtype).element_size())
