@@ -8,7 +8,7 @@ Example (inside the DeepSpeed config)::
 Unknown keys and bad values raise ValueError naming the key, before any work starts.
 """
 
-from typing import Literal
+from typing import Literal, Optional
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
@@ -48,8 +48,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
 
     prefix_grad: "detached" treats the captured prompt state as a constant (the paper's semantics);
         "exact" also back-propagates through the prompt (gradients equal full-sequence autograd).
-    capture_chunk: prompt tokens per capture chunk (bounds activation memory of capture and of the
-        exact-mode prefix pass).
+    capture_chunk: prompt tokens per capture chunk (bounds activation memory of capture).
+    prefix_block: exact mode only: prompt tokens per autograd segment of the prefix pass (bounds its live graph;
+        capture then runs segments of min(capture_chunk, prefix_block) and checkpoints the GDN carry at each
+        segment start). None: capture_chunk.
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
@@ -58,12 +60,22 @@ class LongstrawConfig(DeepSpeedConfigModel):
     enabled: bool = True
     prefix_grad: Literal["detached", "exact"] = "detached"
     capture_chunk: int = Field(4096, gt=0)
+    prefix_block: Optional[int] = Field(None, gt=0)
     replay_block: int = Field(1024, gt=0)
     page_tokens: int = Field(1024, gt=0)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     progress: bool = False
+
+    @property
+    def segment_tokens(self) -> int:
+        """Prompt tokens per capture forward: capture_chunk, capped by prefix_block in exact mode (whose
+        prefix pass recomputes one such segment at a time with autograd, from the carry checkpointed at its
+        start)."""
+        if self.prefix_grad == "exact" and self.prefix_block is not None:
+            return min(self.capture_chunk, self.prefix_block)
+        return self.capture_chunk
 
 
 def _describe(error: ValidationError) -> str:

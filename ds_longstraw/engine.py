@@ -23,8 +23,8 @@ What grpo_step is:
     of them) and no explicit CP all-reduce runs: each CP rank back-propagates the whole replay and N x its own
     exact-mode prefix share (parallel/transaction.py), so a replica's N ranks sum to N g_replica and DeepSpeed's
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
-    per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls; exact mode
-    (whose CP prefix pass takes turns across ranks) needs ZeRO stage 1/2 and is refused with ZeRO-3 at initialize.
+    per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
+    mode's CP prefix turns are mirrored by the ranks not in turn (parallel/prefix.py).
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no sampling of
 responses (groups come in with their responses and rewards), no reuse of a capture across steps.
 """

@@ -8,8 +8,7 @@ DeepSpeed settings that the GRPO step depends on are checked here too, each erro
   step: pass a list of groups), and DeepSpeed only steps at its own accumulation boundary.
 - zero_optimization.stage must be 1, 2 or 3: the one-reduction-per-group path (`coalesce_grad_reduction`) needs ZeRO.
 - longstraw.cp_size must divide the world size (consecutive ranks form a CP group inside each data-parallel
-  replica); with ZeRO-3 it needs prefix_grad "detached" (exact mode's CP prefix pass takes turns across ranks and
-  cannot keep ZeRO-3's all-rank weight gathers in lockstep) and cp_attention "lse"; no offload tier with CP yet.
+  replica). Offload tiers hold each CP rank's own shard of pages.
 """
 
 import difflib
@@ -98,18 +97,6 @@ def read_block(ds_config: dict, world_size: int | None = None) -> LongstrawConfi
         if world_size and world_size % settings.cp_size:
             raise ValueError(f"'{BLOCK_NAME}.cp_size' = {settings.cp_size} does not divide the world size "
                              f"{world_size}: consecutive ranks form a CP group inside each data-parallel replica")
-        if stage == 3 and settings.prefix_grad == "exact":
-            raise ValueError(f"'{BLOCK_NAME}.cp_size' = {settings.cp_size} with prefix_grad='exact' under "
-                             "'zero_optimization.stage' = 3 is not supported: exact mode's context-parallel prefix "
-                             "pass takes turns across the CP ranks, so the ranks cannot make the same submodule "
-                             "calls that ZeRO-3's weight gathers (collectives over all ranks) need; use ZeRO stage "
-                             "1 or 2 with exact, or prefix_grad='detached' with ZeRO-3")
-        if stage == 3 and settings.cp_attention == "ulysses":
-            raise ValueError(f"'{BLOCK_NAME}.cp_attention' = 'ulysses' with cp_size > 1 under ZeRO-3 is not "
-                             "supported (its capture is not padded for lockstep): use 'lse'")
-        if settings.offload.tier != "none":
-            raise ValueError(f"'{BLOCK_NAME}.offload.tier' = {settings.offload.tier!r} with cp_size > 1 is not wired "
-                             "yet: the context-parallel capture keeps its pages on the device")
     return settings
 
 

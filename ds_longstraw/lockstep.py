@@ -4,8 +4,9 @@ Under ZeRO-3 every call of a submodule all-gathers its partitioned weights (forw
 it gathers them again: these are collectives over the data-parallel ranks, so every rank must call the same
 submodules in the same order. A transaction's calls depend on its group only through its *shape*:
 
-    capture chunks c = ceil((len(prompt) - 1) / capture_chunk)   (also the reference capture, and exact mode's
-                                                                  prefix pass: one forward + backward per chunk)
+    capture chunks c = ceil((len(prompt) - 1) / segment)   (segment: capture_chunk, capped by prefix_block in
+                                                            exact mode; also the reference capture, and exact
+                                                            mode's prefix pass: one forward + backward per chunk)
     members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block)
 
 (one `forward_segment` walks every layer whatever its token count). Ranks agree on the common shape (the
@@ -52,7 +53,7 @@ def shape_of(group, settings, cp=None) -> GroupShape:
     if cp is not None:
         lo, hi = cp.shards(tokens)[cp.rank]
         tokens = hi - lo
-    return GroupShape(chunks=_ceil_div(tokens, settings.capture_chunk),
+    return GroupShape(chunks=_ceil_div(tokens, settings.segment_tokens),
                       blocks=tuple(_ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
 
 
@@ -110,19 +111,9 @@ class Lockstep:
                 adapter.forward_segment(ids, 0, {}, {})
 
     def pad_prefix(self, adapter, backward=None):
-        """Extra prefix-pass iterations: a one-token forward with grad whose chunk outputs (GDN state and conv
-        tail, K and V) are the roots of a zero surrogate, back-propagated like a real chunk's."""
-        ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+        """Extra prefix-pass iterations (see zero_prefix_iteration)."""
         for _ in range(self.capture_pad):
-            with torch.enable_grad():
-                out = adapter.forward_segment(ids, 0, {}, {})
-                outputs = [t for layer in adapter.gdn_layers for t in (out.gdn_state[layer], out.conv_tail[layer])]
-                outputs += [t for layer in adapter.attn_layers for t in (out.keys[layer], out.values[layer])]
-                live = [o for o in outputs if o.requires_grad]
-                if live:
-                    surrogate = sum((o * 0.0).sum() for o in live)
-                    surrogate.backward() if backward is None else backward(surrogate)
-            del out, outputs, live
+            zero_prefix_iteration(adapter, backward)
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member, length):
@@ -155,3 +146,18 @@ class Lockstep:
                     zero = logp.sum() * 0.0
                     zero.backward() if backward is None else backward(zero)
             del logp
+
+
+def zero_prefix_iteration(adapter, backward=None, remote_attention=None):
+    """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (GDN state and
+    conv tail, K and V) are the roots of a zero surrogate, back-propagated like a real chunk's. remote_attention:
+    as forward_segment's (a context-parallel rank mirroring another rank's chunk serves its requests through it)."""
+    ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+    with torch.enable_grad():
+        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention)
+        outputs = [t for layer in adapter.gdn_layers for t in (out.gdn_state[layer], out.conv_tail[layer])]
+        outputs += [t for layer in adapter.attn_layers for t in (out.keys[layer], out.values[layer])]
+        live = [o for o in outputs if o.requires_grad]
+        if live:
+            surrogate = sum((o * 0.0).sum() for o in live)
+            surrogate.backward() if backward is None else backward(surrogate)

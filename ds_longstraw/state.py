@@ -58,7 +58,7 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
         state = PrefixState(length=length, pool=pool)
         carry = {}
-        chunk = settings.capture_chunk
+        chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
         stager = Stager(pool, adapter.attn_layers)
         with torch.no_grad():
             for start in range(0, length, chunk):

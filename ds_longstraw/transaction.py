@@ -107,9 +107,6 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
-    if cp is not None and settings.offload.tier != "none":
-        raise ValueError(f"offload.tier={settings.offload.tier!r} with cp_size > 1 is not wired yet: the context-parallel "
-                         f"capture keeps its pages on the device")
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
     if cp is not None:  # the prompt sharded over a context-parallel group (parallel/transaction.py)

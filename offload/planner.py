@@ -58,6 +58,8 @@ def _parser():
     p.add_argument("--reserve", type=float, default=0.10, help="GPU fraction kept for activations")
     p.add_argument("--host-fraction", type=float, default=0.80, help="host memory fraction the tier may use")
     p.add_argument("--capture-chunk", type=int, default=4096, help="longstraw.capture_chunk")
+    p.add_argument("--prefix-block", type=int, default=None,
+                   help="longstraw.prefix_block (exact mode: GDN checkpoints every min(capture-chunk, this) tokens)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -173,7 +175,12 @@ def main(argv=None) -> int:
                         gpu_memory=gpu_memory, host_memory=host_memory, nvme_free=nvme_free,
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
-        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, args.capture_chunk)
+        segment = args.capture_chunk  # what capture checkpoints at in exact mode (LongstrawConfig.segment_tokens)
+        if args.mode == "exact" and args.prefix_block is not None:
+            segment = min(segment, args.prefix_block)
+        if segment < 1:
+            raise ValueError(f"--capture-chunk and --prefix-block must be positive, got {segment}")
+        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, segment)
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

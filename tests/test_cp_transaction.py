@@ -17,6 +17,8 @@ The ranks are forked processes (tests/cp_scripts/harness.py); each world size ru
 group, and the results are files read back here.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -58,6 +60,13 @@ CASES = [
     # bfloat16: held to the error of the single-process transaction in bfloat16 (see test_low_precision)
     dict(name="bfloat16-exact", prompt_len=26, response_lens=[5, 4, 3], mode="exact", chunk=7, page=4, block=4,
          dtype="bfloat16", worlds=(2,), low_precision=True, seed=7),
+    # each rank's pages (and exact mode's gradient pages) on the host tier, or in NVMe files through async I/O
+    dict(name="host-tier-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         tier="cpu", worlds=(2, 3), seed=8),
+    dict(name="nvme-tier-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         tier="nvme", worlds=(2, 4), seed=9),
+    dict(name="nvme-tier-detached", prompt_len=20, response_lens=[4, 2], mode="detached", chunk=5, page=2, block=3,
+         tier="nvme", worlds=(3,), seed=10),
     # ... and refused at the door where the heads do not split (4 heads, 3 ranks)
     dict(name="ulysses-refused", prompt_len=22, response_lens=[4, 3], mode="exact", chunk=4, page=3, block=3,
          cp_attention="ulysses", worlds=(3,), expect_error=True, seed=6),
@@ -79,10 +88,25 @@ def single_process_retained():
         return grpo_backward(model, group, GRPOObjective(), config=config).retained_bytes
 
 
+OUT_DIRS = {}  # world size -> the directory its ranks wrote to (NVMe page files went under <dir>/nvme)
+
+
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"cp{w}")
 def world_results(request, tmp_path_factory):
     world = request.param
-    return world, run_cp(world, CASES, str(tmp_path_factory.mktemp(f"cp{world}")))
+    OUT_DIRS[world] = str(tmp_path_factory.mktemp(f"cp{world}"))
+    return world, run_cp(world, CASES, OUT_DIRS[world])
+
+
+def test_tiered_pages_leave_no_files(world_results):
+    """The NVMe cases ran (their gradients are checked above) and every rank removed its page files."""
+    world, results = world_results
+    nvme_cases = [c["name"] for c in CASES if c.get("tier") == "nvme" and world in c.get("worlds", (world,))]
+    assert nvme_cases, "no NVMe case runs on this world size"
+    for name in nvme_cases:
+        assert len(results[name]) == world
+    nvme = os.path.join(OUT_DIRS[world], "nvme")
+    assert os.path.isdir(nvme) and os.listdir(nvme) == []
 
 
 @pytest.fixture(scope="module")

@@ -172,3 +172,29 @@ def test_baselines_take_the_exact_gradient(model, baseline):
                                                                               ref_model=ref_model))
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12)
+
+
+def test_prefix_block_splits_the_prefix_pass(model):
+    """prefix_block < capture_chunk (and dividing neither the chunk nor the prompt): capture checkpoints the GDN
+    carry every prefix_block tokens, the prefix pass recomputes one such segment at a time, and the gradients are
+    still those of full-sequence autograd (same tolerance as test_matches_reference)."""
+    group = _group(30, [4, 6], seed=3)
+    objective = GRPOObjective()
+    config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4, "replay_block": 3}
+    with float64_model():
+        ref_grads, (ref_loss, _) = _reference(model, group, objective, full_sequence_logprobs)
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=config))
+        _, whole_chunks = grads_of(model, lambda: grpo_backward(
+            model, group, objective, config=dict(config, prefix_block=None)))
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    # 29 captured tokens: segments start at 0, 5, ..., 25 (6 segments; the first starts from zeros, no checkpoint)
+    # against chunks at 0, 12, 24 (3 chunks) without prefix_block
+    per_boundary = whole_chunks.retained_bytes["gdn_checkpoints"] // 2
+    assert per_boundary > 0
+    assert result.retained_bytes["gdn_checkpoints"] == 5 * per_boundary
+
+
+def test_prefix_block_is_validated():
+    with pytest.raises(ValueError, match="prefix_block"):
+        grpo_backward(tiny_qwen3_5(), _group(9, [2, 2]), config={"prefix_grad": "exact", "prefix_block": 0})

@@ -8,16 +8,16 @@ rank boundaries before anyone moves on:
                    gdn_scan.py);
   attention layer  this rank's K/V go onto its own pages; queries meet earlier ranks' pages (cp_attention.py),
                    or, with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
-Inside a layer the shard is processed `capture_chunk` tokens at a time; what stays alive across a layer is the
-shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of all attention layers for the target
-models). Every rank keeps the K/V pages of its own tokens only, the prompt's final GDN carry (the same, bit for
+Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
+what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of
+all attention layers for the target models). Every rank keeps the K/V pages of its own tokens only, the prompt's final GDN carry (the same, bit for
 bit, on every rank) and, in exact mode, the GDN carries at its own chunk starts.
 """
 
 import torch
 
 from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
-from ds_longstraw.offload import PagePool
+from ds_longstraw.offload import make_pool
 from ds_longstraw.state import ChunkBoundary, PrefixState
 
 from .cp_attention import capture_attention_layer
@@ -33,16 +33,24 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
     order, with the context-parallel exchanges at the same places in between."""
     ids_all = prompt_ids[:-1]
-    length = ids_all.numel()
-    bounds = cp.shards(length)
+    bounds = cp.shards(ids_all.numel())
     lo, hi = bounds[cp.rank]
     ids = ids_all[lo:hi]
     tokens = hi - lo
-    pool = PagePool(settings.page_tokens, device=adapter.device, rank=cp.rank)
+    # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank).
+    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
+    try:
+        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_boundaries, progress, pad)
+    except BaseException:
+        pool.release()  # page files of a host/NVMe tier go on error as on success
+        raise
+
+
+def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_boundaries, progress, pad):
     for layer in adapter.attn_layers:
         for name in ("k", "v"):
             pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
-    chunk = settings.capture_chunk
+    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
     boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if keep_boundaries else None
     final_carry = {}
@@ -55,10 +63,8 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
                                                               boundaries, index, pad=pad)
             else:
                 if settings.cp_attention == "ulysses":
-                    if pad:
-                        raise ValueError("cp_attention='ulysses' under ZeRO-3 lockstep is not supported: use 'lse'")
                     mixed = ulysses_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
-                                                    index, chunk)
+                                                    index, chunk, pad=pad)
                 else:
                     mixed = capture_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
                                                     index, chunk, pad=pad)
@@ -75,5 +81,5 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
             hidden = torch.cat(pieces, 1) if pieces else hidden
             if progress is not None:
                 progress(index)
-    state = PrefixState(length=length, pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo)
-    return state
+    pool.flush()  # the last partial pages too: after capture every page is on its tier
+    return PrefixState(length=bounds[-1][1], pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo)

@@ -176,12 +176,7 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
         pool.append(layer, "v", v[0].transpose(0, 1))
         queries.append(q[0])
         gates.append(gate)
-    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
-    dummy_out = []
-    for _ in range(pad):
-        cos, sin = adapter.rotary(dummy, 0)
-        q, gate, _, _ = adapter.attention_qkv(module, dummy, cos, sin)
-        dummy_out.append((torch.zeros_like(q[0]), gate))
+    dummy_out = pad_qkv_calls(adapter, module, normed_1TC, pad)
     heads = adapter.config.num_attention_heads
     dim = module.head_dim
     q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
@@ -194,9 +189,25 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
                                        pool.read(layer, "v", a, b).transpose(0, 1), module.scaling)
         out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
         outs.append(adapter.attention_output(module, out, gate))
-    for out, gate in dummy_out:
-        adapter.attention_output(module, out, gate)
+    pad_output_calls(adapter, module, dummy_out)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
+
+
+def pad_qkv_calls(adapter, module, like_1TC, pad):
+    """ZeRO-3 lockstep (capture.py): `pad` extra one-token q/k/v projections, as a chunk loop makes; returns what
+    pad_output_calls needs to make the matching output projections (results discarded)."""
+    dummy = like_1TC.new_zeros(1, 1, like_1TC.shape[-1])
+    calls = []
+    for _ in range(pad):
+        cos, sin = adapter.rotary(dummy, 0)
+        q, gate, _, _ = adapter.attention_qkv(module, dummy, cos, sin)
+        calls.append((torch.zeros_like(q[0]), gate))
+    return calls
+
+
+def pad_output_calls(adapter, module, calls):
+    for out, gate in calls:
+        adapter.attention_output(module, out, gate)
 
 
 # -- replay: queries on every rank, partials all-gathered -----------------------------------------------------

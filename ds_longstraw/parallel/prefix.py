@@ -13,12 +13,20 @@ first (wall time about that of the single-process pass; memory stays one shard p
            rank s says DONE; later ranks are finished.
            Then rank s sends d(GDN carry at its shard start) to rank s-1, where it is d(final carry).
 
+Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
+are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks any shard has);
+rank s runs its real chunks and pads with zero-gradient one-token iterations, every other rank runs only such
+zero iterations, and a rank whose pages rank s reads answers each request from inside the mirrored layer
+(`PageServer`): the point-to-point exchanges then sit at the same place in every rank's sequence of weight
+gathers, forward and backward.
+
 The last rank's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
 Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries].
 """
 
 import torch
 
+from ds_longstraw.lockstep import zero_prefix_iteration
 from ds_longstraw.prefix_pass import prefix_backward
 
 from .cp_attention import _acc, _pages_KTD, attention_delta, attention_grads_from_delta, chunked_partial, merge_in_order
@@ -95,33 +103,76 @@ class RemotePages:
         self._header(DONE, -1, 0, device)
 
 
-def serve(cp, owner, adapter, pool, chunk):
-    """Answer `owner`'s requests against this rank's pages until it says DONE."""
+def _answer(cp, owner, adapter, pool, chunk, op, layer, tq):
+    """Answer one request of `owner` (its header already read) against this rank's pages."""
     cfg = adapter.config
     heads, dim = cfg.num_attention_heads, cfg.head_dim
-    dtype = adapter.dtype
+    dtype, device = adapter.dtype, adapter.device
     acc = _acc(dtype)
+    scale = adapter.layers[layer].self_attn.scaling
+    k_KTD, v_KTD = _pages_KTD(pool, layer)
+    q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
+    if op == FORWARD:
+        out, lse = chunked_partial(q, k_KTD, v_KTD, scale, chunk)
+        cp.send(out, owner)
+        cp.send(lse.to(acc), owner)
+    elif op == BACKWARD:
+        dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=device)
+        lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=device)
+        dq, dk, dv = attention_grads_from_delta(q, k_KTD, v_KTD, lse, dout, delta, scale)
+        pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
+        pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+        cp.send(dq, owner)
+    else:
+        raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+
+
+def _read_header(cp, owner, device):
+    return tuple(int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header", device=device))
+
+
+def serve(cp, owner, adapter, pool, chunk):
+    """Answer `owner`'s requests against this rank's pages until it says DONE."""
     while True:
-        op, layer, tq = (int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header",
-                                                 device=adapter.device))
+        op, layer, tq = _read_header(cp, owner, adapter.device)
         if op == DONE:
             return
-        scale = adapter.layers[layer].self_attn.scaling
-        k_KTD, v_KTD = _pages_KTD(pool, layer)
-        q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=adapter.device)
-        if op == FORWARD:
-            out, lse = chunked_partial(q, k_KTD, v_KTD, scale, chunk)
-            cp.send(out, owner)
-            cp.send(lse.to(acc), owner)
-        elif op == BACKWARD:
-            dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=adapter.device)
-            lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=adapter.device)
-            dq, dk, dv = attention_grads_from_delta(q, k_KTD, v_KTD, lse, dout, delta, scale)
-            pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
-            pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
-            cp.send(dq, owner)
-        else:
-            raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+        _answer(cp, owner, adapter, pool, chunk, op, layer, tq)
+
+
+class PageServer:
+    """A rank's pages answering `owner` from inside a mirrored chunk (ZeRO-3 lockstep, see cp_prefix_backward):
+    called as remote_attention at each attention layer of a one-token dummy forward, it answers the owner's
+    FORWARD request of that layer, and the backward of its (empty) partial answers the owner's BACKWARD request.
+    A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
+
+    def __init__(self, cp, owner, adapter, pool, chunk):
+        self.cp, self.owner, self.adapter, self.pool, self.chunk = cp, owner, adapter, pool, chunk
+
+    def answer(self, expected_op, expected_layer):
+        op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
+        if (op, layer) != (expected_op, expected_layer):
+            raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
+                               f"{self.owner}, got {(op, layer)}: the ranks' prefix-pass module calls diverged")
+        if op != DONE:
+            _answer(self.cp, self.owner, self.adapter, self.pool, self.chunk, op, layer, tq)
+
+    def __call__(self, layer, q_HTD):
+        return _AnswerOwner.apply(q_HTD, self, layer)
+
+
+class _AnswerOwner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_HTD, server, layer):
+        server.answer(FORWARD, layer)
+        ctx.server, ctx.layer = server, layer
+        empty = torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+        return q_HTD.new_zeros(q_HTD.shape), empty  # an empty partial: the dummy's own output is unchanged
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        ctx.server.answer(BACKWARD, ctx.layer)
+        return None, None, None
 
 
 def _carry_shapes(state):
@@ -129,16 +180,25 @@ def _carry_shapes(state):
     return {layer: ((s.shape, s.dtype), (t.shape, t.dtype)) for layer, (s, t) in state.gdn_carry.items()}
 
 
-def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None):
+def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, lockstep_chunks=None):
     """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final GDN carry) from replay (used by the
-    last rank); chunk: queries per partial on the serving side. Parameter gradients of this rank's tokens
-    accumulate into .grad; the caller reduces them."""
+    last rank); chunk: the capture chunk (the shards' chunking, and queries per partial on the serving side).
+    Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
+
+    lockstep_chunks: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) the number
+    of prefix iterations every rank makes in every turn: the owner runs its real chunks and pads with zero
+    iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them with a one-token zero
+    iteration, and a rank whose pages the owner reads answers the owner's requests from inside its mirror
+    (PageServer), at the same layer of the same module sequence."""
     sizes = [hi - lo for lo, hi in cp.shards(state.length)]
     shapes = _carry_shapes(state)
     for owner in range(cp.size - 1, cp.rank, -1):
-        if cp.rank in _servers(sizes, owner):
+        serving = cp.rank in _servers(sizes, owner)
+        if lockstep_chunks is not None:
+            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, serving, backward)
+        elif serving:
             serve(cp, owner, adapter, state.pool, chunk)
     if cp.rank < cp.size - 1:
         d_final_carry = {}
@@ -151,6 +211,9 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
                               remote_attention=remote if remote.servers else None)
     remote.close(adapter.device)
+    if lockstep_chunks is not None:  # pad this turn to the common count before the hand-over below
+        for _ in range(lockstep_chunks - len(state.boundaries)):
+            zero_prefix_iteration(adapter, backward)
     if cp.rank > 0:
         for layer in adapter.gdn_layers:
             (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
@@ -160,3 +223,19 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
                     cp.rank - 1)
             cp.send(torch.zeros(t_shape, dtype=t_dtype, **zeros) if d_tail is None else d_tail.to(t_dtype),
                     cp.rank - 1)
+    if lockstep_chunks is not None:  # the earlier ranks' turns: mirror them (this rank's pages are not read)
+        for owner in range(cp.rank - 1, -1, -1):
+            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, False, backward)
+
+
+def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, backward):
+    """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
+    mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
+    real = -(-sizes[owner] // chunk)
+    server = PageServer(cp, owner, adapter, state.pool, chunk) if serving else None
+    for _ in range(real):
+        zero_prefix_iteration(adapter, backward, server)
+    if serving:  # the owner says DONE after its real chunks, before its padding
+        server.answer(DONE, -1)
+    for _ in range(iterations - real):
+        zero_prefix_iteration(adapter, backward)

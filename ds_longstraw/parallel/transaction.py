@@ -28,8 +28,7 @@ d(final carry) and the gradient pages are scaled by cp.size before the prefix pa
 Summed over the N CP ranks that is N x the group's gradient; averaged over all D x N ranks of D data-parallel
 replicas (what DeepSpeed does with no mpu) it is (1/D) sum over replicas of each replica's group gradient: the
 data-parallel average. lockstep (ZeRO-3): capture chunks and replay members/blocks are padded with dummy calls so
-every rank of the job makes the same module calls (exact mode's prefix pass takes turns and is not padded: the
-engine refuses ZeRO-3 + cp_size > 1 + exact).
+every rank of the job makes the same module calls; exact mode's prefix turns are mirrored (prefix.py).
 """
 
 import torch
@@ -59,10 +58,11 @@ def cp_score_reference(ref_model, group, settings, cp, lockstep=None):
     state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, pad=pad)
     leaves = _replay_leaves(adapter, state, False)
     remote = PagesAttention(cp, state.pool, adapter)
-    scores = score_group(adapter, leaves, state.length, group, settings.replay_block, lockstep=lockstep,
-                         remote_attention=remote)
-    state.release()
-    return scores
+    try:
+        return score_group(adapter, leaves, state.length, group, settings.replay_block, lockstep=lockstep,
+                           remote_attention=remote)
+    finally:
+        state.release()
 
 
 def _take_grads(model):
@@ -118,10 +118,6 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
     from ds_longstraw.transaction import GroupResult, _reference_policy
 
     exact = settings.prefix_grad == "exact"
-    if lockstep is not None and exact:
-        raise ValueError("prefix_grad='exact' with cp_size > 1 under ZeRO-3 is not supported: the context-parallel "
-                         "prefix pass takes turns across ranks, so ranks cannot make the same module calls (ZeRO-3 "
-                         "weight gathers are collectives over all ranks); use ZeRO stage 1/2 or 'detached'")
     engine_reduce = backward is not None
     adapter = adapter_for(model)
     if settings.cp_attention == "ulysses":
@@ -141,32 +137,35 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
         state = cp_capture_prefix(adapter, group.prompt_ids, settings, cp, keep_boundaries=exact, pad=pad)
     retained = state.retained_bytes()
 
-    before = None if engine_reduce else _take_grads(model)  # .grad before this group: kept out of the reduction
-    with meter.phase("replay"), cp.phase("replay"):
-        leaves = _replay_leaves(adapter, state, exact)
-        remote = PagesAttention(cp, state.pool, adapter, exact=exact)
-        loss, logprobs = replay_group(adapter, leaves, state.length, group, objective, advantages, ref_logprobs,
-                                      settings.replay_block, backward=backward, lockstep=lockstep,
-                                      remote_attention=remote)
+    try:
+        before = None if engine_reduce else _take_grads(model)  # .grad before this group: kept out of the reduction
+        with meter.phase("replay"), cp.phase("replay"):
+            leaves = _replay_leaves(adapter, state, exact)
+            remote = PagesAttention(cp, state.pool, adapter, exact=exact)
+            loss, logprobs = replay_group(adapter, leaves, state.length, group, objective, advantages, ref_logprobs,
+                                          settings.replay_block, backward=backward, lockstep=lockstep,
+                                          remote_attention=remote)
 
-    if not engine_reduce:
-        _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
-    grad_page_bytes = state.pool.grad_bytes()
-    if exact:
-        with meter.phase("prefix"), cp.phase("prefix"):
-            d_final = final_carry_grads(leaves)
-            if engine_reduce and cp.size != 1:
-                _scale_injected_(state, d_final, cp.size)
-            lo, hi = cp.shards(state.length)[cp.rank]
-            ids = group.prompt_ids[:-1][lo:hi]
-            cp_prefix_backward(adapter, state, ids, d_final, cp, settings.capture_chunk, backward=backward)
+        if not engine_reduce:
+            _scale_grads_(model, 1.0 / cp.size)  # replay's gradients are the same on every rank: count them once
         grad_page_bytes = state.pool.grad_bytes()
-    if not engine_reduce:
-        with meter.phase("reduce"), cp.phase("reduce"):
-            _reduce_and_restore(model, before, cp)
-    del leaves
+        if exact:
+            with meter.phase("prefix"), cp.phase("prefix"):
+                d_final = final_carry_grads(leaves)
+                if engine_reduce and cp.size != 1:
+                    _scale_injected_(state, d_final, cp.size)
+                lo, hi = cp.shards(state.length)[cp.rank]
+                ids = group.prompt_ids[:-1][lo:hi]
+                cp_prefix_backward(adapter, state, ids, d_final, cp, settings.segment_tokens, backward=backward,
+                                   lockstep_chunks=None if lockstep is None else lockstep.common.chunks)
+            grad_page_bytes = state.pool.grad_bytes()
+        if not engine_reduce:
+            with meter.phase("reduce"), cp.phase("reduce"):
+                _reduce_and_restore(model, before, cp)
+        del leaves
+    finally:
+        state.release()  # page files of a host/NVMe tier go on error as on success
     lo, hi = cp.shards(state.length)[cp.rank]
-    state.release()
     replayed_tokens = group.response_tokens
     extras = {"cp": dict(cp.report(), shard=(lo, hi), replayed_tokens=replayed_tokens)}
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,

@@ -22,6 +22,8 @@ import torch.distributed as dist
 
 from ds_longstraw.kernels import partial_attention
 
+from .cp_attention import pad_output_calls, pad_qkv_calls
+
 
 def check_heads(heads, kv_heads, size):
     """ValueError unless the Ulysses head split works for (H, K, N)."""
@@ -57,8 +59,9 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     return parts
 
 
-def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk):
-    """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C]."""
+def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0):
+    """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
+    pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py)."""
     heads, kv_heads = adapter.config.num_attention_heads, adapter.config.num_key_value_heads
     check_heads(heads, kv_heads, cp.size)
     cp.decisions[(cp.phase_name, layer)] = "ulysses"
@@ -73,6 +76,7 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
         pool.append(layer, "v", v[0].transpose(0, 1))
         queries.append(q[0])
         gates.append(gate)
+    padded = pad_qkv_calls(adapter, module, normed_1TC, pad)
     dtype = normed_1TC.dtype
     q_HTD = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
     k_KTD, v_KTD = pool.read(layer, "k").transpose(0, 1), pool.read(layer, "v").transpose(0, 1)
@@ -105,4 +109,5 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     parts = _all_to_all(cp, send, [(per_rank, sizes[cp.rank], dim)] * size, dtype, layer, "ulysses_out")
     out_HTD = torch.cat(parts, 0)
     results = [adapter.attention_output(module, out_HTD[:, a:b], gate) for (a, b), gate in zip(spans, gates)]
+    pad_output_calls(adapter, module, padded)
     return torch.cat(results, 1) if results else normed_1TC.new_zeros(normed_1TC.shape)

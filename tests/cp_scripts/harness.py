@@ -9,7 +9,8 @@ A case is a dict: name, prompt_len, response_lens, mode, chunk, page, block, opt
 optional ref_seed (KL to a separate reference model), optional capture_move ("auto"/"kv"/"q"), optional
 dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optional cp_attention, optional
 worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
-optional repeat (grpo_backward calls without zeroing .grad in between).
+optional repeat (grpo_backward calls without zeroing .grad in between), optional tier ("cpu", or "nvme": page
+files under <out_dir>/nvme).
 """
 
 import os
@@ -47,9 +48,20 @@ def make_group(prompt_len, response_lens, seed=0, **extra):
     return GRPOGroup(prompt, responses, rewards=scores, **extra)
 
 
-def case_config(case, world):
-    return {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
-            "replay_block": case["block"], "cp_size": world, "cp_attention": case.get("cp_attention", "lse")}
+def case_config(case, world, out_dir=None):
+    config = {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
+              "replay_block": case["block"], "cp_size": world, "cp_attention": case.get("cp_attention", "lse")}
+    if "tier" in case:  # each rank's pages on the host tier, or in NVMe files under out_dir/nvme
+        config["offload"] = {"tier": case["tier"]}
+        if case["tier"] == "nvme":
+            config["offload"]["nvme_path"] = nvme_dir(out_dir)
+    return config
+
+
+def nvme_dir(out_dir):
+    path = os.path.join(out_dir, "nvme")
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def runs_on(case, world):
@@ -74,7 +86,7 @@ def _run_case(case, world, cp_group, out_dir, rank):
     with float64_model():
         try:
             for _ in range(case.get("repeat", 1)):  # repeat > 1: gradients must accumulate into .grad
-                result = grpo_backward(model, group, objective, config=case_config(case, world),
+                result = grpo_backward(model, group, objective, config=case_config(case, world, out_dir),
                                        ref_model=ref_model, cp_group=context)
         except ValueError as error:  # a case may expect a refusal at the door (recorded, asserted in pytest)
             if not case.get("expect_error"):

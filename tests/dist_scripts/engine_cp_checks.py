@@ -13,6 +13,9 @@ The step must follow the data-parallel average: W = 2: (g_A + g_B) / 2; W = 4: (
 Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2
   zero2   ZeRO stage 2, exact (the CP prefix pass takes turns across ranks; no weight gathers to keep in step)
+  zero3exact  ZeRO-3, exact, Ulysses capture (padded like the LSE capture), pages on the host tier: the prefix
+          turns are mirrored by the ranks not in turn, padded to the most chunks of any shard (7), with page
+          requests answered from inside the mirrored layers
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -39,18 +42,18 @@ from models import tiny_qwen3_5  # noqa: E402
 CP = 2
 
 
-def block(mode, cp_size=CP):
+def block(mode, cp_size=CP, tier="none", cp_attention="lse"):
     return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
-            "cp_size": cp_size}
+            "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention}
 
 
-def ds_config(mode, stage):
+def ds_config(mode, stage, **block_options):
     zero = {"stage": stage}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
     return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "zero_optimization": zero, "zero_allow_untested_optimizer": True, "steps_per_print": 10 ** 9,
-            "longstraw": block(mode)}
+            "longstraw": block(mode, **block_options)}
 
 
 GROUPS = {"A": (60, 30, [5, 1, 9]), "B": (61, 26, [4, 6]), "C": (62, 41, [2, 7])}
@@ -87,12 +90,12 @@ def reference_step(reference, mode, weights, groups):
     return reference, loss
 
 
-def check(mode, stage, seed):
+def check(mode, stage, seed, **block_options):
     model = tiny_qwen3_5(torch.float32, seed=seed)
     reference = copy.deepcopy(model)
     before = snapshot(model)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                         config=ds_config(mode, stage))
+                                         config=ds_config(mode, stage, **block_options))
     mine, weights, groups = plan()
     result = engine.grpo_step(mine)
     after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
@@ -113,7 +116,8 @@ def check(mode, stage, seed):
             "shards": [g.extras["cp"]["shard"] for g in result.groups]}
 
 
-CHECKS = {"zero3": lambda: check("detached", 3, 0), "zero2": lambda: check("exact", 2, 1)}
+CHECKS = {"zero3": lambda: check("detached", 3, 0), "zero2": lambda: check("exact", 2, 1),
+          "zero3exact": lambda: check("exact", 3, 2, tier="cpu", cp_attention="ulysses")}
 
 
 def main():
