@@ -21,7 +21,7 @@ METHODS = ("longstraw-detached", "longstraw-exact", "conventional", "per_member"
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
-            prefix_block=None):
+            prefix_block=None, prefix_recompute=True):
     from .baselines import conventional, per_member
     from .memory import host_current_bytes, host_peak_bytes, reset_host_peak
     from .shapes import build_model, synthetic_group
@@ -30,7 +30,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     torch.manual_seed(seed)
     model = build_model(shape, dtype=getattr(torch, dtype), seed=seed)
     group = synthetic_group(prompt, group_size, response, model.config.vocab_size, seed=seed)
-    config = {"capture_chunk": chunk, "prefix_block": prefix_block, "replay_block": 1024, "progress": progress}
+    config = {"capture_chunk": chunk, "prefix_block": prefix_block, "prefix_recompute": prefix_recompute,
+              "replay_block": 1024, "progress": progress}
     if method.startswith("longstraw"):
         config["prefix_grad"] = method.split("-")[1]
         step = lambda: grpo_backward(model, group, config=config)  # noqa: E731
@@ -75,7 +76,7 @@ def _mb(value):
     return f"{value / 2**20:,.0f}"
 
 
-def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None):
+def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None, prefix_recompute=True):
     """Run every configuration in a fresh process; each finished row is also appended to `partial_path` (JSON
     lines) so an interrupted grid keeps what it measured."""
     rows = []
@@ -90,7 +91,8 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
                     rows.append({"method": method, "prompt": prompt, "group": group_size, "skipped": skip[(method, prompt)]})
                     continue
                 print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
-                row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block)
+                row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
+                                prefix_recompute=None if prefix_recompute else "off")
                 print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
                 rows.append(row)
                 if partial_path:
@@ -195,6 +197,8 @@ def main(argv=None):
     one.add_argument("--chunk", type=int, default=4096)
     one.add_argument("--dtype", default="float32")
     one.add_argument("--prefix-block", "--prefix_block", dest="prefix_block", type=int, default=None)
+    one.add_argument("--prefix-recompute", "--prefix_recompute", dest="prefix_recompute", choices=["on", "off"],
+                     default="on")
     many = sub.add_parser("grid")
     many.add_argument("--prompts", default="8192,32768,131072")
     many.add_argument("--groups", default="2,8")
@@ -207,10 +211,12 @@ def main(argv=None):
     many.add_argument("--section", default="grpo", help="name of the BENCHMARKS.md section to (re)write")
     many.add_argument("--prefix-block", dest="prefix_block", type=int, default=None,
                       help="longstraw.prefix_block of the exact-mode rows")
+    many.add_argument("--no-prefix-recompute", dest="prefix_recompute", action="store_false",
+                      help="longstraw.prefix_recompute = false for the exact-mode rows")
     args = parser.parse_args(argv)
     if args.command == "one":
         row = run_one(args.method, args.prompt, args.group, args.response, args.shape, args.chunk, args.dtype,
-                      prefix_block=args.prefix_block)
+                      prefix_block=args.prefix_block, prefix_recompute=args.prefix_recompute == "on")
         print(json.dumps(row))
         return
     prompts = [int(x) for x in args.prompts.split(",")]
@@ -220,7 +226,8 @@ def main(argv=None):
         method, prompt = item.split("@")
         skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
     partial = None if not args.out else os.path.splitext(args.out)[0] + f".{args.section}.partial.jsonl"
-    rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial, args.prefix_block)
+    rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial, args.prefix_block,
+                args.prefix_recompute)
     command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
     text = table(rows, command)
     print(text)

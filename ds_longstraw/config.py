@@ -52,6 +52,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_block: exact mode only: prompt tokens per autograd segment of the prefix pass (bounds its live graph;
         capture then runs segments of min(capture_chunk, prefix_block) and checkpoints the GDN carry at each
         segment start). None: capture_chunk.
+    prefix_recompute: exact mode only: recompute each layer of a prefix-pass segment during its backward (one
+        layer's graph alive instead of the segment's, for one more forward of the prompt). Applies under plain
+        autograd; the DeepSpeed engine and context parallelism keep the segment's graph (bound it with
+        prefix_block).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
@@ -61,6 +65,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_grad: Literal["detached", "exact"] = "detached"
     capture_chunk: int = Field(4096, gt=0)
     prefix_block: Optional[int] = Field(None, gt=0)
+    prefix_recompute: bool = True
     replay_block: int = Field(1024, gt=0)
     page_tokens: int = Field(1024, gt=0)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)

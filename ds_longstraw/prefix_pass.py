@@ -20,23 +20,26 @@ def _zeros_like_carry(recurrent, tail, like_state, like_tail):
             torch.zeros_like(like_tail) if tail is None else tail)
 
 
-def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None):
+def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
+                    recompute=True):
     """ids: prompt[:-1] (a context-parallel rank: its own shard, at prompt position state.offset);
     d_final_carry: layer -> (d recurrent state, d conv tail) after the prefix. Returns d(carry) at the start of the
     captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
 
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
-    to each output is exactly the injected grad."""
+    to each output is exactly the injected grad. recompute: recompute each layer in backward where allowed (the
+    "prefix_recompute" setting)."""
     pool = state.pool
     stager = Stager(pool, adapter.attn_layers)
     try:
-        return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager)
+        return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
+                               recompute)
     finally:
         stager.close()
 
 
-def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager):
+def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute):
     pool = state.pool
     d_carry = d_final_carry
     for boundary in reversed(state.boundaries):
@@ -53,7 +56,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         # runs it. Not under the DeepSpeed engine: ZeRO-3 releases weights that torch's checkpoint would need
         # again (TODO issue 3: route through DeepSpeed's activation checkpointing), nor across CP ranks, whose
         # remote exchanges must not run twice.
-        checkpoint = remote_attention is None and backward is None
+        checkpoint = recompute and remote_attention is None and backward is None
         with torch.enable_grad(), staged_saves(stager):
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
                                           remote_attention, checkpoint_layers=checkpoint)

@@ -138,7 +138,8 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
                 d_final = final_carry_grads(leaves)
                 with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
                     prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
-                                    progress=None if bar is None else bar.update, backward=backward)
+                                    progress=None if bar is None else bar.update, backward=backward,
+                                    recompute=settings.prefix_recompute)
                 if lockstep is not None:
                     lockstep.pad_prefix(adapter, backward)
             grad_page_bytes = state.pool.grad_bytes()

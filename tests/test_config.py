@@ -38,9 +38,7 @@ BAD = {
     "near-miss-typo": ({"longstraww": {}, "zero_optimization": {"stage": 3}}, ["longstraww"]),
     "accumulation": ({**_ds(), "gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "4"]),
     "zero-stage-0": ({**_ds(), "zero_optimization": {"stage": 0}}, ["zero_optimization.stage", "0"]),
-    # cp_size > 1 runs under the engine (tests/test_engine_cp.py), but not exact mode under ZeRO-3
-    "cp-size-exact-zero3": (_ds(cp_size=2, prefix_grad="exact"), ["longstraw.cp_size", "2", "exact",
-                                                                   "zero_optimization.stage"]),
+    "zero-prefix-block": (_ds(prefix_grad="exact", prefix_block=0), ["longstraw.prefix_block", "0"]),
 }
 
 

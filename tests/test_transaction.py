@@ -174,13 +174,16 @@ def test_baselines_take_the_exact_gradient(model, baseline):
     assert result.loss == pytest.approx(ref_loss, rel=1e-12)
 
 
-def test_prefix_block_splits_the_prefix_pass(model):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_prefix_block_splits_the_prefix_pass(model, recompute):
     """prefix_block < capture_chunk (and dividing neither the chunk nor the prompt): capture checkpoints the GDN
-    carry every prefix_block tokens, the prefix pass recomputes one such segment at a time, and the gradients are
-    still those of full-sequence autograd (same tolerance as test_matches_reference)."""
+    carry every prefix_block tokens, the prefix pass recomputes one such segment at a time (with or without the
+    per-layer recompute), and the gradients are still those of full-sequence autograd (same tolerance as
+    test_matches_reference)."""
     group = _group(30, [4, 6], seed=3)
     objective = GRPOObjective()
-    config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4, "replay_block": 3}
+    config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4, "replay_block": 3,
+              "prefix_recompute": recompute}
     with float64_model():
         ref_grads, (ref_loss, _) = _reference(model, group, objective, full_sequence_logprobs)
         grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=config))

@@ -104,7 +104,9 @@ class Qwen35Adapter:
         if tail is None:  # the start of the prompt: the causal convolution sees zeros before it
             tail = mixed.new_zeros(batch, module.conv_dim, kernel - 1)
         full = torch.cat([tail.to(mixed.dtype), mixed], dim=-1)
-        new_tail = full[:, :, full.shape[-1] - (kernel - 1):]
+        # A copy, not a view: a view would keep the whole [1, conv_dim, k-1+T] projection alive for as long as the
+        # carry lives (a checkpointed boundary, the prompt's final carry).
+        new_tail = full[:, :, full.shape[-1] - (kernel - 1):].clone()
         # The module pads k-1 on both sides; output i then covers inputs [i-k+1, i] of `full`.
         conv = module.conv1d(full.to(module.conv1d.weight.dtype))[:, :, kernel - 1: kernel - 1 + t]
         mixed = ACT2FN[module.activation](conv).to(mixed.dtype).transpose(1, 2)
