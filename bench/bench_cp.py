@@ -28,19 +28,13 @@ if ROOT not in sys.path:
 
 
 def build_model(layers, seed=0):
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from ds_longstraw.shapes import build_model as build
 
-    torch.manual_seed(seed)
-    types = ["linear_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
-    config = Qwen3_5TextConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=layers, num_attention_heads=8,
-        num_key_value_heads=2, head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=types,
-        max_position_embeddings=1 << 16,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
-                         "mrope_section": [2, 2, 4]})
-    config._attn_implementation = "sdpa"
-    return Qwen3_5ForCausalLM(config).float()
+    # The "small" shape with 8 query heads over 2 kv heads (GQA 4:1, where sending pages beats sending queries).
+    return build("small", seed=seed, vocab_size=512, num_hidden_layers=layers, num_attention_heads=8,
+                 max_positions=1 << 16,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                  "mrope_section": [2, 2, 4]})
 
 
 def build_group(prompt, responses, vocab=512, seed=0):

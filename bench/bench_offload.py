@@ -143,22 +143,15 @@ def bench_host(total_bytes):
 
 def _peak_child(args):
     """One GRPO group in this (fresh) process; prints JSON with VmHWM and the retained bytes."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
-
     from ds_longstraw import GRPOGroup, grpo_backward
     from ds_longstraw.memory import host_peak_bytes, reset_host_peak
+    from ds_longstraw.shapes import build_model
 
-    torch.manual_seed(0)
-    types = ["linear_attention" if i in (0, 4) else "full_attention" for i in range(8)]  # 6 attention layers
-    config = Qwen3_5TextConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, layer_types=types,
-        max_position_embeddings=1 << 20,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
-                         "mrope_section": [8, 12, 12]})
-    config._attn_implementation = "sdpa"
-    model = Qwen3_5ForCausalLM(config)
+    # The "small" shape with 6 of 8 layers full attention and wide heads: K/V pages dominate what is retained.
+    types = ["linear_attention" if i in (0, 4) else "full_attention" for i in range(8)]
+    model = build_model("small", seed=0, vocab_size=512, layer_types=types, num_attention_heads=2, head_dim=256,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                         "partial_rotary_factor": 0.25, "mrope_section": [8, 12, 12]})
     gen = torch.Generator().manual_seed(1)
     group = GRPOGroup(torch.randint(0, 512, (args.prompt,), generator=gen),
                       [torch.randint(0, 512, (32,), generator=gen) for _ in range(2)], rewards=[0.0, 1.0])

@@ -168,14 +168,7 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     earlier ranks' pages is computed for the whole shard; pass B attends each chunk to itself (causal) and this
     rank's earlier pages, merges the remote partial by LSE and applies the output projection.
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py)."""
-    queries, gates = [], []
-    for a, b in spans:
-        cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
-        q, gate, k, v = adapter.attention_qkv(module, normed_1TC[:, a:b], cos, sin)
-        pool.append(layer, "k", k[0].transpose(0, 1))
-        pool.append(layer, "v", v[0].transpose(0, 1))
-        queries.append(q[0])
-        gates.append(gate)
+    queries, gates = project_spans(adapter, module, normed_1TC, spans, offset, pool, layer)
     dummy_out = pad_qkv_calls(adapter, module, normed_1TC, pad)
     heads = adapter.config.num_attention_heads
     dim = module.head_dim
@@ -191,6 +184,20 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
         outs.append(adapter.attention_output(module, out, gate))
     pad_output_calls(adapter, module, dummy_out)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
+
+
+def project_spans(adapter, module, normed_1TC, spans, offset, pool, layer):
+    """q/k/v projections of this rank's shard chunk by chunk (positions from `offset`): K/V go onto its own pages;
+    returns the chunks' queries [H, T_c, D] and output gates."""
+    queries, gates = [], []
+    for a, b in spans:
+        cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
+        q, gate, k, v = adapter.attention_qkv(module, normed_1TC[:, a:b], cos, sin)
+        pool.append(layer, "k", k[0].transpose(0, 1))
+        pool.append(layer, "v", v[0].transpose(0, 1))
+        queries.append(q[0])
+        gates.append(gate)
+    return queries, gates
 
 
 def pad_qkv_calls(adapter, module, like_1TC, pad):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ds_longstraw.kernels import partial_attention
 
-from .cp_attention import pad_output_calls, pad_qkv_calls
+from .cp_attention import pad_output_calls, pad_qkv_calls, project_spans
 
 
 def check_heads(heads, kv_heads, size):
@@ -68,14 +68,7 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     size, dim = cp.size, module.head_dim
     per_rank = heads // size
     sizes = [hi - lo for lo, hi in bounds]
-    queries, gates = [], []
-    for a, b in spans:
-        cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
-        q, gate, k, v = adapter.attention_qkv(module, normed_1TC[:, a:b], cos, sin)
-        pool.append(layer, "k", k[0].transpose(0, 1))
-        pool.append(layer, "v", v[0].transpose(0, 1))
-        queries.append(q[0])
-        gates.append(gate)
+    queries, gates = project_spans(adapter, module, normed_1TC, spans, offset, pool, layer)
     padded = pad_qkv_calls(adapter, module, normed_1TC, pad)
     dtype = normed_1TC.dtype
     q_HTD = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)

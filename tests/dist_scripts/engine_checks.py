@@ -240,27 +240,31 @@ CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": 
           "zero2": check_zero2, "lora": check_lora}
 
 
-def main():
+def run_checks(checks, file_prefix, **context):
+    """The rank script's main: parse --out/--checks, run each named check (collective: every rank runs every check;
+    one check's error is recorded for pytest and the others still run) and write <out>/<file_prefix><rank>.json
+    with `context` and check -> numbers."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", default=",".join(CHECKS))
+    parser.add_argument("--checks", default=",".join(checks))
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
+    torch.set_num_threads(1)
     deepspeed.init_distributed()
-    results = {"world": dist.get_world_size(), "node": int(os.environ.get("CROSS_RANK", -1)),
-               "nodes": int(os.environ.get("CROSS_SIZE", -1)), "local_rank": int(os.environ.get("LOCAL_RANK", -1))}
+    results = {"world": dist.get_world_size(), **context}
     for name in args.checks.split(","):
         started = time.perf_counter()
         try:
-            results[name] = CHECKS[name](args.out)
+            results[name] = checks[name](args.out)
         except Exception:  # recorded for pytest to show; the other checks still run
             results[name] = {"error": traceback.format_exc()}
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
-    with open(os.path.join(args.out, f"engine_rank{dist.get_rank()}.json"), "w") as handle:
+    with open(os.path.join(args.out, f"{file_prefix}{dist.get_rank()}.json"), "w") as handle:
         json.dump(results, handle, indent=1)
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(CHECKS, "engine_rank", node=int(os.environ.get("CROSS_RANK", -1)),
+               nodes=int(os.environ.get("CROSS_SIZE", -1)), local_rank=int(os.environ.get("LOCAL_RANK", -1)))

@@ -20,23 +20,18 @@ Controls (single process, so a check can fail): the engine's step measured again
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
 
-import argparse
 import copy
-import json
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: models.py
 
-import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 
 import ds_longstraw  # noqa: E402
 from ds_longstraw import grpo_backward  # noqa: E402
-from engine_checks import gathered, make_group, snapshot, step_error  # noqa: E402
+from engine_checks import gathered, make_group, run_checks, snapshot, step_error  # noqa: E402
 from models import tiny_qwen3_5  # noqa: E402
 
 CP = 2
@@ -116,31 +111,9 @@ def check(mode, stage, seed, **block_options):
             "shards": [g.extras["cp"]["shard"] for g in result.groups]}
 
 
-CHECKS = {"zero3": lambda: check("detached", 3, 0), "zero2": lambda: check("exact", 2, 1),
-          "zero3exact": lambda: check("exact", 3, 2, tier="cpu", cp_attention="ulysses")}
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--checks", default=",".join(CHECKS))
-    parser.add_argument("--local_rank", type=int, default=-1)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    deepspeed.init_distributed()
-    results = {"world": dist.get_world_size()}
-    for name in args.checks.split(","):
-        started = time.perf_counter()
-        try:
-            results[name] = CHECKS[name]()
-        except Exception:  # recorded for pytest to show; the other checks still run
-            results[name] = {"error": traceback.format_exc()}
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)
-    with open(os.path.join(args.out, f"engine_cp_rank{dist.get_rank()}.json"), "w") as handle:
-        json.dump(results, handle, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
+CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
+          "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses")}
 
 
 if __name__ == "__main__":
-    main()
+    run_checks(CHECKS, "engine_cp_rank")
