@@ -233,7 +233,7 @@ class _AttentionWithPast(torch.autograd.Function):
     set's scores."""
 
     @staticmethod
-    def forward(ctx, q_HTD, scale, key_block, *kv_sets):
+    def forward(ctx, q_HTD, scale, key_block, sinks, *kv_sets):
         pairs = list(zip(kv_sets[0::2], kv_sets[1::2]))  # the last pair is the block itself (causal)
         out, lse = None, None
         for index, (k_KTD, v_KTD) in enumerate(pairs):
@@ -242,7 +242,7 @@ class _AttentionWithPast(torch.autograd.Function):
                 continue
             o, l = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
             out, lse = (o, l) if out is None else merge_partials(out, lse, o, l.to(lse.dtype))
-        ctx.scale, ctx.key_block, ctx.count = scale, key_block, len(pairs)
+        ctx.scale, ctx.key_block, ctx.count, ctx.sinks = scale, key_block, len(pairs), sinks
         ctx.save_for_backward(q_HTD, out, lse, *kv_sets)
         return out, lse
 
@@ -260,11 +260,21 @@ class _AttentionWithPast(torch.autograd.Function):
                 grads += [torch.zeros_like(k_KTD) if need_kv else None] * 2
                 continue
             causal = 0 if index == ctx.count - 1 else None
+            sink = ctx.sinks[index] if index < len(ctx.sinks) else None
+            if sink is not None:  # earlier pages: key block by key block, each block's dK/dV straight to the sink
+                for k0 in range(0, k_KTD.shape[1], ctx.key_block):
+                    k1 = min(k_KTD.shape[1], k0 + ctx.key_block)
+                    dq, dk, dv = _backward(q_HTD, k_KTD[:, k0:k1], v_KTD[:, k0:k1], out, lse, dout_HTD, dlse_HT,
+                                           ctx.scale, None, ctx.key_block, True)
+                    dq_total += dq
+                    sink(k0, dk, dv)
+                grads += [None, None]
+                continue
             dq, dk, dv = _backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, ctx.scale, causal,
                                    ctx.key_block, need_kv)
             dq_total += dq
             grads += [dk, dv]
-        return (dq_total, None, None, *grads)
+        return (dq_total, None, None, None, *grads)
 
 
 def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=KEY_BLOCK):
@@ -284,18 +294,24 @@ def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=
     return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
-def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK):
+def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK, sinks=None):
     """Causal attention of a query block over earlier segments plus itself, returning (out_HTD, lse_HT).
 
     `past` is a sequence of (k_KTD, v_KTD) segments that lie entirely before the block (prompt pages, earlier
     response blocks); every query sees all of them, and sees the block's own keys causally. Partials merge by
     LSE; the backward reuses the merged out and lse. `attention_with_past_reference` composes the same result
     from `partial_attention` and `merge_partials` with plain autograd.
+
+    sinks: None, or one entry per past segment: None, or a callable sink(offset, dk_KTD, dv_KTD) that takes the
+    segment's key/value gradient one key block at a time (offset: the block's first key in the segment). Those
+    segments get no autograd gradient: a prompt's pages (gradient pages accumulate them) never have their whole
+    dK/dV alive at once.
     """
     flat = []
     for k_KTD, v_KTD in past:
         flat += [k_KTD, v_KTD]
-    return _AttentionWithPast.apply(q_HTD, scale, key_block, *flat, k_new_KTD, v_new_KTD)
+    sinks = tuple(sinks) if sinks is not None else ()
+    return _AttentionWithPast.apply(q_HTD, scale, key_block, sinks, *flat, k_new_KTD, v_new_KTD)
 
 
 def attention_with_past_reference(q_HTD, past, k_new_KTD, v_new_KTD, scale):

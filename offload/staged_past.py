@@ -12,9 +12,10 @@ What stays alive, with a host or NVMe tier:
 - backward: one layer's staged pages and its dK/dV at a time.
 With the device tier the pages are views of storage that stays resident, and the hooks leave them alone.
 
-Exact mode: each staged segment goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to
-`pool.add_grad` (the gradient pages) instead of accumulating it on a leaf, so no leaf tensor keeps a whole
-layer alive across the member's replay.
+Exact mode: the staged pair is a `PagesPair` whose `grad_sink` the attention kernel calls key block by key block
+(d(pages) goes to `pool.add_grad`, the gradient pages, without a whole layer's dK/dV alive); for any other consumer
+each segment also goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to the gradient pages
+instead of accumulating it on a leaf.
 """
 
 from collections.abc import Mapping
@@ -24,17 +25,39 @@ import torch
 
 
 class _PagesWithGrad(torch.autograd.Function):
-    """Identity on staged pages; backward adds the incoming gradient to the pool's gradient pages."""
+    """Identity on staged pages; backward adds the incoming gradient to the pool's gradient pages (a kernel that
+    took the pair's `grad_sink` sends nothing here)."""
 
     @staticmethod
     def forward(ctx, anchor, pages, sink):
         ctx.sink = sink
+        ctx.set_materialize_grads(False)  # no zero page-sized gradient when the kernel used the sink
         return pages
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.sink(grad)
+        if grad is not None:
+            ctx.sink(grad)
         return None, None, None
+
+
+class PagesPair(tuple):
+    """A staged (K, V) pair with `grad_sink(offset, dk_KTD, dv_KTD)`: an attention kernel that takes it (see
+    kernels.attention_with_past's sinks) adds the pages' gradient to the gradient pages one key block at a time
+    instead of returning the pair's whole dK/dV through autograd."""
+
+    def __new__(cls, pair, grad_sink):
+        self = super().__new__(cls, pair)
+        self.grad_sink = grad_sink
+        return self
+
+
+def _block_sink(pool, layer, names, start):
+    def sink(offset, dk_KTD, dv_KTD):
+        for name, grad in zip(names, (dk_KTD, dv_KTD)):
+            pool.add_grad(layer, name, start + offset, grad.transpose(0, 1))
+
+    return sink
 
 
 def _grad_sink(pool, layer, name, start):
@@ -68,6 +91,7 @@ class StagedPast(Mapping):
             pool = self.stager.pool
             pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
                          for name, tensor in zip(self.names, pair))
+            pair = PagesPair(pair, _block_sink(pool, layer, self.names, self.start))
         return [pair, *later]
 
     def __iter__(self):

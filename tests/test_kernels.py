@@ -160,3 +160,41 @@ def test_attention_with_past_matches_composed_reference(monkeypatch, fused, segm
     ref = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), inputs)
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("with_lse_grad", [False, True])
+def test_attention_with_past_sinks_take_page_gradients_block_by_block(monkeypatch, fused, with_lse_grad):
+    """A past segment with a sink: its dK/dV arrive at the sink in key blocks (offsets 0, 8, 16, ... for key_block
+    8 over 27 keys), summing to the autograd gradient of the composed reference; autograd gives the segment
+    nothing, and the query and the other segments' gradients are unchanged."""
+    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+
+    monkeypatch.setattr(attention, "USE_FUSED", fused)
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(6, 11, 8, generator=gen, **F64).requires_grad_()
+    past = [(torch.randn(2, n, 8, generator=gen, **F64).requires_grad_(),
+             torch.randn(2, n, 8, generator=gen, **F64).requires_grad_()) for n in (27, 5)]
+    k_new = torch.randn(2, 11, 8, generator=gen, **F64).requires_grad_()
+    v_new = torch.randn(2, 11, 8, generator=gen, **F64).requires_grad_()
+    received = {"k": torch.zeros(2, 27, 8, **F64), "v": torch.zeros(2, 27, 8, **F64)}
+    offsets = []
+
+    def sink(offset, dk, dv):
+        offsets.append((offset, dk.shape[1]))
+        received["k"][:, offset:offset + dk.shape[1]] += dk
+        received["v"][:, offset:offset + dv.shape[1]] += dv
+
+    out, lse = attention_with_past(q, past, k_new, v_new, 0.3, key_block=8, sinks=[sink, None])
+    ref_out, ref_lse = attention_with_past_reference(q, past, k_new, v_new, 0.3)
+    w = torch.randn(out.shape, generator=gen, **F64)
+    wl = torch.randn(lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(lse.shape, **F64)
+    others = [q, k_new, v_new, *past[1]]
+    mine = torch.autograd.grad((out * w).sum() + (lse * wl).sum(), others + list(past[0]), allow_unused=True)
+    ref = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), others + list(past[0]))
+    assert offsets == [(0, 8), (8, 8), (16, 8), (24, 3)]
+    assert mine[-2] is None and mine[-1] is None  # the sinked segment's gradient went to the sink only
+    for a, b in zip(mine[:-2], ref[:-2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    torch.testing.assert_close(received["k"], ref[-2], rtol=0, atol=1e-10)
+    torch.testing.assert_close(received["v"], ref[-1], rtol=0, atol=1e-10)

@@ -162,7 +162,8 @@ class Qwen35Adapter:
         pages), merged with the local partial by LSE."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
-        out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling)
+        sinks = [getattr(pair, "grad_sink", None) for pair in past]  # exact mode's prompt pages (StagedPast)
+        out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks)
         if remote is not None:
             remote_out, remote_lse = remote(query[0])
             out_HTD, lse_HT = merge_partials(out_HTD, lse_HT, remote_out, remote_lse.to(lse_HT.dtype))
