@@ -54,21 +54,19 @@ class CarryCheckpoints:
 
     def __init__(self, slots):
         self.slots = slots
-        self._store = None  # layer -> (states [slots, ...], tails [slots, ...])
+        self._store = {}  # layer -> (states [slots, ...], tails [slots, ...])
 
     def save(self, index, carry):
-        """The carry at the start of segment `index` (>= 1: segment 0 starts from zeros) as views into the
-        store."""
-        if self._store is None:  # shapes are known once the first segment has run
-            self._store = {layer: (state.new_empty((self.slots, *state.shape)), tail.new_empty((self.slots, *tail.shape)))
-                           for layer, (state, tail) in carry.items()}
-        saved = {}
-        for layer, (state, tail) in carry.items():
-            states, tails = self._store[layer]
-            states[index].copy_(state)
-            tails[index].copy_(tail)
-            saved[layer] = (states[index], tails[index])
-        return saved
+        """The carry (layer -> (state, tail)) at the start of segment `index` as views into the store."""
+        return {layer: self.save_layer(index, layer, state, tail) for layer, (state, tail) in carry.items()}
+
+    def save_layer(self, index, layer, state, tail):
+        if layer not in self._store:  # shapes are known once the layer has run
+            self._store[layer] = (state.new_empty((self.slots, *state.shape)), tail.new_empty((self.slots, *tail.shape)))
+        states, tails = self._store[layer]
+        states[index].copy_(state)
+        tails[index].copy_(tail)
+        return states[index], tails[index]
 
 
 def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:

@@ -18,7 +18,7 @@ import torch
 
 from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
 from ds_longstraw.offload import make_pool
-from ds_longstraw.state import ChunkBoundary, PrefixState
+from ds_longstraw.state import CarryCheckpoints, ChunkBoundary, PrefixState
 
 from .cp_attention import capture_attention_layer
 from .gdn_scan import capture_gdn_layer
@@ -53,14 +53,16 @@ def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_b
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
     boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if keep_boundaries else None
+    checkpoints = CarryCheckpoints(len(spans)) if keep_boundaries else None
     final_carry = {}
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for index, layer in enumerate(adapter.layers[: len(adapter.layer_types)]):
             normed = layer.input_layernorm(hidden)
             if adapter.layer_types[index] == LINEAR_ATTENTION:
-                mixed, final_carry[index] = capture_gdn_layer(adapter, layer.linear_attn, normed, spans, cp, bounds,
-                                                              boundaries, index, pad=pad)
+                mixed, final_carry[index] = capture_gdn_layer(
+                    adapter, layer.linear_attn, normed, spans, cp, bounds, boundaries, index, pad=pad,
+                    checkpoints=checkpoints)
             else:
                 if settings.cp_attention == "ulysses":
                     mixed = ulysses_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,

@@ -85,11 +85,12 @@ def fold_tails(parts, counts, width):
     return tail
 
 
-def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries, layer, pad=0):
+def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries, layer, pad=0, checkpoints=None):
     """One GDN layer of the layer-major capture on this rank's shard (no autograd).
 
     Returns (output [1, T, C], (final state, final conv tail) of the whole prompt). boundaries: None, or the
-    exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start.
+    exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start,
+    kept in `checkpoints` (a state.CarryCheckpoints).
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py); an empty shard
     also makes a dummy call in place of its conv-tail projection.
     """
@@ -131,7 +132,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
     outs, tail = [], tail_in
     for index, (a, b) in enumerate(spans):
         if boundaries is not None and state is not None:
-            boundaries[index].gdn_carry[layer] = (state, tail)
+            boundaries[index].gdn_carry[layer] = checkpoints.save_layer(index, layer, state, tail)
         out, state, tail = adapter.gdn_forward(module, normed_1TC[:, a:b], state, tail)
         outs.append(out)
     for _ in range(pad):
