@@ -41,12 +41,17 @@ def build_model(shape="small", dtype=torch.float32, seed=0, **overrides):
 
 
 def synthetic_group(prompt_tokens, group_size, response_tokens, vocab_size, seed=0):
-    """A prompt, G responses of varying length (response_tokens / 2 .. response_tokens) and rewards."""
+    """A prompt, G responses of lengths evenly spaced from response_tokens / 2 to response_tokens, and rewards.
+
+    Every G has the same shortest and longest member, so what G changes is only the number of members (a group's
+    replay peak follows its longest member, which random lengths would tie to G)."""
     from .group import GRPOGroup
 
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
-    lengths = torch.randint(max(1, response_tokens // 2), response_tokens + 1, (group_size,), generator=gen)
+    shortest = max(1, response_tokens // 2)
+    lengths = torch.linspace(shortest, response_tokens, group_size).round().long() if group_size > 1 else \
+        torch.tensor([response_tokens])
     responses = [torch.randint(0, vocab_size, (int(n),), generator=gen) for n in lengths]
     rewards = torch.rand(group_size, generator=gen)
     return GRPOGroup(prompt, responses, rewards=rewards)
