@@ -44,6 +44,27 @@ def host_current_bytes() -> int:
     return _read_status_kib("VmRSS") * 1024
 
 
+def _load_malloc_trim():
+    try:
+        import ctypes
+
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def return_freed_host_memory(device) -> None:
+    """After a unit of work whose temporaries are freed (a member's graph, a prefix segment, a capture chunk) on a
+    CPU device: hand the heap pages glibc keeps back to the kernel. Freed small blocks scattered among live ones
+    otherwise stay resident, and the resident peak grows with every member replayed (measured: +13 MiB from G=2
+    to G=8 at 8K tokens) although nothing is retained. A no-op on accelerators and without glibc."""
+    if _MALLOC_TRIM is not None and torch.device(device).type == "cpu":
+        _MALLOC_TRIM(0)
+
+
 class PhaseMeter:
     """Records seconds and peak bytes of named phases; a phase entered twice accumulates time, keeps the max."""
 

@@ -12,6 +12,7 @@ descending; ds_longstraw.offload.staged_past) and their gradients go straight to
 
 import torch
 
+from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
 
@@ -81,6 +82,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             if recurrent is not None:
                 d_carry[layer] = _zeros_like_carry(recurrent.grad, tail.grad, recurrent, tail)
         del out, outputs, grads, live
+        return_freed_host_memory(adapter.device)
         if progress is not None:
             progress(end - start)
     return d_carry

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
 
@@ -101,6 +102,7 @@ def replay_group(adapter, leaves, start, group, objective, advantages, ref_logpr
         loss += float(share.detach())
         logprobs.append(logp.detach().double().cpu())
         del logp, share
+        return_freed_host_memory(adapter.device)
     if lockstep is not None:
         lockstep.replay_dummy_members(adapter, leaves, start, replay, backward)
     return loss, logprobs

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, Stager, StagedPast, make_pool
 
 
@@ -98,6 +99,7 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                     pool.append(layer, "k", out.keys[layer])
                     pool.append(layer, "v", out.values[layer])
                 del out, past
+                return_freed_host_memory(adapter.device)
                 if progress is not None:
                     progress(end - start)
         stager.close()
