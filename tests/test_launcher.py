@@ -5,6 +5,8 @@
            single-process reference: the same tiny model from the same shape config and seed, and per step the
            mean over the two ranks' groups (the same JSONL rows, ds_longstraw.data order) of grpo_backward's
            gradients, then the AdamW step.
+  cp:      a third job with cp_size 2 (one replica sharded over both ranks), exact mode, host-tier pages ==
+           single-process exact grpo_backward of each step's group, then AdamW.
   resume:  a second job resumes the step-1 checkpoint and runs step 2: its final weights equal the first job's
            bit for bit, and so does its step-2 metric line. It builds its model partitioned at construction
            (model.zero_init=true: transformers' DeepSpeed integration enters deepspeed.zero.Init), the path
@@ -27,6 +29,7 @@ pytestmark = pytest.mark.slow
 RUN = os.path.join(REPO, "configs", "run", "quickstart.yaml")
 SHAPE = os.path.join(REPO, "configs", "models", "tiny_qwen3_5.yaml")
 BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
+CP_BLOCK = dict(BLOCK, prefix_grad="exact", cp_size=2, offload={"tier": "cpu"})
 OPTIM = {"lr": 1e-3, "eps": 1.0, "weight_decay": 0.01}
 
 
@@ -63,6 +66,15 @@ def runs(tmp_path_factory):
                                                           "train.save_dir": tmp / "ckpt",
                                                           "model.zero_init": "true"}), log)
     finish([resume], timeout=300, logs=[log])
+
+    # context parallelism: both ranks one replica (the prompt sharded over them), exact mode, host-tier pages
+    cp_ds = dict(ds, longstraw=CP_BLOCK)
+    (tmp / "ds_cp.json").write_text(json.dumps(cp_ds))
+    log = str(tmp / "cp.log")
+    cp = start(["--num_gpus", "2", "--master_port", str(free_port())],
+               script + _overrides(tmp, "cp", **{"deepspeed_config": tmp / "ds_cp.json", "train.save_every": 0,
+                                                  "train.save_dir": tmp / "ckpt_cp"}), log)
+    finish([cp], timeout=300, logs=[log])
     return tmp
 
 
@@ -75,7 +87,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _reference(tmp):
+def _reference(tmp, replicas=2, block=BLOCK):
+    """Single process: per step, the mean over `replicas` data replicas of grpo_backward's gradients of their
+    groups (ds_longstraw.data order), then the AdamW step."""
     from ds_longstraw import grpo_backward
     from ds_longstraw.data import GroupSource
     from ds_longstraw.modeling import build_model
@@ -84,14 +98,15 @@ def _reference(tmp):
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
                                   weight_decay=OPTIM["weight_decay"])
     source = GroupSource(tmp / "groups.jsonl")
+    single = {k: v for k, v in block.items() if k not in ("cp_size", "offload")}
     for step in range(2):
         total = {}
-        for rank in range(2):
+        for replica in range(replicas):
             model.zero_grad(set_to_none=True)
-            for group in source.for_step(step, rank, 2):
-                grpo_backward(model, group, config=BLOCK)
+            for group in source.for_step(step, replica, replicas):
+                grpo_backward(model, group, config=single)
             for name, p in model.named_parameters():
-                total[name] = total.get(name, 0.0) + 0.5 * p.grad
+                total[name] = total.get(name, 0.0) + p.grad / replicas
         for name, p in model.named_parameters():
             p.grad = total[name]
         optimizer.step()
@@ -116,6 +131,21 @@ def test_training_takes_the_reference_steps(runs, one_thread):
     metrics = _lines(runs / "train.jsonl")
     assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 2 for m in metrics)
     assert {"latest", "step1", "step2"} <= set(os.listdir(runs / "ckpt"))
+
+
+def test_context_parallel_training_takes_the_reference_steps(runs, one_thread):
+    """cp_size 2 on 2 ranks: one data replica whose two ranks share each step's group (the prompt sharded over
+    them), exact mode: the same steps as single-process exact grpo_backward on that group."""
+    from ds_longstraw.modeling import build_model
+
+    start_weights = dict(build_model(shape=SHAPE, dtype="float32", seed=0).named_parameters())
+    got = torch.load(runs / "cp.pt")
+    want = _reference(runs, replicas=1, block=CP_BLOCK)
+    num = sum(float(((got[n] - want[n]) ** 2).sum()) for n in want)
+    den = sum(float(((want[n] - start_weights[n].detach()) ** 2).sum()) for n in want)
+    assert (num / den) ** 0.5 < 1e-5
+    metrics = _lines(runs / "cp.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 1 for m in metrics)
 
 
 def test_resume_from_step_1_reproduces_step_2_exactly(runs):
