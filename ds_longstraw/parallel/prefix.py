@@ -184,7 +184,8 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final GDN carry) from replay (used by the
-    last rank); chunk: the capture chunk (the shards' chunking, and queries per partial on the serving side).
+    last rank); chunk: the capture segment (settings.segment_tokens: the shards' chunking, and queries per
+    partial on the serving side).
     Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
 
     lockstep_chunks: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) the number
