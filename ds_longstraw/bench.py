@@ -92,7 +92,7 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
                     continue
                 print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
                 row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
-                                prefix_recompute=None if prefix_recompute else "off")
+                                prefix_recompute="on" if prefix_recompute else "off")
                 print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
                 rows.append(row)
                 if partial_path:

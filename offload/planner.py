@@ -17,6 +17,8 @@ import re
 import shutil
 import sys
 
+from ds_longstraw.config import parse_config
+
 from .model_shapes import load_config, shape_from_config
 from .plan import GiB, TIERS, Layout, make_plan
 
@@ -175,12 +177,10 @@ def main(argv=None) -> int:
                         gpu_memory=gpu_memory, host_memory=host_memory, nvme_free=nvme_free,
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
-        segment = args.capture_chunk  # what capture checkpoints at in exact mode (LongstrawConfig.segment_tokens)
-        if args.mode == "exact" and args.prefix_block is not None:
-            segment = min(segment, args.prefix_block)
-        if segment < 1:
-            raise ValueError(f"--capture-chunk and --prefix-block must be positive, got {segment}")
-        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, segment)
+        # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
+        settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
+                                 "prefix_block": args.prefix_block})
+        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens)
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

@@ -10,8 +10,9 @@ rank boundaries before anyone moves on:
                    or, with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
 Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
 what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of
-all attention layers for the target models). Every rank keeps the K/V pages of its own tokens only, the prompt's final GDN carry (the same, bit for
-bit, on every rank) and, in exact mode, the GDN carries at its own chunk starts.
+all attention layers for the target models). Every rank keeps the K/V pages of its own tokens only, the prompt's
+final GDN carry (the same, bit for bit, on every rank) and, in exact mode, the GDN carries at its own chunk
+starts.
 """
 
 import torch
