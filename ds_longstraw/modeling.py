@@ -71,15 +71,50 @@ def _zero3(ds_config) -> bool:
     return isinstance(zero, dict) and zero.get("stage") == 3
 
 
+def four_bit_config(dtype):
+    """transformers' bitsandbytes config for NF4 base weights (QLoRA) computing in `dtype`.
+
+    The packed 4-bit codes are stored in tensors of `dtype` (bnb_4bit_quant_storage): a DeepSpeed engine in bf16 or
+    fp16 casts the module's floating-point parameters to its dtype, which is then a no-op on the codes. (uint8
+    storage also partitions and gathers correctly under ZeRO-3 on a float32 engine here.)"""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ValueError("lora.qlora needs bitsandbytes (pip install 'ds_longstraw[qlora]')") from None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
+
+
+def keep_four_bit_layout(model):
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
+
+    On CPUs with AVX512-BF16, bitsandbytes rewrites a Linear4bit's weight in place, on its first graph-free forward
+    in eval mode, into an inference layout with bf16 block scales (bitsandbytes 0.50, Linear4bit.forward). In a
+    transaction that first forward is the prompt capture: capture would then compute with other weights than
+    replay, and under ZeRO-3 the rewrite would land on a gathered copy that the release discards while the layout
+    flag stays set on the shared quantization state."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=None, zero_init="auto",
-                attn_implementation="sdpa"):
+                attn_implementation="sdpa", four_bit=False):
     """The policy model (a transformers causal LM). Exactly one of `shape` (random weights from `seed`) and
     `pretrained` (a local checkpoint directory) must be given; ds_config: the DeepSpeed config dict (for ZeRO-3
-    construction-time partitioning)."""
+    construction-time partitioning); four_bit: load the linear layers' weights as NF4 (QLoRA base; checkpoints
+    only). A 4-bit model is loaded whole on every rank (transformers builds quantized models outside
+    `deepspeed.zero.Init`) and partitioned when the engine is created: an eighth of the float32 bytes meanwhile."""
     from transformers import AutoModelForCausalLM
 
     if (shape is None) == (pretrained is None):
         raise ValueError("give exactly one of model.shape (random weights) and model.pretrained (a local path)")
+    if four_bit and pretrained is None:
+        raise ValueError("lora.qlora loads 4-bit weights from a checkpoint: set model.pretrained (model.shape "
+                         "builds random full-precision weights)")
     dtype = as_dtype(dtype)
     if zero_init not in ("auto", True, False):
         raise ValueError(f"model.zero_init = {zero_init!r}: expected auto, true or false")
@@ -97,7 +132,11 @@ def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=
     if pretrained is not None:
         if not os.path.isdir(pretrained):
             raise ValueError(f"model.pretrained = {pretrained!r} is not a local directory (no hub access)")
-        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, attn_implementation=attn_implementation)
+        extra = {"quantization_config": four_bit_config(dtype)} if four_bit else {}
+        model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, attn_implementation=attn_implementation,
+                                                     **extra)
+        if four_bit:
+            keep_four_bit_layout(model)
     else:
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

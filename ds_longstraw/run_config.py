@@ -30,7 +30,7 @@ class LoraSettings:
     alpha: float = 32.0
     dropout: float = 0.0
     target_modules: Optional[List[str]] = None  # default: the family's projections (ds_longstraw.lora)
-    qlora: bool = False  # 4-bit NF4 base weights (bitsandbytes, CUDA; model.pretrained only)
+    qlora: bool = False  # NF4 4-bit base weights (bitsandbytes; needs enabled and model.pretrained)
     seed: int = 0
 
 
@@ -82,6 +82,15 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+def _check_choices(config):
+    """Settings that are each valid alone but not together."""
+    if config.lora.qlora and not config.lora.enabled:
+        raise ValueError("run config: lora.qlora = true trains adapters over 4-bit weights: set lora.enabled = true")
+    if config.lora.qlora and config.model.pretrained is None:
+        raise ValueError("run config: lora.qlora = true loads 4-bit weights from a checkpoint: set model.pretrained "
+                         "(model.shape builds random full-precision weights)")
+
+
 def load_run_config(path=None, overrides=()) -> RunConfig:
     """Defaults <- YAML at `path` <- dotlist `overrides`; ValueError naming the key on unknown keys or bad types."""
     try:
@@ -93,6 +102,7 @@ def load_run_config(path=None, overrides=()) -> RunConfig:
         missing = sorted(OmegaConf.missing_keys(config))
         if missing:
             raise ValueError(f"run config is missing {missing}")
+        _check_choices(config)
         return config
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None)

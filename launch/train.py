@@ -50,12 +50,9 @@ def _policy(run, ds_config):
     from ds_longstraw.lora import apply_lora
     from ds_longstraw.modeling import build_model
 
-    if run.lora.qlora:
-        raise ValueError("lora.qlora: 4-bit base weights need bitsandbytes on CUDA and model.pretrained; "
-                         "not available in this build (TODO: issue 4 follow-up, untestable without a GPU)")
     model = build_model(shape=run.model.shape, pretrained=run.model.pretrained, dtype=run.model.dtype,
                         seed=run.model.seed, ds_config=ds_config, zero_init=run.model.zero_init,
-                        attn_implementation=run.model.attn_implementation)
+                        attn_implementation=run.model.attn_implementation, four_bit=run.lora.qlora)
     if run.lora.enabled:
         model = apply_lora(model, r=run.lora.r, alpha=run.lora.alpha, dropout=run.lora.dropout,
                            target_modules=run.lora.target_modules, seed=run.lora.seed)

@@ -122,6 +122,16 @@ def test_run_config_rejects_unknown_keys_and_bad_types():
     assert load_run_config(path, ["train.max_steps=7", "optim.lr=0.5"]).train.max_steps == 7
 
 
+def test_run_config_qlora_needs_adapters_and_a_checkpoint():
+    path = os.path.join(REPO, "configs", "run", "quickstart.yaml")
+    with pytest.raises(ValueError, match="lora.enabled"):
+        load_run_config(path, ["lora.qlora=true"])
+    with pytest.raises(ValueError, match="model.pretrained"):
+        load_run_config(path, ["lora.qlora=true", "lora.enabled=true"])
+    run = load_run_config(path, ["lora.qlora=true", "lora.enabled=true", "model.shape=null", "model.pretrained=/ckpt"])
+    assert run.lora.qlora and run.model.pretrained == "/ckpt"
+
+
 def test_model_from_a_local_checkpoint_directory(tmp_path):
     from ds_longstraw.modeling import build_model
 

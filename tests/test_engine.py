@@ -10,6 +10,8 @@ chains); each rank writes its measurements, asserted here:
   zero2       stage 2 (no lockstep needed) takes the same averaged step; a gradient only one rank has is
               zero-filled on the other so the one reduction runs
   lora        only adapters move; the reference (adapters disabled) scores exactly as the base model
+  qlora       the same over NF4 4-bit base weights loaded from a checkpoint (bitsandbytes): the packed codes are
+              partitioned and gathered like any frozen weight and come back bit for bit
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -86,9 +88,13 @@ def test_zero_stage_2_and_missing_gradients(results):
         assert r["fill"] < 1e-6, r
 
 
-def test_lora_trains_only_adapters_and_reference_is_base(results):
-    for r in _check(results, "lora"):
+@pytest.mark.parametrize("name", ["lora", "qlora"])
+def test_lora_trains_only_adapters_and_reference_is_base(results, name):
+    if name == "qlora":
+        pytest.importorskip("bitsandbytes")
+    for r in _check(results, name):
         assert r["rel"] < TOL, r
+        assert (r["four_bit_layers"] > 0) == (name == "qlora"), r
         assert r["frozen_changed"] == []
         assert r["all_adapters_are_lora"] and r["adapters_moved"] == r["adapters"] > 0
         # float32 scoring of the same weights; lockstep's padded blocks change matmul shapes (a few ulps)

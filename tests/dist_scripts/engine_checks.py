@@ -4,7 +4,8 @@ with a hostfile, --no_ssh and --node_rank 0/1, master on 127.0.0.1).
 
 Every rank runs every check (they are collective) and writes D/engine_rank<r>.json: check -> measured numbers (or
 the error). The single-process references are computed on each rank from a deep copy of the model taken before
-`ds_longstraw.initialize` partitions it (plain grpo_backward + the same torch optimizer, no process group).
+`ds_longstraw.initialize` partitions it, or for the adapter checks from a second build of the same weights
+(plain grpo_backward + the same torch optimizer, no process group).
 
 Checks (float32 tiny qwen3_5, ZeRO-3 with every parameter partitioned: stage3_param_persistence_threshold 0,
 gradient_clipping 0):
@@ -22,6 +23,8 @@ gradient_clipping 0):
               reference scoring is padded too); one step (SGD over the adapters) == single-process step on the
               mean of the two groups' gradients; frozen weights unchanged bit for bit; each rank's reference
               log-probs == the base model's log-probs (and differ from the policy's, so the check can fail)
+  qlora       as lora, over an NF4 base loaded from a checkpoint written by rank 0 (bitsandbytes; frozen weights
+              compared bit for bit: packed codes stored as float32 may read as NaN)
 """
 
 import argparse
@@ -80,6 +83,12 @@ def step_error(engine_params, reference, before):
     num = sum(float(((engine_params[n] - ref[n].detach()) ** 2).sum()) for n in engine_params)
     den = sum(float(((ref[n].detach() - before[n]) ** 2).sum()) for n in engine_params)
     return (num / den) ** 0.5
+
+
+def same_bits(a, b):
+    """Bit-for-bit equality (packed 4-bit codes stored as float32 can read as NaN, which never equals itself)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                     b.contiguous().view(torch.uint8))
 
 
 def snapshot(model):
@@ -155,17 +164,36 @@ def check_checkpoint(out_dir):
 
 
 def check_lora(out_dir):
+    return adapter_step(lambda: tiny_qwen3_5(torch.float32, seed=5))
+
+
+def check_qlora(out_dir):
+    """As check_lora on an NF4 base loaded from a checkpoint (bitsandbytes 4-bit codes stored as float32)."""
+    from ds_longstraw.modeling import build_model
+
+    base_dir = os.path.join(out_dir, "qlora_base")
+    if dist.get_rank() == 0:
+        tiny_qwen3_5(torch.float32, seed=8).save_pretrained(base_dir)
+    dist.barrier()
+    return adapter_step(lambda: build_model(pretrained=base_dir, four_bit=True, ds_config=ds_config("exact")))
+
+
+def adapter_step(load_base):
+    """exact, peft LoRA over `load_base()` (adapters made non-zero), kl_coef 0.1, a different group per rank; the
+    ZeRO-3 step against the single-process step on the mean gradient, frozen weights, reference log-probs."""
     from ds_longstraw.lora import apply_lora
 
-    base = tiny_qwen3_5(torch.float32, seed=5)
-    base_copy = copy.deepcopy(base)
+    base = load_base()
+    base_copy = load_base()  # (a deepcopy of a 4-bit model would share its quantization state)
+    four_bit_layers = sum(type(m).__name__ == "Linear4bit" for m in base.modules())
     policy = apply_lora(base, r=4, alpha=8, seed=0)
+    reference = apply_lora(load_base(), r=4, alpha=8, seed=0)
     with torch.no_grad():  # peft starts lora_B at zero (adapters a no-op): make them matter
-        gen = torch.Generator().manual_seed(6)
-        for name, p in policy.named_parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    reference = copy.deepcopy(policy)
+        for model in (policy, reference):
+            gen = torch.Generator().manual_seed(6)
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     before = snapshot(policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     objective = GRPOObjective(kl_coef=0.1)
@@ -187,7 +215,7 @@ def check_lora(out_dir):
     torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1).step()
     after = gathered(engine)
     trainable_names = {n for n, p in engine.module.named_parameters() if p.requires_grad}
-    frozen_changed = [n for n in after if n not in trainable_names and not torch.equal(after[n], before[n])]
+    frozen_changed = [n for n in after if n not in trainable_names and not same_bits(after[n], before[n])]
     adapters_moved = sum(float((after[n] - before[n]).abs().max() > 0) for n in trainable_names)
     base_scores = score_reference(base_copy, group, ds_longstraw.parse_config(block("exact")))
     ref_vs_base = max(float((a - b).abs().max()) for a, b in zip(result.groups[0].ref_logprobs, base_scores))
@@ -195,7 +223,7 @@ def check_lora(out_dir):
     return {"rel": step_error({n: after[n] for n in trainable_names}, reference, before),
             "frozen_changed": frozen_changed, "adapters_moved": adapters_moved, "adapters": len(trainable_names),
             "all_adapters_are_lora": all("lora_" in n for n in trainable_names),
-            "ref_vs_base": ref_vs_base, "policy_vs_base": policy_vs_base}
+            "ref_vs_base": ref_vs_base, "policy_vs_base": policy_vs_base, "four_bit_layers": four_bit_layers}
 
 
 def check_zero2(out_dir):
@@ -237,7 +265,7 @@ def check_zero2(out_dir):
 
 
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
-          "zero2": check_zero2, "lora": check_lora}
+          "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora}
 
 
 def run_checks(checks, file_prefix, **context):
