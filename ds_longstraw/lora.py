@@ -48,7 +48,16 @@ def adapter_parameter_names(model) -> list:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
+def _count(p) -> int:
+    """Parameters a tensor stands for: the full count under ZeRO-3 partitioning, and a 4-bit weight's unpacked
+    count (bitsandbytes packs two codes a byte into a tensor of another shape; its quant_state has the real one)."""
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None:
+        return int(torch.Size(quant_state.shape).numel())
+    return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+
+
 def trainable_summary(model) -> dict:
-    trainable = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters())
+    trainable = sum(_count(p) for p in model.parameters() if p.requires_grad)
+    total = sum(_count(p) for p in model.parameters())
     return {"trainable_params": trainable, "total_params": total}

@@ -101,6 +101,30 @@ def keep_four_bit_layout(model):
     return model
 
 
+def accept_saved_quant_state(model):
+    """Let a 4-bit model load state dicts that it saved itself (DeepSpeed checkpoints of a QLoRA run).
+
+    bitsandbytes writes each 4-bit weight's quantization state beside it (`<weight>.absmax`, `.quant_map`,
+    `.quant_state.*`) but its modules do not take those keys back, so a strict load fails on them. The frozen 4-bit
+    weights of a resumed run come from model.pretrained again; the saved block scales are compared with the
+    loaded ones (a checkpoint of another base is an error naming the layer) and then dropped."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):  # Linear4bit
+            continue
+
+        def take_quant_state(state_dict, prefix, *args, _module=module):
+            saved = {key: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix + "weight.")]}
+            absmax = saved.get(prefix + "weight.absmax")
+            ours = getattr(_module.weight, "quant_state", None)
+            if absmax is not None and ours is not None and absmax.numel() == ours.absmax.numel() and \
+                    not torch.equal(absmax.to(ours.absmax), ours.absmax):
+                raise ValueError(f"checkpoint entry {prefix}weight: its 4-bit block scales differ from those of the "
+                                 "loaded base; it was saved over another model.pretrained")
+
+        module._register_load_state_dict_pre_hook(take_quant_state)
+    return model
+
+
 def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=None, zero_init="auto",
                 attn_implementation="sdpa", four_bit=False):
     """The policy model (a transformers causal LM). Exactly one of `shape` (random weights from `seed`) and
@@ -136,7 +160,7 @@ def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=
         model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=dtype, attn_implementation=attn_implementation,
                                                      **extra)
         if four_bit:
-            keep_four_bit_layout(model)
+            accept_saved_quant_state(keep_four_bit_layout(model))
     else:
         config._attn_implementation = attn_implementation
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -90,8 +90,6 @@ def test_zero_stage_2_and_missing_gradients(results):
 
 @pytest.mark.parametrize("name", ["lora", "qlora"])
 def test_lora_trains_only_adapters_and_reference_is_base(results, name):
-    if name == "qlora":
-        pytest.importorskip("bitsandbytes")
     for r in _check(results, name):
         assert r["rel"] < TOL, r
         assert (r["four_bit_layers"] > 0) == (name == "qlora"), r

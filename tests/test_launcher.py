@@ -5,6 +5,9 @@
            single-process reference: the same tiny model from the same shape config and seed, and per step the
            mean over the two ranks' groups (the same JSONL rows, ds_longstraw.data order) of grpo_backward's
            gradients, then the AdamW step.
+  qlora:   LoRA over NF4 4-bit base weights from a checkpoint (lora.qlora, kl_coef > 0: the reference is the base
+           with adapters disabled), 2 steps; a second job resumes its step-1 checkpoint (which carries
+           bitsandbytes' quantization state beside each 4-bit weight) and reproduces step 2 bit for bit.
   cp:      a third job with cp_size 2 (one replica sharded over both ranks), exact mode, host-tier pages ==
            single-process exact grpo_backward of each step's group, then AdamW.
   resume:  a second job resumes the step-1 checkpoint and runs step 2: its final weights equal the first job's
@@ -60,12 +63,24 @@ def runs(tmp_path_factory):
     train = start(["--num_gpus", "2", "--master_port", str(free_port())], script + _overrides(tmp, "train"), log)
     finish([train], timeout=300, logs=[log])
 
-    log = str(tmp / "resume.log")
+    log = str(tmp / "train_resume.log")
     resume = start(["--num_gpus", "2", "--master_port", str(free_port())],
-                   script + _overrides(tmp, "resume", **{"train.resume": "step1", "train.save_every": 0,
+                   script + _overrides(tmp, "train_resume", **{"train.resume": "step1", "train.save_every": 0,
                                                           "train.save_dir": tmp / "ckpt",
                                                           "model.zero_init": "true"}), log)
     finish([resume], timeout=300, logs=[log])
+
+    # QLoRA: a 4-bit base loaded from a checkpoint; straight 2 steps, then step 2 again from the step-1 checkpoint
+    from ds_longstraw.modeling import build_model
+
+    build_model(shape=SHAPE, dtype="float32", seed=0).save_pretrained(tmp / "base")
+    qlora = {"lora.enabled": "true", "lora.qlora": "true", "lora.r": 4, "model.shape": "null",
+             "model.pretrained": tmp / "base", "objective.kl_coef": 0.1, "train.save_dir": tmp / "ckpt_qlora"}
+    for name, extra in (("qlora", {}), ("qlora_resume", {"train.resume": "step1", "train.save_every": 0})):
+        log = str(tmp / f"{name}.log")
+        job = start(["--num_gpus", "2", "--master_port", str(free_port())],
+                    script + _overrides(tmp, name, **qlora, **extra), log)
+        finish([job], timeout=300, logs=[log])
 
     # context parallelism: both ranks one replica (the prompt sharded over them), exact mode, host-tier pages
     cp_ds = dict(ds, longstraw=CP_BLOCK)
@@ -148,13 +163,25 @@ def test_context_parallel_training_takes_the_reference_steps(runs, one_thread):
     assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 1 for m in metrics)
 
 
-def test_resume_from_step_1_reproduces_step_2_exactly(runs):
-    straight, resumed = torch.load(runs / "train.pt"), torch.load(runs / "resume.pt")
+@pytest.mark.parametrize("job", ["train", "qlora"])
+def test_resume_from_step_1_reproduces_step_2_exactly(runs, job):
+    straight, resumed = torch.load(runs / f"{job}.pt"), torch.load(runs / f"{job}_resume.pt")
     assert set(straight) == set(resumed)
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
-    step2 = _lines(runs / "train.jsonl")[1]
-    again = _lines(runs / "resume.jsonl")
+    step2 = _lines(runs / f"{job}.jsonl")[1]
+    again = _lines(runs / f"{job}_resume.jsonl")
     assert [m["step"] for m in again] == [2]
     for key in ("loss", "mean_loss", "lr", "grad_norm"):
         assert again[0][key] == step2[key], key
+
+
+def test_qlora_trains_adapters_over_four_bit_weights(runs):
+    import bitsandbytes  # noqa: F401 -- a test extra: its absence must fail here, not skip
+
+    trained = torch.load(runs / "qlora.pt")
+    assert trained and all("lora_" in name for name in trained)  # dump_params holds the trainable parameters
+    steps = _lines(runs / "qlora.jsonl")
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[1]["kl_rank0"] > 0  # the policy moved away from the 4-bit base (adapters disabled)
+    assert steps[0]["grad_norm"] > 0

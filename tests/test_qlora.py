@@ -23,8 +23,6 @@ from ds_longstraw.modeling import build_model
 from grads import grads_of, relative_l2
 from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 
-pytest.importorskip("bitsandbytes")
-
 TOL = 1e-8
 CONFIG = {"capture_chunk": 7, "page_tokens": 5, "replay_block": 4}  # divides neither prompt nor responses
 
@@ -166,6 +164,20 @@ def test_no_layer_may_repack_its_weights_for_cpu_inference(checkpoint, monkeypat
     model = build_model(pretrained=checkpoint, dtype="float32", four_bit=True)
     layers = [m for m in model.modules() if hasattr(m, "support_avx512bf16_for_cpu")]
     assert layers and not any(m.support_avx512bf16_for_cpu for m in layers)
+
+
+def test_a_four_bit_model_loads_its_own_state_dict_and_refuses_another_base(checkpoint, tmp_path):
+    saved = apply_lora(build_model(pretrained=checkpoint, four_bit=True), r=4, alpha=8, seed=0).state_dict()
+    assert any(key.endswith("weight.absmax") for key in saved)  # bitsandbytes writes its quantization state
+    fresh = apply_lora(build_model(pretrained=checkpoint, four_bit=True), r=4, alpha=8, seed=1)
+    fresh.load_state_dict(saved)  # strict: every other key matches
+    for name, p in fresh.named_parameters():
+        if p.requires_grad:
+            assert torch.equal(p, saved[name]), name
+    tiny_qwen3_5(torch.float32, seed=9).save_pretrained(tmp_path / "other")
+    other = apply_lora(build_model(pretrained=str(tmp_path / "other"), four_bit=True), r=4, alpha=8, seed=0)
+    with pytest.raises(ValueError, match=r"weight: its 4-bit block scales differ"):
+        other.load_state_dict(saved)
 
 
 def test_four_bit_needs_a_checkpoint():
