@@ -21,8 +21,13 @@ METHODS = ("longstraw-detached", "longstraw-exact", "conventional", "per_member"
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
-            prefix_block=None, prefix_recompute=True):
+            prefix_block=None, prefix_recompute=True, kl_coef=0.0):
+    """kl_coef > 0: the objective's KL term against a frozen reference (a copy of the starting weights, built
+    before the step so its bytes are not part of the step's peak), scored as each method scores it."""
+    import copy
+
     from .baselines import conventional, per_member
+    from .objective import GRPOObjective
     from .memory import host_current_bytes, host_peak_bytes, reset_host_peak
     from .shapes import build_model, synthetic_group
     from .transaction import grpo_backward
@@ -32,13 +37,15 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     group = synthetic_group(prompt, group_size, response, model.config.vocab_size, seed=seed)
     config = {"capture_chunk": chunk, "prefix_block": prefix_block, "prefix_recompute": prefix_recompute,
               "replay_block": 1024, "progress": progress}
+    objective = GRPOObjective(kl_coef=kl_coef)
+    reference = copy.deepcopy(model).requires_grad_(False) if kl_coef > 0 else None
     if method.startswith("longstraw"):
         config["prefix_grad"] = method.split("-")[1]
-        step = lambda: grpo_backward(model, group, config=config)  # noqa: E731
+        step = lambda: grpo_backward(model, group, objective, config=config, ref_model=reference)  # noqa: E731
     elif method == "conventional":
-        step = lambda: conventional(model, group, config=config)  # noqa: E731
+        step = lambda: conventional(model, group, objective, config=config, ref_model=reference)  # noqa: E731
     elif method == "per_member":
-        step = lambda: per_member(model, group, config=config)  # noqa: E731
+        step = lambda: per_member(model, group, objective, config=config, ref_model=reference)  # noqa: E731
     else:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     before = host_current_bytes()
@@ -53,6 +60,7 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
         "seconds": seconds, "cpu_seconds": cpu_seconds, "threads": torch.get_num_threads(), "process_peak_bytes": peak, "step_peak_bytes": peak - before,
         "loss": result.loss, "retained_bytes": result.retained_bytes, "grad_page_bytes": result.grad_page_bytes,
         "phases": {name: {"seconds": p.seconds, "peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
+        "kl_coef": kl_coef, "extras": {k: v for k, v in result.extras.items() if k.startswith("prefix_")},
     }
 
 
@@ -76,7 +84,8 @@ def _mb(value):
     return f"{value / 2**20:,.0f}"
 
 
-def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None, prefix_recompute=True):
+def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None, prefix_recompute=True,
+         kl_coef=0.0):
     """Run every configuration in a fresh process; each finished row is also appended to `partial_path` (JSON
     lines) so an interrupted grid keeps what it measured."""
     rows = []
@@ -92,7 +101,7 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
                     continue
                 print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
                 row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
-                                prefix_recompute="on" if prefix_recompute else "off")
+                                prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None)
                 print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
                 rows.append(row)
                 if partial_path:
@@ -139,10 +148,20 @@ def table(rows, command):
                          f"(process peak {mine['process_peak_bytes'] / conv['process_peak_bytes']:.3f})")
         if mine and per:
             lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = {per['cpu_seconds'] / mine['cpu_seconds']:.1f}x (CPU seconds)")
+        if mine and conv:
+            lines.append(f"- prompt {prompt}, G={g}: conventional time / detached time = "
+                         f"{conv['cpu_seconds'] / mine['cpu_seconds']:.2f}x (full autograd: the prompt's forward AND "
+                         "backward, the work any exact gradient must do)")
         if mine and exact:
             lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = {exact['cpu_seconds'] / mine['cpu_seconds']:.2f}x (CPU seconds); "
                          f"exact step peak {_mb(exact['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
                          f"+ grad pages {_mb(exact['grad_page_bytes'])} MiB")
+            split = exact.get("extras", {})
+            if "prefix_forward_seconds" in split:
+                forward, backward = split["prefix_forward_seconds"], split["prefix_backward_seconds"]
+                lines.append(f"- prompt {prompt}, G={g}: exact's prefix pass: forward (the recompute) {forward:.2f} s, "
+                             f"backward {backward:.2f} s; without the recompute (capture activations kept): "
+                             f"{(exact['cpu_seconds'] - forward) / mine['cpu_seconds']:.2f}x detached")
     return "\n".join(lines)
 
 
@@ -199,6 +218,7 @@ def main(argv=None):
     one.add_argument("--prefix-block", "--prefix_block", dest="prefix_block", type=int, default=None)
     one.add_argument("--prefix-recompute", "--prefix_recompute", dest="prefix_recompute", choices=["on", "off"],
                      default="on")
+    one.add_argument("--kl-coef", "--kl_coef", dest="kl_coef", type=float, default=0.0)
     many = sub.add_parser("grid")
     many.add_argument("--prompts", default="8192,32768,131072")
     many.add_argument("--groups", default="2,8")
@@ -213,10 +233,13 @@ def main(argv=None):
                       help="longstraw.prefix_block of the exact-mode rows")
     many.add_argument("--no-prefix-recompute", dest="prefix_recompute", action="store_false",
                       help="longstraw.prefix_recompute = false for the exact-mode rows")
+    many.add_argument("--kl-coef", dest="kl_coef", type=float, default=0.0,
+                      help="the objective's KL coefficient (> 0: every method also scores a frozen reference)")
     args = parser.parse_args(argv)
     if args.command == "one":
         row = run_one(args.method, args.prompt, args.group, args.response, args.shape, args.chunk, args.dtype,
-                      prefix_block=args.prefix_block, prefix_recompute=args.prefix_recompute == "on")
+                      prefix_block=args.prefix_block, prefix_recompute=args.prefix_recompute == "on",
+                      kl_coef=args.kl_coef)
         print(json.dumps(row))
         return
     prompts = [int(x) for x in args.prompts.split(",")]
@@ -227,7 +250,7 @@ def main(argv=None):
         skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
     partial = None if not args.out else os.path.splitext(args.out)[0] + f".{args.section}.partial.jsonl"
     rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial, args.prefix_block,
-                args.prefix_recompute)
+                args.prefix_recompute, args.kl_coef)
     command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
     text = table(rows, command)
     print(text)

@@ -10,6 +10,8 @@ Earlier pages are staged one layer at a time from the pool's tier (forward ascen
 descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
 """
 
+import time
+
 import torch
 
 from ds_longstraw.memory import return_freed_host_memory
@@ -22,7 +24,7 @@ def _zeros_like_carry(recurrent, tail, like_state, like_tail):
 
 
 def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
-                    recompute=True):
+                    recompute=True, timings=None):
     """ids: prompt[:-1] (a context-parallel rank: its own shard, at prompt position state.offset);
     d_final_carry: layer -> (d recurrent state, d conv tail) after the prefix. Returns d(carry) at the start of the
     captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
@@ -30,18 +32,22 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
     to each output is exactly the injected grad. recompute: recompute each layer in backward where allowed (the
-    "prefix_recompute" setting)."""
+    "prefix_recompute" setting). timings: a dict that gets the seconds spent in the segments' forwards and in
+    their backwards ("forward", "backward"; with `recompute`, the backward includes the layers' recompute)."""
     pool = state.pool
     stager = Stager(pool, adapter.attn_layers)
     try:
         return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                               recompute)
+                               recompute, {} if timings is None else timings)
     finally:
         stager.close()
 
 
-def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute):
+def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
+                    timings):
     pool = state.pool
+    timings.setdefault("forward", 0.0)
+    timings.setdefault("backward", 0.0)
     d_carry = d_final_carry
     for boundary in reversed(state.boundaries):
         start, end = boundary.start, boundary.end
@@ -59,6 +65,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         # remote exchanges must not run twice.
         checkpoint = recompute and remote_attention is None and backward is None
         with torch.enable_grad(), staged_saves(stager):
+            started = time.perf_counter()
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
                                           remote_attention, checkpoint_layers=checkpoint)
             outputs, grads = [], []
@@ -72,10 +79,13 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
                           pool.read_grad(layer, "v", start, end).to(out.values[layer])]
             # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
             live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            forwarded = time.perf_counter()
+            timings["forward"] += forwarded - started
             if live and backward is None:
                 torch.autograd.backward([o for o, _ in live], [g for _, g in live])
             elif live:
                 backward(sum((o * g.detach()).sum() for o, g in live))
+            timings["backward"] += time.perf_counter() - forwarded
         d_carry = {}
         for layer in adapter.gdn_layers:
             recurrent, tail = carry[layer]

@@ -117,6 +117,7 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     advantages = objective.advantages(group)
 
     ref_logprobs = None
+    prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
     if objective.kl_coef > 0:
         with meter.phase("reference"), _reference_policy(model, ref_model) as reference:
             ref_logprobs = score_reference(reference, group, settings, lockstep)
@@ -139,11 +140,12 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
                 with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
                     prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
                                     progress=None if bar is None else bar.update, backward=backward,
-                                    recompute=settings.prefix_recompute)
+                                    recompute=settings.prefix_recompute, timings=prefix_seconds)
                 if lockstep is not None:
                     lockstep.pad_prefix(adapter, backward)
             grad_page_bytes = state.pool.grad_bytes()
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
-                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes)
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes,
+                       extras={f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()})
