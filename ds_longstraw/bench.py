@@ -160,7 +160,7 @@ def table(rows, command):
             if "prefix_forward_seconds" in split:
                 forward, backward = split["prefix_forward_seconds"], split["prefix_backward_seconds"]
                 lines.append(f"- prompt {prompt}, G={g}: exact's prefix pass: forward (the recompute) {forward:.2f} s, "
-                             f"backward {backward:.2f} s; without the recompute (capture activations kept): "
+                             f"backward {backward:.2f} s; exact less the recompute (the most keeping capture activations could save): "
                              f"{(exact['cpu_seconds'] - forward) / mine['cpu_seconds']:.2f}x detached")
     return "\n".join(lines)
 
