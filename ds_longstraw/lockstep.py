@@ -33,7 +33,8 @@ import torch
 PAD_TOKEN = 0
 
 
-def _ceil_div(a, b):
+def ceil_div(a, b):
+    """Pieces of at most b that a items make (a segment count, a block count)."""
     return -(-a // b)
 
 
@@ -53,8 +54,8 @@ def shape_of(group, settings, cp=None) -> GroupShape:
     if cp is not None:
         lo, hi = cp.shards(tokens)[cp.rank]
         tokens = hi - lo
-    return GroupShape(chunks=_ceil_div(tokens, settings.segment_tokens),
-                      blocks=tuple(_ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
+    return GroupShape(chunks=ceil_div(tokens, settings.segment_tokens),
+                      blocks=tuple(ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
 
 
 def merge(shapes) -> GroupShape:

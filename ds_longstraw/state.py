@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_longstraw.lockstep import ceil_div
 from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, Stager, StagedPast, make_pool
 
@@ -84,7 +85,7 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
         state = PrefixState(length=length, pool=pool)
         carry = {}
         chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
-        checkpoints = CarryCheckpoints(-(-length // chunk)) if keep_boundaries else None
+        checkpoints = CarryCheckpoints(ceil_div(length, chunk)) if keep_boundaries else None
         stager = Stager(pool, adapter.attn_layers)
         with torch.no_grad():
             for index, start in enumerate(range(0, length, chunk)):

@@ -218,33 +218,25 @@ def pad_output_calls(adapter, module, calls):
 
 
 # -- replay: queries on every rank, partials all-gathered -----------------------------------------------------
-class _AllPagesAttention(torch.autograd.Function):
+class PagesFunction(torch.autograd.Function):
+    """Attention of queries over prompt pages held elsewhere (other ranks', or all ranks' merged), as one autograd
+    node. `pages` says how: pages.forward(layer, q) -> (out, lse); pages.backward(layer, q, out, lse, dout, dlse)
+    -> dq, sending dK/dV wherever those pages' gradients belong. The queries' gradient is the only one autograd
+    sees: the pages are constants of the graph whose gradients go to gradient pages."""
+
     @staticmethod
-    def forward(ctx, q_HTD, op, layer):
-        k_KTD, v_KTD = _pages_KTD(op.pool, layer)
-        scale = op.scale(layer)
-        own = partial_attention(q_HTD, k_KTD, v_KTD, scale)
-        own = (own[0], own[1].to(_acc(q_HTD.dtype)))
-        outs = op.cp.all_gather(own[0], layer, "replay_out")
-        lses = op.cp.all_gather(own[1], layer, "replay_lse")
-        out, lse = merge_in_order(list(zip(outs, lses)))
+    def forward(ctx, q_HTD, pages, layer):
+        out, lse = pages.forward(layer, q_HTD)
         ctx.save_for_backward(q_HTD, out, lse)
-        ctx.op, ctx.layer = op, layer
+        ctx.pages, ctx.layer = pages, layer
         return out, lse
 
     @staticmethod
     def backward(ctx, dout_HTD, dlse_HT):
         q_HTD, out, lse = ctx.saved_tensors
-        op, layer = ctx.op, ctx.layer
         if dout_HTD is None:
             dout_HTD = torch.zeros_like(out)
-        k_KTD, v_KTD = _pages_KTD(op.pool, layer)
-        dq, dk, dv = attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, op.scale(layer))
-        if op.exact and k_KTD.shape[1]:
-            # dK/dV of this rank's pages stay here, on its gradient pages.
-            op.pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
-            op.pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
-        op.cp.all_reduce_(dq, layer, "replay_dq")
+        dq = ctx.pages.backward(ctx.layer, q_HTD, out, lse, dout_HTD, dlse_HT)
         return dq.to(q_HTD.dtype), None, None
 
 
@@ -260,5 +252,22 @@ class PagesAttention:
     def scale(self, layer):
         return self.adapter.layers[layer].self_attn.scaling
 
+    def forward(self, layer, q_HTD):
+        k_KTD, v_KTD = _pages_KTD(self.pool, layer)
+        out, lse = partial_attention(q_HTD, k_KTD, v_KTD, self.scale(layer))
+        outs = self.cp.all_gather(out, layer, "replay_out")
+        lses = self.cp.all_gather(lse.to(_acc(q_HTD.dtype)), layer, "replay_lse")
+        return merge_in_order(list(zip(outs, lses)))
+
+    def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
+        k_KTD, v_KTD = _pages_KTD(self.pool, layer)
+        dq, dk, dv = attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, self.scale(layer))
+        if self.exact and k_KTD.shape[1]:
+            # dK/dV of this rank's pages stay here, on its gradient pages.
+            self.pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
+            self.pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+        self.cp.all_reduce_(dq, layer, "replay_dq")
+        return dq
+
     def __call__(self, layer, q_HTD):
-        return _AllPagesAttention.apply(q_HTD, self, layer)
+        return PagesFunction.apply(q_HTD, self, layer)

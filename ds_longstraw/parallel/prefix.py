@@ -26,10 +26,11 @@ Messages are point-to-point within the CP group; a request is an int64 header [o
 
 import torch
 
-from ds_longstraw.lockstep import zero_prefix_iteration
+from ds_longstraw.lockstep import ceil_div, zero_prefix_iteration
 from ds_longstraw.prefix_pass import prefix_backward
 
-from .cp_attention import _acc, _pages_KTD, attention_delta, attention_grads_from_delta, chunked_partial, merge_in_order
+from .cp_attention import (PagesFunction, _acc, _pages_KTD, attention_delta, attention_grads_from_delta,
+                           chunked_partial, merge_in_order)
 
 FORWARD, BACKWARD, DONE = 1, 2, 3
 
@@ -37,24 +38,6 @@ FORWARD, BACKWARD, DONE = 1, 2, 3
 def _servers(sizes, owner):
     """The ranks whose pages `owner`'s queries read: every earlier rank that holds tokens."""
     return [i for i in range(owner) if sizes[i]]
-
-
-class _RemotePagesAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q_HTD, session, layer):
-        out, lse = session.forward(layer, q_HTD)
-        ctx.save_for_backward(q_HTD, out, lse)
-        ctx.session, ctx.layer = session, layer
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout_HTD, dlse_HT):
-        q_HTD, out, lse = ctx.saved_tensors
-        if dout_HTD is None:
-            dout_HTD = torch.zeros_like(out)
-        delta = attention_delta(out, dout_HTD, dlse_HT)
-        dq = ctx.session.backward(ctx.layer, q_HTD, dout_HTD, lse, delta)
-        return dq.to(q_HTD.dtype), None, None
 
 
 class RemotePages:
@@ -65,7 +48,7 @@ class RemotePages:
         self.servers = _servers(sizes, cp.rank)
 
     def __call__(self, layer, q_HTD):
-        return _RemotePagesAttention.apply(q_HTD, self, layer)
+        return PagesFunction.apply(q_HTD, self, layer)
 
     def _header(self, op, layer, queries, device):
         header = torch.tensor([op, layer, queries], dtype=torch.int64, device=device)
@@ -86,9 +69,10 @@ class RemotePages:
             partials.append((out, lse))
         return merge_in_order(partials)
 
-    def backward(self, layer, q_HTD, dout_HTD, lse_HT, delta_HT):
+    def backward(self, layer, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
         cp = self.cp
         acc = _acc(q_HTD.dtype)
+        delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
         self._header(BACKWARD, layer, q_HTD.shape[1], q_HTD.device)
         for i in self.servers:
             cp.send(q_HTD, i)
@@ -232,7 +216,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
 def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, backward):
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
-    real = -(-sizes[owner] // chunk)
+    real = ceil_div(sizes[owner], chunk)  # the owner's real chunks, counted as lockstep.shape_of counts them
     server = PageServer(cp, owner, adapter, state.pool, chunk) if serving else None
     for _ in range(real):
         zero_prefix_iteration(adapter, backward, server)
