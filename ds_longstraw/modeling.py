@@ -87,6 +87,15 @@ def four_bit_config(dtype):
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
 
 
+def four_bit_layers(model) -> list:
+    """The model's bitsandbytes 4-bit linear layers (none where bitsandbytes is not installed)."""
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except ImportError:
+        return []
+    return [module for module in model.modules() if isinstance(module, Linear4bit)]
+
+
 def keep_four_bit_layout(model):
     """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
 
@@ -95,9 +104,8 @@ def keep_four_bit_layout(model):
     transaction that first forward is the prompt capture: capture would then compute with other weights than
     replay, and under ZeRO-3 the rewrite would land on a gathered copy that the release discards while the layout
     flag stays set on the shared quantization state."""
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
+    for module in four_bit_layers(model):
+        module.support_avx512bf16_for_cpu = False
     return model
 
 
@@ -108,16 +116,13 @@ def accept_saved_quant_state(model):
     `.quant_state.*`) but its modules do not take those keys back, so a strict load fails on them. The frozen 4-bit
     weights of a resumed run come from model.pretrained again; the saved block scales are compared with the
     loaded ones (a checkpoint of another base is an error naming the layer) and then dropped."""
-    for name, module in model.named_modules():
-        if not hasattr(module, "support_avx512bf16_for_cpu"):  # Linear4bit
-            continue
-
+    for module in four_bit_layers(model):
         def take_quant_state(state_dict, prefix, *args, _module=module):
             saved = {key: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix + "weight.")]}
             absmax = saved.get(prefix + "weight.absmax")
             ours = getattr(_module.weight, "quant_state", None)
-            if absmax is not None and ours is not None and absmax.numel() == ours.absmax.numel() and \
-                    not torch.equal(absmax.to(ours.absmax), ours.absmax):
+            if absmax is not None and ours is not None and (
+                    absmax.shape != ours.absmax.shape or not torch.equal(absmax.to(ours.absmax), ours.absmax)):
                 raise ValueError(f"checkpoint entry {prefix}weight: its 4-bit block scales differ from those of the "
                                  "loaded base; it was saved over another model.pretrained")
 
