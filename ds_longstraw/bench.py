@@ -17,7 +17,8 @@ import time
 
 import torch
 
-METHODS = ("longstraw-detached", "longstraw-exact", "conventional", "per_member")
+# longstraw-exact-keep: exact mode with prefix_keep_attention (the capture's attention outputs kept on pages).
+METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "conventional", "per_member")
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
@@ -41,6 +42,7 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     reference = copy.deepcopy(model).requires_grad_(False) if kl_coef > 0 else None
     if method.startswith("longstraw"):
         config["prefix_grad"] = method.split("-")[1]
+        config["prefix_keep_attention"] = method == "longstraw-exact-keep"
         step = lambda: grpo_backward(model, group, objective, config=config, ref_model=reference)  # noqa: E731
     elif method == "conventional":
         step = lambda: conventional(model, group, objective, config=config, ref_model=reference)  # noqa: E731
@@ -119,16 +121,17 @@ def _find(rows, method, prompt, group_size):
 
 def table(rows, command):
     lines = [f"Command: `{command}`", "",
-             "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | | |")
+            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | | | |")
             continue
         kv = row["retained_bytes"].get("attention_kv_pages", 0)
+        kept = row["retained_bytes"].get("attention_output_pages", 0)
         lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {row['cpu_seconds']:.2f} | {row['seconds']:.2f} | "
                      f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
-                     f"{_mb(row.get('grad_page_bytes', 0))} |")
+                     f"{_mb(row.get('grad_page_bytes', 0))} | {_mb(kept)} |")
     lines += ["", "Ratios (same run):", ""]
     prompts = sorted({r["prompt"] for r in rows})
     groups = sorted({r["group"] for r in rows})
@@ -162,6 +165,14 @@ def table(rows, command):
                 lines.append(f"- prompt {prompt}, G={g}: exact's prefix pass: forward (the recompute) {forward:.2f} s, "
                              f"backward {backward:.2f} s; exact less the recompute (the most keeping capture activations could save): "
                              f"{(exact['cpu_seconds'] - forward) / mine['cpu_seconds']:.2f}x detached")
+        keep = _find(rows, "longstraw-exact-keep", prompt, g)
+        if mine and keep:
+            kept = keep["retained_bytes"].get("attention_output_pages", 0)
+            forward = keep.get("extras", {}).get("prefix_forward_seconds", float("nan"))
+            lines.append(f"- prompt {prompt}, G={g}: exact with the attention kept / detached time = "
+                         f"{keep['cpu_seconds'] / mine['cpu_seconds']:.2f}x (prefix forward {forward:.2f} s); step peak "
+                         f"{_mb(keep['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB + grad pages "
+                         f"{_mb(keep['grad_page_bytes'])} MiB + kept attention {_mb(kept)} MiB")
     return "\n".join(lines)
 
 

@@ -56,6 +56,11 @@ class LongstrawConfig(DeepSpeedConfigModel):
         layer's graph alive instead of the segment's, for one more forward of the prompt). Applies under plain
         autograd; the DeepSpeed engine and context parallelism keep the segment's graph (bound it with
         prefix_block).
+    prefix_keep_attention: exact mode only: keep each prompt token's attention output and log-sum-exp from capture
+        on pages of the pool's tier (the KV pages' tier), so the prefix pass never recomputes the prompt's
+        quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H) values per token
+        per full-attention layer of pool bytes (H query heads: (H/K)/2 times the KV pages under GQA), reported
+        as retained "attention_output_pages". Not with context parallelism yet (cp_size 1).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
@@ -66,12 +71,22 @@ class LongstrawConfig(DeepSpeedConfigModel):
     capture_chunk: int = Field(4096, gt=0)
     prefix_block: Optional[int] = Field(None, gt=0)
     prefix_recompute: bool = True
+    prefix_keep_attention: bool = False
     replay_block: int = Field(1024, gt=0)
     page_tokens: int = Field(1024, gt=0)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     progress: bool = False
+
+    @model_validator(mode="after")
+    def _kept_attention_is_single_rank(self):
+        # TODO issue 3: under context parallelism a segment's attention merges remote partials whose exchanges the
+        # prefix pass still runs; keeping the merged result needs the CP prefix pass to skip them.
+        if self.prefix_keep_attention and self.cp_size > 1:
+            raise ValueError(f"'{BLOCK_NAME}.prefix_keep_attention' = True needs '{BLOCK_NAME}.cp_size' = 1, "
+                             f"got {self.cp_size}")
+        return self
 
     @property
     def segment_tokens(self) -> int:
@@ -87,6 +102,9 @@ def _describe(error: ValidationError) -> str:
     parts = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
+        if not key:  # a check across keys (a model validator): its message names them
+            parts.append(item["msg"].removeprefix("Value error, "))
+            continue
         value = item.get("input")
         parts.append(f"'{BLOCK_NAME}.{key}' = {value!r}: {item['msg']}")
     return "; ".join(parts)

@@ -67,7 +67,8 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
-                                          remote_attention, checkpoint_layers=checkpoint)
+                                          remote_attention, checkpoint_layers=checkpoint,
+                                          known_attention=state.kept_attention(adapter.attn_layers, start, end))
             outputs, grads = [], []
             for layer in adapter.gdn_layers:
                 d_state, d_tail = d_carry[layer]

@@ -3,7 +3,8 @@
 Capture runs prompt[:-1] through the model chunk by chunk WITHOUT autograd and keeps only what later tokens
 read: per Gated DeltaNet layer the recurrent state and the conv tail, per full-attention layer K and V on owned
 pages. In exact mode it also checkpoints the GDN state at every chunk start, so the prefix pass can recompute
-one chunk at a time.
+one chunk at a time, and with prefix_keep_attention keeps each attention layer's output and log-sum-exp ("o",
+"lse" streams) so that recompute skips the prompt's attention.
 """
 
 from dataclasses import dataclass, field
@@ -29,18 +30,33 @@ class PrefixState:
     gdn_carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the prefix
     boundaries: list = field(default_factory=list)  # exact mode only
     offset: int = 0  # prompt position of this rank's first captured token (context parallelism; else 0)
+    attention_kept: bool = False  # the pool also holds every attention layer's "o" and "lse" streams
 
     def retained_bytes(self) -> dict:
-        """Bytes kept for later tokens, by layer type (checkpoints of exact mode reported apart)."""
+        """Bytes kept for later tokens, by layer type (exact mode's checkpoints and kept attention apart)."""
         gdn = sum(s.numel() * s.element_size() + t.numel() * t.element_size() for s, t in self.gdn_carry.values())
         checkpoints = sum(s.numel() * s.element_size() + t.numel() * t.element_size()
                           for b in self.boundaries for s, t in b.gdn_carry.values() if s is not None)
-        return {"attention_kv_pages": self.pool.state_bytes(), "gdn_state": gdn, "gdn_checkpoints": checkpoints}
+        by_stream = self.pool.bytes_by_stream()
+        kv = sum(size for (_, name), size in by_stream.items() if name in ("k", "v"))
+        kept = sum(size for (_, name), size in by_stream.items() if name in KEPT_ATTENTION)
+        return {"attention_kv_pages": kv, "gdn_state": gdn, "gdn_checkpoints": checkpoints,
+                "attention_output_pages": kept}
+
+    def kept_attention(self, layers, start, end):
+        """layer -> (out_HTD, lse_HT) of tokens [start, end) kept from capture (None when none was kept)."""
+        if not self.attention_kept:
+            return None
+        return {layer: tuple(self.pool.read(layer, name, start, end).transpose(0, 1).contiguous()
+                             for name in KEPT_ATTENTION) for layer in layers}
 
     def release(self):
         self.pool.release()
         self.gdn_carry.clear()
         self.boundaries.clear()
+
+
+KEPT_ATTENTION = ("o", "lse")  # token-major pages of out_HTD and lse_HT
 
 
 def _detached_carry(carry):
@@ -79,10 +95,15 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
     try:
+        keep_attention = keep_boundaries and settings.prefix_keep_attention
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
-        state = PrefixState(length=length, pool=pool)
+            if keep_attention:
+                heads, dim = adapter.attention_shape()
+                pool.reserve(layer, "o", length, (heads, dim), adapter.dtype)
+                pool.reserve(layer, "lse", length, (heads,), adapter.state_dtype())
+        state = PrefixState(length=length, pool=pool, attention_kept=keep_attention)
         carry = {}
         chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
         checkpoints = CarryCheckpoints(ceil_div(length, chunk)) if keep_boundaries else None
@@ -99,6 +120,9 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                 for layer in adapter.attn_layers:
                     pool.append(layer, "k", out.keys[layer])
                     pool.append(layer, "v", out.values[layer])
+                    if keep_attention:
+                        for name, tensor in zip(KEPT_ATTENTION, out.attention[layer]):
+                            pool.append(layer, name, tensor.transpose(0, 1))
                 del out, past
                 return_freed_host_memory(adapter.device)
                 if progress is not None:

@@ -7,7 +7,8 @@ name that transformers probes for).
 from .attention import (attention_with_past, attention_with_past_reference, partial_attention,
                         partial_attention_reference)
 from .lse import merge_partials, merge_partials_reference
-from .gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from .gated_delta import chunk_gated_delta_rule_autograd, recurrent_gated_delta_rule
+from .gated_delta_chunked import chunk_gated_delta_rule
 
 __all__ = [
     "partial_attention",
@@ -17,5 +18,6 @@ __all__ = [
     "merge_partials",
     "merge_partials_reference",
     "chunk_gated_delta_rule",
+    "chunk_gated_delta_rule_autograd",
     "recurrent_gated_delta_rule",
 ]

@@ -233,16 +233,19 @@ class _AttentionWithPast(torch.autograd.Function):
     set's scores."""
 
     @staticmethod
-    def forward(ctx, q_HTD, scale, key_block, sinks, *kv_sets):
+    def forward(ctx, q_HTD, scale, key_block, sinks, known, *kv_sets):
         pairs = list(zip(kv_sets[0::2], kv_sets[1::2]))  # the last pair is the block itself (causal)
         out, lse = None, None
+        if known is not None:  # the result, computed before from the same inputs: only record what backward needs
+            out, lse = (x.clone() for x in known)
+            pairs = []
         for index, (k_KTD, v_KTD) in enumerate(pairs):
             causal = 0 if index == len(pairs) - 1 else None
             if k_KTD.shape[1] == 0:
                 continue
             o, l = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
             out, lse = (o, l) if out is None else merge_partials(out, lse, o, l.to(lse.dtype))
-        ctx.scale, ctx.key_block, ctx.count, ctx.sinks = scale, key_block, len(pairs), sinks
+        ctx.scale, ctx.key_block, ctx.count, ctx.sinks = scale, key_block, len(kv_sets) // 2, sinks
         ctx.save_for_backward(q_HTD, out, lse, *kv_sets)
         return out, lse
 
@@ -255,7 +258,7 @@ class _AttentionWithPast(torch.autograd.Function):
         grads = []
         for index in range(ctx.count):
             k_KTD, v_KTD = kv_sets[2 * index], kv_sets[2 * index + 1]
-            need_kv = ctx.needs_input_grad[3 + 2 * index] or ctx.needs_input_grad[4 + 2 * index]
+            need_kv = ctx.needs_input_grad[5 + 2 * index] or ctx.needs_input_grad[6 + 2 * index]
             if k_KTD.shape[1] == 0:
                 grads += [torch.zeros_like(k_KTD) if need_kv else None] * 2
                 continue
@@ -274,7 +277,7 @@ class _AttentionWithPast(torch.autograd.Function):
                                    ctx.key_block, need_kv)
             dq_total += dq
             grads += [dk, dv]
-        return (dq_total, None, None, None, *grads)
+        return (dq_total, None, None, None, None, *grads)
 
 
 def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=KEY_BLOCK):
@@ -294,7 +297,7 @@ def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=
     return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
-def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK, sinks=None):
+def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK, sinks=None, known=None):
     """Causal attention of a query block over earlier segments plus itself, returning (out_HTD, lse_HT).
 
     `past` is a sequence of (k_KTD, v_KTD) segments that lie entirely before the block (prompt pages, earlier
@@ -306,12 +309,15 @@ def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_
     segment's key/value gradient one key block at a time (offset: the block's first key in the segment). Those
     segments get no autograd gradient: a prompt's pages (gradient pages accumulate them) never have their whole
     dK/dV alive at once.
+
+    known: None, or the (out_HTD, lse_HT) this same call returned before (exact mode keeps the capture's): the
+    forward then skips the attention and only records what backward needs; gradients are unchanged.
     """
     flat = []
     for k_KTD, v_KTD in past:
         flat += [k_KTD, v_KTD]
     sinks = tuple(sinks) if sinks is not None else ()
-    return _AttentionWithPast.apply(q_HTD, scale, key_block, sinks, *flat, k_new_KTD, v_new_KTD)
+    return _AttentionWithPast.apply(q_HTD, scale, key_block, sinks, known, *flat, k_new_KTD, v_new_KTD)
 
 
 def attention_with_past_reference(q_HTD, past, k_new_KTD, v_new_KTD, scale):

@@ -5,9 +5,10 @@ q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0) and beta [B, T, Hv]; 
 
 Per token:  S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (q_t / sqrt(dk)).
 
-Both functions keep float64 inputs in float64 (so gradients can be checked against float64 autograd to 1e-8)
-and compute lower precisions in float32, as the recurrent state is kept in float32 for bf16 models. Signatures
-match transformers' torch fallbacks, so either can stand in for them.
+`chunk_gated_delta_rule` (gated_delta_chunked.py) is the fast path the layers run: the chunked form below with a
+hand-derived backward. All three keep float64 inputs in float64 (so gradients can be checked against float64
+autograd to 1e-8) and compute lower precisions in float32, as the recurrent state is kept in float32 for bf16
+models. Signatures match transformers' torch fallbacks, so any of them can stand in for them.
 """
 
 import torch
@@ -52,10 +53,12 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, o
     return out.transpose(1, 2).to(query.dtype), (state if output_final_state else None)
 
 
-def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, **kwargs):
-    """Chunked form: within a chunk the delta-rule updates are solved as one unit-triangular system (WY form),
-    across chunks the state is carried. Same results as the token loop up to rounding."""
+def chunk_gated_delta_rule_autograd(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                    output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """Chunked form under plain autograd: within a chunk the delta-rule updates are solved as one unit-triangular
+    system (WY form), across chunks the state is carried. Same results as the token loop up to rounding. The
+    reference of `gated_delta_chunked.chunk_gated_delta_rule`, which computes the same with a hand-derived
+    backward."""
     q, k, v, b, gg = _prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel)
     batch, heads, t, dk = k.shape
     dv = v.shape[-1]

@@ -60,6 +60,7 @@ class ModelShape:
     layer_bytes_per_token: dict = field(default_factory=dict)  # layer type -> bytes per token of ONE layer
     layer_counts: dict = field(default_factory=dict)
     gdn_state_bytes: int = 0  # per sequence, all GDN layers
+    kept_attention_bytes_per_token: int = 0  # exact mode's prefix_keep_attention: out + lse, all attention layers
     params: int = 0
 
     @property
@@ -119,6 +120,7 @@ def _qwen3_5(name, c, e):
     shape.page_bytes_per_token = {"attention_kv_pages": attn * per_layer}
     shape.gdn_state_bytes = gdn * (hv * dk * dv * state_e + conv_dim * (kernel - 1) * e)
     nq = c["num_attention_heads"]
+    shape.kept_attention_bytes_per_token = attn * nq * (d * e + state_e)  # out in the model dtype, lse in float32/64
     attn_params = h * nq * d * 2 + 2 * h * kv * d + nq * d * h
     gdn_params = h * conv_dim + h * hv * dv + 2 * h * hv + hv * dv * h + conv_dim * kernel
     mlp = 3 * h * c["intermediate_size"]

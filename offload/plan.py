@@ -3,6 +3,7 @@
 Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   pages          per-token state of every layer (model_shapes.py)      tier none: GPU; cpu: host; nvme: disk
   gradient pages exact mode, as much again                              with the pages
+  attention out  exact mode with prefix_keep_attention: (H D + H) per token and attention layer  with the pages
   gdn state      per sequence; exact mode adds one copy per chunk start  always GPU
   staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's dK/dV in float32 during
                  backward (detached mode computes no gradient for the pages)                   GPU
@@ -63,7 +64,8 @@ def captured_tokens_per_rank(context: int, cp: int) -> int:
     return -(-max(context - 1, 0) // cp)
 
 
-def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int) -> dict:
+def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int,
+                      keep_attention: bool = False) -> dict:
     """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
@@ -73,6 +75,7 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
     out["gdn_checkpoints"] = shape.gdn_state_bytes * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.bytes_per_token * tokens if exact else 0
+    out["attention_output_pages"] = shape.kept_attention_bytes_per_token * tokens if exact and keep_attention else 0
     return out
 
 
@@ -104,7 +107,7 @@ def _depth_for(tier):
 
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
-              capture_chunk: int = 4096) -> Plan:
+              capture_chunk: int = 4096, keep_attention: bool = False) -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -113,7 +116,9 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
-    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk)
+    if keep_attention and not shape.kept_attention_bytes_per_token:
+        raise ValueError(f"prefix_keep_attention: {shape.family} models keep no attention outputs (qwen3_5 only)")
+    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     plan.weights_per_rank = (layout.weights_per_rank if layout.weights_per_rank is not None
                              else int(shape.params * layout.weight_bytes / layout.gpus))
     if layout.gpu_memory is not None:
@@ -130,20 +135,20 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
             needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth)
         plan.depth[tier], plan.needs[tier] = depth, needs
         plan.fits[tier] = _fits(needs, plan)
-        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d)
+        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention)
                   for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = next((t for t in TIERS if plan.fits[t]), None)
     return plan
 
 
-def _max_context(shape, mode, layout, chunk, plan, tier, depth, limit=1 << 40):
+def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=False, limit=1 << 40):
     """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
     if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
         return None
 
     def ok(context):
-        retained = retained_per_rank(shape, context, layout.cp, mode, chunk)
+        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
         return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth), plan)
 
     if not ok(2):

@@ -62,6 +62,8 @@ def _parser():
     p.add_argument("--capture-chunk", type=int, default=4096, help="longstraw.capture_chunk")
     p.add_argument("--prefix-block", type=int, default=None,
                    help="longstraw.prefix_block (exact mode: GDN checkpoints every min(capture-chunk, this) tokens)")
+    p.add_argument("--keep-attention", action="store_true",
+                   help="longstraw.prefix_keep_attention (exact mode, cp 1): attention outputs kept with the pages")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -119,10 +121,11 @@ def render(plan, detected) -> str:
             "mla_latent_pages": (s.layer_counts.get("mla"), "where"),
             "indexer_key_pages": (s.layer_counts.get("indexer_full"), "where"),
             "gdn_state": (gdn, "per sequence"), "gdn_checkpoints": (gdn, "per chunk start"),
-            "gradient_pages": ("as the pages", s.bytes_per_token)}
+            "gradient_pages": ("as the pages", s.bytes_per_token),
+            "attention_output_pages": (s.layer_counts.get("full_attention"), s.kept_attention_bytes_per_token)}
     for key, value in plan.retained.items():
         layers, per_token = rows[key]
-        if not layers or (not value and key in ("gdn_checkpoints", "gradient_pages")):
+        if not layers or (not value and key in ("gdn_checkpoints", "gradient_pages", "attention_output_pages")):
             continue  # a layer type the model does not have, or exact mode's extras in detached mode
         per_token = s.page_bytes_per_token[key] if per_token == "where" else per_token
         lines.append(f"| {key} | {layers} | {per_token:,} | {_gib(value)} |" if isinstance(per_token, int)
@@ -179,8 +182,10 @@ def main(argv=None) -> int:
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
         settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
-                                 "prefix_block": args.prefix_block})
-        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens)
+                                 "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
+                                 "cp_size": cp})
+        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
+                         settings.prefix_keep_attention)
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

@@ -39,6 +39,8 @@ BAD = {
     "accumulation": ({**_ds(), "gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "4"]),
     "zero-stage-0": ({**_ds(), "zero_optimization": {"stage": 0}}, ["zero_optimization.stage", "0"]),
     "zero-prefix-block": (_ds(prefix_grad="exact", prefix_block=0), ["longstraw.prefix_block", "0"]),
+    "kept-attention-under-cp": (_ds(prefix_grad="exact", prefix_keep_attention=True, cp_size=2),
+                                ["longstraw.prefix_keep_attention", "longstraw.cp_size", "got 2"]),
 }
 
 

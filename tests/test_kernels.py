@@ -7,8 +7,9 @@ softmax vs dense; chunked WY solve vs token loop), which leaves ~1e-14 relative 
 import pytest
 import torch
 
-from ds_longstraw.kernels import (chunk_gated_delta_rule, merge_partials, merge_partials_reference,
-                                  partial_attention, partial_attention_reference, recurrent_gated_delta_rule)
+from ds_longstraw.kernels import (attention_with_past, chunk_gated_delta_rule, chunk_gated_delta_rule_autograd,
+                                  merge_partials, merge_partials_reference, partial_attention,
+                                  partial_attention_reference, recurrent_gated_delta_rule)
 
 F64 = dict(dtype=torch.float64)
 
@@ -103,19 +104,27 @@ def test_merge_handles_all_neg_inf_without_nan():
     assert all(torch.isfinite(g).all() for g in grads)
 
 
-@pytest.mark.parametrize("t,chunk", [(1, 64), (63, 16), (111, 32), (64, 64)])
-@pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_chunked_delta_rule_matches_token_loop(t, chunk, hk, hv, with_state):
-    gen = torch.Generator().manual_seed(t + hv)
+def _delta_rule_inputs(t, hk, hv, seed, with_state=True):
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, t, hk, 8, generator=gen, **F64).requires_grad_()
     k = torch.randn(1, t, hk, 8, generator=gen, **F64).requires_grad_()
     v = torch.randn(1, t, hv, 6, generator=gen, **F64).requires_grad_()
     g = (-torch.rand(1, t, hv, generator=gen, **F64) * 4).requires_grad_()
     beta = torch.rand(1, t, hv, generator=gen, **F64).requires_grad_()
     s0 = torch.randn(1, hv, 8, 6, generator=gen, **F64).requires_grad_() if with_state else None
+    return q, k, v, g, beta, s0
+
+
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, chunk_gated_delta_rule_autograd],
+                         ids=["analytic-backward", "plain-autograd"])
+@pytest.mark.parametrize("t,chunk", [(1, 64), (63, 16), (111, 32), (64, 64)])
+@pytest.mark.parametrize("hk,hv", [(2, 2), (2, 4)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_delta_rule_matches_token_loop(rule, t, chunk, hk, hv, with_state):
+    q, k, v, g, beta, s0 = _delta_rule_inputs(t, hk, hv, seed=t + hv, with_state=with_state)
+    gen = torch.Generator().manual_seed(t)
     kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, **kwargs)
+    out, state = rule(q, k, v, g, beta, chunk_size=chunk, **kwargs)
     ref_out, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
     torch.testing.assert_close(state, ref_state, rtol=0, atol=1e-10)
@@ -127,11 +136,73 @@ def test_chunked_delta_rule_matches_token_loop(t, chunk, hk, hv, with_state):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
-def test_delta_rule_keeps_bf16_state_in_float32():
-    q = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16)
-    out, state = chunk_gated_delta_rule(q, q, torch.randn(1, 5, 2, 4, dtype=torch.bfloat16),
-                                        -torch.rand(1, 5, 2), torch.rand(1, 5, 2), output_final_state=True)
+def test_analytic_delta_rule_backward_passes_gradcheck():
+    """Finite differences of the analytic backward itself (no autograd form involved), two chunks plus a partial
+    one, grouped heads, an initial state and the l2 norm."""
+    q, k, v, g, beta, s0 = _delta_rule_inputs(9, 1, 2, seed=4)
+
+    def rule(*inputs):
+        return chunk_gated_delta_rule(*inputs[:5], chunk_size=4, initial_state=inputs[5], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True)
+
+    assert torch.autograd.gradcheck(rule, (q, k, v, g, beta, s0), eps=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("wanted", [("q",), ("g", "beta"), ("s0",), ("v", "s0")])
+@pytest.mark.parametrize("final_state", [True, False])
+def test_analytic_delta_rule_backward_with_some_inputs_frozen(wanted, final_state):
+    """Only some inputs need a gradient, and the final state may be unused (no incoming gradient): the analytic
+    backward returns the same gradients as plain autograd for those inputs and None for the rest."""
+    names = ("q", "k", "v", "g", "beta", "s0")
+    inputs = [x.detach().requires_grad_(name in wanted) for name, x in zip(names, _delta_rule_inputs(37, 2, 4, 6))]
+    results = []
+    for rule in (chunk_gated_delta_rule, chunk_gated_delta_rule_autograd):
+        out, state = rule(*inputs[:5], chunk_size=16, initial_state=inputs[5], output_final_state=final_state,
+                          use_qk_l2norm_in_kernel=True)
+        loss = (out * torch.linspace(-1, 1, out.numel(), **F64).reshape(out.shape)).sum()
+        loss = loss + (state.square().sum() if final_state else 0)
+        results.append(torch.autograd.grad(loss, [x for x in inputs if x.requires_grad]))
+    for mine, ref in zip(*results):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("segments", [[0], [23, 9]])
+def test_attention_with_a_known_result_skips_the_forward(monkeypatch, segments):
+    """attention_with_past(known=(out, lse)) returns the given result without computing attention, and its
+    backward equals that of the call that computed it."""
+    from ds_longstraw.kernels import attention as attention_module
+
+    gen = torch.Generator().manual_seed(len(segments))
+    q = torch.randn(4, 7, 16, generator=gen, **F64).requires_grad_()
+    past = [(torch.randn(2, n, 16, generator=gen, **F64).requires_grad_(),
+             torch.randn(2, n, 16, generator=gen, **F64).requires_grad_()) for n in segments]
+    k_new, v_new = (torch.randn(2, 7, 16, generator=gen, **F64).requires_grad_() for _ in range(2))
+    inputs = [q, k_new, v_new] + [x for pair in past for x in pair]
+    w_out, w_lse = torch.randn(4, 7, 16, generator=gen, **F64), torch.randn(4, 7, generator=gen, **F64)
+
+    def grads(out, lse):
+        return torch.autograd.grad((out * w_out).sum() + (lse.masked_fill(torch.isinf(lse), 0) * w_lse).sum(), inputs)
+
+    out, lse = attention_with_past(q, past, k_new, v_new, 0.25)
+    expected = grads(out, lse)
+    calls = []
+    monkeypatch.setattr(attention_module, "_forward", lambda *a: calls.append(a) or attention_module._forward(*a))
+    known_out, known_lse = attention_with_past(q, past, k_new, v_new, 0.25, known=(out.detach(), lse.detach()))
+    assert calls == []
+    assert torch.equal(known_out, out) and torch.equal(known_lse, lse)
+    for mine, ref in zip(grads(known_out, known_lse), expected):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rule", [chunk_gated_delta_rule, chunk_gated_delta_rule_autograd],
+                         ids=["analytic-backward", "plain-autograd"])
+def test_delta_rule_keeps_bf16_state_in_float32(rule):
+    q = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16, requires_grad=True)
+    out, state = rule(q, q, torch.randn(1, 5, 2, 4, dtype=torch.bfloat16),
+                      -torch.rand(1, 5, 2), torch.rand(1, 5, 2), output_final_state=True)
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
+    (grad,) = torch.autograd.grad(out.float().sum() + state.sum(), [q])
+    assert grad.dtype == torch.bfloat16 and torch.isfinite(grad).all()
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -2,7 +2,8 @@
 
 Equivalence chain (float64 tiny qwen3_5, float64_model()):
   grpo_backward(tier=cpu | nvme (aio) | nvme (buffered I/O), mode) == grpo_backward(tier=none, mode)
-for mode in detached and exact, and test_transaction.py ties tier none to independent references.
+for mode in detached, exact and exact with kept attention pages, and test_transaction.py ties tier none to
+independent references.
 Tolerance: relative L2 <= 1e-12 over all parameter gradients (and log-probs within 1e-12). Every tier runs the
 same float64 operations in the same order on the same values (pages are moved bit for bit), so the difference
 is 0 in practice; 1e-12 leaves room for nothing but a reordering, which a wrong page would exceed by far.
@@ -37,7 +38,9 @@ _REFERENCE = {}
 
 
 def _run(model, mode, offload, objective=None):
-    config = {"prefix_grad": mode, **SETTINGS, "offload": offload}
+    # "exact-keep": exact mode with the attention outputs kept on pages of the same tier (prefix_keep_attention)
+    config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"), **SETTINGS,
+              "offload": offload}
     with float64_model():
         return grads_of(model, lambda: grpo_backward(model, _group(), objective, config=config))
 
@@ -65,7 +68,7 @@ def _offload(tier, path, monkeypatch, depth=1):
 # Each run costs seconds on 2 cores: every tier in exact mode (the mode that also reads and writes gradient pages),
 # the host and aio tiers in detached mode.
 CASES = [("detached", "cpu", 1), ("detached", "nvme-aio", 1),
-         ("exact", "cpu", 1), ("exact", "nvme-aio", 2), ("exact", "nvme-buffered", 1)]
+         ("exact", "cpu", 1), ("exact", "nvme-aio", 2), ("exact", "nvme-buffered", 1), ("exact-keep", "nvme-aio", 1)]
 
 
 @pytest.mark.parametrize("mode,tier,depth", CASES)

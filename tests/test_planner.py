@@ -29,19 +29,22 @@ def _tiny_shape(dtype, layers=4):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("prompt_len,chunk", [(2, 4), (23, 5), (40, 8)])
-@pytest.mark.parametrize("exact", [False, True])
-def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, exact):
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-keep"])
+def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
     model = tiny_qwen3_5(dtype=dtype, layers=8)
     adapter = adapter_for(model)
-    settings = parse_config({"capture_chunk": chunk, "page_tokens": 3})
+    exact, keep = mode != "detached", mode == "exact-keep"
+    settings = parse_config({"capture_chunk": chunk, "page_tokens": 3, "prefix_grad": mode.removesuffix("-keep"),
+                             "prefix_keep_attention": keep})
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
     with float64_model():
         state = capture_prefix(adapter, prompt, settings, keep_boundaries=exact)
     measured = state.retained_bytes()
     state.release()
-    estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, "exact" if exact else "detached", chunk)
-    for key in ("attention_kv_pages", "gdn_state", "gdn_checkpoints"):
+    estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, mode.removesuffix("-keep"), chunk, keep)
+    for key in ("attention_kv_pages", "gdn_state", "gdn_checkpoints", "attention_output_pages"):
         assert estimate[key] == measured[key], key
+    assert (measured["attention_output_pages"] > 0) == (keep and prompt_len > 1)
 
 
 def test_gradient_pages_match_a_real_exact_run():
@@ -110,6 +113,13 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert plan["tokens_per_rank"] == 100 * 1024 - 1
     assert plan["retained_bytes_per_rank"]["attention_kv_pages"] == (100 * 1024 - 1) * 2 * 2 * 16 * 4
     assert plan["recommended_tier"] == "none"
+    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
+                 "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)["retained_bytes_per_rank"]["attention_output_pages"]
+    assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)  # 1 attention layer, 4 heads: out (16 dims) + lse
+    assert main(["--model", str(config), "--context", "1M", "--gpus", "2", "--mode", "exact",
+                 "--keep-attention"]) == 2
+    assert "prefix_keep_attention" in capsys.readouterr().err
     assert main(["--model", "no-such-model", "--context", "1M", "--gpu-memory", "1", "--host-memory", "1"]) == 2
     assert "neither a built-in shape" in capsys.readouterr().err
 

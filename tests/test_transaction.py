@@ -198,6 +198,50 @@ def test_prefix_block_splits_the_prefix_pass(model, recompute):
     assert result.retained_bytes["gdn_checkpoints"] == 5 * per_boundary
 
 
+@pytest.mark.parametrize("case,prefix_block,kl_coef", [("chunk-and-page-do-not-divide", None, 0.0),
+                                                       ("one-token-responses", 4, 0.0), ("G1", 3, 0.3)])
+def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypatch, case, prefix_block, kl_coef):
+    """prefix_keep_attention: the prefix pass takes each segment's attention (out, lse) from capture instead of
+    recomputing it. Chain: exact(kept) == full-sequence autograd (TOL, as test_matches_reference) and
+    == exact(recomputed) to 1e-12 (the same float64 operations on the same values: 0 in practice). The prefix
+    pass then computes no attention: the transaction runs as many attention forwards as detached mode does
+    (capture + replay). The kept pages hold (H D + H) float64 values per captured token per attention layer."""
+    from ds_longstraw.kernels import attention as attention_module
+
+    prompt_len, response_lens, chunk, page, block, objective_kwargs = CASES[case]
+    group = _group(prompt_len, response_lens)
+    objective = GRPOObjective(kl_coef=kl_coef, **objective_kwargs)
+    ref_model = tiny_qwen3_5(seed=2) if kl_coef else None
+    base = {"capture_chunk": chunk, "page_tokens": page, "replay_block": block, "prefix_block": prefix_block}
+    forward = attention_module._forward
+    calls = []
+    monkeypatch.setattr(attention_module, "_forward", lambda *a: calls.append(1) or forward(*a))
+
+    def run(**config):
+        calls.clear()
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config={**base, **config},
+                                                              ref_model=ref_model))
+        return grads, result, len(calls)
+
+    with float64_model():
+        ref_grads, (ref_loss, _) = _reference(model, group, objective, full_sequence_logprobs, ref_model=ref_model)
+        kept, result, kept_calls = run(prefix_grad="exact", prefix_keep_attention=True)
+        recomputed, plain, recomputed_calls = run(prefix_grad="exact")
+        _, _, detached_calls = run(prefix_grad="detached", prefix_block=None)
+    assert relative_l2(kept, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    assert relative_l2(kept, recomputed) <= 1e-12
+    config = model.config
+    attention_layers = config.layer_types.count("full_attention")
+    per_token = (config.num_attention_heads * config.head_dim + config.num_attention_heads) * 8
+    assert result.retained_bytes["attention_output_pages"] == (prompt_len - 1) * attention_layers * per_token
+    assert plain.retained_bytes["attention_output_pages"] == 0
+    if prefix_block is None:  # same capture segments in both modes: the prefix pass adds no attention forward
+        assert kept_calls == detached_calls < recomputed_calls
+    else:
+        assert kept_calls < recomputed_calls
+
+
 def test_prefix_block_is_validated():
     with pytest.raises(ValueError, match="prefix_block"):
         grpo_backward(tiny_qwen3_5(), _group(9, [2, 2]), config={"prefix_grad": "exact", "prefix_block": 0})

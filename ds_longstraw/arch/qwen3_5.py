@@ -33,6 +33,7 @@ class SegmentOutput:
     conv_tail: dict = field(default_factory=dict)  # layer -> conv tail after the segment
     keys: dict = field(default_factory=dict)  # layer -> K of the segment's tokens [T, K, D]
     values: dict = field(default_factory=dict)  # layer -> V [T, K, D]
+    attention: dict = field(default_factory=dict)  # layer -> (out_HTD, lse_HT) of the attention, before o_proj
 
 
 def _delta_rule(query, key, value, g, beta, state):
@@ -88,6 +89,10 @@ class Qwen35Adapter:
     def kv_shape(self):
         return (self.config.num_key_value_heads, self.config.head_dim)
 
+    def attention_shape(self):
+        """(query heads, head dim) of an attention layer's output per token."""
+        return (self.config.num_attention_heads, self.config.head_dim)
+
     def state_dtype(self):
         return torch.float64 if self.dtype == torch.float64 else torch.float32
 
@@ -121,13 +126,9 @@ class Qwen35Adapter:
     def _gdn(self, module, h_1TC, state, tail):
         batch, t, _ = h_1TC.shape
         query, key, value, g, beta, z, new_tail = self.gdn_inputs(module, h_1TC, tail)
-        if torch.is_grad_enabled():
-            # Keep only the rule's inputs for backward and recompute its chunked intermediates there: they are
-            # ~10x the inputs' size, and the exact-mode prefix pass holds a whole capture chunk's graph.
-            out, new_state = torch.utils.checkpoint.checkpoint(
-                _delta_rule, query, key, value, g, beta, state, use_reentrant=False)
-        else:
-            out, new_state = _delta_rule(query, key, value, g, beta, state)
+        # The chunked rule keeps only its inputs for backward (kernels/gated_delta_chunked.py): its intermediates
+        # are ~10x their size, and the exact-mode prefix pass holds a whole segment's graph.
+        out, new_state = _delta_rule(query, key, value, g, beta, state)
         out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
         return module.out_proj(out.reshape(batch, t, -1)), new_state, new_tail
 
@@ -157,17 +158,21 @@ class Qwen35Adapter:
         out = out_HTD.transpose(0, 1).reshape(1, out_HTD.shape[1], -1) * torch.sigmoid(gate)
         return module.o_proj(out)
 
-    def attention_forward(self, module, h_1TC, cos, sin, past, remote=None):
-        """remote: None, or a callable q_HTD -> (out_HTD, lse_HT) over keys held elsewhere (context-parallel
-        pages), merged with the local partial by LSE."""
+    def attention_forward(self, module, h_1TC, cos, sin, past, remote=None, known=None):
+        """Returns (layer output, K, V, (out_HTD, lse_HT)). remote: None, or a callable q_HTD -> (out_HTD, lse_HT)
+        over keys held elsewhere (context-parallel pages), merged with the local partial by LSE; known: the
+        (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
         sinks = [getattr(pair, "grad_sink", None) for pair in past]  # exact mode's prompt pages (StagedPast)
-        out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks)
+        out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks,
+                                              known=known)
         if remote is not None:
+            assert known is None, "a kept attention result already holds the remote partials"
             remote_out, remote_lse = remote(query[0])
             out_HTD, lse_HT = merge_partials(out_HTD, lse_HT, remote_out, remote_lse.to(lse_HT.dtype))
-        return self.attention_output(module, out_HTD, gate), key[0].transpose(0, 1), value[0].transpose(0, 1)
+        return (self.attention_output(module, out_HTD, gate), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                (out_HTD, lse_HT))
 
     def embed(self, ids):
         return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
@@ -184,21 +189,24 @@ class Qwen35Adapter:
         return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     # -- the segment -------------------------------------------------------------------------------------
-    def _layer(self, index, layer, hidden, cos, sin, gdn_carry, past, remote_attention):
-        """One decoder layer: (hidden out, state or K, conv tail or V)."""
+    def _layer(self, index, layer, hidden, cos, sin, gdn_carry, past, remote_attention, known_attention):
+        """One decoder layer: (hidden out, state or K, conv tail or V, None or the attention's (out, lse))."""
         residual = hidden
         h = layer.input_layernorm(hidden)
+        attention = None
         if self.layer_types[index] == LINEAR_ATTENTION:
             state, tail = gdn_carry.get(index, (None, None))
             mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
         else:
             remote = None if remote_attention is None else partial(remote_attention, index)
-            mixed, first, second = self.attention_forward(layer.self_attn, h, cos, sin, past.get(index, []), remote)
+            mixed, first, second, attention = self.attention_forward(
+                layer.self_attn, h, cos, sin, past.get(index, []), remote, known_attention.get(index))
         hidden = residual + mixed
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden, first, second
+        return hidden, first, second, attention
 
-    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None, checkpoint_layers=False):
+    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None, checkpoint_layers=False,
+                        known_attention=None):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
@@ -207,22 +215,28 @@ class Qwen35Adapter:
         other context-parallel ranks (ds_longstraw.parallel);
         checkpoint_layers: keep only each layer's input for backward and recompute the layer there (the exact-mode
         prefix pass holds a whole capture chunk's graph otherwise); not with remote_attention, whose exchanges
-        must not run again during backward.
+        must not run again during backward;
+        known_attention: layer -> (out_HTD, lse_HT) of this segment's attention kept from capture (exact mode's
+        prefix pass with prefix_keep_attention): those layers skip the attention itself (ds_longstraw.kernels).
+        The result's `attention` holds every attention layer's (out_HTD, lse_HT).
         """
         assert not (checkpoint_layers and remote_attention is not None), "remote exchanges cannot be recomputed"
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
+        known_attention = known_attention or {}
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
             if checkpoint_layers and torch.is_grad_enabled():
-                results = torch.utils.checkpoint.checkpoint(
-                    self._layer, index, layer, hidden, cos, sin, gdn_carry, past, None, use_reentrant=False)
+                results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, gdn_carry,
+                                                            past, None, known_attention, use_reentrant=False)
             else:
-                results = self._layer(index, layer, hidden, cos, sin, gdn_carry, past, remote_attention)
-            hidden, first, second = results
+                results = self._layer(index, layer, hidden, cos, sin, gdn_carry, past, remote_attention,
+                                      known_attention)
+            hidden, first, second, attention = results
             if self.layer_types[index] == LINEAR_ATTENTION:
                 out.gdn_state[index], out.conv_tail[index] = first, second
             else:
                 out.keys[index], out.values[index] = first, second
+                out.attention[index] = attention
         out.hidden = hidden
         return out
