@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-METHODS = ("longstraw-detached", "longstraw-exact", "conventional", "per_member")
+from ds_longstraw.bench import METHODS  # noqa: E402
 
 
 def main():

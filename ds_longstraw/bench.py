@@ -17,8 +17,10 @@ import time
 
 import torch
 
-# longstraw-exact-keep: exact mode with prefix_keep_attention (the capture's attention outputs kept on pages).
-METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "conventional", "per_member")
+# longstraw-exact-keep: exact mode with prefix_keep_attention (the capture's attention outputs kept on pages with
+# the K/V pages); longstraw-exact-keep-nvme: the same with the kept pages on the NVMe tier (files under $TMPDIR).
+METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "longstraw-exact-keep-nvme",
+           "conventional", "per_member")
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
@@ -26,6 +28,7 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     """kl_coef > 0: the objective's KL term against a frozen reference (a copy of the starting weights, built
     before the step so its bytes are not part of the step's peak), scored as each method scores it."""
     import copy
+    import tempfile
 
     from .baselines import conventional, per_member
     from .objective import GRPOObjective
@@ -40,9 +43,19 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
               "replay_block": 1024, "progress": progress}
     objective = GRPOObjective(kl_coef=kl_coef)
     reference = copy.deepcopy(model).requires_grad_(False) if kl_coef > 0 else None
+    nvme_dir = None
     if method.startswith("longstraw"):
         config["prefix_grad"] = method.split("-")[1]
-        config["prefix_keep_attention"] = method == "longstraw-exact-keep"
+        config["prefix_keep_attention"] = method.startswith("longstraw-exact-keep")
+        if method == "longstraw-exact-keep-nvme":
+            from .offload import io_engine
+
+            io_engine.load_aio()  # a job loads the I/O op once, not per step: not part of the step's time
+            nvme_dir = tempfile.TemporaryDirectory(prefix="longstraw-bench-")
+            # A 4 MiB host budget bounds the tier's write queue and buffer cache (2 MiB each): this is a small
+            # model, whose kept pages (8 MiB at 8K tokens) would otherwise sit in the 32 MiB write queue whole.
+            config["offload"] = {"kept_attention_tier": "nvme", "nvme_path": nvme_dir.name,
+                                 "host_memory_budget_gb": 4 / 1024}
         step = lambda: grpo_backward(model, group, objective, config=config, ref_model=reference)  # noqa: E731
     elif method == "conventional":
         step = lambda: conventional(model, group, objective, config=config, ref_model=reference)  # noqa: E731
@@ -55,6 +68,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     start, cpu_start = time.perf_counter(), time.process_time()
     result = step()
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    if nvme_dir is not None:
+        nvme_dir.cleanup()
     # The meter resets the high-water mark at each phase start: the step's peak is the largest of its phases'.
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {
@@ -87,28 +102,37 @@ def _mb(value):
 
 
 def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None, prefix_recompute=True,
-         kl_coef=0.0):
-    """Run every configuration in a fresh process; each finished row is also appended to `partial_path` (JSON
-    lines) so an interrupted grid keeps what it measured."""
+         kl_coef=0.0, repeat=1):
+    """Run every configuration in a fresh process; each finished run is also appended to `partial_path` (JSON
+    lines) so an interrupted grid keeps what it measured.
+
+    repeat > 1: the whole grid runs `repeat` times, round after round (so slow drift of the machine touches every
+    configuration alike), and each configuration reports its median-CPU-time run, with every run's CPU seconds
+    in "cpu_seconds_runs"."""
+    configs = [(prompt, group_size, method) for prompt in prompts for group_size in groups for method in methods]
+    runs = {config: [] for config in configs}
+    total, done = len(configs) * repeat, 0
+    for round_ in range(repeat):
+        for config in configs:
+            prompt, group_size, method = config
+            done += 1
+            if (method, prompt) in skip:
+                continue
+            print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
+            row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
+                            prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None)
+            print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
+            runs[config].append(row)
+            if partial_path:
+                with open(partial_path, "a") as handle:
+                    handle.write(json.dumps(row) + "\n")
     rows = []
-    total = len(prompts) * len(groups) * len(methods)
-    done = 0
-    for prompt in prompts:
-        for group_size in groups:
-            for method in methods:
-                done += 1
-                if (method, prompt) in skip:
-                    print(f"[{done}/{total}] {method} prompt={prompt} G={group_size}: skipped ({skip[(method, prompt)]})", flush=True)
-                    rows.append({"method": method, "prompt": prompt, "group": group_size, "skipped": skip[(method, prompt)]})
-                    continue
-                print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
-                row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
-                                prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None)
-                print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
-                rows.append(row)
-                if partial_path:
-                    with open(partial_path, "a") as handle:
-                        handle.write(json.dumps(row) + "\n")
+    for (prompt, group_size, method), measured in runs.items():
+        if (method, prompt) in skip:
+            rows.append({"method": method, "prompt": prompt, "group": group_size, "skipped": skip[(method, prompt)]})
+            continue
+        row = sorted(measured, key=lambda r: r["cpu_seconds"])[(len(measured) - 1) // 2]
+        rows.append(dict(row, cpu_seconds_runs=[r["cpu_seconds"] for r in measured]))
     return rows
 
 
@@ -119,8 +143,18 @@ def _find(rows, method, prompt, group_size):
     return None
 
 
+def _cpu(row):
+    runs = row.get("cpu_seconds_runs", [])
+    return f"{row['cpu_seconds']:.2f}" + (f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else "")
+
+
 def table(rows, command):
-    lines = [f"Command: `{command}`", "",
+    repeats = max((len(r.get("cpu_seconds_runs", [])) for r in rows), default=1)
+    lines = [f"Command: `{command}`", ""]
+    if repeats > 1:
+        lines += [f"Each configuration ran {repeats} times (rounds over the grid); its row is the run of median CPU "
+                  "time, with the range of all runs in brackets.", ""]
+    lines += [
              "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
@@ -129,7 +163,7 @@ def table(rows, command):
             continue
         kv = row["retained_bytes"].get("attention_kv_pages", 0)
         kept = row["retained_bytes"].get("attention_output_pages", 0)
-        lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {row['cpu_seconds']:.2f} | {row['seconds']:.2f} | "
+        lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {_cpu(row)} | {row['seconds']:.2f} | "
                      f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
                      f"{_mb(row.get('grad_page_bytes', 0))} | {_mb(kept)} |")
     lines += ["", "Ratios (same run):", ""]
@@ -165,14 +199,16 @@ def table(rows, command):
                 lines.append(f"- prompt {prompt}, G={g}: exact's prefix pass: forward (the recompute) {forward:.2f} s, "
                              f"backward {backward:.2f} s; exact less the recompute (the most keeping capture activations could save): "
                              f"{(exact['cpu_seconds'] - forward) / mine['cpu_seconds']:.2f}x detached")
-        keep = _find(rows, "longstraw-exact-keep", prompt, g)
-        if mine and keep:
+        for method, where in (("longstraw-exact-keep", "with the K/V pages"), ("longstraw-exact-keep-nvme", "on NVMe")):
+            keep = _find(rows, method, prompt, g)
+            if not (mine and keep):
+                continue
             kept = keep["retained_bytes"].get("attention_output_pages", 0)
             forward = keep.get("extras", {}).get("prefix_forward_seconds", float("nan"))
-            lines.append(f"- prompt {prompt}, G={g}: exact with the attention kept / detached time = "
-                         f"{keep['cpu_seconds'] / mine['cpu_seconds']:.2f}x (prefix forward {forward:.2f} s); step peak "
-                         f"{_mb(keep['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB + grad pages "
-                         f"{_mb(keep['grad_page_bytes'])} MiB + kept attention {_mb(kept)} MiB")
+            lines.append(f"- prompt {prompt}, G={g}: exact with the attention kept ({_mb(kept)} MiB, {where}) / detached "
+                         f"time = {keep['cpu_seconds'] / mine['cpu_seconds']:.2f}x (prefix forward {forward:.2f} s); "
+                         f"step peak {_mb(keep['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
+                         f"+ grad pages {_mb(keep['grad_page_bytes'])} MiB")
     return "\n".join(lines)
 
 
@@ -246,6 +282,8 @@ def main(argv=None):
                       help="longstraw.prefix_recompute = false for the exact-mode rows")
     many.add_argument("--kl-coef", dest="kl_coef", type=float, default=0.0,
                       help="the objective's KL coefficient (> 0: every method also scores a frozen reference)")
+    many.add_argument("--repeat", type=int, default=1,
+                      help="rounds over the whole grid; each configuration reports its median-CPU-time run")
     args = parser.parse_args(argv)
     if args.command == "one":
         row = run_one(args.method, args.prompt, args.group, args.response, args.shape, args.chunk, args.dtype,
@@ -261,7 +299,7 @@ def main(argv=None):
         skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
     partial = None if not args.out else os.path.splitext(args.out)[0] + f".{args.section}.partial.jsonl"
     rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial, args.prefix_block,
-                args.prefix_recompute, args.kl_coef)
+                args.prefix_recompute, args.kl_coef, args.repeat)
     command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
     text = table(rows, command)
     print(text)

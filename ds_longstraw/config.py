@@ -27,9 +27,14 @@ class AioConfig(DeepSpeedConfigModel):
 
 
 class OffloadConfig(DeepSpeedConfigModel):
-    """Where retained prompt state (and exact-mode gradient pages) live."""
+    """Where retained prompt state (and exact-mode gradient pages) live.
+
+    kept_attention_tier: where exact mode's kept attention outputs (prefix_keep_attention) live; None: with the
+    other pages (`tier`). They are written once during capture and read once per segment by the prefix pass, so
+    a slower tier than the K/V pages' costs little."""
 
     tier: Literal["none", "cpu", "nvme"] = "none"
+    kept_attention_tier: Optional[Literal["none", "cpu", "nvme"]] = None
     nvme_path: str | None = None
     host_memory_budget_gb: float | None = Field(None, gt=0)
     staging_depth: int = Field(1, ge=1)
@@ -40,7 +45,16 @@ class OffloadConfig(DeepSpeedConfigModel):
         # Whether the directory exists and is writable is checked when the pool is made (offload/nvme_pool.py).
         if self.tier == "nvme" and not self.nvme_path:
             raise ValueError("nvme_path must name a directory when tier = 'nvme'")
+        if self.kept_attention_tier == "nvme" and not self.nvme_path:
+            raise ValueError("nvme_path must name a directory when kept_attention_tier = 'nvme'")
         return self
+
+    @property
+    def kept_attention(self) -> "OffloadConfig":
+        """These settings with the kept attention outputs' tier as the tier."""
+        if self.kept_attention_tier in (None, self.tier):
+            return self
+        return self.model_copy(update={"tier": self.kept_attention_tier})
 
 
 class LongstrawConfig(DeepSpeedConfigModel):

@@ -11,6 +11,7 @@ descending; ds_longstraw.offload.staged_past) and their gradients go straight to
 """
 
 import time
+from contextlib import closing
 
 import torch
 
@@ -43,13 +44,39 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
         stager.close()
 
 
+def _kept_ahead(state, layers, boundaries):
+    """Each segment's attention kept from capture (None when none was kept), the next segment's read issued before
+    this one's is returned, so a slower tier's reads overlap the segment's compute. Closing the generator completes
+    and drops a read still in flight (an error half-way)."""
+    pending = None
+    try:
+        for index, boundary in enumerate(boundaries):
+            current = pending or state.begin_kept_attention(layers, boundary.start, boundary.end)
+            pending = None
+            if index + 1 < len(boundaries):
+                following = boundaries[index + 1]
+                pending = state.begin_kept_attention(layers, following.start, following.end)
+            yield current.result()
+    finally:
+        if pending is not None:
+            pending.release()
+
+
 def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
                     timings):
+    boundaries = list(reversed(state.boundaries))
+    with closing(_kept_ahead(state, adapter.attn_layers, boundaries)) as kept_segments:
+        return _walk(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
+                     timings, zip(boundaries, kept_segments))
+
+
+def _walk(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute, timings,
+          segments):
     pool = state.pool
     timings.setdefault("forward", 0.0)
     timings.setdefault("backward", 0.0)
     d_carry = d_final_carry
-    for boundary in reversed(state.boundaries):
+    for boundary, kept in segments:
         start, end = boundary.start, boundary.end
         carry = {}
         for layer in adapter.gdn_layers:
@@ -68,7 +95,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             started = time.perf_counter()
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
                                           remote_attention, checkpoint_layers=checkpoint,
-                                          known_attention=state.kept_attention(adapter.attn_layers, start, end))
+                                          known_attention=kept)
             outputs, grads = [], []
             for layer in adapter.gdn_layers:
                 d_state, d_tail = d_carry[layer]
@@ -92,7 +119,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             recurrent, tail = carry[layer]
             if recurrent is not None:
                 d_carry[layer] = _zeros_like_carry(recurrent.grad, tail.grad, recurrent, tail)
-        del out, outputs, grads, live
+        del out, outputs, grads, live, kept
         return_freed_host_memory(adapter.device)
         if progress is not None:
             progress(end - start)

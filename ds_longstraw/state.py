@@ -30,30 +30,56 @@ class PrefixState:
     gdn_carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the prefix
     boundaries: list = field(default_factory=list)  # exact mode only
     offset: int = 0  # prompt position of this rank's first captured token (context parallelism; else 0)
-    attention_kept: bool = False  # the pool also holds every attention layer's "o" and "lse" streams
+    # exact mode with prefix_keep_attention: the pool of every attention layer's "o" and "lse" streams (`pool`, or
+    # a pool of offload.kept_attention_tier); None when the attention is not kept
+    kept_pool: PagePool | None = None
 
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by layer type (exact mode's checkpoints and kept attention apart)."""
         gdn = sum(s.numel() * s.element_size() + t.numel() * t.element_size() for s, t in self.gdn_carry.values())
         checkpoints = sum(s.numel() * s.element_size() + t.numel() * t.element_size()
                           for b in self.boundaries for s, t in b.gdn_carry.values() if s is not None)
-        by_stream = self.pool.bytes_by_stream()
-        kv = sum(size for (_, name), size in by_stream.items() if name in ("k", "v"))
-        kept = sum(size for (_, name), size in by_stream.items() if name in KEPT_ATTENTION)
+        kv = sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name in ("k", "v"))
+        kept = 0 if self.kept_pool is None else sum(
+            size for (_, name), size in self.kept_pool.bytes_by_stream().items() if name in KEPT_ATTENTION)
         return {"attention_kv_pages": kv, "gdn_state": gdn, "gdn_checkpoints": checkpoints,
                 "attention_output_pages": kept}
 
-    def kept_attention(self, layers, start, end):
-        """layer -> (out_HTD, lse_HT) of tokens [start, end) kept from capture (None when none was kept)."""
-        if not self.attention_kept:
-            return None
-        return {layer: tuple(self.pool.read(layer, name, start, end).transpose(0, 1).contiguous()
-                             for name in KEPT_ATTENTION) for layer in layers}
+    def begin_kept_attention(self, layers, start, end):
+        """Issue the reads of tokens [start, end) of the attention kept from capture (a KeptRead; issued a
+        segment ahead, the reads of a slower tier overlap the prefix pass's compute)."""
+        if self.kept_pool is None:
+            return KeptRead({}, layers)
+        return KeptRead({(layer, name): self.kept_pool.begin_read(layer, name, start, end)
+                         for layer in layers for name in KEPT_ATTENTION}, layers)
 
     def release(self):
+        if self.kept_pool is not None and self.kept_pool is not self.pool:
+            self.kept_pool.release()
         self.pool.release()
         self.gdn_carry.clear()
         self.boundaries.clear()
+
+
+class KeptRead:
+    """The reads of one segment's kept attention. result(): layer -> (out_HTD, lse_HT), or None when none was kept;
+    release() completes and drops reads not collected (an error before result())."""
+
+    def __init__(self, tickets, layers):
+        self.tickets, self.layers = tickets, layers
+
+    def result(self):
+        if not self.tickets:
+            return None
+        try:
+            return {layer: tuple(self.tickets[(layer, name)].result().transpose(0, 1).contiguous()
+                                 for name in KEPT_ATTENTION) for layer in self.layers}
+        finally:
+            self.release()
+
+    def release(self):
+        for ticket in self.tickets.values():
+            ticket.release()
 
 
 KEPT_ATTENTION = ("o", "lse")  # token-major pages of out_HTD and lse_HT
@@ -94,16 +120,22 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
+    keep_attention = keep_boundaries and settings.prefix_keep_attention
+    kept_pool = None
     try:
-        keep_attention = keep_boundaries and settings.prefix_keep_attention
+        if keep_attention:
+            kept_settings = settings.offload.kept_attention
+            # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
+            kept_pool = pool if kept_settings is settings.offload else make_pool(
+                kept_settings, settings.segment_tokens, adapter.device, rank)
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
             if keep_attention:
                 heads, dim = adapter.attention_shape()
-                pool.reserve(layer, "o", length, (heads, dim), adapter.dtype)
-                pool.reserve(layer, "lse", length, (heads,), adapter.state_dtype())
-        state = PrefixState(length=length, pool=pool, attention_kept=keep_attention)
+                kept_pool.reserve(layer, "o", length, (heads, dim), adapter.dtype)
+                kept_pool.reserve(layer, "lse", length, (heads,), adapter.state_dtype())
+        state = PrefixState(length=length, pool=pool, kept_pool=kept_pool)
         carry = {}
         chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
         checkpoints = CarryCheckpoints(ceil_div(length, chunk)) if keep_boundaries else None
@@ -122,14 +154,18 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                     pool.append(layer, "v", out.values[layer])
                     if keep_attention:
                         for name, tensor in zip(KEPT_ATTENTION, out.attention[layer]):
-                            pool.append(layer, name, tensor.transpose(0, 1))
+                            kept_pool.append(layer, name, tensor.transpose(0, 1))
                 del out, past
                 return_freed_host_memory(adapter.device)
                 if progress is not None:
                     progress(end - start)
         stager.close()
         pool.flush()  # the last partial pages too: after capture every page is on its tier
+        if kept_pool is not None and kept_pool is not pool:
+            kept_pool.flush()
     except BaseException:
+        if kept_pool is not None and kept_pool is not pool:
+            kept_pool.release()
         pool.release()  # page files are removed on error as on success
         raise
     state.gdn_carry = carry

@@ -125,6 +125,10 @@ class NvmePagePool(TieredPagePool):
         self._idle_readers = []
         alloc, free = locked_allocator() if self._aio is not None else (None, None)
         self._host_budget = host_budget_bytes
+        # Sealed pages in flight before the writer waits: the queue's bytes, or half the host budget when smaller
+        # (a small stream would otherwise sit in host buffers whole until flush()).
+        self._write_queue_bytes = (_WRITE_QUEUE_BYTES if host_budget_bytes is None
+                                   else min(_WRITE_QUEUE_BYTES, max(host_budget_bytes // 2, 1 << 20)))
         self._buffers = BufferCache(self.alignment, alloc, free, max_cached_bytes=self._cache_bound(0))
         self._resources.buffers = self._buffers
         self._nvme_streams = {}
@@ -222,7 +226,7 @@ class NvmePagePool(TieredPagePool):
         self._in_flight.append((stream, kind, entry, buffer))
         self._in_flight_bytes += stream.slot_bytes
         self._writer.submit_write(buffer[: stream.slot_bytes], stream.paths[kind], entry.index * stream.slot_bytes)
-        if self._in_flight_bytes >= _WRITE_QUEUE_BYTES:
+        if self._in_flight_bytes >= self._write_queue_bytes:
             self._drain_writes()
 
     def _drain_writes(self):

@@ -3,7 +3,8 @@
 Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   pages          per-token state of every layer (model_shapes.py)      tier none: GPU; cpu: host; nvme: disk
   gradient pages exact mode, as much again                              with the pages
-  attention out  exact mode with prefix_keep_attention: (H D + H) per token and attention layer  with the pages
+  attention out  exact mode with prefix_keep_attention: (H D + H) per token and attention layer
+                 with the pages, or on offload.kept_attention_tier
   gdn state      per sequence; exact mode adds one copy per chunk start  always GPU
   staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's dK/dV in float32 during
                  backward (detached mode computes no gradient for the pages)                   GPU
@@ -79,8 +80,20 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     return out
 
 
-def _needs(shape, tokens, retained, tier, depth):
+_WHERE = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
+
+
+def _needs(shape, tokens, retained, tier, depth, kept_tier=None):
+    needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
+    if kept_tier not in (None, tier):  # kept attention outputs on a tier of their own
+        needs[_WHERE[kept_tier]] += retained["attention_output_pages"]
+    return needs
+
+
+def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
     pages = sum(v for k, v in retained.items() if k.endswith("_pages"))  # state and gradient pages
+    if kept_tier not in (None, tier):
+        pages -= retained["attention_output_pages"]
     layer = shape.staged_layer_bytes_per_token * tokens
     exact = retained["gradient_pages"] > 0
     backward = layer * 4 // shape.dtype_bytes if exact else 0  # one layer's dK/dV in float32
@@ -107,7 +120,7 @@ def _depth_for(tier):
 
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
-              capture_chunk: int = 4096, keep_attention: bool = False) -> Plan:
+              capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None) -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -129,27 +142,29 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.nvme_budget = layout.nvme_free // layout.gpus_per_node
     for tier in TIERS:
         depth = _depth_for(tier)
-        needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth)
+        needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier)
         if tier == "nvme" and not _fits(needs, plan):
             depth = 1
-            needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth)
+            needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier)
         plan.depth[tier], plan.needs[tier] = depth, needs
         plan.fits[tier] = _fits(needs, plan)
-        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention)
+        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention, kept_tier)
                   for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = next((t for t in TIERS if plan.fits[t]), None)
     return plan
 
 
-def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=False, limit=1 << 40):
+def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=False, kept_tier=None,
+                 limit=1 << 40):
     """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
     if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
         return None
 
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
-        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth), plan)
+        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth, kept_tier),
+                     plan)
 
     if not ok(2):
         return 0

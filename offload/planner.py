@@ -64,6 +64,8 @@ def _parser():
                    help="longstraw.prefix_block (exact mode: GDN checkpoints every min(capture-chunk, this) tokens)")
     p.add_argument("--keep-attention", action="store_true",
                    help="longstraw.prefix_keep_attention (exact mode, cp 1): attention outputs kept with the pages")
+    p.add_argument("--kept-attention-tier", choices=("none", "cpu", "nvme"), default=None,
+                   help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -185,7 +187,7 @@ def main(argv=None) -> int:
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
                                  "cp_size": cp})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
-                         settings.prefix_keep_attention)
+                         settings.prefix_keep_attention, args.kept_attention_tier)
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

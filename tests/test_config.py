@@ -39,6 +39,9 @@ BAD = {
     "accumulation": ({**_ds(), "gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "4"]),
     "zero-stage-0": ({**_ds(), "zero_optimization": {"stage": 0}}, ["zero_optimization.stage", "0"]),
     "zero-prefix-block": (_ds(prefix_grad="exact", prefix_block=0), ["longstraw.prefix_block", "0"]),
+    "kept-attention-nvme-without-path": (_ds(prefix_grad="exact", prefix_keep_attention=True,
+                                             offload={"kept_attention_tier": "nvme"}),
+                                         ["longstraw.offload", "nvme_path", "kept_attention_tier"]),
     "kept-attention-under-cp": (_ds(prefix_grad="exact", prefix_keep_attention=True, cp_size=2),
                                 ["longstraw.prefix_keep_attention", "longstraw.cp_size", "got 2"]),
 }

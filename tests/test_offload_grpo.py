@@ -2,8 +2,8 @@
 
 Equivalence chain (float64 tiny qwen3_5, float64_model()):
   grpo_backward(tier=cpu | nvme (aio) | nvme (buffered I/O), mode) == grpo_backward(tier=none, mode)
-for mode in detached, exact and exact with kept attention pages, and test_transaction.py ties tier none to
-independent references.
+for mode in detached, exact and exact with kept attention pages (with the other pages, or alone on NVMe), and
+test_transaction.py ties tier none to independent references.
 Tolerance: relative L2 <= 1e-12 over all parameter gradients (and log-probs within 1e-12). Every tier runs the
 same float64 operations in the same order on the same values (pages are moved bit for bit), so the difference
 is 0 in practice; 1e-12 leaves room for nothing but a reordering, which a wrong page would exceed by far.
@@ -54,6 +54,8 @@ def _reference(model, mode):
 def _offload(tier, path, monkeypatch, depth=1):
     if tier == "cpu":
         return {"tier": "cpu", "staging_depth": depth}
+    if tier == "kept-on-nvme":  # K/V and gradient pages on the device, kept attention outputs in files
+        return {**_offload("nvme-aio", path, monkeypatch, depth), "tier": "none", "kept_attention_tier": "nvme"}
     if tier == "nvme-aio":
         try:
             io_engine.load_aio()
@@ -68,7 +70,8 @@ def _offload(tier, path, monkeypatch, depth=1):
 # Each run costs seconds on 2 cores: every tier in exact mode (the mode that also reads and writes gradient pages),
 # the host and aio tiers in detached mode.
 CASES = [("detached", "cpu", 1), ("detached", "nvme-aio", 1),
-         ("exact", "cpu", 1), ("exact", "nvme-aio", 2), ("exact", "nvme-buffered", 1), ("exact-keep", "nvme-aio", 1)]
+         ("exact", "cpu", 1), ("exact", "nvme-aio", 2), ("exact", "nvme-buffered", 1), ("exact-keep", "nvme-aio", 1),
+         ("exact-keep", "kept-on-nvme", 1)]
 
 
 @pytest.mark.parametrize("mode,tier,depth", CASES)
@@ -91,9 +94,28 @@ class _FailingObjective(GRPOObjective):
         return super().member_loss(group, member, *args, **kwargs)
 
 
-def test_page_files_removed_on_error(model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mode,tier", [("exact", "nvme-aio"), ("exact-keep", "kept-on-nvme")])
+def test_page_files_removed_on_error(model, tmp_path, monkeypatch, mode, tier):
     with pytest.raises(RuntimeError, match="member 1 failed"):
-        _run(model, "exact", _offload("nvme-aio", tmp_path, monkeypatch), _FailingObjective())
+        _run(model, mode, _offload(tier, tmp_path, monkeypatch), _FailingObjective())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_prefix_pass_error_leaves_no_read_in_flight(model, tmp_path, monkeypatch):
+    """An error in the exact prefix pass while the next segment's kept attention is being read ahead from NVMe:
+    the read is completed and dropped, and the page files go (the pool is released with nothing in flight)."""
+    calls = []
+
+    def backward(scalar):  # the 2 members' losses, then one surrogate per prefix-pass segment
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("segment 2 failed")
+        scalar.backward()
+
+    config = {"prefix_grad": "exact", "prefix_keep_attention": True, **SETTINGS,
+              "offload": _offload("kept-on-nvme", tmp_path, monkeypatch)}
+    with float64_model(), pytest.raises(RuntimeError, match="segment 2 failed"):
+        grpo_backward(model, _group(), GRPOObjective(), config=config, backward=backward)
     assert list(tmp_path.iterdir()) == []
 
 

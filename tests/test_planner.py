@@ -115,8 +115,13 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert plan["recommended_tier"] == "none"
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
                  "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
-    kept = json.loads(capsys.readouterr().out)["retained_bytes_per_rank"]["attention_output_pages"]
+    with_pages = json.loads(capsys.readouterr().out)
+    kept = with_pages["retained_bytes_per_rank"]["attention_output_pages"]
     assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)  # 1 attention layer, 4 heads: out (16 dims) + lse
+    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
+                 "--keep-attention", "--kept-attention-tier", "nvme", "--dtype-bytes", "4", "--json"]) == 0
+    on_nvme = json.loads(capsys.readouterr().out)["needs"]["none"]
+    assert on_nvme["nvme"] == kept and on_nvme["gpu"] == with_pages["needs"]["none"]["gpu"] - kept
     assert main(["--model", str(config), "--context", "1M", "--gpus", "2", "--mode", "exact",
                  "--keep-attention"]) == 2
     assert "prefix_keep_attention" in capsys.readouterr().err
