@@ -71,9 +71,9 @@ class LongstrawConfig(DeepSpeedConfigModel):
         autograd; the DeepSpeed engine and context parallelism keep the segment's graph (bound it with
         prefix_block).
     prefix_keep_attention: exact mode only: keep each prompt token's attention output and log-sum-exp from capture
-        on pages of the pool's tier (the KV pages' tier), so the prefix pass never recomputes the prompt's
-        quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H) values per token
-        per full-attention layer of pool bytes (H query heads: (H/K)/2 times the KV pages under GQA), reported
+        on pages of offload.kept_attention_tier (default: the K/V pages' tier), so the prefix pass never recomputes
+        the prompt's quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H)
+        values per token per full-attention layer (H query heads: (H/K)/2 times the K/V pages under GQA), reported
         as retained "attention_output_pages". Not with context parallelism yet (cp_size 1).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
