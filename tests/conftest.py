@@ -1,3 +1,4 @@
+import glob
 import os
 import sys
 
@@ -6,9 +7,25 @@ import sys
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
 # Tests import their helpers (tiny models, references) as plain modules from this folder.
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """DeepSpeed's CPU all-reduce keeps its buffers in /dev/shm files that no rank removes; the engine and
+    launcher tests start many such process groups, and repeated runs filled a 24 GiB tmpfs (memory that
+    the next run then lacked). Remove the ones this session created once every rank has exited."""
+    pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
+    before = set(glob.glob(pattern))
+    yield
+    for path in set(glob.glob(pattern)) - before:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
