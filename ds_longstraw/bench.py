@@ -117,6 +117,8 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
             prompt, group_size, method = config
             done += 1
             if (method, prompt) in skip:
+                print(f"[{done}/{total}] {method} prompt={prompt} G={group_size}: skipped ({skip[(method, prompt)]})",
+                      flush=True)
                 continue
             print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
             row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,

@@ -49,11 +49,10 @@ class OffloadConfig(DeepSpeedConfigModel):
             raise ValueError("nvme_path must name a directory when kept_attention_tier = 'nvme'")
         return self
 
-    @property
-    def kept_attention(self) -> "OffloadConfig":
-        """These settings with the kept attention outputs' tier as the tier."""
+    def kept_attention_pool(self) -> "OffloadConfig | None":
+        """Settings of a pool of its own for the kept attention outputs, or None when they share the pages' pool."""
         if self.kept_attention_tier in (None, self.tier):
-            return self
+            return None
         return self.model_copy(update={"tier": self.kept_attention_tier})
 
 

@@ -35,11 +35,12 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     to each output is exactly the injected grad. recompute: recompute each layer in backward where allowed (the
     "prefix_recompute" setting). timings: a dict that gets the seconds spent in the segments' forwards and in
     their backwards ("forward", "backward"; with `recompute`, the backward includes the layers' recompute)."""
-    pool = state.pool
-    stager = Stager(pool, adapter.attn_layers)
+    stager = Stager(state.pool, adapter.attn_layers)
+    boundaries = list(reversed(state.boundaries))
     try:
-        return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                               recompute, {} if timings is None else timings)
+        with closing(_kept_ahead(state, adapter.attn_layers, boundaries)) as kept_segments:
+            return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
+                                   recompute, {} if timings is None else timings, zip(boundaries, kept_segments))
     finally:
         stager.close()
 
@@ -63,15 +64,8 @@ def _kept_ahead(state, layers, boundaries):
 
 
 def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
-                    timings):
-    boundaries = list(reversed(state.boundaries))
-    with closing(_kept_ahead(state, adapter.attn_layers, boundaries)) as kept_segments:
-        return _walk(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
-                     timings, zip(boundaries, kept_segments))
-
-
-def _walk(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute, timings,
-          segments):
+                    timings, segments):
+    """segments: (boundary, kept attention or None) of every segment, last first."""
     pool = state.pool
     timings.setdefault("forward", 0.0)
     timings.setdefault("backward", 0.0)

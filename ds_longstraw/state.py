@@ -124,10 +124,9 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     kept_pool = None
     try:
         if keep_attention:
-            kept_settings = settings.offload.kept_attention
+            own = settings.offload.kept_attention_pool()
             # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
-            kept_pool = pool if kept_settings is settings.offload else make_pool(
-                kept_settings, settings.segment_tokens, adapter.device, rank)
+            kept_pool = pool if own is None else make_pool(own, settings.segment_tokens, adapter.device, rank)
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)

@@ -125,10 +125,9 @@ class NvmePagePool(TieredPagePool):
         self._idle_readers = []
         alloc, free = locked_allocator() if self._aio is not None else (None, None)
         self._host_budget = host_budget_bytes
-        # Sealed pages in flight before the writer waits: the queue's bytes, or half the host budget when smaller
-        # (a small stream would otherwise sit in host buffers whole until flush()).
-        self._write_queue_bytes = (_WRITE_QUEUE_BYTES if host_budget_bytes is None
-                                   else min(_WRITE_QUEUE_BYTES, max(host_budget_bytes // 2, 1 << 20)))
+        # Sealed pages in flight before the writer waits (a small stream would otherwise sit in host buffers whole
+        # until flush()).
+        self._write_queue_bytes = self._within_budget(_WRITE_QUEUE_BYTES)
         self._buffers = BufferCache(self.alignment, alloc, free, max_cached_bytes=self._cache_bound(0))
         self._resources.buffers = self._buffers
         self._nvme_streams = {}
@@ -136,11 +135,14 @@ class NvmePagePool(TieredPagePool):
         self._in_flight_bytes = 0
         self._error = None
 
+    def _within_budget(self, nbytes):
+        """nbytes, capped at half the host budget (at least 1 MiB) when there is one."""
+        return nbytes if self._host_budget is None else min(nbytes, max(self._host_budget // 2, 1 << 20))
+
     def _cache_bound(self, read_bytes):
         """Free buffers kept for reuse: the write queue's worth, or two of the largest reads (a walk releases one
-        layer as it issues the next), within half the host budget when there is one."""
-        bound = max(_WRITE_QUEUE_BYTES, 2 * read_bytes)
-        return bound if self._host_budget is None else min(bound, max(self._host_budget // 2, 1 << 20))
+        layer as it issues the next), within the host budget."""
+        return self._within_budget(max(_WRITE_QUEUE_BYTES, 2 * read_bytes))
 
     @property
     def engine_kind(self) -> str:
