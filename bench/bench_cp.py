@@ -6,7 +6,7 @@ attention / GDN layer (summed over ranks), exact mode's prefix-pass bytes, and r
 Ranks are forked local processes on one machine, each with --threads intra-op threads: on a 2-core machine CP 4
 oversubscribes, so its step time says little about speed; the byte counts are what the design moves.
 
-    python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact]
+    python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact,exact-keep]
 """
 
 import argparse
@@ -52,8 +52,10 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse"):
 
     model = build_model(args.layers)
     group = build_group(args.prompt, args.responses)
-    config = {"prefix_grad": mode, "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block,
-              "cp_size": world, "cp_attention": attention}
+    # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
+    config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
+              "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
+              "cp_attention": attention}
     grpo_backward(model, build_group(64, (1, 4)), GRPOObjective(), config=dict(config), cp_group=cp_group)  # warm-up
     best = None
     for _ in range(args.repeat):  # the fastest of a few steps: this machine is shared
@@ -108,6 +110,7 @@ def summarise(world, mode, attention, ranks):
            "step_s": max(r["seconds"] for r in ranks),
            "phases": {k: max(r["phases"].get(k, 0.0) for r in ranks) for k in first["phases"]},
            "kv_pages_per_rank": max(r["retained"]["attention_kv_pages"] for r in ranks),
+           "kept_per_rank": max(r["retained"].get("attention_output_pages", 0) for r in ranks),
            "replay_b_per_tok": 0.0, "capture_attn_b": 0, "capture_gdn_b": 0, "prefix_b": 0, "moves": "-"}
     if world > 1:
         tokens = first["tokens"]
@@ -158,15 +161,15 @@ def main(argv=None):
     print("Bytes are received payload summed over the CP ranks; 'prefix B' is exact mode's remote-attention and "
           "state-gradient traffic, 'grad all-reduce B' the one parameter-gradient all-reduce per group.\n")
     print("| CP | mode | capture attention | step s | capture s | replay s | prefix s | K/V pages / rank "
-          "| replay B / token | replay B / token / attn layer | capture B / attn layer | capture B / GDN layer "
-          "| prefix B | grad all-reduce B |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| kept attention / rank | replay B / token | replay B / token / attn layer | capture B / attn layer "
+          "| capture B / GDN layer | prefix B | grad all-reduce B |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         p = r["phases"]
         moves = r["attention"] if r["attention"] != "lse" else f"lse ({r['moves']} travel)"
         print(f"| {r['cp']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} | {r['step_s']:.2f} "
               f"| {p.get('capture', 0):.2f} | {p.get('replay', 0):.2f} | {p.get('prefix', 0):.2f} "
-              f"| {r['kv_pages_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
+              f"| {r['kv_pages_per_rank']:,} | {r['kept_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
               f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "
               f"| {r['prefix_b']:,} | {r.get('grad_reduce_b', 0):,} |")
 

@@ -73,7 +73,9 @@ class LongstrawConfig(DeepSpeedConfigModel):
         on pages of offload.kept_attention_tier (default: the K/V pages' tier), so the prefix pass never recomputes
         the prompt's quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H)
         values per token per full-attention layer (H query heads: (H/K)/2 times the K/V pages under GQA), reported
-        as retained "attention_output_pages". Not with context parallelism yet (cp_size 1).
+        as retained "attention_output_pages". Under context parallelism each rank keeps its own tokens' result,
+        merged over every rank's keys, so the prefix pass also skips the remote partials (no query leaves the rank
+        in its forward; its backward still sends them to the earlier ranks for their keys' gradients).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
@@ -91,15 +93,6 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     progress: bool = False
-
-    @model_validator(mode="after")
-    def _kept_attention_is_single_rank(self):
-        # TODO issue 3: under context parallelism a segment's attention merges remote partials whose exchanges the
-        # prefix pass still runs; keeping the merged result needs the CP prefix pass to skip them.
-        if self.prefix_keep_attention and self.cp_size > 1:
-            raise ValueError(f"'{BLOCK_NAME}.prefix_keep_attention' = True needs '{BLOCK_NAME}.cp_size' = 1, "
-                             f"got {self.cp_size}")
-        return self
 
     @property
     def segment_tokens(self) -> int:

@@ -85,6 +85,30 @@ class KeptRead:
 KEPT_ATTENTION = ("o", "lse")  # token-major pages of out_HTD and lse_HT
 
 
+def open_kept_pool(adapter, settings, pool, length, rank=0):
+    """The pool that keeps `length` tokens of every attention layer's output and LSE (exact mode's
+    prefix_keep_attention): `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
+    own = settings.offload.kept_attention_pool()
+    # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
+    kept_pool = pool if own is None else make_pool(own, settings.segment_tokens, adapter.device, rank)
+    heads, dim = adapter.attention_shape()
+    try:
+        for layer in adapter.attn_layers:
+            kept_pool.reserve(layer, "o", length, (heads, dim), adapter.dtype)
+            kept_pool.reserve(layer, "lse", length, (heads,), adapter.state_dtype())
+    except BaseException:
+        if kept_pool is not pool:
+            kept_pool.release()
+        raise
+    return kept_pool
+
+
+def keep_segment_attention(kept_pool, layer, out_HTD, lse_HT):
+    """Append one segment's attention result (the next tokens of the layer's "o" and "lse" streams)."""
+    kept_pool.append(layer, "o", out_HTD.transpose(0, 1))
+    kept_pool.append(layer, "lse", lse_HT.transpose(0, 1))
+
+
 def _detached_carry(carry):
     return {layer: (state.detach(), tail.detach()) for layer, (state, tail) in carry.items()}
 
@@ -123,17 +147,11 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     keep_attention = keep_boundaries and settings.prefix_keep_attention
     kept_pool = None
     try:
-        if keep_attention:
-            own = settings.offload.kept_attention_pool()
-            # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
-            kept_pool = pool if own is None else make_pool(own, settings.segment_tokens, adapter.device, rank)
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
-            if keep_attention:
-                heads, dim = adapter.attention_shape()
-                kept_pool.reserve(layer, "o", length, (heads, dim), adapter.dtype)
-                kept_pool.reserve(layer, "lse", length, (heads,), adapter.state_dtype())
+        if keep_attention:
+            kept_pool = open_kept_pool(adapter, settings, pool, length, rank)
         state = PrefixState(length=length, pool=pool, kept_pool=kept_pool)
         carry = {}
         chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
@@ -152,8 +170,7 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                     pool.append(layer, "k", out.keys[layer])
                     pool.append(layer, "v", out.values[layer])
                     if keep_attention:
-                        for name, tensor in zip(KEPT_ATTENTION, out.attention[layer]):
-                            kept_pool.append(layer, name, tensor.transpose(0, 1))
+                        keep_segment_attention(kept_pool, layer, *out.attention[layer])
                 del out, past
                 return_freed_host_memory(adapter.device)
                 if progress is not None:

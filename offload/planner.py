@@ -63,7 +63,7 @@ def _parser():
     p.add_argument("--prefix-block", type=int, default=None,
                    help="longstraw.prefix_block (exact mode: GDN checkpoints every min(capture-chunk, this) tokens)")
     p.add_argument("--keep-attention", action="store_true",
-                   help="longstraw.prefix_keep_attention (exact mode, cp 1): attention outputs kept with the pages")
+                   help="longstraw.prefix_keep_attention (exact mode): attention outputs kept with the pages")
     p.add_argument("--kept-attention-tier", choices=("none", "cpu", "nvme"), default=None,
                    help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")

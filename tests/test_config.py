@@ -42,8 +42,6 @@ BAD = {
     "kept-attention-nvme-without-path": (_ds(prefix_grad="exact", prefix_keep_attention=True,
                                              offload={"kept_attention_tier": "nvme"}),
                                          ["longstraw.offload", "nvme_path", "kept_attention_tier"]),
-    "kept-attention-under-cp": (_ds(prefix_grad="exact", prefix_keep_attention=True, cp_size=2),
-                                ["longstraw.prefix_keep_attention", "longstraw.cp_size", "got 2"]),
 }
 
 

@@ -67,6 +67,13 @@ CASES = [
          tier="nvme", worlds=(2, 4), seed=9),
     dict(name="nvme-tier-detached", prompt_len=20, response_lens=[4, 2], mode="detached", chunk=5, page=2, block=3,
          tier="nvme", worlds=(3,), seed=10),
+    # exact mode with the capture's merged attention kept (prefix_keep_attention): the same group as "uneven-exact",
+    # so the prefix pass's exchanges can be compared; with Ulysses capture; kept on NVMe with KL to a reference
+    dict(name="kept-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3, keep=True),
+    dict(name="kept-ulysses-exact", prompt_len=22, response_lens=[4, 3], mode="exact", chunk=4, page=3, block=3,
+         cp_attention="ulysses", keep=True, worlds=(2, 4), seed=6),
+    dict(name="kept-nvme-kl-exact", prompt_len=19, response_lens=[4, 6], mode="exact", chunk=5, page=4, block=4,
+         keep=True, tier="cpu", kept_tier="nvme", objective={"kl_coef": 0.3}, ref_seed=7, seed=3, worlds=(2, 3)),
     # ... and refused at the door where the heads do not split (4 heads, 3 ranks)
     dict(name="ulysses-refused", prompt_len=22, response_lens=[4, 3], mode="exact", chunk=4, page=3, block=3,
          cp_attention="ulysses", worlds=(3,), expect_error=True, seed=6),
@@ -101,7 +108,8 @@ def world_results(request, tmp_path_factory):
 def test_tiered_pages_leave_no_files(world_results):
     """The NVMe cases ran (their gradients are checked above) and every rank removed its page files."""
     world, results = world_results
-    nvme_cases = [c["name"] for c in CASES if c.get("tier") == "nvme" and world in c.get("worlds", (world,))]
+    nvme_cases = [c["name"] for c in CASES if "nvme" in (c.get("tier"), c.get("kept_tier"))
+                  and world in c.get("worlds", (world,))]
     assert nvme_cases, "no NVMe case runs on this world size"
     for name in nvme_cases:
         assert len(results[name]) == world
@@ -265,3 +273,27 @@ def test_two_cp_groups_inside_four_processes(tmp_path, references):
         assert result["cp"]["size"] == 2 and result["cp"]["rank"] == rank // 2
     for a, b in ((0, 2), (1, 3)):
         assert all(torch.equal(ranks[a]["grads"][n], ranks[b]["grads"][n]) for n in ranks[a]["grads"])
+
+
+def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
+    """prefix_keep_attention under CP: each rank keeps its own tokens' merged attention (H D + H float64 values per
+    token and attention layer), and the prefix pass then sends no forward request: no (out, lse) partial comes back
+    to any rank, the page owners receive the queries once (backward) instead of twice, and the dq shares are the
+    same bytes. Gradients equal the recomputing pass's to 1e-12 (the reference test holds both to full-sequence
+    autograd at 1e-8; here only the association of the LSE merges differs)."""
+    world, results = world_results
+    config = tiny_qwen3_5(**MODEL).config
+    heads, dim = config.num_attention_heads, config.head_dim
+    attention_layers = config.layer_types.count("full_attention")
+    bounds = shard_bounds(BY_NAME["kept-exact"]["prompt_len"] - 1, world)
+    for (lo, hi), kept, plain in zip(bounds, results["kept-exact"], results["uneven-exact"]):
+        assert kept["retained"]["attention_output_pages"] == (hi - lo) * attention_layers * (heads * dim + heads) * 8
+        assert plain["retained"]["attention_output_pages"] == 0
+        assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12
+        with_kept = kept["cp"]["received_bytes_by_op"].get("prefix", {})
+        recomputed = plain["cp"]["received_bytes_by_op"].get("prefix", {})
+        assert "prefix_out" not in with_kept and "prefix_lse" not in with_kept
+        assert with_kept.get("prefix_q", 0) * 2 == recomputed.get("prefix_q", 0)
+        assert with_kept.get("prefix_dq", 0) == recomputed.get("prefix_dq", 0)
+    # the last rank reads every earlier rank's pages: its forward requests were the ones skipped
+    assert results["uneven-exact"][-1]["cp"]["received_bytes_by_op"]["prefix"]["prefix_out"] > 0

@@ -122,9 +122,11 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
                  "--keep-attention", "--kept-attention-tier", "nvme", "--dtype-bytes", "4", "--json"]) == 0
     on_nvme = json.loads(capsys.readouterr().out)["needs"]["none"]
     assert on_nvme["nvme"] == kept and on_nvme["gpu"] == with_pages["needs"]["none"]["gpu"] - kept
-    assert main(["--model", str(config), "--context", "1M", "--gpus", "2", "--mode", "exact",
-                 "--keep-attention"]) == 2
-    assert "prefix_keep_attention" in capsys.readouterr().err
+    # under context parallelism each rank keeps its own tokens' attention
+    assert main(["--model", str(config), "--context", "100K", "--gpus", "2", "--gpu-memory", "1GiB", "--mode",
+                 "exact", "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
+    sharded = json.loads(capsys.readouterr().out)
+    assert sharded["retained_bytes_per_rank"]["attention_output_pages"] == (100 * 1024 // 2) * 1 * 4 * (16 * 4 + 4)
     assert main(["--model", "no-such-model", "--context", "1M", "--gpu-memory", "1", "--host-memory", "1"]) == 2
     assert "neither a built-in shape" in capsys.readouterr().err
 

@@ -161,14 +161,18 @@ class Qwen35Adapter:
     def attention_forward(self, module, h_1TC, cos, sin, past, remote=None, known=None):
         """Returns (layer output, K, V, (out_HTD, lse_HT)). remote: None, or a callable q_HTD -> (out_HTD, lse_HT)
         over keys held elsewhere (context-parallel pages), merged with the local partial by LSE; known: the
-        (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed."""
+        (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed. With
+        both, remote(q_HTD, known=(out, lse)) passes the merged result through and adds the remote keys' share of
+        the gradients in backward."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
         sinks = [getattr(pair, "grad_sink", None) for pair in past]  # exact mode's prompt pages (StagedPast)
         out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks,
                                               known=known)
-        if remote is not None:
-            assert known is None, "a kept attention result already holds the remote partials"
+        if remote is not None and known is not None:
+            # the kept result is already merged over every rank's keys: only the remote gradient path is left
+            out_HTD, lse_HT = remote(query[0], known=(out_HTD, lse_HT))
+        elif remote is not None:
             remote_out, remote_lse = remote(query[0])
             out_HTD, lse_HT = merge_partials(out_HTD, lse_HT, remote_out, remote_lse.to(lse_HT.dtype))
         return (self.attention_output(module, out_HTD, gate), key[0].transpose(0, 1), value[0].transpose(0, 1),
@@ -211,8 +215,9 @@ class Qwen35Adapter:
 
         gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
         past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks);
-        remote_attention: None, or a callable (layer, q_HTD) -> (out_HTD, lse_HT) over earlier keys that live on
-        other context-parallel ranks (ds_longstraw.parallel);
+        remote_attention: None, or a callable (layer, q_HTD, known=None) -> (out_HTD, lse_HT) over earlier keys that
+        live on other context-parallel ranks (ds_longstraw.parallel); given `known` (a layer of known_attention),
+        it returns that merged result and adds the remote share of the gradients in backward;
         checkpoint_layers: keep only each layer's input for backward and recompute the layer there (the exact-mode
         prefix pass holds a whole capture chunk's graph otherwise); not with remote_attention, whose exchanges
         must not run again during backward;

@@ -12,14 +12,14 @@ Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at mos
 what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of
 all attention layers for the target models). Every rank keeps the K/V pages of its own tokens only, the prompt's
 final GDN carry (the same, bit for bit, on every rank) and, in exact mode, the GDN carries at its own chunk
-starts.
+starts (with prefix_keep_attention also its own tokens' merged attention output and LSE).
 """
 
 import torch
 
 from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
 from ds_longstraw.offload import make_pool
-from ds_longstraw.state import CarryCheckpoints, ChunkBoundary, PrefixState
+from ds_longstraw.state import CarryCheckpoints, ChunkBoundary, PrefixState, open_kept_pool
 
 from .cp_attention import capture_attention_layer
 from .gdn_scan import capture_gdn_layer
@@ -40,17 +40,26 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     tokens = hi - lo
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank).
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
+    kept_pool = None
     try:
-        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_boundaries, progress, pad)
+        for layer in adapter.attn_layers:
+            for name in ("k", "v"):
+                pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
+        if keep_boundaries and settings.prefix_keep_attention:
+            # the MERGED attention of this rank's tokens (every rank's keys): the prefix pass skips the
+            # attention and its remote exchanges in forward, and needs only their backward
+            kept_pool = open_kept_pool(adapter, settings, pool, tokens, cp.rank)
+        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, keep_boundaries,
+                               progress, pad)
     except BaseException:
+        if kept_pool is not None and kept_pool is not pool:
+            kept_pool.release()
         pool.release()  # page files of a host/NVMe tier go on error as on success
         raise
 
 
-def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_boundaries, progress, pad):
-    for layer in adapter.attn_layers:
-        for name in ("k", "v"):
-            pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
+def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, keep_boundaries, progress,
+                    pad):
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
     boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if keep_boundaries else None
@@ -67,10 +76,10 @@ def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_b
             else:
                 if settings.cp_attention == "ulysses":
                     mixed = ulysses_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
-                                                    index, chunk, pad=pad)
+                                                    index, chunk, pad=pad, kept_pool=kept_pool)
                 else:
                     mixed = capture_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
-                                                    index, chunk, pad=pad)
+                                                    index, chunk, pad=pad, kept_pool=kept_pool)
             del normed
             hidden = hidden + mixed
             del mixed
@@ -85,4 +94,7 @@ def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, keep_b
             if progress is not None:
                 progress(index)
     pool.flush()  # the last partial pages too: after capture every page is on its tier
-    return PrefixState(length=bounds[-1][1], pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo)
+    if kept_pool is not None and kept_pool is not pool:
+        kept_pool.flush()
+    return PrefixState(length=bounds[-1][1], pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo,
+                       kept_pool=kept_pool)

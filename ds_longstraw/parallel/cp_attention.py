@@ -26,6 +26,7 @@ import torch
 
 from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
 from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise_grads_from_delta
+from ds_longstraw.state import keep_segment_attention
 
 
 def _acc(dtype):
@@ -161,13 +162,15 @@ def capture_remote_partial(cp, q_HTD, pool, layer, scale, bounds, chunk):
     return mover(cp, q_HTD, pool, layer, scale, bounds, chunk)
 
 
-def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0):
+def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0,
+                            kept_pool=None):
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
     Pass A computes q, gate, K, V chunk by chunk and appends K/V to this rank's pages; the remote partial over
     earlier ranks' pages is computed for the whole shard; pass B attends each chunk to itself (causal) and this
     rank's earlier pages, merges the remote partial by LSE and applies the output projection.
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py)."""
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
+    kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
     queries, gates = project_spans(adapter, module, normed_1TC, spans, offset, pool, layer)
     dummy_out = pad_qkv_calls(adapter, module, normed_1TC, pad)
     heads = adapter.config.num_attention_heads
@@ -181,6 +184,8 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
         out, lse = attention_with_past(q, past, pool.read(layer, "k", a, b).transpose(0, 1),
                                        pool.read(layer, "v", a, b).transpose(0, 1), module.scaling)
         out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
+        if kept_pool is not None:
+            keep_segment_attention(kept_pool, layer, out, lse)
         outs.append(adapter.attention_output(module, out, gate))
     pad_output_calls(adapter, module, dummy_out)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
@@ -240,6 +245,34 @@ class PagesFunction(torch.autograd.Function):
         return dq.to(q_HTD.dtype), None, None
 
 
+class KnownPagesFunction(torch.autograd.Function):
+    """Like PagesFunction when the MERGED (out, lse) is already known (exact mode's kept attention): forward passes
+    it through without any exchange; backward asks `pages` for the remote keys' share of dq from the merged
+    (out, lse) and their gradients (the ring-attention form needs nothing else), and passes those gradients on
+    to the local keys' node that produced `known`."""
+
+    @staticmethod
+    def forward(ctx, q_HTD, out_HTD, lse_HT, pages, layer):
+        ctx.save_for_backward(q_HTD, out_HTD, lse_HT)
+        ctx.pages, ctx.layer = pages, layer
+        return out_HTD.clone(), lse_HT.clone()
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        q_HTD, out, lse = ctx.saved_tensors
+        dq = ctx.pages.backward(ctx.layer, q_HTD, out, lse, torch.zeros_like(out) if dout_HTD is None else dout_HTD,
+                                dlse_HT)
+        return dq.to(q_HTD.dtype), dout_HTD, dlse_HT, None, None
+
+
+def remote_pages_attention(pages, layer, q_HTD, known=None):
+    """remote_attention through `pages` (see PagesFunction): the remote partial, or with `known` the merged result
+    passed through (KnownPagesFunction)."""
+    if known is None:
+        return PagesFunction.apply(q_HTD, pages, layer)
+    return KnownPagesFunction.apply(q_HTD, known[0], known[1], pages, layer)
+
+
 class PagesAttention:
     """remote_attention for replay and scoring: (layer, q_HTD) -> (out, lse) over every rank's prompt pages.
 
@@ -269,5 +302,5 @@ class PagesAttention:
         self.cp.all_reduce_(dq, layer, "replay_dq")
         return dq
 
-    def __call__(self, layer, q_HTD):
-        return PagesFunction.apply(q_HTD, self, layer)
+    def __call__(self, layer, q_HTD, known=None):
+        return remote_pages_attention(self, layer, q_HTD, known)

@@ -12,6 +12,8 @@ first (wall time about that of the single-process pass; memory stays one shard p
            owner adds dK/dV to ITS gradient pages and returns its dq share. The earlier ranks run `serve` until
            rank s says DONE; later ranks are finished.
            Then rank s sends d(GDN carry at its shard start) to rank s-1, where it is d(final carry).
+           With prefix_keep_attention rank s kept its tokens' merged (out, lse) in capture: its forward sends no
+           request at all (KnownPagesFunction), only the backward ones.
 
 Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
 are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks any shard has);
@@ -29,8 +31,8 @@ import torch
 from ds_longstraw.lockstep import ceil_div, zero_prefix_iteration
 from ds_longstraw.prefix_pass import prefix_backward
 
-from .cp_attention import (PagesFunction, _acc, _pages_KTD, attention_delta, attention_grads_from_delta,
-                           chunked_partial, merge_in_order)
+from .cp_attention import (_acc, _pages_KTD, attention_delta, attention_grads_from_delta, chunked_partial,
+                           merge_in_order, remote_pages_attention)
 
 FORWARD, BACKWARD, DONE = 1, 2, 3
 
@@ -47,8 +49,8 @@ class RemotePages:
         self.cp = cp
         self.servers = _servers(sizes, cp.rank)
 
-    def __call__(self, layer, q_HTD):
-        return PagesFunction.apply(q_HTD, self, layer)
+    def __call__(self, layer, q_HTD, known=None):
+        return remote_pages_attention(self, layer, q_HTD, known)
 
     def _header(self, op, layer, queries, device):
         header = torch.tensor([op, layer, queries], dtype=torch.int64, device=device)
@@ -130,8 +132,9 @@ class PageServer:
     FORWARD request of that layer, and the backward of its (empty) partial answers the owner's BACKWARD request.
     A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
 
-    def __init__(self, cp, owner, adapter, pool, chunk):
+    def __init__(self, cp, owner, adapter, pool, chunk, kept=False):
         self.cp, self.owner, self.adapter, self.pool, self.chunk = cp, owner, adapter, pool, chunk
+        self.kept = kept  # the owner's attention was kept from capture: it sends no FORWARD request
 
     def answer(self, expected_op, expected_layer):
         op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
@@ -141,14 +144,16 @@ class PageServer:
         if op != DONE:
             _answer(self.cp, self.owner, self.adapter, self.pool, self.chunk, op, layer, tq)
 
-    def __call__(self, layer, q_HTD):
+    def __call__(self, layer, q_HTD, known=None):
+        assert known is None, "a mirrored iteration keeps no attention of its own"
         return _AnswerOwner.apply(q_HTD, self, layer)
 
 
 class _AnswerOwner(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HTD, server, layer):
-        server.answer(FORWARD, layer)
+        if not server.kept:
+            server.answer(FORWARD, layer)
         ctx.server, ctx.layer = server, layer
         empty = torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device)
         return q_HTD.new_zeros(q_HTD.shape), empty  # an empty partial: the dummy's own output is unchanged
@@ -217,7 +222,7 @@ def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, b
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
     real = ceil_div(sizes[owner], chunk)  # the owner's real chunks, counted as lockstep.shape_of counts them
-    server = PageServer(cp, owner, adapter, state.pool, chunk) if serving else None
+    server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None) if serving else None
     for _ in range(real):
         zero_prefix_iteration(adapter, backward, server)
     if serving:  # the owner says DONE after its real chunks, before its padding

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from ds_longstraw.kernels import partial_attention
+from ds_longstraw.state import keep_segment_attention
 
-from .cp_attention import pad_output_calls, pad_qkv_calls, project_spans
+from .cp_attention import _acc, pad_output_calls, pad_qkv_calls, project_spans
 
 
 def check_heads(heads, kv_heads, size):
@@ -59,9 +60,12 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     return parts
 
 
-def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0):
+def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0,
+                            kept_pool=None):
     """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
-    pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py)."""
+    pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
+    kept_pool: None, or the pool that keeps the attention's (out, lse) of this rank's tokens (exact mode's
+    prefix_keep_attention): the LSE then makes the trip back too (one more all-to-all, H/N values per token)."""
     heads, kv_heads = adapter.config.num_attention_heads, adapter.config.num_key_value_heads
     check_heads(heads, kv_heads, cp.size)
     cp.decisions[(cp.phase_name, layer)] = "ulysses"
@@ -90,17 +94,26 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     q_all, k_all, v_all = torch.cat(q_parts, 1), torch.cat(k_parts, 1), torch.cat(v_parts, 1)
     del parts, q_parts, k_parts, v_parts, send
     length = q_all.shape[1]
-    outs = []
+    outs, lses = [], []
     for a in range(0, length, chunk):
         b = min(length, a + chunk)
-        out, _ = partial_attention(q_all[:, a:b], k_all[:, :b], v_all[:, :b], module.scaling, causal_offset=a)
+        out, lse = partial_attention(q_all[:, a:b], k_all[:, :b], v_all[:, :b], module.scaling, causal_offset=a)
         outs.append(out)
+        lses.append(lse)
     out_all = torch.cat(outs, 1) if outs else q_all
     del q_all, k_all, v_all, outs
     # head shards -> sequence shards
     send = [out_all[:, lo:hi] for lo, hi in bounds]
     parts = _all_to_all(cp, send, [(per_rank, sizes[cp.rank], dim)] * size, dtype, layer, "ulysses_out")
     out_HTD = torch.cat(parts, 0)
+    if kept_pool is not None:
+        lse_all = torch.cat(lses, 1) if lses else out_all.new_zeros(per_rank, 0, dtype=_acc(dtype))
+        lse_parts = _all_to_all(cp, [lse_all[:, lo:hi] for lo, hi in bounds], [(per_rank, sizes[cp.rank])] * size,
+                                lse_all.dtype, layer, "ulysses_lse")
+        lse_HT = torch.cat(lse_parts, 0)
+        for a, b in spans:
+            keep_segment_attention(kept_pool, layer, out_HTD[:, a:b], lse_HT[:, a:b])
+    del lses
     results = [adapter.attention_output(module, out_HTD[:, a:b], gate) for (a, b), gate in zip(spans, gates)]
     pad_output_calls(adapter, module, padded)
     return torch.cat(results, 1) if results else normed_1TC.new_zeros(normed_1TC.shape)

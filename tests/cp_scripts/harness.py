@@ -10,7 +10,7 @@ optional ref_seed (KL to a separate reference model), optional capture_move ("au
 dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optional cp_attention, optional
 worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
 optional repeat (grpo_backward calls without zeroing .grad in between), optional tier ("cpu", or "nvme": page
-files under <out_dir>/nvme).
+files under <out_dir>/nvme), optional keep (prefix_keep_attention) and kept_tier (offload.kept_attention_tier).
 """
 
 import os
@@ -55,6 +55,13 @@ def case_config(case, world, out_dir=None):
         config["offload"] = {"tier": case["tier"]}
         if case["tier"] == "nvme":
             config["offload"]["nvme_path"] = nvme_dir(out_dir)
+    if case.get("keep"):  # exact mode's kept attention, optionally on a tier of its own
+        config["prefix_keep_attention"] = True
+    if "kept_tier" in case:
+        offload = config.setdefault("offload", {})
+        offload["kept_attention_tier"] = case["kept_tier"]
+        if case["kept_tier"] == "nvme":
+            offload["nvme_path"] = nvme_dir(out_dir)
     return config
 
 

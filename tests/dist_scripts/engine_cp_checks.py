@@ -16,6 +16,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   zero3exact  ZeRO-3, exact, Ulysses capture (padded like the LSE capture), pages on the host tier: the prefix
           turns are mirrored by the ranks not in turn, padded to the most chunks of any shard (7), with page
           requests answered from inside the mirrored layers
+  zero3kept   ZeRO-3, exact, prefix_keep_attention: the owner in turn sends no forward page request (its
+          attention was kept), and the mirroring ranks answer only the backward ones
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -37,9 +39,10 @@ from models import tiny_qwen3_5  # noqa: E402
 CP = 2
 
 
-def block(mode, cp_size=CP, tier="none", cp_attention="lse"):
+def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False):
     return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
-            "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention}
+            "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention,
+            "prefix_keep_attention": keep}
 
 
 def ds_config(mode, stage, **block_options):
@@ -112,7 +115,8 @@ def check(mode, stage, seed, **block_options):
 
 
 CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
-          "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses")}
+          "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
+          "zero3kept": lambda out: check("exact", 3, 3, keep=True)}
 
 
 if __name__ == "__main__":
