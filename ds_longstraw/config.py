@@ -66,8 +66,9 @@ class LongstrawConfig(DeepSpeedConfigModel):
         capture then runs segments of min(capture_chunk, prefix_block) and checkpoints the GDN carry at each
         segment start). None: capture_chunk.
     prefix_recompute: exact mode only: recompute each layer of a prefix-pass segment during its backward (one
-        layer's graph alive instead of the segment's, for one more forward of the prompt). Applies under plain
-        autograd; the DeepSpeed engine and context parallelism keep the segment's graph (bound it with
+        layer's graph alive instead of the segment's, for one more forward of the prompt), under plain autograd
+        and the DeepSpeed engine alike. With context parallelism only together with prefix_keep_attention (a
+        layer's remote exchanges must not run twice); otherwise the segment's graph stays (bound it with
         prefix_block).
     prefix_keep_attention: exact mode only: keep each prompt token's attention output and log-sum-exp from capture
         on pages of offload.kept_attention_tier (default: the K/V pages' tier), so the prefix pass never recomputes
@@ -93,6 +94,15 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     progress: bool = False
+
+    @property
+    def recompute_layers(self) -> bool:
+        """Whether the prefix pass recomputes each layer in backward (prefix_recompute) here: a recomputed layer runs
+        its forward twice, so that forward must make no remote exchange: one rank, or the attention kept from
+        capture (no rank then sends a forward request). It depends on settings alone, the same on every rank, as
+        ZeRO-3 lockstep needs: a recomputed layer gathers its weights again in backward, so real segments and
+        padding iterations must be recomputed alike on every rank."""
+        return self.prefix_recompute and (self.cp_size == 1 or self.prefix_keep_attention)
 
     @property
     def segment_tokens(self) -> int:

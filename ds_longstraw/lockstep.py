@@ -112,9 +112,9 @@ class Lockstep:
                 adapter.forward_segment(ids, 0, {}, {})
 
     def pad_prefix(self, adapter, backward=None):
-        """Extra prefix-pass iterations (see zero_prefix_iteration)."""
+        """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
         for _ in range(self.capture_pad):
-            zero_prefix_iteration(adapter, backward)
+            zero_prefix_iteration(adapter, backward, recompute=self.settings.recompute_layers)
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member, length):
@@ -149,13 +149,14 @@ class Lockstep:
             del logp
 
 
-def zero_prefix_iteration(adapter, backward=None, remote_attention=None):
+def zero_prefix_iteration(adapter, backward=None, remote_attention=None, recompute=False):
     """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (GDN state and
     conv tail, K and V) are the roots of a zero surrogate, back-propagated like a real chunk's. remote_attention:
-    as forward_segment's (a context-parallel rank mirroring another rank's chunk serves its requests through it)."""
+    as forward_segment's (a context-parallel rank mirroring another rank's chunk serves its requests through it);
+    recompute: each layer recomputed in backward, as the real segments are (settings.recompute_layers)."""
     ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     with torch.enable_grad():
-        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention)
+        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, checkpoint_layers=recompute)
         outputs = [t for layer in adapter.gdn_layers for t in (out.gdn_state[layer], out.conv_tail[layer])]
         outputs += [t for layer in adapter.attn_layers for t in (out.keys[layer], out.values[layer])]
         live = [o for o in outputs if o.requires_grad]

@@ -32,9 +32,10 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
 
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
-    to each output is exactly the injected grad. recompute: recompute each layer in backward where allowed (the
-    "prefix_recompute" setting). timings: a dict that gets the seconds spent in the segments' forwards and in
-    their backwards ("forward", "backward"; with `recompute`, the backward includes the layers' recompute)."""
+    to each output is exactly the injected grad. recompute: recompute each layer in backward (one layer's graph
+    alive instead of the segment's); settings.recompute_layers says where that is allowed. timings: a dict that
+    gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
+    `recompute`, the backward includes the layers' recompute)."""
     stager = Stager(state.pool, adapter.attn_layers)
     boundaries = list(reversed(state.boundaries))
     try:
@@ -80,15 +81,10 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             else:
                 carry[layer] = (recurrent.detach().requires_grad_(True), tail.detach().requires_grad_(True))
         past = StagedPast(stager, adapter.attn_layers, 0, start, with_grad=True)
-        # Recompute each layer in backward (one layer's graph alive instead of the chunk's) when plain autograd
-        # runs it. Not under the DeepSpeed engine: ZeRO-3 releases weights that torch's checkpoint would need
-        # again (TODO issue 3: route through DeepSpeed's activation checkpointing), nor across CP ranks, whose
-        # remote exchanges must not run twice.
-        checkpoint = recompute and remote_attention is None and backward is None
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
-                                          remote_attention, checkpoint_layers=checkpoint,
+                                          remote_attention, checkpoint_layers=recompute,
                                           known_attention=kept)
             outputs, grads = [], []
             for layer in adapter.gdn_layers:

@@ -140,7 +140,7 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
                 with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
                     prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
                                     progress=None if bar is None else bar.update, backward=backward,
-                                    recompute=settings.prefix_recompute, timings=prefix_seconds)
+                                    recompute=settings.recompute_layers, timings=prefix_seconds)
                 if lockstep is not None:
                     lockstep.pad_prefix(adapter, backward)
             grad_page_bytes = state.pool.grad_bytes()

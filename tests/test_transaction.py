@@ -242,6 +242,48 @@ def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypat
         assert kept_calls < recomputed_calls
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_prefix_recompute_under_a_callers_backward(lora):
+    """The per-layer recompute also runs when a caller back-propagates (the DeepSpeed engine passes engine.backward):
+    with prefix_recompute each layer's forward runs once more per prefix segment (counted on one MLP), and the
+    gradients equal full-sequence autograd (TOL) with and without it. lora: a peft policy, whose embedding output
+    does not require grad (the re-entrant recompute must still reach the adapters of every layer)."""
+    model = tiny_qwen3_5()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                                                 init_lora_weights=False))
+    group = _group(26, [3, 5], seed=4)
+    objective = GRPOObjective()
+    mlp = [m for name, m in model.named_modules() if name.endswith("layers.0.mlp")][0]
+    calls = []
+    mlp.register_forward_hook(lambda *_: calls.append(1))
+    backwards = []
+
+    def backward(loss):
+        backwards.append(1)
+        loss.backward()
+
+    def run(recompute):
+        calls.clear()
+        config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4,
+                  "replay_block": 3, "prefix_recompute": recompute}
+        grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, config=config, backward=backward))
+        return grads, len(calls)
+
+    with float64_model():
+        ref_grads, _ = _reference(model, group, objective, full_sequence_logprobs)
+        recomputed, recomputed_calls = run(True)
+        kept_graph, kept_graph_calls = run(False)
+    assert backwards, "the caller's backward was not used"
+    assert relative_l2(recomputed, ref_grads) <= TOL
+    assert relative_l2(kept_graph, ref_grads) <= TOL
+    assert recomputed_calls - kept_graph_calls == 5  # 25 captured tokens: 5 prefix segments, one more call each
+    if lora:
+        assert any("lora_A" in name for name in recomputed)
+
+
 def test_prefix_block_is_validated():
     with pytest.raises(ValueError, match="prefix_block"):
         grpo_backward(tiny_qwen3_5(), _group(9, [2, 2]), config={"prefix_grad": "exact", "prefix_block": 0})

@@ -219,21 +219,29 @@ class Qwen35Adapter:
         live on other context-parallel ranks (ds_longstraw.parallel); given `known` (a layer of known_attention),
         it returns that merged result and adds the remote share of the gradients in backward;
         checkpoint_layers: keep only each layer's input for backward and recompute the layer there (the exact-mode
-        prefix pass holds a whole capture chunk's graph otherwise); not with remote_attention, whose exchanges
-        must not run again during backward;
+        prefix pass holds a whole capture chunk's graph otherwise); the caller sees to it that a layer's forward
+        makes no remote exchange then (LongstrawConfig.recompute_layers);
         known_attention: layer -> (out_HTD, lse_HT) of this segment's attention kept from capture (exact mode's
         prefix pass with prefix_keep_attention): those layers skip the attention itself (ds_longstraw.kernels).
         The result's `attention` holds every attention layer's (out_HTD, lse_HT).
         """
-        assert not (checkpoint_layers and remote_attention is not None), "remote exchanges cannot be recomputed"
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         known_attention = known_attention or {}
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
             if checkpoint_layers and torch.is_grad_enabled():
+                # The re-entrant form: its backward recomputes the layer and back-propagates through it at once,
+                # so ZeRO-3 gathers the layer's weights for the recompute and keeps them through its backward
+                # (the non-re-entrant form would unpack tensors saved from weights ZeRO-3 has released since).
+                # It differentiates only through tensor arguments that require grad: the hidden state always does
+                # (under LoRA the embedding output does not); the GDN carry leaves, passed inside a dict, get their
+                # gradients from the inner backward like the parameters.
+                if not hidden.requires_grad:
+                    hidden = hidden.detach().requires_grad_(True)
                 results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, gdn_carry,
-                                                            past, None, known_attention, use_reentrant=False)
+                                                            past, remote_attention, known_attention,
+                                                            use_reentrant=True)
             else:
                 results = self._layer(index, layer, hidden, cos, sin, gdn_carry, past, remote_attention,
                                       known_attention)

@@ -169,7 +169,8 @@ def _carry_shapes(state):
     return {layer: ((s.shape, s.dtype), (t.shape, t.dtype)) for layer, (s, t) in state.gdn_carry.items()}
 
 
-def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, lockstep_chunks=None):
+def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, lockstep_chunks=None,
+                       recompute=False):
     """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final GDN carry) from replay (used by the
@@ -181,13 +182,16 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     of prefix iterations every rank makes in every turn: the owner runs its real chunks and pads with zero
     iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them with a one-token zero
     iteration, and a rank whose pages the owner reads answers the owner's requests from inside its mirror
-    (PageServer), at the same layer of the same module sequence."""
+    (PageServer), at the same layer of the same module sequence.
+
+    recompute: each layer recomputed in backward, real segments and zero iterations alike (settings.recompute_layers:
+    only where no layer's forward makes a remote exchange)."""
     sizes = [hi - lo for lo, hi in cp.shards(state.length)]
     shapes = _carry_shapes(state)
     for owner in range(cp.size - 1, cp.rank, -1):
         serving = cp.rank in _servers(sizes, owner)
         if lockstep_chunks is not None:
-            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, serving, backward)
+            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, serving, backward, recompute)
         elif serving:
             serve(cp, owner, adapter, state.pool, chunk)
     if cp.rank < cp.size - 1:
@@ -199,11 +203,11 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
                 cp.recv(t_shape, t_dtype, cp.rank + 1, layer, "prefix_d_tail", device=adapter.device))
     remote = RemotePages(cp, sizes)
     d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
-                              remote_attention=remote if remote.servers else None)
+                              remote_attention=remote if remote.servers else None, recompute=recompute)
     remote.close(adapter.device)
     if lockstep_chunks is not None:  # pad this turn to the common count before the hand-over below
         for _ in range(lockstep_chunks - len(state.boundaries)):
-            zero_prefix_iteration(adapter, backward)
+            zero_prefix_iteration(adapter, backward, recompute=recompute)
     if cp.rank > 0:
         for layer in adapter.gdn_layers:
             (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
@@ -215,17 +219,17 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
                     cp.rank - 1)
     if lockstep_chunks is not None:  # the earlier ranks' turns: mirror them (this rank's pages are not read)
         for owner in range(cp.rank - 1, -1, -1):
-            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, False, backward)
+            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, False, backward, recompute)
 
 
-def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, backward):
+def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, backward, recompute):
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
     real = ceil_div(sizes[owner], chunk)  # the owner's real chunks, counted as lockstep.shape_of counts them
     server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None) if serving else None
     for _ in range(real):
-        zero_prefix_iteration(adapter, backward, server)
+        zero_prefix_iteration(adapter, backward, server, recompute)
     if serving:  # the owner says DONE after its real chunks, before its padding
         server.answer(DONE, -1)
     for _ in range(iterations - real):
-        zero_prefix_iteration(adapter, backward)
+        zero_prefix_iteration(adapter, backward, recompute=recompute)

@@ -157,7 +157,8 @@ def cp_grpo_backward(model, group, objective, *, settings, ref_model, cp, backwa
                 lo, hi = cp.shards(state.length)[cp.rank]
                 ids = group.prompt_ids[:-1][lo:hi]
                 cp_prefix_backward(adapter, state, ids, d_final, cp, settings.segment_tokens, backward=backward,
-                                   lockstep_chunks=None if lockstep is None else lockstep.common.chunks)
+                                   lockstep_chunks=None if lockstep is None else lockstep.common.chunks,
+                                   recompute=settings.recompute_layers)
             grad_page_bytes = state.pool.grad_bytes()
         if not engine_reduce:
             with meter.phase("reduce"), cp.phase("reduce"):

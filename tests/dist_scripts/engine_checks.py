@@ -12,7 +12,9 @@ gradient_clipping 0):
   same_step   detached; both ranks bring the same group; two grpo_steps (SGD)
               == two single-process grpo_backward + SGD steps
   average     exact, host-memory page tier; rank 0 brings [A, B], rank 1 brings C; one step (SGD)
-              == SGD step on 1/2 (1/2 (g_A + g_B) + g_C); mean_loss == 1/2 (1/2 (L_A + L_B) + L_C)
+              == SGD step on 1/2 (1/2 (g_A + g_B) + g_C); mean_loss == 1/2 (1/2 (L_A + L_B) + L_C). The prefix
+              pass recomputes each layer in backward (prefix_recompute, the default), its padding iterations too:
+              ZeRO-3 gathers the layers' weights again inside backward, in step on both ranks
   checkpoint  detached, AdamW + DeepSpeed WarmupLR: step 1, save, step 2 -> P; a fresh engine on DIFFERENT initial
               weights loads the step-1 checkpoint, takes step 2 -> Q; P == Q bit for bit (loss and lr too)
   zero2       ZeRO stage 2 (weights replicated: no lockstep needed), rank r brings its own group; one step

@@ -17,7 +17,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           turns are mirrored by the ranks not in turn, padded to the most chunks of any shard (7), with page
           requests answered from inside the mirrored layers
   zero3kept   ZeRO-3, exact, prefix_keep_attention: the owner in turn sends no forward page request (its
-          attention was kept), and the mirroring ranks answer only the backward ones
+          attention was kept), and the mirroring ranks answer only the backward ones; with no remote exchange in
+          a layer's forward, every layer is recomputed in backward (prefix_recompute), mirrors included
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
