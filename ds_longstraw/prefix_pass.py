@@ -39,43 +39,55 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     stager = Stager(state.pool, adapter.attn_layers)
     boundaries = list(reversed(state.boundaries))
     try:
-        with closing(_kept_ahead(state, adapter.attn_layers, boundaries)) as kept_segments:
+        with closing(_segments_ahead(state, adapter.attn_layers, boundaries)) as segments:
             return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                                   recompute, {} if timings is None else timings, zip(boundaries, kept_segments))
+                                   recompute, {} if timings is None else timings, segments)
     finally:
         stager.close()
 
 
-def _kept_ahead(state, layers, boundaries):
-    """Each segment's attention kept from capture (None when none was kept), the next segment's read issued before
-    this one's is returned, so a slower tier's reads overlap the segment's compute. Closing the generator completes
-    and drops a read still in flight (an error half-way)."""
-    pending = None
+def _segments_ahead(state, layers, boundaries):
+    """(boundary, the GDN carry checkpointed there, the attention kept from capture or None) of each segment, the
+    next segment's reads issued before this one's are collected, so a slower tier's reads overlap the segment's
+    compute. Closing the generator completes and drops reads still in flight (an error half-way)."""
+    in_flight = []  # reads issued and not yet collected
     try:
+        ahead = None
         for index, boundary in enumerate(boundaries):
-            current = pending or state.begin_kept_attention(layers, boundary.start, boundary.end)
-            pending = None
+            current = ahead or _begin_segment(state, layers, boundary, in_flight)
+            ahead = None
             if index + 1 < len(boundaries):
-                following = boundaries[index + 1]
-                pending = state.begin_kept_attention(layers, following.start, following.end)
-            yield current.result()
+                ahead = _begin_segment(state, layers, boundaries[index + 1], in_flight)
+            carry, kept = (read.result() for read in current)
+            for read in current:
+                in_flight.remove(read)
+            yield boundary, carry, kept
     finally:
-        if pending is not None:
-            pending.release()
+        for read in in_flight:
+            read.release()
+
+
+def _begin_segment(state, layers, boundary, in_flight):
+    """Issue the reads of one segment's checkpointed carry and kept attention (each recorded in in_flight)."""
+    carry = state.begin_carry(boundary)
+    in_flight.append(carry)
+    kept = state.begin_kept_attention(layers, boundary.start, boundary.end)
+    in_flight.append(kept)
+    return carry, kept
 
 
 def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
                     timings, segments):
-    """segments: (boundary, kept attention or None) of every segment, last first."""
+    """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
     pool = state.pool
     timings.setdefault("forward", 0.0)
     timings.setdefault("backward", 0.0)
     d_carry = d_final_carry
-    for boundary, kept in segments:
+    for boundary, checkpointed, kept in segments:
         start, end = boundary.start, boundary.end
         carry = {}
         for layer in adapter.gdn_layers:
-            recurrent, tail = boundary.gdn_carry.get(layer, (None, None))
+            recurrent, tail = checkpointed.get(layer, (None, None))
             if recurrent is None:  # the prompt start: zero state, nothing to carry further back
                 carry[layer] = (None, None)
             else:
@@ -109,7 +121,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             recurrent, tail = carry[layer]
             if recurrent is not None:
                 d_carry[layer] = _zeros_like_carry(recurrent.grad, tail.grad, recurrent, tail)
-        del out, outputs, grads, live, kept
+        del out, outputs, grads, live, kept, checkpointed
         return_freed_host_memory(adapter.device)
         if progress is not None:
             progress(end - start)

@@ -2,8 +2,8 @@
 
 Capture runs prompt[:-1] through the model chunk by chunk WITHOUT autograd and keeps only what later tokens
 read: per Gated DeltaNet layer the recurrent state and the conv tail, per full-attention layer K and V on owned
-pages. In exact mode it also checkpoints the GDN state at every chunk start, so the prefix pass can recompute
-one chunk at a time, and with prefix_keep_attention keeps each attention layer's output and log-sum-exp ("o",
+pages. In exact mode it also checkpoints the GDN state at every chunk start (on the pages' tier), so the prefix
+pass can recompute one chunk at a time, and with prefix_keep_attention keeps each attention layer's output and log-sum-exp ("o",
 "lse" streams) so that recompute skips the prompt's attention.
 """
 
@@ -33,12 +33,14 @@ class PrefixState:
     # exact mode with prefix_keep_attention: the pool of every attention layer's "o" and "lse" streams (`pool`, or
     # a pool of offload.kept_attention_tier); None when the attention is not kept
     kept_pool: PagePool | None = None
+    # exact mode: the store of the GDN carry checkpoints (CarryCheckpoints on the device, PooledCarryCheckpoints
+    # on offload.tier); None in detached mode
+    checkpoints: "CarryCheckpoints | PooledCarryCheckpoints | None" = None
 
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by layer type (exact mode's checkpoints and kept attention apart)."""
         gdn = sum(s.numel() * s.element_size() + t.numel() * t.element_size() for s, t in self.gdn_carry.values())
-        checkpoints = sum(s.numel() * s.element_size() + t.numel() * t.element_size()
-                          for b in self.boundaries for s, t in b.gdn_carry.values() if s is not None)
+        checkpoints = 0 if self.checkpoints is None else self.checkpoints.nbytes()
         kv = sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name in ("k", "v"))
         kept = 0 if self.kept_pool is None else sum(
             size for (_, name), size in self.kept_pool.bytes_by_stream().items() if name in KEPT_ATTENTION)
@@ -53,9 +55,16 @@ class PrefixState:
         return KeptRead({(layer, name): self.kept_pool.begin_read(layer, name, start, end)
                          for layer in layers for name in KEPT_ATTENTION}, layers)
 
+    def begin_carry(self, boundary):
+        """Issue the read of the GDN carry checkpointed at `boundary` (one of self.boundaries); result(): layer ->
+        (state, tail), (None, None) for a layer that starts from zeros there (the prompt start)."""
+        return self.checkpoints.begin_load(boundary)
+
     def release(self):
         if self.kept_pool is not None and self.kept_pool is not self.pool:
             self.kept_pool.release()
+        if self.checkpoints is not None:
+            self.checkpoints.release()
         self.pool.release()
         self.gdn_carry.clear()
         self.boundaries.clear()
@@ -113,8 +122,22 @@ def _detached_carry(carry):
     return {layer: (state.detach(), tail.detach()) for layer, (state, tail) in carry.items()}
 
 
+class _Ready:
+    """A read that is already complete (the device store's views)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+    def release(self):
+        pass
+
+
 class CarryCheckpoints:
-    """Exact mode's GDN carry checkpoints, one slot per segment start, in storage allocated once per layer.
+    """Exact mode's GDN carry checkpoints on the compute device, one slot per segment start, in storage allocated
+    once per layer (offload.tier "none").
 
     Why not one small tensor per checkpoint: allocated between a segment's large temporaries, hundreds of live
     16 KB tensors pin the allocator's heap, and what the temporaries free is never returned (measured at 32K
@@ -123,6 +146,7 @@ class CarryCheckpoints:
     def __init__(self, slots):
         self.slots = slots
         self._store = {}  # layer -> (states [slots, ...], tails [slots, ...])
+        self._saved = {}  # layer -> checkpoints written
 
     def save(self, index, carry):
         """The carry (layer -> (state, tail)) at the start of segment `index` as views into the store."""
@@ -134,7 +158,92 @@ class CarryCheckpoints:
         states, tails = self._store[layer]
         states[index].copy_(state)
         tails[index].copy_(tail)
+        self._saved[layer] = self._saved.get(layer, 0) + 1
         return states[index], tails[index]
+
+    def flush(self):
+        """Nothing to write back: the store is on the device."""
+
+    def begin_load(self, boundary):
+        return _Ready(dict(boundary.gdn_carry))
+
+    def nbytes(self) -> int:
+        return sum(count * (states[0].numel() * states.element_size() + tails[0].numel() * tails.element_size())
+                   for (states, tails), count in ((self._store[layer], n) for layer, n in self._saved.items()))
+
+    def release(self):
+        self._store.clear()
+
+
+class PooledCarryCheckpoints:
+    """Exact mode's GDN carry checkpoints on a page pool of offload.tier (host memory, or NVMe files through async
+    I/O), one checkpoint a page: written once by capture, read once by the prefix pass, a segment ahead of use.
+
+    Each is the model's whole GDN state (about 150 MB at Qwen3.6-27B width): kept on the device, the 64 segments of
+    a 256K-token shard would hold 9.6 GB. A layer's checkpoints are the consecutive slots of its two streams, from
+    its first checkpointed segment on (segment 0, or 1 where the prompt starts from zeros)."""
+
+    STATE, TAIL = "gdn_checkpoint_state", "gdn_checkpoint_tail"
+
+    def __init__(self, pool, slots):
+        self.pool, self.slots = pool, slots
+        self._first = {}  # layer -> its first checkpointed segment
+        self._next = {}  # layer -> the segment whose checkpoint it writes next
+
+    def save(self, index, carry):
+        return {layer: self.save_layer(index, layer, state, tail) for layer, (state, tail) in carry.items()}
+
+    def save_layer(self, index, layer, state, tail):
+        """Append segment `index`'s carry of `layer`; returns the slot it went to (what boundaries hold)."""
+        if layer not in self._first:  # shapes are known once the layer has run
+            self.pool.reserve(layer, self.STATE, self.slots - index, tuple(state.shape), state.dtype)
+            self.pool.reserve(layer, self.TAIL, self.slots - index, tuple(tail.shape), tail.dtype)
+            self._first[layer] = self._next[layer] = index
+        if index != self._next[layer]:
+            raise RuntimeError(f"GDN layer {layer}: checkpoint of segment {index} written out of order "
+                               f"(expected {self._next[layer]})")
+        self.pool.append(layer, self.STATE, state.unsqueeze(0))
+        self.pool.append(layer, self.TAIL, tail.unsqueeze(0))
+        self._next[layer] = index + 1
+        return index - self._first[layer]
+
+    def flush(self):
+        self.pool.flush()
+
+    def begin_load(self, boundary):
+        tickets = {layer: tuple(self.pool.begin_read(layer, name, slot, slot + 1) for name in (self.STATE, self.TAIL))
+                   for layer, slot in boundary.gdn_carry.items()}
+        return _PooledCarryRead(tickets)
+
+    def nbytes(self) -> int:
+        return sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name in (self.STATE, self.TAIL))
+
+    def release(self):
+        self.pool.release()
+
+
+class _PooledCarryRead:
+    def __init__(self, tickets):
+        self.tickets = tickets
+
+    def result(self):
+        try:
+            return {layer: (state.result()[0], tail.result()[0]) for layer, (state, tail) in self.tickets.items()}
+        finally:
+            self.release()
+
+    def release(self):
+        for pair in self.tickets.values():
+            for ticket in pair:
+                ticket.release()
+
+
+def open_checkpoints(settings, slots, device, rank=0):
+    """The store of exact mode's GDN carry checkpoints: on the device (offload.tier "none") or on a pool of the
+    pages' tier with one checkpoint a page."""
+    if settings.offload.tier == "none":
+        return CarryCheckpoints(slots)
+    return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
 
 
 def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:
@@ -145,17 +254,18 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
     keep_attention = keep_boundaries and settings.prefix_keep_attention
-    kept_pool = None
+    kept_pool = checkpoints = None
+    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     try:
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
                 pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
         if keep_attention:
             kept_pool = open_kept_pool(adapter, settings, pool, length, rank)
-        state = PrefixState(length=length, pool=pool, kept_pool=kept_pool)
+        if keep_boundaries:
+            checkpoints = open_checkpoints(settings, ceil_div(length, chunk), adapter.device, rank)
+        state = PrefixState(length=length, pool=pool, kept_pool=kept_pool, checkpoints=checkpoints)
         carry = {}
-        chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
-        checkpoints = CarryCheckpoints(ceil_div(length, chunk)) if keep_boundaries else None
         stager = Stager(pool, adapter.attn_layers)
         with torch.no_grad():
             for index, start in enumerate(range(0, length, chunk)):
@@ -179,9 +289,13 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
         pool.flush()  # the last partial pages too: after capture every page is on its tier
         if kept_pool is not None and kept_pool is not pool:
             kept_pool.flush()
+        if checkpoints is not None:
+            checkpoints.flush()
     except BaseException:
         if kept_pool is not None and kept_pool is not pool:
             kept_pool.release()
+        if checkpoints is not None:
+            checkpoints.release()
         pool.release()  # page files are removed on error as on success
         raise
     state.gdn_carry = carry

@@ -5,7 +5,9 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   gradient pages exact mode, as much again                              with the pages
   attention out  exact mode with prefix_keep_attention: (H D + H) per token and attention layer
                  with the pages, or on offload.kept_attention_tier
-  gdn state      per sequence; exact mode adds one copy per chunk start  always GPU
+  gdn state      per sequence                                           always GPU
+  checkpoints    exact mode: one GDN state per chunk start              with the pages (tier none: GPU);
+                 off the device two of them staged on the GPU (one read ahead)
   staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's dK/dV in float32 during
                  backward (detached mode computes no gradient for the pages)                   GPU
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
@@ -97,13 +99,17 @@ def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
     layer = shape.staged_layer_bytes_per_token * tokens
     exact = retained["gradient_pages"] > 0
     backward = layer * 4 // shape.dtype_bytes if exact else 0  # one layer's dK/dV in float32
-    constant = retained["gdn_state"] + retained["gdn_checkpoints"]
+    checkpoints = retained["gdn_checkpoints"]
     if tier == "none":
-        return {"gpu": pages + constant + backward, "host": 0, "nvme": 0}
-    staging = (depth + 1) * layer + backward
+        return {"gpu": pages + retained["gdn_state"] + checkpoints + backward, "host": 0, "nvme": 0}
+    # Off the device the GDN carry checkpoints live with the pages, and the prefix pass holds two on the device:
+    # the segment's own and the next one's, read ahead.
+    ahead = 2 * shape.gdn_state_bytes if checkpoints else 0
+    staging = (depth + 1) * layer + backward + ahead
     if tier == "cpu":
-        return {"gpu": constant + staging, "host": pages, "nvme": 0}
-    return {"gpu": constant + staging, "host": (depth + 1) * layer + _WRITE_QUEUE, "nvme": pages}
+        return {"gpu": retained["gdn_state"] + staging, "host": pages + checkpoints, "nvme": 0}
+    return {"gpu": retained["gdn_state"] + staging, "host": (depth + 1) * layer + ahead + _WRITE_QUEUE,
+            "nvme": pages + checkpoints}
 
 
 def _fits(needs, plan):

@@ -148,3 +148,39 @@ def test_graph_holds_no_staged_pages(tier, tmp_path, monkeypatch):
 def test_missing_nvme_path_is_a_config_error(model, tmp_path):
     with pytest.raises(ValueError, match="offload.nvme_path"):
         _run(model, "detached", {"tier": "nvme", "nvme_path": str(tmp_path / "absent")})
+
+
+@pytest.mark.parametrize("tier", ["cpu", "nvme-aio"])
+def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypatch):
+    """Exact mode's GDN carry checkpoints go to the pages' tier, one checkpoint a page, instead of the device: each
+    segment's carry read back equals the device store's bit for bit, the bytes reported are the same, and the
+    store's files go with the state."""
+    from ds_longstraw.arch import adapter_for
+    from ds_longstraw.config import parse_config
+    from ds_longstraw.state import CarryCheckpoints, PooledCarryCheckpoints, capture_prefix
+
+    adapter = adapter_for(model)
+    prompt = _group().prompt_ids
+
+    def capture(offload):
+        settings = parse_config({"prefix_grad": "exact", **SETTINGS, "offload": offload})
+        with float64_model(), torch.no_grad():
+            return capture_prefix(adapter, prompt, settings, keep_boundaries=True)
+
+    on_device = capture({"tier": "none"})
+    on_tier = capture(_offload(tier, tmp_path, monkeypatch))
+    try:
+        assert isinstance(on_device.checkpoints, CarryCheckpoints)
+        assert isinstance(on_tier.checkpoints, PooledCarryCheckpoints)
+        expected_bytes = on_device.retained_bytes()["gdn_checkpoints"]
+        assert on_tier.retained_bytes()["gdn_checkpoints"] == expected_bytes > 0
+        assert len(on_tier.boundaries) == len(on_device.boundaries) == 4  # 16 captured tokens, segments of 5
+        for mine, theirs in zip(on_tier.boundaries, on_device.boundaries):
+            loaded, expected = on_tier.begin_carry(mine).result(), on_device.begin_carry(theirs).result()
+            assert loaded.keys() == expected.keys()
+            for layer, (state, tail) in expected.items():
+                assert torch.equal(loaded[layer][0], state) and torch.equal(loaded[layer][1], tail)
+    finally:
+        on_tier.release()
+        on_device.release()
+    assert list(tmp_path.iterdir()) == []

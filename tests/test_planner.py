@@ -75,6 +75,26 @@ def test_builtin_shapes_match_the_published_numbers():
     assert 7.0e11 < glm.params < 7.8e11
 
 
+def test_gdn_checkpoints_are_planned_with_the_pages():
+    """Exact mode's GDN carry checkpoints (Qwen3.6-27B, CP8, 2M tokens: 64 segments of about 150 MB a rank) count
+    against the pages' tier: the GPU on tier none, host memory or NVMe otherwise, where the GPU holds two (one read
+    ahead)."""
+    from ds_longstraw.offload.plan import _needs
+
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+    retained = retained_per_rank(qwen, 2_097_152 + 1, 8, "exact", 4096)
+    checkpoints = retained["gdn_checkpoints"]
+    assert checkpoints == 64 * qwen.gdn_state_bytes > 9e9
+    pages = sum(v for k, v in retained.items() if k.endswith("_pages"))
+    tokens = 2_097_152 // 8
+    none, cpu, nvme = (_needs(qwen, tokens, retained, tier, 1) for tier in ("none", "cpu", "nvme"))
+    assert none["gpu"] >= pages + checkpoints and none["host"] == none["nvme"] == 0
+    assert cpu["host"] == pages + checkpoints
+    assert nvme["nvme"] == pages + checkpoints
+    for needs in (cpu, nvme):  # off the device: the resident GDN state and two staged checkpoints, not all 64
+        assert retained["gdn_state"] + 2 * qwen.gdn_state_bytes <= needs["gpu"] < checkpoints
+
+
 def test_recommends_the_first_tier_that_fits():
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
 

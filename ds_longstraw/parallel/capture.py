@@ -19,7 +19,8 @@ import torch
 
 from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
 from ds_longstraw.offload import make_pool
-from ds_longstraw.state import CarryCheckpoints, ChunkBoundary, PrefixState, open_kept_pool
+from ds_longstraw.lockstep import ceil_div
+from ds_longstraw.state import ChunkBoundary, PrefixState, open_checkpoints, open_kept_pool
 
 from .cp_attention import capture_attention_layer
 from .gdn_scan import capture_gdn_layer
@@ -40,7 +41,7 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     tokens = hi - lo
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank).
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
-    kept_pool = None
+    kept_pool = checkpoints = None
     try:
         for layer in adapter.attn_layers:
             for name in ("k", "v"):
@@ -49,21 +50,24 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
             # the MERGED attention of this rank's tokens (every rank's keys): the prefix pass skips the
             # attention and its remote exchanges in forward, and needs only their backward
             kept_pool = open_kept_pool(adapter, settings, pool, tokens, cp.rank)
-        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, keep_boundaries,
+        if keep_boundaries:  # the GDN carry at each of this rank's segment starts, on the pages' tier
+            checkpoints = open_checkpoints(settings, ceil_div(tokens, settings.segment_tokens), adapter.device,
+                                           cp.rank)
+        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, checkpoints,
                                progress, pad)
     except BaseException:
         if kept_pool is not None and kept_pool is not pool:
             kept_pool.release()
+        if checkpoints is not None:
+            checkpoints.release()
         pool.release()  # page files of a host/NVMe tier go on error as on success
         raise
 
 
-def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, keep_boundaries, progress,
-                    pad):
+def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, checkpoints, progress, pad):
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
-    boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if keep_boundaries else None
-    checkpoints = CarryCheckpoints(len(spans)) if keep_boundaries else None
+    boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if checkpoints is not None else None
     final_carry = {}
     with torch.no_grad():
         hidden = adapter.embed(ids)
@@ -96,5 +100,7 @@ def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_p
     pool.flush()  # the last partial pages too: after capture every page is on its tier
     if kept_pool is not None and kept_pool is not pool:
         kept_pool.flush()
+    if checkpoints is not None:
+        checkpoints.flush()
     return PrefixState(length=bounds[-1][1], pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo,
-                       kept_pool=kept_pool)
+                       kept_pool=kept_pool, checkpoints=checkpoints)
