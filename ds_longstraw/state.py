@@ -14,6 +14,7 @@ import torch
 from ds_longstraw.lockstep import ceil_div
 from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, Stager, StagedPast, make_pool
+from ds_longstraw.offload.pages import ReadyRead
 
 
 @dataclass
@@ -122,19 +123,6 @@ def _detached_carry(carry):
     return {layer: (state.detach(), tail.detach()) for layer, (state, tail) in carry.items()}
 
 
-class _Ready:
-    """A read that is already complete (the device store's views)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
-
-    def release(self):
-        pass
-
-
 class CarryCheckpoints:
     """Exact mode's GDN carry checkpoints on the compute device, one slot per segment start, in storage allocated
     once per layer (offload.tier "none").
@@ -165,7 +153,7 @@ class CarryCheckpoints:
         """Nothing to write back: the store is on the device."""
 
     def begin_load(self, boundary):
-        return _Ready(dict(boundary.gdn_carry))
+        return ReadyRead(dict(boundary.gdn_carry))  # views into the store: complete at once
 
     def nbytes(self) -> int:
         return sum(count * (states[0].numel() * states.element_size() + tails[0].numel() * tails.element_size())
