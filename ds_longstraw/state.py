@@ -49,19 +49,32 @@ class PrefixState:
                 "attention_output_pages": kept}
 
     def begin_kept_attention(self, layers, start, end):
-        """Issue the reads of tokens [start, end) of the attention kept from capture (a KeptRead; issued a
-        segment ahead, the reads of a slower tier overlap the prefix pass's compute)."""
+        """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
+        reads of a slower tier overlap the prefix pass's compute); result(): layer -> (out_HTD, lse_HT), or None
+        when none was kept."""
         if self.kept_pool is None:
-            return KeptRead({}, layers)
-        return KeptRead({(layer, name): self.kept_pool.begin_read(layer, name, start, end)
-                         for layer in layers for name in KEPT_ATTENTION}, layers)
+            return ReadyRead(None)
+        tickets = {(layer, name): self.kept_pool.begin_read(layer, name, start, end)
+                   for layer in layers for name in KEPT_ATTENTION}
+        return PendingReads(tickets, lambda got: {
+            layer: tuple(got[(layer, name)].transpose(0, 1).contiguous() for name in KEPT_ATTENTION)
+            for layer in layers})
 
     def begin_carry(self, boundary):
         """Issue the read of the GDN carry checkpointed at `boundary` (one of self.boundaries); result(): layer ->
         (state, tail), (None, None) for a layer that starts from zeros there (the prompt start)."""
         return self.checkpoints.begin_load(boundary)
 
+    def flush(self):
+        """Write back what capture left in partial pages: afterwards every page is on its tier."""
+        self.pool.flush()
+        if self.kept_pool is not None and self.kept_pool is not self.pool:
+            self.kept_pool.flush()
+        if self.checkpoints is not None:
+            self.checkpoints.flush()
+
     def release(self):
+        """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
         if self.kept_pool is not None and self.kept_pool is not self.pool:
             self.kept_pool.release()
         if self.checkpoints is not None:
@@ -71,19 +84,16 @@ class PrefixState:
         self.boundaries.clear()
 
 
-class KeptRead:
-    """The reads of one segment's kept attention. result(): layer -> (out_HTD, lse_HT), or None when none was kept;
-    release() completes and drops reads not collected (an error before result())."""
+class PendingReads:
+    """Reads issued together: tickets by key. result() waits for every one and hands {key: tensor} to `assemble`;
+    release() completes and drops the reads not collected (an error before result())."""
 
-    def __init__(self, tickets, layers):
-        self.tickets, self.layers = tickets, layers
+    def __init__(self, tickets, assemble):
+        self.tickets, self.assemble = tickets, assemble
 
     def result(self):
-        if not self.tickets:
-            return None
         try:
-            return {layer: tuple(self.tickets[(layer, name)].result().transpose(0, 1).contiguous()
-                                 for name in KEPT_ATTENTION) for layer in self.layers}
+            return self.assemble({key: ticket.result() for key, ticket in self.tickets.items()})
         finally:
             self.release()
 
@@ -123,7 +133,14 @@ def _detached_carry(carry):
     return {layer: (state.detach(), tail.detach()) for layer, (state, tail) in carry.items()}
 
 
-class CarryCheckpoints:
+class _CheckpointStore:
+    def save(self, index, carry):
+        """Checkpoint the carry (layer -> (state, tail)) at the start of segment `index`; returns what the
+        segment's boundary holds (layer -> views into the store, or slots of the pool)."""
+        return {layer: self.save_layer(index, layer, state, tail) for layer, (state, tail) in carry.items()}
+
+
+class CarryCheckpoints(_CheckpointStore):
     """Exact mode's GDN carry checkpoints on the compute device, one slot per segment start, in storage allocated
     once per layer (offload.tier "none").
 
@@ -134,11 +151,7 @@ class CarryCheckpoints:
     def __init__(self, slots):
         self.slots = slots
         self._store = {}  # layer -> (states [slots, ...], tails [slots, ...])
-        self._saved = {}  # layer -> checkpoints written
-
-    def save(self, index, carry):
-        """The carry (layer -> (state, tail)) at the start of segment `index` as views into the store."""
-        return {layer: self.save_layer(index, layer, state, tail) for layer, (state, tail) in carry.items()}
+        self._saved_bytes = 0  # of the checkpoints written (slots of the prompt start stay unused)
 
     def save_layer(self, index, layer, state, tail):
         if layer not in self._store:  # shapes are known once the layer has run
@@ -146,7 +159,7 @@ class CarryCheckpoints:
         states, tails = self._store[layer]
         states[index].copy_(state)
         tails[index].copy_(tail)
-        self._saved[layer] = self._saved.get(layer, 0) + 1
+        self._saved_bytes += state.numel() * state.element_size() + tail.numel() * tail.element_size()
         return states[index], tails[index]
 
     def flush(self):
@@ -156,14 +169,13 @@ class CarryCheckpoints:
         return ReadyRead(dict(boundary.gdn_carry))  # views into the store: complete at once
 
     def nbytes(self) -> int:
-        return sum(count * (states[0].numel() * states.element_size() + tails[0].numel() * tails.element_size())
-                   for (states, tails), count in ((self._store[layer], n) for layer, n in self._saved.items()))
+        return self._saved_bytes
 
     def release(self):
         self._store.clear()
 
 
-class PooledCarryCheckpoints:
+class PooledCarryCheckpoints(_CheckpointStore):
     """Exact mode's GDN carry checkpoints on a page pool of offload.tier (host memory, or NVMe files through async
     I/O), one checkpoint a page: written once by capture, read once by the prefix pass, a segment ahead of use.
 
@@ -177,9 +189,6 @@ class PooledCarryCheckpoints:
         self.pool, self.slots = pool, slots
         self._first = {}  # layer -> its first checkpointed segment
         self._next = {}  # layer -> the segment whose checkpoint it writes next
-
-    def save(self, index, carry):
-        return {layer: self.save_layer(index, layer, state, tail) for layer, (state, tail) in carry.items()}
 
     def save_layer(self, index, layer, state, tail):
         """Append segment `index`'s carry of `layer`; returns the slot it went to (what boundaries hold)."""
@@ -199,31 +208,17 @@ class PooledCarryCheckpoints:
         self.pool.flush()
 
     def begin_load(self, boundary):
-        tickets = {layer: tuple(self.pool.begin_read(layer, name, slot, slot + 1) for name in (self.STATE, self.TAIL))
-                   for layer, slot in boundary.gdn_carry.items()}
-        return _PooledCarryRead(tickets)
+        slots = boundary.gdn_carry  # layer -> its slot
+        tickets = {(layer, name): self.pool.begin_read(layer, name, slot, slot + 1)
+                   for layer, slot in slots.items() for name in (self.STATE, self.TAIL)}
+        return PendingReads(tickets, lambda got: {layer: (got[(layer, self.STATE)][0], got[(layer, self.TAIL)][0])
+                                                  for layer in slots})
 
     def nbytes(self) -> int:
         return sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name in (self.STATE, self.TAIL))
 
     def release(self):
         self.pool.release()
-
-
-class _PooledCarryRead:
-    def __init__(self, tickets):
-        self.tickets = tickets
-
-    def result(self):
-        try:
-            return {layer: (state.result()[0], tail.result()[0]) for layer, (state, tail) in self.tickets.items()}
-        finally:
-            self.release()
-
-    def release(self):
-        for pair in self.tickets.values():
-            for ticket in pair:
-                ticket.release()
 
 
 def open_checkpoints(settings, slots, device, rank=0):
@@ -234,25 +229,38 @@ def open_checkpoints(settings, slots, device, rank=0):
     return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
 
 
+def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0) -> PrefixState:
+    """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
+    `tokens`, from position `offset`): the K/V streams reserved on a pool of offload.tier and, in exact mode
+    (keep_boundaries), the GDN checkpoint store and with prefix_keep_attention the kept attention's pool. What
+    was opened is released again on error."""
+    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
+    state = PrefixState(length=tokens if length is None else length, pool=pool, offset=offset)
+    try:
+        for layer in adapter.attn_layers:
+            for name in ("k", "v"):
+                pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
+        if keep_boundaries and settings.prefix_keep_attention:
+            state.kept_pool = open_kept_pool(adapter, settings, pool, tokens, rank)
+        if keep_boundaries:
+            state.checkpoints = open_checkpoints(settings, ceil_div(tokens, settings.segment_tokens), adapter.device,
+                                                 rank)
+    except BaseException:
+        state.release()
+        raise
+    return state
+
+
 def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:
     """Capture prompt_ids[:-1] under no_grad into a PrefixState."""
     ids = prompt_ids[:-1]
     length = ids.numel()
     # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
-    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
-    keep_attention = keep_boundaries and settings.prefix_keep_attention
-    kept_pool = checkpoints = None
+    state = open_prefix_state(adapter, settings, length, keep_boundaries, rank)
+    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     try:
-        for layer in adapter.attn_layers:
-            for name in ("k", "v"):
-                pool.reserve(layer, name, length, adapter.kv_shape(), adapter.dtype)
-        if keep_attention:
-            kept_pool = open_kept_pool(adapter, settings, pool, length, rank)
-        if keep_boundaries:
-            checkpoints = open_checkpoints(settings, ceil_div(length, chunk), adapter.device, rank)
-        state = PrefixState(length=length, pool=pool, kept_pool=kept_pool, checkpoints=checkpoints)
         carry = {}
         stager = Stager(pool, adapter.attn_layers)
         with torch.no_grad():
@@ -267,24 +275,16 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
                 for layer in adapter.attn_layers:
                     pool.append(layer, "k", out.keys[layer])
                     pool.append(layer, "v", out.values[layer])
-                    if keep_attention:
+                    if kept_pool is not None:
                         keep_segment_attention(kept_pool, layer, *out.attention[layer])
                 del out, past
                 return_freed_host_memory(adapter.device)
                 if progress is not None:
                     progress(end - start)
         stager.close()
-        pool.flush()  # the last partial pages too: after capture every page is on its tier
-        if kept_pool is not None and kept_pool is not pool:
-            kept_pool.flush()
-        if checkpoints is not None:
-            checkpoints.flush()
+        state.flush()
     except BaseException:
-        if kept_pool is not None and kept_pool is not pool:
-            kept_pool.release()
-        if checkpoints is not None:
-            checkpoints.release()
-        pool.release()  # page files are removed on error as on success
+        state.release()  # page files are removed on error as on success
         raise
     state.gdn_carry = carry
     return state

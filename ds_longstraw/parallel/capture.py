@@ -18,9 +18,7 @@ starts (with prefix_keep_attention also its own tokens' merged attention output 
 import torch
 
 from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
-from ds_longstraw.offload import make_pool
-from ds_longstraw.lockstep import ceil_div
-from ds_longstraw.state import ChunkBoundary, PrefixState, open_checkpoints, open_kept_pool
+from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
 from .gdn_scan import capture_gdn_layer
@@ -39,32 +37,21 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     lo, hi = bounds[cp.rank]
     ids = ids_all[lo:hi]
     tokens = hi - lo
-    # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank).
-    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
-    kept_pool = checkpoints = None
+    # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
+    # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
+    # skips the attention and its remote exchanges in forward.
+    state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=bounds[-1][1], offset=lo)
     try:
-        for layer in adapter.attn_layers:
-            for name in ("k", "v"):
-                pool.reserve(layer, name, tokens, adapter.kv_shape(), adapter.dtype)
-        if keep_boundaries and settings.prefix_keep_attention:
-            # the MERGED attention of this rank's tokens (every rank's keys): the prefix pass skips the
-            # attention and its remote exchanges in forward, and needs only their backward
-            kept_pool = open_kept_pool(adapter, settings, pool, tokens, cp.rank)
-        if keep_boundaries:  # the GDN carry at each of this rank's segment starts, on the pages' tier
-            checkpoints = open_checkpoints(settings, ceil_div(tokens, settings.segment_tokens), adapter.device,
-                                           cp.rank)
-        return _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, checkpoints,
-                               progress, pad)
+        _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress, pad)
     except BaseException:
-        if kept_pool is not None and kept_pool is not pool:
-            kept_pool.release()
-        if checkpoints is not None:
-            checkpoints.release()
-        pool.release()  # page files of a host/NVMe tier go on error as on success
+        state.release()  # page files of a host/NVMe tier go on error as on success
         raise
+    return state
 
 
-def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_pool, checkpoints, progress, pad):
+def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress, pad):
+    """Fill `state` (its pages, boundaries and final carry) layer by layer."""
+    pool, kept_pool, checkpoints, lo = state.pool, state.kept_pool, state.checkpoints, state.offset
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
     boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if checkpoints is not None else None
@@ -97,10 +84,5 @@ def _capture_layers(adapter, ids, tokens, lo, settings, cp, bounds, pool, kept_p
             hidden = torch.cat(pieces, 1) if pieces else hidden
             if progress is not None:
                 progress(index)
-    pool.flush()  # the last partial pages too: after capture every page is on its tier
-    if kept_pool is not None and kept_pool is not pool:
-        kept_pool.flush()
-    if checkpoints is not None:
-        checkpoints.flush()
-    return PrefixState(length=bounds[-1][1], pool=pool, gdn_carry=final_carry, boundaries=boundaries or [], offset=lo,
-                       kept_pool=kept_pool, checkpoints=checkpoints)
+    state.flush()  # the last partial pages too: after capture every page is on its tier
+    state.gdn_carry, state.boundaries = final_carry, boundaries or []
