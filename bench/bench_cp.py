@@ -7,6 +7,10 @@ Ranks are forked local processes on one machine, each with --threads intra-op th
 oversubscribes, so its step time says little about speed; the byte counts are what the design moves.
 
     python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact,exact-keep]
+                             [--tiers none,cpu,nvme]
+
+With a host or NVMe tier it also reports the bytes each step reads from the tier (summed over ranks, per paged
+layer) and the largest single read in tokens: what the stager streams, page by page, instead of whole shards.
 """
 
 import argparse
@@ -32,7 +36,7 @@ def build_model(layers, seed=0):
 
     # The "small" shape with 8 query heads over 2 kv heads (GQA 4:1, where sending pages beats sending queries).
     return build("small", seed=seed, vocab_size=512, num_hidden_layers=layers, num_attention_heads=8,
-                 max_positions=1 << 16,
+                 max_position_embeddings=1 << 16,
                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                   "mrope_section": [2, 2, 4]})
 
@@ -47,7 +51,25 @@ def build_group(prompt, responses, vocab=512, seed=0):
                      rewards=torch.rand(count, generator=gen).tolist())
 
 
-def one_step(args, mode, cp_group=None, world=1, attention="lse"):
+TIER_READS = {"bytes": 0, "largest": 0}
+
+
+def count_tier_reads():
+    """Count what host and NVMe pools read from their tier (every read goes through begin_read)."""
+    from ds_longstraw.offload.tiered import TieredPagePool
+
+    original = TieredPagePool.begin_read
+
+    def begin_read(self, layer, name, start=0, end=None, kind="state"):
+        stop = self.length(layer, name) if end is None else end
+        TIER_READS["bytes"] += (stop - start) * self._stream(layer, name).token_bytes
+        TIER_READS["largest"] = max(TIER_READS["largest"], stop - start)
+        return original(self, layer, name, start, end, kind)
+
+    TieredPagePool.begin_read = begin_read
+
+
+def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None):
     from ds_longstraw import GRPOObjective, grpo_backward
 
     model = build_model(args.layers)
@@ -55,31 +77,37 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse"):
     # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
-              "cp_attention": attention}
+              "cp_attention": attention, "offload": {"tier": tier}}
+    if tier == "nvme":
+        config["offload"]["nvme_path"] = os.path.join(out, "nvme")
+        os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
     grpo_backward(model, build_group(64, (1, 4)), GRPOObjective(), config=dict(config), cp_group=cp_group)  # warm-up
     best = None
     for _ in range(args.repeat):  # the fastest of a few steps: this machine is shared
         model.zero_grad(set_to_none=True)
+        TIER_READS.update(bytes=0, largest=0)
         start = time.perf_counter()
         result = grpo_backward(model, group, GRPOObjective(), config=config, cp_group=cp_group)
         seconds = time.perf_counter() - start
         best = seconds if best is None else min(best, seconds)
     seconds = best
     return {"seconds": seconds, "phases": {k: v.seconds for k, v in result.phases.items()},
+            "tier_read_bytes": TIER_READS["bytes"], "largest_read": TIER_READS["largest"],
             "retained": result.retained_bytes, "cp": result.extras.get("cp"), "tokens": group.response_tokens,
             "attn_layers": [i for i in range(args.layers) if (i + 1) % 4 == 0],
             "gdn_layers": [i for i in range(args.layers) if (i + 1) % 4]}
 
 
-def _worker(rank, world, port, args, mode, attention, out):
+def _worker(rank, world, port, args, mode, attention, tier, out):
     torch.set_num_threads(args.threads)
+    count_tier_reads()
     try:
         if world == 1:  # the single-process transaction, in a child like the others
-            torch.save(one_step(args, mode), os.path.join(out, "rank0.pt"))
+            torch.save(one_step(args, mode, tier=tier, out=out), os.path.join(out, "rank0.pt"))
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention)
+        result = one_step(args, mode, group, world, attention, tier, out)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -88,13 +116,14 @@ def _worker(rank, world, port, args, mode, attention, out):
         os._exit(1)
 
 
-def run_world(args, mode, world, attention="lse"):
+def run_world(args, mode, world, attention="lse", tier="none"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out))
+             for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -104,13 +133,15 @@ def run_world(args, mode, world, attention="lse"):
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
-def summarise(world, mode, attention, ranks):
+def summarise(world, mode, attention, ranks, tier="none"):
     first = ranks[0]
-    row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-",
+    row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-", "tier": tier,
+           "tier_read_b_per_layer": sum(r["tier_read_bytes"] for r in ranks) // len(first["attn_layers"]),
+           "largest_read": max(r["largest_read"] for r in ranks),
            "step_s": max(r["seconds"] for r in ranks),
            "phases": {k: max(r["phases"].get(k, 0.0) for r in ranks) for k in first["phases"]},
            "kv_pages_per_rank": max(r["retained"]["attention_kv_pages"] for r in ranks),
-           "kept_per_rank": max(r["retained"].get("attention_output_pages", 0) for r in ranks),
+           "kept_per_rank": max(r["retained"].get("kept_attention_pages", 0) for r in ranks),
            "replay_b_per_tok": 0.0, "capture_attn_b": 0, "capture_gdn_b": 0, "prefix_b": 0, "moves": "-"}
     if world > 1:
         tokens = first["tokens"]
@@ -141,6 +172,7 @@ def main(argv=None):
     parser.add_argument("--cp", default="1,2,4")
     parser.add_argument("--modes", default="detached,exact")
     parser.add_argument("--attention", default="lse,ulysses", help="capture attention paths for CP > 1")
+    parser.add_argument("--tiers", default="none", help="offload tiers of the pages: none, cpu, nvme")
     parser.add_argument("--repeat", type=int, default=2, help="steps per row; the fastest is reported")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
                         "machine makes multi-threaded OpenMP spin)")
@@ -149,27 +181,31 @@ def main(argv=None):
 
     args.responses = tuple(int(x) for x in args.responses.split("x"))
     rows = []
-    for mode in args.modes.split(","):
-        for world in (int(x) for x in args.cp.split(",")):
-            for attention in (["lse"] if world == 1 else args.attention.split(",")):
-                rows.append(summarise(world, mode, attention, run_world(args, mode, world, attention)))
-                print(f"# done cp={world} mode={mode} attention={attention}: {rows[-1]['step_s']:.2f} s",
-                      file=sys.stderr, flush=True)
+    for tier in args.tiers.split(","):
+        for mode in args.modes.split(","):
+            for world in (int(x) for x in args.cp.split(",")):
+                for attention in (["lse"] if world == 1 else args.attention.split(",")):
+                    ranks = run_world(args, mode, world, attention, tier)
+                    rows.append(summarise(world, mode, attention, ranks, tier))
+                    print(f"# done tier={tier} cp={world} mode={mode} attention={attention}: "
+                          f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
     print("Bytes are received payload summed over the CP ranks; 'prefix B' is exact mode's remote-attention and "
           "state-gradient traffic, 'grad all-reduce B' the one parameter-gradient all-reduce per group.\n")
-    print("| CP | mode | capture attention | step s | capture s | replay s | prefix s | K/V pages / rank "
-          "| kept attention / rank | replay B / token | replay B / token / attn layer | capture B / attn layer "
-          "| capture B / GDN layer | prefix B | grad all-reduce B |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| tier | CP | mode | capture attention | step s | capture s | replay s | prefix s | tier reads B / layer "
+          "| largest read (tokens) | K/V pages / rank | kept attention / rank | replay B / token "
+          "| replay B / token / attn layer | capture B / attn layer | capture B / GDN layer | prefix B "
+          "| grad all-reduce B |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         p = r["phases"]
         moves = r["attention"] if r["attention"] != "lse" else f"lse ({r['moves']} travel)"
-        print(f"| {r['cp']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} | {r['step_s']:.2f} "
+        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} | {r['step_s']:.2f} "
               f"| {p.get('capture', 0):.2f} | {p.get('replay', 0):.2f} | {p.get('prefix', 0):.2f} "
-              f"| {r['kv_pages_per_rank']:,} | {r['kept_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
+              f"| {r['tier_read_b_per_layer']:,} | {r['largest_read']:,} | {r['kv_pages_per_rank']:,} "
+              f"| {r['kept_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
               f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "
               f"| {r['prefix_b']:,} | {r.get('grad_reduce_b', 0):,} |")
 

@@ -53,7 +53,7 @@ def _tier_round(pool, keys, tokens, data):
     pool.flush()
     write = time.perf_counter() - start
     layers = sorted({layer for layer, _ in keys})
-    stager = Stager(pool, layers, depth=2)
+    stager = Stager(pool, {layer: [name for other, name in keys if other == layer] for layer in layers}, depth=2)
     start = time.perf_counter()
     checksum = 0.0
     for layer in layers:
@@ -144,8 +144,10 @@ def bench_host(total_bytes):
 def _peak_child(args):
     """One GRPO group in this (fresh) process; prints JSON with VmHWM and the retained bytes."""
     from ds_longstraw import GRPOGroup, grpo_backward
-    from ds_longstraw.memory import host_peak_bytes, reset_host_peak
+    from ds_longstraw.memory import host_peak_bytes, require_host_peaks, reset_host_peak
     from ds_longstraw.shapes import build_model
+
+    require_host_peaks("bench_offload's peak run")  # reset_host_peak below raises where clear_refs is not writable
 
     # The "small" shape with 6 of 8 layers full attention and wide heads: K/V pages dominate what is retained.
     types = ["linear_attention" if i in (0, 4) else "full_attention" for i in range(8)]
@@ -199,20 +201,21 @@ def main(argv=None):
         total = int(args.gib * GiB)
         rows, (tier_w, tier_r, plain_w, plain_r) = bench_nvme(path, total)
         rows += bench_host(total)
-        print(f"`python bench/bench_offload.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(" `", "`"))
+        print(f"`python bench/bench_offload.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+              .replace(" `", "`"))
         print()
         print("| what | bytes | write / first | read / second |")
         print("|---|---:|---:|---:|")
         for what, nbytes, write, read in rows:
             print(f"| {what} | {nbytes / GiB:.2f} GiB | {_gbs(nbytes, write)} | {_gbs(nbytes, read)} |")
         print()
-        print(f"NVMe tier vs plain file I/O on the same disk: write {plain_w / tier_w:.0%}, read {plain_r / tier_r:.0%} "
-              f"of the plain bandwidth.")
+        print(f"NVMe tier vs plain file I/O on the same disk: write {plain_w / tier_w:.0%}, "
+              f"read {plain_r / tier_r:.0%} of the plain bandwidth.")
         if not args.skip_peak:
             peak = bench_peak(path, args.prompt)
             print()
-            print(f"Peak host memory of one GRPO group (detached, prompt {args.prompt:,} tokens, G=2, 32-token responses, "
-                  f"6 attention layers of 2x256 K/V heads, float32), fresh process per tier:")
+            print(f"Peak host memory of one GRPO group (detached, prompt {args.prompt:,} tokens, G=2, "
+                  f"32-token responses, 6 attention layers of 2x256 K/V heads, float32), fresh process per tier:")
             print()
             print("| tier | retained K/V pages | peak host memory (VmHWM) | seconds |")
             print("|---|---:|---:|---:|")

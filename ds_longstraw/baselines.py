@@ -10,11 +10,11 @@ Both accumulate into .grad like grpo_backward and return a GroupResult.
 import torch
 
 from .arch import adapter_for
+from .config import parse_config
 from .memory import PhaseMeter
 from .objective import GRPOObjective
 from .replay import member_inputs
 from .transaction import GroupResult, _reference_policy, score_reference
-from .config import parse_config
 
 
 def _start(model, group, objective, config, ref_model):
@@ -37,11 +37,11 @@ def conventional(model, group, objective=None, *, config=None, ref_model=None) -
     with meter.phase("forward"), torch.enable_grad():
         ids = group.prompt_ids[:-1]
         prompt = adapter.forward_segment(ids, 0, {}, {})
-        carry = {layer: (prompt.gdn_state[layer], prompt.conv_tail[layer]) for layer in adapter.gdn_layers}
+        carry = prompt.carry
         logps, total = [], 0.0
         for member in range(group.size):
             inputs, targets = member_inputs(group, member)
-            past = {layer: [(prompt.keys[layer], prompt.values[layer])] for layer in adapter.attn_layers}
+            past = {layer: [rows] for layer, rows in prompt.rows.items()}
             out = adapter.forward_segment(inputs, ids.numel(), carry, past)
             logp = adapter.logprobs(out.hidden, targets)
             ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
@@ -50,7 +50,10 @@ def conventional(model, group, objective=None, *, config=None, ref_model=None) -
     with meter.phase("backward"):
         if total.requires_grad:
             total.backward()
-    retained = {"attention_kv_pages": sum(k.numel() * k.element_size() * 2 for k in prompt.keys.values())}
+    retained = {}  # what the prompt's forward keeps for the members, by the specs' labels
+    for spec in adapter.specs:
+        rows = prompt.rows.get(spec.layer, ())
+        retained[spec.label] = retained.get(spec.label, 0) + sum(t.numel() * t.element_size() for t in rows)
     return GroupResult(loss=float(total.detach()), logprobs=[lp.detach().double().cpu() for lp in logps],
                        ref_logprobs=ref_logprobs, advantages=advantages, phases=meter.phases, retained_bytes=retained)
 

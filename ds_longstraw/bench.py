@@ -31,11 +31,12 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     import tempfile
 
     from .baselines import conventional, per_member
+    from .memory import host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak
     from .objective import GRPOObjective
-    from .memory import host_current_bytes, host_peak_bytes, reset_host_peak
     from .shapes import build_model, synthetic_group
     from .transaction import grpo_backward
 
+    require_host_peaks("the benchmark")  # reset_host_peak below raises where /proc/self/clear_refs is not writable
     torch.manual_seed(seed)
     model = build_model(shape, dtype=getattr(torch, dtype), seed=seed)
     group = synthetic_group(prompt, group_size, response, model.config.vocab_size, seed=seed)
@@ -74,7 +75,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {
         "method": method, "prompt": prompt, "group": group_size, "response": response, "shape": shape,
-        "seconds": seconds, "cpu_seconds": cpu_seconds, "threads": torch.get_num_threads(), "process_peak_bytes": peak, "step_peak_bytes": peak - before,
+        "seconds": seconds, "cpu_seconds": cpu_seconds, "threads": torch.get_num_threads(),
+        "process_peak_bytes": peak, "step_peak_bytes": peak - before,
         "loss": result.loss, "retained_bytes": result.retained_bytes, "grad_page_bytes": result.grad_page_bytes,
         "phases": {name: {"seconds": p.seconds, "peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
         "kl_coef": kl_coef, "extras": {k: v for k, v in result.extras.items() if k.startswith("prefix_")},
@@ -123,7 +125,8 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
             print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
             row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
                             prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None)
-            print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
+            print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, "
+                  f"step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
             runs[config].append(row)
             if partial_path:
                 with open(partial_path, "a") as handle:
@@ -157,14 +160,16 @@ def table(rows, command):
         lines += [f"Each configuration ran {repeats} times (rounds over the grid); its row is the run of median CPU "
                   "time, with the range of all runs in brackets.", ""]
     lines += [
-             "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) | KV pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
+             "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) "
+             "| KV pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "skipped" in row:
-            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} | | | | | | |")
+            lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} "
+                         "| | | | | | |")
             continue
         kv = row["retained_bytes"].get("attention_kv_pages", 0)
-        kept = row["retained_bytes"].get("attention_output_pages", 0)
+        kept = row["retained_bytes"].get("kept_attention_pages", 0)
         lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {_cpu(row)} | {row['seconds']:.2f} | "
                      f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
                      f"{_mb(row.get('grad_page_bytes', 0))} | {_mb(kept)} |")
@@ -186,28 +191,33 @@ def table(rows, command):
                          f"{mine['step_peak_bytes'] / conv['step_peak_bytes']:.3f} "
                          f"(process peak {mine['process_peak_bytes'] / conv['process_peak_bytes']:.3f})")
         if mine and per:
-            lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = {per['cpu_seconds'] / mine['cpu_seconds']:.1f}x (CPU seconds)")
+            lines.append(f"- prompt {prompt}, G={g}: per_member time / detached time = "
+                         f"{per['cpu_seconds'] / mine['cpu_seconds']:.1f}x (CPU seconds)")
         if mine and conv:
             lines.append(f"- prompt {prompt}, G={g}: conventional time / detached time = "
                          f"{conv['cpu_seconds'] / mine['cpu_seconds']:.2f}x (full autograd: the prompt's forward AND "
                          "backward, the work any exact gradient must do)")
         if mine and exact:
-            lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = {exact['cpu_seconds'] / mine['cpu_seconds']:.2f}x (CPU seconds); "
-                         f"exact step peak {_mb(exact['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
+            lines.append(f"- prompt {prompt}, G={g}: exact time / detached time = "
+                         f"{exact['cpu_seconds'] / mine['cpu_seconds']:.2f}x (CPU seconds); "
+                         f"exact step peak {_mb(exact['step_peak_bytes'])} MiB "
+                         f"vs detached {_mb(mine['step_peak_bytes'])} MiB "
                          f"+ grad pages {_mb(exact['grad_page_bytes'])} MiB")
             split = exact.get("extras", {})
             if "prefix_forward_seconds" in split:
                 forward, backward = split["prefix_forward_seconds"], split["prefix_backward_seconds"]
                 lines.append(f"- prompt {prompt}, G={g}: exact's prefix pass: forward (the recompute) {forward:.2f} s, "
-                             f"backward {backward:.2f} s; exact less the recompute (the most keeping capture activations could save): "
+                             f"backward {backward:.2f} s; exact less the recompute "
+                             "(the most keeping capture activations could save): "
                              f"{(exact['cpu_seconds'] - forward) / mine['cpu_seconds']:.2f}x detached")
         for method, where in (("longstraw-exact-keep", "with the K/V pages"), ("longstraw-exact-keep-nvme", "on NVMe")):
             keep = _find(rows, method, prompt, g)
             if not (mine and keep):
                 continue
-            kept = keep["retained_bytes"].get("attention_output_pages", 0)
+            kept = keep["retained_bytes"].get("kept_attention_pages", 0)
             forward = keep.get("extras", {}).get("prefix_forward_seconds", float("nan"))
-            lines.append(f"- prompt {prompt}, G={g}: exact with the attention kept ({_mb(kept)} MiB, {where}) / detached "
+            lines.append(f"- prompt {prompt}, G={g}: exact with the attention kept ({_mb(kept)} MiB, {where}) "
+                         "/ detached "
                          f"time = {keep['cpu_seconds'] / mine['cpu_seconds']:.2f}x (prefix forward {forward:.2f} s); "
                          f"step peak {_mb(keep['step_peak_bytes'])} MiB vs detached {_mb(mine['step_peak_bytes'])} MiB "
                          f"+ grad pages {_mb(keep['grad_page_bytes'])} MiB")

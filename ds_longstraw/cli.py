@@ -85,7 +85,7 @@ def demo(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "plan":
-        from .offload import planner
+        from . import planner
 
         return planner.main(argv[1:])
     if argv and argv[0] == "bench":

@@ -63,7 +63,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         "exact" also back-propagates through the prompt (gradients equal full-sequence autograd).
     capture_chunk: prompt tokens per capture chunk (bounds activation memory of capture).
     prefix_block: exact mode only: prompt tokens per autograd segment of the prefix pass (bounds its live graph;
-        capture then runs segments of min(capture_chunk, prefix_block) and checkpoints the GDN carry at each
+        capture then runs segments of min(capture_chunk, prefix_block) and checkpoints the layers' carry at each
         segment start). None: capture_chunk.
     prefix_recompute: exact mode only: recompute each layer of a prefix-pass segment during its backward (one
         layer's graph alive instead of the segment's, for one more forward of the prompt), under plain autograd
@@ -74,7 +74,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         on pages of offload.kept_attention_tier (default: the K/V pages' tier), so the prefix pass never recomputes
         the prompt's quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H)
         values per token per full-attention layer (H query heads: (H/K)/2 times the K/V pages under GQA), reported
-        as retained "attention_output_pages". Under context parallelism each rank keeps its own tokens' result,
+        as retained "kept_attention_pages". Under context parallelism each rank keeps its own tokens' result,
         merged over every rank's keys, so the prefix pass also skips the remote partials (no query leaves the rank
         in its forward; its backward still sends them to the earlier ranks for their keys' gradients).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).

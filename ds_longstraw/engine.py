@@ -21,7 +21,7 @@ What grpo_step is:
     `initialize`, inside data-parallel replica k; the N ranks of a replica bring the same group(s) (checked) and
     shard each prompt (parallel/). DeepSpeed sees all D x N ranks as data parallel (weights partitioned over all
     of them) and no explicit CP all-reduce runs: each CP rank back-propagates the whole replay and N x its own
-    exact-mode prefix share (parallel/transaction.py), so a replica's N ranks sum to N g_replica and DeepSpeed's
+    exact-mode prefix share (topology.py, ContextParallel), so a replica's N ranks sum to N g_replica and DeepSpeed's
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
     per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (parallel/prefix.py).
@@ -41,8 +41,8 @@ from .arch import adapter_for
 from .config import LongstrawConfig
 from .engine_config import load_ds_config, read_block
 from .group import GRPOGroup
-from .objective import GRPOObjective
 from .lockstep import Lockstep, common_shapes, dummy_group, shape_of
+from .objective import GRPOObjective
 from .transaction import GroupResult, grpo_backward
 
 

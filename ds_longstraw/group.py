@@ -63,12 +63,14 @@ class GRPOGroup:
             self.advantages = _as_vector("advantages", self.advantages, self.size)
         if self.old_logprobs is not None:
             if len(self.old_logprobs) != self.size:
-                raise ValueError(f"old_logprobs has {len(self.old_logprobs)} entries but there are {self.size} responses")
+                raise ValueError(f"old_logprobs has {len(self.old_logprobs)} entries "
+                                 f"but there are {self.size} responses")
             checked = []
             for i, (old, response) in enumerate(zip(self.old_logprobs, self.response_ids)):
                 old = torch.as_tensor(old, dtype=torch.float64).flatten()
                 if old.numel() != response.numel():
-                    raise ValueError(f"old_logprobs[{i}] has {old.numel()} entries, response_ids[{i}] has {response.numel()} tokens")
+                    raise ValueError(f"old_logprobs[{i}] has {old.numel()} entries, "
+                                     f"response_ids[{i}] has {response.numel()} tokens")
                 if not torch.isfinite(old).all():
                     raise ValueError(f"old_logprobs[{i}] holds NaN or inf")
                 checked.append(old)
@@ -84,7 +86,8 @@ class GRPOGroup:
 
     def check_vocab(self, vocab_size: int):
         """Called by the transaction once the model is known: ids must index its embedding."""
-        for name, ids in [("prompt_ids", self.prompt_ids)] + [(f"response_ids[{i}]", r) for i, r in enumerate(self.response_ids)]:
+        for name, ids in [("prompt_ids", self.prompt_ids)] + [(f"response_ids[{i}]", r)
+                                                              for i, r in enumerate(self.response_ids)]:
             if int(ids.max()) >= vocab_size:
                 raise ValueError(f"{name} holds token id {int(ids.max())} >= vocab size {vocab_size}")
 

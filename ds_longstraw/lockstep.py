@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .prefix_pass import segment_roots
+
 PAD_TOKEN = 0
 
 
@@ -62,7 +64,8 @@ def merge(shapes) -> GroupShape:
     """The element-wise maximum of group shapes (missing members count as 0 blocks)."""
     members = max(len(s.blocks) for s in shapes)
     return GroupShape(chunks=max(s.chunks for s in shapes),
-                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes) for m in range(members)))
+                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes)
+                                   for m in range(members)))
 
 
 def common_shapes(local_shapes, group=None) -> list:
@@ -90,7 +93,29 @@ def dummy_group():
                      advantages=[0.0])
 
 
-class Lockstep:
+class Schedule:
+    """The transaction's schedule as this rank runs it: the plain one, with no padding (one data-parallel rank, or
+    no ZeRO-3). `Lockstep` wraps the same points with padding; the transaction and the topologies call these points
+    whichever they were given, and never ask which."""
+
+    capture_pad = 0  # extra capture chunks of dummy calls
+    # context parallelism: prefix iterations every rank makes in every turn (None: no mirroring)
+    prefix_iterations = None
+
+    def pad_capture(self, adapter):
+        """After a one-rank capture: the extra chunks' calls."""
+
+    def pad_prefix(self, adapter, backward=None):
+        """After a one-rank prefix pass: the extra iterations."""
+
+    def pad_member(self, member, inputs, targets):
+        return inputs, targets
+
+    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+        """After the group's members: the members other ranks have and this one lacks."""
+
+
+class Lockstep(Schedule):
     """How one rank pads one group's transaction up to the common shape (see the module docstring)."""
 
     def __init__(self, local: GroupShape, common: GroupShape, settings):
@@ -103,8 +128,12 @@ class Lockstep:
     def capture_pad(self) -> int:
         return self.common.chunks - self.local.chunks
 
+    @property
+    def prefix_iterations(self) -> int:
+        return self.common.chunks
+
     # -- capture and prefix ------------------------------------------------------------------------------
-    def pad_capture(self, adapter, device=None):
+    def pad_capture(self, adapter):
         """Extra no-grad forwards (the reference capture, the policy capture)."""
         ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
         with torch.no_grad():
@@ -150,16 +179,15 @@ class Lockstep:
 
 
 def zero_prefix_iteration(adapter, backward=None, remote_attention=None, recompute=False):
-    """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (GDN state and
-    conv tail, K and V) are the roots of a zero surrogate, back-propagated like a real chunk's. remote_attention:
-    as forward_segment's (a context-parallel rank mirroring another rank's chunk serves its requests through it);
+    """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (every layer's
+    end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
+    chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves
+    its requests through it);
     recompute: each layer recomputed in backward, as the real segments are (settings.recompute_layers)."""
     ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     with torch.enable_grad():
         out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, checkpoint_layers=recompute)
-        outputs = [t for layer in adapter.gdn_layers for t in (out.gdn_state[layer], out.conv_tail[layer])]
-        outputs += [t for layer in adapter.attn_layers for t in (out.keys[layer], out.values[layer])]
-        live = [o for o in outputs if o.requires_grad]
+        live = [o for o in segment_roots(adapter.specs, out) if o.requires_grad]
         if live:
             surrogate = sum((o * 0.0).sum() for o in live)
             surrogate.backward() if backward is None else backward(surrogate)

@@ -10,16 +10,7 @@ than once and must see the same function each time.
 
 import torch
 
-# Linear layers of each family that adapters attach to: attention and GDN projections and the MLP.
-DEFAULT_TARGETS = {
-    "qwen3_5": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-                "out_proj", "gate_proj", "up_proj", "down_proj"],
-}
-
-
-def _family(model) -> str:
-    model_type = getattr(getattr(model, "config", None), "model_type", "")
-    return "qwen3_5" if model_type in ("qwen3_5", "qwen3_5_text") else model_type
+from .arch import lora_targets
 
 
 def apply_lora(model, r: int = 16, alpha: float = 32, dropout: float = 0.0, target_modules=None, seed=None):
@@ -33,9 +24,10 @@ def apply_lora(model, r: int = 16, alpha: float = 32, dropout: float = 0.0, targ
     if dropout != 0.0:
         raise ValueError(f"lora.dropout = {dropout}: must be 0 (capture, replay and the prefix pass re-run tokens "
                          "and must see the same function every time)")
-    targets = list(target_modules) if target_modules else DEFAULT_TARGETS.get(_family(model))
+    model_type = getattr(getattr(model, "config", None), "model_type", "")
+    targets = list(target_modules) if target_modules else lora_targets(model_type)
     if not targets:
-        raise ValueError(f"no default LoRA target modules for model type {_family(model)!r}: set lora.target_modules")
+        raise ValueError(f"no default LoRA target modules for model type {model_type!r}: set lora.target_modules")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=targets, bias="none",
                         task_type="CAUSAL_LM")
     if seed is not None:

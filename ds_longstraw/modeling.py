@@ -1,8 +1,7 @@
 """Building the policy: from a model shape config (random weights, no hub access) or from a local checkpoint.
 
-A shape config is a YAML (or dict) of transformers config fields plus `model_type` and, for hybrid models,
-`full_attention_interval` (every n-th layer is full attention; the rest Gated DeltaNet) which becomes
-`layer_types`. See configs/models/.
+A shape config is a YAML (or dict) of transformers config fields plus `model_type`, and shorthands a family
+defines (ds_longstraw.arch: qwen3_5's `full_attention_interval`, which becomes `layer_types`). See configs/models/.
 
 Under ZeRO-3 a big model must be partitioned as it is built (no rank could hold a whole 27B model): the model is
 then constructed inside transformers' DeepSpeed integration (`HfDeepSpeedConfig`, which enters
@@ -12,10 +11,12 @@ from the same seed (so a single-process reference builds the very same weights).
 """
 
 import os
+from pathlib import Path
 
 import torch
 
 ZERO_INIT_ABOVE = 1 << 30  # parameters
+MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"  # the shape configs (one per shape)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
@@ -44,15 +45,13 @@ def config_from_shape(shape):
     """transformers config for a shape config (dict or YAML path)."""
     from transformers import AutoConfig
 
+    from .arch import config_fields
+
     fields = load_shape(shape)
     model_type = fields.pop("model_type", None)
     if model_type is None:
         raise ValueError("model shape needs 'model_type' (say qwen3_5_text)")
-    interval = fields.pop("full_attention_interval", None)
-    if interval is not None and "layer_types" not in fields:
-        layers = fields["num_hidden_layers"]
-        fields["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                                 for i in range(layers)]
+    fields = config_fields(model_type, fields)  # the family's shorthands (arch/)
     fields.pop("name", None)
     return AutoConfig.for_model(model_type, **fields)
 

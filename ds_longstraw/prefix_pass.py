@@ -1,10 +1,10 @@
 """Exact mode's reverse pass over the prompt's capture chunks.
 
-After every member has replayed, the gradient pages hold d(loss)/d(K, V) of every prompt token that replay read,
-and the GDN leaves hold d(loss)/d(final state). Walking the chunks last to first, chunk c is recomputed WITH
-autograd from its checkpointed boundary state and the pages before it; the accumulated gradients of its outputs
-(its K/V rows, its end state and conv tail) are injected; backward adds parameter gradients, adds the gradients
-that land on earlier pages to their gradient pages, and yields d(boundary state), carried to chunk c-1.
+After every member has replayed, the gradient pages hold d(loss)/d(rows) of every prompt token that replay read,
+and the carry leaves hold d(loss)/d(final carry). Walking the chunks last to first, chunk c is recomputed WITH
+autograd from its checkpointed boundary carry and the pages before it; the accumulated gradients of its outputs
+(its rows of every stream that carries a gradient, its end carry) are injected; backward adds parameter gradients, adds
+the gradients that land on earlier pages to their gradient pages, and yields d(boundary state), carried to chunk c-1.
 The live graph is one chunk; every prompt token's contribution is counted once, as in full-sequence autograd.
 Earlier pages are staged one layer at a time from the pool's tier (forward ascending, the backward re-stages
 descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
@@ -18,16 +18,13 @@ import torch
 from ds_longstraw.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
-
-def _zeros_like_carry(recurrent, tail, like_state, like_tail):
-    return (torch.zeros_like(like_state) if recurrent is None else recurrent,
-            torch.zeros_like(like_tail) if tail is None else tail)
+from .arch.specs import stream_names
 
 
 def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
                     recompute=True, timings=None):
     """ids: prompt[:-1] (a context-parallel rank: its own shard, at prompt position state.offset);
-    d_final_carry: layer -> (d recurrent state, d conv tail) after the prefix. Returns d(carry) at the start of the
+    d_final_carry: layer -> d(its carry) after the prefix. Returns d(carry) at the start of the
     captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
 
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
@@ -36,28 +33,28 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     alive instead of the segment's); settings.recompute_layers says where that is allowed. timings: a dict that
     gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
     `recompute`, the backward includes the layers' recompute)."""
-    stager = Stager(state.pool, adapter.attn_layers)
+    stager = Stager(state.pool, stream_names(adapter.specs))
     boundaries = list(reversed(state.boundaries))
     try:
-        with closing(_segments_ahead(state, adapter.attn_layers, boundaries)) as segments:
+        with closing(_segments_ahead(state, boundaries)) as segments:
             return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
                                    recompute, {} if timings is None else timings, segments)
     finally:
         stager.close()
 
 
-def _segments_ahead(state, layers, boundaries):
-    """(boundary, the GDN carry checkpointed there, the attention kept from capture or None) of each segment, the
+def _segments_ahead(state, boundaries):
+    """(boundary, the carry checkpointed there, the attention kept from capture or None) of each segment, the
     next segment's reads issued before this one's are collected, so a slower tier's reads overlap the segment's
     compute. Closing the generator completes and drops reads still in flight (an error half-way)."""
     in_flight = []  # reads issued and not yet collected
     try:
         ahead = None
         for index, boundary in enumerate(boundaries):
-            current = ahead or _begin_segment(state, layers, boundary, in_flight)
+            current = ahead or _begin_segment(state, boundary, in_flight)
             ahead = None
             if index + 1 < len(boundaries):
-                ahead = _begin_segment(state, layers, boundaries[index + 1], in_flight)
+                ahead = _begin_segment(state, boundaries[index + 1], in_flight)
             carry, kept = (read.result() for read in current)
             for read in current:
                 in_flight.remove(read)
@@ -67,11 +64,11 @@ def _segments_ahead(state, layers, boundaries):
             read.release()
 
 
-def _begin_segment(state, layers, boundary, in_flight):
+def _begin_segment(state, boundary, in_flight):
     """Issue the reads of one segment's checkpointed carry and kept attention (each recorded in in_flight)."""
     carry = state.begin_carry(boundary)
     in_flight.append(carry)
-    kept = state.begin_kept_attention(layers, boundary.start, boundary.end)
+    kept = state.begin_kept_attention(boundary.start, boundary.end)
     in_flight.append(kept)
     return carry, kept
 
@@ -85,28 +82,17 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
     d_carry = d_final_carry
     for boundary, checkpointed, kept in segments:
         start, end = boundary.start, boundary.end
-        carry = {}
-        for layer in adapter.gdn_layers:
-            recurrent, tail = checkpointed.get(layer, (None, None))
-            if recurrent is None:  # the prompt start: zero state, nothing to carry further back
-                carry[layer] = (None, None)
-            else:
-                carry[layer] = (recurrent.detach().requires_grad_(True), tail.detach().requires_grad_(True))
-        past = StagedPast(stager, adapter.attn_layers, 0, start, with_grad=True)
+        # the prompt start has no checkpoint: zeros there, nothing to carry further back
+        carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
+                 for layer, parts in checkpointed.items()}
+        past = StagedPast(stager, 0, start, with_grad=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
                                           remote_attention, checkpoint_layers=recompute,
                                           known_attention=kept)
-            outputs, grads = [], []
-            for layer in adapter.gdn_layers:
-                d_state, d_tail = d_carry[layer]
-                outputs += [out.gdn_state[layer], out.conv_tail[layer]]
-                grads += [d_state.to(out.gdn_state[layer]), d_tail.to(out.conv_tail[layer])]
-            for layer in adapter.attn_layers:
-                outputs += [out.keys[layer], out.values[layer]]
-                grads += [pool.read_grad(layer, "k", start, end).to(out.keys[layer]),
-                          pool.read_grad(layer, "v", start, end).to(out.values[layer])]
+            outputs = segment_roots(adapter.specs, out)
+            grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end))]
             # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
             live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
             forwarded = time.perf_counter()
@@ -116,13 +102,36 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             elif live:
                 backward(sum((o * g.detach()).sum() for o, g in live))
             timings["backward"] += time.perf_counter() - forwarded
-        d_carry = {}
-        for layer in adapter.gdn_layers:
-            recurrent, tail = carry[layer]
-            if recurrent is not None:
-                d_carry[layer] = _zeros_like_carry(recurrent.grad, tail.grad, recurrent, tail)
+        d_carry = {layer: tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in parts)
+                   for layer, parts in carry.items()}
         del out, outputs, grads, live, kept, checkpointed
         return_freed_host_memory(adapter.device)
         if progress is not None:
             progress(end - start)
     return d_carry
+
+
+def segment_roots(specs, out):
+    """The outputs of a segment that later tokens read, in a fixed order: each layer's end carry, then its rows of
+    every stream that carries a gradient."""
+    outputs = []
+    for spec in specs:
+        if spec.carry:
+            outputs += list(out.carry[spec.layer])
+        for stream, rows in zip(spec.streams, out.rows.get(spec.layer, ())):
+            if stream.grad:
+                outputs.append(rows)
+    return outputs
+
+
+def _injected(specs, d_carry, pool, start, end):
+    """The accumulated gradients of segment_roots' outputs: d(end carry) from the later segment (or replay), and
+    the gradient pages of the segment's rows."""
+    grads = []
+    for spec in specs:
+        if spec.carry:
+            grads += list(d_carry[spec.layer])
+        for stream in spec.streams:
+            if stream.grad:
+                grads.append(pool.read_grad(spec.layer, stream.name, start, end))
+    return grads

@@ -1,4 +1,4 @@
-"""grpo_backward: one GRPO group as a transaction.
+"""grpo_backward: one GRPO group as a transaction, written once for every architecture and topology.
 
     capture-ref  (kl_coef > 0) capture the reference policy's prompt state without autograd
     score-ref    reference log-probs of every member without a graph; then free that state
@@ -6,7 +6,10 @@
     replay       for each member: replay [prompt[-1], response[:-1]] with autograd, backward its loss share,
                  drop the graph (exact mode: d(state) accumulates on gradient pages)
     prefix       (exact mode) reverse pass over the capture chunks
-Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
+    reduce       (context parallelism without a caller's reduction) one all-reduce of .grad over the CP group
+What each layer keeps comes from the adapter's layer-state specs (arch/specs.py); where the prompt lives and what
+crosses ranks from the topology (topology.py); how this rank pads its calls under ZeRO-3 from the schedule
+(lockstep.py). Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
 """
 
 from contextlib import contextmanager, nullcontext
@@ -17,13 +20,11 @@ import torch
 from .arch import adapter_for
 from .config import parse_config
 from .group import GRPOGroup
+from .lockstep import Schedule
 from .memory import PhaseMeter
 from .objective import GRPOObjective
-from .parallel.groups import as_cp_context
-from .parallel.transaction import cp_grpo_backward
-from .prefix_pass import prefix_backward
-from .replay import final_carry_grads, prefix_leaves, replay_group, score_group
-from .state import capture_prefix
+from .replay import final_carry_grads, replay_group, score_group
+from .topology import OneRank, topology_for
 
 
 @dataclass
@@ -66,26 +67,26 @@ def _progress_bar(enabled, total, desc):
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter, group, settings, keep_boundaries, desc, lockstep=None):
-    with _progress_bar(settings.progress, group.prompt_ids.numel() - 1, desc) as bar:
-        state = capture_prefix(adapter, group.prompt_ids, settings, keep_boundaries,
-                               progress=None if bar is None else bar.update)
-    if lockstep is not None:  # ZeRO-3 data parallel: as many module calls as the other ranks (lockstep.py)
-        lockstep.pad_capture(adapter)
-    return state
+def _capture(adapter, group, settings, keep_boundaries, desc, topology, schedule):
+    with _progress_bar(settings.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
+        return topology.capture(adapter, group.prompt_ids, settings, keep_boundaries, schedule,
+                                progress=None if bar is None else bar.update)
 
 
-def score_reference(ref_model, group, settings, lockstep=None):
+def score_reference(ref_model, group, settings, topology=None, schedule=None):
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
+    topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
-    state = _capture(adapter, group, settings, False, "capture (reference)", lockstep)
+    state = _capture(adapter, group, settings, False, "capture (reference)", topology, schedule)
     try:
-        leaves = prefix_leaves(adapter, state, requires_grad=False)
-        scores = score_group(adapter, leaves, state.length, group, settings.replay_block, lockstep=lockstep)
-        leaves.release()
+        view = topology.replay_view(adapter, state, requires_grad=False)
+        try:
+            return score_group(adapter, view.leaves, state.length, group, settings.replay_block, schedule=schedule,
+                               remote_attention=view.remote_attention)
+        finally:
+            view.leaves.release()
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success
-    return scores
 
 
 def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None,
@@ -94,9 +95,12 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
 
     config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
     a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
+    cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks over
+    which the prompt is sharded (every rank calls with the same group; topology.py says what crosses ranks).
     backward: callable run on every scalar that is back-propagated (each member's loss share; in exact mode the
     prefix pass's surrogate sum(output * injected grad), whose gradient is exactly the injected one). Default
-    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward.
+    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward (and then
+    reduces: under context parallelism no reduction happens here).
     lockstep: None, or a lockstep.Lockstep that pads this rank's module calls to those of the other data-parallel
     ranks (ZeRO-3 gathers weights with collectives; the DeepSpeed engine sets it). Results are unchanged.
     """
@@ -106,46 +110,49 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
         raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
-    cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
+    topology = topology_for(cp_group, settings)
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
-    if cp is not None:  # the prompt sharded over a context-parallel group (parallel/transaction.py)
-        return cp_grpo_backward(model, group, objective, settings=settings, ref_model=ref_model, cp=cp,
-                                backward=backward, lockstep=lockstep)
+    topology.check(adapter, settings)
+    schedule = lockstep or Schedule()
     exact = settings.prefix_grad == "exact"
+    caller_reduces = backward is not None
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
 
     ref_logprobs = None
-    prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
     if objective.kl_coef > 0:
-        with meter.phase("reference"), _reference_policy(model, ref_model) as reference:
-            ref_logprobs = score_reference(reference, group, settings, lockstep)
+        with meter.phase("reference"), topology.phase("reference"), _reference_policy(model, ref_model) as reference:
+            ref_logprobs = score_reference(reference, group, settings, topology, schedule)
 
-    with meter.phase("capture"):
-        state = _capture(adapter, group, settings, exact, "capture", lockstep)
+    with meter.phase("capture"), topology.phase("capture"):
+        state = _capture(adapter, group, settings, exact, "capture", topology, schedule)
+    prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
     try:
         retained = state.retained_bytes()
+        before = topology.begin_gradients(model, caller_reduces)
+        with meter.phase("replay"), topology.phase("replay"):
+            view = topology.replay_view(adapter, state, requires_grad=exact)
+            loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
+                                          ref_logprobs, settings.replay_block, backward=backward, schedule=schedule,
+                                          remote_attention=view.remote_attention)
+            view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
+        topology.after_replay(model, caller_reduces)
 
-        with meter.phase("replay"):
-            leaves = prefix_leaves(adapter, state, requires_grad=exact)
-            loss, logprobs = replay_group(adapter, leaves, state.length, group, objective, advantages, ref_logprobs,
-                                          settings.replay_block, backward=backward, lockstep=lockstep)
-            leaves.release()  # staged pages of the replay are not needed by the prefix pass
-
-        grad_page_bytes = state.pool.grad_bytes()
         if exact:
-            with meter.phase("prefix"):
-                d_final = final_carry_grads(leaves)
-                with _progress_bar(settings.progress, state.length, "prefix pass") as bar:
-                    prefix_backward(adapter, state, group.prompt_ids[:-1], d_final,
-                                    progress=None if bar is None else bar.update, backward=backward,
-                                    recompute=settings.recompute_layers, timings=prefix_seconds)
-                if lockstep is not None:
-                    lockstep.pad_prefix(adapter, backward)
-            grad_page_bytes = state.pool.grad_bytes()
+            with meter.phase("prefix"), topology.phase("prefix"):
+                d_final = final_carry_grads(view.leaves)
+                with _progress_bar(settings.progress and topology.size == 1, state.length, "prefix pass") as bar:
+                    topology.prefix(adapter, state, group.prompt_ids, d_final, settings, schedule, backward=backward,
+                                    progress=None if bar is None else bar.update, timings=prefix_seconds)
+        grad_page_bytes = state.pool.grad_bytes()
+        del view
+        if before is not None:  # the topology reduces here (context parallelism without a caller's reduction)
+            with meter.phase("reduce"), topology.phase("reduce"):
+                topology.reduce(model, before)
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success
+    extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
+    extras.update(topology.report(state, group))
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
-                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes,
-                       extras={f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()})
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras)

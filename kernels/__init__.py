@@ -4,11 +4,15 @@ Installed as ``ds_longstraw.kernels`` (a top-level ``kernels`` package would sha
 name that transformers probes for).
 """
 
-from .attention import (attention_with_past, attention_with_past_reference, partial_attention,
-                        partial_attention_reference)
-from .lse import merge_partials, merge_partials_reference
+from .attention import (
+                        attention_with_past,
+                        attention_with_past_reference,
+                        partial_attention,
+                        partial_attention_reference,
+)
 from .gated_delta import chunk_gated_delta_rule_autograd, recurrent_gated_delta_rule
 from .gated_delta_chunked import chunk_gated_delta_rule
+from .lse import merge_partials, merge_partials_reference
 
 __all__ = [
     "partial_attention",

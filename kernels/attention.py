@@ -243,8 +243,8 @@ class _AttentionWithPast(torch.autograd.Function):
             causal = 0 if index == len(pairs) - 1 else None
             if k_KTD.shape[1] == 0:
                 continue
-            o, l = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
-            out, lse = (o, l) if out is None else merge_partials(out, lse, o, l.to(lse.dtype))
+            o, lse_part = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
+            out, lse = (o, lse_part) if out is None else merge_partials(out, lse, o, lse_part.to(lse.dtype))
         ctx.scale, ctx.key_block, ctx.count, ctx.sinks = scale, key_block, len(kv_sets) // 2, sinks
         ctx.save_for_backward(q_HTD, out, lse, *kv_sets)
         return out, lse
@@ -292,7 +292,8 @@ def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=
         raise ValueError(f"query heads {q_HTD.shape[0]} not a multiple of kv heads {k_KTD.shape[0]}")
     if k_KTD.shape[1] == 0:
         out = q_HTD.new_zeros(q_HTD.shape[:2] + (v_KTD.shape[-1],))
-        lse = torch.full(q_HTD.shape[:2], float("-inf"), dtype=torch.float32 if q_HTD.dtype != torch.float64 else q_HTD.dtype, device=q_HTD.device)
+        lse = torch.full(q_HTD.shape[:2], float("-inf"),
+                         dtype=torch.float32 if q_HTD.dtype != torch.float64 else q_HTD.dtype, device=q_HTD.device)
         return out, lse
     return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 

@@ -22,7 +22,8 @@ def main(argv=None):
     with open(args.out, "w") as out:
         for _ in range(args.groups):
             # prompt and response lengths vary per group (not multiples of any chunk or page size)
-            prompt_len = int(torch.randint(max(2, args.prompt_tokens // 2), args.prompt_tokens + 1, (1,), generator=gen))
+            prompt_len = int(torch.randint(max(2, args.prompt_tokens // 2), args.prompt_tokens + 1, (1,),
+                                           generator=gen))
             lengths = torch.randint(1, args.response_tokens + 1, (args.group_size,), generator=gen).tolist()
             record = {
                 "prompt_ids": torch.randint(0, args.vocab, (prompt_len,), generator=gen).tolist(),

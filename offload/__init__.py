@@ -5,10 +5,10 @@ from .host_pool import HostPagePool
 from .io_engine import PageFileError
 from .nvme_pool import NvmePagePool
 from .page_table import PageEntry, PageTable
-from .pages import PageKey, PagePool
+from .pages import PagePool
 from .staged_past import StagedPast, staged_saves
 from .stager import Stager
 from .states import PageState
 
-__all__ = ["HostPagePool", "NvmePagePool", "PageEntry", "PageFileError", "PageKey", "PagePool", "PageState",
-           "PageTable", "StagedPast", "Stager", "make_pool", "staged_saves"]
+__all__ = ["HostPagePool", "NvmePagePool", "PageEntry", "PageFileError", "PagePool", "PageState", "PageTable",
+           "StagedPast", "Stager", "make_pool", "staged_saves"]

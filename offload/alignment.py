@@ -15,7 +15,7 @@ import uuid
 
 import torch
 
-_MIN_ALIGN = 1024  # DeepSpeed pads swap files to 1 KiB (runtime/swap_tensor/utils.py AIO_ALIGNED_BYTES)
+_MIN_ALIGN = 1024  # DeepSpeed pads swap files to 1 KiB (AIO_ALIGNED_BYTES, deepspeed/runtime/swap_tensor/utils.py)
 _PER_THREAD = 512  # O_DIRECT sector size the aio op assumes per thread
 _CAP_IPC_LOCK = 14
 

@@ -8,14 +8,29 @@ The aio op's sharp edges are guarded here, because it reports none of them:
 - `wait()` with nothing pending, or a read past the end of a file, trips a C assert and aborts the process:
   `wait` is skipped when nothing is pending and every read is checked against the file's size first;
 - a misaligned request "succeeds" and transfers nothing: sizes, offsets and buffers are checked for alignment;
-- it never looks at the result of a transfer (a full disk or an I/O error passes silently): writes are checked
-  against the file's size after completion, and readers verify page checksums.
+- it never looks at the result of a transfer. DeepSpeed 0.19.8 (csrc/aio/common/deepspeed_aio_common.cpp,
+  `_do_io_complete`) reaps each request's io_events and drops them: the byte count or -errno in `io_event.res`
+  is never read, `async_pwrite` returns 0 once the file opens, and `wait()` returns the number of requests that
+  completed, failed or not. A write refused or cut short (a file-size limit, a full disk, an I/O error) passes
+  silently, and a size check cannot see it either, because page files are preallocated to their full size. So
+  `AioEngine.wait()` reads back the last `alignment` bytes of every write it completed, through the same handle,
+  and compares them with the bytes it meant to write. That catches a write that lands nothing or stops early:
+  a file-size limit fails every block from some offset on, the request's last block among them. What it can
+  miss is a failure confined to blocks before a request's last one (an I/O error there, or a disk filling up on
+  a filesystem without preallocation, where blocks in flight together are allocated in no fixed order); the
+  page's checksum catches that when the page is read.
+  The cost is one `alignment`-sized read per write request (a sealed page, or a run of gradient pages).
+
+The buffered engine sees the result of every transfer (`os.pwrite` returns the bytes written, or raises), so
+it needs no read-back: a failed or short write raises in `wait()`.
 """
 
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from .alignment import aligned_empty
 
 _AIO_MODULE = None
 
@@ -73,7 +88,6 @@ class _Engine:
 
     def __init__(self, alignment):
         self.alignment = alignment
-        self._writes = []  # (path, end offset) to check after completion
         self._pending = 0
 
     @property
@@ -85,14 +99,6 @@ class _Engine:
         if offset % self.alignment:
             raise AssertionError(f"{what} {path}: offset {offset} not aligned to {self.alignment} B")
 
-    def _check_writes(self):
-        writes, self._writes = self._writes, []
-        for path, end in writes:
-            size = _file_size(path)
-            if size < end:
-                raise PageFileError(f"write to page file {path} did not land: {size} B on disk, expected at "
-                                    f"least {end} B (disk full or I/O error?)")
-
 
 class AioEngine(_Engine):
     """One DeepSpeed aio handle (a queue with `intra_op_parallelism` worker threads)."""
@@ -103,6 +109,7 @@ class AioEngine(_Engine):
         super().__init__(alignment)
         self._handle = aio_module.aio_handle(aio_config.block_size, aio_config.queue_depth, aio_config.single_submit,
                                              aio_config.overlap_events, aio_config.intra_op_parallelism)
+        self._writes = []  # (buffer, path, offset) submitted since the last wait: verified after it
 
     def submit_read(self, buffer, path, offset):
         self._check(buffer, path, offset, "read")
@@ -116,14 +123,44 @@ class AioEngine(_Engine):
         if self._handle.async_pwrite(buffer, path, offset) != 0:
             raise PageFileError(f"could not open page file {path} for writing")
         self._pending += 1
-        self._writes.append((path, offset + buffer.numel()))
+        self._writes.append((buffer, path, offset))
 
     def wait(self):
         if self._pending == 0:  # the op asserts (aborts) on a wait with nothing pending
             return
         self._handle.wait()
         self._pending = 0
-        self._check_writes()
+        writes, self._writes = self._writes, []
+        if writes:
+            self._verify_writes(writes)
+
+    def _verify_writes(self, writes):
+        """Read back the last `alignment` bytes of each completed write and compare them with what was written
+        (the op reports no per-request result: see the module docstring). Raises PageFileError naming the file."""
+        tail = self.alignment
+        # A later write to the same bytes replaces an earlier one: check the last.
+        writes = list({(path, offset + buffer.numel()): (buffer, path, offset)
+                       for buffer, path, offset in writes}.values())
+        landed = aligned_empty(len(writes) * tail, 4096)
+        submitted = 0
+        try:
+            for row, (buffer, path, offset) in enumerate(writes):
+                end = offset + buffer.numel()
+                size = _file_size(path)
+                if size < end:  # not preallocated (or truncated since): the write stopped before `end`
+                    raise PageFileError(f"write to page file {path} did not land: bytes [{offset}, {end}) were "
+                                        f"written, the file holds {size} B (disk full or I/O error?)")
+                if self._handle.async_pread(landed[row * tail: (row + 1) * tail], path, end - tail) != 0:
+                    raise PageFileError(f"could not open page file {path} to verify a write")
+                submitted += 1
+        finally:
+            if submitted:
+                self._handle.wait()
+        for row, (buffer, path, offset) in enumerate(writes):
+            if not torch.equal(landed[row * tail: (row + 1) * tail], buffer[-tail:]):
+                raise PageFileError(f"write to page file {path} did not land: bytes [{offset}, "
+                                    f"{offset + buffer.numel()}) read back different (a file-size limit, a full disk "
+                                    f"or an I/O error refused or cut short the write)")
 
     def close(self):
         # The handle's destructor asserts (aborts) when transfers are still pending: drain first.
@@ -143,18 +180,25 @@ class BufferedEngine(_Engine):
 
     @staticmethod
     def _transfer(read, buffer, path, offset):
+        """Move the whole buffer; every call's byte count is checked (a short transfer is continued, and one
+        that moves nothing, or raises, fails naming the file and the byte it stopped at)."""
         view = memoryview(buffer.numpy())
+        what = "read from" if read else "write to"
         done = 0
         fd = os.open(path, os.O_RDONLY if read else os.O_WRONLY | os.O_CREAT, 0o600)
         try:
             while done < len(view):
-                if read:
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                else:
-                    n = os.pwrite(fd, view[done:], offset + done)
+                try:
+                    if read:
+                        n = os.preadv(fd, [view[done:]], offset + done)
+                    else:
+                        n = os.pwrite(fd, view[done:], offset + done)
+                except OSError as error:
+                    raise PageFileError(f"{what} page file {path} failed at byte {offset + done} of "
+                                        f"[{offset}, {offset + len(view)}): {error}") from None
                 if n <= 0:
-                    raise PageFileError(f"{'read from' if read else 'write to'} page file {path} stopped at "
-                                        f"byte {offset + done} of [{offset}, {offset + len(view)})")
+                    raise PageFileError(f"{what} page file {path} stopped at byte {offset + done} of "
+                                        f"[{offset}, {offset + len(view)})")
                 done += n
         finally:
             os.close(fd)
@@ -171,7 +215,6 @@ class BufferedEngine(_Engine):
     def submit_write(self, buffer, path, offset):
         self._check(buffer, path, offset, "write")
         self._submit(False, buffer, path, offset)
-        self._writes.append((path, offset + buffer.numel()))
 
     def wait(self):
         futures, self._futures = self._futures, []
@@ -182,12 +225,10 @@ class BufferedEngine(_Engine):
                 future.result()
             except PageFileError as error:
                 first = first or error
-            except OSError as error:
+            except OSError as error:  # opening the file
                 first = first or PageFileError(f"I/O on page file {path} failed: {error}")
         if first is not None:
-            self._writes.clear()
             raise first
-        self._check_writes()
 
     def close(self):
         self._pool.shutdown(wait=True)

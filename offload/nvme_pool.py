@@ -8,9 +8,12 @@ hold the state fails there, before any compute, with an error naming the file.
 
 Writes: appended tokens fill a page-sized tail buffer; a full page is sealed (CRC-32 of its bytes recorded in
 the page table), written asynchronously, and RESIDENT once the write queue drains. `flush()` seals the partial
-last pages. Reads: the pages of a token range land in one aligned buffer (one request per run of resident
-pages), are checked against their checksums, and are copied to the compute device as a fresh tensor; a
-truncated file is caught before the read (the aio op would abort), a corrupted one by the checksum.
+last pages. A write that fails or comes up short raises PageFileError naming the file when the queue drains
+(in `append` once the queue is full, or in `flush`); io_engine.py says how each engine finds out.
+
+Reads: the pages of a token range land in one aligned buffer (one request per run of resident pages), are
+checked against their checksums, and are copied to the compute device as a fresh tensor; a truncated file is
+caught before the read (the aio op would abort), a corrupted one by the checksum.
 Gradient pages are read, added to and written back synchronously.
 
 The files and the directory are removed by `release()`, by the pool's finalizer if it is dropped unreleased,
@@ -227,9 +230,16 @@ class NvmePagePool(TieredPagePool):
         advance(entry, PageState.IN_FLIGHT)
         self._in_flight.append((stream, kind, entry, buffer))
         self._in_flight_bytes += stream.slot_bytes
-        self._writer.submit_write(buffer[: stream.slot_bytes], stream.paths[kind], entry.index * stream.slot_bytes)
+        self._submit_write(buffer[: stream.slot_bytes], stream.paths[kind], entry.index * stream.slot_bytes)
         if self._in_flight_bytes >= self._write_queue_bytes:
             self._drain_writes()
+
+    def _submit_write(self, buffer, path, offset):
+        try:
+            self._writer.submit_write(buffer, path, offset)
+        except Exception as error:  # the file could not be opened: its pages are incomplete
+            self._error = error
+            raise
 
     def _drain_writes(self):
         in_flight, self._in_flight, self._in_flight_bytes = self._in_flight, [], 0
@@ -381,7 +391,8 @@ class NvmePagePool(TieredPagePool):
             raise
         slot = stream.slot_bytes
         for row, entry in enumerate(entries):
-            page = landing[row * slot: row * slot + stream.page_bytes].view(info.dtype).view(self.page_tokens, *info.shape)
+            page = landing[row * slot: row * slot + stream.page_bytes].view(info.dtype)
+            page = page.view(self.page_tokens, *info.shape)
             lo, hi = max(start, entry.start), min(end, entry.end)
             page[lo - entry.start: hi - entry.start].add_(grad_cpu[lo - start: hi - start])
             advance(entry, PageState.FILLING)
@@ -393,8 +404,8 @@ class NvmePagePool(TieredPagePool):
             data[filled:].zero_()
             entry.checksum = _crc(data[:filled])
             advance(entry, PageState.IN_FLIGHT)
-        self._writer.submit_write(landing[: len(entries) * slot], stream.paths["grad"], entries[0].index * slot)
         try:
+            self._submit_write(landing[: len(entries) * slot], stream.paths["grad"], entries[0].index * slot)
             self._drain_writes()
         finally:
             for entry in entries:

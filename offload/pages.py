@@ -11,21 +11,11 @@ compute device one layer at a time (stager.py).
 
 The interface every pool offers: reserve / append / flush / read / begin_read (a ticket whose `result()` is the
 tensor, so reads can be issued ahead) / add_grad / read_grad / release, and the bookkeeping queries streams /
-length / pages / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says whether `read` returns a
-fresh copy (host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
+length / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says whether `read` returns a fresh copy
+(host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
 """
 
-from dataclasses import dataclass
-
 import torch
-
-
-@dataclass(frozen=True)
-class PageKey:
-    rank: int
-    layer: int
-    name: str
-    index: int  # page number within the stream: tokens [index * page_tokens, (index + 1) * page_tokens)
 
 
 class _Stream:
@@ -82,12 +72,6 @@ class PagePool:
 
     def length(self, layer: int, name: str) -> int:
         return self._stream(layer, name).length
-
-    def pages(self, layer: int, name: str):
-        """Page keys of a stream's filled tokens, in order (the page table's view of one stream)."""
-        stream = self._stream(layer, name)
-        count = -(-stream.length // self.page_tokens)
-        return [PageKey(self.rank, layer, name, i) for i in range(count)]
 
     def state_bytes(self) -> int:
         return sum(s.data.numel() * s.data.element_size() for s in self._streams.values())

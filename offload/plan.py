@@ -1,15 +1,15 @@
 """The tier plan: retained bytes per rank, what each tier needs of GPU, host and NVMe, and what fits.
 
 Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
-  pages          per-token state of every layer (model_shapes.py)      tier none: GPU; cpu: host; nvme: disk
-  gradient pages exact mode, as much again                              with the pages
-  attention out  exact mode with prefix_keep_attention: (H D + H) per token and attention layer
+  pages          per-token state of every layer (the specs' streams)   tier none: GPU; cpu: host; nvme: disk
+  gradient pages exact mode, as much again for streams with a gradient  with the pages
+  kept attention exact mode with prefix_keep_attention: the specs' kept streams per token
                  with the pages, or on offload.kept_attention_tier
-  gdn state      per sequence                                           always GPU
-  checkpoints    exact mode: one GDN state per chunk start              with the pages (tier none: GPU);
+  carry          per sequence (a recurrent state, a conv tail)          always GPU
+  checkpoints    exact mode: the whole carry per chunk start            with the pages (tier none: GPU);
                  off the device two of them staged on the GPU (one read ahead)
-  staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's dK/dV in float32 during
-                 backward (detached mode computes no gradient for the pages)                   GPU
+  staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's page gradients in float32
+                 during backward (detached mode computes no gradient for the pages)             GPU
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
@@ -21,11 +21,37 @@ them against measured captures.
 
 from dataclasses import dataclass, field
 
-from .model_shapes import ModelShape
-
 GiB = 2**30
 _WRITE_QUEUE = 64 << 20
 TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass
+class ModelShape:
+    """What the plan needs of a model: bytes by label (the keys of PrefixState.retained_bytes()), built from the
+    architecture's layer-state specs (ds_longstraw.model_shape)."""
+
+    name: str
+    family: str
+    dtype_bytes: int
+    page_bytes_per_token: dict = field(default_factory=dict)  # label -> bytes per token, all layers of it
+    page_layers: dict = field(default_factory=dict)  # label -> layers that keep it
+    grad_bytes_per_token: int = 0  # exact mode: streams whose gradient accumulates on gradient pages
+    staged_layer_bytes_per_token: int = 0  # the largest layer's pages: one staged layer
+    carry_bytes: dict = field(default_factory=dict)  # label -> bytes per sequence, all layers of it
+    carry_layers: dict = field(default_factory=dict)  # label -> layers that carry it
+    kept_bytes_per_token: int = 0  # exact mode's prefix_keep_attention, all layers
+    kept_layers: int = 0
+    layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
+    params: int = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(self.page_bytes_per_token.values())
+
+    @property
+    def carry_total(self) -> int:
+        return sum(self.carry_bytes.values())
 
 
 @dataclass
@@ -72,13 +98,13 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
-    out["gdn_state"] = shape.gdn_state_bytes if shape.gdn_state_bytes else 0
+    out.update(shape.carry_bytes)
     chunks = -(-tokens // capture_chunk)
     exact = mode == "exact"
     # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
-    out["gdn_checkpoints"] = shape.gdn_state_bytes * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
-    out["gradient_pages"] = shape.bytes_per_token * tokens if exact else 0
-    out["attention_output_pages"] = shape.kept_attention_bytes_per_token * tokens if exact and keep_attention else 0
+    out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
+    out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
+    out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
     return out
 
 
@@ -88,27 +114,28 @@ _WHERE = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
 def _needs(shape, tokens, retained, tier, depth, kept_tier=None):
     needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
     if kept_tier not in (None, tier):  # kept attention outputs on a tier of their own
-        needs[_WHERE[kept_tier]] += retained["attention_output_pages"]
+        needs[_WHERE[kept_tier]] += retained["kept_attention_pages"]
     return needs
 
 
 def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
     pages = sum(v for k, v in retained.items() if k.endswith("_pages"))  # state and gradient pages
     if kept_tier not in (None, tier):
-        pages -= retained["attention_output_pages"]
+        pages -= retained["kept_attention_pages"]
     layer = shape.staged_layer_bytes_per_token * tokens
     exact = retained["gradient_pages"] > 0
     backward = layer * 4 // shape.dtype_bytes if exact else 0  # one layer's dK/dV in float32
-    checkpoints = retained["gdn_checkpoints"]
+    checkpoints = retained["carry_checkpoints"]
+    carry = shape.carry_total
     if tier == "none":
-        return {"gpu": pages + retained["gdn_state"] + checkpoints + backward, "host": 0, "nvme": 0}
-    # Off the device the GDN carry checkpoints live with the pages, and the prefix pass holds two on the device:
-    # the segment's own and the next one's, read ahead.
-    ahead = 2 * shape.gdn_state_bytes if checkpoints else 0
+        return {"gpu": pages + carry + checkpoints + backward, "host": 0, "nvme": 0}
+    # Off the device the carry checkpoints live with the pages, and the prefix pass holds two on the device: the
+    # segment's own and the next one's, read ahead.
+    ahead = 2 * carry if checkpoints else 0
     staging = (depth + 1) * layer + backward + ahead
     if tier == "cpu":
-        return {"gpu": retained["gdn_state"] + staging, "host": pages + checkpoints, "nvme": 0}
-    return {"gpu": retained["gdn_state"] + staging, "host": (depth + 1) * layer + ahead + _WRITE_QUEUE,
+        return {"gpu": carry + staging, "host": pages + checkpoints, "nvme": 0}
+    return {"gpu": carry + staging, "host": (depth + 1) * layer + ahead + _WRITE_QUEUE,
             "nvme": pages + checkpoints}
 
 
@@ -135,8 +162,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
-    if keep_attention and not shape.kept_attention_bytes_per_token:
-        raise ValueError(f"prefix_keep_attention: {shape.family} models keep no attention outputs (qwen3_5 only)")
+    if keep_attention and not shape.kept_bytes_per_token:
+        raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     plan.weights_per_rank = (layout.weights_per_rank if layout.weights_per_rank is not None
                              else int(shape.params * layout.weight_bytes / layout.gpus))

@@ -74,24 +74,24 @@ class StagedPast(Mapping):
     gradient pages. `fresh()` gives an independent copy of the appended segments (one per replayed member).
     """
 
-    def __init__(self, stager, layers, start, end, with_grad=False, names=("k", "v")):
+    def __init__(self, stager, start, end, with_grad=False):
         self.stager = stager
         self.start, self.end = start, end
         self.with_grad = with_grad
-        self.names = tuple(names)
-        self._later = {layer: [] for layer in layers}
+        self._later = {layer: [] for layer in stager.layers}
         # Pages are constants of the graph; the anchor is the one input that makes _PagesWithGrad differentiable.
         self._anchor = torch.zeros((), requires_grad=True) if with_grad else None
 
     def __getitem__(self, layer):
         later = self._later[layer]  # KeyError for layers without pages, as a dict would
+        names = self.stager.names[layer]
         pages = self.stager.get(layer, self.start, self.end)
-        pair = tuple(pages[name] for name in self.names)
+        pair = tuple(pages[name] for name in names)
         if self.with_grad and self.end > self.start:
             pool = self.stager.pool
             pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
-                         for name, tensor in zip(self.names, pair))
-            pair = PagesPair(pair, _block_sink(pool, layer, self.names, self.start))
+                         for name, tensor in zip(names, pair))
+            pair = PagesPair(pair, _block_sink(pool, layer, names, self.start))
         return [pair, *later]
 
     def __iter__(self):

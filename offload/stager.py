@@ -29,32 +29,45 @@ class _Staged:
 
 
 class Stager:
-    def __init__(self, pool, layers, names=("k", "v"), depth=None, wrap=False):
+    """layers: a mapping layer -> the names of its streams (layers may differ), or a list of layers that all
+    stage the streams `names`."""
+
+    def __init__(self, pool, layers, names=None, depth=None, wrap=False):
         self.pool = pool
-        self.layers = list(layers)
-        self.names = tuple(names)
+        if isinstance(layers, dict):
+            self.names = {layer: tuple(streams) for layer, streams in layers.items()}
+        elif names is None:
+            raise ValueError("Stager: give the stream names of the layers (names=...), or layers as a mapping")
+        else:
+            self.names = {layer: tuple(names) for layer in layers}
+        self.layers = list(self.names)
         self.depth = pool.staging_depth if depth is None else depth
         if self.depth < 0:
             raise ValueError(f"staging depth must be >= 0, got {self.depth}")
         self.wrap = wrap
         self._position = {layer: i for i, layer in enumerate(self.layers)}
         self._window: dict[tuple, _Staged] = {}  # (layer, start, end) -> staged reads
+        self._pending: dict[tuple, _Staged] = {}  # stream(): the piece read ahead
         self._last = None
         self._direction = 1
         self._owned = {}  # storage address -> (weakref to a staged tensor, key, name); see owner_of
         self.reads = 0  # reads issued (tests and the benchmark count them)
         self.peak_staged = 0
 
-    def get(self, layer, start, end) -> dict:
-        """{name: tokens [start, end) of `layer`} on the compute device; valid until the walk moves on."""
-        key = (layer, start, end)
+    def _move_to(self, layer):
         position = self._position[layer]
         if self._last is not None and position != self._last:
             self._direction = self._walk_direction(self._last, position)
         self._last = position
+        return position
+
+    def get(self, layer, start, end) -> dict:
+        """{name: tokens [start, end) of `layer`} on the compute device; valid until the walk moves on."""
+        key = (layer, start, end)
+        position = self._move_to(layer)
         if key not in self._window:
             self._window[key] = self._issue(layer, start, end)
-        ahead = [(l, start, end) for l in self._ahead(position)]
+        ahead = [(other, start, end) for other in self._ahead(position)]
         for other in [k for k in self._window if k != key and k not in ahead]:
             self._window.pop(other).release()
         staged = self._window[key].result()
@@ -68,6 +81,47 @@ class Stager:
                 ptr = tensor.untyped_storage().data_ptr()
                 self._owned[ptr] = (weakref.ref(tensor), key, name)
         return staged
+
+    def stream(self, layer, start=0, end=None):
+        """Tokens [start, end) of `layer` page by page (end None: the stream's length): yields (lo, hi, {name:
+        tensor}) for each page-aligned piece. The next piece's read is issued before this one is handed out, and
+        after the layer's last piece the first piece of the next layer of the walk, so the tier's reads overlap the
+        compute on the piece in hand; at most two pieces are staged at once and no layer is ever staged whole.
+        A piece is released when the caller asks for the next one (or closes the generator)."""
+        position = self._move_to(layer)
+        for lo, hi in self._pieces(layer, start, end):
+            key = (layer, lo, hi)
+            current = self._pending.pop(key, None) or self._issue(layer, lo, hi)
+            for stale in list(self._pending):  # a read-ahead the walk did not take
+                self._pending.pop(stale).release()
+            ahead = self._next_piece(layer, position, hi, end)
+            if ahead is not None:
+                self._pending[ahead] = self._issue(*ahead)
+            self.peak_staged = max(self.peak_staged, 1 + len(self._pending))
+            try:
+                yield lo, hi, current.result()
+            finally:
+                current.release()
+
+    def _pieces(self, layer, start, end):
+        end = self.pool.length(layer, self.names[layer][0]) if end is None else end
+        page = self.pool.page_tokens
+        lo = start
+        while lo < end:
+            hi = min(end, (lo // page + 1) * page)
+            yield lo, hi
+            lo = hi
+
+    def _next_piece(self, layer, position, hi, end):
+        """The piece after [.., hi) of `layer`: its next page, or the first page of the walk's next layer."""
+        following = next(self._pieces(layer, hi, end), None)
+        if following is not None:
+            return (layer, *following)
+        ahead = self._ahead(position)
+        if not ahead or self.depth == 0:
+            return None
+        first = next(self._pieces(ahead[0], 0, None), None)
+        return None if first is None else (ahead[0], *first)
 
     def owner_of(self, tensor):
         """(key, name) when `tensor` shares storage with a live staged copy, else None.
@@ -89,6 +143,9 @@ class Stager:
         for staged in self._window.values():
             staged.release()
         self._window.clear()
+        for staged in self._pending.values():
+            staged.release()
+        self._pending.clear()
         self._owned.clear()
         self._last = None
 
@@ -109,7 +166,7 @@ class Stager:
 
     def _issue(self, layer, start, end):
         self.reads += 1
-        return _Staged({name: self.pool.begin_read(layer, name, start, end) for name in self.names})
+        return _Staged({name: self.pool.begin_read(layer, name, start, end) for name in self.names[layer]})
 
     def _ahead(self, position):
         count = len(self.layers)

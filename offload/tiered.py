@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .page_table import PageTable
-from .pages import PageKey, init_pool_basics
+from .pages import init_pool_basics
 from .states import STAGING_TRANSITIONS, PageState, advance
 
 
@@ -143,11 +143,6 @@ class TieredPagePool:
     def length(self, layer: int, name: str) -> int:
         return self._stream(layer, name).length
 
-    def pages(self, layer: int, name: str):
-        """Page keys of a stream's filled tokens, in order (the page table's view of one stream)."""
-        count = -(-self._stream(layer, name).length // self.page_tokens)
-        return [PageKey(self.rank, layer, name, i) for i in range(count)]
-
     def state_bytes(self) -> int:
         """Bytes of retained state reserved (the same figure on every tier; padding on the tier not counted)."""
         return sum(s.tokens * s.token_bytes for s in self._streams.values())
@@ -167,7 +162,8 @@ class TieredPagePool:
         if end > info.tokens:
             raise ValueError(f"stream {(layer, name)} overflows its {info.tokens} reserved tokens")
         if tuple(values.shape[1:]) != info.shape:
-            raise ValueError(f"stream {(layer, name)} holds tokens of shape {info.shape}, got {tuple(values.shape[1:])}")
+            raise ValueError(f"stream {(layer, name)} holds tokens of shape {info.shape}, "
+                             f"got {tuple(values.shape[1:])}")
         if values.shape[0]:
             self._write_state(info, info.length, values.detach().to("cpu", info.dtype).contiguous())
         info.length = end
@@ -223,8 +219,6 @@ class TieredPagePool:
         finally:
             self.table.release_all()
             self._finalizer()
-
-    close = release
 
     def _check_open(self):
         if self._released:

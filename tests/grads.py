@@ -1,6 +1,5 @@
 """Gradient bookkeeping for tests."""
 
-import torch
 
 
 def collect_grads(model):

@@ -1,5 +1,7 @@
 """Tiny random transformers models for tests, and the float64 reference computations they are checked against."""
 
+import inspect
+import types
 from contextlib import contextmanager
 
 import torch
@@ -49,15 +51,45 @@ def _rms_norm_gated_forward(self, hidden_states, gate):
     return (h * torch.nn.functional.silu(gate.to(acc))).to(hidden_states.dtype)
 
 
+# transformers' own torch fallbacks, taken before any test swaps them (float64_model replaces the module's names).
+TRANSFORMERS_CHUNK_RULE = modeling_qwen3_5.torch_chunk_gated_delta_rule
+TRANSFORMERS_RECURRENT_RULE = modeling_qwen3_5.torch_recurrent_gated_delta_rule
+
+
+class _Float32ReadsAsFloat64:
+    """The `torch` module as transformers_in_float64's copies see it: torch.float32 is torch.float64."""
+
+    float32 = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def transformers_in_float64(rule):
+    """transformers' torch fallback `rule` (torch_chunk_gated_delta_rule or torch_recurrent_gated_delta_rule) run in
+    float64: the same code object, whose one use of torch.float32 (casting its inputs) then casts to float64. The
+    hub-kernel wrapper is unwrapped, so no kernel package (fla) can stand in for the torch code."""
+    raw = inspect.unwrap(rule)
+    twin = types.FunctionType(raw.__code__, dict(raw.__globals__, torch=_Float32ReadsAsFloat64()), raw.__name__,
+                              raw.__defaults__, raw.__closure__)
+    twin.__kwdefaults__ = raw.__kwdefaults__
+    return twin
+
+
 @contextmanager
-def float64_model():
+def float64_model(delta_rule="token_loop"):
     """Make transformers' qwen3_5 compute in float64 end to end, for both the code under test and the reference.
 
     Its RMSNorms compute in float32 whatever the input dtype, and its torch delta-rule fallback casts to float32:
     with those casts two correct float64 computations still differ by ~1e-7, which would hide real bugs under a
     loose tolerance. The norms are swapped for the same formula in max(float32, input) precision, and the delta
-    rule for the token-by-token recurrence (an implementation independent of the chunked kernel under test).
+    rule for the token-by-token recurrence (an implementation independent of the chunked kernel under test), or
+    with delta_rule="transformers" for transformers' own torch fallbacks run in float64 (transformers_in_float64;
+    the chunked one is ~5x faster than the token loop at 5K tokens; tests/test_kernels_reference.py holds the
+    project's kernels to them).
     """
+    if delta_rule not in ("token_loop", "transformers"):
+        raise ValueError(f"delta_rule must be 'token_loop' or 'transformers', got {delta_rule!r}")
     saved = (modeling_qwen3_5.torch_chunk_gated_delta_rule, modeling_qwen3_5.torch_recurrent_gated_delta_rule,
              modeling_qwen3_5.Qwen3_5RMSNorm.forward, modeling_qwen3_5.Qwen3_5RMSNormGated.forward)
     modeling_qwen3_5.Qwen3_5RMSNorm.forward = _rms_norm_forward
@@ -66,8 +98,12 @@ def float64_model():
     def chunked(query, key, value, g, beta, chunk_size=64, **kwargs):
         return recurrent_gated_delta_rule(query, key, value, g, beta, **kwargs)
 
-    modeling_qwen3_5.torch_chunk_gated_delta_rule = chunked
-    modeling_qwen3_5.torch_recurrent_gated_delta_rule = recurrent_gated_delta_rule
+    if delta_rule == "transformers":
+        modeling_qwen3_5.torch_chunk_gated_delta_rule = transformers_in_float64(TRANSFORMERS_CHUNK_RULE)
+        modeling_qwen3_5.torch_recurrent_gated_delta_rule = transformers_in_float64(TRANSFORMERS_RECURRENT_RULE)
+    else:
+        modeling_qwen3_5.torch_chunk_gated_delta_rule = chunked
+        modeling_qwen3_5.torch_recurrent_gated_delta_rule = recurrent_gated_delta_rule
     try:
         yield
     finally:

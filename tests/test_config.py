@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
+from models import tiny_qwen3_5
 
 import ds_longstraw
 from ds_longstraw.engine_config import near_miss_block_names, read_block
 from ds_longstraw.modeling import config_from_shape, parameter_count
 from ds_longstraw.run_config import load_run_config
-from models import tiny_qwen3_5
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -177,5 +177,6 @@ def test_glm_5_2_shape_config_builds_its_transformers_config():
     assert config.model_type == "glm_moe_dsa"
     full = sum(kind == "full" for kind in config.indexer_types)
     assert (config.num_hidden_layers, full) == (78, 21)
-    per_token = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2 + full * config.index_head_dim * 2
+    per_token = (config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
+                 + full * config.index_head_dim * 2)
     assert per_token == 95_232

@@ -21,12 +21,12 @@ import os
 
 import pytest
 import torch
-
-from ds_longstraw import GRPOObjective, grpo_backward
-from ds_longstraw.parallel import shard_bounds
 from cp_scripts.harness import make_group, run_cp
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+
+from ds_longstraw import GRPOObjective, grpo_backward
+from ds_longstraw.parallel import shard_bounds
 
 TOL = 1e-8
 WORLDS = [2, 3, 4]
@@ -287,8 +287,8 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
     attention_layers = config.layer_types.count("full_attention")
     bounds = shard_bounds(BY_NAME["kept-exact"]["prompt_len"] - 1, world)
     for (lo, hi), kept, plain in zip(bounds, results["kept-exact"], results["uneven-exact"]):
-        assert kept["retained"]["attention_output_pages"] == (hi - lo) * attention_layers * (heads * dim + heads) * 8
-        assert plain["retained"]["attention_output_pages"] == 0
+        assert kept["retained"]["kept_attention_pages"] == (hi - lo) * attention_layers * (heads * dim + heads) * 8
+        assert plain["retained"]["kept_attention_pages"] == 0
         assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12
         with_kept = kept["cp"]["received_bytes_by_op"].get("prefix", {})
         recomputed = plain["cp"]["received_bytes_by_op"].get("prefix", {})

@@ -13,10 +13,11 @@ Tolerances: float64, different association orders of the same sums: ~1e-14; asse
 import pytest
 import torch
 
+from ds_longstraw.arch.qwen3_5_scan import extend_summary, fold_states, fold_tails, identity_summary
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
+from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
 from ds_longstraw.parallel import shard_bounds
-from ds_longstraw.parallel.cp_attention import attention_grads_given_lse, capture_move_bytes
-from ds_longstraw.parallel.gdn_scan import extend_summary, fold_states, fold_tails, identity_summary
+from ds_longstraw.parallel.cp_attention import capture_move_bytes
 
 
 @pytest.mark.parametrize("length,size", [(22, 3), (5, 4), (2, 4), (8, 2), (1, 1)])
@@ -108,8 +109,9 @@ def test_grads_given_merged_lse_sum_to_dense_grads():
     dq, start = torch.zeros_like(q), 0
     for size in sizes:
         part = slice(start, start + size)
-        dq_part, dk, dv = attention_grads_given_lse(q.detach(), k.detach()[:, part], v.detach()[:, part],
-                                                    out.detach(), lse.detach(), w_out, w_lse, scale, key_block=4)
+        delta = attention_delta(out.detach(), w_out, w_lse)  # from the MERGED (out, lse), as every shard has it
+        dq_part, dk, dv = blockwise_grads_from_delta(q.detach(), k.detach()[:, part], v.detach()[:, part],
+                                                     lse.detach(), w_out, delta, scale, key_block=4)
         dq += dq_part
         torch.testing.assert_close(dk, dk_ref[:, part], rtol=0, atol=1e-12)
         torch.testing.assert_close(dv, dv_ref[:, part], rtol=0, atol=1e-12)

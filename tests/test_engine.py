@@ -22,7 +22,6 @@ import json
 import os
 
 import pytest
-
 from dist_scripts.launching import REPO, finish, free_port, start
 
 pytestmark = pytest.mark.slow

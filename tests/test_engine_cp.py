@@ -24,8 +24,8 @@ import json
 import os
 
 import pytest
-
 from dist_scripts.launching import REPO, finish, free_port, start
+
 from ds_longstraw.engine_config import read_block
 
 TOL = 1e-5

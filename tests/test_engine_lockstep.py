@@ -15,11 +15,11 @@ import copy
 
 import pytest
 import torch
+from grads import grads_of, relative_l2
+from models import float64_model, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, parse_config
 from ds_longstraw.lockstep import GroupShape, Lockstep, dummy_group, merge, shape_of
-from grads import grads_of, relative_l2
-from models import float64_model, tiny_qwen3_5
 
 BLOCK = {"capture_chunk": 8, "replay_block": 3, "page_tokens": 4}
 

@@ -12,7 +12,8 @@ R = [torch.tensor([1, 2]), torch.tensor([7])]
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(prompt_ids=P, response_ids=[torch.tensor([1]), torch.tensor([], dtype=torch.long)], rewards=[1, 2]), "response_ids\\[1\\] is empty"),
+    (dict(prompt_ids=P, response_ids=[torch.tensor([1]), torch.tensor([], dtype=torch.long)], rewards=[1, 2]),
+     "response_ids\\[1\\] is empty"),
     (dict(prompt_ids=torch.tensor([3]), response_ids=R, rewards=[1, 2]), "at least 2 tokens"),
     (dict(prompt_ids=P, response_ids=R, rewards=[1, 2, 3]), "rewards has 3 entries"),
     (dict(prompt_ids=P, response_ids=R, advantages=[1.0]), "advantages has 1 entries"),
@@ -20,10 +21,12 @@ R = [torch.tensor([1, 2]), torch.tensor([7])]
     (dict(prompt_ids=P, response_ids=R, rewards=[1.0, float("inf")]), "rewards must be finite"),
     (dict(prompt_ids=P, response_ids=R), "neither was given"),
     (dict(prompt_ids=P.float(), response_ids=R, rewards=[1, 2]), "prompt_ids must hold integer"),
-    (dict(prompt_ids=P, response_ids=[torch.tensor([1.5]), R[1]], rewards=[1, 2]), "response_ids\\[0\\] must hold integer"),
+    (dict(prompt_ids=P, response_ids=[torch.tensor([1.5]), R[1]], rewards=[1, 2]),
+     "response_ids\\[0\\] must hold integer"),
     (dict(prompt_ids=P, response_ids=[], rewards=[]), "at least one response"),
     (dict(prompt_ids=P, response_ids=R, rewards=[1, 2], old_logprobs=[torch.zeros(2)]), "old_logprobs has 1 entries"),
-    (dict(prompt_ids=P, response_ids=R, rewards=[1, 2], old_logprobs=[torch.zeros(2), torch.zeros(2)]), "old_logprobs\\[1\\] has 2 entries"),
+    (dict(prompt_ids=P, response_ids=R, rewards=[1, 2], old_logprobs=[torch.zeros(2), torch.zeros(2)]),
+     "old_logprobs\\[1\\] has 2 entries"),
     (dict(prompt_ids=P, response_ids=R, rewards=[1, 2], advantages=[1, 2]), "not both"),
     (dict(prompt_ids=torch.tensor([3, -1]), response_ids=R, rewards=[1, 2]), "negative token id"),
 ])

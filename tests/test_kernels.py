@@ -7,9 +7,16 @@ softmax vs dense; chunked WY solve vs token loop), which leaves ~1e-14 relative 
 import pytest
 import torch
 
-from ds_longstraw.kernels import (attention_with_past, chunk_gated_delta_rule, chunk_gated_delta_rule_autograd,
-                                  merge_partials, merge_partials_reference, partial_attention,
-                                  partial_attention_reference, recurrent_gated_delta_rule)
+from ds_longstraw.kernels import (
+    attention_with_past,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_autograd,
+    merge_partials,
+    merge_partials_reference,
+    partial_attention,
+    partial_attention_reference,
+    recurrent_gated_delta_rule,
+)
 
 F64 = dict(dtype=torch.float64)
 
@@ -80,8 +87,8 @@ def test_merge_is_exact_split_of_attention():
     cuts = [0, 0, 13, 13, 40, 40]  # empty shards at both ends and in the middle
     out, lse = None, None
     for a, b in zip(cuts[:-1], cuts[1:]):
-        o, l = partial_attention(q, k[:, a:b], v[:, a:b], 0.3)
-        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
+        o, lse_part = partial_attention(q, k[:, a:b], v[:, a:b], 0.3)
+        out, lse = (o, lse_part) if out is None else merge_partials(out, lse, o, lse_part)
     torch.testing.assert_close(out, full_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
     g = torch.autograd.grad(out.sum() + lse.sum(), [q, k, v])

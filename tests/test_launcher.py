@@ -24,7 +24,6 @@ import os
 
 import pytest
 import torch
-
 from dist_scripts.launching import REPO, finish, free_port, start
 
 pytestmark = pytest.mark.slow
@@ -56,7 +55,8 @@ def runs(tmp_path_factory):
     spec = importlib.util.spec_from_file_location("make_toy_groups", os.path.join(REPO, "launch", "make_toy_groups.py"))
     make_toy_groups = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_toy_groups)
-    make_toy_groups.main([str(tmp / "groups.jsonl"), "--groups", "5", "--prompt-tokens", "40", "--response-tokens", "7"])
+    make_toy_groups.main([str(tmp / "groups.jsonl"), "--groups", "5", "--prompt-tokens", "40",
+                          "--response-tokens", "7"])
 
     script = [os.path.join(REPO, "launch", "train.py"), "--config", RUN]
     log = str(tmp / "train.log")

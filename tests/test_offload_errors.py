@@ -2,15 +2,19 @@
 numbers, a hang or an aborted process; page files are removed on error as on success.
 
 Covered: nvme_path unset, missing, not a directory, unwritable; a disk that cannot hold the state (at reserve
-time, through RLIMIT_FSIZE, and on a real full tmpfs where this process may mount one); writes that do not land
-on a filesystem without preallocation; truncated, corrupted and deleted page files; use after release; a pool
-dropped without release(); the host tier's memory budget. Each runs with aio and with buffered I/O.
+time, through RLIMIT_FSIZE, and on a real full tmpfs where this process may mount one); writes refused or cut
+short inside a preallocated file, and writes that do not land on a filesystem without preallocation (both
+raise when the write queue drains, naming the file); a page file that cannot be opened for writing; truncated,
+corrupted and deleted page files; use after release; a pool dropped without release(); the host tier's memory
+budget. Each runs with aio and with buffered I/O, and asserts that the engine it names is the one in use (the
+pool falls back to buffered I/O silently where aio cannot run).
 """
 
 import contextlib
 import errno
 import gc
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -20,18 +24,28 @@ import torch
 
 from ds_longstraw.config import AioConfig, OffloadConfig, parse_config
 from ds_longstraw.offload import NvmePagePool, PageFileError, make_pool
-from ds_longstraw.offload.io_engine import load_aio
+from ds_longstraw.offload.alignment import memory_lock_unlimited
+from ds_longstraw.offload.io_engine import AioEngine, BufferedEngine, load_aio
 
 ENGINES = ["aio", "buffered"]
 
 
-def _pool(path, engine, page_tokens=4):
+def _pool(path, engine, page_tokens=4, threads=1):
+    """An NVMe pool on `engine` ("aio" or "buffered"), checked to really use it: the pool picks buffered I/O by
+    itself where aio cannot run, and an aio test that ran buffered would prove nothing about aio."""
     if engine == "aio":
         try:
             load_aio()
         except RuntimeError as error:
-            pytest.skip(f"DeepSpeed's aio op cannot be built here: {error}")
-    return NvmePagePool(page_tokens, nvme_path=str(path), aio_config=AioConfig(), direct_io=engine == "aio")
+            pytest.skip(f"libaio or DeepSpeed's aio op is unavailable here: {error}")
+        if not memory_lock_unlimited():
+            pytest.skip("RLIMIT_MEMLOCK is finite and CAP_IPC_LOCK missing: the NVMe pool uses buffered I/O "
+                        "there by design (the aio op aborts the process when its mlock fails)")
+    pool = NvmePagePool(page_tokens, nvme_path=str(path), aio_config=AioConfig(intra_op_parallelism=threads),
+                        direct_io=engine == "aio")
+    assert pool.engine_kind == engine, pool.io_reason
+    assert isinstance(pool._writer, AioEngine if engine == "aio" else BufferedEngine)
+    return pool
 
 
 def _filled(path, engine, tokens=10):
@@ -111,10 +125,59 @@ def test_disk_too_small_fails_at_reserve_naming_the_file(engine, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("limit", [1 << 15, (1 << 15) + 100], ids=["refused", "short"])
+@pytest.mark.parametrize("engine,threads", [("aio", 1), ("aio", 2), ("buffered", 1)],
+                         ids=["aio", "aio-2threads", "buffered"])
+def test_failed_write_inside_a_preallocated_file_raises_at_flush(engine, threads, limit, tmp_path):
+    """Page files are preallocated, so a file's size cannot tell whether a write landed. RLIMIT_FSIZE refuses
+    writes past the limit even inside the allocated size, and cuts short the one it falls inside ("short"): the
+    buffered engine gets the error or the short count from pwrite; the aio op drops both (it never reads a
+    request's result), so the aio engine reads back each write's last block. Either way flush(), which drains
+    the write queue, raises naming the file and the first page that did not land, not a later read."""
+    pool = _pool(tmp_path, engine, threads=threads)
+    pool.reserve(0, "k", 4000, (8,), torch.float32)  # 1000 pages of 128 B, one aligned slot each
+    (directory,) = tmp_path.iterdir()
+    page_file = directory / "L000-k-state.pages"
+    size = os.stat(page_file).st_size
+    assert size == 1000 * pool.alignment > limit  # preallocated: every write ends inside the file
+    first = limit // pool.alignment * pool.alignment  # the slot the limit falls in: the first write refused
+    with file_size_limit(limit):
+        pool.append(0, "k", torch.randn(4000, 8))  # writes submitted; the queue (32 MiB) is not full: no wait
+        with pytest.raises(PageFileError, match=rf"write to page file {re.escape(str(page_file))} "
+                                                rf"(did not land: bytes \[{first}, {first + pool.alignment}\)"
+                                                rf"|failed at byte {limit} )"):
+            pool.flush()
+    assert os.stat(page_file).st_size == size  # what a size check would have seen: nothing wrong
+    with pytest.raises(PageFileError, match="unusable after an earlier error"):
+        pool.read(0, "k", 0, 4)  # never wrong numbers from a pool whose writes failed
+    pool.release()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_page_file_that_cannot_be_opened_fails_at_write(engine, tmp_path):
+    """A page file replaced (here by a directory) fails the write that opens it: at submission for aio (the op
+    returns -1), when the queue drains for buffered I/O; the pool refuses further use either way."""
+    pool = _pool(tmp_path, engine)
+    pool.reserve(0, "k", 10, (2, 3), torch.float64)
+    (directory,) = tmp_path.iterdir()
+    page_file = directory / "L000-k-state.pages"
+    page_file.unlink()
+    page_file.mkdir()
+    with pytest.raises(PageFileError, match=f"page file {re.escape(str(page_file))}"):
+        pool.append(0, "k", torch.randn(10, 2, 3, dtype=torch.float64))
+        pool.flush()
+    with pytest.raises(PageFileError, match="unusable after an earlier error"):
+        pool.flush()
+    pool.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_writes_that_do_not_land_are_caught(engine, tmp_path, monkeypatch):
     """Without preallocation (a filesystem that does not support it) a full disk shows up when the writes
-    complete: the aio op ignores the result of a transfer, so the file's size is checked after every wait."""
+    complete: the buffered engine gets EFBIG from pwrite; the aio op ignores the result of a transfer, and the
+    aio engine finds the file shorter than the write's end when it verifies the write."""
     def no_fallocate(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "not supported")
 

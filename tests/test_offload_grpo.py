@@ -12,11 +12,11 @@ Also: page files are gone after success and after an error half-way through the 
 
 import pytest
 import torch
+from grads import grads_of, relative_l2
+from models import float64_model, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 from ds_longstraw.offload import io_engine
-from grads import grads_of, relative_l2
-from models import float64_model, tiny_qwen3_5
 
 TOL = 1e-12
 SETTINGS = {"capture_chunk": 5, "page_tokens": 3, "replay_block": 2}
@@ -172,8 +172,8 @@ def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypat
     try:
         assert isinstance(on_device.checkpoints, CarryCheckpoints)
         assert isinstance(on_tier.checkpoints, PooledCarryCheckpoints)
-        expected_bytes = on_device.retained_bytes()["gdn_checkpoints"]
-        assert on_tier.retained_bytes()["gdn_checkpoints"] == expected_bytes > 0
+        expected_bytes = on_device.retained_bytes()["carry_checkpoints"]
+        assert on_tier.retained_bytes()["carry_checkpoints"] == expected_bytes > 0
         assert len(on_tier.boundaries) == len(on_device.boundaries) == 4  # 16 captured tokens, segments of 5
         for mine, theirs in zip(on_tier.boundaries, on_device.boundaries):
             loaded, expected = on_tier.begin_carry(mine).result(), on_device.begin_carry(theirs).result()

@@ -12,14 +12,14 @@ import json
 
 import pytest
 import torch
+from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
 
 from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
-from ds_longstraw.offload.model_shapes import load_config, shape_from_config
+from ds_longstraw.model_shape import load_config, shape_from_config
 from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank
-from ds_longstraw.offload.planner import main, parse_size, parse_tokens
+from ds_longstraw.planner import main, parse_size, parse_tokens
 from ds_longstraw.state import capture_prefix
-from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
 
 
 def _tiny_shape(dtype, layers=4):
@@ -42,9 +42,9 @@ def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
     measured = state.retained_bytes()
     state.release()
     estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, mode.removesuffix("-keep"), chunk, keep)
-    for key in ("attention_kv_pages", "gdn_state", "gdn_checkpoints", "attention_output_pages"):
+    for key in ("attention_kv_pages", "gdn_state", "carry_checkpoints", "kept_attention_pages"):
         assert estimate[key] == measured[key], key
-    assert (measured["attention_output_pages"] > 0) == (keep and prompt_len > 1)
+    assert (measured["kept_attention_pages"] > 0) == (keep and prompt_len > 1)
 
 
 def test_gradient_pages_match_a_real_exact_run():
@@ -62,14 +62,16 @@ def test_gradient_pages_match_a_real_exact_run():
 def test_builtin_shapes_match_the_published_numbers():
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
     assert qwen.bytes_per_token == 64 * 1024
-    assert qwen.layer_counts == {"full_attention": 16, "gated_deltanet": 48}
+    assert qwen.layer_counts == {"full_attention": 16, "linear_attention": 48}
     per_rank = retained_per_rank(qwen, 2_097_152 + 1, 8, "detached", 4096)
     assert per_rank["attention_kv_pages"] == 17_179_869_184  # 17.2 GB per rank on CP8
     assert per_rank["gdn_state"] == 48 * (48 * 128 * 128 * 4 + 10240 * 3 * 2)  # fp32 state + bf16 conv tail
     assert 26e9 < qwen.params < 28e9
     glm = shape_from_config(*load_config("glm-5.2"))
     assert glm.bytes_per_token == 95_232
-    assert glm.layer_counts == {"mla": 78, "indexer_full": 21, "indexer_shared": 57}
+    assert glm.layer_counts == {"mla_full_indexer": 21, "mla_shared_indexer": 57}
+    assert glm.page_layers == {"mla_latent_pages": 78, "indexer_key_pages": 21}
+    assert glm.grad_bytes_per_token == 78 * 1152  # the indexer keys take no gradient: no gradient pages
     per_rank = retained_per_rank(glm, 2_097_152 + 1, 32, "detached", 4096)
     assert round(sum(v for k, v in per_rank.items() if k.endswith("_pages")) / GiB, 2) == 5.81  # paper: 5.8125 GiB
     assert 7.0e11 < glm.params < 7.8e11
@@ -83,8 +85,8 @@ def test_gdn_checkpoints_are_planned_with_the_pages():
 
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
     retained = retained_per_rank(qwen, 2_097_152 + 1, 8, "exact", 4096)
-    checkpoints = retained["gdn_checkpoints"]
-    assert checkpoints == 64 * qwen.gdn_state_bytes > 9e9
+    checkpoints = retained["carry_checkpoints"]
+    assert checkpoints == 64 * qwen.carry_total > 9e9
     pages = sum(v for k, v in retained.items() if k.endswith("_pages"))
     tokens = 2_097_152 // 8
     none, cpu, nvme = (_needs(qwen, tokens, retained, tier, 1) for tier in ("none", "cpu", "nvme"))
@@ -92,7 +94,7 @@ def test_gdn_checkpoints_are_planned_with_the_pages():
     assert cpu["host"] == pages + checkpoints
     assert nvme["nvme"] == pages + checkpoints
     for needs in (cpu, nvme):  # off the device: the resident GDN state and two staged checkpoints, not all 64
-        assert retained["gdn_state"] + 2 * qwen.gdn_state_bytes <= needs["gpu"] < checkpoints
+        assert retained["gdn_state"] + 2 * qwen.carry_total <= needs["gpu"] < checkpoints
 
 
 def test_recommends_the_first_tier_that_fits():
@@ -136,7 +138,7 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
                  "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     with_pages = json.loads(capsys.readouterr().out)
-    kept = with_pages["retained_bytes_per_rank"]["attention_output_pages"]
+    kept = with_pages["retained_bytes_per_rank"]["kept_attention_pages"]
     assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)  # 1 attention layer, 4 heads: out (16 dims) + lse
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
                  "--keep-attention", "--kept-attention-tier", "nvme", "--dtype-bytes", "4", "--json"]) == 0
@@ -146,7 +148,7 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert main(["--model", str(config), "--context", "100K", "--gpus", "2", "--gpu-memory", "1GiB", "--mode",
                  "exact", "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     sharded = json.loads(capsys.readouterr().out)
-    assert sharded["retained_bytes_per_rank"]["attention_output_pages"] == (100 * 1024 // 2) * 1 * 4 * (16 * 4 + 4)
+    assert sharded["retained_bytes_per_rank"]["kept_attention_pages"] == (100 * 1024 // 2) * 1 * 4 * (16 * 4 + 4)
     assert main(["--model", "no-such-model", "--context", "1M", "--gpu-memory", "1", "--host-memory", "1"]) == 2
     assert "neither a built-in shape" in capsys.readouterr().err
 

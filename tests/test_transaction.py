@@ -12,10 +12,10 @@ in different orders (chunked vs whole-sequence attention and delta rule), which 
 
 import pytest
 import torch
-
-from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 
 TOL = 1e-8
 
@@ -193,9 +193,9 @@ def test_prefix_block_splits_the_prefix_pass(model, recompute):
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     # 29 captured tokens: segments start at 0, 5, ..., 25 (6 segments; the first starts from zeros, no checkpoint)
     # against chunks at 0, 12, 24 (3 chunks) without prefix_block
-    per_boundary = whole_chunks.retained_bytes["gdn_checkpoints"] // 2
+    per_boundary = whole_chunks.retained_bytes["carry_checkpoints"] // 2
     assert per_boundary > 0
-    assert result.retained_bytes["gdn_checkpoints"] == 5 * per_boundary
+    assert result.retained_bytes["carry_checkpoints"] == 5 * per_boundary
 
 
 @pytest.mark.parametrize("case,prefix_block,kl_coef", [("chunk-and-page-do-not-divide", None, 0.0),
@@ -234,8 +234,8 @@ def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypat
     config = model.config
     attention_layers = config.layer_types.count("full_attention")
     per_token = (config.num_attention_heads * config.head_dim + config.num_attention_heads) * 8
-    assert result.retained_bytes["attention_output_pages"] == (prompt_len - 1) * attention_layers * per_token
-    assert plain.retained_bytes["attention_output_pages"] == 0
+    assert result.retained_bytes["kept_attention_pages"] == (prompt_len - 1) * attention_layers * per_token
+    assert plain.retained_bytes["kept_attention_pages"] == 0
     if prefix_block is None:  # same capture segments in both modes: the prefix pass adds no attention forward
         assert kept_calls == detached_calls < recomputed_calls
     else:

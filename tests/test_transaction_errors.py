@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from models import tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
-from models import tiny_qwen3_5
 
 
 @pytest.fixture(scope="module")

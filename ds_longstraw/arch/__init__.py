@@ -1,9 +1,32 @@
-"""Architecture adapters: one per model family, chosen from the model's config."""
+"""Architecture adapters: one per model family, chosen from the model's config.
 
+Each family module declares what its layers retain (`state_specs(config, dtype)`, specs.py) from a config alone;
+a family with an adapter also runs its layers for the transaction.
+"""
+
+from . import glm_moe_dsa, qwen3_5
 from .qwen3_5 import Qwen35Adapter
 
 # model_type -> adapter. qwen3_5_text is the text-only config of Qwen3_5ForCausalLM.
 ADAPTERS = {"qwen3_5": Qwen35Adapter, "qwen3_5_text": Qwen35Adapter}
+# model_type -> state_specs(config, dtype): every family the planner can size
+STATE_SPECS = {"qwen3_5": qwen3_5.state_specs, "qwen3_5_text": qwen3_5.state_specs,
+               "glm_moe_dsa": glm_moe_dsa.state_specs}
+
+
+FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "glm_moe_dsa": glm_moe_dsa}  # model_type -> module
+
+
+def lora_targets(model_type) -> list | None:
+    """The family's default LoRA target modules (None: it declares none)."""
+    family = FAMILIES.get(model_type)
+    return list(family.LORA_TARGETS) if family is not None and hasattr(family, "LORA_TARGETS") else None
+
+
+def config_fields(model_type, fields) -> dict:
+    """A shape config's fields with the family's shorthands expanded (say qwen3_5's full_attention_interval)."""
+    family = FAMILIES.get(model_type)
+    return family.config_fields(fields) if family is not None and hasattr(family, "config_fields") else dict(fields)
 
 
 def adapter_for(model):
@@ -12,3 +35,11 @@ def adapter_for(model):
     if model_type not in ADAPTERS:
         raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(ADAPTERS)}")
     return ADAPTERS[model_type](model)
+
+
+def specs_for_config(config, dtype) -> list:
+    """The layer-state specs of a model of `config` computing in `dtype` (no weights needed)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in STATE_SPECS:
+        raise ValueError(f"model_type {model_type!r}: the planner knows {sorted(STATE_SPECS)}")
+    return STATE_SPECS[model_type](config, dtype)

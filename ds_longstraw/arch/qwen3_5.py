@@ -10,7 +10,6 @@ Legend: T tokens of the segment, C hidden size, H/K query/kv heads, D head dim; 
 (the last k-1 tokens of the pre-convolution projection).
 """
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -22,17 +21,63 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, merge_partials
 
+from .qwen3_5_scan import capture_gdn_layer, forward_replaced
+from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
+
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
+# Linear layers that LoRA adapters attach to by default: attention and GDN projections and the MLP.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                "out_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def config_fields(fields) -> dict:
+    """A shape config's fields (configs/models/) as transformers' config takes them: `full_attention_interval` n
+    (every n-th layer full attention, the rest Gated DeltaNet) becomes `layer_types`."""
+    fields = dict(fields)
+    interval = fields.pop("full_attention_interval", None)
+    if interval is not None and "layer_types" not in fields:
+        fields["layer_types"] = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                                 for i in range(fields["num_hidden_layers"])]
+    return fields
+
+
+def state_specs(config, dtype) -> list:
+    """What every layer of a qwen3_5 model of `config` retains (specs.py), for a model computing in `dtype`.
+
+    full attention: K and V per token (after k_norm and RoPE), [K, D] each; exact mode's kept attention: the
+    output [H, D] and the log-sum-exp [H] per token. Gated DeltaNet: the recurrent state [1, Hv, dk, dv] (float32;
+    float64 for float64 models) and the conv tail [1, conv_dim, k-1] per sequence."""
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    layers = list(config.layer_types)[: config.num_hidden_layers]
+    unknown = set(layers) - {FULL_ATTENTION, LINEAR_ATTENTION}
+    if unknown:
+        raise ValueError(f"qwen3_5 adapter: unknown layer types {sorted(unknown)}")
+    kv, heads = config.num_key_value_heads, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    conv_dim = 2 * config.linear_num_key_heads * dk + hv * dv
+    specs = []
+    for index, kind in enumerate(layers):
+        if kind == FULL_ATTENTION:
+            specs.append(LayerState(
+                index, kind, "attention_kv_pages", combine="lse",
+                streams=(Stream("k", (kv, head_dim), dtype), Stream("v", (kv, head_dim), dtype)),
+                kept=(Stream("o", (heads, head_dim), dtype, grad=False),
+                      Stream("lse", (heads,), state_dtype, grad=False))))
+        else:
+            specs.append(LayerState(
+                index, kind, "gdn_state", combine="affine_scan",
+                carry=(Carry("state", (1, hv, dk, dv), state_dtype),
+                       Carry("conv_tail", (1, conv_dim, config.linear_conv_kernel_dim - 1), dtype))))
+    return specs
 
 
 @dataclass
 class SegmentOutput:
     hidden: torch.Tensor  # [1, T, C], before the final norm
-    gdn_state: dict = field(default_factory=dict)  # layer -> recurrent state after the segment
-    conv_tail: dict = field(default_factory=dict)  # layer -> conv tail after the segment
-    keys: dict = field(default_factory=dict)  # layer -> K of the segment's tokens [T, K, D]
-    values: dict = field(default_factory=dict)  # layer -> V [T, K, D]
+    carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the segment
+    rows: dict = field(default_factory=dict)  # layer -> (K, V) of the segment's tokens, token-major [T, K, D]
     attention: dict = field(default_factory=dict)  # layer -> (out_HTD, lse_HT) of the attention, before o_proj
 
 
@@ -41,20 +86,8 @@ def _delta_rule(query, key, value, g, beta, state):
                                   use_qk_l2norm_in_kernel=True)
 
 
-@contextmanager
-def _forward_replaced(module, fn):
-    """Call `module(...)` with `fn` as its forward, so that module hooks (ZeRO-3's parameter gathering) still run
-    for parameters the module owns directly (GDN's A_log and dt_bias are read outside any submodule)."""
-    module.forward = fn
-    try:
-        yield
-    finally:
-        del module.forward
-
-
 class Qwen35Adapter:
     family = "qwen3_5"
-    state_kinds = {"gdn": "recurrent state + conv tail", "attention": "K, V pages"}
 
     def __init__(self, model):
         self.model = model
@@ -67,11 +100,9 @@ class Qwen35Adapter:
         self.config = body.config
         self.layers = body.layers
         self.layer_types = list(self.config.layer_types)[: self.config.num_hidden_layers]
-        self.gdn_layers = [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
-        self.attn_layers = [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
-        unknown = set(self.layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
-        if unknown:
-            raise ValueError(f"qwen3_5 adapter: unknown layer types {sorted(unknown)}")
+        self.specs = state_specs(self.config, self.dtype)
+        self.paged_layers = paged_layers(self.specs)  # full attention: K/V pages
+        self.carry_layers = carry_layers(self.specs)  # Gated DeltaNet: recurrent state + conv tail
 
     # -- shapes ------------------------------------------------------------------------------------------
     @property
@@ -85,13 +116,6 @@ class Qwen35Adapter:
     @property
     def vocab_size(self):
         return self.config.vocab_size
-
-    def kv_shape(self):
-        return (self.config.num_key_value_heads, self.config.head_dim)
-
-    def attention_shape(self):
-        """(query heads, head dim) of an attention layer's output per token."""
-        return (self.config.num_attention_heads, self.config.head_dim)
 
     def state_dtype(self):
         return torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -138,7 +162,7 @@ class Qwen35Adapter:
         def forward(h):
             return self._gdn(module, h, state, tail)
 
-        with _forward_replaced(module, forward):
+        with forward_replaced(module, forward):
             return tuple(module(h_1TC))
 
     def attention_qkv(self, module, h_1TC, cos, sin):
@@ -192,28 +216,62 @@ class Qwen35Adapter:
         logp = torch.log_softmax(logits.to(acc), dim=-1)
         return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
+    # -- one layer, piece by piece (the layer-major capture under context parallelism) ---------------------
+    # A decoder layer is hidden + mixer(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major schedule
+    # (ds_longstraw.parallel.capture) runs the mixer over a whole shard with the exchanges its combine needs, so it
+    # asks for the pieces: mixer_input, the mixer by its combine ("lse": attention_project / attention_finish;
+    # "affine_scan": capture_scan_layer), and mlp_residual.
+    def mixer_input(self, index, hidden_1TC):
+        return self.layers[index].input_layernorm(hidden_1TC)
+
+    def mlp_residual(self, index, hidden_1TC):
+        """hidden + mlp(post_attention_layernorm(hidden)) of layer `index`."""
+        layer = self.layers[index]
+        return hidden_1TC + layer.mlp(layer.post_attention_layernorm(hidden_1TC))
+
+    def attention_geometry(self):
+        """(query heads, kv heads, head dim) of the attention layers (the "lse" combine's rows are K, V [K, D])."""
+        return self.config.num_attention_heads, self.config.num_key_value_heads, self.config.head_dim
+
+    def attention_scale(self, index):
+        return self.layers[index].self_attn.scaling
+
+    def attention_project(self, index, h_1TC, start):
+        """q_HTD (after q_norm and RoPE at positions start..), what attention_finish needs (the output gate), and the
+        segment's rows (K, V token-major [T, K, D]) of attention layer `index`."""
+        cos, sin = self.rotary(h_1TC, start)
+        query, gate, key, value = self.attention_qkv(self.layers[index].self_attn, h_1TC, cos, sin)
+        return query[0], gate, (key[0].transpose(0, 1), value[0].transpose(0, 1))
+
+    def attention_finish(self, index, out_HTD, gate):
+        """The layer's mixer output [1, T, C] from the attention result out_HTD [H, T, D]."""
+        return self.attention_output(self.layers[index].self_attn, out_HTD, gate)
+
+    def capture_scan_layer(self, index, normed_1TC, spans, cp, bounds, boundaries, pad=0, checkpoints=None):
+        """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
+        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, bounds, boundaries,
+                                 index, pad=pad, checkpoints=checkpoints)
+
     # -- the segment -------------------------------------------------------------------------------------
-    def _layer(self, index, layer, hidden, cos, sin, gdn_carry, past, remote_attention, known_attention):
+    def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):
         """One decoder layer: (hidden out, state or K, conv tail or V, None or the attention's (out, lse))."""
         residual = hidden
-        h = layer.input_layernorm(hidden)
+        h = self.mixer_input(index, hidden)
         attention = None
         if self.layer_types[index] == LINEAR_ATTENTION:
-            state, tail = gdn_carry.get(index, (None, None))
+            state, tail = carry.get(index, (None, None))
             mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
         else:
             remote = None if remote_attention is None else partial(remote_attention, index)
             mixed, first, second, attention = self.attention_forward(
                 layer.self_attn, h, cos, sin, past.get(index, []), remote, known_attention.get(index))
-        hidden = residual + mixed
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return hidden, first, second, attention
+        return self.mlp_residual(index, residual + mixed), first, second, attention
 
-    def forward_segment(self, ids, start, gdn_carry, past, remote_attention=None, checkpoint_layers=False,
+    def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,
                         known_attention=None):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
-        gdn_carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
+        carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
         past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks);
         remote_attention: None, or a callable (layer, q_HTD, known=None) -> (out_HTD, lse_HT) over earlier keys that
         live on other context-parallel ranks (ds_longstraw.parallel); given `known` (a layer of known_attention),
@@ -239,17 +297,17 @@ class Qwen35Adapter:
                 # gradients from the inner backward like the parameters.
                 if not hidden.requires_grad:
                     hidden = hidden.detach().requires_grad_(True)
-                results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, gdn_carry,
+                results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, carry,
                                                             past, remote_attention, known_attention,
                                                             use_reentrant=True)
             else:
-                results = self._layer(index, layer, hidden, cos, sin, gdn_carry, past, remote_attention,
+                results = self._layer(index, layer, hidden, cos, sin, carry, past, remote_attention,
                                       known_attention)
             hidden, first, second, attention = results
             if self.layer_types[index] == LINEAR_ATTENTION:
-                out.gdn_state[index], out.conv_tail[index] = first, second
+                out.carry[index] = (first, second)
             else:
-                out.keys[index], out.values[index] = first, second
+                out.rows[index] = (first, second)
                 out.attention[index] = attention
         out.hidden = hidden
         return out

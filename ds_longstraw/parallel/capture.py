@@ -1,27 +1,25 @@
 """Capture of a prompt sharded over context-parallel ranks: layer-major, one exchange per layer.
 
 Rank r owns prompt[:-1] tokens [lo_r, hi_r) (balanced contiguous shards, `groups.shard_bounds`). Layer l+1's
-input on rank r depends on layer l's output there, and for a GDN layer that output depends on every earlier
-rank's layer-l state, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
-rank boundaries before anyone moves on:
-  GDN layer        conv-tail contributions, then [B | P] transition summaries (all-gathers of constant size;
-                   gdn_scan.py);
-  attention layer  this rank's K/V go onto its own pages; queries meet earlier ranks' pages (cp_attention.py),
-                   or, with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
+input on rank r depends on layer l's output there, and for a recurrent layer that output depends on every earlier
+rank's layer-l carry, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
+rank boundaries before anyone moves on, as the layer's spec says (arch/specs.py, `combine`):
+  "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in rank order (the
+                 family's own math; qwen3_5: arch/qwen3_5_scan.py);
+  "lse"          this rank's rows go onto its own pages; queries meet earlier ranks' pages (cp_attention.py), or,
+                 with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
 Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
-what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's K/V pages of
-all attention layers for the target models). Every rank keeps the K/V pages of its own tokens only, the prompt's
-final GDN carry (the same, bit for bit, on every rank) and, in exact mode, the GDN carries at its own chunk
-starts (with prefix_keep_attention also its own tokens' merged attention output and LSE).
+what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's pages of all
+paged layers for the target models). Every rank keeps the pages of its own tokens only, the prompt's final carry
+(the same, bit for bit, on every rank) and, in exact mode, the carries at its own chunk starts (with
+prefix_keep_attention also its own tokens' merged attention output and LSE).
 """
 
 import torch
 
-from ds_longstraw.arch.qwen3_5 import LINEAR_ATTENTION
 from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
-from .gdn_scan import capture_gdn_layer
 from .ulysses import ulysses_attention_layer
 
 
@@ -58,31 +56,27 @@ def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress,
     final_carry = {}
     with torch.no_grad():
         hidden = adapter.embed(ids)
-        for index, layer in enumerate(adapter.layers[: len(adapter.layer_types)]):
-            normed = layer.input_layernorm(hidden)
-            if adapter.layer_types[index] == LINEAR_ATTENTION:
-                mixed, final_carry[index] = capture_gdn_layer(
-                    adapter, layer.linear_attn, normed, spans, cp, bounds, boundaries, index, pad=pad,
-                    checkpoints=checkpoints)
+        for spec in adapter.specs:
+            index = spec.layer
+            normed = adapter.mixer_input(index, hidden)
+            if spec.combine == "affine_scan":
+                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, bounds, boundaries,
+                                                                       pad=pad, checkpoints=checkpoints)
+            elif spec.combine == "lse":
+                capture = ulysses_attention_layer if settings.cp_attention == "ulysses" else capture_attention_layer
+                mixed = capture(adapter, spec, normed, spans, lo, cp, bounds, pool, chunk, pad=pad,
+                                kept_pool=kept_pool)
             else:
-                if settings.cp_attention == "ulysses":
-                    mixed = ulysses_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
-                                                    index, chunk, pad=pad, kept_pool=kept_pool)
-                else:
-                    mixed = capture_attention_layer(adapter, layer.self_attn, normed, spans, lo, cp, bounds, pool,
-                                                    index, chunk, pad=pad, kept_pool=kept_pool)
+                raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
             del normed
             hidden = hidden + mixed
             del mixed
-            pieces = []
-            for a, b in spans:
-                h = hidden[:, a:b]
-                pieces.append(h + layer.mlp(layer.post_attention_layernorm(h)))
+            pieces = [adapter.mlp_residual(index, hidden[:, a:b]) for a, b in spans]
             dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
             for _ in range(pad):
-                layer.mlp(layer.post_attention_layernorm(dummy))
+                adapter.mlp_residual(index, dummy)
             hidden = torch.cat(pieces, 1) if pieces else hidden
             if progress is not None:
                 progress(index)
     state.flush()  # the last partial pages too: after capture every page is on its tier
-    state.gdn_carry, state.boundaries = final_carry, boundaries or []
+    state.carry, state.boundaries = final_carry, boundaries or []

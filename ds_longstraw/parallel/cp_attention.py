@@ -8,14 +8,16 @@ Three places, three movement choices (what is cheaper to move decides):
            "kv": pages travel from rank j to each later rank (2 K D elements per token per receiver);
            "q": queries travel to each earlier owner and (out, lse) come back ((2 H D + H) per token per owner).
            `capture_move_bytes` evaluates both for the prompt's shard sizes; with grouped-query attention (H > K)
-           pages are the cheaper cargo. Pages travel one source rank at a time (transient: one shard of one layer).
-  replay   the response runs on every rank (see transaction.py); every rank computes the partial of the (same)
+           pages are the cheaper cargo. Pages travel one source rank at a time, page by page.
+  replay   the response runs on every rank (see ../topology.py); every rank computes the partial of the (same)
            queries over its own pages, partials are all-gathered and LSE-merged in rank order (identical result
            everywhere). Queries do not move at all; per layer and replayed token each rank receives
            (N-1)(H D + H) elements forward and all-reduces H D (dq) backward.
   prefix   (exact mode) one rank at a time recomputes its chunks with autograd; its chunk queries travel to the
            earlier page owners, (out, lse) come back; backward sends (q, dout, lse, delta) and gets dq back. dK/dV
            never leave the page owner: they are added to its gradient pages where they are computed.
+A rank reads its own pages from its tier page by page through a stager (streamed_partial / streamed_grads), the
+next page read ahead: no layer's shard is ever materialised whole, on any tier.
 
 Backward reuses the merged (out, lse) (ring-attention form): with p = exp(s - lse_merged) a shard's keys give
 dv = p^T dout, ds = p (dout v^T - delta) scale, dq_part = ds k, dk = ds^T q, where
@@ -25,8 +27,9 @@ delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards
 import torch
 
 from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
-from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise_grads_from_delta
-from ds_longstraw.state import keep_segment_attention
+from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
+from ds_longstraw.offload import Stager
+from ds_longstraw.state import append_rows, keep_segment_attention
 
 
 def _acc(dtype):
@@ -48,35 +51,61 @@ def merge_in_order(partials):
     return out, lse
 
 
-def attention_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset=None,
-                               key_block=KEY_BLOCK):
-    """One key shard's share of the gradients of a merged attention, given the MERGED lse and delta (see
-    kernels.attention.blockwise_grads_from_delta): (dq_part, dk, dv) in accumulation precision."""
-    return blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale, causal_offset,
-                                      key_block)
-
-
-def attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, dlse_HT, scale, causal_offset=None,
-                              key_block=KEY_BLOCK):
-    """Like `attention_grads_from_delta`, from the merged (out, lse) and the gradients of both."""
-    delta = attention_delta(out_HTD, dout_HTD, dlse_HT)
-    return attention_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta, scale, causal_offset, key_block)
-
-
 def chunked_partial(q_HTD, k_KTD, v_KTD, scale, chunk):
     """partial_attention over all keys, `chunk` queries at a time (bounds score memory for long query shards)."""
     if q_HTD.shape[1] == 0 or k_KTD.shape[1] == 0:
         return empty_partial(q_HTD, v_KTD.shape[-1])
     outs, lses = [], []
     for a in range(0, q_HTD.shape[1], chunk):
-        o, l = partial_attention(q_HTD[:, a:a + chunk], k_KTD, v_KTD, scale)
+        o, lse_part = partial_attention(q_HTD[:, a:a + chunk], k_KTD, v_KTD, scale)
         outs.append(o)
-        lses.append(l)
+        lses.append(lse_part)
     return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
-def _pages_KTD(pool, layer):
-    return pool.read(layer, "k").transpose(0, 1), pool.read(layer, "v").transpose(0, 1)
+def streamed_partial(stager, spec, q_HTD, scale, start=0, end=None, query_chunk=None):
+    """(out, lse) of q_HTD over tokens [start, end) of this rank's pages of layer `spec.layer`, read page by page
+    through `stager` (one page read ahead; no layer's shard is materialised whole) and merged by LSE in order.
+    query_chunk: queries per partial (bounds score memory for long query shards)."""
+    result = empty_partial(q_HTD)
+    for _, _, pages in stager.stream(spec.layer, start, end):
+        k_KTD, v_KTD = (pages[name].transpose(0, 1) for name in spec.stream_names)
+        piece = (chunked_partial(q_HTD, k_KTD, v_KTD, scale, query_chunk) if query_chunk
+                 else partial_attention(q_HTD, k_KTD, v_KTD, scale))
+        result = merge_in_order([result, piece])
+    return result
+
+
+def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None):
+    """This rank's pages' share of dq for a merged attention (given the MERGED lse and delta), page by page through
+    `stager`; with `pool`, each page's dK/dV is added to its gradient pages as it is computed."""
+    dq = torch.zeros(q_HTD.shape, dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+    for lo, _, pages in stager.stream(spec.layer):
+        k_KTD, v_KTD = (pages[name].transpose(0, 1) for name in spec.stream_names)
+        # this page's share given the MERGED lse and delta (the ring-attention form)
+        dq_part, dk, dv = blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale)
+        dq += dq_part
+        if pool is not None:
+            add_page_grads(pool, spec, lo, dk, dv)
+    return dq
+
+
+def layer_stager(pool, specs, wrap=False):
+    """A stager over the paged layers of `specs` (what streamed_partial / streamed_grads read through)."""
+    return Stager(pool, {spec.layer: spec.stream_names for spec in specs if spec.streams}, wrap=wrap)
+
+
+def _pages_KTD(pool, spec, start=0, end=None):
+    """An attention layer's (K, V) pages of tokens [start, end), head-major [K, T, D] (its two streams in order)."""
+    return tuple(pool.read(spec.layer, name, start, end).transpose(0, 1) for name in spec.stream_names)
+
+
+def add_page_grads(pool, spec, start, *grads_KTD):
+    """Add head-major gradients of an attention layer's rows (dK, dV [K, T, D]) to its gradient pages from token
+    `start` on (streams that carry no gradient are skipped)."""
+    for stream, grad in zip(spec.streams, grads_KTD):
+        if stream.grad:
+            pool.add_grad(spec.layer, stream.name, start, grad.transpose(0, 1))
 
 
 # -- capture ---------------------------------------------------------------------------------------------------
@@ -98,31 +127,36 @@ def capture_move_bytes(bounds, heads, kv_heads, head_dim, elem_bytes, lse_bytes)
     return {"kv": kv, "q": q}
 
 
-def _capture_kv_move(cp, q_HTD, pool, layer, scale, bounds, chunk):
-    """Pages travel: for each source rank j in turn, j sends its layer pages to every later non-empty rank."""
+def _capture_kv_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
+    """Pages travel: for each source rank j in turn, j streams its layer pages, page by page, to every later
+    non-empty rank (neither side holds a shard of the layer whole)."""
+    layer, key = spec.layer, spec.streams[0]
     sizes = [hi - lo for lo, hi in bounds]
-    partials = [empty_partial(q_HTD)]
-    k_TKD = pool.read(layer, "k")
+    result = empty_partial(q_HTD)
+    page = stager.pool.page_tokens
     for j in range(cp.size - 1):
         if sizes[j] == 0:
             continue
         if cp.rank == j:
-            kv = torch.stack([pool.read(layer, "k"), pool.read(layer, "v")])
-            for r in range(j + 1, cp.size):
-                if sizes[r]:
-                    cp.send(kv, r)
+            for _, _, pages in stager.stream(layer):
+                kv = torch.stack([pages[name] for name in spec.stream_names])
+                for r in range(j + 1, cp.size):
+                    if sizes[r]:
+                        cp.send(kv, r)
         elif cp.rank > j and sizes[cp.rank]:
-            kv = cp.recv((2, sizes[j]) + tuple(k_TKD.shape[1:]), k_TKD.dtype, j, layer, "capture_kv",
-                         device=k_TKD.device)
-            partials.append(chunked_partial(q_HTD, kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale, chunk))
-            del kv
-            partials = [merge_in_order(partials)]
-    return partials[0]
+            for lo in range(0, sizes[j], page):  # rank j's pages, as its stager cuts them
+                n = min(sizes[j], lo + page) - lo
+                kv = cp.recv((2, n) + tuple(key.shape), key.dtype, j, layer, "capture_kv", device=q_HTD.device)
+                piece = chunked_partial(q_HTD, kv[0].transpose(0, 1), kv[1].transpose(0, 1), scale, chunk)
+                result = merge_in_order([result, piece])
+                del kv
+    return result
 
 
-def _capture_q_move(cp, q_HTD, pool, layer, scale, bounds, chunk):
+def _capture_q_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
     """Queries travel: for each client rank j in turn, j sends its queries to every earlier non-empty rank, which
     returns the (out, lse) partial of those queries over its own pages."""
+    layer = spec.layer
     sizes = [hi - lo for lo, hi in bounds]
     heads, _, dim = q_HTD.shape
     acc = _acc(q_HTD.dtype)
@@ -142,27 +176,27 @@ def _capture_q_move(cp, q_HTD, pool, layer, scale, bounds, chunk):
             result = merge_in_order(partials)
         elif cp.rank in servers:
             q = cp.recv((heads, sizes[j], dim), q_HTD.dtype, j, layer, "capture_q", device=q_HTD.device)
-            out, lse = chunked_partial(q, *_pages_KTD(pool, layer), scale, chunk)
+            out, lse = streamed_partial(stager, spec, q, scale, query_chunk=chunk)
             cp.send(out, j)
             cp.send(lse.to(acc), j)
     return result
 
 
-def capture_remote_partial(cp, q_HTD, pool, layer, scale, bounds, chunk):
-    """(out, lse) of this rank's shard queries over every earlier rank's pages of `layer` (no autograd).
-    Every rank calls it for every attention layer; the choice of cargo is the same on every rank."""
+def capture_remote_partial(cp, q_HTD, stager, spec, scale, bounds, chunk):
+    """(out, lse) of this rank's shard queries over every earlier rank's pages of layer `spec.layer` (no
+    autograd). Every rank calls it for every attention layer; the choice of cargo is the same on every rank."""
     move = cp.capture_move
     if move == "auto":
         elem = q_HTD.element_size()
-        cost = capture_move_bytes(bounds, q_HTD.shape[0], pool.read(layer, "k").shape[1], q_HTD.shape[-1], elem,
+        cost = capture_move_bytes(bounds, q_HTD.shape[0], spec.streams[0].shape[0], q_HTD.shape[-1], elem,
                                   torch.finfo(_acc(q_HTD.dtype)).bits // 8)
         move = "kv" if cost["kv"] <= cost["q"] else "q"
-    cp.decisions[(cp.phase_name, layer)] = move
+    cp.decisions[(cp.phase_name, spec.layer)] = move
     mover = _capture_kv_move if move == "kv" else _capture_q_move
-    return mover(cp, q_HTD, pool, layer, scale, bounds, chunk)
+    return mover(cp, q_HTD, stager, spec, scale, bounds, chunk)
 
 
-def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0,
+def capture_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, chunk, pad=0,
                             kept_pool=None):
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
@@ -171,55 +205,62 @@ def capture_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     rank's earlier pages, merges the remote partial by LSE and applies the output projection.
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
     kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
-    queries, gates = project_spans(adapter, module, normed_1TC, spans, offset, pool, layer)
-    dummy_out = pad_qkv_calls(adapter, module, normed_1TC, pad)
-    heads = adapter.config.num_attention_heads
-    dim = module.head_dim
+    layer = spec.layer
+    queries, gates = project_spans(adapter, spec, normed_1TC, spans, offset, pool)
+    dummy_out = pad_qkv_calls(adapter, layer, normed_1TC, pad)
+    heads, _, dim = adapter.attention_geometry()
+    scale = adapter.attention_scale(layer)
     q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
-    remote_out, remote_lse = capture_remote_partial(cp, q_all, pool, layer, module.scaling, bounds, chunk)
-    del q_all
-    outs = []
-    for (a, b), q, gate in zip(spans, queries, gates):
-        past = [(pool.read(layer, "k", 0, a).transpose(0, 1), pool.read(layer, "v", 0, a).transpose(0, 1))]
-        out, lse = attention_with_past(q, past, pool.read(layer, "k", a, b).transpose(0, 1),
-                                       pool.read(layer, "v", a, b).transpose(0, 1), module.scaling)
-        out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
-        if kept_pool is not None:
-            keep_segment_attention(kept_pool, layer, out, lse)
-        outs.append(adapter.attention_output(module, out, gate))
-    pad_output_calls(adapter, module, dummy_out)
+    stager = layer_stager(pool, [spec])
+    try:
+        remote_out, remote_lse = capture_remote_partial(cp, q_all, stager, spec, scale, bounds, chunk)
+        del q_all
+        outs = [_capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out, remote_lse, kept_pool)
+                for (a, b), q, gate in zip(spans, queries, gates)]
+    finally:
+        stager.close()
+    pad_output_calls(adapter, layer, dummy_out)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 
-def project_spans(adapter, module, normed_1TC, spans, offset, pool, layer):
-    """q/k/v projections of this rank's shard chunk by chunk (positions from `offset`): K/V go onto its own pages;
-    returns the chunks' queries [H, T_c, D] and output gates."""
+def _capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out, remote_lse, kept_pool):
+    """One chunk [a, b) of the shard: causal over itself, over this rank's earlier pages (streamed page by page)
+    and, merged by LSE, over the earlier ranks' keys (remote partial)."""
+    out, lse = attention_with_past(q, [], *_pages_KTD(pool, spec, a, b), scale)
+    earlier_out, earlier_lse = streamed_partial(stager, spec, q, scale, 0, a)
+    out, lse = merge_partials(out, lse, earlier_out, earlier_lse.to(lse.dtype))
+    out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
+    if kept_pool is not None:
+        keep_segment_attention(kept_pool, spec, (out, lse))
+    return adapter.attention_finish(spec.layer, out, gate)
+
+
+def project_spans(adapter, spec, normed_1TC, spans, offset, pool):
+    """Queries and rows of this rank's shard chunk by chunk (positions from `offset`): the rows go onto its own
+    pages; returns the chunks' queries [H, T_c, D] and what attention_finish needs of each."""
     queries, gates = [], []
     for a, b in spans:
-        cos, sin = adapter.rotary(normed_1TC[:, a:b], offset + a)
-        q, gate, k, v = adapter.attention_qkv(module, normed_1TC[:, a:b], cos, sin)
-        pool.append(layer, "k", k[0].transpose(0, 1))
-        pool.append(layer, "v", v[0].transpose(0, 1))
-        queries.append(q[0])
+        q, gate, rows = adapter.attention_project(spec.layer, normed_1TC[:, a:b], offset + a)
+        append_rows(pool, spec, rows)
+        queries.append(q)
         gates.append(gate)
     return queries, gates
 
 
-def pad_qkv_calls(adapter, module, like_1TC, pad):
-    """ZeRO-3 lockstep (capture.py): `pad` extra one-token q/k/v projections, as a chunk loop makes; returns what
+def pad_qkv_calls(adapter, layer, like_1TC, pad):
+    """ZeRO-3 lockstep (capture.py): `pad` extra one-token projections, as a chunk loop makes; returns what
     pad_output_calls needs to make the matching output projections (results discarded)."""
     dummy = like_1TC.new_zeros(1, 1, like_1TC.shape[-1])
     calls = []
     for _ in range(pad):
-        cos, sin = adapter.rotary(dummy, 0)
-        q, gate, _, _ = adapter.attention_qkv(module, dummy, cos, sin)
-        calls.append((torch.zeros_like(q[0]), gate))
+        q, gate, _ = adapter.attention_project(layer, dummy, 0)
+        calls.append((torch.zeros_like(q), gate))
     return calls
 
 
-def pad_output_calls(adapter, module, calls):
+def pad_output_calls(adapter, layer, calls):
     for out, gate in calls:
-        adapter.attention_output(module, out, gate)
+        adapter.attention_finish(layer, out, gate)
 
 
 # -- replay: queries on every rank, partials all-gathered -----------------------------------------------------
@@ -281,26 +322,26 @@ class PagesAttention:
 
     def __init__(self, cp, pool, adapter, exact=False):
         self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
-
-    def scale(self, layer):
-        return self.adapter.layers[layer].self_attn.scaling
+        self.specs = {spec.layer: spec for spec in adapter.specs}
+        # this rank's pages, page by page from its tier; wrap: every replay block walks all layers
+        self.stager = layer_stager(pool, adapter.specs, wrap=True)
 
     def forward(self, layer, q_HTD):
-        k_KTD, v_KTD = _pages_KTD(self.pool, layer)
-        out, lse = partial_attention(q_HTD, k_KTD, v_KTD, self.scale(layer))
+        out, lse = streamed_partial(self.stager, self.specs[layer], q_HTD, self.adapter.attention_scale(layer))
         outs = self.cp.all_gather(out, layer, "replay_out")
         lses = self.cp.all_gather(lse.to(_acc(q_HTD.dtype)), layer, "replay_lse")
         return merge_in_order(list(zip(outs, lses)))
 
     def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
-        k_KTD, v_KTD = _pages_KTD(self.pool, layer)
-        dq, dk, dv = attention_grads_given_lse(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, dlse_HT, self.scale(layer))
-        if self.exact and k_KTD.shape[1]:
-            # dK/dV of this rank's pages stay here, on its gradient pages.
-            self.pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
-            self.pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+        delta = attention_delta(out, dout_HTD, dlse_HT)
+        # dK/dV of this rank's pages stay here, on its gradient pages (exact mode)
+        dq = streamed_grads(self.stager, self.specs[layer], q_HTD, lse, dout_HTD, delta,
+                            self.adapter.attention_scale(layer), self.pool if self.exact else None)
         self.cp.all_reduce_(dq, layer, "replay_dq")
         return dq
+
+    def close(self):
+        self.stager.close()
 
     def __call__(self, layer, q_HTD, known=None):
         return remote_pages_attention(self, layer, q_HTD, known)

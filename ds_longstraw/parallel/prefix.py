@@ -1,7 +1,7 @@
 """Exact mode's reverse pass over a prompt sharded over context-parallel ranks.
 
 The single-process prefix pass (prefix_pass.py) walks the capture chunks last to first; a chunk's backward needs
-the complete gradients of its outputs (its K/V rows, its end GDN carry), which later tokens produce. Across ranks
+the complete gradients of its outputs (its page rows, its end carry), which later tokens produce. Across ranks
 the same order holds: rank r's chunks can run only once every later rank has run (they add dK/dV to rank r's
 pages, and rank r+1 produces d(carry at its start) = d(carry at rank r's end)). So ranks take TURNS, last to
 first (wall time about that of the single-process pass; memory stays one shard per rank):
@@ -11,7 +11,7 @@ first (wall time about that of the single-process pass; memory stays one shard p
            rank, whose partial (out, lse) comes back (forward); backward sends (q, dout, lse, delta), the page
            owner adds dK/dV to ITS gradient pages and returns its dq share. The earlier ranks run `serve` until
            rank s says DONE; later ranks are finished.
-           Then rank s sends d(GDN carry at its shard start) to rank s-1, where it is d(final carry).
+           Then rank s sends d(carry at its shard start) to rank s-1, where it is d(final carry).
            With prefix_keep_attention rank s kept its tokens' merged (out, lse) in capture: its forward sends no
            request at all (KnownPagesFunction), only the backward ones.
 
@@ -31,8 +31,15 @@ import torch
 from ds_longstraw.lockstep import ceil_div, zero_prefix_iteration
 from ds_longstraw.prefix_pass import prefix_backward
 
-from .cp_attention import (_acc, _pages_KTD, attention_delta, attention_grads_from_delta, chunked_partial,
-                           merge_in_order, remote_pages_attention)
+from .cp_attention import (
+    _acc,
+    attention_delta,
+    layer_stager,
+    merge_in_order,
+    remote_pages_attention,
+    streamed_grads,
+    streamed_partial,
+)
 
 FORWARD, BACKWARD, DONE = 1, 2, 3
 
@@ -89,25 +96,23 @@ class RemotePages:
         self._header(DONE, -1, 0, device)
 
 
-def _answer(cp, owner, adapter, pool, chunk, op, layer, tq):
-    """Answer one request of `owner` (its header already read) against this rank's pages."""
-    cfg = adapter.config
-    heads, dim = cfg.num_attention_heads, cfg.head_dim
+def _answer(cp, owner, adapter, stager, chunk, op, layer, tq):
+    """Answer one request of `owner` (its header already read) against this rank's pages, streamed from its tier
+    page by page through `stager` (dK/dV go to the gradient pages page by page)."""
+    heads, _, dim = adapter.attention_geometry()
     dtype, device = adapter.dtype, adapter.device
     acc = _acc(dtype)
-    scale = adapter.layers[layer].self_attn.scaling
-    k_KTD, v_KTD = _pages_KTD(pool, layer)
+    scale = adapter.attention_scale(layer)
+    spec = adapter.specs[layer]
     q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
     if op == FORWARD:
-        out, lse = chunked_partial(q, k_KTD, v_KTD, scale, chunk)
+        out, lse = streamed_partial(stager, spec, q, scale, query_chunk=chunk)
         cp.send(out, owner)
         cp.send(lse.to(acc), owner)
     elif op == BACKWARD:
         dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=device)
         lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=device)
-        dq, dk, dv = attention_grads_from_delta(q, k_KTD, v_KTD, lse, dout, delta, scale)
-        pool.add_grad(layer, "k", 0, dk.transpose(0, 1))
-        pool.add_grad(layer, "v", 0, dv.transpose(0, 1))
+        dq = streamed_grads(stager, spec, q, lse, dout, delta, scale, stager.pool)
         cp.send(dq, owner)
     else:
         raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
@@ -119,11 +124,15 @@ def _read_header(cp, owner, device):
 
 def serve(cp, owner, adapter, pool, chunk):
     """Answer `owner`'s requests against this rank's pages until it says DONE."""
-    while True:
-        op, layer, tq = _read_header(cp, owner, adapter.device)
-        if op == DONE:
-            return
-        _answer(cp, owner, adapter, pool, chunk, op, layer, tq)
+    stager = layer_stager(pool, adapter.specs)
+    try:
+        while True:
+            op, layer, tq = _read_header(cp, owner, adapter.device)
+            if op == DONE:
+                return
+            _answer(cp, owner, adapter, stager, chunk, op, layer, tq)
+    finally:
+        stager.close()
 
 
 class PageServer:
@@ -133,7 +142,8 @@ class PageServer:
     A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
 
     def __init__(self, cp, owner, adapter, pool, chunk, kept=False):
-        self.cp, self.owner, self.adapter, self.pool, self.chunk = cp, owner, adapter, pool, chunk
+        self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk
+        self.stager = layer_stager(pool, adapter.specs)  # closed by close()
         self.kept = kept  # the owner's attention was kept from capture: it sends no FORWARD request
 
     def answer(self, expected_op, expected_layer):
@@ -142,7 +152,10 @@ class PageServer:
             raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
                                f"{self.owner}, got {(op, layer)}: the ranks' prefix-pass module calls diverged")
         if op != DONE:
-            _answer(self.cp, self.owner, self.adapter, self.pool, self.chunk, op, layer, tq)
+            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq)
+
+    def close(self):
+        self.stager.close()
 
     def __call__(self, layer, q_HTD, known=None):
         assert known is None, "a mirrored iteration keeps no attention of its own"
@@ -165,15 +178,15 @@ class _AnswerOwner(torch.autograd.Function):
 
 
 def _carry_shapes(state):
-    """(state, tail) shapes and dtypes of every GDN layer, from the final carry every rank holds."""
-    return {layer: ((s.shape, s.dtype), (t.shape, t.dtype)) for layer, (s, t) in state.gdn_carry.items()}
+    """layer -> [(shape, dtype) of each carry part], from the final carry every rank holds."""
+    return {layer: [(t.shape, t.dtype) for t in parts] for layer, parts in state.carry.items()}
 
 
 def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, lockstep_chunks=None,
                        recompute=False):
     """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
 
-    ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final GDN carry) from replay (used by the
+    ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final carry) from replay (used by the
     last rank); chunk: the capture segment (settings.segment_tokens: the shards' chunking, and queries per
     partial on the serving side).
     Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
@@ -195,12 +208,8 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
         elif serving:
             serve(cp, owner, adapter, state.pool, chunk)
     if cp.rank < cp.size - 1:
-        d_final_carry = {}
-        for layer in adapter.gdn_layers:
-            (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
-            d_final_carry[layer] = (
-                cp.recv(s_shape, s_dtype, cp.rank + 1, layer, "prefix_d_state", device=adapter.device),
-                cp.recv(t_shape, t_dtype, cp.rank + 1, layer, "prefix_d_tail", device=adapter.device))
+        d_final_carry = {layer: tuple(cp.recv(shape, dtype, cp.rank + 1, layer, "prefix_d_carry", device=adapter.device)
+                                      for shape, dtype in parts) for layer, parts in shapes.items()}
     remote = RemotePages(cp, sizes)
     d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
                               remote_attention=remote if remote.servers else None, recompute=recompute)
@@ -209,14 +218,11 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
         for _ in range(lockstep_chunks - len(state.boundaries)):
             zero_prefix_iteration(adapter, backward, recompute=recompute)
     if cp.rank > 0:
-        for layer in adapter.gdn_layers:
-            (s_shape, s_dtype), (t_shape, t_dtype) = shapes[layer]
-            d_state, d_tail = d_start.get(layer, (None, None))
-            zeros = dict(device=adapter.device)
-            cp.send(torch.zeros(s_shape, dtype=s_dtype, **zeros) if d_state is None else d_state.to(s_dtype),
-                    cp.rank - 1)
-            cp.send(torch.zeros(t_shape, dtype=t_dtype, **zeros) if d_tail is None else d_tail.to(t_dtype),
-                    cp.rank - 1)
+        for layer, parts in shapes.items():
+            grads = d_start.get(layer)  # absent: this shard starts at the prompt start (a zero carry)
+            for part, (shape, dtype) in enumerate(parts):
+                cp.send(torch.zeros(shape, dtype=dtype, device=adapter.device) if grads is None
+                        else grads[part].to(dtype), cp.rank - 1)
     if lockstep_chunks is not None:  # the earlier ranks' turns: mirror them (this rank's pages are not read)
         for owner in range(cp.rank - 1, -1, -1):
             _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, False, backward, recompute)
@@ -227,9 +233,13 @@ def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, b
     mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
     real = ceil_div(sizes[owner], chunk)  # the owner's real chunks, counted as lockstep.shape_of counts them
     server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None) if serving else None
-    for _ in range(real):
-        zero_prefix_iteration(adapter, backward, server, recompute)
-    if serving:  # the owner says DONE after its real chunks, before its padding
-        server.answer(DONE, -1)
+    try:
+        for _ in range(real):
+            zero_prefix_iteration(adapter, backward, server, recompute)
+        if serving:  # the owner says DONE after its real chunks, before its padding
+            server.answer(DONE, -1)
+    finally:
+        if server is not None:
+            server.close()
     for _ in range(iterations - real):
         zero_prefix_iteration(adapter, backward, recompute=recompute)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from ds_longstraw.kernels import partial_attention
 from ds_longstraw.state import keep_segment_attention
 
-from .cp_attention import _acc, pad_output_calls, pad_qkv_calls, project_spans
+from .cp_attention import _acc, _pages_KTD, pad_output_calls, pad_qkv_calls, project_spans
 
 
 def check_heads(heads, kv_heads, size):
@@ -60,23 +60,24 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     return parts
 
 
-def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, bounds, pool, layer, chunk, pad=0,
+def ulysses_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, chunk, pad=0,
                             kept_pool=None):
     """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
     pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
     kept_pool: None, or the pool that keeps the attention's (out, lse) of this rank's tokens (exact mode's
     prefix_keep_attention): the LSE then makes the trip back too (one more all-to-all, H/N values per token)."""
-    heads, kv_heads = adapter.config.num_attention_heads, adapter.config.num_key_value_heads
+    layer = spec.layer
+    heads, kv_heads, dim = adapter.attention_geometry()
     check_heads(heads, kv_heads, cp.size)
     cp.decisions[(cp.phase_name, layer)] = "ulysses"
-    size, dim = cp.size, module.head_dim
+    size, scale = cp.size, adapter.attention_scale(layer)
     per_rank = heads // size
     sizes = [hi - lo for lo, hi in bounds]
-    queries, gates = project_spans(adapter, module, normed_1TC, spans, offset, pool, layer)
-    padded = pad_qkv_calls(adapter, module, normed_1TC, pad)
+    queries, gates = project_spans(adapter, spec, normed_1TC, spans, offset, pool)
+    padded = pad_qkv_calls(adapter, layer, normed_1TC, pad)
     dtype = normed_1TC.dtype
     q_HTD = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
-    k_KTD, v_KTD = pool.read(layer, "k").transpose(0, 1), pool.read(layer, "v").transpose(0, 1)
+    k_KTD, v_KTD = _pages_KTD(pool, spec)
     kv_ranges = [_kv_heads_of(d, heads, kv_heads, size) for d in range(size)]
     kv0, kv1 = kv_ranges[cp.rank]
     # sequence shards -> head shards: q heads of rank d, and the kv heads they read, stacked [q | k | v] per source
@@ -97,7 +98,7 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
     outs, lses = [], []
     for a in range(0, length, chunk):
         b = min(length, a + chunk)
-        out, lse = partial_attention(q_all[:, a:b], k_all[:, :b], v_all[:, :b], module.scaling, causal_offset=a)
+        out, lse = partial_attention(q_all[:, a:b], k_all[:, :b], v_all[:, :b], scale, causal_offset=a)
         outs.append(out)
         lses.append(lse)
     out_all = torch.cat(outs, 1) if outs else q_all
@@ -112,8 +113,8 @@ def ulysses_attention_layer(adapter, module, normed_1TC, spans, offset, cp, boun
                                 lse_all.dtype, layer, "ulysses_lse")
         lse_HT = torch.cat(lse_parts, 0)
         for a, b in spans:
-            keep_segment_attention(kept_pool, layer, out_HTD[:, a:b], lse_HT[:, a:b])
+            keep_segment_attention(kept_pool, spec, (out_HTD[:, a:b], lse_HT[:, a:b]))
     del lses
-    results = [adapter.attention_output(module, out_HTD[:, a:b], gate) for (a, b), gate in zip(spans, gates)]
-    pad_output_calls(adapter, module, padded)
+    results = [adapter.attention_finish(layer, out_HTD[:, a:b], gate) for (a, b), gate in zip(spans, gates)]
+    pad_output_calls(adapter, layer, padded)
     return torch.cat(results, 1) if results else normed_1TC.new_zeros(normed_1TC.shape)

@@ -76,9 +76,10 @@ def runs_on(case, world):
 
 
 def _run_case(case, world, cp_group, out_dir, rank):
+    from models import float64_model, tiny_qwen3_5
+
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.parallel import CPContext
-    from models import float64_model, tiny_qwen3_5
 
     dtype = getattr(torch, case.get("dtype", "float64"))
     model = tiny_qwen3_5(dtype=dtype, **case.get("model", {}))

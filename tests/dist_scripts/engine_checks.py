@@ -42,11 +42,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
+from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward  # noqa: E402
 from ds_longstraw.transaction import score_reference  # noqa: E402
-from models import tiny_qwen3_5  # noqa: E402
 
 
 def block(mode, tier="none"):

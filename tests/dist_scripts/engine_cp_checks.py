@@ -31,11 +31,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
+from engine_checks import gathered, make_group, run_checks, snapshot, step_error  # noqa: E402
+from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
 from ds_longstraw import grpo_backward  # noqa: E402
-from engine_checks import gathered, make_group, run_checks, snapshot, step_error  # noqa: E402
-from models import tiny_qwen3_5  # noqa: E402
 
 CP = 2
 

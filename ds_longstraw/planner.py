@@ -2,13 +2,14 @@
 
     longstraw plan --model glm-5.2 --context 2M --group-size 8 --gpus 32 --cp 32 --gpus-per-node 8 \\
                    --gpu-memory 96GB --host-memory 2TB --mode exact
-    python -m ds_longstraw.offload.planner --model path/to/config.json --context 512K ...
+    python -m ds_longstraw.planner --model path/to/config.json --context 512K ...
 
 Reports retained bytes per rank by layer type, what each tier needs of GPU, host and NVMe memory and whether it
 fits, the recommended `offload` block (tier, staging depth) and the longest prompt each tier allows. Memory the
 command is not given is detected: host memory with psutil, the CPU with py-cpuinfo, the GPU with torch (when
 one is visible), free NVMe space at --nvme-path. Sizes take a unit (96GB, 2TiB, 512M); a bare number is GiB.
-The model of what costs what is in plan.py; the byte figures per layer type in model_shapes.py.
+The model of what costs what is in offload/plan.py; the byte figures come from the architecture's layer-state
+specs (model_shape.py).
 """
 
 import argparse
@@ -17,10 +18,9 @@ import re
 import shutil
 import sys
 
-from ds_longstraw.config import parse_config
-
-from .model_shapes import load_config, shape_from_config
-from .plan import GiB, TIERS, Layout, make_plan
+from .config import parse_config
+from .model_shape import load_config, shape_from_config
+from .offload.plan import TIERS, GiB, Layout, make_plan
 
 _UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -61,7 +61,7 @@ def _parser():
     p.add_argument("--host-fraction", type=float, default=0.80, help="host memory fraction the tier may use")
     p.add_argument("--capture-chunk", type=int, default=4096, help="longstraw.capture_chunk")
     p.add_argument("--prefix-block", type=int, default=None,
-                   help="longstraw.prefix_block (exact mode: GDN checkpoints every min(capture-chunk, this) tokens)")
+                   help="longstraw.prefix_block (exact mode: carry checkpoints every min(capture-chunk, this) tokens)")
     p.add_argument("--keep-attention", action="store_true",
                    help="longstraw.prefix_keep_attention (exact mode): attention outputs kept with the pages")
     p.add_argument("--kept-attention-tier", choices=("none", "cpu", "nvme"), default=None,
@@ -118,22 +118,21 @@ def render(plan, detected) -> str:
         lines.append("detected: " + "; ".join(detected) + ".")
     lines += ["", "## Retained bytes per rank", "", "| state | layers | bytes per token (all its layers) | per rank |",
               "|---|---:|---:|---:|"]
-    gdn = s.layer_counts.get("gated_deltanet")
-    rows = {"attention_kv_pages": (s.layer_counts.get("full_attention"), "where"),
-            "mla_latent_pages": (s.layer_counts.get("mla"), "where"),
-            "indexer_key_pages": (s.layer_counts.get("indexer_full"), "where"),
-            "gdn_state": (gdn, "per sequence"), "gdn_checkpoints": (gdn, "per chunk start"),
-            "gradient_pages": ("as the pages", s.bytes_per_token),
-            "attention_output_pages": (s.layer_counts.get("full_attention"), s.kept_attention_bytes_per_token)}
+    carry_layers = sum(s.carry_layers.values())
+    rows = {label: (s.page_layers[label], per_token) for label, per_token in s.page_bytes_per_token.items()}
+    rows.update({label: (s.carry_layers[label], "per sequence") for label in s.carry_bytes})
+    rows.update({"carry_checkpoints": (carry_layers, "per chunk start"),
+                 "gradient_pages": ("as the pages", s.grad_bytes_per_token),
+                 "kept_attention_pages": (s.kept_layers, s.kept_bytes_per_token)})
     for key, value in plan.retained.items():
         layers, per_token = rows[key]
-        if not layers or (not value and key in ("gdn_checkpoints", "gradient_pages", "attention_output_pages")):
-            continue  # a layer type the model does not have, or exact mode's extras in detached mode
-        per_token = s.page_bytes_per_token[key] if per_token == "where" else per_token
-        lines.append(f"| {key} | {layers} | {per_token:,} | {_gib(value)} |" if isinstance(per_token, int)
-                     else f"| {key} | {layers} | {per_token} | {_gib(value)} |")
+        if not layers or (not value and key in ("carry_checkpoints", "gradient_pages", "kept_attention_pages")):
+            continue  # exact mode's extras in detached mode, or what the model does not have
+        per_token = f"{per_token:,}" if isinstance(per_token, int) else per_token
+        lines.append(f"| {key} | {layers} | {per_token} | {_gib(value)} |")
     lines.append(f"| total | | | {_gib(sum(plan.retained.values()))} |")
-    lines += ["", "## Where it fits (per rank)", "", "| tier | staging depth | GPU | host | NVMe | fits | longest prompt |",
+    lines += ["", "## Where it fits (per rank)", "",
+              "| tier | staging depth | GPU | host | NVMe | fits | longest prompt |",
               "|---|---:|---:|---:|---:|---|---:|"]
     for tier in TIERS:
         n = plan.needs[tier]

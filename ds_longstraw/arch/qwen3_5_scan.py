@@ -1,4 +1,8 @@
-"""Gated DeltaNet across context-parallel ranks: segment transitions, an exclusive combine, conv tails.
+"""qwen3_5's Gated DeltaNet across context-parallel ranks: segment transitions, an exclusive combine, conv tails.
+
+The family-specific half of the "affine_scan" combine (arch/specs.py): the context-parallel capture
+(ds_longstraw.parallel.capture) calls the adapter's capture_scan_layer, which lands here with the CP group's
+exchanges (cp.all_gather) as its only view of the other ranks.
 
 Legend: Hv value heads, dk/dv key/value head dims; state S [1, Hv, dk, dv]; a transition summary [1, Hv, dk, dv + dk]
 holds [B | P]; conv tail [1, conv_dim, k-1] (the last k-1 tokens of the pre-convolution projection).
@@ -20,17 +24,30 @@ Conv tails cross ranks too: each rank contributes the last min(T_r, k-1) tokens 
 incoming tail is the last k-1 tokens of zeros(k-1) ++ contributions of ranks 0..r-1 (shards shorter than k-1 make
 the tail span several ranks).
 
-Capture schedule per GDN layer (layer-major, see capture.py): (1) all-gather tail contributions -> incoming tail;
+Capture schedule per GDN layer (layer-major, see ds_longstraw/parallel/capture.py):
+(1) all-gather tail contributions -> incoming tail;
 (2) pass 1 over this rank's chunks from zero state -> [B | P]; all-gather; fold -> initial and final state;
 (3) pass 2 over the chunks with the true initial state through the adapter's own GDN forward (the single-process
 code path), which gives the layer's outputs and the exact-mode chunk checkpoints. Pass 1 recomputes the
 projections rather than keeping them: memory stays one chunk.
 """
 
+from contextlib import contextmanager
+
 import torch
 
-from ds_longstraw.arch.qwen3_5 import _forward_replaced
 from ds_longstraw.kernels import chunk_gated_delta_rule
+
+
+@contextmanager
+def forward_replaced(module, fn):
+    """Call `module(...)` with `fn` as its forward, so that module hooks (ZeRO-3's parameter gathering) still run
+    for parameters the module owns directly (GDN's A_log and dt_bias are read outside any submodule)."""
+    module.forward = fn
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 def _call_module(module, fn):
@@ -41,7 +58,7 @@ def _call_module(module, fn):
         result["value"] = fn()
         return None
 
-    with _forward_replaced(module, forward):
+    with forward_replaced(module, forward):
         module()
     return result["value"]
 
@@ -90,9 +107,9 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
 
     Returns (output [1, T, C], (final state, final conv tail) of the whole prompt). boundaries: None, or the
     exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start,
-    kept in `checkpoints` (a state.CarryCheckpoints).
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py); an empty shard
-    also makes a dummy call in place of its conv-tail projection.
+    kept in `checkpoints` (ds_longstraw.state's checkpoint store).
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see parallel/capture.py); an empty
+    shard also makes a dummy call in place of its conv-tail projection.
     """
     width = module.conv_kernel_size - 1
     tokens = normed_1TC.shape[1]
@@ -132,7 +149,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries
     outs, tail = [], tail_in
     for index, (a, b) in enumerate(spans):
         if boundaries is not None and state is not None:
-            boundaries[index].gdn_carry[layer] = checkpoints.save_layer(index, layer, state, tail)
+            boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (state, tail))
         out, state, tail = adapter.gdn_forward(module, normed_1TC[:, a:b], state, tail)
         outs.append(out)
     for _ in range(pad):

@@ -1,0 +1,107 @@
+"""What a layer retains for later tokens, declared by its architecture adapter (never read off the modules).
+
+Generic code (capture, replay, the prefix pass, the context-parallel schedule, the planner) asks these specs what to
+keep and how, so it names no layer type of any family:
+
+  Stream     a per-token tensor on pages: name, per-token shape, dtype, and whether exact mode accumulates its
+             gradient on gradient pages (a stream that no loss path reaches, say a gradient-free indexer key, has
+             none: no gradient pages are allocated or written for it)
+  Carry      a per-sequence tensor carried from one segment to the next (a recurrent state, a conv tail)
+  LayerState one layer: its streams, its carry, and how its work combines across context-parallel ranks:
+               "lse"          attention over pages; partial results of key shards merge by log-sum-exp
+               "affine_scan"  a recurrence whose segment map is affine in the carry; ranks fold summaries in order
+               "none"         nothing crosses ranks (the layer retains nothing)
+             `kept`: what exact mode's prefix_keep_attention keeps per token for this layer (its attention output
+             and log-sum-exp), so the prefix pass can skip the layer's attention
+
+The specs are built from a config alone (no weights), so `longstraw plan` sizes any supported model from the same
+source as the transaction.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+COMBINES = ("lse", "affine_scan", "none")
+
+
+@dataclass(frozen=True)
+class Stream:
+    name: str
+    shape: tuple  # per token
+    dtype: torch.dtype
+    grad: bool = True  # exact mode: d(stream) accumulates on gradient pages
+    label: str = ""  # what its bytes are reported as, when not its layer's label
+
+    @property
+    def bytes_per_token(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class Carry:
+    name: str
+    shape: tuple  # per sequence
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    layer: int
+    kind: str  # the family's name for the layer type (reports only)
+    label: str  # what its retained bytes are reported as ("attention_kv_pages", "gdn_state", ...)
+    streams: tuple = ()  # Stream, token-major pages
+    carry: tuple = ()  # Carry, per sequence
+    combine: str = "none"
+    kept: tuple = ()  # Stream, exact mode's prefix_keep_attention
+
+    def __post_init__(self):
+        assert self.combine in COMBINES, self.combine
+
+    def stream_label(self, stream) -> str:
+        return stream.label or self.label
+
+    @property
+    def stream_names(self) -> tuple:
+        return tuple(s.name for s in self.streams)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(s.bytes_per_token for s in self.streams)
+
+    @property
+    def carry_bytes(self) -> int:
+        return sum(c.nbytes for c in self.carry)
+
+    @property
+    def kept_bytes_per_token(self) -> int:
+        return sum(s.bytes_per_token for s in self.kept)
+
+
+def _itemsize(dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def paged_layers(specs) -> list:
+    """Layers that keep per-token pages, in order."""
+    return [s.layer for s in specs if s.streams]
+
+
+def carry_layers(specs) -> list:
+    """Layers that carry per-sequence state, in order."""
+    return [s.layer for s in specs if s.carry]
+
+
+def stream_names(specs) -> dict:
+    """layer -> the names of its streams, for every paged layer in order (what a stager walks)."""
+    return {s.layer: s.stream_names for s in specs if s.streams}

@@ -1,0 +1,201 @@
+"""Where the prompt lives and what crosses ranks: the two topologies the transaction (transaction.py) runs over.
+
+The transaction is written once; it asks its topology for each phase's placement and exchanges:
+
+                 OneRank (no exchange)                    ContextParallel (the prompt sharded over a CP group)
+  capture        token-major: chunk by chunk through      layer-major: per layer, the shard with the exchange its
+                 every layer (state.capture_prefix)       spec's combine needs (parallel/capture.py)
+  replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
+                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (parallel/cp_attention.py)
+  prefix         one reverse pass (prefix_pass.py)        ranks take turns last to first (parallel/prefix.py)
+  reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
+                                                          caller's backward reduces (the DeepSpeed engine)
+
+The schedule (lockstep.Schedule; under ZeRO-3 a lockstep.Lockstep) says how many dummy calls pad each phase; each
+topology puts them where its own loops are.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from .parallel.capture import cp_capture_prefix
+from .parallel.cp_attention import PagesAttention
+from .parallel.groups import as_cp_context
+from .parallel.prefix import cp_prefix_backward
+from .parallel.ulysses import check_heads
+from .prefix_pass import prefix_backward
+from .replay import PrefixLeaves, carry_leaves, prefix_leaves
+from .state import capture_prefix
+
+
+@dataclass
+class ReplayView:
+    leaves: PrefixLeaves
+    remote_attention: object = None  # None, or (layer, q_HTD, known=None) -> (out, lse) over other ranks' pages
+
+
+class OneRank:
+    """The whole prompt on this rank; nothing is exchanged."""
+
+    size, rank = 1, 0
+
+    def check(self, adapter, settings):
+        """Nothing to check: every setting works on one rank."""
+
+    def phase(self, name):
+        return nullcontext()
+
+    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+        state = capture_prefix(adapter, prompt_ids, settings, keep_boundaries, progress=progress)
+        schedule.pad_capture(adapter)
+        return state
+
+    def replay_view(self, adapter, state, requires_grad):
+        return ReplayView(prefix_leaves(adapter, state, requires_grad))
+
+    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
+               timings=None):
+        prefix_backward(adapter, state, prompt_ids[:-1], d_final, progress=progress, backward=backward,
+                        recompute=settings.recompute_layers, timings=timings)
+        schedule.pad_prefix(adapter, backward)
+
+    def begin_gradients(self, model, caller_reduces):
+        """What .grad holds before the group, kept out of this topology's reduction; None: no reduction here."""
+        return None
+
+    def after_replay(self, model, caller_reduces):
+        """Replay's gradients are complete: nothing to rescale."""
+
+    def report(self, state, group) -> dict:
+        return {}
+
+
+class ContextParallel:
+    """The prompt's tokens sharded over a context-parallel group (every rank calls the transaction with the same
+    group, config and CP group).
+
+    replay   every rank replays every member, identically: its attention layers reach the prompt pages of all
+             ranks through all-gathered (out, lse) partials, so logits, losses and replay's gradients are the same
+             on every rank. Exact mode: d(rows) of each rank's pages go to its own gradient pages, d(final carry) is
+             on all ranks.
+    prefix   (exact) ranks take turns last to first; the parameter gradients it produces differ per rank (each
+             covers its own tokens)
+    reduce   ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
+             is the group's gradient, and the same bits land on every rank even where replicated kernels are not
+             bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart. What .grad held
+             before the call is kept apart from the reduction and added back.
+
+    With a caller's `backward` (the DeepSpeed engine) there is no CP all-reduce here: the caller's own gradient
+    reduction (DeepSpeed's, over every rank of the job) does the summing. Each rank back-propagates the whole
+    replay (member loss shares as given) and N x its own prefix-pass share (exact mode: the injected gradients
+    d(final carry) and the gradient pages are scaled by N before the prefix pass; the pass is linear in them).
+    Summed over the N CP ranks that is N x the group's gradient; averaged over all D x N ranks of D data-parallel
+    replicas (what DeepSpeed does with no mpu) it is (1/D) sum over replicas of each replica's group gradient: the
+    data-parallel average.
+    """
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.size, self.rank = cp.size, cp.rank
+
+    def check(self, adapter, settings):
+        if settings.cp_attention == "ulysses":
+            heads, kv_heads, _ = adapter.attention_geometry()
+            check_heads(heads, kv_heads, self.cp.size)
+        self.cp.traffic.reset()
+        self.cp.decisions.clear()
+
+    def phase(self, name):
+        return self.cp.phase(name)
+
+    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+        return cp_capture_prefix(adapter, prompt_ids, settings, self.cp, keep_boundaries=keep_boundaries,
+                                 pad=schedule.capture_pad)
+
+    def replay_view(self, adapter, state, requires_grad):
+        # No local prompt pages in the past: every rank's pages, this one's included, are reached through
+        # PagesAttention.
+        pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
+        leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
+                              past={layer: [] for layer in adapter.paged_layers}, stager=pages.stager)
+        return ReplayView(leaves, pages)
+
+    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
+               timings=None):
+        if backward is not None and self.cp.size != 1:
+            _scale_injected_(state, d_final, self.cp.size)
+        lo, hi = self.cp.shards(state.length)[self.cp.rank]
+        cp_prefix_backward(adapter, state, prompt_ids[:-1][lo:hi], d_final, self.cp, settings.segment_tokens,
+                           backward=backward, lockstep_chunks=schedule.prefix_iterations,
+                           recompute=settings.recompute_layers)
+
+    def begin_gradients(self, model, caller_reduces):
+        """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
+        return None if caller_reduces else _take_grads(model)
+
+    def after_replay(self, model, caller_reduces):
+        if not caller_reduces:
+            _scale_grads_(model, 1.0 / self.cp.size)  # the same on every rank: count them once in the sum
+
+    def reduce(self, model, before):
+        """.grad <- before + the CP sum of what accumulated since begin_gradients."""
+        _reduce_and_restore(model, before, self.cp)
+
+    def report(self, state, group) -> dict:
+        lo, hi = self.cp.shards(state.length)[self.cp.rank]
+        return {"cp": dict(self.cp.report(), shard=(lo, hi), replayed_tokens=group.response_tokens)}
+
+
+def topology_for(cp_group, settings):
+    """OneRank, or ContextParallel over `cp_group` (validated against settings.cp_size at the door)."""
+    cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
+    return OneRank() if cp is None else ContextParallel(cp)
+
+
+def _take_grads(model):
+    """Detach the current .grad of every trainable parameter (to be added back after the reduction)."""
+    taken = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            taken[name] = param.grad
+            param.grad = None
+    return taken
+
+
+def _scale_grads_(model, factor):
+    for param in model.parameters():
+        if param.requires_grad and param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def _reduce_and_restore(model, taken, cp):
+    """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])
+    cp.all_reduce_(flat, -1, "param_grads")
+    offset = 0
+    for (name, param), grad in zip(params, grads):
+        count = grad.numel()
+        reduced = flat[offset:offset + count].view_as(grad).to(param.dtype)
+        offset += count
+        before = taken.get(name)
+        param.grad = reduced if before is None else before + reduced
+
+
+def _scale_injected_(state, d_final, factor):
+    """Exact mode under a caller's reduction: scale what the prefix pass injects (d final carry, gradient pages).
+    Only the streams whose spec says they carry a gradient are touched: a kept-attention stream sharing the pool
+    gets no gradient pages (nor, on the NVMe tier, files of zeros)."""
+    for layer, parts in list(d_final.items()):
+        d_final[layer] = tuple(part * factor for part in parts)
+    pool = state.pool
+    for spec in state.specs:
+        for stream in spec.streams:
+            if stream.grad:
+                grad = pool.read_grad(spec.layer, stream.name)
+                pool.add_grad(spec.layer, stream.name, 0, grad * (factor - 1))

@@ -1,0 +1,181 @@
+"""The package's shape, checked from its source (no imports run):
+
+  - no import cycle anywhere in ds_longstraw (function-level imports included): the module graph of every
+    `import` / `from ... import` statement, offload/ and kernels/ under their installed names, has no cycle;
+  - offload/ and kernels/ import nothing of ds_longstraw outside themselves (pages, tiers and kernels do not depend
+    on the engine: the planner's generic cost model takes a ModelShape, built elsewhere from the specs);
+  - only ds_longstraw/arch/ (and kernels/) names a model family's modules, attributes or layer kinds: the
+    transaction, the topologies, the state and the offload tiers read the adapter's layer-state specs;
+  - the tree is clean under the ruff configuration in pyproject.toml (when ruff is installed).
+"""
+
+import ast
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tokenize
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# installed package name -> folder in the checkout (pyproject's package-dir mapping)
+PACKAGES = {"ds_longstraw": "ds_longstraw", "ds_longstraw.offload": "offload", "ds_longstraw.kernels": "kernels"}
+
+
+def _modules():
+    """module name -> (path, is_package) for every .py file of the package."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        base = os.path.join(ROOT, folder)
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__" and os.path.join(dirpath, d) not in
+                           {os.path.join(ROOT, f) for f in PACKAGES.values()}]
+            rel = os.path.relpath(dirpath, base)
+            prefix = package if rel == "." else package + "." + rel.replace(os.sep, ".")
+            for name in filenames:
+                if name.endswith(".py"):
+                    module = prefix if name == "__init__.py" else f"{prefix}.{name[:-3]}"
+                    found[module] = (os.path.join(dirpath, name), name == "__init__.py")
+    return found
+
+
+def _edges(modules):
+    """module -> set of modules of the package it imports (anywhere in the file)."""
+    edges = {}
+    for module, (path, is_package) in modules.items():
+        package = module if is_package else module.rpartition(".")[0]
+        with open(path) as handle:
+            tree = ast.parse(handle.read(), path)
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module
+                for alias in node.names:  # `from pkg import module` imports that module
+                    targets.add(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source)
+        edges[module] = {t for t in targets if t in modules and t != module}
+    return edges
+
+
+def _cycles(edges):
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    assert "ds_longstraw.transaction" in modules and "ds_longstraw.offload.pages" in modules
+    assert _cycles(_edges(modules)) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_offload_and_kernels_stand_alone():
+    edges = _edges(_modules())
+    for module, targets in edges.items():
+        for inner in ("ds_longstraw.offload", "ds_longstraw.kernels"):
+            if module == inner or module.startswith(inner + "."):
+                outside = {t for t in targets if not (t == inner or t.startswith(inner + "."))}
+                assert outside == set(), f"{module} imports {sorted(outside)}"
+
+
+# What a qwen3_5 (or any family's) module, attribute or layer kind is called: none may appear as a name or a string
+# outside arch/ and kernels/.
+FAMILY_WORDS = {
+    "qwen3_5", "qwen3_5_text", "glm_moe_dsa", "Qwen35Adapter", "full_attention", "linear_attention", "self_attn",
+    "linear_attn", "input_layernorm", "post_attention_layernorm", "in_proj_qkv", "in_proj_z", "in_proj_a",
+    "in_proj_b", "conv1d", "A_log", "dt_bias", "q_norm", "k_norm", "q_proj", "k_proj", "v_proj", "o_proj",
+    "gdn_layers", "attn_layers", "gdn_state", "conv_tail", "gdn_carry", "layer_types", "num_key_value_heads",
+    "num_attention_heads", "kv_lora_rank", "indexer_types", "LINEAR_ATTENTION", "FULL_ATTENTION",
+}
+
+
+def _code_words(path):
+    """NAME tokens and whole string literals (docstrings and comments excluded) of a file."""
+    with open(path) as handle:
+        source = handle.read()
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(first.value.lineno)
+    words = []
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.NAME:
+            words.append((token.start[0], token.string))
+        elif token.type == tokenize.STRING and token.start[0] not in docstrings:
+            try:
+                value = ast.literal_eval(token.string)
+            except (ValueError, SyntaxError):  # f-strings: their parts are checked as names
+                continue
+            if isinstance(value, str):
+                words.append((token.start[0], value))
+    return words
+
+
+def test_only_arch_names_a_family():
+    offenders = []
+    for folder in ("ds_longstraw", "offload"):
+        for dirpath, _, filenames in os.walk(os.path.join(ROOT, folder)):
+            rel_dir = os.path.relpath(dirpath, ROOT)
+            if rel_dir.startswith(os.path.join("ds_longstraw", "arch")) or "__pycache__" in rel_dir:
+                continue
+            for name in filenames:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                for line, word in _code_words(path):
+                    if word in FAMILY_WORDS:
+                        offenders.append(f"{os.path.relpath(path, ROOT)}:{line}: {word}")
+    assert offenders == []
+
+
+def test_the_family_word_check_sees_code_not_docstrings(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Mentions self_attn in prose."""\n\nx = layer.self_attn  # and here\ny = "conv_tail"\n')
+    assert [w for _, w in _code_words(sample) if w in FAMILY_WORDS] == ["self_attn", "conv_tail"]
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None and subprocess.run(
+    [sys.executable, "-m", "ruff", "--version"], capture_output=True).returncode != 0, reason="ruff not installed")
+def test_ruff_is_clean():
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
