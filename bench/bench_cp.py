@@ -71,6 +71,7 @@ def count_tier_reads():
 
 def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None):
     from ds_longstraw import GRPOObjective, grpo_backward
+    from ds_longstraw.arch import adapter_for
 
     model = build_model(args.layers)
     group = build_group(args.prompt, args.responses)
@@ -94,8 +95,8 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     return {"seconds": seconds, "phases": {k: v.seconds for k, v in result.phases.items()},
             "tier_read_bytes": TIER_READS["bytes"], "largest_read": TIER_READS["largest"],
             "retained": result.retained_bytes, "cp": result.extras.get("cp"), "tokens": group.response_tokens,
-            "attn_layers": [i for i in range(args.layers) if (i + 1) % 4 == 0],
-            "gdn_layers": [i for i in range(args.layers) if (i + 1) % 4]}
+            # from the adapter's layer-state specs: paged ("lse") layers and carried ("affine_scan") ones
+            "attn_layers": adapter_for(model).paged_layers, "gdn_layers": adapter_for(model).carry_layers}
 
 
 def _worker(rank, world, port, args, mode, attention, tier, out):

@@ -101,6 +101,7 @@ class ContextParallel:
         self.size, self.rank = cp.size, cp.rank
 
     def check(self, adapter, settings):
+        check_combines(adapter.specs, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
             check_heads(heads, kv_heads, self.cp.size)
@@ -146,6 +147,19 @@ class ContextParallel:
     def report(self, state, group) -> dict:
         lo, hi = self.cp.shards(state.length)[self.cp.rank]
         return {"cp": dict(self.cp.report(), shard=(lo, hi), replayed_tokens=group.response_tokens)}
+
+
+# How a layer's work crosses context-parallel ranks (arch/specs.py), as parallel/capture.py runs it.
+CP_COMBINES = ("lse", "affine_scan", "none")
+
+
+def check_combines(specs, cp_size):
+    """ValueError (before any work) when a layer combines across ranks in a way the CP schedule does not run."""
+    missing = sorted({spec.combine for spec in specs} - set(CP_COMBINES))
+    if missing:
+        layers = [spec.layer for spec in specs if spec.combine in missing]
+        raise ValueError(f"'longstraw.cp_size' = {cp_size}: layers {layers} combine across ranks by {missing}, "
+                         f"which context parallelism does not run yet (it runs {list(CP_COMBINES)}); use cp_size 1")
 
 
 def topology_for(cp_group, settings):

@@ -139,3 +139,19 @@ def test_scale_injected_touches_only_streams_with_a_gradient():
     assert pool.grad_bytes() == before  # no gradient pages for "o" and "lse"
     assert torch.all(pool.read_grad(0, "k") == 1.5) and torch.all(pool.read_grad(0, "v") == 1.5)
     assert torch.equal(d_final[1][0], torch.full((2,), 3.0)) and torch.equal(d_final[1][1], torch.full((3,), 6.0))
+
+
+def test_context_parallelism_refuses_a_combine_it_does_not_run():
+    """A family whose layers combine by a global top-k (GLM-5.2's DSA) is refused at the door under CP, naming
+    the key and the layers, not half-way through a capture; qwen3_5's combines pass."""
+    from models import tiny_qwen3_5_config
+    from transformers import GlmMoeDsaConfig
+
+    from ds_longstraw.arch import specs_for_config
+    from ds_longstraw.topology import check_combines
+
+    check_combines(specs_for_config(tiny_qwen3_5_config(), torch.float64), 2)
+    glm = GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"])
+    with pytest.raises(ValueError, match=r"'longstraw.cp_size' = 2: layers \[0, 1\] combine across ranks by "
+                                         r"\['topk_lse'\]"):
+        check_combines(specs_for_config(glm, torch.float64), 2)

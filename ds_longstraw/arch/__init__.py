@@ -5,10 +5,11 @@ a family with an adapter also runs its layers for the transaction.
 """
 
 from . import glm_moe_dsa, qwen3_5
+from .glm_moe_dsa import GlmMoeDsaAdapter
 from .qwen3_5 import Qwen35Adapter
 
 # model_type -> adapter. qwen3_5_text is the text-only config of Qwen3_5ForCausalLM.
-ADAPTERS = {"qwen3_5": Qwen35Adapter, "qwen3_5_text": Qwen35Adapter}
+ADAPTERS = {"qwen3_5": Qwen35Adapter, "qwen3_5_text": Qwen35Adapter, "glm_moe_dsa": GlmMoeDsaAdapter}
 # model_type -> state_specs(config, dtype): every family the planner can size
 STATE_SPECS = {"qwen3_5": qwen3_5.state_specs, "qwen3_5_text": qwen3_5.state_specs,
                "glm_moe_dsa": glm_moe_dsa.state_specs}

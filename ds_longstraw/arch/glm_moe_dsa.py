@@ -1,30 +1,259 @@
-"""transformers' glm_moe_dsa (GLM-5.x): what its layers retain, from a config alone.
+"""Adapter for transformers' glm_moe_dsa (GLM-5.x): MLA with DSA sparse attention, IndexShare, MoE.
 
-Per layer, MLA keeps the normalised latent c_kv [kv_lora_rank] and the roped shared key k_rope [qk_rope_head_dim]
-per token; a "full" DSA indexer layer also keeps its indexer key [index_head_dim] per token, which no loss path
-reaches (the model runs the indexer under no_grad), so it has no gradient pages; a "shared" indexer layer reuses
-the selection of the last full layer and keeps nothing more. MoE and MLP blocks retain nothing.
+What a layer retains (from a config alone, `state_specs`): MLA keeps the normalised latent c_kv [kv_lora_rank] and
+the roped shared key k_rope [qk_rope_head_dim] per token; a "full" DSA indexer layer also keeps its indexer key
+[index_head_dim] per token, which no loss path reaches (the model runs the indexer under no_grad), so it has no
+gradient pages; a "shared" indexer layer reuses the selection of the last full layer and keeps nothing more. MoE and
+MLP blocks retain nothing. Nothing per head is materialised for the prompt, in any phase.
 
-Only the specs are here so far: `longstraw plan` sizes GLM-5.2 from them. The transaction's adapter for this family
-(absorbed MLA over selected rows, the global top-k) is the work of the GLM-5.2 issue.
+How a segment runs (`GlmMoeDsaAdapter.forward_segment`): per layer the indexer scores every earlier position from
+the indexer keys and keeps a canonical top-k (glm_moe_dsa_attention.dsa_select: score descending, then position
+ascending); absorbed MLA attends over the selected latent rows only (sparse_latent_attention), which equals the
+model's expanded attention over its index mask; the decoder layer's own `mlp` (router and experts, or the dense
+MLP) follows.
+
+Legend: T tokens of the segment, C hidden size, H heads, R kv_lora_rank, E qk_rope_head_dim, n qk_nope_head_dim,
+v v_head_dim, I / D indexer heads / head dim. Rows are token-major: latent [T, R], rope key [T, E], indexer key
+[T, D].
 """
 
-from .specs import LayerState, Stream
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils.checkpoint
+from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+from . import glm_moe_dsa_attention as dsa
+from .glm_moe_dsa_attention import score_dtype
+from .specs import LayerState, Stream, carry_layers, paged_layers
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
+# Linear layers that LoRA adapters attach to by default: the MLA projections, the dense MLP and the shared
+# expert's projections. Not the indexer (it gets no gradient), the router, or the routed experts (3-D parameters,
+# not Linear modules).
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+                "down_proj"]
+
+
+def indexer_types(config) -> list:
+    """Per layer "full" (runs its indexer) or "shared" (reuses the last full layer's selection)."""
+    layers = config.num_hidden_layers
+    kinds = list(getattr(config, "indexer_types", None) or [FULL_INDEXER] * layers)[:layers]
+    unknown = set(kinds) - {FULL_INDEXER, SHARED_INDEXER}
+    if unknown:
+        raise ValueError(f"glm_moe_dsa: unknown indexer types {sorted(unknown)}")
+    return kinds
 
 
 def state_specs(config, dtype) -> list:
-    layers = config.num_hidden_layers
-    indexer = list(getattr(config, "indexer_types", None) or [FULL_INDEXER] * layers)[:layers]
-    unknown = set(indexer) - {FULL_INDEXER, SHARED_INDEXER}
-    if unknown:
-        raise ValueError(f"glm_moe_dsa: unknown indexer types {sorted(unknown)}")
     latent = Stream("latent", (config.kv_lora_rank,), dtype)
     rope_key = Stream("rope_key", (config.qk_rope_head_dim,), dtype)
     index_key = Stream("index_key", (config.index_head_dim,), dtype, grad=False, label="indexer_key_pages")
     specs = []
-    for index, kind in enumerate(indexer):
+    for index, kind in enumerate(indexer_types(config)):
         streams = (latent, rope_key, index_key) if kind == FULL_INDEXER else (latent, rope_key)
-        specs.append(LayerState(index, f"mla_{kind}_indexer", "mla_latent_pages", streams=streams, combine="lse"))
+        specs.append(LayerState(index, f"mla_{kind}_indexer", "mla_latent_pages", streams=streams,
+                                combine="topk_lse"))
     return specs
+
+
+@dataclass
+class SegmentOutput:
+    hidden: torch.Tensor  # [1, T, C], before the final norm
+    carry: dict = field(default_factory=dict)  # always empty: no layer carries per-sequence state
+    rows: dict = field(default_factory=dict)  # layer -> (latent, rope key[, indexer key]) token-major [T, ...]
+    attention: dict = field(default_factory=dict)  # always empty: no kept attention for this family (yet)
+
+
+class GlmMoeDsaAdapter:
+    """Runs segments of a transformers glm_moe_dsa causal LM (GlmMoeDsaForCausalLM, or a peft wrapper of one) by
+    calling its own submodules.
+
+    Weights: every parameter is read by calling the module that owns it (ZeRO-3 gathers a module's parameters in
+    its pre-forward hook), kv_b_proj included: its weight enters the absorbed attention as kv_b_proj(identity)
+    (see `absorbed_maps`), which is also what makes a LoRA adapter on kv_b_proj count. The router and the experts
+    run as the layer's own `mlp` module. One rank only so far: no context parallelism (remote_attention), no
+    kept attention (known_attention), no expert parallelism.
+    """
+
+    family = "glm_moe_dsa"
+
+    def __init__(self, model):
+        self.model = model
+        lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self.lm_head = lm.lm_head
+        self.body = lm.model
+        self.config = self.body.config
+        self.layers = self.body.layers
+        self.specs = state_specs(self.config, self.dtype)
+        self.indexer_types = indexer_types(self.config)
+        if self.indexer_types and self.indexer_types[0] != FULL_INDEXER:
+            raise ValueError("glm_moe_dsa: the first layer must run its own indexer (indexer_types[0] = 'full'): "
+                             "a shared layer reuses the selection of an earlier full layer")
+        self.paged_layers = paged_layers(self.specs)  # every layer: latent + rope key (+ indexer key)
+        self.carry_layers = carry_layers(self.specs)  # none
+
+    # -- shapes ------------------------------------------------------------------------------------------
+    @property
+    def dtype(self):
+        return self.body.embed_tokens.weight.dtype
+
+    @property
+    def device(self):
+        return self.body.embed_tokens.weight.device
+
+    @property
+    def vocab_size(self):
+        return self.config.vocab_size
+
+    def state_dtype(self):
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    # -- pieces ------------------------------------------------------------------------------------------
+    def embed(self, ids):
+        return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
+
+    def rotary(self, hidden, start):
+        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
+        return self.body.rotary_emb(hidden, positions)
+
+    def logprobs(self, hidden_1TC, targets):
+        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64)."""
+        logits = self.lm_head(self.body.norm(hidden_1TC))[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logp = torch.log_softmax(logits.to(acc), dim=-1)
+        return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+
+    def mla_projections(self, module, h_1TC, cos, sin):
+        """q_nope [T, H, n], q_rope [T, H, E] (roped), q_resid [1, T, q_lora_rank] (what the indexer's query reads),
+        the latent c_kv [T, R] (after kv_a_layernorm) and the roped shared key k_rope [T, E]: as the model's
+        attention computes them, without expanding anything per head."""
+        t = h_1TC.shape[1]
+        q_resid = module.q_a_layernorm(module.q_a_proj(h_1TC))
+        query = module.q_b_proj(q_resid).view(1, t, -1, module.qk_head_dim).transpose(1, 2)
+        q_nope, q_rope = torch.split(query, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+        latent, k_rope = torch.split(module.kv_a_proj_with_mqa(h_1TC), [module.kv_lora_rank, module.qk_rope_head_dim],
+                                     dim=-1)
+        latent = module.kv_a_layernorm(latent)
+        q_rope, k_rope = apply_rotary_pos_emb_interleave(q_rope, k_rope.view(1, 1, t, -1), cos, sin)
+        return q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), q_resid, latent[0], k_rope[0, 0]
+
+    def indexer_inputs(self, indexer, h_1TC, q_resid, cos, sin):
+        """The DSA indexer's query [T, I, D], per-head weights [T, I] (times I^-0.5) and key [T, D] (the key
+        [rope | pass], roped interleaved, as the model's indexer builds them); no gradient, as the model defines."""
+        t = h_1TC.shape[1]
+        rope = indexer.qk_rope_head_dim
+        with torch.no_grad():
+            query = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
+            q_rot, q_pass = torch.split(query, [rope, indexer.head_dim - rope], dim=-1)
+            key = indexer.k_norm(indexer.wk(h_1TC)).unsqueeze(2)
+            k_rot, k_pass = torch.split(key, [rope, indexer.head_dim - rope], dim=-1)
+            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+            query = torch.cat([q_rot, q_pass], dim=-1)[0]
+            key = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
+            weights_proj = indexer.weights_proj
+            weights = weights_proj(h_1TC.to(weights_proj.weight.dtype))[0]
+            weights = weights.to(score_dtype(query.dtype)) * indexer.n_heads ** -0.5
+        return query, weights, key
+
+    def absorbed_maps(self, module):
+        """W_UK [R, H, n] and W_UV [R, H, v] of kv_b_proj, read by calling the module on the identity: the output
+        row i is the map of the latent's unit vector e_i, so ZeRO-3's hook gathers the weight for the call, a LoRA
+        adapter's delta is included, and autograd takes the weight's gradient through it."""
+        proj = module.kv_b_proj
+        if getattr(proj, "bias", None) is not None:
+            raise ValueError("glm_moe_dsa adapter: kv_b_proj with a bias is not supported (the model has none)")
+        eye = torch.eye(module.kv_lora_rank, dtype=self.dtype, device=self.device)
+        maps = proj(eye).view(module.kv_lora_rank, -1, module.qk_nope_head_dim + module.v_head_dim)
+        return torch.split(maps, [module.qk_nope_head_dim, module.v_head_dim], dim=-1)
+
+    def attention_forward(self, index, module, h_1TC, cos, sin, start, past, selection):
+        """One MLA + DSA attention: (output [1, T, C], the segment's rows, the selection (positions, valid) this
+        layer used). past: the row tuples before the segment (positions 0 .. start-1 in order); selection: the
+        last full indexer layer's, for a shared layer."""
+        q_nope, q_rope, q_resid, latent, k_rope = self.mla_projections(module, h_1TC, cos, sin)
+        _check_past(index, past, start)
+        rows = (latent, k_rope)
+        if module.indexer is not None:
+            query, weights, key = self.indexer_inputs(module.indexer, h_1TC, q_resid, cos, sin)
+            keys = [piece[2] for piece in past] + [key]
+            selection = dsa.dsa_select(query, weights, keys, start, module.indexer.index_topk,
+                                       module.indexer.softmax_scale)
+            rows = (latent, k_rope, key)
+        elif selection is None:
+            raise ValueError(f"glm_moe_dsa layer {index}: a shared indexer layer needs an earlier full layer's "
+                             "selection")
+        w_uk, w_uv = self.absorbed_maps(module)
+        q_lat = torch.einsum("thn,rhn->thr", q_nope, w_uk)
+        latents = [piece[0] for piece in past] + [latent]
+        ropes = [piece[1] for piece in past] + [k_rope]
+        o_lat = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
+        out = torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, h_1TC.shape[1], -1)
+        return module.o_proj(out), rows, selection
+
+    def mlp_residual(self, index, hidden_1TC):
+        """hidden + mlp(post_attention_layernorm(hidden)) of layer `index` (a dense MLP, or the MoE block: the
+        model's router and experts, called as the module)."""
+        layer = self.layers[index]
+        return hidden_1TC + layer.mlp(layer.post_attention_layernorm(hidden_1TC))
+
+    # -- the layer-major capture under context parallelism (ds_longstraw.parallel): not for this family yet -----
+    def _no_context_parallelism(self, *args, **kwargs):
+        raise NotImplementedError("glm_moe_dsa: context parallelism is not supported yet (the global top-k over "
+                                  "the ranks' indexer keys and the latent rows' partials are the GLM-5.2 issue's "
+                                  "next part); run with cp_size 1")
+
+    mixer_input = attention_geometry = attention_scale = _no_context_parallelism
+    attention_project = attention_finish = capture_scan_layer = _no_context_parallelism
+
+    # -- the segment -------------------------------------------------------------------------------------
+    def _layer(self, index, layer, hidden, cos, sin, start, past, positions, valid):
+        """One decoder layer: (hidden out, the selection it used (positions, valid), its rows...)."""
+        h = layer.input_layernorm(hidden)
+        selection = None if positions is None else (positions, valid)
+        mixed, rows, selection = self.attention_forward(index, layer.self_attn, h, cos, sin, start,
+                                                        list(past.get(index, [])), selection)
+        return (self.mlp_residual(index, hidden + mixed), *selection, *rows)
+
+    def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,
+                        known_attention=None):
+        """Run tokens `ids` (positions start .. start+T-1) through every layer.
+
+        carry: unused (no layer carries per-sequence state); past: layer -> list of row tuples (latent, rope key
+        [, indexer key]) token-major that precede this segment, covering positions 0 .. start-1 in order (the
+        prompt's pages, earlier replay blocks); checkpoint_layers: keep only each layer's input for backward and
+        recompute the layer there (re-entrant, as the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights
+        again). remote_attention (context parallelism) and known_attention (prefix_keep_attention) are not
+        supported for this family yet."""
+        if remote_attention is not None:
+            raise NotImplementedError("glm_moe_dsa: context parallelism (remote attention) is not supported yet")
+        if known_attention:
+            raise NotImplementedError("glm_moe_dsa: prefix_keep_attention (kept attention) is not supported yet")
+        hidden = self.embed(ids)
+        cos, sin = self.rotary(hidden, start)
+        out = SegmentOutput(hidden=None)
+        past = past if past is not None else {}
+        positions = valid = None  # the last full indexer layer's selection
+        for index, layer in enumerate(self.layers[: len(self.specs)]):
+            if checkpoint_layers and torch.is_grad_enabled():
+                # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
+                # gathers the weights again for it); the prompt pages inside `past` get their gradients from that
+                # inner backward, like the parameters.
+                if not hidden.requires_grad:
+                    hidden = hidden.detach().requires_grad_(True)
+                results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, start, past,
+                                                            positions, valid, use_reentrant=True)
+            else:
+                results = self._layer(index, layer, hidden, cos, sin, start, past, positions, valid)
+            hidden, positions, valid, *rows = results
+            out.rows[index] = tuple(rows)
+        out.hidden = hidden
+        return out
+
+
+def _check_past(index, past, start):
+    """The pieces of `past` must cover positions 0 .. start-1 (on one rank, the whole prompt lives here)."""
+    covered = sum(piece[0].shape[0] for piece in past)
+    if covered != start:
+        raise ValueError(f"glm_moe_dsa layer {index}: the past covers {covered} positions, the segment starts at "
+                         f"{start} (context-parallel shards are not supported yet)")

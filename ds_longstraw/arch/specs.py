@@ -10,6 +10,8 @@ keep and how, so it names no layer type of any family:
   LayerState one layer: its streams, its carry, and how its work combines across context-parallel ranks:
                "lse"          attention over pages; partial results of key shards merge by log-sum-exp
                "affine_scan"  a recurrence whose segment map is affine in the carry; ranks fold summaries in order
+               "topk_lse"     sparse attention over a selection of pages (DSA): the ranks' candidates merge into
+                              one global top-k, then the selected rows' partials merge by log-sum-exp
                "none"         nothing crosses ranks (the layer retains nothing)
              `kept`: what exact mode's prefix_keep_attention keeps per token for this layer (its attention output
              and log-sum-exp), so the prefix pass can skip the layer's attention
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-COMBINES = ("lse", "affine_scan", "none")
+COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
 @dataclass(frozen=True)

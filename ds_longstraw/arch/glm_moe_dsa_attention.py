@@ -1,0 +1,289 @@
+"""DSA selection and sparse absorbed MLA over latent rows: the math of glm_moe_dsa's attention, on one rank.
+
+Legend: T queries of a segment, H query heads, I indexer heads, D indexer head dim, R kv_lora_rank (the latent),
+E qk_rope_head_dim, K the selected positions per query (min(index_topk, keys)). Keys and rows come as "pieces":
+what precedes and includes the segment, a list of token-major tensors in position order starting at position 0 (the
+prompt's pages, earlier replay blocks, the segment itself): latents [N_s, R], rope keys [N_s, E], indexer keys
+[N_s, D].
+
+Selection (DeepSeek Sparse Attention, as transformers' GlmMoeDsaIndexer defines it): for the query at absolute
+position t, score(t, j) = sum_i w_i(t) * relu(scale * q_i(t) . k(j)) over the keys j <= t, in max(float32, model
+dtype); the K best positions are kept. Ties are broken canonically, score descending then position ascending (a
+stable descending sort over positions in ascending order), so the selected set does not depend on how the keys are
+split into pieces or blocks. Positions a query cannot see score -inf and are never selected: a query with fewer
+than K visible keys sees all of them.
+
+Attention (absorbed MLA): the query's no-RoPE part is mapped into the latent space through W_UK (q_lat [T, H, R]),
+so for each head score(t, j) = scale * (q_lat(t) . c(j) + q_rope(t) . k_rope(j)) over the selected j only,
+softmax, and the result stays in the latent space (o_lat = P @ c [T, H, R]); the caller maps it back through W_UV.
+Nothing per head is materialised for the keys: each query block gathers its selected rows [Tq, K, R + E] once.
+
+`sparse_latent_attention` keeps memory bounded in backward too: it saves its inputs and its output (no gathered
+rows, no probabilities) and recomputes each query block's rows and probabilities in backward.
+`sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two,
+and `dsa_select` with `dsa_select_reference`.
+"""
+
+import torch
+
+# Elements of one query block's gathered rows [Tq, K, R + E] (or of its indexer scores [Tq, I, keys]): the unit
+# that bounds the transient memory of selection and attention. 2^24 elements are 64 MiB in float32.
+BLOCK_ELEMENTS = 1 << 24
+# Keys scored at once by the selection (a query block's scores are [Tq, I, KEY_BLOCK]).
+KEY_BLOCK = 4096
+
+
+def score_dtype(dtype):
+    """Selection scores are computed in max(float32, model dtype), as the model computes them in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _query_block(per_query, tokens):
+    return max(1, min(tokens, BLOCK_ELEMENTS // max(1, per_query)))
+
+
+# -- selection --------------------------------------------------------------------------------------------------
+def _index_scores(q_TID, weights_TI, keys_ND, scale):
+    """sum_i w_i relu(scale * q_i . k) for every (query, key): [T, N] (inputs already in the score dtype)."""
+    scores_TIN = torch.relu(torch.einsum("tid,nd->tin", q_TID, keys_ND) * scale)
+    return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
+
+
+def _canonical_merge(best_scores, best_pos, scores, positions, k):
+    """The k best of (best, new) in canonical order. best is already canonical (score descending, position
+    ascending among ties) and holds only positions below every new one; new is in position order: a stable
+    descending sort of their concatenation keeps ties in position order."""
+    cat_scores = torch.cat([best_scores, scores], dim=-1)
+    cat_pos = torch.cat([best_pos, positions.expand(scores.shape[0], -1)], dim=-1)
+    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
+def _key_pieces(keys, key_block):
+    """(first position, key rows) of each piece of at most key_block rows, in position order."""
+    offset = 0
+    for piece in keys:
+        for lo in range(0, piece.shape[0], key_block):
+            yield offset + lo, piece[lo:lo + key_block]
+        offset += piece.shape[0]
+
+
+def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
+    """The canonical top-k selection of queries at positions start .. start+T-1 over keys at positions 0 .. (all
+    of `keys`, a list of [N_s, D] pieces in position order; the segment's own keys last).
+
+    q_TID [T, I, D] and keys in any dtype (scored in score_dtype of q's dtype); weights_TI [T, I] the per-head
+    weights (the model's weights_proj output times I^-0.5); scale the indexer's softmax_scale.
+    Returns (positions [T, K] int64, valid [T, K] bool) with K = min(topk, number of keys); where valid is False
+    the query sees fewer than K keys and the position (0) is to be ignored. Gradient-free, as the model defines
+    it. Memory: a query block's scores [Tq, I, key_block] and its running best [Tq, K + key_block].
+    """
+    key_block = key_block or KEY_BLOCK
+    total = sum(piece.shape[0] for piece in keys)
+    tokens = q_TID.shape[0]
+    if total < start + tokens:
+        raise ValueError(f"dsa_select: {total} keys cannot cover queries up to position {start + tokens - 1}")
+    k = min(topk, total)
+    acc = score_dtype(q_TID.dtype)
+    device = q_TID.device
+    out_pos = torch.zeros(tokens, k, dtype=torch.long, device=device)
+    out_valid = torch.zeros(tokens, k, dtype=torch.bool, device=device)
+    block = _query_block(q_TID.shape[1] * key_block, tokens)
+    with torch.no_grad():
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            q = q_TID[q0:q1].to(acc)
+            w = weights_TI[q0:q1].to(acc)
+            query_pos = torch.arange(start + q0, start + q1, device=device).unsqueeze(1)
+            best_scores = torch.full((q1 - q0, 0), float("-inf"), dtype=acc, device=device)
+            best_pos = torch.zeros((q1 - q0, 0), dtype=torch.long, device=device)
+            for k0, piece in _key_pieces(keys, key_block):
+                if k0 > start + q1 - 1:  # beyond the causal horizon of every query of the block
+                    break
+                positions = torch.arange(k0, k0 + piece.shape[0], device=device).unsqueeze(0)
+                scores = _index_scores(q, w, piece.to(acc), scale)
+                scores = scores.masked_fill(positions > query_pos, float("-inf"))
+                best_scores, best_pos = _canonical_merge(best_scores, best_pos, scores, positions, k)
+            valid = best_scores > float("-inf")
+            out_pos[q0:q1, : best_pos.shape[1]] = torch.where(valid, best_pos, torch.zeros_like(best_pos))
+            out_valid[q0:q1, : best_pos.shape[1]] = valid
+    return out_pos, out_valid
+
+
+def dsa_select_reference(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
+    """Plain version of dsa_select: the whole [T, N] score matrix, one stable sort."""
+    acc = score_dtype(q_TID.dtype)
+    keys_ND = torch.cat([piece.to(acc) for piece in keys])
+    total, tokens = keys_ND.shape[0], q_TID.shape[0]
+    k = min(topk, total)
+    with torch.no_grad():
+        scores = _index_scores(q_TID.to(acc), weights_TI.to(acc), keys_ND, scale)
+        visible = torch.arange(total).unsqueeze(0) <= torch.arange(start, start + tokens).unsqueeze(1)
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        valid = values[:, :k] > float("-inf")
+        return torch.where(valid, order[:, :k], torch.zeros_like(order[:, :k])), valid
+
+
+# -- gathering rows from pieces ---------------------------------------------------------------------------------
+def _offsets(pieces):
+    offsets, total = [], 0
+    for piece in pieces:
+        offsets.append(total)
+        total += piece.shape[0]
+    return offsets, total
+
+
+def gather_rows(pieces, positions):
+    """Rows of `pieces` (token-major, in position order from 0) at `positions` (any shape of int64) ->
+    [*positions.shape, *row shape]. Differentiable (plain indexing); the reference path uses it."""
+    offsets, total = _offsets(pieces)
+    flat = positions.reshape(-1)
+    out = None
+    for offset, piece in zip(offsets, pieces):
+        if piece.shape[0] == 0:
+            continue
+        inside = (flat >= offset) & (flat < offset + piece.shape[0])
+        rows = piece[(flat - offset).clamp(0, piece.shape[0] - 1)]
+        mask = inside.view(-1, *([1] * (rows.dim() - 1)))
+        out = torch.where(mask, rows, torch.zeros_like(rows) if out is None else out)
+    return out.reshape(*positions.shape, *pieces[0].shape[1:])
+
+
+def _gather_into(pieces, offsets, flat):
+    """Rows at positions `flat` [n] without autograd (each piece indexed only where it owns the position)."""
+    first = next(p for p in pieces if p.shape[0])
+    out = first.new_empty((flat.shape[0], *first.shape[1:]))
+    owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
+    for index, (offset, piece) in enumerate(zip(offsets, pieces)):
+        mine = owner == index
+        if piece.shape[0] and bool(mine.any()):
+            out[mine] = piece.index_select(0, flat[mine] - offset)
+    return out
+
+
+def _scatter_add(grads, offsets, flat, grad_rows):
+    """Add the rows' gradients grad_rows [n, ...] at positions `flat` [n] into `grads` (one tensor per piece, None
+    where no gradient is needed)."""
+    owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
+    for index, (offset, grad) in enumerate(zip(offsets, grads)):
+        if grad is None:
+            continue
+        mine = owner == index
+        if bool(mine.any()):
+            grad.index_add_(0, flat[mine] - offset, grad_rows[mine].to(grad.dtype))
+
+
+# -- sparse absorbed attention ----------------------------------------------------------------------------------
+def _block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, acc):
+    """Scores [Tq, H, K] in the accumulation dtype, -inf where not selected."""
+    s = torch.einsum("thr,tkr->thk", q_lat.to(acc), rows_lat.to(acc))
+    s = s + torch.einsum("the,tke->thk", q_rope.to(acc), rows_rope.to(acc))
+    return (s * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _SparseLatentAttention(torch.autograd.Function):
+    """Forward and backward walk query blocks; backward re-gathers each block's rows and recomputes its
+    probabilities from the saved log-sum-exp (nothing [T, K, ...] is saved)."""
+
+    @staticmethod
+    def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
+        latents, ropes = list(pieces[:n_pieces]), list(pieces[n_pieces:])
+        offsets, _ = _offsets(latents)
+        tokens, heads, rank = q_lat.shape
+        acc = _acc(q_lat.dtype)
+        out = q_lat.new_empty(tokens, heads, rank)
+        lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
+        block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            flat = positions[q0:q1].reshape(-1)
+            rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, -1, rank)
+            rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, -1, q_rope.shape[-1])
+            s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], scale, acc)
+            lse[q0:q1] = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - lse[q0:q1].unsqueeze(-1))
+            out[q0:q1] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(out.dtype)
+        ctx.scale, ctx.n_pieces, ctx.block = scale, n_pieces, block
+        ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q_lat, q_rope, positions, valid, out, lse, *pieces = ctx.saved_tensors
+        n = ctx.n_pieces
+        latents, ropes = pieces[:n], pieces[n:]
+        offsets, _ = _offsets(latents)
+        tokens, heads, rank = q_lat.shape
+        rope = q_rope.shape[-1]
+        acc = _acc(q_lat.dtype)
+        needs = ctx.needs_input_grad
+        d_q_lat = torch.zeros_like(q_lat, dtype=acc)
+        d_q_rope = torch.zeros_like(q_rope, dtype=acc)
+        # The pieces' gradients are dense (a piece is one tensor of autograd); the rows' gradients are added to them
+        # block by block, so nothing [T, K, ...] lives longer than one query block.
+        d_pieces = [torch.zeros_like(piece, dtype=acc) if need else None for piece, need in zip(pieces, needs[6:])]
+        d_latents, d_ropes = d_pieces[:n], d_pieces[n:]
+        k = positions.shape[1]
+        for q0 in range(0, tokens, ctx.block):
+            q1 = min(tokens, q0 + ctx.block)
+            flat = positions[q0:q1].reshape(-1)
+            rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, k, rank).to(acc)
+            rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, k, rope).to(acc)
+            s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], ctx.scale, acc)
+            p = torch.exp(s - lse[q0:q1].unsqueeze(-1))  # [Tq, H, K]
+            d_o = d_out[q0:q1].to(acc)
+            d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
+            d_s = p * (d_p - (d_o * out[q0:q1].to(acc)).sum(-1, keepdim=True)) * ctx.scale
+            d_q_lat[q0:q1] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
+            d_q_rope[q0:q1] = torch.einsum("thk,tke->the", d_s, rows_rope)
+            d_rows_lat = (torch.einsum("thk,thr->tkr", d_s, q_lat[q0:q1].to(acc))
+                          + torch.einsum("thk,thr->tkr", p, d_o))
+            d_rows_rope = torch.einsum("thk,the->tke", d_s, q_rope[q0:q1].to(acc))
+            _scatter_add(d_latents, offsets, flat, d_rows_lat.reshape(-1, rank))
+            _scatter_add(d_ropes, offsets, flat, d_rows_rope.reshape(-1, rope))
+        d_pieces = [None if d is None else d.to(piece.dtype) for d, piece in zip(d_pieces, pieces)]
+        return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
+                None, None, None, None, *d_pieces)
+
+
+def _check(q_lat, q_rope, latents, ropes, positions, valid):
+    if len(latents) != len(ropes) or not latents:
+        raise ValueError("sparse_latent_attention: give one rope-key piece per latent piece (at least one)")
+    if q_lat.dim() != 3 or q_rope.shape[:2] != q_lat.shape[:2]:
+        raise ValueError(f"sparse_latent_attention: q_lat {tuple(q_lat.shape)} and q_rope {tuple(q_rope.shape)} "
+                         "must be [T, H, R] and [T, H, E]")
+    if positions.shape != valid.shape or positions.shape[0] != q_lat.shape[0]:
+        raise ValueError(f"sparse_latent_attention: positions {tuple(positions.shape)} and valid "
+                         f"{tuple(valid.shape)} must both be [T, K] with T = {q_lat.shape[0]}")
+    for lat, rope in zip(latents, ropes):
+        if lat.shape[0] != rope.shape[0]:
+            raise ValueError("sparse_latent_attention: a latent piece and its rope-key piece differ in length")
+
+
+def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale):
+    """Absorbed MLA over selected latent rows (see the module docstring).
+
+    q_lat [T, H, R] (the no-RoPE query mapped through W_UK), q_rope [T, H, E]; latents / ropes: lists of [N_s, R] /
+    [N_s, E] pieces in position order from 0; positions, valid [T, K] from dsa_select (every query has at least
+    one valid position). Returns o_lat [T, H, R] = softmax(scale * scores over the selected rows) @ latent rows.
+    Differentiable in q_lat, q_rope and every piece; memory per query block [Tq, K, R + E], in forward and in
+    backward alike.
+    """
+    _check(q_lat, q_rope, latents, ropes, positions, valid)
+    return _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
+
+
+def sparse_latent_attention_reference(q_lat, q_rope, latents, ropes, positions, valid, scale):
+    """Plain autograd version of sparse_latent_attention (gathers every query's rows at once)."""
+    _check(q_lat, q_rope, latents, ropes, positions, valid)
+    acc = _acc(q_lat.dtype)
+    rows_lat = gather_rows(list(latents), positions)
+    rows_rope = gather_rows(list(ropes), positions)
+    s = _block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, acc)
+    p = torch.softmax(s, dim=-1)
+    return torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(q_lat.dtype)
