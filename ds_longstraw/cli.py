@@ -1,7 +1,8 @@
 """The `longstraw` command.
 
     longstraw demo   one GRPO step on the embedded default (a small random qwen3_5 model, a 64K-token synthetic
-                     prompt, G = 4 responses) with per-phase figures and the conventional baseline beside it
+                     prompt, G = 4 responses; --model glm: a small random glm_moe_dsa, 8K tokens) with per-phase
+                     figures and the conventional baseline beside it
     longstraw plan   the tier planner (retained bytes per rank, what fits where)
     longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
 """
@@ -18,12 +19,20 @@ def _fmt(value):
     return f"{value / MiB:,.1f} MiB"
 
 
+# --model -> (shape, default prompt tokens). GLM's DSA selection and sparse attention run as plain torch on CPU:
+# its default prompt is shorter so the demo (and its conventional baseline) stays within minutes.
+MODELS = {"qwen": ("small", 65536), "glm": ("small-glm", 8192)}
+
+
 def _demo_parser(parser):
-    parser.add_argument("--prompt", type=int, default=65536, help="prompt tokens (default 65536)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen",
+                        help="qwen: small qwen3_5 (Gated DeltaNet + attention); "
+                             "glm: small glm_moe_dsa (MLA + DSA + MoE)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 65536; 8192 for glm)")
     parser.add_argument("--group", type=int, default=4, help="G, responses in the group (default 4)")
     parser.add_argument("--response", type=int, default=256, help="longest response (default 256 tokens)")
     parser.add_argument("--mode", choices=["detached", "exact"], default="detached")
-    parser.add_argument("--shape", default="small")
+    parser.add_argument("--shape", default=None, help="a named shape of ds_longstraw.shapes (default: --model's)")
     parser.add_argument("--chunk", type=int, default=4096, help="capture_chunk")
     parser.add_argument("--baseline", choices=["auto", "measure", "estimate", "skip"], default="auto",
                         help="conventional baseline: measure it in a fresh process, estimate it from two small "
@@ -59,7 +68,10 @@ def demo(args):
 
     from .bench import run_one
 
-    print(f"ds_longstraw demo: {args.shape} qwen3_5 model (random weights), prompt {args.prompt:,} tokens, "
+    shape, prompt = MODELS[args.model]
+    args.shape = args.shape or shape
+    args.prompt = args.prompt or prompt
+    print(f"ds_longstraw demo: {args.shape} model (random weights), prompt {args.prompt:,} tokens, "
           f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.mode}, "
           f"{torch.get_num_threads()} threads")
     row = run_one(f"longstraw-{args.mode}", args.prompt, args.group, args.response, args.shape, args.chunk,
@@ -71,7 +83,8 @@ def demo(args):
     print(f"  step peak above the pre-step resident set: {_fmt(row['step_peak_bytes'])}")
     print("\nretained prompt state by layer type:")
     for kind, size in row["retained_bytes"].items():
-        print(f"  {kind:<20} {_fmt(size)}")
+        if size or kind not in ("carry_checkpoints", "kept_attention_pages"):  # exact mode's extras when used
+            print(f"  {kind:<20} {_fmt(size)}")
     if row["grad_page_bytes"]:
         print(f"  gradient pages       {_fmt(row['grad_page_bytes'])}")
     conv = _conventional_figures(args)

@@ -37,7 +37,7 @@ import torch
 from deepspeed import comm as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 
-from .arch import adapter_for
+from .arch import adapter_for, zero3_leaf_modules
 from .config import LongstrawConfig
 from .engine_config import load_ds_config, read_block
 from .group import GRPOGroup
@@ -246,6 +246,11 @@ def _config_of(args, kwargs):
                      "(or args.deepspeed_config)")
 
 
+def _zero_stage(ds_config) -> int:
+    zero = ds_config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
 def _world_size():
     import os
 
@@ -270,6 +275,9 @@ def initialize(args=None, model=None, **kwargs):
         raise ValueError("ds_longstraw.initialize requires a model")
     if settings.enabled:
         adapter_for(model)  # an unsupported architecture fails here, not at the first step
+    leaves = zero3_leaf_modules(model)
+    if leaves and _zero_stage(ds_config) == 3:  # before the engine sets its hooks
+        deepspeed.utils.set_z3_leaf_modules(model, leaves)
     if key is not None:
         kwargs[key] = ds_config  # DeepSpeed accepts str paths only; a pathlib.Path works here too
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)

@@ -6,7 +6,7 @@ import torch
 from .modeling import MODELS_DIR, load_shape
 from .modeling import build_model as build_from_shape
 
-SHAPE_FILES = {"small": MODELS_DIR / "small_qwen3_5.yaml"}
+SHAPE_FILES = {"small": MODELS_DIR / "small_qwen3_5.yaml", "small-glm": MODELS_DIR / "small_glm_moe_dsa.yaml"}
 
 
 def build_model(shape="small", dtype=torch.float32, seed=0, **overrides):

@@ -44,11 +44,15 @@ class PrefixState:
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by the specs' labels, plus exact mode's carry checkpoints and kept
         attention ("carry_checkpoints", "kept_attention_pages")."""
-        out = {spec.label: 0 for spec in self.specs if spec.streams or spec.carry}
+        out = {}
         by_stream = self.pool.bytes_by_stream()
         for spec in self.specs:
-            out[spec.label] += sum(by_stream.get((spec.layer, name), 0) for name in spec.stream_names)
-            out[spec.label] += sum(t.numel() * t.element_size() for t in self.carry.get(spec.layer, ()))
+            for stream in spec.streams:
+                label = spec.stream_label(stream)
+                out[label] = out.get(label, 0) + by_stream.get((spec.layer, stream.name), 0)
+            if spec.carry:
+                carried = sum(t.numel() * t.element_size() for t in self.carry.get(spec.layer, ()))
+                out[spec.label] = out.get(spec.label, 0) + carried
         out["carry_checkpoints"] = 0 if self.checkpoints is None else self.checkpoints.nbytes()
         kept = 0
         if self.kept_pool is not None:

@@ -12,6 +12,7 @@ chains); each rank writes its measurements, asserted here:
   lora        only adapters move; the reference (adapters disabled) scores exactly as the base model
   qlora       the same over NF4 4-bit base weights loaded from a checkpoint (bitsandbytes): the packed codes are
               partitioned and gathered like any frozen weight and come back bit for bit
+  glm         glm_moe_dsa (MLA + DSA + MoE): as average, its MoE blocks ZeRO-3 leaf modules
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -70,6 +71,14 @@ def test_different_groups_per_rank_average(results):
         assert r["rel"] < TOL, r
         assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
     assert [r["rank_groups"] for r in _check(results, "average")] == [2, 1]
+
+
+def test_glm_under_zero3_with_moe_leaf_modules(results):
+    for r in _check(results, "glm"):
+        assert r["rel"] < TOL, r
+        assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
+        assert r["moe_leaves"] == r["moe_blocks"] > 0  # every MoE block gathered whole by ZeRO-3
+    assert [r["rank_groups"] for r in _check(results, "glm")] == [2, 1]
 
 
 def test_checkpoint_resume_reproduces_step_2_exactly(results):

@@ -47,6 +47,27 @@ def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
     assert (measured["kept_attention_pages"] > 0) == (keep and prompt_len > 1)
 
 
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_glm_retained_bytes_match_a_real_capture(mode):
+    """glm_moe_dsa: latent + rope key pages on every layer, indexer-key pages on "full" indexer layers only, and
+    gradient pages for the latent streams only (the indexer key takes no gradient), against a real capture and
+    exact run of the tiny model."""
+    from glm_models import tiny_glm_moe_dsa, tiny_glm_moe_dsa_config
+
+    prompt_len = 45
+    model = tiny_glm_moe_dsa(torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    group = GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen), [torch.randint(0, 97, (3,), generator=gen)],
+                      rewards=[1.0])
+    result = grpo_backward(model, group, config={"prefix_grad": mode, "capture_chunk": 16, "page_tokens": 7})
+    shape = shape_from_config("tiny-glm", tiny_glm_moe_dsa_config().to_dict(), 8)
+    estimate = retained_per_rank(shape, prompt_len, 1, mode, 16)
+    for key in ("mla_latent_pages", "indexer_key_pages"):
+        assert estimate[key] == result.retained_bytes[key] > 0, key
+    assert estimate["gradient_pages"] == result.grad_page_bytes == (
+        (prompt_len - 1) * 4 * (24 + 8) * 8 if mode == "exact" else 0)  # 4 layers of latent 24 + rope key 8
+
+
 def test_gradient_pages_match_a_real_exact_run():
     model = tiny_qwen3_5()
     gen = torch.Generator().manual_seed(1)

@@ -24,6 +24,13 @@ def lora_targets(model_type) -> list | None:
     return list(family.LORA_TARGETS) if family is not None and hasattr(family, "LORA_TARGETS") else None
 
 
+def zero3_leaf_modules(model) -> list:
+    """Module classes of `model` that ZeRO-3 should gather whole, as its family declares (none by default)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = FAMILIES.get(getattr(getattr(base, "config", None), "model_type", None))
+    return family.zero3_leaf_modules(model) if family is not None and hasattr(family, "zero3_leaf_modules") else []
+
+
 def config_fields(model_type, fields) -> dict:
     """A shape config's fields with the family's shorthands expanded (say qwen3_5's full_attention_interval)."""
     family = FAMILIES.get(model_type)

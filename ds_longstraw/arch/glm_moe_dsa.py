@@ -35,6 +35,20 @@ LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pr
                 "down_proj"]
 
 
+def zero3_leaf_modules(model) -> list:
+    """Module classes ZeRO-3 should gather whole (deepspeed.utils.set_z3_leaf_modules): the MoE block (router,
+    fused experts, shared expert) is gathered once per call instead of hooking inside it, where the routed experts
+    a call uses depend on the tokens (hooks that fire for some experts and not others desynchronise the ranks'
+    gathers)."""
+    return sorted({type(layer.mlp) for layer in _decoder_layers(model) if hasattr(layer.mlp, "gate")},
+                  key=lambda cls: cls.__name__)
+
+
+def _decoder_layers(model):
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return lm.model.layers
+
+
 def indexer_types(config) -> list:
     """Per layer "full" (runs its indexer) or "shared" (reuses the last full layer's selection)."""
     layers = config.num_hidden_layers

@@ -151,14 +151,19 @@ def gather_rows(pieces, positions):
 
 
 def _gather_into(pieces, offsets, flat):
-    """Rows at positions `flat` [n] without autograd (each piece indexed only where it owns the position)."""
-    first = next(p for p in pieces if p.shape[0])
-    out = first.new_empty((flat.shape[0], *first.shape[1:]))
-    owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
-    for index, (offset, piece) in enumerate(zip(offsets, pieces)):
-        mine = owner == index
-        if piece.shape[0] and bool(mine.any()):
-            out[mine] = piece.index_select(0, flat[mine] - offset)
+    """Rows at positions `flat` [n] without autograd. Each piece is gathered densely at clamped indices and
+    blended in where it owns the position: a few dense index_selects (pieces are few: the prompt's pages, earlier
+    blocks, the segment) instead of boolean-mask indexing, which was most of the attention's time."""
+    out = None
+    for offset, piece in zip(offsets, pieces):
+        if piece.shape[0] == 0:
+            continue
+        rows = piece.index_select(0, (flat - offset).clamp(0, piece.shape[0] - 1))
+        if out is None:
+            out = rows  # the first piece starts at position 0: it owns every position below the next offset
+        else:
+            mine = (flat >= offset).view(-1, *([1] * (rows.dim() - 1)))
+            out = torch.where(mine, rows, out)
     return out
 
 
@@ -167,11 +172,12 @@ def _scatter_add(grads, offsets, flat, grad_rows):
     where no gradient is needed)."""
     owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
     for index, (offset, grad) in enumerate(zip(offsets, grads)):
-        if grad is None:
+        if grad is None or grad.shape[0] == 0:
             continue
-        mine = owner == index
-        if bool(mine.any()):
-            grad.index_add_(0, flat[mine] - offset, grad_rows[mine].to(grad.dtype))
+        # every row is added at a clamped index, those of other pieces as exact zeros (no boolean-mask indexing)
+        mine = (owner == index).view(-1, *([1] * (grad_rows.dim() - 1)))
+        rows = torch.where(mine, grad_rows, torch.zeros((), dtype=grad_rows.dtype, device=grad_rows.device))
+        grad.index_add_(0, (flat - offset).clamp(0, grad.shape[0] - 1), rows.to(grad.dtype))
 
 
 # -- sparse absorbed attention ----------------------------------------------------------------------------------

@@ -27,6 +27,9 @@ gradient_clipping 0):
               log-probs == the base model's log-probs (and differ from the policy's, so the check can fail)
   qlora       as lora, over an NF4 base loaded from a checkpoint written by rank 0 (bitsandbytes; frozen weights
               compared bit for bit: packed codes stored as float32 may read as NaN)
+  glm         as average, on a tiny float32 glm_moe_dsa (GLM-5.2 shape: MLA + DSA, IndexShare, MoE with a dense
+              first layer): its MoE blocks are ZeRO-3 leaf modules (gathered whole per call; the experts a call
+              routes to depend on the tokens), and the step equals the single-process step
 """
 
 import argparse
@@ -42,6 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
+from glm_models import VOCAB as GLM_VOCAB  # noqa: E402
+from glm_models import tiny_glm_moe_dsa  # noqa: E402
 from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
@@ -63,10 +68,10 @@ def ds_config(mode, tier="none", **extra):
     return config
 
 
-def make_group(seed, prompt_len, response_lens):
+def make_group(seed, prompt_len, response_lens, vocab=97):
     gen = torch.Generator().manual_seed(seed)
-    return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
-                     [torch.randint(0, 97, (n,), generator=gen) for n in response_lens],
+    return GRPOGroup(torch.randint(0, vocab, (prompt_len,), generator=gen),
+                     [torch.randint(0, vocab, (n,), generator=gen) for n in response_lens],
                      rewards=torch.rand(len(response_lens), generator=gen).tolist())
 
 
@@ -114,14 +119,15 @@ def check_same_step(out_dir):
             "global_steps": engine.global_steps}
 
 
-def check_average(out_dir):
+def check_average(out_dir, model=None, groups=None):
     rank = dist.get_rank()
-    model = tiny_qwen3_5(torch.float32, seed=1)
+    model = tiny_qwen3_5(torch.float32, seed=1) if model is None else model
     reference = copy.deepcopy(model)
     before = snapshot(model)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=ds_config("exact", tier="cpu"))
-    groups = {"A": make_group(20, 29, [3, 7]), "B": make_group(21, 19, [1, 2, 5]), "C": make_group(22, 41, [6, 2])}
+    groups = groups or {"A": make_group(20, 29, [3, 7]), "B": make_group(21, 19, [1, 2, 5]),
+                        "C": make_group(22, 41, [6, 2])}
     mine = [groups["A"], groups["B"]] if rank == 0 else [groups["C"]]
     result = engine.grpo_step(mine)
     weights = {"A": 0.25, "B": 0.25, "C": 0.5}
@@ -130,12 +136,26 @@ def check_average(out_dir):
         reference.zero_grad(set_to_none=True)
         ref_loss += weights[name] * grpo_backward(reference, group, config=block("exact")).loss
         for pname, p in reference.named_parameters():
-            grads[pname] = grads.get(pname, 0.0) + weights[name] * p.grad
+            # no gradient: a parameter no loss path reaches (GLM's indexer) or an expert no token was routed to
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            grads[pname] = grads.get(pname, 0.0) + weights[name] * grad
     for pname, p in reference.named_parameters():
         p.grad = grads[pname]
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     return {"rel": step_error(gathered(engine), reference, before), "mean_loss": result.mean_loss,
             "ref_mean_loss": ref_loss, "rank_groups": len(result.groups)}
+
+
+def check_glm(out_dir):
+    """check_average on the tiny glm_moe_dsa (prompts longer than index_topk: the selection is sparse)."""
+    model = tiny_glm_moe_dsa(torch.float32, seed=3)
+    moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    groups = {"A": make_group(30, 45, [3, 7], GLM_VOCAB), "B": make_group(31, 37, [1, 2, 5], GLM_VOCAB),
+              "C": make_group(32, 53, [6, 2], GLM_VOCAB)}
+    result = check_average(out_dir, model, groups)
+    result["moe_blocks"] = len(moe)
+    result["moe_leaves"] = sum(deepspeed.utils.z3_leaf_module(block) for block in moe)
+    return result
 
 
 def check_checkpoint(out_dir):
@@ -267,7 +287,7 @@ def check_zero2(out_dir):
 
 
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
-          "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora}
+          "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm}
 
 
 def run_checks(checks, file_prefix, **context):
