@@ -16,15 +16,30 @@ torch.set_num_threads(1)
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def _mapped_by_a_live_process(path):
+    """True when some process still maps `path` (a rank of another session's job, say)."""
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as handle:
+                if path in handle.read():
+                    return True
+        except OSError:  # the process exited meanwhile, or is not ours to read
+            continue
+    return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_left_behind():
     """DeepSpeed's CPU all-reduce keeps its buffers in /dev/shm files that no rank removes; the engine and
     launcher tests start many such process groups, and repeated runs filled a 24 GiB tmpfs (memory that
-    the next run then lacked). Remove the ones this session created once every rank has exited."""
+    the next run then lacked). Remove the ones this session created once every rank has exited, but none that
+    a live process still maps: another session's job running at the same time keeps its buffers."""
     pattern = "/dev/shm/deepspeed_allreduce_buffer_*"
     before = set(glob.glob(pattern))
     yield
     for path in set(glob.glob(pattern)) - before:
+        if _mapped_by_a_live_process(path):
+            continue
         try:
             os.remove(path)
         except OSError:
