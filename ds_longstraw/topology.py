@@ -6,7 +6,8 @@ The transaction is written once; it asks its topology for each phase's placement
   capture        token-major: chunk by chunk through      layer-major: per layer, the shard with the exchange its
                  every layer (state.capture_prefix)       spec's combine needs (parallel/capture.py)
   replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
-                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (parallel/cp_attention.py)
+                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (parallel/cp_attention.py;
+                                                          a global top-k's candidates first: parallel/cp_sparse.py)
   prefix         one reverse pass (prefix_pass.py)        ranks take turns last to first (parallel/prefix.py)
   reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
                                                           caller's backward reduces (the DeepSpeed engine)
@@ -22,6 +23,7 @@ import torch
 
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
+from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
 from .parallel.groups import as_cp_context
 from .parallel.prefix import cp_prefix_backward
 from .parallel.ulysses import check_heads
@@ -41,7 +43,7 @@ class OneRank:
 
     size, rank = 1, 0
 
-    def check(self, adapter, settings):
+    def check(self, adapter, settings, lockstep=None):
         """Nothing to check: every setting works on one rank."""
 
     def phase(self, name):
@@ -100,8 +102,9 @@ class ContextParallel:
         self.cp = cp
         self.size, self.rank = cp.size, cp.rank
 
-    def check(self, adapter, settings):
+    def check(self, adapter, settings, lockstep=None):
         check_combines(adapter.specs, self.cp.size)
+        check_sparse(adapter.specs, settings, self.cp.size, lockstep)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
             check_heads(heads, kv_heads, self.cp.size)
@@ -117,8 +120,11 @@ class ContextParallel:
 
     def replay_view(self, adapter, state, requires_grad):
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
-        # PagesAttention.
-        pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
+        # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
+        if uses_selection(adapter.specs):
+            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.offset, state.length, exact=requires_grad)
+        else:
+            pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
         leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
                               past={layer: [] for layer in adapter.paged_layers}, stager=pages.stager)
         return ReplayView(leaves, pages)
@@ -150,7 +156,7 @@ class ContextParallel:
 
 
 # How a layer's work crosses context-parallel ranks (arch/specs.py), as parallel/capture.py runs it.
-CP_COMBINES = ("lse", "affine_scan", "none")
+CP_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
 def check_combines(specs, cp_size):
@@ -185,8 +191,18 @@ def _scale_grads_(model, factor):
 
 
 def _reduce_and_restore(model, taken, cp):
-    """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce."""
+    """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce. A
+    parameter that no rank gave a gradient (a part no loss path reaches, say a gradient-free indexer) keeps none,
+    as on one rank, so an optimizer leaves it alone (a small all-reduce of flags finds them)."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        return
+    counts = torch.tensor([0.0 if p.grad is None else 1.0 for _, p in params], device=params[0][1].device)
+    cp.all_reduce_(counts, -1, "param_grad_flags")
+    untouched = [(name, p) for (name, p), count in zip(params, counts.tolist()) if count == 0]
+    for name, param in untouched:
+        param.grad = taken.get(name)
+    params = [(name, p) for (name, p), count in zip(params, counts.tolist()) if count > 0]
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]

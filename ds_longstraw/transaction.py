@@ -113,7 +113,7 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     topology = topology_for(cp_group, settings)
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
-    topology.check(adapter, settings)
+    topology.check(adapter, settings, lockstep)
     schedule = lockstep or Schedule()
     exact = settings.prefix_grad == "exact"
     caller_reduces = backward is not None

@@ -128,3 +128,24 @@ def glm_reference(record=None):
     finally:
         module.GlmMoeDsaRMSNorm.forward, module.GlmMoeDsaIndexer.forward = norm, indexer
         module.GlmMoeDsaTopkRouter.forward = router
+
+
+def reference_selections(record):
+    """{(layer, position): the set of positions the reference selected} from glm_reference's record."""
+    sets = {}
+    for layer, scores, indices in record:
+        scores, indices = scores[0], indices[0].long()
+        for t in range(scores.shape[0]):
+            chosen = indices[t]
+            sets[(layer, t)] = set(chosen[scores[t, chosen] > float("-inf")].tolist())
+    return sets
+
+
+def boundary_ties(record):
+    """Queries whose K-th and (K+1)-th best scores are equal (the tie-break decides the selected set)."""
+    ties = 0
+    for _, scores, indices in record:
+        k = indices.shape[-1]
+        values = torch.sort(scores[0], dim=-1, descending=True, stable=True).values
+        ties += int(((values[:, k - 1] == values[:, k]) & (values[:, k] > float("-inf"))).sum())
+    return ties

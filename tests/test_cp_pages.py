@@ -142,8 +142,9 @@ def test_scale_injected_touches_only_streams_with_a_gradient():
 
 
 def test_context_parallelism_refuses_a_combine_it_does_not_run():
-    """A family whose layers combine by a global top-k (GLM-5.2's DSA) is refused at the door under CP, naming
-    the key and the layers, not half-way through a capture; qwen3_5's combines pass."""
+    """A layer whose combine the CP schedule does not run is refused at the door, naming the key, the layers and the
+    combine, not half-way through a capture; qwen3_5's and GLM-5.2's combines pass. Every combine specs.py declares
+    runs under CP today, so the refused one is written past LayerState's own check (a spec from a newer family)."""
     from models import tiny_qwen3_5_config
     from transformers import GlmMoeDsaConfig
 
@@ -151,7 +152,10 @@ def test_context_parallelism_refuses_a_combine_it_does_not_run():
     from ds_longstraw.topology import check_combines
 
     check_combines(specs_for_config(tiny_qwen3_5_config(), torch.float64), 2)
-    glm = GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"])
-    with pytest.raises(ValueError, match=r"'longstraw.cp_size' = 2: layers \[0, 1\] combine across ranks by "
-                                         r"\['topk_lse'\]"):
-        check_combines(specs_for_config(glm, torch.float64), 2)
+    glm = specs_for_config(GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"]), torch.float64)
+    check_combines(glm, 2)
+    unknown = LayerState(1, "future", "future_pages", combine="none")
+    object.__setattr__(unknown, "combine", "ring_of_experts")  # frozen dataclass: past __post_init__'s check
+    with pytest.raises(ValueError, match=r"'longstraw.cp_size' = 2: layers \[1\] combine across ranks by "
+                                         r"\['ring_of_experts'\]"):
+        check_combines([glm[0], unknown], 2)

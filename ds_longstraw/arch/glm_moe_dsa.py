@@ -12,6 +12,12 @@ ascending); absorbed MLA attends over the selected latent rows only (sparse_late
 model's expanded attention over its index mask; the decoder layer's own `mlp` (router and experts, or the dense
 MLP) follows.
 
+Under context parallelism (ds_longstraw.parallel, the "topk_lse" combine) the same layer runs with the earlier keys
+on other ranks: forward_segment's `remote_attention` gives their candidates (merged into the global canonical
+top-k) and the partial of the selected rows among them (merged by log-sum-exp); the layer-major capture asks for
+the layer's pieces (sparse_project, sparse_candidates, merge_candidates, sparse_selection, sparse_partial,
+sparse_grads, attention_finish). The selection is the same as on one rank, ties included.
+
 Legend: T tokens of the segment, C hidden size, H heads, R kv_lora_rank, E qk_rope_head_dim, n qk_nope_head_dim,
 v v_head_dim, I / D indexer heads / head dim. Rows are token-major: latent [T, R], rope key [T, E], indexer key
 [T, D].
@@ -23,11 +29,14 @@ import torch
 import torch.utils.checkpoint
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
+from ds_longstraw.kernels import merge_partials
+
 from . import glm_moe_dsa_attention as dsa
 from .glm_moe_dsa_attention import score_dtype
-from .specs import LayerState, Stream, carry_layers, paged_layers
+from .specs import LayerState, SparseGeometry, Stream, carry_layers, paged_layers
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
+LATENT, ROPE_KEY, INDEX_KEY = "latent", "rope_key", "index_key"  # the streams of a layer's pages
 # Linear layers that LoRA adapters attach to by default: the MLA projections, the dense MLP and the shared
 # expert's projections. Not the indexer (it gets no gradient), the router, or the routed experts (3-D parameters,
 # not Linear modules).
@@ -60,14 +69,17 @@ def indexer_types(config) -> list:
 
 
 def state_specs(config, dtype) -> list:
-    latent = Stream("latent", (config.kv_lora_rank,), dtype)
-    rope_key = Stream("rope_key", (config.qk_rope_head_dim,), dtype)
-    index_key = Stream("index_key", (config.index_head_dim,), dtype, grad=False, label="indexer_key_pages")
+    """Every layer combines by "topk_lse": a full indexer layer selects with its indexer keys, a shared one reuses
+    the last full layer's selection (its spec selects nothing)."""
+    latent = Stream(LATENT, (config.kv_lora_rank,), dtype)
+    rope_key = Stream(ROPE_KEY, (config.qk_rope_head_dim,), dtype)
+    index_key = Stream(INDEX_KEY, (config.index_head_dim,), dtype, grad=False, label="indexer_key_pages")
     specs = []
     for index, kind in enumerate(indexer_types(config)):
-        streams = (latent, rope_key, index_key) if kind == FULL_INDEXER else (latent, rope_key)
-        specs.append(LayerState(index, f"mla_{kind}_indexer", "mla_latent_pages", streams=streams,
-                                combine="topk_lse"))
+        full = kind == FULL_INDEXER
+        specs.append(LayerState(index, f"mla_{kind}_indexer", "mla_latent_pages",
+                                streams=(latent, rope_key, index_key) if full else (latent, rope_key),
+                                combine="topk_lse", select=(INDEX_KEY,) if full else ()))
     return specs
 
 
@@ -86,8 +98,10 @@ class GlmMoeDsaAdapter:
     Weights: every parameter is read by calling the module that owns it (ZeRO-3 gathers a module's parameters in
     its pre-forward hook), kv_b_proj included: its weight enters the absorbed attention as kv_b_proj(identity)
     (see `absorbed_maps`), which is also what makes a LoRA adapter on kv_b_proj count. The router and the experts
-    run as the layer's own `mlp` module. One rank only so far: no context parallelism (remote_attention), no
-    kept attention (known_attention), no expert parallelism.
+    run as the layer's own `mlp` module. Under context parallelism the prompt's keys on other ranks are reached
+    through `remote_attention` (forward_segment) and the layer-major capture runs a layer in pieces
+    (sparse_project, sparse_candidates, sparse_partial, sparse_grads, attention_finish: ds_longstraw.parallel's
+    "topk_lse" combine). No kept attention (known_attention), no expert parallelism.
     """
 
     family = "glm_moe_dsa"
@@ -181,18 +195,26 @@ class GlmMoeDsaAdapter:
         maps = proj(eye).view(module.kv_lora_rank, -1, module.qk_nope_head_dim + module.v_head_dim)
         return torch.split(maps, [module.qk_nope_head_dim, module.v_head_dim], dim=-1)
 
-    def attention_forward(self, index, module, h_1TC, cos, sin, start, past, selection):
+    def attention_forward(self, index, module, h_1TC, cos, sin, start, past, selection, remote=None):
         """One MLA + DSA attention: (output [1, T, C], the segment's rows, the selection (positions, valid) this
-        layer used). past: the row tuples before the segment (positions 0 .. start-1 in order); selection: the
-        last full indexer layer's, for a shared layer."""
+        layer used). past: the row tuples before the segment, in position order up to start-1; selection: the
+        last full indexer layer's, for a shared layer.
+
+        remote: None (the past starts at position 0), or (context parallelism) the keys before the past, on other
+        ranks: remote.end is where they end (the past covers remote.end .. start-1); remote.candidates(index,
+        selector) -> their canonical candidates for this layer's selection (scores, positions); remote.attend(index,
+        query, positions, valid) -> the (o_lat, lse) partial of the selected rows among them, differentiable in the
+        query. The selection is then global (their candidates merged with the past's and the segment's keys) and
+        the local and remote partials merge by log-sum-exp."""
         q_nope, q_rope, q_resid, latent, k_rope = self.mla_projections(module, h_1TC, cos, sin)
-        _check_past(index, past, start)
+        offset = _past_start(index, past, start, remote)
         rows = (latent, k_rope)
         if module.indexer is not None:
             query, weights, key = self.indexer_inputs(module.indexer, h_1TC, q_resid, cos, sin)
             keys = [piece[2] for piece in past] + [key]
+            prior = None if remote is None else remote.candidates(index, (query, weights))
             selection = dsa.dsa_select(query, weights, keys, start, module.indexer.index_topk,
-                                       module.indexer.softmax_scale)
+                                       module.indexer.softmax_scale, offset=offset, prior=prior)
             rows = (latent, k_rope, key)
         elif selection is None:
             raise ValueError(f"glm_moe_dsa layer {index}: a shared indexer layer needs an earlier full layer's "
@@ -201,7 +223,13 @@ class GlmMoeDsaAdapter:
         q_lat = torch.einsum("thn,rhn->thr", q_nope, w_uk)
         latents = [piece[0] for piece in past] + [latent]
         ropes = [piece[1] for piece in past] + [k_rope]
-        o_lat = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
+        if remote is None:
+            o_lat = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
+        else:
+            o_lat, lse = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling,
+                                                     offset=offset, with_lse=True)
+            remote_out, remote_lse = remote.attend(index, (q_lat, q_rope), *selection)
+            o_lat, _ = merge_partials(o_lat, lse, remote_out, remote_lse.to(lse.dtype))
         out = torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, h_1TC.shape[1], -1)
         return module.o_proj(out), rows, selection
 
@@ -211,22 +239,87 @@ class GlmMoeDsaAdapter:
         layer = self.layers[index]
         return hidden_1TC + layer.mlp(layer.post_attention_layernorm(hidden_1TC))
 
-    # -- the layer-major capture under context parallelism (ds_longstraw.parallel): not for this family yet -----
-    def _no_context_parallelism(self, *args, **kwargs):
-        raise NotImplementedError("glm_moe_dsa: context parallelism is not supported yet (the global top-k over "
-                                  "the ranks' indexer keys and the latent rows' partials are the GLM-5.2 issue's "
-                                  "next part); run with cp_size 1")
+    # -- one layer, piece by piece: the "topk_lse" combine under context parallelism (ds_longstraw.parallel) -----
+    # A layer is hidden + attention(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major capture runs
+    # the attention over a whole shard and the replay / prefix pass reach other ranks' rows, so the generic code
+    # asks for the pieces: the projections (what the selection and the attention send to the rows' owners, what
+    # the output needs), one page's candidates, one page's partial and its gradients, and the output.
+    def mixer_input(self, index, hidden_1TC):
+        return self.layers[index].input_layernorm(hidden_1TC)
 
-    mixer_input = attention_geometry = attention_scale = _no_context_parallelism
-    attention_project = attention_finish = capture_scan_layer = _no_context_parallelism
+    def sparse_geometry(self, index):
+        """What layer `index`'s exchanges carry per query token (specs.SparseGeometry): the selector (indexer query
+        [I, D] and head weights [I]), the query (q_lat [H, R] and q_rope [H, E]), a partial's o_lat [H, R]."""
+        config, dtype = self.config, self.dtype
+        heads = config.num_attention_heads
+        score = score_dtype(dtype)
+        return SparseGeometry(
+            selector=(((config.index_n_heads, config.index_head_dim), dtype), ((config.index_n_heads,), score)),
+            query=(((heads, config.kv_lora_rank), dtype), ((heads, config.qk_rope_head_dim), dtype)),
+            out=((heads, config.kv_lora_rank), dtype), lse_dtype=self.state_dtype(), score_dtype=score,
+            topk=config.index_topk)
+
+    def sparse_project(self, index, h_1TC, start):
+        """(selector or None, query, what attention_finish needs, rows) of tokens at positions start.. of layer
+        `index`: the selector (indexer query [T, I, D], weights [T, I]) on a full indexer layer, None on a shared
+        one; the query (q_lat [T, H, R], roped q_rope [T, H, E]); W_UV; the rows in the order of the layer's
+        streams (latent, rope key[, indexer key])."""
+        module = self.layers[index].self_attn
+        cos, sin = self.rotary(h_1TC, start)
+        q_nope, q_rope, q_resid, latent, k_rope = self.mla_projections(module, h_1TC, cos, sin)
+        w_uk, w_uv = self.absorbed_maps(module)
+        query = (torch.einsum("thn,rhn->thr", q_nope, w_uk), q_rope)
+        if module.indexer is None:
+            return None, query, w_uv, (latent, k_rope)
+        index_query, weights, key = self.indexer_inputs(module.indexer, h_1TC, q_resid, cos, sin)
+        return (index_query, weights), query, w_uv, (latent, k_rope, key)
+
+    def attention_finish(self, index, o_lat, w_uv):
+        """The layer's mixer output [1, T, C] from the attention result o_lat [T, H, R] (W_UV, then o_proj)."""
+        out = torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, o_lat.shape[0], -1)
+        return self.layers[index].self_attn.o_proj(out)
+
+    def sparse_candidates(self, index, selector, pages, page_start, query_start=None, best=None):
+        """`best` (None, or canonical candidates of keys below page_start) extended by one page of indexer keys
+        (pages[INDEX_KEY], positions page_start ..) for queries at positions query_start .. (None: after every key
+        of the page); returns (scores, positions), at most index_topk per query."""
+        indexer = self.layers[index].self_attn.indexer
+        query, weights = selector
+        return dsa.extend_candidates(best, query, weights, pages[INDEX_KEY], page_start, query_start,
+                                     indexer.index_topk, indexer.softmax_scale)
+
+    def merge_candidates(self, best, part):
+        """Canonical candidates of best (None: none) and `part`, whose positions all lie above best's."""
+        if best is None:
+            best = dsa.no_candidates(part[0].shape[0], part[0].dtype, part[0].device)
+        return dsa.merge_candidates(best, part, self.config.index_topk)
+
+    def sparse_selection(self, index, best, start, tokens):
+        """The selection (positions, valid) [T, min(topk, start + T)] of queries at positions start .. from their
+        final canonical candidates (None: none)."""
+        if best is None:
+            best = dsa.no_candidates(tokens, score_dtype(self.dtype), self.device)
+        return dsa.candidates_selection(best, min(self.config.index_topk, start + tokens))
+
+    def sparse_partial(self, index, query, pages, page_start, positions, valid):
+        """(o_lat, lse) of the query over its selected rows within one page (positions page_start ..)."""
+        module = self.layers[index].self_attn
+        return dsa.page_partial(*query, pages[LATENT], pages[ROPE_KEY], page_start, positions, valid, module.scaling)
+
+    def sparse_grads(self, index, query, pages, page_start, positions, valid, lse, d_out, delta):
+        """One page's share of the gradients given the merged lse and delta: (d query, {stream: d rows})."""
+        module = self.layers[index].self_attn
+        d_q_lat, d_q_rope, d_latent, d_rope = dsa.page_grads(*query, pages[LATENT], pages[ROPE_KEY], page_start,
+                                                             positions, valid, lse, d_out, delta, module.scaling)
+        return (d_q_lat, d_q_rope), {LATENT: d_latent, ROPE_KEY: d_rope}
 
     # -- the segment -------------------------------------------------------------------------------------
-    def _layer(self, index, layer, hidden, cos, sin, start, past, positions, valid):
+    def _layer(self, index, layer, hidden, cos, sin, start, past, positions, valid, remote=None):
         """One decoder layer: (hidden out, the selection it used (positions, valid), its rows...)."""
         h = layer.input_layernorm(hidden)
         selection = None if positions is None else (positions, valid)
         mixed, rows, selection = self.attention_forward(index, layer.self_attn, h, cos, sin, start,
-                                                        list(past.get(index, [])), selection)
+                                                        list(past.get(index, [])), selection, remote)
         return (self.mlp_residual(index, hidden + mixed), *selection, *rows)
 
     def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,
@@ -234,13 +327,13 @@ class GlmMoeDsaAdapter:
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         carry: unused (no layer carries per-sequence state); past: layer -> list of row tuples (latent, rope key
-        [, indexer key]) token-major that precede this segment, covering positions 0 .. start-1 in order (the
-        prompt's pages, earlier replay blocks); checkpoint_layers: keep only each layer's input for backward and
-        recompute the layer there (re-entrant, as the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights
-        again). remote_attention (context parallelism) and known_attention (prefix_keep_attention) are not
-        supported for this family yet."""
-        if remote_attention is not None:
-            raise NotImplementedError("glm_moe_dsa: context parallelism (remote attention) is not supported yet")
+        [, indexer key]) token-major that precede this segment, in position order up to start-1 (the prompt's
+        pages, earlier replay blocks) from position 0, or from remote_attention.end; remote_attention: None, or
+        (context parallelism) the earlier keys on other ranks (attention_forward's `remote`);
+        checkpoint_layers: keep only each layer's input for backward and recompute the layer there (re-entrant, as
+        the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights again; the caller sees to it that no layer's
+        forward then makes a remote exchange). known_attention (prefix_keep_attention) is not supported for this
+        family yet."""
         if known_attention:
             raise NotImplementedError("glm_moe_dsa: prefix_keep_attention (kept attention) is not supported yet")
         hidden = self.embed(ids)
@@ -256,18 +349,22 @@ class GlmMoeDsaAdapter:
                 if not hidden.requires_grad:
                     hidden = hidden.detach().requires_grad_(True)
                 results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, start, past,
-                                                            positions, valid, use_reentrant=True)
+                                                            positions, valid, remote_attention, use_reentrant=True)
             else:
-                results = self._layer(index, layer, hidden, cos, sin, start, past, positions, valid)
+                results = self._layer(index, layer, hidden, cos, sin, start, past, positions, valid,
+                                      remote_attention)
             hidden, positions, valid, *rows = results
             out.rows[index] = tuple(rows)
         out.hidden = hidden
         return out
 
 
-def _check_past(index, past, start):
-    """The pieces of `past` must cover positions 0 .. start-1 (on one rank, the whole prompt lives here)."""
+def _past_start(index, past, start, remote):
+    """Where the pieces of `past` start: they must cover positions up to start-1 from 0 (one rank: the whole prompt
+    lives here) or from remote.end (the positions before it live on other ranks)."""
     covered = sum(piece[0].shape[0] for piece in past)
-    if covered != start:
-        raise ValueError(f"glm_moe_dsa layer {index}: the past covers {covered} positions, the segment starts at "
-                         f"{start} (context-parallel shards are not supported yet)")
+    first = 0 if remote is None else remote.end
+    if first + covered != start:
+        raise ValueError(f"glm_moe_dsa layer {index}: the past covers {covered} positions from {first}, the segment "
+                         f"starts at {start}")
+    return first

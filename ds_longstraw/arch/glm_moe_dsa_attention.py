@@ -1,4 +1,4 @@
-"""DSA selection and sparse absorbed MLA over latent rows: the math of glm_moe_dsa's attention, on one rank.
+"""DSA selection and sparse absorbed MLA over latent rows: the math of glm_moe_dsa's attention.
 
 Legend: T queries of a segment, H query heads, I indexer heads, D indexer head dim, R kv_lora_rank (the latent),
 E qk_rope_head_dim, K the selected positions per query (min(index_topk, keys)). Keys and rows come as "pieces":
@@ -22,9 +22,17 @@ Nothing per head is materialised for the keys: each query block gathers its sele
 rows, no probabilities) and recomputes each query block's rows and probabilities in backward.
 `sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two,
 and `dsa_select` with `dsa_select_reference`.
+
+Context parallelism (the keys split over ranks, each read page by page): `extend_candidates` merges one page of keys
+into a query's canonical candidates (scores, positions) and `merge_candidates` merges candidate sets in position
+order, so the ranks' candidates merged in rank order give exactly the one-rank top-k; `dsa_select(..., offset,
+prior)` finishes a selection from the candidates of the keys before `offset`. `page_partial` is the attention over
+the selected rows that lie in one page, (o_lat, lse), and `page_grads` that page's share of the gradients given the
+merged (o_lat, lse) (tests/test_glm_cp.py holds both, merged over ranks and pages, to the plain references).
 """
 
 import torch
+import torch.nn.functional as F
 
 # Elements of one query block's gathered rows [Tq, K, R + E] (or of its indexer scores [Tq, I, keys]): the unit
 # that bounds the transient memory of selection and attention. 2^24 elements are 64 MiB in float32.
@@ -49,65 +57,109 @@ def _index_scores(q_TID, weights_TI, keys_ND, scale):
     return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
 
 
-def _canonical_merge(best_scores, best_pos, scores, positions, k):
-    """The k best of (best, new) in canonical order. best is already canonical (score descending, position
-    ascending among ties) and holds only positions below every new one; new is in position order: a stable
-    descending sort of their concatenation keeps ties in position order."""
-    cat_scores = torch.cat([best_scores, scores], dim=-1)
-    cat_pos = torch.cat([best_pos, positions.expand(scores.shape[0], -1)], dim=-1)
+def merge_candidates(best, part, k):
+    """The k best of two candidate sets (scores [T, n], positions [T, n]) in canonical order (score descending, then
+    position ascending). best is canonical; every position of `part` lies above every position of best, and part is
+    canonical or in position order: a stable descending sort of their concatenation keeps ties in position order.
+    A score of -inf marks no candidate (a key the query cannot see, or padding)."""
+    cat_scores = torch.cat([best[0], part[0]], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
     order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
     return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
 
 
-def _key_pieces(keys, key_block):
-    """(first position, key rows) of each piece of at most key_block rows, in position order."""
-    offset = 0
+def no_candidates(tokens, dtype, device):
+    """The empty candidate set of `tokens` queries."""
+    return (torch.full((tokens, 0), float("-inf"), dtype=dtype, device=device),
+            torch.zeros((tokens, 0), dtype=torch.long, device=device))
+
+
+def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, topk, scale, key_block=None):
+    """Candidates of queries at positions query_start .. (None: after every key, so every key is visible) merged
+    with keys_ND [N, D] at positions key_start ..: the topk best of best and these keys, canonical (best: None or
+    canonical candidates, all below key_start). Keys a query cannot see score -inf. Gradient-free; memory per
+    query block its scores [Tq, I, key_block] and running best [Tq, topk + key_block]."""
+    key_block = key_block or KEY_BLOCK
+    tokens = q_TID.shape[0]
+    acc = score_dtype(q_TID.dtype)
+    device = q_TID.device
+    best = no_candidates(tokens, acc, device) if best is None else best
+    block = _query_block(q_TID.shape[1] * key_block, tokens)
+    out_scores, out_pos = [], []
+    with torch.no_grad():
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            q = q_TID[q0:q1].to(acc)
+            w = weights_TI[q0:q1].to(acc)
+            mine = (best[0][q0:q1].to(acc), best[1][q0:q1])
+            for k0 in range(0, keys_ND.shape[0], key_block):
+                first = key_start + k0
+                if query_start is not None and first > query_start + q1 - 1:  # beyond every query's horizon
+                    break
+                keys = keys_ND[k0:k0 + key_block].to(acc)
+                positions = torch.arange(first, first + keys.shape[0], device=device).unsqueeze(0)
+                scores = _index_scores(q, w, keys, scale)
+                if query_start is not None:
+                    query_pos = torch.arange(query_start + q0, query_start + q1, device=device).unsqueeze(1)
+                    scores = scores.masked_fill(positions > query_pos, float("-inf"))
+                mine = merge_candidates(mine, (scores, positions), topk)
+            out_scores.append(mine[0])
+            out_pos.append(mine[1])
+    if not out_scores:
+        return best
+    # query blocks past which a key block lay beyond the horizon hold fewer candidates: pad with none (-inf)
+    width = max(scores.shape[1] for scores in out_scores)
+    return (torch.cat([F.pad(scores, (0, width - scores.shape[1]), value=float("-inf")) for scores in out_scores]),
+            torch.cat([F.pad(pos, (0, width - pos.shape[1])) for pos in out_pos]))
+
+
+def candidates_selection(best, width):
+    """(positions [T, width] int64, valid [T, width] bool) of canonical candidates: the first `width` of them
+    (missing ones and -inf scores invalid, position 0)."""
+    scores, positions = best[0][:, :width], best[1][:, :width]
+    tokens = scores.shape[0]
+    out_pos = torch.zeros(tokens, width, dtype=torch.long, device=positions.device)
+    out_valid = torch.zeros(tokens, width, dtype=torch.bool, device=positions.device)
+    valid = scores > float("-inf")
+    out_pos[:, : positions.shape[1]] = torch.where(valid, positions, torch.zeros_like(positions))
+    out_valid[:, : positions.shape[1]] = valid
+    return out_pos, out_valid
+
+
+def _key_pieces(keys, key_block, offset=0):
+    """(first position, key rows) of each piece of at most key_block rows, in position order from `offset`."""
     for piece in keys:
         for lo in range(0, piece.shape[0], key_block):
             yield offset + lo, piece[lo:lo + key_block]
         offset += piece.shape[0]
 
 
-def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
-    """The canonical top-k selection of queries at positions start .. start+T-1 over keys at positions 0 .. (all
-    of `keys`, a list of [N_s, D] pieces in position order; the segment's own keys last).
+def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offset=0, prior=None):
+    """The canonical top-k selection of queries at positions start .. start+T-1 over the keys at positions 0 ..
+    start+T-1: `keys`, a list of [N_s, D] pieces in position order from `offset` (the segment's own keys last), and,
+    where offset > 0, `prior`: the canonical candidates (scores, positions) over the keys before `offset`, which
+    precede the segment and so are visible to every query (context parallelism: the other ranks' keys, merged).
 
     q_TID [T, I, D] and keys in any dtype (scored in score_dtype of q's dtype); weights_TI [T, I] the per-head
     weights (the model's weights_proj output times I^-0.5); scale the indexer's softmax_scale.
-    Returns (positions [T, K] int64, valid [T, K] bool) with K = min(topk, number of keys); where valid is False
+    Returns (positions [T, K] int64, valid [T, K] bool) with K = min(topk, start + T); where valid is False
     the query sees fewer than K keys and the position (0) is to be ignored. Gradient-free, as the model defines
     it. Memory: a query block's scores [Tq, I, key_block] and its running best [Tq, K + key_block].
     """
     key_block = key_block or KEY_BLOCK
-    total = sum(piece.shape[0] for piece in keys)
+    total = offset + sum(piece.shape[0] for piece in keys)
     tokens = q_TID.shape[0]
     if total < start + tokens:
         raise ValueError(f"dsa_select: {total} keys cannot cover queries up to position {start + tokens - 1}")
-    k = min(topk, total)
-    acc = score_dtype(q_TID.dtype)
-    device = q_TID.device
-    out_pos = torch.zeros(tokens, k, dtype=torch.long, device=device)
-    out_valid = torch.zeros(tokens, k, dtype=torch.bool, device=device)
-    block = _query_block(q_TID.shape[1] * key_block, tokens)
+    if offset and prior is None:
+        raise ValueError(f"dsa_select: the keys before position {offset} need their candidates (prior)")
+    best = prior
     with torch.no_grad():
-        for q0 in range(0, tokens, block):
-            q1 = min(tokens, q0 + block)
-            q = q_TID[q0:q1].to(acc)
-            w = weights_TI[q0:q1].to(acc)
-            query_pos = torch.arange(start + q0, start + q1, device=device).unsqueeze(1)
-            best_scores = torch.full((q1 - q0, 0), float("-inf"), dtype=acc, device=device)
-            best_pos = torch.zeros((q1 - q0, 0), dtype=torch.long, device=device)
-            for k0, piece in _key_pieces(keys, key_block):
-                if k0 > start + q1 - 1:  # beyond the causal horizon of every query of the block
-                    break
-                positions = torch.arange(k0, k0 + piece.shape[0], device=device).unsqueeze(0)
-                scores = _index_scores(q, w, piece.to(acc), scale)
-                scores = scores.masked_fill(positions > query_pos, float("-inf"))
-                best_scores, best_pos = _canonical_merge(best_scores, best_pos, scores, positions, k)
-            valid = best_scores > float("-inf")
-            out_pos[q0:q1, : best_pos.shape[1]] = torch.where(valid, best_pos, torch.zeros_like(best_pos))
-            out_valid[q0:q1, : best_pos.shape[1]] = valid
-    return out_pos, out_valid
+        for k0, piece in _key_pieces(keys, key_block, offset):
+            if k0 > start + tokens - 1:  # beyond the causal horizon of every query
+                break
+            best = extend_candidates(best, q_TID, weights_TI, piece, k0, start, topk, scale, key_block)
+    return candidates_selection(best, min(topk, total))
 
 
 def dsa_select_reference(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
@@ -192,9 +244,16 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _finite(lse):
+    """The log-sum-exp with -inf (a query none of whose selected rows is here) replaced by 0, so that
+    exp(-inf - it) is 0, not nan."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     """Forward and backward walk query blocks; backward re-gathers each block's rows and recomputes its
-    probabilities from the saved log-sum-exp (nothing [T, K, ...] is saved)."""
+    probabilities from the saved log-sum-exp (nothing [T, K, ...] is saved). Outputs (o_lat, lse); a query with no
+    valid position gets (0, -inf)."""
 
     @staticmethod
     def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
@@ -212,14 +271,14 @@ class _SparseLatentAttention(torch.autograd.Function):
             rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, -1, q_rope.shape[-1])
             s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], scale, acc)
             lse[q0:q1] = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - lse[q0:q1].unsqueeze(-1))
+            p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))
             out[q0:q1] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(out.dtype)
         ctx.scale, ctx.n_pieces, ctx.block = scale, n_pieces, block
         ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
-        return out
+        return out, lse
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_lse):
         q_lat, q_rope, positions, valid, out, lse, *pieces = ctx.saved_tensors
         n = ctx.n_pieces
         latents, ropes = pieces[:n], pieces[n:]
@@ -241,10 +300,13 @@ class _SparseLatentAttention(torch.autograd.Function):
             rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, k, rank).to(acc)
             rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, k, rope).to(acc)
             s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], ctx.scale, acc)
-            p = torch.exp(s - lse[q0:q1].unsqueeze(-1))  # [Tq, H, K]
+            p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))  # [Tq, H, K]
             d_o = d_out[q0:q1].to(acc)
             d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
-            d_s = p * (d_p - (d_o * out[q0:q1].to(acc)).sum(-1, keepdim=True)) * ctx.scale
+            delta = (d_o * out[q0:q1].to(acc)).sum(-1, keepdim=True)
+            if d_lse is not None:
+                delta = delta - d_lse[q0:q1].to(acc).unsqueeze(-1)
+            d_s = p * (d_p - delta) * ctx.scale
             d_q_lat[q0:q1] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
             d_q_rope[q0:q1] = torch.einsum("thk,tke->the", d_s, rows_rope)
             d_rows_lat = (torch.einsum("thk,thr->tkr", d_s, q_lat[q0:q1].to(acc))
@@ -271,17 +333,23 @@ def _check(q_lat, q_rope, latents, ropes, positions, valid):
             raise ValueError("sparse_latent_attention: a latent piece and its rope-key piece differ in length")
 
 
-def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale):
+def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale, offset=0, with_lse=False):
     """Absorbed MLA over selected latent rows (see the module docstring).
 
     q_lat [T, H, R] (the no-RoPE query mapped through W_UK), q_rope [T, H, E]; latents / ropes: lists of [N_s, R] /
-    [N_s, E] pieces in position order from 0; positions, valid [T, K] from dsa_select (every query has at least
-    one valid position). Returns o_lat [T, H, R] = softmax(scale * scores over the selected rows) @ latent rows.
-    Differentiable in q_lat, q_rope and every piece; memory per query block [Tq, K, R + E], in forward and in
-    backward alike.
+    [N_s, E] pieces in position order from `offset`; positions, valid [T, K] from dsa_select. Selected positions
+    below `offset` are not here (context parallelism: rows on other ranks, whose partial is merged by the caller)
+    and are left out. Returns o_lat [T, H, R] = softmax(scale * scores over the selected rows here) @ latent rows,
+    and with_lse also its log-sum-exp [T, H] (max(float32, dtype); -inf, with o_lat 0, for a query none of whose
+    selected rows is here). Differentiable in q_lat, q_rope and every piece (and through the lse); memory per query
+    block [Tq, K, R + E], in forward and in backward alike.
     """
     _check(q_lat, q_rope, latents, ropes, positions, valid)
-    return _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
+    if offset:
+        valid = valid & (positions >= offset)
+        positions = torch.where(valid, positions - offset, torch.zeros_like(positions))
+    out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
+    return (out, lse) if with_lse else out
 
 
 def sparse_latent_attention_reference(q_lat, q_rope, latents, ropes, positions, valid, scale):
@@ -293,3 +361,88 @@ def sparse_latent_attention_reference(q_lat, q_rope, latents, ropes, positions, 
     s = _block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, acc)
     p = torch.softmax(s, dim=-1)
     return torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(q_lat.dtype)
+
+
+# -- one page of rows at a time (context parallelism: the rows' owner computes their partial) -----------------------
+def _page_slots(positions, valid, page_start, page_tokens):
+    """The selected positions of a query block that lie in the page [page_start, page_start + page_tokens):
+    (active queries [A] (those with at least one), slots [A, m] (rows of the page), slot_valid [A, m]) with m the
+    most any query has there, or None when no query has one. Only those rows are gathered: a page costs what its
+    share of the selection costs, not a dense pass over its rows."""
+    inside = valid & (positions >= page_start) & (positions < page_start + page_tokens)
+    counts = inside.sum(-1)
+    active = counts.nonzero().squeeze(-1)
+    if active.numel() == 0:
+        return None
+    inside = inside.index_select(0, active)
+    most = int(counts.max())
+    order = torch.sort(inside.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :most]
+    slot_valid = inside.gather(-1, order)
+    slots = positions.index_select(0, active).gather(-1, order) - page_start
+    return active, torch.where(slot_valid, slots, torch.zeros_like(slots)), slot_valid
+
+
+def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, scale):
+    """(o_lat [T, H, R], lse [T, H]) of the queries over those of their selected rows that lie in one page of rows
+    (latent_page [n, R], rope_page [n, E] at positions page_start ..): the same function as sparse_latent_attention
+    restricted to the page, both in max(float32, dtype) (so that merging many pages rounds once, not per page); a
+    query with no selected row there gets (0, -inf). LSE-merging the pages' partials gives the attention over all
+    of them. No autograd (see page_grads)."""
+    tokens, heads, rank = q_lat.shape
+    acc = _acc(q_lat.dtype)
+    out = torch.zeros(tokens, heads, rank, dtype=acc, device=q_lat.device)
+    lse = torch.full((tokens, heads), float("-inf"), dtype=acc, device=q_lat.device)
+    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
+    with torch.no_grad():
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
+            if found is None:
+                continue
+            active, slots, slot_valid = found
+            rows_lat, rows_rope = latent_page[slots], rope_page[slots]
+            s = _block_scores(q_lat[q0:q1].index_select(0, active), q_rope[q0:q1].index_select(0, active),
+                              rows_lat, rows_rope, slot_valid, scale, acc)
+            block_lse = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - block_lse.unsqueeze(-1))
+            out[q0 + active] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc))
+            lse[q0 + active] = block_lse
+    return out, lse
+
+
+def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, lse, d_out, delta, scale):
+    """One page's share of the gradients of an attention over selected rows, given the MERGED lse [T, H] and
+    delta = rowsum(d_out * o_lat) - d_lse [T, H] of the whole attention (the ring-attention form): with
+    p = exp(s - lse) over the page's selected rows, d_s = p (d_out . row - delta) scale.
+    Returns (d_q_lat [T, H, R], d_q_rope [T, H, E], d_latent_page [n, R], d_rope_page [n, E]), in max(float32,
+    dtype); summing the first two over every page of every rank gives the queries' gradients."""
+    tokens, heads, rank = q_lat.shape
+    acc = _acc(q_lat.dtype)
+    d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)
+    d_q_rope = torch.zeros(q_rope.shape, dtype=acc, device=q_rope.device)
+    d_lat = torch.zeros(latent_page.shape, dtype=acc, device=latent_page.device)
+    d_rope = torch.zeros(rope_page.shape, dtype=acc, device=rope_page.device)
+    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
+    with torch.no_grad():
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
+            if found is None:
+                continue
+            active, slots, slot_valid = found
+            rows_lat, rows_rope = latent_page[slots].to(acc), rope_page[slots].to(acc)
+            q_l = q_lat[q0:q1].index_select(0, active).to(acc)
+            q_r = q_rope[q0:q1].index_select(0, active).to(acc)
+            s = _block_scores(q_l, q_r, rows_lat, rows_rope, slot_valid, scale, acc)
+            p = torch.exp(s - _finite(lse[q0:q1].index_select(0, active).to(acc)).unsqueeze(-1))  # [A, H, m]
+            d_o = d_out[q0:q1].index_select(0, active).to(acc)
+            d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
+            d_s = p * (d_p - delta[q0:q1].index_select(0, active).to(acc).unsqueeze(-1)) * scale
+            d_q_lat[q0 + active] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
+            d_q_rope[q0 + active] = torch.einsum("thk,tke->the", d_s, rows_rope)
+            d_rows_lat = torch.einsum("thk,thr->tkr", d_s, q_l) + torch.einsum("thk,thr->tkr", p, d_o)
+            d_rows_rope = torch.einsum("thk,the->tke", d_s, q_r)
+            flat = slots[slot_valid]
+            d_lat.index_add_(0, flat, d_rows_lat[slot_valid])
+            d_rope.index_add_(0, flat, d_rows_rope[slot_valid])
+    return d_q_lat, d_q_rope, d_lat, d_rope

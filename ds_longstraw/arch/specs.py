@@ -13,8 +13,12 @@ keep and how, so it names no layer type of any family:
                "topk_lse"     sparse attention over a selection of pages (DSA): the ranks' candidates merge into
                               one global top-k, then the selected rows' partials merge by log-sum-exp
                "none"         nothing crosses ranks (the layer retains nothing)
+             `select` ("topk_lse" only): the streams the layer's selection scores keys with; empty: the layer
+             reuses the selection of the last earlier layer that selects (its other streams are the rows attended)
              `kept`: what exact mode's prefix_keep_attention keeps per token for this layer (its attention output
              and log-sum-exp), so the prefix pass can skip the layer's attention
+  SparseGeometry  what a "topk_lse" layer's cross-rank messages carry per query token (the adapter's
+             sparse_geometry), so a receiver allocates them without knowing the family
 
 The specs are built from a config alone (no weights), so `longstraw plan` sizes any supported model from the same
 source as the transaction.
@@ -66,9 +70,12 @@ class LayerState:
     carry: tuple = ()  # Carry, per sequence
     combine: str = "none"
     kept: tuple = ()  # Stream, exact mode's prefix_keep_attention
+    select: tuple = ()  # "topk_lse": names of the streams its selection scores (empty: reuses the last selection)
 
     def __post_init__(self):
         assert self.combine in COMBINES, self.combine
+        assert not self.select or (self.combine == "topk_lse" and set(self.select) <= set(self.stream_names)), \
+            self.select
 
     def stream_label(self, stream) -> str:
         return stream.label or self.label
@@ -76,6 +83,11 @@ class LayerState:
     @property
     def stream_names(self) -> tuple:
         return tuple(s.name for s in self.streams)
+
+    @property
+    def row_names(self) -> tuple:
+        """The streams attention reads ("topk_lse": those its selection does not score)."""
+        return tuple(name for name in self.stream_names if name not in self.select)
 
     @property
     def bytes_per_token(self) -> int:
@@ -88,6 +100,22 @@ class LayerState:
     @property
     def kept_bytes_per_token(self) -> int:
         return sum(s.bytes_per_token for s in self.kept)
+
+
+@dataclass(frozen=True)
+class SparseGeometry:
+    """What a "topk_lse" layer's exchanges carry per query token (what a receiver allocates): each entry a
+    (shape, dtype). selector: what its selection scores keys with (sent to the keys' owners); query: what attention
+    over selected rows reads (sent to the rows' owners); out: a partial's output, whose log-sum-exp is out's shape
+    without its last dimension, in lse_dtype; candidates are (score in score_dtype, position) pairs, at most topk
+    per query."""
+
+    selector: tuple
+    query: tuple
+    out: tuple
+    lse_dtype: torch.dtype
+    score_dtype: torch.dtype
+    topk: int
 
 
 def _itemsize(dtype) -> int:

@@ -2,6 +2,8 @@
 
 groups.py        CPContext (the CP process group, shard bounds, traffic counters), as_cp_context
 cp_attention.py  (out, lse) partials across ranks: capture (pages or queries travel), replay (all-gather), grads
+cp_sparse.py     the "topk_lse" combine: a global top-k selection from every rank's candidates, the selected rows'
+                 partials computed where the rows live, merged by log-sum-exp
 ulysses.py       the capture's head/sequence all-to-all alternative for attention
 capture.py       layer-major capture of a sharded prompt (each layer's combine from its spec)
 prefix.py        exact mode's prefix pass, ranks in turn, remote pages served by their owners

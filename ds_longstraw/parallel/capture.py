@@ -7,7 +7,10 @@ rank boundaries before anyone moves on, as the layer's spec says (arch/specs.py,
   "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in rank order (the
                  family's own math; qwen3_5: arch/qwen3_5_scan.py);
   "lse"          this rank's rows go onto its own pages; queries meet earlier ranks' pages (cp_attention.py), or,
-                 with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py).
+                 with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
+  "topk_lse"     this rank's rows go onto its own pages; its queries' global top-k selection gathers the earlier
+                 ranks' candidates and the selected rows' partials come back from their owners (cp_sparse.py); a
+                 layer that selects nothing reuses the last selection.
 Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
 what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's pages of all
 paged layers for the target models). Every rank keeps the pages of its own tokens only, the prompt's final carry
@@ -20,6 +23,7 @@ import torch
 from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
+from .cp_sparse import capture_sparse_layer
 from .ulysses import ulysses_attention_layer
 
 
@@ -54,6 +58,7 @@ def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress,
     spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
     boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if checkpoints is not None else None
     final_carry = {}
+    selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
@@ -66,6 +71,9 @@ def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress,
                 capture = ulysses_attention_layer if settings.cp_attention == "ulysses" else capture_attention_layer
                 mixed = capture(adapter, spec, normed, spans, lo, cp, bounds, pool, chunk, pad=pad,
                                 kept_pool=kept_pool)
+            elif spec.combine == "topk_lse":
+                mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, lo, cp, bounds, pool,
+                                                        selection, pad=pad)
             else:
                 raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
             del normed

@@ -23,7 +23,9 @@ zero iterations, and a rank whose pages rank s reads answers each request from i
 gathers, forward and backward.
 
 The last rank's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
-Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries].
+Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries]. A "topk_lse"
+layer's requests (cp_sparse.py) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
+rows' partial; their payloads are cp_sparse's request_* / answer_*.
 """
 
 import torch
@@ -40,8 +42,17 @@ from .cp_attention import (
     streamed_grads,
     streamed_partial,
 )
+from .cp_sparse import (
+    answer_candidates,
+    answer_grads,
+    answer_partial,
+    request_candidates,
+    request_grads,
+    request_partials,
+    selected_rows_attention,
+)
 
-FORWARD, BACKWARD, DONE = 1, 2, 3
+FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
 
 def _servers(sizes, owner):
@@ -50,11 +61,15 @@ def _servers(sizes, owner):
 
 
 class RemotePages:
-    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the earlier ranks' pages."""
+    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the earlier ranks' pages; for a
+    "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
+    `remote`: the earlier ranks hold positions [0, end))."""
 
-    def __init__(self, cp, sizes):
+    def __init__(self, cp, sizes, adapter=None):
         self.cp = cp
         self.servers = _servers(sizes, cp.rank)
+        self.sizes, self.adapter = sizes, adapter
+        self.end = sum(sizes[: cp.rank])
 
     def __call__(self, layer, q_HTD, known=None):
         return remote_pages_attention(self, layer, q_HTD, known)
@@ -92,6 +107,24 @@ class RemotePages:
             dq += cp.recv(q_HTD.shape, acc, i, layer, "prefix_dq", device=q_HTD.device)
         return dq
 
+    # -- "topk_lse" layers (cp_sparse.py): the global selection's candidates, then the selected rows' partial ----
+    def candidates(self, layer, selector):
+        self._header(SELECT, layer, selector[0].shape[0], selector[0].device)
+        return request_candidates(self.cp, self.adapter, layer, selector, self.sizes, self.servers)
+
+    def attend(self, layer, query, positions, valid):
+        return selected_rows_attention(self, layer, query, positions, valid)
+
+    def partials(self, layer, query, positions, valid):
+        self._header(FORWARD, layer, positions.shape[0], positions.device)
+        return request_partials(self.cp, self.adapter, layer, query, positions, valid, self.sizes, self.servers)
+
+    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+        delta = attention_delta(out, d_out, d_lse)
+        self._header(BACKWARD, layer, positions.shape[0], positions.device)
+        return request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.sizes,
+                             self.servers)
+
     def close(self, device):
         self._header(DONE, -1, 0, device)
 
@@ -99,11 +132,16 @@ class RemotePages:
 def _answer(cp, owner, adapter, stager, chunk, op, layer, tq):
     """Answer one request of `owner` (its header already read) against this rank's pages, streamed from its tier
     page by page through `stager` (dK/dV go to the gradient pages page by page)."""
+    spec = adapter.specs[layer]
+    if spec.combine == "topk_lse":  # the selection's requests (cp_sparse.py)
+        answer = {SELECT: answer_candidates, FORWARD: answer_partial, BACKWARD: answer_grads}.get(op)
+        if answer is None:
+            raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+        return answer(cp, owner, adapter, stager, spec, tq)
     heads, _, dim = adapter.attention_geometry()
     dtype, device = adapter.dtype, adapter.device
     acc = _acc(dtype)
     scale = adapter.attention_scale(layer)
-    spec = adapter.specs[layer]
     q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
     if op == FORWARD:
         out, lse = streamed_partial(stager, spec, q, scale, query_chunk=chunk)
@@ -210,7 +248,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     if cp.rank < cp.size - 1:
         d_final_carry = {layer: tuple(cp.recv(shape, dtype, cp.rank + 1, layer, "prefix_d_carry", device=adapter.device)
                                       for shape, dtype in parts) for layer, parts in shapes.items()}
-    remote = RemotePages(cp, sizes)
+    remote = RemotePages(cp, sizes, adapter)
     d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
                               remote_attention=remote if remote.servers else None, recompute=recompute)
     remote.close(adapter.device)

@@ -11,12 +11,16 @@ dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optio
 worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
 optional repeat (grpo_backward calls without zeroing .grad in between), optional tier ("cpu", or "nvme": page
 files under <out_dir>/nvme), optional keep (prefix_keep_attention) and kept_tier (offload.kept_attention_tier).
+A GLM case (family "glm_moe_dsa") builds tests/glm_models.py's tiny_glm_moe_dsa (model: its config overrides) and
+runs under glm_reference() instead of float64_model(); with record, every selection a selecting layer makes
+(capture, replay, prefix pass) is saved as (phase, layer, first query position, positions, valid).
 """
 
 import os
 import socket
 import sys
 import traceback
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -75,17 +79,57 @@ def runs_on(case, world):
     return world in case.get("worlds", (world,))
 
 
+@contextmanager
+def _glm_parts(case):
+    """(model builder, reference mode, selections recorded or None) of a GLM case; the recording patch is undone
+    on leaving."""
+    from glm_models import glm_reference, tiny_glm_moe_dsa
+
+    from ds_longstraw.arch.glm_moe_dsa import GlmMoeDsaAdapter
+
+    if not case.get("record"):
+        yield tiny_glm_moe_dsa, glm_reference, None
+        return
+    record, length = [], case["prompt_len"] - 1
+    forward, select = GlmMoeDsaAdapter.attention_forward, GlmMoeDsaAdapter.sparse_selection
+
+    def attention_forward(self, index, module, h, cos, sin, start, past, selection, remote=None):
+        result = forward(self, index, module, h, cos, sin, start, past, selection, remote)
+        if module.indexer is not None:
+            record.append(("replay" if start >= length else "prefix", index, start, *result[2]))
+        return result
+
+    def sparse_selection(self, index, best, start, tokens):
+        result = select(self, index, best, start, tokens)
+        record.append(("capture", index, start, *result))
+        return result
+
+    GlmMoeDsaAdapter.attention_forward = attention_forward
+    GlmMoeDsaAdapter.sparse_selection = sparse_selection
+    try:
+        yield tiny_glm_moe_dsa, glm_reference, record
+    finally:
+        GlmMoeDsaAdapter.attention_forward, GlmMoeDsaAdapter.sparse_selection = forward, select
+
+
 def _run_case(case, world, cp_group, out_dir, rank):
+    if case.get("family") == "glm_moe_dsa":
+        with _glm_parts(case) as (build, reference, record):
+            return _run_model_case(case, world, cp_group, out_dir, rank, build, reference, record)
     from models import float64_model, tiny_qwen3_5
 
+    return _run_model_case(case, world, cp_group, out_dir, rank, tiny_qwen3_5, float64_model, None)
+
+
+def _run_model_case(case, world, cp_group, out_dir, rank, build, float64_model, record):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.parallel import CPContext
 
     dtype = getattr(torch, case.get("dtype", "float64"))
-    model = tiny_qwen3_5(dtype=dtype, **case.get("model", {}))
+    model = build(dtype=dtype, **case.get("model", {}))
     ref_model = None
     if "ref_seed" in case:
-        ref_model = tiny_qwen3_5(dtype=dtype, seed=case["ref_seed"], **case.get("model", {}))
+        ref_model = build(dtype=dtype, seed=case["ref_seed"], **case.get("model", {}))
     group = make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))
     objective = GRPOObjective(**case.get("objective", {}))
     context = CPContext(cp_group, capture_move=case.get("capture_move", "auto"))
@@ -105,7 +149,7 @@ def _run_case(case, world, cp_group, out_dir, rank):
     torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs,
                 "ref_logprobs": result.ref_logprobs, "retained": result.retained_bytes,
                 "phases": {k: (v.seconds, v.peak_bytes) for k, v in result.phases.items()},
-                "cp": result.extras["cp"]}, path)
+                "cp": result.extras["cp"], "selections": record}, path)
 
 
 def worker(rank, world, port, cases, out_dir, cp_ranks=None):

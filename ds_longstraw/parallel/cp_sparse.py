@@ -1,0 +1,450 @@
+"""Sparse attention across context-parallel ranks: the "topk_lse" combine (arch/specs.py).
+
+A "topk_lse" layer attends, for each query, only the rows of a top-k selection over every earlier key. Under context
+parallelism keys and rows are sharded (rank r owns the pages of prompt tokens [lo_r, hi_r)), and the selection is
+GLOBAL, not a top-k per shard:
+
+  select   (a layer whose spec names `select` streams; a layer that names none reuses the last selection, which is
+           already global) each rank scores its OWN selection pages for the queries and keeps its top-k candidates
+           (score, position) in canonical order: score descending, then position ascending. The ranks' candidates
+           merge in rank order into the global top-k. A key of the global top-k is in its owner's top-k (fewer than
+           k keys precede it in the canonical order anywhere), so the merged set is exactly the one-rank selection,
+           ties included.
+  attend   each rank computes the partial (out, lse) of the queries over the selected rows that it owns, reading its
+           pages (spec.row_names) page by page; the partials merge by log-sum-exp in rank order.
+  backward each owner computes its rows' share of d(query) from the MERGED (out, lse) (the ring-attention form:
+           delta = rowsum(d_out * out) - d_lse) and, in exact mode, adds d(rows) to ITS gradient pages where they are
+           computed; the d(query) shares are summed back where the query lives.
+Rows never leave their owner. What travels, per query token: the selector to the keys' owners and candidates back
+(at most k (score, position) pairs per owner); the query and the positions the receiver owns (int32, -1 elsewhere,
+padded to k) to the rows' owners and (out, lse) back; in backward (query, positions, d_out, lse, delta) there and
+d(query) back.
+
+Three places, as for "lse" layers (cp_attention.py):
+  capture  (layer-major, capture.py) a rank's shard of queries: its selectors go to every earlier non-empty rank,
+           candidates come back; then its queries go to the same ranks and partials come back (capture_sparse_layer).
+  replay   every rank replays every member identically: candidates and partials are all-gathered and merged in rank
+           order, so every rank gets the same bits; d(query) is all-reduced (SparsePagesAttention).
+  prefix   (exact) the rank in its turn asks the earlier ranks (prefix.py's RemotePages and serve): the payloads are
+           request_* here, the owners' side answer_*.
+A rank reads its own pages from its tier page by page through a stager (one page read ahead), the selection's
+streams and the attended rows each through their own, so no layer's shard is materialised whole.
+
+The family's math is the adapter's (arch/): sparse_geometry (what travels per query token), sparse_project (the
+projections), sparse_candidates (one page of keys into the candidates), merge_candidates, sparse_selection,
+sparse_partial / sparse_grads (one page of rows), attention_finish (the output).
+
+Legend: T queries; positions / valid [T, K] a selection (absolute prompt positions); candidates (scores [T, n],
+positions [T, n]), canonical; a partial (out [T, ...], lse [T, ...]) as sparse_geometry's `out` says.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.offload import Stager
+from ds_longstraw.state import append_rows
+
+from .cp_attention import merge_in_order
+
+COMBINE = "topk_lse"
+
+
+def uses_selection(specs) -> bool:
+    """Whether any layer combines across ranks by a global top-k."""
+    return any(spec.combine == COMBINE for spec in specs)
+
+
+def check_sparse(specs, settings, cp_size, lockstep=None):
+    """ValueError (before any work) for what the "topk_lse" combine does not run under context parallelism."""
+    layers = [spec.layer for spec in specs if spec.combine == COMBINE]
+    if not layers:
+        return
+    where = f"under 'longstraw.cp_size' = {cp_size}, layers {layers} attend a global top-k selection ({COMBINE!r})"
+    if settings.cp_attention == "ulysses":
+        raise ValueError(f"'longstraw.cp_attention' = 'ulysses': {where}, which a head/sequence all-to-all does not "
+                         "serve; use 'lse'")
+    if settings.prefix_grad == "exact" and settings.prefix_keep_attention:
+        raise ValueError(f"'longstraw.prefix_keep_attention' = True: {where}, which keep no attention yet; set it "
+                         "to false")
+    if lockstep is not None:
+        raise ValueError(f"ZeRO-3 lockstep ('zero_optimization.stage' = 3 with more than one data-parallel rank): "
+                         f"{where}, whose exchanges are not mirrored in padded calls yet; use ZeRO stage 1 or 2")
+
+
+def earlier_owners(sizes, rank):
+    """The ranks whose keys `rank`'s queries read: every earlier rank that holds tokens."""
+    return [i for i in range(rank) if sizes[i]]
+
+
+def _starts(sizes):
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += size
+    return starts
+
+
+def owned_positions(positions, valid, lo, hi, width):
+    """The selection as the owner of positions [lo, hi) sees it: its own positions (int32), -1 where the selected
+    row is not its own or the slot is invalid, padded with -1 to `width` columns (the receiver's buffer size)."""
+    mine = valid & (positions >= lo) & (positions < hi)
+    local = torch.where(mine, positions - lo, torch.full_like(positions, -1)).to(torch.int32)
+    return F.pad(local, (0, width - local.shape[1]), value=-1)
+
+
+def _unpack(local):
+    """(positions int64, valid) from owned_positions' form."""
+    valid = local >= 0
+    return torch.where(valid, local.long(), torch.zeros_like(local, dtype=torch.long)), valid
+
+
+def _own(positions, valid, lo, hi):
+    """(positions, valid) of the rows of [lo, hi), in that range's own positions (0 = lo)."""
+    mine = valid & (positions >= lo) & (positions < hi)
+    return torch.where(mine, positions - lo, torch.zeros_like(positions)), mine
+
+
+def empty_partial(geometry, tokens, device):
+    """(out, lse) of queries over no rows: out = 0, lse = -inf (both in the lse's dtype)."""
+    shape = geometry.out[0]
+    return (torch.zeros((tokens, *shape), dtype=geometry.lse_dtype, device=device),
+            torch.full((tokens, *shape[:-1]), float("-inf"), dtype=geometry.lse_dtype, device=device))
+
+
+def merge_partials_as(geometry, partials):
+    """LSE-merge partials left to right in the lse's dtype (max(float32, dtype): a low-precision output is rounded
+    once, after the merges, not at each), the output then in the geometry's dtype."""
+    out, lse = merge_in_order([(o.to(geometry.lse_dtype), l_.to(geometry.lse_dtype)) for o, l_ in partials])
+    return out.to(geometry.out[1]), lse
+
+
+def row_stager(pool, specs, wrap=False):
+    """A stager over the rows that "topk_lse" layers attend (the streams their selection does not score)."""
+    return Stager(pool, {spec.layer: spec.row_names for spec in specs if spec.combine == COMBINE and spec.streams},
+                  wrap=wrap)
+
+
+def key_stager(pool, specs, wrap=False):
+    """A stager over the streams the selecting layers score."""
+    return Stager(pool, {spec.layer: spec.select for spec in specs if spec.select}, wrap=wrap)
+
+
+class _Stagers:
+    """Stagers closed together."""
+
+    def __init__(self, *stagers):
+        self.stagers = stagers
+
+    def close(self):
+        for stager in self.stagers:
+            stager.close()
+
+
+# -- this rank's pages, page by page ------------------------------------------------------------------------------
+def _has_rows(positions, valid, lo, hi):
+    return bool((valid & (positions >= lo) & (positions < hi)).any())
+
+
+def streamed_candidates(stager, adapter, spec, selector, best=None, key_start=0, query_start=None, end=None):
+    """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), at positions
+    key_start ..), page by page; query_start None: every key is visible to every query (they precede them)."""
+    for lo, _, pages in stager.stream(spec.layer, 0, end):
+        best = adapter.sparse_candidates(spec.layer, selector, pages, key_start + lo, query_start, best)
+    return best
+
+
+def streamed_sparse_partial(stager, adapter, spec, query, positions, valid):
+    """(out, lse) of the query over its selected rows among this rank's pages (positions and valid in this rank's
+    own positions), page by page, merged by log-sum-exp in order (in the lse's dtype; the output then in the
+    geometry's); pages holding none are not computed on."""
+    geometry = adapter.sparse_geometry(spec.layer)
+    result = empty_partial(geometry, positions.shape[0], positions.device)
+    for lo, hi, pages in stager.stream(spec.layer):
+        if _has_rows(positions, valid, lo, hi):
+            page = adapter.sparse_partial(spec.layer, query, pages, lo, positions, valid)
+            result = merge_in_order([result, tuple(t.to(geometry.lse_dtype) for t in page)])
+    return result[0].to(geometry.out[1]), result[1]
+
+
+def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, pool=None):
+    """This rank's pages' share of d(query) given the MERGED lse and delta, page by page (in lse's dtype); with
+    `pool`, each page's d(rows) is added to its gradient pages as it is computed (streams that carry one)."""
+    d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
+    grads = {stream.name for stream in spec.streams if stream.grad}
+    for lo, hi, pages in stager.stream(spec.layer):
+        if not _has_rows(positions, valid, lo, hi):
+            continue
+        parts, d_rows = adapter.sparse_grads(spec.layer, query, pages, lo, positions, valid, lse, d_out, delta)
+        for total, part in zip(d_query, parts):
+            total += part
+        if pool is not None:
+            for name, grad in d_rows.items():
+                if name in grads:
+                    pool.add_grad(spec.layer, name, lo, grad)
+    return d_query
+
+
+# -- requests and answers, point to point (capture, and the prefix pass through prefix.py) ------------------------
+def _send_all(cp, tensors, dst):
+    for tensor in tensors:
+        cp.send(tensor, dst)
+
+
+def _recv_all(cp, parts, tokens, src, layer, op, device):
+    return tuple(cp.recv((tokens, *shape), dtype, src, layer, op, device=device) for shape, dtype in parts)
+
+
+def request_candidates(cp, adapter, layer, selector, sizes, servers):
+    """Send the selector to every server; their candidates (absolute positions) merged in rank order, or None
+    when there are no servers."""
+    geometry = adapter.sparse_geometry(layer)
+    tokens, device = selector[0].shape[0], selector[0].device
+    for i in servers:
+        _send_all(cp, selector, i)
+    best, starts = None, _starts(sizes)
+    for i in servers:
+        width = min(geometry.topk, sizes[i])
+        scores = cp.recv((tokens, width), geometry.score_dtype, i, layer, "sparse_candidate_scores", device=device)
+        local = cp.recv((tokens, width), torch.int32, i, layer, "sparse_candidates", device=device)
+        best = adapter.merge_candidates(best, (scores, local.long() + starts[i]))
+    return best
+
+
+def answer_candidates(cp, owner, adapter, stager, spec, tokens):
+    """The owner's selector in, this rank's candidates (its own positions) out: min(topk, its tokens) a query."""
+    geometry = adapter.sparse_geometry(spec.layer)
+    selector = _recv_all(cp, geometry.selector, tokens, owner, spec.layer, "sparse_selector", adapter.device)
+    scores, positions = streamed_candidates(stager, adapter, spec, selector)
+    cp.send(scores, owner)
+    cp.send(positions.to(torch.int32), owner)
+
+
+def _send_query(cp, query, positions, valid, sizes, server, width):
+    lo = _starts(sizes)[server]
+    _send_all(cp, query, server)
+    cp.send(owned_positions(positions, valid, lo, lo + sizes[server], width), server)
+
+
+def _recv_query(cp, owner, adapter, spec, tokens):
+    geometry = adapter.sparse_geometry(spec.layer)
+    query = _recv_all(cp, geometry.query, tokens, owner, spec.layer, "sparse_query", adapter.device)
+    local = cp.recv((tokens, geometry.topk), torch.int32, owner, spec.layer, "sparse_positions",
+                    device=adapter.device)
+    return (query, *_unpack(local))
+
+
+def request_partials(cp, adapter, layer, query, positions, valid, sizes, servers):
+    """(out, lse) of the query over the selected rows every server owns, merged in rank order (an empty partial
+    when there are no servers)."""
+    geometry = adapter.sparse_geometry(layer)
+    tokens, device = positions.shape[0], positions.device
+    for i in servers:
+        _send_query(cp, query, positions, valid, sizes, i, geometry.topk)
+    (shape, dtype), partials = geometry.out, [empty_partial(geometry, tokens, device)]
+    for i in servers:
+        out = cp.recv((tokens, *shape), dtype, i, layer, "sparse_out", device=device)
+        lse = cp.recv((tokens, *shape[:-1]), geometry.lse_dtype, i, layer, "sparse_lse", device=device)
+        partials.append((out, lse))
+    return merge_partials_as(geometry, partials)
+
+
+def answer_partial(cp, owner, adapter, stager, spec, tokens):
+    """The owner's query and this rank's positions in, the partial over those rows out."""
+    query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
+    out, lse = streamed_sparse_partial(stager, adapter, spec, query, positions, valid)
+    cp.send(out, owner)
+    cp.send(lse, owner)
+
+
+def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, sizes, servers):
+    """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
+    gradients to their gradient pages."""
+    geometry = adapter.sparse_geometry(layer)
+    acc = geometry.lse_dtype
+    for i in servers:
+        _send_query(cp, query, positions, valid, sizes, i, geometry.topk)
+        cp.send(d_out.to(geometry.out[1]), i)
+        cp.send(torch.stack([lse.to(acc), delta.to(acc)]), i)
+    d_query = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in query]
+    for i in servers:
+        for total, (shape, _) in zip(d_query, geometry.query):
+            total += cp.recv((positions.shape[0], *shape), acc, i, layer, "sparse_dq", device=positions.device)
+    return d_query
+
+
+def answer_grads(cp, owner, adapter, stager, spec, tokens):
+    """The owner's query, this rank's positions, d_out, lse and delta in; this rank's rows' gradients onto its
+    gradient pages; its share of d(query) out."""
+    geometry = adapter.sparse_geometry(spec.layer)
+    query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
+    (shape, dtype), acc = geometry.out, geometry.lse_dtype
+    d_out = cp.recv((tokens, *shape), dtype, owner, spec.layer, "sparse_d_out", device=adapter.device)
+    lse, delta = cp.recv((2, tokens, *shape[:-1]), acc, owner, spec.layer, "sparse_lse_delta", device=adapter.device)
+    for part in streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, stager.pool):
+        cp.send(part.to(acc), owner)
+
+
+# -- capture ------------------------------------------------------------------------------------------------------
+def _cat(parts):
+    """Tuples of per-chunk tensors -> one tuple of the shard's tensors."""
+    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+
+
+def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, selection=None, pad=0):
+    """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd).
+
+    Pass A projects the shard chunk by chunk and appends its rows to this rank's pages. A layer that selects then
+    gathers the earlier ranks' candidates for its shard's selectors and extends them by its own pages (causal), so
+    every query has its global selection; a layer that selects nothing reuses `selection` (the last one made). The
+    earlier ranks return the partials of the selected rows they own, this rank's own pages give the rest, merged by
+    log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C], the
+    selection it used: positions, valid [T, K])."""
+    if pad:
+        raise AssertionError("topk_lse layers are refused under ZeRO-3 lockstep (cp_sparse.check_sparse)")
+    layer, tokens = spec.layer, normed_1TC.shape[1]
+    sizes = [hi - lo for lo, hi in bounds]
+    selectors, queries, finishes = [], [], []
+    for a, b in spans:
+        selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], offset + a)
+        append_rows(pool, spec, rows)
+        selectors.append(selector)
+        queries.append(query)
+        finishes.append(finish)
+    query = _cat(queries) if queries else None
+    keys, rows = key_stager(pool, [spec]), row_stager(pool, [spec])
+    try:
+        if spec.select:
+            selector = _cat(selectors) if selectors else None
+            best = _capture_candidates(cp, adapter, spec, keys, selector, sizes)
+            if tokens:
+                best = streamed_candidates(keys, adapter, spec, selector, best, key_start=offset, query_start=offset)
+            selection = adapter.sparse_selection(layer, best, offset, tokens)
+        elif selection is None:
+            raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
+        positions, valid = selection
+        out, lse = _capture_partials(cp, adapter, spec, rows, query, positions, valid, sizes)
+        if tokens:  # this rank's own rows, after the earlier ranks'
+            own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, offset, offset + tokens))
+            out, lse = merge_partials_as(adapter.sparse_geometry(layer), [(out, lse), own])
+    finally:
+        keys.close()
+        rows.close()
+    outs = [adapter.attention_finish(layer, out[a:b], finish) for (a, b), finish in zip(spans, finishes)]
+    return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
+
+
+def _capture_candidates(cp, adapter, spec, stager, selector, sizes):
+    """For each client rank j in turn: j's selectors go to every earlier non-empty rank, whose candidates come
+    back merged in rank order (None on a rank without earlier keys)."""
+    best = None
+    for j in range(1, cp.size):
+        servers = earlier_owners(sizes, j)
+        if sizes[j] == 0 or not servers:
+            continue
+        if cp.rank == j:
+            best = request_candidates(cp, adapter, spec.layer, selector, sizes, servers)
+        elif cp.rank in servers:
+            answer_candidates(cp, j, adapter, stager, spec, sizes[j])
+    return best
+
+
+def _capture_partials(cp, adapter, spec, stager, query, positions, valid, sizes):
+    """For each client rank j in turn: j's queries and selections go to every earlier non-empty rank, whose
+    partials come back merged in rank order (an empty partial on a rank without earlier keys)."""
+    geometry = adapter.sparse_geometry(spec.layer)
+    result = merge_partials_as(geometry, [empty_partial(geometry, positions.shape[0], positions.device)])
+    for j in range(1, cp.size):
+        servers = earlier_owners(sizes, j)
+        if sizes[j] == 0 or not servers:
+            continue
+        if cp.rank == j:
+            result = request_partials(cp, adapter, spec.layer, query, positions, valid, sizes, servers)
+        elif cp.rank in servers:
+            answer_partial(cp, j, adapter, stager, spec, sizes[j])
+    return result
+
+
+# -- replay and scoring: the same queries on every rank, candidates and partials all-gathered --------------------
+class _SelectedRows(torch.autograd.Function):
+    """Attention of a query over selected rows held elsewhere, as one autograd node: pages.partials(layer, query,
+    positions, valid) -> (out, lse); pages.partial_grads(layer, query, positions, valid, out, lse, d_out, d_lse)
+    -> d(query), sending d(rows) wherever those rows' gradients belong. The rows are constants of the graph."""
+
+    @staticmethod
+    def forward(ctx, pages, layer, positions, valid, *query):
+        out, lse = pages.partials(layer, query, positions, valid)
+        ctx.save_for_backward(positions, valid, out, lse, *query)
+        ctx.pages, ctx.layer = pages, layer
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        positions, valid, out, lse, *query = ctx.saved_tensors
+        d_out = torch.zeros_like(out) if d_out is None else d_out
+        d_query = ctx.pages.partial_grads(ctx.layer, tuple(query), positions, valid, out, lse, d_out, d_lse)
+        return (None, None, None, None, *(d.to(q.dtype) for d, q in zip(d_query, query)))
+
+
+def selected_rows_attention(pages, layer, query, positions, valid):
+    """(out, lse) of `query` (a tuple of [T, ...] tensors) over the selected rows `pages` reaches, differentiable in
+    the query (see _SelectedRows)."""
+    return _SelectedRows.apply(pages, layer, positions, valid, *query)
+
+
+class SparsePagesAttention:
+    """remote_attention of "topk_lse" layers for replay and scoring: the prompt's keys on every rank, this one's
+    included (positions [0, end)), for queries that every rank computes alike (the response is replayed on every
+    rank). `candidates` all-gathers each rank's candidates and merges them in rank order; `attend` all-gathers the
+    partials and merges them in rank order, so every rank gets the same bits; backward all-reduces d(query), and in
+    exact mode each rank adds its own rows' gradients to its gradient pages."""
+
+    def __init__(self, cp, pool, adapter, offset, end, exact=False):
+        self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
+        self.specs = {spec.layer: spec for spec in adapter.specs}
+        self.end = end
+        self.sizes = [hi - lo for lo, hi in cp.shards(end)]
+        self.lo, self.hi = offset, offset + self.sizes[cp.rank]
+        # this rank's pages from its tier, page by page; wrap: every replay block walks all layers
+        self.rows, self.keys = row_stager(pool, adapter.specs, wrap=True), key_stager(pool, adapter.specs, wrap=True)
+        self.stager = _Stagers(self.rows, self.keys)  # what the replay's leaves close
+
+    def candidates(self, layer, selector):
+        spec, geometry = self.specs[layer], self.adapter.sparse_geometry(layer)
+        tokens, device = selector[0].shape[0], selector[0].device
+        width = min(geometry.topk, max(self.sizes))
+        scores = torch.full((tokens, width), float("-inf"), dtype=geometry.score_dtype, device=device)
+        positions = torch.zeros((tokens, width), dtype=torch.int32, device=device)
+        if self.hi > self.lo:
+            mine, local = streamed_candidates(self.keys, self.adapter, spec, selector)
+            scores[:, : mine.shape[1]] = mine
+            positions[:, : local.shape[1]] = (local + self.lo).to(torch.int32)
+        # padding (score -inf) never counts as a candidate
+        all_scores = self.cp.all_gather(scores, layer, "sparse_candidate_scores")
+        all_positions = self.cp.all_gather(positions, layer, "sparse_candidates")
+        best = None
+        for part_scores, part_positions in zip(all_scores, all_positions):
+            best = self.adapter.merge_candidates(best, (part_scores, part_positions.long()))
+        return best
+
+    def attend(self, layer, query, positions, valid):
+        return selected_rows_attention(self, layer, query, positions, valid)
+
+    def partials(self, layer, query, positions, valid):
+        own = _own(positions, valid, self.lo, self.hi)
+        out, lse = streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+        outs = self.cp.all_gather(out, layer, "sparse_out")
+        lses = self.cp.all_gather(lse, layer, "sparse_lse")
+        return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses)))
+
+    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+        delta = attention_delta(out, d_out, d_lse)
+        own = _own(positions, valid, self.lo, self.hi)
+        # d(rows) of this rank's pages stay here, on its gradient pages (exact mode)
+        d_query = streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
+                                        self.pool if self.exact else None)
+        flat = self.cp.all_reduce_(torch.cat([d.reshape(-1) for d in d_query]), layer, "sparse_dq")
+        return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query)]
+
+    def close(self):
+        self.stager.close()
