@@ -23,8 +23,6 @@ v v_head_dim, I / D indexer heads / head dim. Rows are token-major: latent [T, R
 [T, D].
 """
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.utils.checkpoint
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
@@ -32,6 +30,7 @@ from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_po
 from ds_longstraw.kernels import merge_partials
 
 from . import glm_moe_dsa_attention as dsa
+from .base import CausalLMAdapter, SegmentOutput
 from .glm_moe_dsa_attention import score_dtype
 from .specs import LayerState, SparseGeometry, Stream, carry_layers, paged_layers
 
@@ -83,15 +82,7 @@ def state_specs(config, dtype) -> list:
     return specs
 
 
-@dataclass
-class SegmentOutput:
-    hidden: torch.Tensor  # [1, T, C], before the final norm
-    carry: dict = field(default_factory=dict)  # always empty: no layer carries per-sequence state
-    rows: dict = field(default_factory=dict)  # layer -> (latent, rope key[, indexer key]) token-major [T, ...]
-    attention: dict = field(default_factory=dict)  # always empty: no kept attention for this family (yet)
-
-
-class GlmMoeDsaAdapter:
+class GlmMoeDsaAdapter(CausalLMAdapter):
     """Runs segments of a transformers glm_moe_dsa causal LM (GlmMoeDsaForCausalLM, or a peft wrapper of one) by
     calling its own submodules.
 
@@ -121,36 +112,7 @@ class GlmMoeDsaAdapter:
         self.paged_layers = paged_layers(self.specs)  # every layer: latent + rope key (+ indexer key)
         self.carry_layers = carry_layers(self.specs)  # none
 
-    # -- shapes ------------------------------------------------------------------------------------------
-    @property
-    def dtype(self):
-        return self.body.embed_tokens.weight.dtype
-
-    @property
-    def device(self):
-        return self.body.embed_tokens.weight.device
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    def state_dtype(self):
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
-
     # -- pieces ------------------------------------------------------------------------------------------
-    def embed(self, ids):
-        return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
-
-    def rotary(self, hidden, start):
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return self.body.rotary_emb(hidden, positions)
-
-    def logprobs(self, hidden_1TC, targets):
-        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64)."""
-        logits = self.lm_head(self.body.norm(hidden_1TC))[0]
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
-        return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     def mla_projections(self, module, h_1TC, cos, sin):
         """q_nope [T, H, n], q_rope [T, H, E] (roped), q_resid [1, T, q_lora_rank] (what the indexer's query reads),

@@ -10,7 +10,6 @@ Legend: T tokens of the segment, C hidden size, H/K query/kv heads, D head dim; 
 (the last k-1 tokens of the pre-convolution projection).
 """
 
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -21,6 +20,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, merge_partials
 
+from .base import CausalLMAdapter, SegmentOutput
 from .qwen3_5_scan import capture_gdn_layer, forward_replaced
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
 
@@ -73,20 +73,12 @@ def state_specs(config, dtype) -> list:
     return specs
 
 
-@dataclass
-class SegmentOutput:
-    hidden: torch.Tensor  # [1, T, C], before the final norm
-    carry: dict = field(default_factory=dict)  # layer -> (recurrent state, conv tail) after the segment
-    rows: dict = field(default_factory=dict)  # layer -> (K, V) of the segment's tokens, token-major [T, K, D]
-    attention: dict = field(default_factory=dict)  # layer -> (out_HTD, lse_HT) of the attention, before o_proj
-
-
 def _delta_rule(query, key, value, g, beta, state):
     return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
                                   use_qk_l2norm_in_kernel=True)
 
 
-class Qwen35Adapter:
+class Qwen35Adapter(CausalLMAdapter):
     family = "qwen3_5"
 
     def __init__(self, model):
@@ -103,22 +95,6 @@ class Qwen35Adapter:
         self.specs = state_specs(self.config, self.dtype)
         self.paged_layers = paged_layers(self.specs)  # full attention: K/V pages
         self.carry_layers = carry_layers(self.specs)  # Gated DeltaNet: recurrent state + conv tail
-
-    # -- shapes ------------------------------------------------------------------------------------------
-    @property
-    def dtype(self):
-        return self.body.embed_tokens.weight.dtype
-
-    @property
-    def device(self):
-        return self.body.embed_tokens.weight.device
-
-    @property
-    def vocab_size(self):
-        return self.config.vocab_size
-
-    def state_dtype(self):
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
 
     # -- pieces ------------------------------------------------------------------------------------------
     def gdn_inputs(self, module, h_1TC, tail):
@@ -201,20 +177,6 @@ class Qwen35Adapter:
             out_HTD, lse_HT = merge_partials(out_HTD, lse_HT, remote_out, remote_lse.to(lse_HT.dtype))
         return (self.attention_output(module, out_HTD, gate), key[0].transpose(0, 1), value[0].transpose(0, 1),
                 (out_HTD, lse_HT))
-
-    def embed(self, ids):
-        return self.body.embed_tokens(ids.to(self.device).unsqueeze(0))
-
-    def rotary(self, hidden, start):
-        positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
-        return self.body.rotary_emb(hidden, positions)
-
-    def logprobs(self, hidden_1TC, targets):
-        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64)."""
-        logits = self.lm_head(self.body.norm(hidden_1TC))[0]
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
-        return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
 
     # -- one layer, piece by piece (the layer-major capture under context parallelism) ---------------------
     # A decoder layer is hidden + mixer(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major schedule
