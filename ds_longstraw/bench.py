@@ -104,7 +104,7 @@ def _mb(value):
 
 
 def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_block=None, prefix_recompute=True,
-         kl_coef=0.0, repeat=1):
+         kl_coef=0.0, repeat=1, shape="small"):
     """Run every configuration in a fresh process; each finished run is also appended to `partial_path` (JSON
     lines) so an interrupted grid keeps what it measured.
 
@@ -124,7 +124,8 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
                 continue
             print(f"[{done}/{total}] {method} prompt={prompt} G={group_size} ...", end=" ", flush=True)
             row = run_fresh(method, prompt, group_size, response, prefix_block=prefix_block,
-                            prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None)
+                            prefix_recompute="on" if prefix_recompute else "off", kl_coef=kl_coef or None,
+                            shape=shape)
             print(f"{row['seconds']:.1f} s wall, {row['cpu_seconds']:.1f} s CPU, "
                   f"step peak {_mb(row['step_peak_bytes'])} MiB", flush=True)
             runs[config].append(row)
@@ -161,15 +162,16 @@ def table(rows, command):
                   "time, with the range of all runs in brackets.", ""]
     lines += [
              "| method | prompt | G | step CPU time (s) | wall (s) | step peak (MiB) | process peak (MiB) "
-             "| KV pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
+             "| state pages (MiB) | grad pages (MiB) | kept attention (MiB) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         if "skipped" in row:
             lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | skipped: {row['skipped']} "
                          "| | | | | | |")
             continue
-        kv = row["retained_bytes"].get("attention_kv_pages", 0)
         kept = row["retained_bytes"].get("kept_attention_pages", 0)
+        # every family's per-token pages (qwen3_5: K/V; glm_moe_dsa: latent + indexer keys), kept attention apart
+        kv = sum(size for label, size in row["retained_bytes"].items() if label.endswith("_pages")) - kept
         lines.append(f"| {row['method']} | {row['prompt']} | {row['group']} | {_cpu(row)} | {row['seconds']:.2f} | "
                      f"{_mb(row['step_peak_bytes'])} | {_mb(row['process_peak_bytes'])} | {_mb(kv)} | "
                      f"{_mb(row.get('grad_page_bytes', 0))} | {_mb(kept)} |")
@@ -294,6 +296,7 @@ def main(argv=None):
                       help="longstraw.prefix_recompute = false for the exact-mode rows")
     many.add_argument("--kl-coef", dest="kl_coef", type=float, default=0.0,
                       help="the objective's KL coefficient (> 0: every method also scores a frozen reference)")
+    many.add_argument("--shape", default="small", help="a named shape of ds_longstraw.shapes (small, small-glm)")
     many.add_argument("--repeat", type=int, default=1,
                       help="rounds over the whole grid; each configuration reports its median-CPU-time run")
     args = parser.parse_args(argv)
@@ -311,7 +314,7 @@ def main(argv=None):
         skip[(method, int(prompt))] = "not run on this machine (see BENCHMARKS.md)"
     partial = None if not args.out else os.path.splitext(args.out)[0] + f".{args.section}.partial.jsonl"
     rows = grid(prompts, groups, args.response, args.methods.split(","), skip, partial, args.prefix_block,
-                args.prefix_recompute, args.kl_coef, args.repeat)
+                args.prefix_recompute, args.kl_coef, args.repeat, args.shape)
     command = "python -m ds_longstraw.bench grid " + " ".join(sys.argv[2:] if argv is None else argv[1:])
     text = table(rows, command)
     print(text)
