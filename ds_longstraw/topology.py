@@ -103,6 +103,8 @@ class ContextParallel:
         self.size, self.rank = cp.size, cp.rank
 
     def check(self, adapter, settings, lockstep=None):
+        """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
+        and capture decisions start from zero (the group's report covers this call only)."""
         check_combines(adapter.specs, self.cp.size)
         check_sparse(adapter.specs, settings, self.cp.size, lockstep)
         if settings.cp_attention == "ulysses":
@@ -193,28 +195,26 @@ def _scale_grads_(model, factor):
 def _reduce_and_restore(model, taken, cp):
     """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce. A
     parameter that no rank gave a gradient (a part no loss path reaches, say a gradient-free indexer) keeps none,
-    as on one rank, so an optimizer leaves it alone (a small all-reduce of flags finds them)."""
+    as on one rank, so an optimizer leaves it alone: each parameter's has-a-gradient flag (0 or 1, exact in any
+    float dtype) rides at the end of the same all-reduce, and its sum says whether any rank had one."""
     params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     if not params:
         return
-    counts = torch.tensor([0.0 if p.grad is None else 1.0 for _, p in params], device=params[0][1].device)
-    cp.all_reduce_(counts, -1, "param_grad_flags")
-    untouched = [(name, p) for (name, p), count in zip(params, counts.tolist()) if count == 0]
-    for name, param in untouched:
-        param.grad = taken.get(name)
-    params = [(name, p) for (name, p), count in zip(params, counts.tolist()) if count > 0]
-    if not params:
-        return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
-    flat = torch.cat([g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads])
+    flags = [torch.ones(1) if p.grad is not None else torch.zeros(1) for _, p in params]
+    parts = [g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    flat = torch.cat(parts + [f.to(parts[0].device) for f in flags])
     cp.all_reduce_(flat, -1, "param_grads")
-    offset = 0
-    for (name, param), grad in zip(params, grads):
-        count = grad.numel()
-        reduced = flat[offset:offset + count].view_as(grad).to(param.dtype)
-        offset += count
+    offset, counts = 0, flat[flat.numel() - len(params):].tolist()
+    for (name, param), grad, count in zip(params, grads, counts):
+        size = grad.numel()
         before = taken.get(name)
-        param.grad = reduced if before is None else before + reduced
+        if count == 0:  # no rank had a gradient: none, as on one rank
+            param.grad = before
+        else:
+            reduced = flat[offset:offset + size].view_as(grad).to(param.dtype)
+            param.grad = reduced if before is None else before + reduced
+        offset += size
 
 
 def _scale_injected_(state, d_final, factor):

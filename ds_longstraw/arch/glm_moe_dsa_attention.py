@@ -382,6 +382,23 @@ def _page_slots(positions, valid, page_start, page_tokens):
     return active, torch.where(slot_valid, slots, torch.zeros_like(slots)), slot_valid
 
 
+def _page_blocks(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
+    """The query blocks of a page walk: for each block that selected rows of the page, (rows of the block's
+    active queries (absolute), the slots' validity [A, m], their latent and rope rows [A, m, ...] in the
+    accumulation dtype, the active queries' q_lat and q_rope in it)."""
+    tokens, _, rank = q_lat.shape
+    acc = _acc(q_lat.dtype)
+    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
+    for q0 in range(0, tokens, block):
+        q1 = min(tokens, q0 + block)
+        found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
+        if found is None:
+            continue
+        active, slots, slot_valid = found
+        yield (q0 + active, slots, slot_valid, latent_page[slots].to(acc), rope_page[slots].to(acc),
+               q_lat[q0:q1].index_select(0, active).to(acc), q_rope[q0:q1].index_select(0, active).to(acc))
+
+
 def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, scale):
     """(o_lat [T, H, R], lse [T, H]) of the queries over those of their selected rows that lie in one page of rows
     (latent_page [n, R], rope_page [n, E] at positions page_start ..): the same function as sparse_latent_attention
@@ -392,21 +409,14 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
     acc = _acc(q_lat.dtype)
     out = torch.zeros(tokens, heads, rank, dtype=acc, device=q_lat.device)
     lse = torch.full((tokens, heads), float("-inf"), dtype=acc, device=q_lat.device)
-    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
     with torch.no_grad():
-        for q0 in range(0, tokens, block):
-            q1 = min(tokens, q0 + block)
-            found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
-            if found is None:
-                continue
-            active, slots, slot_valid = found
-            rows_lat, rows_rope = latent_page[slots], rope_page[slots]
-            s = _block_scores(q_lat[q0:q1].index_select(0, active), q_rope[q0:q1].index_select(0, active),
-                              rows_lat, rows_rope, slot_valid, scale, acc)
+        for rows, _, slot_valid, rows_lat, rows_rope, q_l, q_r in _page_blocks(
+                q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
+            s = _block_scores(q_l, q_r, rows_lat, rows_rope, slot_valid, scale, acc)
             block_lse = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - block_lse.unsqueeze(-1))
-            out[q0 + active] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc))
-            lse[q0 + active] = block_lse
+            out[rows] = torch.einsum("thk,tkr->thr", p, rows_lat)
+            lse[rows] = block_lse
     return out, lse
 
 
@@ -416,30 +426,21 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     p = exp(s - lse) over the page's selected rows, d_s = p (d_out . row - delta) scale.
     Returns (d_q_lat [T, H, R], d_q_rope [T, H, E], d_latent_page [n, R], d_rope_page [n, E]), in max(float32,
     dtype); summing the first two over every page of every rank gives the queries' gradients."""
-    tokens, heads, rank = q_lat.shape
     acc = _acc(q_lat.dtype)
     d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)
     d_q_rope = torch.zeros(q_rope.shape, dtype=acc, device=q_rope.device)
     d_lat = torch.zeros(latent_page.shape, dtype=acc, device=latent_page.device)
     d_rope = torch.zeros(rope_page.shape, dtype=acc, device=rope_page.device)
-    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
     with torch.no_grad():
-        for q0 in range(0, tokens, block):
-            q1 = min(tokens, q0 + block)
-            found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
-            if found is None:
-                continue
-            active, slots, slot_valid = found
-            rows_lat, rows_rope = latent_page[slots].to(acc), rope_page[slots].to(acc)
-            q_l = q_lat[q0:q1].index_select(0, active).to(acc)
-            q_r = q_rope[q0:q1].index_select(0, active).to(acc)
+        for rows, slots, slot_valid, rows_lat, rows_rope, q_l, q_r in _page_blocks(
+                q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
             s = _block_scores(q_l, q_r, rows_lat, rows_rope, slot_valid, scale, acc)
-            p = torch.exp(s - _finite(lse[q0:q1].index_select(0, active).to(acc)).unsqueeze(-1))  # [A, H, m]
-            d_o = d_out[q0:q1].index_select(0, active).to(acc)
+            p = torch.exp(s - _finite(lse.index_select(0, rows).to(acc)).unsqueeze(-1))  # [A, H, m]
+            d_o = d_out.index_select(0, rows).to(acc)
             d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
-            d_s = p * (d_p - delta[q0:q1].index_select(0, active).to(acc).unsqueeze(-1)) * scale
-            d_q_lat[q0 + active] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
-            d_q_rope[q0 + active] = torch.einsum("thk,tke->the", d_s, rows_rope)
+            d_s = p * (d_p - delta.index_select(0, rows).to(acc).unsqueeze(-1)) * scale
+            d_q_lat[rows] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
+            d_q_rope[rows] = torch.einsum("thk,tke->the", d_s, rows_rope)
             d_rows_lat = torch.einsum("thk,thr->tkr", d_s, q_l) + torch.einsum("thk,thr->tkr", p, d_o)
             d_rows_rope = torch.einsum("thk,the->tke", d_s, q_r)
             flat = slots[slot_valid]

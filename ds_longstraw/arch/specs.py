@@ -41,10 +41,7 @@ class Stream:
 
     @property
     def bytes_per_token(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * _itemsize(self.dtype)
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -55,10 +52,7 @@ class Carry:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * _itemsize(self.dtype)
+        return _nbytes(self.shape, self.dtype)
 
 
 @dataclass(frozen=True)
@@ -118,8 +112,11 @@ class SparseGeometry:
     topk: int
 
 
-def _itemsize(dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _nbytes(shape, dtype) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * torch.empty((), dtype=dtype).element_size()
 
 
 def paged_layers(specs) -> list:
