@@ -106,7 +106,7 @@ class ContextParallel:
         """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
         and capture decisions start from zero (the group's report covers this call only)."""
         check_combines(adapter.specs, self.cp.size)
-        check_sparse(adapter.specs, settings, self.cp.size, lockstep)
+        check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
             check_heads(heads, kv_heads, self.cp.size)

@@ -10,10 +10,13 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
            zero3exact  ZeRO-3, exact, Ulysses capture, host-tier pages: the Ulysses capture padded and the
                   prefix turns mirrored by the other ranks (every rank makes the same submodule calls) == the same
                   average
+           glm3exact  the same on a tiny glm_moe_dsa (LSE capture, host tier): its global top-k capture padded,
+                  and the owner's SELECT / FORWARD / BACKWARD requests answered inside the mirrored turns
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
            zero3  ZeRO-3, detached
            zero3kept  ZeRO-3, exact, prefix_keep_attention: mirrored turns in which the owner's forward requests
                   are skipped (its attention was kept from capture) and only the backward ones answered
+           glm3   ZeRO-3, detached, on the tiny glm_moe_dsa
 No explicit CP all-reduce runs under the engine: each CP rank back-propagates the whole replay and cp_size x its
 own prefix share, and DeepSpeed's average over all W ranks is then the average over the W / cp_size replicas.
 Tolerance: float32, relative 1e-5 on the parameter update (measured ~7e-7); the controls show a missing prefix
@@ -35,7 +38,7 @@ SCRIPT = os.path.join(REPO, "tests", "dist_scripts", "engine_cp_checks.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_cp")
-    jobs = {4: "zero3,zero2,zero3exact", 2: "zero3,zero3kept"}
+    jobs = {4: "zero3,zero2,zero3exact,glm3exact", 2: "zero3,zero3kept,glm3"}
     dirs, logs, procs = {}, [], []
     for world, checks in jobs.items():
         dirs[world] = out / f"w{world}"
@@ -63,8 +66,8 @@ def _check(results, world, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,name", [(4, "zero3"), (4, "zero2"), (4, "zero3exact"), (2, "zero3"),
-                                        (2, "zero3kept")])
+@pytest.mark.parametrize("world,name", [(4, "zero3"), (4, "zero2"), (4, "zero3exact"), (4, "glm3exact"),
+                                        (2, "zero3"), (2, "zero3kept"), (2, "glm3")])
 def test_cp_step_equals_data_parallel_average(results, world, name):
     checks = _check(results, world, name)
     for rank, r in enumerate(checks):

@@ -286,18 +286,18 @@ def test_tiered_pages_leave_no_files(world_results):
 
 
 # -- at the door --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("settings,lockstep,match", [
-    ({"cp_attention": "ulysses"}, None, r"'longstraw.cp_attention' = 'ulysses': under 'longstraw.cp_size' = 2, "
-                                        r"layers \[0, 1, 2, 3\] attend a global top-k selection"),
-    ({"prefix_grad": "exact", "prefix_keep_attention": True}, None, r"'longstraw.prefix_keep_attention' = True"),
-    ({}, object(), r"ZeRO-3 lockstep \('zero_optimization.stage' = 3"),
-], ids=["ulysses", "keep-attention", "zero3-lockstep"])
-def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(settings, lockstep, match):
-    """Refused before any work (the topology's check, which the transaction calls first), naming the setting."""
+@pytest.mark.parametrize("settings,match", [
+    ({"cp_attention": "ulysses"}, r"'longstraw.cp_attention' = 'ulysses': under 'longstraw.cp_size' = 2, "
+                                  r"layers \[0, 1, 2, 3\] attend a global top-k selection"),
+    ({"prefix_grad": "exact", "prefix_keep_attention": True}, r"'longstraw.prefix_keep_attention' = True"),
+], ids=["ulysses", "keep-attention"])
+def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(settings, match):
+    """Refused before any work (the topology's check, which the transaction calls first), naming the setting.
+    (ZeRO-3 lockstep runs: tests/test_engine_cp.py, checks glm3 and glm3exact.)"""
     topology = ContextParallel(types.SimpleNamespace(size=2, rank=0))
     adapter = adapter_for(tiny_glm_moe_dsa())
     with pytest.raises(ValueError, match=match):
-        topology.check(adapter, parse_config({"cp_size": 2, **settings}), lockstep)
+        topology.check(adapter, parse_config({"cp_size": 2, **settings}))
 
 
 # -- the page-wise math against its plain references (single process) --------------------------------------------

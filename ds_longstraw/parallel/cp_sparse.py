@@ -55,7 +55,7 @@ def uses_selection(specs) -> bool:
     return any(spec.combine == COMBINE for spec in specs)
 
 
-def check_sparse(specs, settings, cp_size, lockstep=None):
+def check_sparse(specs, settings, cp_size):
     """ValueError (before any work) for what the "topk_lse" combine does not run under context parallelism."""
     layers = [spec.layer for spec in specs if spec.combine == COMBINE]
     if not layers:
@@ -67,9 +67,6 @@ def check_sparse(specs, settings, cp_size, lockstep=None):
     if settings.prefix_grad == "exact" and settings.prefix_keep_attention:
         raise ValueError(f"'longstraw.prefix_keep_attention' = True: {where}, which keep no attention yet; set it "
                          "to false")
-    if lockstep is not None:
-        raise ValueError(f"ZeRO-3 lockstep ('zero_optimization.stage' = 3 with more than one data-parallel rank): "
-                         f"{where}, whose exchanges are not mirrored in padded calls yet; use ZeRO stage 1 or 2")
 
 
 def earlier_owners(sizes, rank):
@@ -299,9 +296,11 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
     every query has its global selection; a layer that selects nothing reuses `selection` (the last one made). The
     earlier ranks return the partials of the selected rows they own, this rank's own pages give the rest, merged by
     log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C], the
-    selection it used: positions, valid [T, K])."""
-    if pad:
-        raise AssertionError("topk_lse layers are refused under ZeRO-3 lockstep (cp_sparse.check_sparse)")
+    selection it used: positions, valid [T, K]).
+
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep, capture.py): `pad` projections
+    after the shard's, `pad` output projections after its (results discarded), so the exchanges in between sit at
+    the same place in every rank's sequence of weight gathers."""
     layer, tokens = spec.layer, normed_1TC.shape[1]
     sizes = [hi - lo for lo, hi in bounds]
     selectors, queries, finishes = [], [], []
@@ -311,6 +310,8 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
         selectors.append(selector)
         queries.append(query)
         finishes.append(finish)
+    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
+    padded = [adapter.sparse_project(layer, dummy, 0)[1:3] for _ in range(pad)]  # (query, finish) of each
     query = _cat(queries) if queries else None
     keys, rows = key_stager(pool, [spec]), row_stager(pool, [spec])
     try:
@@ -331,6 +332,8 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
         keys.close()
         rows.close()
     outs = [adapter.attention_finish(layer, out[a:b], finish) for (a, b), finish in zip(spans, finishes)]
+    for dummy_query, finish in padded:
+        adapter.attention_finish(layer, torch.zeros_like(dummy_query[0]), finish)
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
 
 

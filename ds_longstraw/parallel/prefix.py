@@ -46,6 +46,7 @@ from .cp_sparse import (
     answer_candidates,
     answer_grads,
     answer_partial,
+    empty_partial,
     request_candidates,
     request_grads,
     request_partials,
@@ -177,7 +178,12 @@ class PageServer:
     """A rank's pages answering `owner` from inside a mirrored chunk (ZeRO-3 lockstep, see cp_prefix_backward):
     called as remote_attention at each attention layer of a one-token dummy forward, it answers the owner's
     FORWARD request of that layer, and the backward of its (empty) partial answers the owner's BACKWARD request.
+    A "topk_lse" layer's dummy asks it for candidates (the owner's SELECT is answered there; the dummy gets none)
+    and attends through it (FORWARD, then BACKWARD in the backward of its empty partial), at the places where the
+    owner's layer makes those requests.
     A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
+
+    end = 0  # the mirrored dummy iteration is one token at position 0: no keys on other ranks precede it
 
     def __init__(self, cp, owner, adapter, pool, chunk, kept=False):
         self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk
@@ -199,6 +205,14 @@ class PageServer:
         assert known is None, "a mirrored iteration keeps no attention of its own"
         return _AnswerOwner.apply(q_HTD, self, layer)
 
+    # -- "topk_lse" layers --------------------------------------------------------------------------------------
+    def candidates(self, layer, selector):
+        self.answer(SELECT, layer)
+        return None  # the dummy selects among its own key only
+
+    def attend(self, layer, query, positions, valid):
+        return _AnswerOwnerSparse.apply(self, layer, *query)
+
 
 class _AnswerOwner(torch.autograd.Function):
     @staticmethod
@@ -213,6 +227,24 @@ class _AnswerOwner(torch.autograd.Function):
     def backward(ctx, dout_HTD, dlse_HT):
         ctx.server.answer(BACKWARD, ctx.layer)
         return None, None, None
+
+
+class _AnswerOwnerSparse(torch.autograd.Function):
+    """The "topk_lse" form of _AnswerOwner: forward answers the owner's FORWARD request and returns an empty
+    partial for the dummy's query (no rows: out 0, lse -inf); backward answers its BACKWARD request."""
+
+    @staticmethod
+    def forward(ctx, server, layer, *query):
+        server.answer(FORWARD, layer)
+        ctx.server, ctx.layer, ctx.count = server, layer, len(query)
+        geometry = server.adapter.sparse_geometry(layer)
+        out, lse = empty_partial(geometry, query[0].shape[0], query[0].device)
+        return out.to(geometry.out[1]), lse  # as the owner's merged partial comes (cp_sparse.merge_partials_as)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        ctx.server.answer(BACKWARD, ctx.layer)
+        return (None, None, *([None] * ctx.count))
 
 
 def _carry_shapes(state):

@@ -19,6 +19,11 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   zero3kept   ZeRO-3, exact, prefix_keep_attention: the owner in turn sends no forward page request (its
           attention was kept), and the mirroring ranks answer only the backward ones; with no remote exchange in
           a layer's forward, every layer is recomputed in backward (prefix_recompute), mirrors included
+  glm3    ZeRO-3, detached, on a tiny float32 glm_moe_dsa (MLA + DSA with a global top-k over the CP shards,
+          IndexShare, MoE blocks as ZeRO-3 leaves; prompts longer than index_topk, so the selection is sparse):
+          the "topk_lse" capture padded like the LSE one
+  glm3exact   the same in exact mode, pages on the host tier: in the mirrored prefix turns the serving rank
+          answers the owner's SELECT, FORWARD and BACKWARD requests from inside its one-token dummy layers
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -32,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from engine_checks import gathered, make_group, run_checks, snapshot, step_error  # noqa: E402
+from glm_models import VOCAB as GLM_VOCAB  # noqa: E402
+from glm_models import tiny_glm_moe_dsa  # noqa: E402
 from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
@@ -58,11 +65,11 @@ def ds_config(mode, stage, **block_options):
 GROUPS = {"A": (60, 30, [5, 1, 9]), "B": (61, 26, [4, 6]), "C": (62, 41, [2, 7])}
 
 
-def plan():
+def plan(vocab=97):
     """(this rank's groups, {name: weight of its gradient in the data-parallel average})."""
     replicas = dist.get_world_size() // CP
     replica = dist.get_rank() // CP
-    groups = {name: make_group(*args) for name, args in GROUPS.items()}
+    groups = {name: make_group(*args, vocab) for name, args in GROUPS.items()}
     per_replica = [["A", "B"], ["C"]][:replicas]
     weights = {}
     for names in per_replica:
@@ -71,8 +78,9 @@ def plan():
     return [groups[n] for n in per_replica[replica]], weights, groups
 
 
-def _fresh(seed):
-    return tiny_qwen3_5(torch.float32, seed=seed)
+# family -> (a fresh tiny float32 model from a seed, its vocabulary)
+MODELS = {"qwen": (lambda seed: tiny_qwen3_5(torch.float32, seed=seed), 97),
+          "glm": (lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed), GLM_VOCAB)}
 
 
 def reference_step(reference, mode, weights, groups):
@@ -82,20 +90,22 @@ def reference_step(reference, mode, weights, groups):
         reference.zero_grad(set_to_none=True)
         loss += weight * grpo_backward(reference, groups[name], config=block(mode, 1)).loss
         for pname, p in reference.named_parameters():
-            grads[pname] = grads.get(pname, 0.0) + weight * p.grad
+            if p.grad is not None:  # none: no loss path reaches it (GLM's indexer), or no token met that expert
+                grads[pname] = grads.get(pname, 0.0) + weight * p.grad
     for pname, p in reference.named_parameters():
-        p.grad = grads[pname]
+        p.grad = grads.get(pname)
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
     return reference, loss
 
 
-def check(mode, stage, seed, **block_options):
-    model = tiny_qwen3_5(torch.float32, seed=seed)
+def check(mode, stage, seed, family="qwen", **block_options):
+    fresh, vocab = MODELS[family]
+    model = fresh(seed)
     reference = copy.deepcopy(model)
     before = snapshot(model)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=ds_config(mode, stage, **block_options))
-    mine, weights, groups = plan()
+    mine, weights, groups = plan(vocab)
     result = engine.grpo_step(mine)
     after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     cp = engine.longstraw_cp
@@ -104,9 +114,9 @@ def check(mode, stage, seed, **block_options):
     # first ignores the prefix pass's gradient, the second weighs every group equally); both must be far off.
     wrong = {}
     if mode == "exact":
-        wrong["vs_detached"] = reference_step(_fresh(seed), "detached", weights, groups)[0]
+        wrong["vs_detached"] = reference_step(fresh(seed), "detached", weights, groups)[0]
     if len(weights) > 2:
-        wrong["vs_equal_weights"] = reference_step(_fresh(seed), mode, {n: 1 / len(weights) for n in weights},
+        wrong["vs_equal_weights"] = reference_step(fresh(seed), mode, {n: 1 / len(weights) for n in weights},
                                                    groups)[0]
     controls = {k: step_error(after, v, before) for k, v in wrong.items()}
     return {"rel": step_error(after, ref, before), "controls": controls, "mean_loss": result.mean_loss,
@@ -117,7 +127,9 @@ def check(mode, stage, seed, **block_options):
 
 CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
-          "zero3kept": lambda out: check("exact", 3, 3, keep=True)}
+          "zero3kept": lambda out: check("exact", 3, 3, keep=True),
+          "glm3": lambda out: check("detached", 3, 4, family="glm"),
+          "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu")}
 
 
 if __name__ == "__main__":
