@@ -1,4 +1,4 @@
-"""One GRPO group: a shared prompt, G responses, and their rewards (or advantages)."""
+"""One GRPO group: a shared prompt, G responses, their rewards (or advantages), and which response tokens train."""
 
 from dataclasses import dataclass
 
@@ -29,17 +29,51 @@ def _as_vector(name, values, count):
     return values
 
 
+def _as_masks(masks, responses):
+    """One boolean tensor per response, as long as it; True marks a token the policy wrote (it trains)."""
+    if isinstance(masks, torch.Tensor):
+        raise ValueError("response_masks must be a list of 1-D boolean tensors (one per response), got one tensor")
+    masks = list(masks)
+    if len(masks) != len(responses):
+        raise ValueError(f"response_masks has {len(masks)} entries but there are {len(responses)} responses")
+    checked = []
+    for i, (mask, response) in enumerate(zip(masks, responses)):
+        if not isinstance(mask, torch.Tensor):
+            try:
+                mask = torch.as_tensor(mask)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"response_masks[{i}] must be a boolean tensor, got {type(mask).__name__}") from error
+        # No silent cast from 0/1 integers: a float or integer tensor here is more often log-probs or token ids
+        # passed in the wrong slot than a mask (data.py turns the JSONL 0/1 form into booleans itself).
+        if mask.dtype != torch.bool:
+            raise ValueError(f"response_masks[{i}] must be boolean (True = the policy's token), got dtype {mask.dtype}")
+        if mask.dim() != 1:
+            raise ValueError(f"response_masks[{i}] must be 1-D, got shape {tuple(mask.shape)}")
+        if mask.numel() != response.numel():
+            raise ValueError(f"response_masks[{i}] has {mask.numel()} entries, "
+                             f"response_ids[{i}] has {response.numel()} tokens")
+        checked.append(mask.cpu())
+    return checked
+
+
 @dataclass
 class GRPOGroup:
     """prompt_ids: 1-D LongTensor (at least 2 tokens); response_ids: list of G non-empty 1-D LongTensors;
     rewards [G] (advantages are computed from them) or advantages [G]; old_logprobs: optional list of G 1-D
-    tensors, one log-prob per response token, from the policy that sampled the responses."""
+    tensors, one log-prob per response token, from the policy that sampled the responses.
+
+    response_masks: optional list of G 1-D boolean tensors, each as long as its response: True where the token is
+    the policy's own (it counts in the loss), False where it is context only, e.g. a tool's output in an agent
+    trajectory (it still runs through the model: it attends, is attended to and feeds the recurrent state, but
+    adds no loss term). None trains every token. A member whose mask is all False contributes no loss. Old
+    log-probs at masked-out tokens are ignored (they may be NaN where the sampler wrote none)."""
 
     prompt_ids: torch.Tensor
     response_ids: list
     rewards: torch.Tensor | None = None
     advantages: torch.Tensor | None = None
     old_logprobs: list | None = None
+    response_masks: list | None = None
 
     def __post_init__(self):
         self.prompt_ids = _as_ids("prompt_ids", self.prompt_ids)
@@ -61,6 +95,8 @@ class GRPOGroup:
             self.rewards = _as_vector("rewards", self.rewards, self.size)
         if self.advantages is not None:
             self.advantages = _as_vector("advantages", self.advantages, self.size)
+        if self.response_masks is not None:
+            self.response_masks = _as_masks(self.response_masks, self.response_ids)
         if self.old_logprobs is not None:
             if len(self.old_logprobs) != self.size:
                 raise ValueError(f"old_logprobs has {len(self.old_logprobs)} entries "
@@ -71,8 +107,8 @@ class GRPOGroup:
                 if old.numel() != response.numel():
                     raise ValueError(f"old_logprobs[{i}] has {old.numel()} entries, "
                                      f"response_ids[{i}] has {response.numel()} tokens")
-                if not torch.isfinite(old).all():
-                    raise ValueError(f"old_logprobs[{i}] holds NaN or inf")
+                if not torch.isfinite(old[self.mask(i)]).all():
+                    raise ValueError(f"old_logprobs[{i}] holds NaN or inf at a trained token")
                 checked.append(old)
             self.old_logprobs = checked
 
@@ -82,7 +118,22 @@ class GRPOGroup:
 
     @property
     def response_tokens(self) -> int:
+        """Tokens replayed (every response token, trained or not)."""
         return sum(r.numel() for r in self.response_ids)
+
+    def mask(self, member: int) -> torch.Tensor:
+        """Member `member`'s response mask (all True when the group has none)."""
+        if self.response_masks is None:
+            return torch.ones(self.response_ids[member].numel(), dtype=torch.bool)
+        return self.response_masks[member]
+
+    def trained_tokens(self, member: int | None = None) -> int:
+        """Masked-in tokens of one member, or of the whole group (member None)."""
+        if member is None:
+            return sum(self.trained_tokens(i) for i in range(self.size))
+        if self.response_masks is None:
+            return self.response_ids[member].numel()
+        return int(self.response_masks[member].sum())
 
     def check_vocab(self, vocab_size: int):
         """Called by the transaction once the model is known: ids must index its embedding."""

@@ -20,8 +20,14 @@ class GRPOObjective:
         scale_rewards is False; G = 1 gives A = 0 when scaled, as std is undefined); given advantages are used as is;
       - ratio_t = exp(logp_t - old_t); pg_t = -min(ratio_t * A_i, clamp(ratio_t, 1 - clip_low, 1 + clip_high) * A_i);
       - kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (the k3 estimator), added as kl_coef * kl_t;
-      - "token-mean": sum of all token losses of the group / total response tokens of the group;
-        "seq-mean-token-mean": mean over members of each member's token mean.
+      - "token-mean": sum of all trained token losses of the group / the group's trained tokens;
+        "seq-mean-token-mean": mean over members of each member's token mean over its trained tokens.
+    Trained tokens are those the group's response_masks mark True (every token when it has none); masked-out
+    tokens add no loss term, and their old and reference log-probs are never read. Under "seq-mean-token-mean" a
+    member with no trained token has no token mean and is left out of the mean over members (it is not counted
+    as a 0): counting it would shrink every other member's weight by how many members happen to be all tool
+    output, a scale that says nothing about the policy. A group with no trained token at all has loss 0 and zero
+    gradients (each share is 0 * its log-probs, still connected to the graph, so every backward runs alike).
     What it is not: no entropy bonus, no dual-clip, no length penalty; when old log-probs are not given the old
     policy is the current one (ratio 1 in value, gradient flows through logp only).
     """
@@ -52,10 +58,15 @@ class GRPOObjective:
         return centered / (rewards.std(unbiased=True) + 1e-6)
 
     def member_weight(self, group, member: int) -> float:
-        """Factor that turns member `member`'s summed token losses into its share of the group loss."""
+        """Factor that turns member `member`'s summed trained-token losses into its share of the group loss
+        (0 for a member with no trained token: no 0/0)."""
+        tokens = group.trained_tokens(member)
+        if tokens == 0:
+            return 0.0
         if self.loss_agg == "token-mean":
-            return 1.0 / group.response_tokens
-        return 1.0 / (group.size * group.response_ids[member].numel())
+            return 1.0 / group.trained_tokens()
+        members = sum(1 for i in range(group.size) if group.trained_tokens(i) > 0)
+        return 1.0 / (members * tokens)
 
     def token_losses(self, logp, advantage, old_logp=None, ref_logp=None):
         """Per-token loss of one member (logp differentiable; old/ref are constants)."""
@@ -71,7 +82,15 @@ class GRPOObjective:
         return loss
 
     def member_loss(self, group, member, logp, advantages, ref_logp=None):
+        """Member `member`'s share of the group loss from its log-probs of every response token (logp; ref_logp
+        likewise). Masked-out tokens are dropped before the token losses, so nothing at those positions (a NaN
+        old log-prob, say) reaches the value or the gradient; their logp entries get a zero gradient."""
         old = None if group.old_logprobs is None else group.old_logprobs[member]
+        if group.response_masks is not None:
+            mask = group.response_masks[member]
+            logp = logp[mask.to(logp.device)]
+            old = None if old is None else old[mask.to(old.device)]
+            ref_logp = None if ref_logp is None else ref_logp[mask.to(ref_logp.device)]
         tokens = self.token_losses(logp, float(advantages[member]), old, ref_logp)
         return tokens.sum() * self.member_weight(group, member)
 
