@@ -5,6 +5,7 @@ score reference log-probs without a graph, replay one response at a time with au
 and take one reduction and one optimizer step.
 """
 
+from .arch import shard_experts
 from .config import LongstrawConfig, parse_config
 from .engine import StepResult, initialize
 from .group import GRPOGroup
@@ -12,4 +13,4 @@ from .objective import GRPOObjective
 from .transaction import GroupResult, grpo_backward
 
 __all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "StepResult", "grpo_backward", "initialize",
-           "parse_config"]
+           "parse_config", "shard_experts"]

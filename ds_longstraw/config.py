@@ -80,6 +80,8 @@ class LongstrawConfig(DeepSpeedConfigModel):
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
+    ep_size: expert-parallel ranks a MoE layer's routed experts are sharded over (ds_longstraw.shard_experts); with
+        cp_size > 1 they are the CP group's ranks (ep_size = cp_size).
     """
 
     enabled: bool = True
@@ -93,7 +95,15 @@ class LongstrawConfig(DeepSpeedConfigModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
+    ep_size: int = Field(1, ge=1)
     progress: bool = False
+
+    @model_validator(mode="after")
+    def _ep_over_the_cp_group(self):
+        if self.ep_size > 1 and self.cp_size > 1 and self.ep_size != self.cp_size:
+            raise ValueError(f"'{BLOCK_NAME}.ep_size' = {self.ep_size} with 'cp_size' = {self.cp_size}: under context "
+                             "parallelism the experts are sharded over the CP group (set ep_size = cp_size)")
+        return self
 
     @property
     def recompute_layers(self) -> bool:

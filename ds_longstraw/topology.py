@@ -24,6 +24,7 @@ import torch
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
+from .parallel.experts import is_expert_param
 from .parallel.groups import as_cp_context
 from .parallel.prefix import cp_prefix_backward
 from .parallel.ulysses import check_heads
@@ -197,7 +198,10 @@ def _reduce_and_restore(model, taken, cp):
     parameter that no rank gave a gradient (a part no loss path reaches, say a gradient-free indexer) keeps none,
     as on one rank, so an optimizer leaves it alone: each parameter's has-a-gradient flag (0 or 1, exact in any
     float dtype) rides at the end of the same all-reduce, and its sum says whether any rank had one."""
-    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and not is_expert_param(p)]
+    for name, param in model.named_parameters():  # complete already: every CP rank's pairs were sent to them
+        if param.requires_grad and is_expert_param(param) and taken.get(name) is not None:
+            param.grad = taken[name] if param.grad is None else taken[name] + param.grad
     if not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .arch import adapter_for
+from .arch import adapter_for, expert_parallel
 from .config import parse_config
 from .group import GRPOGroup
-from .lockstep import Schedule
+from .lockstep import Lockstep, Schedule, common_shapes, shape_of
 from .memory import PhaseMeter
 from .objective import GRPOObjective
+from .parallel.experts import check_expert_parallel
 from .replay import final_carry_grads, replay_group, score_group
 from .topology import OneRank, topology_for
 
@@ -89,7 +90,14 @@ def score_reference(ref_model, group, settings, topology=None, schedule=None):
         state.release()  # page files of a host/NVMe tier go on error as on success
 
 
-def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None,
+def _expert_lockstep(ep, group, settings, topology):
+    """Expert parallelism without a caller's lockstep: the dispatches are collectives over the EP group, so its
+    ranks pad their module calls to the group's common shape (lockstep.py), whatever groups they bring."""
+    local = shape_of(group, settings, getattr(topology, "cp", None))
+    return Lockstep(local, common_shapes([local], ep.group)[0], settings)
+
+
+def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
                   backward=None, lockstep=None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
 
@@ -103,6 +111,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     reduces: under context parallelism no reduction happens here).
     lockstep: None, or a lockstep.Lockstep that pads this rank's module calls to those of the other data-parallel
     ranks (ZeRO-3 gathers weights with collectives; the DeepSpeed engine sets it). Results are unchanged.
+    ep_group: with "ep_size" > 1, the process group the model's routed experts are sharded over (shard_experts):
+    the CP group under context parallelism, or ranks that each bring their own group. Routed pairs travel to
+    their experts' owners (parallel/experts.py); an owner's expert gradients then sum the EP group's tokens (each
+    rank's other gradients are its own group's, as without EP). The EP ranks pad their calls to a common shape
+    (lockstep.py) unless a lockstep is given.
     """
     settings = parse_config(config)
     objective = objective or GRPOObjective()
@@ -114,6 +127,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
     topology.check(adapter, settings, lockstep)
+    ep = expert_parallel(model)
+    check_expert_parallel(ep, settings, ep_group, cp_group)
+    if ep is not None:
+        ep.reset()
+        lockstep = lockstep or _expert_lockstep(ep, group, settings, topology)
     schedule = lockstep or Schedule()
     exact = settings.prefix_grad == "exact"
     caller_reduces = backward is not None
@@ -154,5 +172,7 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
         state.release()  # page files of a host/NVMe tier go on error as on success
     extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
     extras.update(topology.report(state, group))
+    if ep is not None:
+        extras["ep"] = ep.report()
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
                        phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras)

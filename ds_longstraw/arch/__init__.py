@@ -51,3 +51,24 @@ def specs_for_config(config, dtype) -> list:
     if model_type not in STATE_SPECS:
         raise ValueError(f"model_type {model_type!r}: the planner knows {sorted(STATE_SPECS)}")
     return STATE_SPECS[model_type](config, dtype)
+
+
+def _family_of(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return FAMILIES.get(getattr(getattr(base, "config", None), "model_type", None))
+
+
+def shard_experts(model, ep_group) -> range:
+    """Keep only this rank's contiguous slice of every MoE layer's routed experts (rank r of E owns experts
+    [r n/E, (r+1) n/E)); returns that range. ValueError when E does not divide n or the model has no routed
+    experts."""
+    family = _family_of(model)
+    if family is None or not hasattr(family, "shard_experts"):
+        raise ValueError("shard_experts: the model has no routed experts (no MoE layer)")
+    return family.shard_experts(model, ep_group)
+
+
+def expert_parallel(model):
+    """The parallel.experts.ExpertParallel the model's experts are sharded with, or None."""
+    family = _family_of(model)
+    return family.expert_parallel(model) if family is not None and hasattr(family, "expert_parallel") else None

@@ -32,6 +32,7 @@ from ds_longstraw.kernels import merge_partials
 from . import glm_moe_dsa_attention as dsa
 from .base import CausalLMAdapter, SegmentOutput
 from .glm_moe_dsa_attention import score_dtype
+from .glm_moe_dsa_experts import expert_parallel, moe_forward, shard_experts  # noqa: F401 (the family's EP entry)
 from .specs import LayerState, SparseGeometry, Stream, carry_layers, paged_layers
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
@@ -92,7 +93,8 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
     run as the layer's own `mlp` module. Under context parallelism the prompt's keys on other ranks are reached
     through `remote_attention` (forward_segment) and the layer-major capture runs a layer in pieces
     (sparse_project, sparse_candidates, sparse_partial, sparse_grads, attention_finish: ds_longstraw.parallel's
-    "topk_lse" combine). No kept attention (known_attention), no expert parallelism.
+    "topk_lse" combine). No kept attention (known_attention). With the routed experts sharded (shard_experts), a MoE
+    block's pairs go to their owners (glm_moe_dsa_experts.py).
     """
 
     family = "glm_moe_dsa"
@@ -197,9 +199,13 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
 
     def mlp_residual(self, index, hidden_1TC):
         """hidden + mlp(post_attention_layernorm(hidden)) of layer `index` (a dense MLP, or the MoE block: the
-        model's router and experts, called as the module)."""
+        model's router and experts, called as the module; with its experts sharded over an EP group
+        (shard_experts), the block's forward with the routed pairs dispatched to their owners)."""
         layer = self.layers[index]
-        return hidden_1TC + layer.mlp(layer.post_attention_layernorm(hidden_1TC))
+        normed = layer.post_attention_layernorm(hidden_1TC)
+        if getattr(getattr(layer.mlp, "experts", None), "expert_parallel", None) is not None:
+            return hidden_1TC + moe_forward(layer.mlp, normed)
+        return hidden_1TC + layer.mlp(normed)
 
     # -- one layer, piece by piece: the "topk_lse" combine under context parallelism (ds_longstraw.parallel) -----
     # A layer is hidden + attention(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major capture runs

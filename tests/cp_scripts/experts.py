@@ -1,0 +1,138 @@
+"""Run grpo_backward with GLM's routed experts sharded over N gloo ranks (forked local processes), and each rank's
+single-process float64 references on the unsharded model, into files.
+
+`run_ep(world, cases, out_dir)` forks `world` ranks in one gloo process group; the EP group is a new_group of all
+of them. A case is a dict: name, layout, mode, chunk, page, block, optional tier, kl (a separate, unsharded
+reference model at this seed), seed, worlds; and
+  layout "cp": one group (prompt_len, response_lens) on every rank, the prompt sharded over the same ranks
+               (cp_size = ep_size = N): expected, on every rank, the unsharded model's gradients, the experts'
+               sliced to the rank's experts;
+  layout "dp": rank r brings groups[r] (cp_size 1, ep_size N; the groups differ in prompt length, member count
+               and response lengths, so the ranks pad to a common shape): expected, on rank r, group r's
+               gradients of the unsharded model, except the experts': the sum over every rank's group, sliced.
+Each rank writes <name>.rank<r>.pt: its gradients, the expected ones, loss, log-probs and the EP report.
+"""
+
+import copy
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .harness import free_port, make_group
+
+# 8 routed experts in 2 groups of 4, top-2 from one group: every EP size here (2, 4) divides them
+EP_MODEL = {"n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2}
+
+
+def config_of(case, cp_size, ep_size):
+    config = {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
+              "replay_block": case["block"], "cp_size": cp_size, "ep_size": ep_size}
+    if "tier" in case:
+        config["offload"] = {"tier": case["tier"]}
+    return config
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(full, group, case, objective, ref_model):
+    from ds_longstraw import grpo_backward
+
+    full.zero_grad(set_to_none=True)
+    grpo_backward(full, group, objective, config=config_of(case, 1, 1), ref_model=ref_model)
+    return _grads(full)
+
+
+def _run_case(case, world, ep_group, out_dir, rank):
+    from glm_models import tiny_glm_moe_dsa
+
+    from ds_longstraw import GRPOObjective, grpo_backward, shard_experts
+
+    model = tiny_glm_moe_dsa(seed=case.get("seed", 0), **EP_MODEL)
+    full = copy.deepcopy(model)
+    ref_model = tiny_glm_moe_dsa(seed=case["kl"], **EP_MODEL) if "kl" in case else None
+    objective = GRPOObjective(kl_coef=0.2 if ref_model is not None else 0.0)
+    experts = shard_experts(model, ep_group)
+    if case["layout"] == "cp":
+        groups = [make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))] * world
+        cp_group, cp_size = ep_group, world
+    else:
+        groups = [make_group(p, r, seed=10 * case.get("seed", 0) + i) for i, (p, r) in enumerate(case["groups"])]
+        cp_group, cp_size = None, 1
+    result = grpo_backward(model, groups[rank], objective, config=config_of(case, cp_size, world),
+                           ref_model=ref_model, cp_group=cp_group, ep_group=ep_group)
+    own = _reference(full, groups[rank], case, objective, ref_model)
+    everyone = own if case["layout"] == "cp" else [_reference(full, g, case, objective, ref_model) for g in groups]
+    expected = {}
+    for name, grad in own.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            total = grad if case["layout"] == "cp" else sum(g[name] for g in everyone if name in g)
+            expected[name] = total[experts.start:experts.stop]
+        else:
+            expected[name] = grad
+    torch.save({"grads": _grads(model), "expected": expected, "loss": result.loss, "logprobs": result.logprobs,
+                "experts": (experts.start, experts.stop), "ep": result.extras["ep"],
+                "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}},
+               os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
+
+
+def _record_indivisible(world, ep_group, out_dir, rank):
+    """shard_experts' refusal of 6 experts over an EP group they do not divide (4 ranks; 2 divide them)."""
+    from glm_models import tiny_glm_moe_dsa
+
+    from ds_longstraw import shard_experts
+
+    model = tiny_glm_moe_dsa(n_routed_experts=6, n_group=2, topk_group=1)
+    try:
+        message = f"sharded: {shard_experts(model, ep_group)}"
+    except ValueError as error:
+        message = str(error)
+    with open(os.path.join(out_dir, f"indivisible.rank{rank}.txt"), "w") as handle:
+        handle.write(message)
+
+
+def worker(rank, world, port, cases, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        from glm_models import glm_reference
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        ep_group = dist.new_group(list(range(world)), backend="gloo")
+        with glm_reference():
+            for case in cases:
+                if world in case.get("worlds", (world,)):
+                    _run_case(case, world, ep_group, out_dir, rank)
+        _record_indivisible(world, ep_group, out_dir, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_ep(world, cases, out_dir, timeout=600):
+    """Fork `world` ranks, run `cases`, return {case name: [results by rank]}; raise with the ranks' tracebacks."""
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=worker, args=(r, world, port, cases, out_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"EP run on {world} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
+                           + "\n".join(errors))
+    return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
+                           for r in range(world)] for case in cases if world in case.get("worlds", (world,))}
