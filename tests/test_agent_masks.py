@@ -1,7 +1,7 @@
 """Agent trajectories: response masks (GRPOGroup.response_masks) train only the policy's own tokens.
 
 Equivalence chains (float64 model, float64_model() making transformers compute in float64 end to end), where
-"masked loss" is written out plainly below (_masked_grpo_loss: the mask multiplies the token losses, an
+"masked loss" is written out plainly in tests/masked_loss.py (masked_grpo_loss: the mask multiplies the token losses, an
 independent route from the objective's selection of trained tokens):
   grpo_backward(detached, masks) == masked loss of transformers cache continuation log-probs
   grpo_backward(exact, masks)    == masked loss of full-sequence autograd log-probs
@@ -20,60 +20,12 @@ import math
 import pytest
 import torch
 from grads import grads_of, relative_l2
+from masked_loss import masked_group, masked_grpo_loss
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 
 TOL = 1e-8
-
-
-def masks_from_spans(members):
-    """members: [(response length, [(lo, hi), ...] context-only spans)] -> boolean masks (False on the spans)."""
-    masks = []
-    for length, spans in members:
-        mask = torch.ones(length, dtype=torch.bool)
-        for lo, hi in spans:
-            mask[lo:hi] = False
-        masks.append(mask)
-    return masks
-
-
-def masked_group(prompt_len, members, seed=0, **extra):
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
-    responses = [torch.randint(0, 97, (length,), generator=gen) for length, _ in members]
-    rewards = torch.rand(len(responses), generator=gen).tolist()
-    return GRPOGroup(prompt, responses, rewards=rewards, response_masks=masks_from_spans(members), **extra)
-
-
-def _masked_grpo_loss(group, logps, ref_logps, clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg="token-mean",
-                      scale_rewards=True):
-    """The masked GRPO loss, written out plainly: token losses multiplied by the mask, token-mean over the group's
-    trained tokens or the mean over members that train at least one token of their trained-token means."""
-    if group.advantages is not None:
-        advantages = group.advantages
-    else:
-        rewards = group.rewards
-        advantages = rewards - rewards.mean()
-        if scale_rewards:
-            advantages = advantages / (rewards.std(unbiased=True) + 1e-6)
-    sums, counts = [], []
-    for i, logp in enumerate(logps):
-        keep = group.response_masks[i]
-        old = logp.detach()
-        if group.old_logprobs is not None:  # masked-out old log-probs may be NaN: never let them into exp()
-            old = torch.where(keep, group.old_logprobs[i], logp.detach())
-        ratio = torch.exp(logp - old)
-        token = -torch.minimum(ratio * advantages[i], torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages[i])
-        if kl_coef:
-            delta = ref_logps[i] - logp
-            token = token + kl_coef * (torch.exp(delta) - delta - 1)
-        sums.append((token * keep).sum())
-        counts.append(int(keep.sum()))
-    if loss_agg == "token-mean":
-        return sum(sums) / sum(counts) if sum(counts) else sum(sums) * 0.0
-    trained = [(s, n) for s, n in zip(sums, counts) if n]
-    return sum(s / n for s, n in trained) / len(trained) if trained else sum(sums) * 0.0
 
 
 CASES = {
@@ -107,7 +59,7 @@ def _reference(model, group, objective_kwargs, logprob_fn, ref_model=None):
         if ref_model is not None:
             with torch.no_grad():
                 ref = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
-        loss = _masked_grpo_loss(group, logps, ref, **objective_kwargs)
+        loss = masked_grpo_loss(group, logps, ref, **objective_kwargs)
         loss.backward()
         return float(loss.detach()), [lp.detach() for lp in logps]
 

@@ -1,0 +1,101 @@
+"""Masked groups (GRPOGroup.response_masks) under context parallelism: CP 2 and CP 3 in ONE launch of 3 ranks.
+
+The three forked ranks join one gloo process group and create two CP groups: {0, 1, 2} (CP 3) and {0, 1} (CP 2;
+rank 2 waits at the barrier while those cases run). Every case runs on both; each rank writes
+`<case>.cp<N>.rank<r>.pt` with its gradients, loss and log-probs. Ranks are forked like tests/cp_scripts/harness.py
+(the parent's imports are reused), whose port and group helpers this uses.
+
+A case is a dict: name, prompt_len, members [(response length, [(lo, hi) context-only spans])], mode, chunk, page,
+block, optional objective kwargs, optional ref_seed (KL to a separate reference model), optional tier ("cpu" or
+"nvme": page files under <out_dir>/nvme), optional seed.
+"""
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .harness import free_port, nvme_dir
+
+# As tests/test_cp_transaction.py: attention layers before GDN layers, so prompt attention feeds later state.
+MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
+                                    "linear_attention"])
+CP_SIZES = (2, 3)
+WORLD = max(CP_SIZES)
+
+
+def case_group(case):
+    from masked_loss import masked_group
+
+    return masked_group(case["prompt_len"], case["members"], seed=case.get("seed", 0))
+
+
+def _config(case, cp_size, out_dir):
+    config = {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
+              "replay_block": case["block"], "cp_size": cp_size}
+    if "tier" in case:
+        config["offload"] = {"tier": case["tier"]}
+        if case["tier"] == "nvme":
+            config["offload"]["nvme_path"] = nvme_dir(out_dir)
+    return config
+
+
+def _run_case(case, cp_size, cp_group, out_dir, rank):
+    from models import float64_model, tiny_qwen3_5
+
+    from ds_longstraw import GRPOObjective, grpo_backward
+    from ds_longstraw.parallel import CPContext
+
+    model = tiny_qwen3_5(**MODEL)
+    ref_model = tiny_qwen3_5(seed=case["ref_seed"], **MODEL) if "ref_seed" in case else None
+    group = case_group(case)
+    model.zero_grad(set_to_none=True)
+    with float64_model():
+        result = grpo_backward(model, group, GRPOObjective(**case.get("objective", {})),
+                               config=_config(case, cp_size, out_dir), ref_model=ref_model,
+                               cp_group=CPContext(cp_group))
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs},
+               os.path.join(out_dir, f"{case['name']}.cp{cp_size}.rank{rank}.pt"))
+
+
+def worker(rank, port, cases, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        groups = {size: dist.new_group(list(range(size)), backend="gloo") for size in CP_SIZES}  # collective
+        for size in CP_SIZES:
+            if rank < size:
+                for case in cases:
+                    _run_case(case, size, groups[size], out_dir, rank)
+            dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_masks(cases, out_dir, timeout=600):
+    """Fork WORLD ranks, run every case on CP 2 and CP 3; return {(case name, cp size): [results by rank]}."""
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=worker, args=(r, port, cases, out_dir)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"masked CP run failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+    return {(case["name"], size): [torch.load(os.path.join(out_dir, f"{case['name']}.cp{size}.rank{r}.pt"),
+                                              weights_only=False) for r in range(size)]
+            for case in cases for size in CP_SIZES}

@@ -1,0 +1,100 @@
+"""Masked groups (response masks of agent trajectories) with the prompt sharded over 2 and 3 gloo ranks, against
+single-process float64 references of the masked loss (tests/masked_loss.py: the mask multiplies the token losses).
+
+Equivalence chains (float64 model, float64_model()):
+  CP grpo_backward(detached, masks), every rank == masked loss of transformers cache continuation log-probs
+  CP grpo_backward(exact, masks), every rank    == masked loss of full-sequence autograd log-probs
+  every rank's gradients are bitwise identical; loss and every response token's log-prob equal the reference's
+  nothing trained: loss 0 and every gradient exactly 0 on every rank
+Tolerance: relative L2 <= 1e-8 over all parameter gradients, as tests/test_cp_transaction.py (CP changes only the
+association order of float64 sums, ~1e-10; a mask lost on one path shows at 1e-2, tests/test_agent_masks.py).
+CP 2 and CP 3 run in one launch of 3 forked ranks (tests/cp_scripts/masks.py).
+"""
+
+import pytest
+import torch
+from cp_scripts.masks import CP_SIZES, MODEL, case_group, run_masks
+from grads import grads_of, relative_l2
+from masked_loss import masked_grpo_loss
+from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+
+TOL = 1e-8
+
+CASES = [
+    # prompt[:-1] = 22 tokens: shards 11/11 and 8/7/7; chunks of 4 divide neither
+    dict(name="spans-detached", prompt_len=23, members=[(7, [(0, 2)]), (6, [(2, 4)]), (5, [(3, 5)])],
+         mode="detached", chunk=4, page=3, block=3),
+    dict(name="all-false-member-seq-mean-exact", prompt_len=20, members=[(6, [(2, 3)]), (3, [(0, 3)]), (5, [(4, 5)])],
+         mode="exact", chunk=4, page=3, block=2, objective={"loss_agg": "seq-mean-token-mean"}, seed=1),
+    # KL to a separate reference model (captured and scored over the CP group), pages in NVMe files
+    dict(name="kl-nvme-exact", prompt_len=19, members=[(4, [(1, 3)]), (6, [(0, 6)]), (5, [(0, 1)])], mode="exact",
+         chunk=5, page=4, block=4, objective={"kl_coef": 0.3}, ref_seed=7, tier="nvme", seed=3),
+    dict(name="nothing-trained-exact", prompt_len=17, members=[(4, [(0, 4)]), (3, [(0, 3)])], mode="exact", chunk=5,
+         page=2, block=3, tier="cpu", seed=4),
+]
+BY_NAME = {case["name"]: case for case in CASES}
+
+
+OUT_DIR = {}
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    OUT_DIR["path"] = tmp_path_factory.mktemp("cp_masks")
+    return run_masks(CASES, str(OUT_DIR["path"]))
+
+
+@pytest.fixture(scope="module")
+def references():
+    """name -> (grads, loss, logps) of the single-process float64 masked reference."""
+    out = {}
+    model = tiny_qwen3_5(**MODEL)
+    for case in CASES:
+        group = case_group(case)
+        fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
+        ref_model = tiny_qwen3_5(seed=case["ref_seed"], **MODEL) if "ref_seed" in case else None
+
+        def run():
+            logps = fn(model, group.prompt_ids, group.response_ids)
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = [lp.detach() for lp in fn(ref_model, group.prompt_ids, group.response_ids)]
+            loss = masked_grpo_loss(group, logps, ref, **case.get("objective", {}))
+            loss.backward()
+            return float(loss.detach()), [lp.detach() for lp in logps]
+
+        with float64_model():
+            grads, (loss, logps) = grads_of(model, run)
+        out[case["name"]] = (grads, loss, logps)
+    return out
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES, ids=lambda n: f"cp{n}")
+@pytest.mark.parametrize("name", [c["name"] for c in CASES if not c["name"].startswith("nothing")])
+def test_masked_cp_matches_reference(cp_results, references, name, cp_size):
+    ref_grads, ref_loss, ref_logps = references[name]
+    ranks = cp_results[(name, cp_size)]
+    for rank, result in enumerate(ranks):
+        error = relative_l2(result["grads"], ref_grads)
+        assert error <= TOL, f"rank {rank} of {cp_size}: relative L2 {error:.3e}"
+        assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+        assert [lp.numel() for lp in result["logprobs"]] == [length for length, _ in BY_NAME[name]["members"]]
+        for mine, ref in zip(result["logprobs"], ref_logps):
+            torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
+    for rank, result in enumerate(ranks[1:], start=1):
+        assert result["grads"].keys() == ranks[0]["grads"].keys()
+        assert all(torch.equal(result["grads"][n], ranks[0]["grads"][n]) for n in result["grads"]), \
+            f"rank {rank} gradients differ from rank 0's"
+
+
+@pytest.mark.parametrize("cp_size", CP_SIZES, ids=lambda n: f"cp{n}")
+def test_nothing_trained_is_zero_on_every_rank(cp_results, cp_size):
+    for result in cp_results[("nothing-trained-exact", cp_size)]:
+        assert result["loss"] == 0.0
+        assert result["grads"], "no backward ran"
+        assert all(torch.count_nonzero(g) == 0 for g in result["grads"].values())
+
+
+def test_nvme_page_files_removed(cp_results):
+    assert (("kl-nvme-exact", 2) in cp_results) and list((OUT_DIR["path"] / "nvme").iterdir()) == []
