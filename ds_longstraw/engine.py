@@ -29,6 +29,7 @@ What it is not: no gradient accumulation across calls (gradient_accumulation_ste
 responses (groups come in with their responses and rewards), no reuse of a capture across steps.
 """
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from .arch import adapter_for, zero3_leaf_modules
 from .config import LongstrawConfig
 from .engine_config import load_ds_config, read_block
+from .engine_experts import ExpertSlices, build_ep_groups, check_engine_settings, without_expert_params
 from .group import GRPOGroup
 from .lockstep import Lockstep, common_shapes, dummy_group, shape_of
 from .objective import GRPOObjective
@@ -77,6 +79,7 @@ class LongstrawEngineMixin:
 
     longstraw_config: LongstrawConfig
     longstraw_cp = None  # parallel.CPContext of this rank's CP group (cp_size > 1), built by initialize
+    longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
     def grpo_step(self, group, objective=None, ref_model=None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
@@ -109,18 +112,25 @@ class LongstrawEngineMixin:
         def backward(loss):
             self.backward(loss, scale_wrt_gas=False)
 
+        experts = self.longstraw_experts
         with self.coalesce_grad_reduction():
             for item, lockstep, scale in plan:
                 # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
                 # back-propagates injected gradients that already carry it.
                 weighted = objective if scale == 1.0 else _Weighted(objective, scale)
                 result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
-                                       cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep)
+                                       cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep,
+                                       ep_group=None if experts is None else experts.ep.group)
                 if scale != 0.0:  # not a dummy group
                     result.loss /= scale
                     results.append(result)
             _fill_missing_grads(self)
+        if experts is not None:
+            experts.reduce_()
         self.step()
+        if experts is not None:
+            lrs = self.get_lr() if self.optimizer is not None else None
+            experts.step(_float_or_none(lrs[0]) if lrs else None)
         loss = sum(r.loss for r in results) / len(results)
         mean_loss = torch.tensor([loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(mean_loss, group=self.data_parallel_group)
@@ -138,7 +148,8 @@ class LongstrawEngineMixin:
         data parallelism to the slots and shapes every rank runs, dummy groups (scale 0) filling missing slots."""
         settings = self.longstraw_config
         scale = 1.0 / len(groups)
-        if self.zero_optimization_stage() != 3 or dist.get_world_size(group=self.data_parallel_group) == 1:
+        collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
+        if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, scale) for group in groups]
         cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard
         shapes = [shape_of(group, settings, cp) for group in groups]
@@ -152,6 +163,24 @@ class LongstrawEngineMixin:
         return plan
 
 
+    # -- checkpoints: the engine's, plus the expert slices it does not see (engine_experts.py) ---------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                      **kwargs)
+        if self.longstraw_experts is not None:
+            self.longstraw_experts.save(save_dir, tag if tag is not None else f"global_step{self.global_steps}")
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if self.longstraw_experts is not None and out[0] is not None:
+            if tag is None:
+                with open(os.path.join(load_dir, "latest")) as handle:
+                    tag = handle.read().strip()
+            self.longstraw_experts.load(load_dir, tag)
+        return out
+
+
 def _check_same_groups(groups, cp):
     """Every rank of a CP group must bring the same group(s) (the prompt is sharded, not the groups): a cheap
     fingerprint is all-gathered over the CP group, so a mismatch fails here rather than as wrong gradients."""
@@ -162,7 +191,8 @@ def _check_same_groups(groups, cp):
         for tensor in [group.prompt_ids, *group.response_ids]:
             digest.update(str(tensor.numel()).encode())
             digest.update(tensor.detach().cpu().to(torch.int64).numpy().tobytes())
-        for values in (group.rewards, group.advantages):
+        for values in (group.rewards, group.advantages, *(group.old_logprobs or []),
+                       *(getattr(group, "response_masks", None) or [])):
             if values is not None:
                 digest.update(torch.as_tensor(values).detach().cpu().to(torch.float64).numpy().tobytes())
     gathered = [None] * cp.size
@@ -275,13 +305,42 @@ def initialize(args=None, model=None, **kwargs):
         raise ValueError("ds_longstraw.initialize requires a model")
     if settings.enabled:
         adapter_for(model)  # an unsupported architecture fails here, not at the first step
-    leaves = zero3_leaf_modules(model)
+        check_engine_settings(ds_config, settings)
+    parallel = settings.enabled and (settings.cp_size > 1 or settings.ep_size > 1)
+    if parallel:
+        deepspeed.init_distributed()  # the CP / EP groups are built before the engine: sharding comes first
+    cp = build_cp_groups(settings.cp_size) if settings.enabled and settings.cp_size > 1 else None
+    experts = None
+    if settings.enabled and settings.ep_size > 1:
+        # The expert slices leave ZeRO's sight (engine_experts.py); the MoE block is then no ZeRO-3 leaf: its
+        # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
+        ep_group, expert_dp = build_ep_groups(settings.ep_size, None if cp is None else cp.group)
+        experts = ExpertSlices(model, ep_group, expert_dp, torch.distributed.get_world_size())
+        _drop_replaced(kwargs, experts.replaced)
+    leaves = zero3_leaf_modules(model) if experts is None else []
     if leaves and _zero_stage(ds_config) == 3:  # before the engine sets its hooks
         deepspeed.utils.set_z3_leaf_modules(model, leaves)
     if key is not None:
         kwargs[key] = ds_config  # DeepSpeed accepts str paths only; a pathlib.Path works here too
+    client_optimizer = kwargs.get("optimizer")
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
     engine = _with_grpo_step(engine)
     engine.longstraw_config = settings
-    engine.longstraw_cp = build_cp_groups(settings.cp_size) if settings.enabled and settings.cp_size > 1 else None
+    engine.longstraw_cp = cp
+    if experts is not None:
+        experts.world = dist.get_world_size(group=engine.data_parallel_group)
+        experts.make_optimizer(client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None,
+                               ds_config)
+        engine.longstraw_experts = experts
     return engine, optimizer, loader, scheduler
+
+
+def _drop_replaced(kwargs, replaced):
+    """The whole expert tensors that sharding replaced leave the client optimizer and model_parameters (built
+    before initialize, they may hold them); the slices get their own optimizer."""
+    optimizer = kwargs.get("optimizer")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in replaced]
+    if kwargs.get("model_parameters") is not None:
+        kwargs["model_parameters"] = without_expert_params(kwargs["model_parameters"], replaced)

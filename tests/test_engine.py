@@ -13,6 +13,8 @@ chains); each rank writes its measurements, asserted here:
   qlora       the same over NF4 4-bit base weights loaded from a checkpoint (bitsandbytes): the packed codes are
               partitioned and gathered like any frozen weight and come back bit for bit
   glm         glm_moe_dsa (MLA + DSA + MoE): as average, its MoE blocks ZeRO-3 leaf modules
+  ep          the same with "ep_size" 2: the routed experts sharded over the two nodes, outside ZeRO-3
+  ep_checkpoint  resume of an EP run (the engine's checkpoint and each rank's expert-slice file): bit for bit
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -79,6 +81,26 @@ def test_glm_under_zero3_with_moe_leaf_modules(results):
         assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
         assert r["moe_leaves"] == r["moe_blocks"] > 0  # every MoE block gathered whole by ZeRO-3
     assert [r["rank_groups"] for r in _check(results, "glm")] == [2, 1]
+
+
+def test_expert_parallel_step_equals_single_process(results):
+    """ep_size 2 over the two ranks (nodes): each holds 4 of the 8 routed experts, outside ZeRO-3."""
+    checks = _check(results, "ep")
+    for r in checks:
+        assert r["rel"] < TOL, r
+        assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
+        assert r["slices"] == 6 and r["slices_in_zero"] == 0  # 3 MoE layers x 2 fused parameters, none ZeRO's
+        assert r["moe_leaves"] == 0  # the router and shared expert are gathered by their own hooks
+        assert r["load_imbalance"] >= 1.0
+    assert [r["experts"] for r in checks] == [[0, 4], [4, 8]]
+
+
+def test_expert_parallel_checkpoint_resume_is_bit_exact(results):
+    for r in _check(results, "ep_checkpoint"):
+        assert r["loaded"] and r["client_step"] == 1 and r["same_names"]
+        assert r["max_abs"] == 0.0, r
+        assert r["loss"] == r["resumed_loss"] and r["lr"] == r["resumed_lr"] > 0
+        assert r["files"] == ["experts_ep2_rank0.pt", "experts_ep2_rank1.pt"]
 
 
 def test_checkpoint_resume_reproduces_step_2_exactly(results):

@@ -58,17 +58,22 @@ def _family_of(model):
     return FAMILIES.get(getattr(getattr(base, "config", None), "model_type", None))
 
 
-def shard_experts(model, ep_group) -> range:
+def shard_experts(model, ep_group, gather=None) -> range:
     """Keep only this rank's contiguous slice of every MoE layer's routed experts (rank r of E owns experts
     [r n/E, (r+1) n/E)); returns that range. ValueError when E does not divide n or the model has no routed
     experts."""
     family = _family_of(model)
     if family is None or not hasattr(family, "shard_experts"):
         raise ValueError("shard_experts: the model has no routed experts (no MoE layer)")
-    return family.shard_experts(model, ep_group)
+    return family.shard_experts(model, ep_group, gather)
 
 
 def expert_parallel(model):
     """The parallel.experts.ExpertParallel the model's experts are sharded with, or None."""
     family = _family_of(model)
     return family.expert_parallel(model) if family is not None and hasattr(family, "expert_parallel") else None
+
+
+def unregister_expert_slices(model) -> dict:
+    """{qualified name: slice} of the sharded experts, taken out of the module's registered parameters."""
+    return _family_of(model).unregister_slices(model)

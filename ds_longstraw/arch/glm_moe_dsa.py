@@ -32,7 +32,12 @@ from ds_longstraw.kernels import merge_partials
 from . import glm_moe_dsa_attention as dsa
 from .base import CausalLMAdapter, SegmentOutput
 from .glm_moe_dsa_attention import score_dtype
-from .glm_moe_dsa_experts import expert_parallel, moe_forward, shard_experts  # noqa: F401 (the family's EP entry)
+from .glm_moe_dsa_experts import (  # noqa: F401 (the family's EP entry points)
+    expert_parallel,
+    moe_forward,
+    shard_experts,
+    unregister_slices,
+)
 from .specs import LayerState, SparseGeometry, Stream, carry_layers, paged_layers
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"

@@ -8,6 +8,8 @@ locally). Sharding keeps this rank's contiguous slice of both fused parameters; 
 with the experts' loop replaced by the dispatch and the same per-expert math on the owner.
 """
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -20,9 +22,11 @@ def moe_blocks(model) -> list:
     return [layer.mlp for layer in lm.model.layers if hasattr(getattr(layer.mlp, "experts", None), "gate_up_proj")]
 
 
-def shard_experts(model, ep_group) -> range:
+def shard_experts(model, ep_group, gather=None) -> range:
     """Keep, in every MoE block, only this rank's slice of the routed experts; returns the slice (global expert
-    indices). The block's experts module then reaches the other slices through its ExpertParallel."""
+    indices). The block's experts module then reaches the other slices through its ExpertParallel.
+    gather: None, or gather(params) -> a context in which partitioned parameters are whole (a model built under
+    ZeRO-3's zero.Init: one block's experts at a time, never the whole model)."""
     blocks = moe_blocks(model)
     if not blocks:
         raise ValueError("shard_experts: the model has no routed experts (no MoE layer)")
@@ -31,19 +35,39 @@ def shard_experts(model, ep_group) -> range:
         raise ValueError(f"shard_experts: the experts are already sharded over {first.expert_parallel.size} ranks")
     ep = ExpertParallel(ep_group, first.num_experts)
     lo, hi = ep.local.start, ep.local.stop
+    ep.replaced = set()  # ids of the whole fused parameters (an optimizer built before sharding may hold them)
     for block in blocks:
         experts = block.experts
         if experts.num_experts != ep.experts:
             raise ValueError(f"shard_experts: MoE layers differ in routed experts ({experts.num_experts} vs "
                              f"{ep.experts})")
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name)
-            part = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
-            setattr(part, EXPERT_SLICE, (lo, hi, ep.experts))
+        names = ("gate_up_proj", "down_proj")
+        with gather([getattr(experts, name) for name in names]) if gather is not None else nullcontext():
+            parts = {}
+            for name in names:
+                full = getattr(experts, name)
+                ep.replaced.add(id(full))
+                parts[name] = nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad)
+                setattr(parts[name], EXPERT_SLICE, (lo, hi, ep.experts))
+        for name, part in parts.items():
             setattr(experts, name, part)
         experts.num_experts = hi - lo
         experts.expert_parallel = ep
     return ep.local
+
+
+def unregister_slices(model) -> dict:
+    """Take the sharded slices out of their experts modules' registered parameters (they stay readable as
+    experts.gate_up_proj / down_proj, where this family's forward reads them); returns {qualified name: slice}.
+    The DeepSpeed engine keeps them out of ZeRO this way (engine_experts.py)."""
+    slices = {}
+    for name, module in model.named_modules():
+        if getattr(module, "expert_parallel", None) is not None:
+            for attr in ("gate_up_proj", "down_proj"):
+                param = module._parameters.pop(attr)
+                object.__setattr__(module, attr, param)
+                slices[f"{name}.{attr}"] = param
+    return slices
 
 
 def expert_parallel(model):

@@ -30,6 +30,12 @@ gradient_clipping 0):
   glm         as average, on a tiny float32 glm_moe_dsa (GLM-5.2 shape: MLA + DSA, IndexShare, MoE with a dense
               first layer): its MoE blocks are ZeRO-3 leaf modules (gathered whole per call; the experts a call
               routes to depend on the tokens), and the step equals the single-process step
+  ep          as glm with "ep_size": 2 (8 routed experts, 4 per rank): the slices kept out of ZeRO, routed pairs
+              dispatched over the ranks, each slice's gradient summed over the ranks holding it / W; the step on
+              the non-expert weights and on each rank's slice == the single-process step on the whole model
+  ep_checkpoint  ZeRO-3 + EP, AdamW + WarmupLR: step 1, save, step 2 -> P; a fresh engine on different weights
+              loads the step-1 checkpoint (the engine's and each rank's expert-slice file), step 2 -> Q; P == Q bit
+              for bit, slices and their optimizer state included
 """
 
 import argparse
@@ -85,8 +91,9 @@ def gathered(engine):
 
 
 def step_error(engine_params, reference, before):
-    """||engine - reference|| / ||reference - before||: the engine's update against the reference update."""
-    ref = dict(reference.named_parameters())
+    """||engine - reference|| / ||reference - before||: the engine's update against the reference update
+    (reference: a module, or {name: tensor})."""
+    ref = dict(reference) if isinstance(reference, dict) else dict(reference.named_parameters())
     num = sum(float(((engine_params[n] - ref[n].detach()) ** 2).sum()) for n in engine_params)
     den = sum(float(((ref[n].detach() - before[n]) ** 2).sum()) for n in engine_params)
     return (num / den) ** 0.5
@@ -156,6 +163,96 @@ def check_glm(out_dir):
     result["moe_blocks"] = len(moe)
     result["moe_leaves"] = sum(deepspeed.utils.z3_leaf_module(block) for block in moe)
     return result
+
+
+EP_MODEL = {"n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2}
+
+
+def engine_params(engine):
+    """Every parameter this rank's engine holds: the ZeRO-3 ones gathered, and its expert slices (ep_size > 1)."""
+    params = gathered(engine)
+    experts = engine.longstraw_experts
+    if experts is not None:
+        params.update({n: p.detach().clone() for n, p in experts.params.items()})
+    return params
+
+
+def as_engine_holds(engine, params):
+    """A whole model's {name: tensor} as this rank's engine holds it: expert parameters sliced to its experts."""
+    experts = engine.longstraw_experts
+    if experts is None:
+        return params
+    lo, hi = experts.local.start, experts.local.stop
+    return {n: (p[lo:hi] if n in experts.params else p) for n, p in params.items()}
+
+
+def check_ep(out_dir):
+    """check_average's groups and weights on the tiny glm_moe_dsa with its experts sharded over the 2 ranks."""
+    rank = dist.get_rank()
+    model = tiny_glm_moe_dsa(torch.float32, seed=3, **EP_MODEL)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    config = ds_config("exact", tier="cpu")
+    config["longstraw"]["ep_size"] = 2
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    groups = {"A": make_group(30, 45, [3, 7], GLM_VOCAB), "B": make_group(31, 37, [1, 2, 5], GLM_VOCAB),
+              "C": make_group(32, 53, [6, 2], GLM_VOCAB)}
+    result = engine.grpo_step([groups["A"], groups["B"]] if rank == 0 else [groups["C"]])
+    weights = {"A": 0.25, "B": 0.25, "C": 0.5}
+    grads, ref_loss = {}, 0.0
+    for name, group in groups.items():
+        reference.zero_grad(set_to_none=True)
+        ref_loss += weights[name] * grpo_backward(reference, group, config=block("exact")).loss
+        for pname, p in reference.named_parameters():
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            grads[pname] = grads.get(pname, 0.0) + weights[name] * grad
+    for pname, p in reference.named_parameters():
+        p.grad = grads[pname]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    ref_after = as_engine_holds(engine, {n: p.detach() for n, p in reference.named_parameters()})
+    experts = engine.longstraw_experts
+    zero3 = {n for n, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
+    return {"rel": step_error(engine_params(engine), ref_after, as_engine_holds(engine, before)),
+            "mean_loss": result.mean_loss, "ref_mean_loss": ref_loss, "experts": [experts.local.start,
+                                                                                   experts.local.stop],
+            "slices": len(experts.params), "slices_in_zero": len(set(experts.params) & zero3),
+            "load_imbalance": result.groups[0].extras["ep"]["load_imbalance"],
+            "moe_leaves": sum(deepspeed.utils.z3_leaf_module(b) for b in experts_blocks(engine.module))}
+
+
+def experts_blocks(model):
+    from ds_longstraw.arch.glm_moe_dsa_experts import moe_blocks
+
+    return moe_blocks(model)
+
+
+def check_ep_checkpoint(out_dir):
+    config = ds_config("detached", scheduler={"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
+    config["longstraw"]["ep_size"] = 2
+    first, second = make_group(33, 39, [4, 3], GLM_VOCAB), make_group(34, 31, [2, 8, 1], GLM_VOCAB)
+    ckpt = os.path.join(out_dir, "ckpt_ep")
+
+    def engine_from(seed):
+        model = tiny_glm_moe_dsa(torch.float32, seed=seed, **EP_MODEL)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+        return ds_longstraw.initialize(model=model, optimizer=optimizer, config=config)[0]
+
+    engine = engine_from(5)
+    engine.grpo_step(first)
+    engine.save_checkpoint(ckpt, tag="step1", client_state={"step": 1})
+    straight = engine.grpo_step(second)
+    p = engine_params(engine)
+    resumed = engine_from(6)
+    path, client = resumed.load_checkpoint(ckpt, tag="step1")
+    again = resumed.grpo_step(second)
+    q = engine_params(resumed)
+    files = sorted(f for f in os.listdir(os.path.join(ckpt, "step1")) if f.startswith("experts_"))
+    return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "same_names": sorted(p) == sorted(q),
+            "slices": len(engine.longstraw_experts.params), "loss": straight.mean_loss,
+            "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr, "files": files,
+            "loaded": path is not None, "client_step": client.get("step")}
 
 
 def check_checkpoint(out_dir):
@@ -287,7 +384,8 @@ def check_zero2(out_dir):
 
 
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
-          "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm}
+          "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
+          "ep_checkpoint": check_ep_checkpoint}
 
 
 def run_checks(checks, file_prefix, **context):

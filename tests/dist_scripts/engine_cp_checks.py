@@ -24,6 +24,9 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           the "topk_lse" capture padded like the LSE one
   glm3exact   the same in exact mode, pages on the host tier: in the mirrored prefix turns the serving rank
           answers the owner's SELECT, FORWARD and BACKWARD requests from inside its one-token dummy layers
+  glm3ep  glm3exact with "ep_size" = cp_size = 2 (8 routed experts, 4 per rank of each CP group: GLM-5.2's
+          CP32/EP32 layout at toy size): routed pairs dispatched over the CP group, each slice's gradient summed
+          over the replicas holding it; the step on the non-expert weights and each rank's slice == the average
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -36,7 +39,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import torch  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
-from engine_checks import gathered, make_group, run_checks, snapshot, step_error  # noqa: E402
+from engine_checks import (  # noqa: E402
+    EP_MODEL,
+    as_engine_holds,
+    engine_params,
+    make_group,
+    run_checks,
+    snapshot,
+    step_error,  # noqa: E402
+)
 from glm_models import VOCAB as GLM_VOCAB  # noqa: E402
 from glm_models import tiny_glm_moe_dsa  # noqa: E402
 from models import tiny_qwen3_5  # noqa: E402
@@ -47,10 +58,10 @@ from ds_longstraw import grpo_backward  # noqa: E402
 CP = 2
 
 
-def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False):
+def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False, ep_size=1):
     return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
             "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention,
-            "prefix_keep_attention": keep}
+            "prefix_keep_attention": keep, "ep_size": ep_size}
 
 
 def ds_config(mode, stage, **block_options):
@@ -80,7 +91,8 @@ def plan(vocab=97):
 
 # family -> (a fresh tiny float32 model from a seed, its vocabulary)
 MODELS = {"qwen": (lambda seed: tiny_qwen3_5(torch.float32, seed=seed), 97),
-          "glm": (lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed), GLM_VOCAB)}
+          "glm": (lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed), GLM_VOCAB),
+          "glm_ep": (lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed, **EP_MODEL), GLM_VOCAB)}
 
 
 def reference_step(reference, mode, weights, groups):
@@ -107,9 +119,12 @@ def check(mode, stage, seed, family="qwen", **block_options):
                                          config=ds_config(mode, stage, **block_options))
     mine, weights, groups = plan(vocab)
     result = engine.grpo_step(mine)
-    after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    after = engine_params(engine) if stage == 3 else {n: p.detach().clone() for n, p in
+                                                       engine.module.named_parameters()}
+    before = as_engine_holds(engine, before)
     cp = engine.longstraw_cp
     ref, ref_loss = reference_step(reference, mode, weights, groups)
+    ref = as_engine_holds(engine, {n: p.detach() for n, p in ref.named_parameters()})
     # Controls: the same comparison against references that a wrong CP factor or averaging would approach (the
     # first ignores the prefix pass's gradient, the second weighs every group equally); both must be far off.
     wrong = {}
@@ -118,7 +133,8 @@ def check(mode, stage, seed, family="qwen", **block_options):
     if len(weights) > 2:
         wrong["vs_equal_weights"] = reference_step(fresh(seed), mode, {n: 1 / len(weights) for n in weights},
                                                    groups)[0]
-    controls = {k: step_error(after, v, before) for k, v in wrong.items()}
+    controls = {k: step_error(after, as_engine_holds(engine, {n: p.detach() for n, p in v.named_parameters()}),
+                              before) for k, v in wrong.items()}
     return {"rel": step_error(after, ref, before), "controls": controls, "mean_loss": result.mean_loss,
             "ref_mean_loss": ref_loss,
             "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
@@ -129,7 +145,8 @@ CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: che
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
           "zero3kept": lambda out: check("exact", 3, 3, keep=True),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
-          "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu")}
+          "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
+          "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2)}
 
 
 if __name__ == "__main__":
