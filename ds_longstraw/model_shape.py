@@ -10,9 +10,9 @@ import os
 
 import torch
 
-from .arch import specs_for_config
+from .arch import expert_shape, specs_for_config
 from .modeling import MODELS_DIR, config_from_shape, parameter_count
-from .offload.plan import ModelShape
+from .offload.plan import ModelShape, MoEShape
 
 BUILTIN = {"qwen3.6-27b": "qwen3_6_27b.yaml", "glm-5.2": "glm_5_2.yaml"}
 _DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}
@@ -44,7 +44,8 @@ def _dtype_bytes(config, override):
 
 
 def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> ModelShape:
-    """The planner's view of a model: bytes per token by label, per-sequence carry, kept attention, parameters."""
+    """The planner's view of a model: bytes per token by label, per-sequence carry, kept attention, parameters,
+    routed experts (the family's expert_shape; None where it has none)."""
     if isinstance(config, dict):
         config = config_from_shape(config)
     e = _dtype_bytes(config, dtype_bytes)
@@ -69,4 +70,6 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> Mode
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
     shape.params = parameter_count(config)
+    experts = expert_shape(config)
+    shape.moe = MoEShape(**experts) if experts else None
     return shape

@@ -5,7 +5,9 @@
     python -m ds_longstraw.planner --model path/to/config.json --context 512K ...
 
 Reports retained bytes per rank by layer type, what each tier needs of GPU, host and NVMe memory and whether it
-fits, the recommended `offload` block (tier, staging depth) and the longest prompt each tier allows. Memory the
+fits, the recommended `offload` block (tier, staging depth) and the longest prompt each tier allows. For a model
+with routed experts it also reports the weights per rank with and without expert parallelism (--ep), what ZeRO-3
+gathers per call of a MoE block, and the EP all-to-all's bytes per MoE layer and token. Memory the
 command is not given is detected: host memory with psutil, the CPU with py-cpuinfo, the GPU with torch (when
 one is visible), free NVMe space at --nvme-path. Sizes take a unit (96GB, 2TiB, 512M); a bare number is GiB.
 The model of what costs what is in offload/plan.py; the byte figures come from the architecture's layer-state
@@ -50,6 +52,9 @@ def _parser():
     p.add_argument("--mode", choices=("detached", "exact"), default="detached", help="longstraw.prefix_grad")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all GPUs)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size: routed experts sharded over EP ranks, outside ZeRO (with --cp > 1 it "
+                        "must equal --cp)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: min(gpus, 8)")
     p.add_argument("--gpu-memory", type=parse_size, default=None, help="per GPU (default: detected)")
     p.add_argument("--host-memory", type=parse_size, default=None, help="per node (default: detected)")
@@ -138,6 +143,7 @@ def render(plan, detected) -> str:
         n = plan.needs[tier]
         lines.append(f"| {tier} | {plan.depth[tier]} | {_gib(n['gpu'])} | {_gib(n['host'])} | {_gib(n['nvme'])} | "
                      f"{'yes' if plan.fits[tier] else 'no'} | {_tokens(plan.max_context[tier])} |")
+    lines += _render_moe(plan)
     lines.append("")
     if plan.tier is None:
         lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt.")
@@ -149,10 +155,60 @@ def render(plan, detected) -> str:
     return "\n".join(lines)
 
 
+def _bytes(n):
+    for unit, scale in (("TB", 1e12), ("GB", 1e9)):
+        if n >= scale / 10:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _render_moe(plan) -> list:
+    """The routed experts' section (offload/plan.moe_figures): weights per rank, ZeRO-3's gather, all-to-all."""
+    m, lay = plan.moe, plan.layout
+    if not m:
+        return []
+    ep = m["ep"]
+    routed_zero3 = int(m["routed_params"] * lay.weight_bytes / lay.gpus)
+    lines = ["", "## Routed experts", "",
+             f"{m['layers']} MoE layers x {m['experts']} routed experts, top-{m['experts_per_token']}: "
+             f"{m['routed_params'] / 1e9:,.1f}B of the {plan.shape.params / 1e9:,.1f}B parameters "
+             f"(weights at {lay.weight_bytes:g} B per parameter).", "",
+             f"| weights per rank | ZeRO-3 only | EP {ep} + ZeRO-3 |" if ep > 1 else "| weights per rank | ZeRO-3 |",
+             "|---|---:|---:|" if ep > 1 else "|---|---:|"]
+    where = f"ZeRO-3: / {lay.gpus} GPUs" + (f"; EP: / {ep}, held whole outside ZeRO" if ep > 1 else "")
+    rows = [(f"routed experts ({where})", routed_zero3, m["routed_weights_per_rank_ep"]),
+            (f"other parameters (/ {lay.gpus} GPUs)", m["weights_per_rank_zero3"] - routed_zero3,
+             m["weights_per_rank_ep"] - m["routed_weights_per_rank_ep"]),
+            ("total", m["weights_per_rank_zero3"], m["weights_per_rank_ep"])]
+    for label, zero3, with_ep in rows:
+        lines.append(f"| {label} | {_gib(zero3)} | {_gib(with_ep)} |" if ep > 1 else f"| {label} | {_gib(zero3)} |")
+    lines += ["", f"ZeRO-3 without EP gathers a MoE block whole on every call, all {m['experts']} experts with the "
+              f"router and shared expert: {_bytes(m['zero3_gather_bytes_per_moe_call'])} per call on each rank; "
+              f"the capture alone makes {m['capture_moe_calls']:,} such calls (one per MoE layer and capture chunk): "
+              f"{_bytes(m['zero3_gather_bytes_capture'])} gathered per rank. With EP the block's ZeRO-3 gather is "
+              f"the router and shared expert: {_bytes(m['zero3_gather_bytes_per_moe_call_ep'])} per call "
+              f"({_bytes(m['zero3_gather_bytes_capture_ep'])} over the capture)."]
+    hidden_bytes = plan.shape.moe.hidden_size * plan.shape.dtype_bytes
+    if ep == 1:
+        lines.append("With --ep E each rank would hold 1/E of the routed experts whole, outside ZeRO, and send its "
+                     "tokens' routed pairs to their experts by all-to-all instead.")
+        return lines
+    lines += ["", f"EP {ep} all-to-all per MoE layer and token: its {m['experts_per_token']} routed pairs' hidden "
+              f"vectors ({plan.shape.moe.hidden_size} x {plan.shape.dtype_bytes} B = {hidden_bytes:,} B) go out and "
+              f"come back: {m['alltoall_bytes_per_layer_token']:,} B, of which {ep - 1}/{ep} leaves the rank "
+              f"ASSUMING UNIFORM ROUTING (pairs spread evenly over the EP ranks): "
+              f"{m['alltoall_leaving_bytes_per_layer_token']:,.0f} B per MoE layer and token. The capture's forward "
+              f"over this rank's {plan.tokens_per_rank:,} prompt tokens ({m['layers']} MoE layers) sends "
+              f"{_bytes(m['alltoall_leaving_bytes_capture'])} per rank; each further pass over a token (its replay, "
+              "exact mode's prefix pass, a backward returning gradients) sends as much again."]
+    return lines
+
+
 def as_dict(plan) -> dict:
     return {"model": plan.shape.name, "params": plan.shape.params, "context": plan.context,
             "group_size": plan.group_size, "mode": plan.mode, "tokens_per_rank": plan.tokens_per_rank,
             "retained_bytes_per_rank": plan.retained, "weights_per_rank": plan.weights_per_rank,
+            "experts": plan.moe or None,
             "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
             "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
             "max_context": plan.max_context}
@@ -177,7 +233,7 @@ def main(argv=None) -> int:
             nvme_free = shutil.disk_usage(args.nvme_path).free
             detected.append(f"{_gib(nvme_free)} free at {args.nvme_path}")
         cp = args.cp or args.gpus
-        layout = Layout(gpus=args.gpus, cp=cp, gpus_per_node=args.gpus_per_node or min(args.gpus, 8),
+        layout = Layout(gpus=args.gpus, cp=cp, ep=args.ep, gpus_per_node=args.gpus_per_node or min(args.gpus, 8),
                         gpu_memory=gpu_memory, host_memory=host_memory, nvme_free=nvme_free,
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)

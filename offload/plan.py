@@ -17,6 +17,17 @@ parameters over all GPUs at `weight_bytes` each) minus a reserve for activations
 What is not modelled: activation memory beyond the reserve (capture chunk, replay block, MoE dispatch), the
 optimizer state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
 them against measured captures.
+
+Routed experts (a model with a MoEShape), `moe_figures`:
+  weights        ZeRO-3 only: every parameter / gpus. Expert parallelism over `ep` ranks: the routed experts / ep
+                 (each rank holds its slice whole, outside ZeRO) + the other parameters / gpus (ZeRO-3)
+  ZeRO-3 gather  without EP a MoE block is gathered whole (every routed expert, router, shared expert) on each
+                 call: each capture chunk makes one call per MoE layer; with EP only the router and shared expert
+  all-to-all    per MoE layer and token: its k routed pairs' hidden vectors out and the results back,
+                 2 k hidden dtype_bytes, of which (ep - 1) / ep leaves the rank under UNIFORM routing (a token's
+                 pairs spread evenly over the EP ranks); the capture's forward sends that for each of the rank's
+                 prompt tokens; every further pass over a token (replay, exact mode's prefix pass, a backward
+                 returning gradients) sends as much again
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +35,18 @@ from dataclasses import dataclass, field
 GiB = 2**30
 _WRITE_QUEUE = 64 << 20
 TIERS = ("none", "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """A model's routed experts, as the plan needs them (the architecture's expert_shape)."""
+
+    experts: int  # routed experts per MoE layer
+    experts_per_token: int  # k: routed (token, expert) pairs per token
+    hidden_size: int  # the vector a pair sends
+    layers: int  # MoE layers
+    routed_params: int  # per MoE layer: the routed experts' parameters
+    block_params: int  # per MoE layer: the whole block's (router, routed and shared experts)
 
 
 @dataclass
@@ -44,6 +67,7 @@ class ModelShape:
     kept_layers: int = 0
     layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
     params: int = 0
+    moe: MoEShape | None = None  # None: no routed experts
 
     @property
     def bytes_per_token(self) -> int:
@@ -58,6 +82,7 @@ class ModelShape:
 class Layout:
     gpus: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel size (under context parallelism: the CP size, as the engine shards them)
     gpus_per_node: int = 1
     gpu_memory: int | None = None  # bytes per GPU
     host_memory: int | None = None  # bytes per node
@@ -79,6 +104,7 @@ class Plan:
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
+    moe: dict = field(default_factory=dict)  # moe_figures (empty: no routed experts)
     gpu_budget: int | None = None
     host_budget: int | None = None
     nvme_budget: int | None = None
@@ -165,8 +191,11 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
-    plan.weights_per_rank = (layout.weights_per_rank if layout.weights_per_rank is not None
-                             else int(shape.params * layout.weight_bytes / layout.gpus))
+    check_expert_layout(shape, layout)
+    plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
+    estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
+                                                                         / layout.gpus)
+    plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
     if layout.gpu_memory is not None:
         plan.gpu_budget = int(layout.gpu_memory * (1 - layout.reserve_fraction)) - plan.weights_per_rank
     if layout.host_memory is not None:
@@ -186,6 +215,55 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = next((t for t in TIERS if plan.fits[t]), None)
     return plan
+
+
+def check_expert_layout(shape: ModelShape, layout: Layout):
+    """ValueError for an expert-parallel size the engine would refuse (engine_experts.py: EP groups of `ep`
+    consecutive ranks, the CP group under context parallelism, an even split of every layer's experts)."""
+    ep = layout.ep
+    if ep < 1:
+        raise ValueError(f"--ep {ep}: the expert-parallel size must be >= 1")
+    if ep == 1:
+        return
+    if shape.moe is None:
+        raise ValueError(f"--ep {ep}: {shape.name} ({shape.family}) has no routed experts to shard; use --ep 1")
+    if layout.cp > 1 and ep != layout.cp:
+        raise ValueError(f"--ep {ep} with --cp {layout.cp}: under context parallelism the experts are sharded over "
+                         f"the CP group ('longstraw.ep_size' = 'longstraw.cp_size'), so --ep must equal --cp (--cp "
+                         "defaults to every GPU)")
+    if layout.gpus % ep:
+        raise ValueError(f"--ep {ep} must divide --gpus {layout.gpus} (EP groups of consecutive ranks)")
+    if shape.moe.experts % ep:
+        raise ValueError(f"--ep {ep} must divide the {shape.moe.experts} routed experts of a MoE layer")
+
+
+def moe_figures(shape: ModelShape, layout: Layout, tokens_per_rank: int, capture_chunk: int) -> dict:
+    """Weights per rank with and without expert parallelism, ZeRO-3's gather of a MoE block, and the EP
+    all-to-all's bytes (see the module docstring); {} for a model without routed experts. Bytes are in the
+    weights' `weight_bytes` per parameter and the model's dtype_bytes per activation element."""
+    moe = shape.moe
+    if moe is None:
+        return {}
+    ep, wb = layout.ep, layout.weight_bytes
+    routed = moe.routed_params * moe.layers
+    calls = -(-tokens_per_rank // capture_chunk) * moe.layers  # one gather per MoE layer and capture chunk
+    out = {"ep": ep, "experts": moe.experts, "experts_per_token": moe.experts_per_token, "layers": moe.layers,
+           "routed_params": routed,
+           "weights_per_rank_zero3": int(shape.params * wb / layout.gpus),
+           "weights_per_rank_ep": int(routed * wb / ep + (shape.params - routed) * wb / layout.gpus),
+           "routed_weights_per_rank_ep": int(routed * wb / ep),
+           "zero3_gather_bytes_per_moe_call": int(moe.block_params * wb),
+           "zero3_gather_bytes_per_moe_call_ep": int((moe.block_params - moe.routed_params) * wb),
+           "capture_moe_calls": calls,
+           "zero3_gather_bytes_capture": int(calls * moe.block_params * wb),
+           "zero3_gather_bytes_capture_ep": int(calls * (moe.block_params - moe.routed_params) * wb)}
+    pair_bytes = moe.hidden_size * shape.dtype_bytes  # one hidden vector, one way
+    both_ways = 2 * moe.experts_per_token * pair_bytes
+    leaving = both_ways * (ep - 1) / ep  # uniform routing: (ep - 1) / ep of the pairs live on other ranks
+    out.update({"alltoall_bytes_per_layer_token": both_ways, "leaving_fraction": (ep - 1) / ep,
+                "alltoall_leaving_bytes_per_layer_token": leaving,
+                "alltoall_leaving_bytes_capture": leaving * moe.layers * tokens_per_rank})
+    return out
 
 
 def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=False, kept_tier=None,

@@ -6,6 +6,9 @@ Equivalence chain:
   multiples of the chunk; the gradient pages == GroupResult.grad_page_bytes of a real exact run.
   Built-in shapes == mission/NUMBERS.md: 64 KiB per token and 17.2 GB per rank at 2M tokens on CP8 (Qwen3.6-27B);
   95,232 B per token and 5.82 GiB per rank on CP32 (GLM-5.2).
+  Routed experts: the family's expert_shape == the parameters of a real tiny model's MoE blocks; GLM-5.2's expert
+  figures (weights per rank with and without EP, ZeRO-3's gather per MoE call, all-to-all bytes) == hand arithmetic
+  from its published shape. (The all-to-all formula against measured dispatch bytes: BENCHMARKS.md, bench_ep.py.)
 """
 
 import json
@@ -179,3 +182,88 @@ def test_parsers():
     assert parse_size("96GB") == 96_000_000_000 and parse_size("80GiB") == 80 * GiB and parse_size("2") == 2 * GiB
     with pytest.raises(Exception, match="not a size"):
         parse_size("lots")
+
+
+def test_expert_shape_matches_a_real_model():
+    """expert_shape reads a config alone; the counts equal those of a built model's MoE blocks (the dense first
+    layer excluded), so the planner's weights follow the module's own parameters."""
+    from glm_models import tiny_glm_moe_dsa, tiny_glm_moe_dsa_config
+
+    from ds_longstraw.arch.glm_moe_dsa_experts import moe_blocks
+
+    model = tiny_glm_moe_dsa(torch.float32)
+    blocks = moe_blocks(model)
+    shape = shape_from_config("tiny-glm", tiny_glm_moe_dsa_config().to_dict(), 4)
+    moe = shape.moe
+    assert (moe.experts, moe.experts_per_token, moe.hidden_size, moe.layers) == (6, 2, 64, 3)
+    assert moe.routed_params == sum(p.numel() for p in blocks[0].experts.parameters()) == 6 * 3 * 32 * 64
+    assert moe.block_params == sum(p.numel() for p in blocks[0].parameters())
+    assert moe.layers * moe.block_params + sum(
+        p.numel() for layer in model.model.layers if layer.mlp not in blocks for p in layer.mlp.parameters()) == sum(
+        p.numel() for layer in model.model.layers for p in layer.mlp.parameters())
+    assert shape_from_config(*load_config("qwen3.6-27b")).moe is None
+
+
+def test_glm_expert_parallel_figures_by_hand():
+    """GLM-5.2 on 32 GPUs, CP32 = EP32, 2M tokens, bf16: 256 experts x 3 x 6144 x 2048 per MoE layer, 75 MoE layers
+    (78 less 3 dense), top-8, hidden 6144."""
+    glm = shape_from_config(*load_config("glm-5.2"))
+    routed_layer = 256 * 3 * 6144 * 2048  # gate_up [2 x 2048, 6144] + down [6144, 2048] per expert
+    assert routed_layer == 9_663_676_416  # ~19.3 GB a layer in bf16
+    routed = 75 * routed_layer
+    other = glm.params - routed
+    layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * 10**9)
+    plan = make_plan(glm, 2_097_152 + 1, 8, "detached", layout)
+    m = plan.moe
+    assert (m["layers"], m["experts"], m["experts_per_token"], m["routed_params"]) == (75, 256, 8, routed)
+    assert m["weights_per_rank_zero3"] == int(glm.params * 2 / 32)
+    assert m["weights_per_rank_ep"] == int(routed * 2 / 32 + other * 2 / 32)
+    assert plan.weights_per_rank == m["weights_per_rank_ep"]  # what the GPU budget is left after
+    # without EP a call of a MoE block gathers it whole: routed experts + router [256, 6144] + shared expert
+    block = routed_layer + 256 * 6144 + 3 * 2048 * 6144
+    assert m["zero3_gather_bytes_per_moe_call"] == block * 2 == 19_405_996_032
+    assert m["zero3_gather_bytes_per_moe_call_ep"] == (256 * 6144 + 3 * 2048 * 6144) * 2  # 78.6 MB
+    assert m["capture_moe_calls"] == 65_536 // 4096 * 75  # 16 capture chunks per rank, each calls every MoE layer
+    # all-to-all: 8 pairs x 6144 x 2 B out and back per token and MoE layer; 31/32 of the pairs leave the rank
+    assert m["alltoall_bytes_per_layer_token"] == 2 * 8 * 6144 * 2 == 196_608
+    assert m["alltoall_leaving_bytes_per_layer_token"] == 196_608 * 31 / 32 == 190_464
+    assert m["alltoall_leaving_bytes_capture"] == 190_464 * 75 * 65_536
+    # EP 8 over data-parallel ranks (no CP): a rank holds a quarter of what it would at EP 32, plus the rest / 32
+    ep8 = make_plan(glm, 2 * 2**20, 8, "detached", Layout(gpus=32, cp=1, ep=8)).moe
+    assert ep8["weights_per_rank_ep"] == int(routed * 2 / 8 + other * 2 / 32)
+    assert ep8["alltoall_leaving_bytes_per_layer_token"] == 196_608 * 7 / 8
+
+
+def test_cli_expert_parallel(capsys, tmp_path):
+    args = ["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--gpu-memory", "96GB", "--host-memory", "2TB"]
+    assert main(args + ["--cp", "32", "--ep", "32"]) == 0
+    out = capsys.readouterr().out
+    assert "EP 32 + ZeRO-3" in out and "190,464 B per MoE layer and token" in out and "UNIFORM ROUTING" in out
+    assert "19.41 GB per call" in out
+    assert main(args + ["--cp", "32", "--ep", "32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["experts"]["alltoall_bytes_per_layer_token"] == 196_608
+    assert main(args) == 0  # --ep 1: ZeRO-3's gather of a whole MoE block is still reported
+    out = capsys.readouterr().out
+    assert "19.41 GB per call" in out and "all-to-all per MoE layer" not in out
+    # --cp defaults to every GPU: an EP size other than 32 is refused, naming the flags
+    assert main(args + ["--ep", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 8 with --cp 32" in err and "must equal --cp" in err
+    assert main(args + ["--cp", "1", "--ep", "3"]) == 2
+    assert "--ep 3 must divide --gpus 32" in capsys.readouterr().err
+    assert main(args + ["--cp", "1", "--ep", "32"]) == 0  # EP over data-parallel ranks
+    capsys.readouterr()
+    assert main(["--model", "qwen3.6-27b", "--context", "1M", "--gpus", "8", "--ep", "8", "--gpu-memory", "96GB",
+                 "--host-memory", "2TB"]) == 2
+    err = capsys.readouterr().err
+    assert "--ep 8" in err and "no routed experts" in err
+    assert main(["--model", "qwen3.6-27b", "--context", "1M", "--gpus", "8", "--gpu-memory", "96GB",
+                 "--host-memory", "2TB"]) == 0
+    assert "Routed experts" not in capsys.readouterr().out
+    from glm_models import tiny_glm_moe_dsa_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(tiny_glm_moe_dsa_config().to_dict()))
+    assert main(["--model", str(config), "--context", "1K", "--gpus", "4", "--cp", "1", "--ep", "4",
+                 "--gpu-memory", "1GiB", "--host-memory", "2GiB"]) == 2
+    assert "--ep 4 must divide the 6 routed experts" in capsys.readouterr().err

@@ -37,6 +37,13 @@ def config_fields(model_type, fields) -> dict:
     return family.config_fields(fields) if family is not None and hasattr(family, "config_fields") else dict(fields)
 
 
+def expert_shape(config) -> dict | None:
+    """The routed experts of a model of `config` as the planner sizes them (offload/plan.MoEShape's fields), or
+    None where its family has no routed experts."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family.expert_shape(config) if family is not None and hasattr(family, "expert_shape") else None
+
+
 def adapter_for(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model_type = getattr(getattr(base, "config", None), "model_type", None)

@@ -88,6 +88,25 @@ def state_specs(config, dtype) -> list:
     return specs
 
 
+def expert_shape(config) -> dict:
+    """The routed experts as the planner sizes them (offload/plan.MoEShape's fields), from a config alone: experts
+    per MoE layer, top-k, hidden size, MoE layers ("sparse" in mlp_layer_types, which transformers derives from
+    first_k_dense_replace), and per MoE layer the routed experts' parameters and the whole block's (router, routed
+    and shared experts: what ZeRO-3 gathers per call of the block as a leaf module). The counts come from one block
+    built on the meta device, so they follow the module's own parameters."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaMoE
+
+    kinds = getattr(config, "mlp_layer_types", None) or (
+        ["dense"] * min(config.first_k_dense_replace, config.num_hidden_layers)
+        + ["sparse"] * max(config.num_hidden_layers - config.first_k_dense_replace, 0))
+    with torch.device("meta"):
+        block = GlmMoeDsaMoE(config)
+    return {"experts": config.n_routed_experts, "experts_per_token": config.num_experts_per_tok,
+            "hidden_size": config.hidden_size, "layers": sum(kind == "sparse" for kind in kinds),
+            "routed_params": sum(p.numel() for p in block.experts.parameters()),
+            "block_params": sum(p.numel() for p in block.parameters())}
+
+
 class GlmMoeDsaAdapter(CausalLMAdapter):
     """Runs segments of a transformers glm_moe_dsa causal LM (GlmMoeDsaForCausalLM, or a peft wrapper of one) by
     calling its own submodules.
