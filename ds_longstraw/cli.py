@@ -5,6 +5,7 @@
                      figures and the conventional baseline beside it
     longstraw plan   the tier planner (retained bytes per rank, what fits where)
     longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
+    longstraw export a training checkpoint as a transformers model or peft adapter directory
 """
 
 import argparse
@@ -105,12 +106,17 @@ def main(argv=None):
         from .bench import main as bench_main
 
         return bench_main(argv[1:])
+    if argv and argv[0] == "export":
+        from .export import main as export_main
+
+        return export_main(argv[1:])
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _demo_parser(sub.add_parser("demo", help="one GRPO step on the embedded default"))
     sub.add_parser("plan", help="tier planner (longstraw plan --help)")
     sub.add_parser("bench", help="benchmarks (longstraw bench --help)")
+    sub.add_parser("export", help="checkpoint -> transformers / peft directory (longstraw export --help)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         demo(args)

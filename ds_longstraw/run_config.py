@@ -68,6 +68,11 @@ class TrainConfig:
     resume: Optional[str] = None  # "latest" or a tag such as step1 (from save_dir)
     metrics: Optional[str] = None  # JSONL, one line per step (rank 0)
     dump_params: Optional[str] = None  # torch.save of the full (gathered) trainable parameters at the end
+    # At the end, the last checkpoint exported as a transformers model (full fine-tune) or a peft adapter (LoRA)
+    # directory, as `longstraw export` writes it (ds_longstraw.export); needs save_dir. An existing directory is an
+    # error at start, unless the run resumes (then the run's own earlier export is replaced).
+    export_dir: Optional[str] = None
+    export_merge: bool = False  # LoRA: export the adapters merged into full weights
     progress: bool = True
 
 
@@ -84,6 +89,14 @@ class RunConfig:
 
 def _check_choices(config):
     """Settings that are each valid alone but not together."""
+    if config.train.export_dir is not None and config.train.save_dir is None:
+        raise ValueError("run config: train.export_dir exports the last checkpoint: set train.save_dir too")
+    if config.train.export_merge and not config.lora.enabled:
+        raise ValueError("run config: train.export_merge = true merges LoRA adapters: set lora.enabled = true "
+                         "(a full fine-tune's export is full weights already)")
+    if config.train.export_merge and config.lora.qlora:
+        raise ValueError("run config: train.export_merge = true with lora.qlora: 4-bit base weights cannot take a "
+                         "full-precision merge (longstraw export --help says why); export the adapter")
     if config.lora.qlora and not config.lora.enabled:
         raise ValueError("run config: lora.qlora = true trains adapters over 4-bit weights: set lora.enabled = true")
     if config.lora.qlora and config.model.pretrained is None:

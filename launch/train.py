@@ -129,14 +129,19 @@ def main(argv=None):
     objective = GRPOObjective(**run.objective)
     from ds_longstraw.data import GroupSource
 
-    source = GroupSource(run.data.path, tokenizer=_tokenizer(run), shuffle_seed=run.data.shuffle_seed)
+    tokenizer = _tokenizer(run)
+    source = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
     if run.train.resume and not run.train.save_dir:
         raise ValueError("train.resume needs train.save_dir (where the checkpoints are)")
+    if run.train.export_dir and os.path.lexists(run.train.export_dir) and not run.train.resume:
+        raise ValueError(f"train.export_dir = {run.train.export_dir!r} exists: remove it or choose another "
+                         "(only a resumed run replaces its earlier export)")
 
     import deepspeed
     from deepspeed import comm as dist
 
     import ds_longstraw
+    from ds_longstraw.checkpoint_files import save_record
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -203,6 +208,8 @@ def main(argv=None):
         every = run.train.save_every
         if run.train.save_dir and ((every and done % every == 0) or last):
             engine.save_checkpoint(run.train.save_dir, tag=f"step{done}", client_state={"step": done})
+            if rank == 0:  # what `longstraw export` needs beside the shards
+                save_record(os.path.join(run.train.save_dir, f"step{done}"), run, engine.module, tokenizer)
     if bar is not None:
         bar.close()
     if metrics_file is not None:
@@ -212,8 +219,16 @@ def main(argv=None):
     if rank == 0:
         print(f"[longstraw] done: steps {start}..{run.train.max_steps} in {time.perf_counter() - started:.1f} s",
               flush=True)
-    dist.barrier()
+    dist.barrier()  # every rank's shards are written
     dist.destroy_process_group()
+    if run.train.export_dir and rank == 0:
+        # After the process group is gone: the export takes one process and may take a while for a big model,
+        # longer than the other ranks should wait in a collective.
+        from ds_longstraw.export import describe, export_checkpoint
+
+        result = export_checkpoint(run.train.save_dir, run.train.export_dir, merge=run.train.export_merge,
+                                   overwrite=bool(run.train.resume))
+        print("[longstraw] " + describe(result), flush=True)
 
 
 if __name__ == "__main__":

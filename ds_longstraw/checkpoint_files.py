@@ -1,0 +1,175 @@
+"""What a training checkpoint holds, read without DeepSpeed's engine: the ZeRO-3 shards and the run record.
+
+A checkpoint tag (`<save_dir>/<tag>/`, as `engine.save_checkpoint` writes it) holds one model-state file and one
+optimizer-state file per rank. The trained weights are the optimizer's float32 master partitions (a partition per
+rank, flat); frozen weights (a LoRA base) are partitions in the model-state files; persistent buffers sit whole in
+the model-state files. DeepSpeed's own `deepspeed.utils.zero_to_fp32` parses them; here every file is memory-mapped
+(torch.load mmap) and each tensor is assembled from its rank partitions only when asked for, so reading a tensor
+costs that tensor, not the model.
+
+The run record (`<tag>/longstraw/`, written by `save_record` beside the shards) is what the shards alone do not say:
+the run config (LoRA settings, training dtype, the base checkpoint), the model's transformers config, and the
+tokenizer when the run had one.
+"""
+
+import contextlib
+import glob
+import io
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+RECORD = "longstraw"  # folder of the run record inside a checkpoint tag
+
+
+def _absolute(path):
+    return None if path is None else os.path.abspath(os.fspath(path))
+
+
+def save_record(tag_dir, run, model, tokenizer=None):
+    """Write the run record of a checkpoint tag (on one rank, after `engine.save_checkpoint(save_dir, tag)`).
+
+    run: the RunConfig (ds_longstraw.run_config); model: the trained module (a transformers model, or a peft model
+    around one); tokenizer: the run's tokenizer or None. Paths in the run config are stored absolute: export runs
+    later, from anywhere."""
+    from omegaconf import OmegaConf
+
+    folder = os.path.join(os.fspath(tag_dir), RECORD)
+    os.makedirs(folder, exist_ok=True)
+    run = OmegaConf.create(OmegaConf.to_container(run))
+    for key in ("model.shape", "model.pretrained", "data.tokenizer", "data.path", "deepspeed_config"):
+        value = OmegaConf.select(run, key)
+        if value is not None:
+            OmegaConf.update(run, key, _absolute(value))
+    OmegaConf.save(run, os.path.join(folder, "run.yaml"))
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(os.path.join(folder, "tokenizer"))
+
+
+@dataclass
+class RunRecord:
+    run: Any  # RunConfig
+    model_config: Any  # transformers PretrainedConfig of the (base) model
+    tokenizer_dir: Optional[str]  # a directory AutoTokenizer loads, or None
+    source: str  # where the record came from (for messages)
+
+
+def load_record(tag_dir, run_config=None) -> RunRecord:
+    """The run record of a checkpoint tag; or, given `run_config` (a run config YAML, for checkpoints saved by a
+    script of one's own), the same facts rebuilt from that config as launch/train.py builds them."""
+    from transformers import AutoConfig
+
+    from .run_config import load_run_config
+
+    folder = os.path.join(os.fspath(tag_dir), RECORD)
+    if run_config is not None:
+        from .modeling import config_from_shape
+
+        run = load_run_config(run_config)
+        if run.model.shape is not None:
+            config = config_from_shape(run.model.shape)
+        else:
+            config = AutoConfig.from_pretrained(run.model.pretrained)
+        tokenizer = run.data.tokenizer or run.model.pretrained
+        has_tokenizer = tokenizer is not None and any(
+            os.path.exists(os.path.join(tokenizer, name)) for name in ("tokenizer.json", "tokenizer_config.json"))
+        return RunRecord(run, config, tokenizer if has_tokenizer else None, f"run config {run_config}")
+    if not os.path.isfile(os.path.join(folder, "run.yaml")):
+        raise ValueError(f"{tag_dir} has no run record ({RECORD}/run.yaml): launch/train.py writes one with every "
+                         "checkpoint; for a checkpoint saved by a script of your own, pass the run config that "
+                         "describes its model (--config run.yaml)")
+    run = load_run_config(os.path.join(folder, "run.yaml"))
+    tokenizer = os.path.join(folder, "tokenizer")
+    return RunRecord(run, AutoConfig.from_pretrained(folder), tokenizer if os.path.isdir(tokenizer) else None,
+                     f"run record {folder}")
+
+
+def checkpoint_tags(save_dir) -> list:
+    """Tags in `save_dir` that hold model-state files, sorted."""
+    found = glob.glob(os.path.join(os.fspath(save_dir), "*", "*_model_states.pt"))
+    return sorted({os.path.basename(os.path.dirname(path)) for path in found})
+
+
+def resolve_tag(save_dir, tag="latest") -> str:
+    """The checkpoint directory of `tag` ("latest": the tag DeepSpeed's `latest` file names); ValueError naming
+    the tags that exist when it is not there."""
+    save_dir = os.fspath(save_dir)
+    if not os.path.isdir(save_dir):
+        raise ValueError(f"checkpoint directory {save_dir!r} does not exist")
+    tags = checkpoint_tags(save_dir)
+    if tag == "latest":
+        latest = os.path.join(save_dir, "latest")
+        if not os.path.isfile(latest):
+            raise ValueError(f"{save_dir!r} has no 'latest' file; pass --tag, one of {tags}")
+        with open(latest) as handle:
+            tag = handle.read().strip()
+    if tag not in tags:
+        raise ValueError(f"tag {tag!r} is not a checkpoint in {save_dir!r}; its checkpoints are {tags}")
+    return os.path.join(save_dir, tag)
+
+
+@contextlib.contextmanager
+def _quiet_mmap_loads():
+    """torch.load memory-maps inside (DeepSpeed's parser loads model-state files without asking), and the parser's
+    progress prints stay out of the user's output."""
+    from torch.utils.serialization import config
+
+    before = config.load.mmap
+    config.load.mmap = True
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        config.load.mmap = before
+
+
+class _FrozenTensor:
+    """A frozen parameter as its rank partitions (memory-mapped); `contiguous()` assembles it, as zero_to_fp32's
+    `_zero3_merge_frozen_params` does for all of them at once."""
+
+    def __init__(self, fragments, shape):
+        self.fragments, self.shape, self.dtype = fragments, shape, fragments[0].dtype
+
+    def contiguous(self):
+        return torch.cat(self.fragments, 0).narrow(0, 0, self.shape.numel()).view(self.shape)
+
+
+class ZeroCheckpoint:
+    """The tensors of a ZeRO-3 checkpoint tag by the trained module's parameter and buffer names.
+
+    shapes: name -> torch.Size of every parameter and persistent buffer (a tied weight under one name; `aliases`
+    maps its other names to that one); trainable: the names the optimizer held; tensor(name): the full tensor
+    (float32 for trained weights: the optimizer's master copy)."""
+
+    def __init__(self, tag_dir):
+        from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
+        from deepspeed.utils import zero_to_fp32
+
+        tag_dir = os.path.abspath(os.fspath(tag_dir))
+        with _quiet_mmap_loads():
+            states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(tag_dir))
+            first = torch.load(zero_to_fp32.get_optim_files(tag_dir)[0], map_location="cpu", weights_only=False)
+            stage = first[OPTIMIZER_STATE_DICT][ZERO_STAGE]
+            if int(stage) != 3:
+                raise ValueError(f"{tag_dir} is a ZeRO stage-{int(stage)} checkpoint; export reads ZeRO-3 ones")
+            # DeepSpeed's own reassembly: buffers, and one lazy GatheredTensor per trained parameter (its rank
+            # partitions, memory-mapped, are joined on .contiguous()).
+            lazy = zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(
+                os.path.dirname(tag_dir), tag=os.path.basename(tag_dir), exclude_frozen_parameters=True,
+                lazy_mode=True)
+        self.world_size = len(states)
+        self.trainable = {name for group in states[0].param_shapes for name in group}
+        for name, shape in (states[0].frozen_param_shapes or {}).items():
+            lazy[name] = _FrozenTensor([state.frozen_param_fragments[name] for state in states], shape)
+        self.aliases = {alias: name for alias, name in states[0].shared_params}
+        self._lazy = {name: value for name, value in lazy.items() if name not in self.aliases}
+        self.shapes = {name: torch.Size(value.shape) for name, value in self._lazy.items()}
+
+    def tensor(self, name) -> torch.Tensor:
+        name = self.aliases.get(name, name)
+        value = self._lazy[name]
+        return value if isinstance(value, torch.Tensor) else value.contiguous()

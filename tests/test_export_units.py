@@ -1,0 +1,240 @@
+"""`longstraw export` on one-rank ZeRO-3 checkpoints (tests/dist_scripts/one_rank_checkpoints.py, one subprocess of
+~15 s): what each run becomes, and the errors at the door.
+
+  formats:  full fine-tune -> transformers directory (+ tokenizer) == the trained module's parameters, bit for bit;
+            glm_moe_dsa -> its experts written per expert (transformers' original layout) and loaded back equal;
+            LoRA over shape weights -> peft adapter + the base in out/base, == the trained module's logits;
+            --merge == to float32 rounding; --dtype bfloat16 == the float32 tensors cast.
+  errors:   a missing tag, no 'latest', a checkpoint of another model (names and shapes named), no run record
+            (--config describes the model instead), an existing --out (refused; --overwrite replaces), --merge of a
+            full fine-tune or of a QLoRA run; a failure part-way leaves neither --out nor a temporary directory.
+The 2-rank launcher runs and their exports loaded without ds_longstraw are tests/test_export.py (slow).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from dist_scripts.launching import REPO, free_port
+from omegaconf import OmegaConf
+
+from ds_longstraw.export import export_checkpoint, main, parse_size
+from ds_longstraw.run_config import load_run_config
+
+SHAPES = os.path.join(REPO, "configs", "models")
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one_rank")
+    script = os.path.join(REPO, "tests", "dist_scripts", "one_rank_checkpoints.py")
+    result = subprocess.run([sys.executable, script, str(tmp), str(free_port())], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp
+
+
+def _copy(ckpts, run, tmp_path):
+    """A copy of a run's save_dir to break."""
+    shutil.copytree(ckpts / run, tmp_path / run)
+    return tmp_path / run
+
+
+def _load(path, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+
+
+def _logits(model):
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 29))
+    with torch.no_grad():
+        return model.eval()(input_ids=ids, use_cache=False).logits[0]
+
+
+def test_full_fine_tune_is_the_trained_module_with_its_tokenizer(ckpts, tmp_path):
+    from transformers import AutoTokenizer
+
+    result = export_checkpoint(ckpts / "full", tmp_path / "out")
+    assert result.kind == "model" and result.files == 1
+    loaded = dict(_load(tmp_path / "out").named_parameters())
+    trained = torch.load(ckpts / "full.pt")
+    assert set(loaded) == set(trained)
+    for name, tensor in trained.items():
+        assert torch.equal(loaded[name], tensor), name
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("t5 t9").input_ids == [5, 9]
+    with open(tmp_path / "out" / "config.json") as handle:
+        config = json.load(handle)
+    assert config["architectures"] and config["dtype"] == "float32" and config["use_cache"] is True
+
+
+def test_moe_experts_are_written_per_expert_and_load_back(ckpts, tmp_path):
+    from safetensors import safe_open
+
+    export_checkpoint(ckpts / "glm", tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as handle:
+        names = list(handle.keys())
+    assert any(".experts.0." in name for name in names)  # transformers' original (serving) layout
+    loaded = dict(_load(tmp_path / "out", experts_implementation="eager").named_parameters())
+    for name, tensor in torch.load(ckpts / "glm.pt").items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def _trained_lora(ckpts):
+    from ds_longstraw.lora import apply_lora
+    from ds_longstraw.modeling import build_model
+
+    model = apply_lora(build_model(shape=os.path.join(SHAPES, "tiny_qwen3_5.yaml"), seed=0), r=4, alpha=32, seed=0)
+    model.load_state_dict(torch.load(ckpts / "lora.pt"))
+    return model
+
+
+def test_lora_over_shape_weights_is_an_adapter_with_its_base(ckpts, tmp_path):
+    from peft import PeftModel
+
+    result = export_checkpoint(ckpts / "lora", tmp_path / "out")
+    assert result.kind == "adapter" and result.base == str(tmp_path / "out" / "base")
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "out"))
+    want = _logits(_trained_lora(ckpts))
+    got = _logits(PeftModel.from_pretrained(_load(result.base), tmp_path / "out"))
+    assert torch.equal(got, want)
+
+
+def test_merged_lora_matches_the_adapters_to_float32_rounding(ckpts, tmp_path):
+    export_checkpoint(ckpts / "lora", tmp_path / "out", merge=True)
+    got, want = _logits(_load(tmp_path / "out")), _logits(_trained_lora(ckpts))
+    # one float32 rounding of W + s * B @ A against the adapter path's separate products: measured 1.7e-7
+    assert (got - want).abs().max() <= 1e-6
+    assert not any("lora" in name for name, _ in _load(tmp_path / "out").named_parameters())
+
+
+def test_dtype_casts_the_weights(ckpts, tmp_path):
+    from safetensors import safe_open
+
+    export_checkpoint(ckpts / "full", tmp_path / "out", dtype="bfloat16")
+    trained = torch.load(ckpts / "full.pt")
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as handle:
+        for name in handle.keys():
+            assert torch.equal(handle.get_tensor(name), trained[name].to(torch.bfloat16)), name
+    with open(tmp_path / "out" / "config.json") as handle:
+        assert json.load(handle)["dtype"] == "bfloat16"
+
+
+def test_missing_tag_names_the_tags_there(ckpts, tmp_path):
+    with pytest.raises(ValueError, match=r"tag 'step7' is not a checkpoint .*\['step1'\]"):
+        export_checkpoint(ckpts / "full", tmp_path / "out", tag="step7")
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_no_latest_file_asks_for_a_tag(ckpts, tmp_path):
+    save_dir = _copy(ckpts, "full", tmp_path)
+    os.remove(save_dir / "latest")
+    with pytest.raises(ValueError, match=r"no 'latest' file; pass --tag, one of \['step1'\]"):
+        export_checkpoint(save_dir, tmp_path / "out")
+    export_checkpoint(save_dir, tmp_path / "out", tag="step1")
+
+
+def _run_config(tmp_path, shape, name="run.yaml"):
+    run = load_run_config(None, ["deepspeed_config=ds.json", "data.path=groups.jsonl", f"model.shape={shape}"])
+    OmegaConf.save(run, tmp_path / name)
+    return tmp_path / name
+
+
+def test_checkpoint_of_another_model_names_the_parameters(ckpts, tmp_path):
+    fields = OmegaConf.load(os.path.join(SHAPES, "tiny_qwen3_5.yaml"))
+    fields.intermediate_size = 96
+    OmegaConf.save(fields, tmp_path / "wider.yaml")
+    with pytest.raises(ValueError, match=r"holds another model .*shapes differ: model\.layers\.0\.mlp\.\w+\.weight "
+                                         r"\(80, 48\) in the checkpoint, \(96, 48\) in the model"):
+        export_checkpoint(ckpts / "full", tmp_path / "out", run_config=_run_config(tmp_path, tmp_path / "wider.yaml"))
+    glm = _run_config(tmp_path, os.path.join(SHAPES, "tiny_glm_moe_dsa.yaml"), "glm.yaml")
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: .* and \d+ more; not in the model: "):
+        export_checkpoint(ckpts / "full", tmp_path / "out", run_config=glm)
+    assert sorted(os.listdir(tmp_path)) == ["glm.yaml", "run.yaml", "wider.yaml"]  # no --out, no partial one
+
+
+def test_checkpoint_without_a_record_takes_a_run_config(ckpts, tmp_path):
+    save_dir = _copy(ckpts, "full", tmp_path)
+    shutil.rmtree(save_dir / "step1" / "longstraw")
+    with pytest.raises(ValueError, match=r"no run record .*--config run\.yaml"):
+        export_checkpoint(save_dir, tmp_path / "out")
+    run = _run_config(tmp_path, os.path.join(SHAPES, "tiny_qwen3_5.yaml"))
+    export_checkpoint(save_dir, tmp_path / "out", run_config=run)
+    loaded = dict(_load(tmp_path / "out").named_parameters())
+    for name, tensor in torch.load(ckpts / "full.pt").items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_existing_out_is_refused_unless_overwrite(ckpts, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists: pass --overwrite"):
+        export_checkpoint(ckpts / "full", tmp_path / "out")
+    assert os.listdir(tmp_path / "out") == ["keep.txt"]
+    export_checkpoint(ckpts / "full", tmp_path / "out", overwrite=True)
+    assert "keep.txt" not in os.listdir(tmp_path / "out") and "model.safetensors" in os.listdir(tmp_path / "out")
+    assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_a_failure_part_way_leaves_no_files(ckpts, tmp_path, monkeypatch):
+    import ds_longstraw.export as export
+
+    def fail(*args):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export, "_write_tokenizer", fail)  # after the weights are written
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(ckpts / "full", tmp_path / "new")
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "keep.txt").write_text("mine")
+    with pytest.raises(RuntimeError, match="disk full"):
+        export_checkpoint(ckpts / "full", tmp_path / "old", overwrite=True)
+    assert os.listdir(tmp_path) == ["old"] and os.listdir(tmp_path / "old") == ["keep.txt"]
+
+
+def test_merge_is_refused_for_a_full_fine_tune_and_for_qlora(ckpts, tmp_path):
+    with pytest.raises(ValueError, match="this run is a full fine-tune"):
+        export_checkpoint(ckpts / "full", tmp_path / "out", merge=True)
+    save_dir = _copy(ckpts, "lora", tmp_path)
+    record = save_dir / "step1" / "longstraw" / "run.yaml"
+    run = OmegaConf.load(record)
+    run.lora.qlora, run.model.pretrained, run.model.shape = True, str(tmp_path), None
+    OmegaConf.save(run, record)
+    with pytest.raises(ValueError, match="refused for a QLoRA run: its base weights exist only as 4-bit NF4 codes"):
+        export_checkpoint(save_dir, tmp_path / "out", merge=True)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_command_line(ckpts, tmp_path, capsys):
+    main([str(ckpts / "full"), "--out", str(tmp_path / "out"), "--max-shard-size", "64KB"])
+    said = capsys.readouterr().out
+    assert "model, 56 tensors" in said and "AutoModelForCausalLM.from_pretrained(" in said
+    assert len([f for f in os.listdir(tmp_path / "out") if f.endswith(".safetensors")]) > 1
+    with pytest.raises(SystemExit, match="longstraw export: --out .* exists"):
+        main([str(ckpts / "full"), "--out", str(tmp_path / "out")])
+
+
+def test_parse_size():
+    assert [parse_size(s) for s in ("5GB", "200MB", "64KB", "1.5gb", 1000, "12")] == [
+        5 * 10**9, 200 * 10**6, 64000, 1.5 * 10**9, 1000, 12]
+    with pytest.raises(ValueError, match="--max-shard-size"):
+        parse_size("5 gigs")
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["train.export_dir=out"], ["train.export_dir", "train.save_dir"]),
+    (["train.save_dir=c", "train.export_dir=out", "train.export_merge=true"], ["export_merge", "lora.enabled"]),
+    (["train.save_dir=c", "train.export_merge=true", "lora.enabled=true", "lora.qlora=true",
+      "model.pretrained=p", "model.shape=null"], ["export_merge", "qlora"]),
+], ids=["export-without-save-dir", "merge-full-fine-tune", "merge-qlora"])
+def test_run_config_export_settings_at_the_door(overrides, words):
+    with pytest.raises(ValueError) as error:
+        load_run_config(None, ["deepspeed_config=ds.json", "data.path=g.jsonl", "model.shape=s.yaml", *overrides])
+    for word in words:
+        assert word in str(error.value)
