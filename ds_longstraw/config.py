@@ -80,6 +80,9 @@ class LongstrawConfig(DeepSpeedConfigModel):
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
+    cp_replay: under context parallelism, who replays the members: "replicated" (every rank every member, the
+        same bits everywhere) or "spread" (rank r replays members m with m mod cp_size = r; queries travel to the
+        pages' owners and partials back, parallel/spread.py).
     ep_size: expert-parallel ranks a MoE layer's routed experts are sharded over (ds_longstraw.shard_experts); with
         cp_size > 1 they are the CP group's ranks (ep_size = cp_size).
     """
@@ -95,6 +98,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
+    cp_replay: Literal["replicated", "spread"] = "replicated"
     ep_size: int = Field(1, ge=1)
     progress: bool = False
 

@@ -44,7 +44,7 @@ from .engine_config import load_ds_config, read_block
 from .engine_experts import ExpertSlices, build_ep_groups, check_engine_settings, without_expert_params
 from .group import GRPOGroup
 from .lockstep import Lockstep, common_shapes, dummy_group, shape_of
-from .objective import GRPOObjective
+from .objective import GRPOObjective, ScaledObjective
 from .transaction import GroupResult, grpo_backward
 
 
@@ -117,7 +117,7 @@ class LongstrawEngineMixin:
             for item, lockstep, scale in plan:
                 # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
                 # back-propagates injected gradients that already carry it.
-                weighted = objective if scale == 1.0 else _Weighted(objective, scale)
+                weighted = objective if scale == 1.0 else ScaledObjective(objective, scale)
                 result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
                                        cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep,
                                        ep_group=None if experts is None else experts.ep.group)
@@ -216,19 +216,6 @@ def build_cp_groups(cp_size):
         if start <= rank < start + cp_size:
             mine = group
     return CPContext(mine)
-
-
-class _Weighted:
-    """An objective whose member loss shares are multiplied by `weight` (everything else delegated)."""
-
-    def __init__(self, objective, weight):
-        self.objective, self.weight = objective, weight
-
-    def __getattr__(self, name):
-        return getattr(self.objective, name)
-
-    def member_loss(self, *args, **kwargs):
-        return self.objective.member_loss(*args, **kwargs) * self.weight
 
 
 def _fill_missing_grads(engine):

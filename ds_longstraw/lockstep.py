@@ -49,15 +49,24 @@ class GroupShape:
         return [self.chunks, len(self.blocks), *self.blocks]
 
 
+def replayed_members(group, settings, cp=None) -> list:
+    """The members this rank replays: all of them, or (context parallelism with "cp_replay": "spread") its share."""
+    if cp is not None and settings.cp_replay == "spread":
+        return list(range(cp.rank, group.size, cp.size))
+    return list(range(group.size))
+
+
 def shape_of(group, settings, cp=None) -> GroupShape:
     """cp: None, or this rank's parallel.CPContext: then the chunks are those of this rank's shard of the prompt
-    (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py)."""
+    (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py), and
+    the blocks those of the members it replays (replayed_members), in order: member slots."""
     tokens = group.prompt_ids.numel() - 1
     if cp is not None:
         lo, hi = cp.shards(tokens)[cp.rank]
         tokens = hi - lo
     return GroupShape(chunks=ceil_div(tokens, settings.segment_tokens),
-                      blocks=tuple(ceil_div(r.numel(), settings.replay_block) for r in group.response_ids))
+                      blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
+                                   for m in replayed_members(group, settings, cp)))
 
 
 def merge(shapes) -> GroupShape:
@@ -176,6 +185,20 @@ class Lockstep(Schedule):
                     zero = logp.sum() * 0.0
                     zero.backward() if backward is None else backward(zero)
             del logp
+
+
+class ReplayLockstep(Lockstep):
+    """Padding of the replay only (member slots and blocks), for ranks whose replays exchange with each other but
+    whose capture and prefix pass already pair up (a spread CP replay without ZeRO-3)."""
+
+    capture_pad = 0
+    prefix_iterations = None
+
+    def pad_capture(self, adapter):
+        pass
+
+    def pad_prefix(self, adapter, backward=None):
+        pass
 
 
 def zero_prefix_iteration(adapter, backward=None, remote_attention=None, recompute=False):

@@ -101,3 +101,18 @@ class GRPOObjective:
         for i, logp in enumerate(logps):
             total = total + self.member_loss(group, i, logp, advantages, None if ref_logps is None else ref_logps[i])
         return total
+
+
+class ScaledObjective:
+    """An objective whose member loss shares are multiplied by `weight`; everything else is delegated. (The engine
+    weighs several groups on one rank; a spread CP replay under the engine counts its members cp_size times, as the
+    replicated replay does.)"""
+
+    def __init__(self, objective, weight):
+        self.objective, self.weight = objective, weight
+
+    def __getattr__(self, name):
+        return getattr(self.objective, name)
+
+    def member_loss(self, *args, **kwargs):
+        return self.objective.member_loss(*args, **kwargs) * self.weight

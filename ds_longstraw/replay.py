@@ -81,23 +81,24 @@ def member_inputs(group, member):
 
 
 def replay_group(adapter, leaves, start, group, objective, advantages, ref_logprobs, block, *, backward=None,
-                 schedule=None, remote_attention=None):
+                 schedule=None, remote_attention=None, members=None):
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
     schedule: a lockstep.Schedule; under ZeRO-3 a Lockstep, which pads this rank's module calls to the other ranks'
-    (dummy tokens and members; results unchanged).
-    Returns (group loss as a float, per-member log-probs detached on the CPU in float64).
+    (dummy tokens and members; results unchanged); members: the members to replay (default all; a spread CP
+    replay: this rank's share), whose positions in the list are the schedule's member slots.
+    Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64).
     """
     def replay(adapter_, leaves_, start_, inputs, targets, block_):
         return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
 
     schedule = schedule or Schedule()
     logprobs, loss = [], 0.0
-    for member in range(group.size):
+    for slot, member in enumerate(range(group.size) if members is None else members):
         inputs, targets = member_inputs(group, member)
         real = targets.numel()
-        inputs, targets = schedule.pad_member(member, inputs, targets)
+        inputs, targets = schedule.pad_member(slot, inputs, targets)
         with torch.enable_grad():
             logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
             ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
@@ -118,18 +119,19 @@ def final_carry_grads(leaves):
             for layer, parts in leaves.carry.items()}
 
 
-def score_group(adapter, leaves, start, group, block, *, schedule=None, remote_attention=None):
-    """Log-probs of every member's response WITHOUT a graph (reference scoring), float64 on the CPU."""
+def score_group(adapter, leaves, start, group, block, *, schedule=None, remote_attention=None, members=None):
+    """Log-probs of the members' responses (default all; members: as replay_group's) WITHOUT a graph (reference
+    scoring), float64 on the CPU."""
     def replay(adapter_, leaves_, start_, inputs, targets, block_):
         return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
 
     schedule = schedule or Schedule()
     scores = []
     with torch.no_grad():
-        for member in range(group.size):
+        for slot, member in enumerate(range(group.size) if members is None else members):
             inputs, targets = member_inputs(group, member)
             real = targets.numel()
-            inputs, targets = schedule.pad_member(member, inputs, targets)
+            inputs, targets = schedule.pad_member(slot, inputs, targets)
             scores.append(replay(adapter, leaves, start, inputs, targets, block)[:real].double().cpu())
         schedule.replay_dummy_members(adapter, leaves, start, replay, with_grad=False)
     return scores

@@ -21,12 +21,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .lockstep import ReplayLockstep, common_shapes, replayed_members, shape_of
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
 from .parallel.experts import is_expert_param
 from .parallel.groups import as_cp_context
 from .parallel.prefix import cp_prefix_backward
+from .parallel.spread import gather_members, spread
 from .parallel.ulysses import check_heads
 from .prefix_pass import prefix_backward
 from .replay import PrefixLeaves, carry_leaves, prefix_leaves
@@ -71,6 +73,27 @@ class OneRank:
     def after_replay(self, model, caller_reduces):
         """Replay's gradients are complete: nothing to rescale."""
 
+    def replay_members(self, group) -> list:
+        """The members this rank replays and scores: all of them."""
+        return list(range(group.size))
+
+    def replay_lockstep(self, group, settings):
+        """A schedule the replay needs although the caller gave none: none here."""
+        return None
+
+    def member_weight(self, caller_reduces) -> float:
+        return 1.0
+
+    def collect_members(self, values, members, count) -> list:
+        """Per-member values of every member from those this rank replayed: all of them, here."""
+        return list(values)
+
+    def collect_loss(self, loss) -> float:
+        return loss
+
+    def collect_final_carry_grads(self, d_final) -> dict:
+        return d_final
+
     def report(self, state, group) -> dict:
         return {}
 
@@ -79,10 +102,13 @@ class ContextParallel:
     """The prompt's tokens sharded over a context-parallel group (every rank calls the transaction with the same
     group, config and CP group).
 
-    replay   every rank replays every member, identically: its attention layers reach the prompt pages of all
-             ranks through all-gathered (out, lse) partials, so logits, losses and replay's gradients are the same
-             on every rank. Exact mode: d(rows) of each rank's pages go to its own gradient pages, d(final carry) is
-             on all ranks.
+    replay   "cp_replay": "replicated": every rank replays every member, identically: its attention layers reach
+             the prompt pages of all ranks through all-gathered (out, lse) partials, so logits, losses and replay's
+             gradients are the same on every rank. Exact mode: d(rows) of each rank's pages go to its own gradient
+             pages, d(final carry) is on all ranks.
+             "spread": rank r replays its own members (m mod N = r; parallel/spread.py): queries travel to the
+             pages' owners and partials back; the members' losses, log-probs and d(final carry) are then summed or
+             gathered over the CP group, and replay's gradients are each rank's own members' (no 1/N below).
     prefix   (exact) ranks take turns last to first; the parameter gradients it produces differ per rank (each
              covers its own tokens)
     reduce   ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
@@ -106,6 +132,8 @@ class ContextParallel:
     def check(self, adapter, settings, lockstep=None):
         """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
         and capture decisions start from zero (the group's report covers this call only)."""
+        self.settings = settings
+        self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
         check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
@@ -128,13 +156,51 @@ class ContextParallel:
             pages = SparsePagesAttention(self.cp, state.pool, adapter, state.offset, state.length, exact=requires_grad)
         else:
             pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
+        if self.spread:  # each rank its own members: queries travel to the pages (parallel/spread.py)
+            pages = spread(pages)
         leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
                               past={layer: [] for layer in adapter.paged_layers}, stager=pages.stager)
         return ReplayView(leaves, pages)
 
+    # -- who replays which member ("cp_replay") --------------------------------------------------------------
+    def replay_members(self, group) -> list:
+        return replayed_members(group, self.settings, self.cp)
+
+    def replay_lockstep(self, group, settings):
+        """Spread members make the ranks' replays exchange with each other, so ranks with fewer members or blocks
+        pad them (capture and the prefix pass pair up already)."""
+        if not self.spread:
+            return None
+        local = shape_of(group, settings, self.cp)
+        return ReplayLockstep(local, common_shapes([local], self.cp.group)[0], settings)
+
+    def member_weight(self, caller_reduces) -> float:
+        """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical
+        copies; the prefix pass's shares are scaled alike, _scale_injected_): spread members weigh N."""
+        return float(self.size) if self.spread and caller_reduces else 1.0
+
+    def collect_members(self, values, members, count) -> list:
+        return gather_members(self.cp, values, members, count) if self.spread else list(values)
+
+    def collect_loss(self, loss) -> float:
+        if not self.spread:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64)
+        torch.distributed.all_reduce(total, group=self.cp.group)
+        return float(total)
+
+    def collect_final_carry_grads(self, d_final) -> dict:
+        """d(final carry) summed over the members of every rank (spread: each rank has its own members')."""
+        if self.spread:
+            for parts in d_final.values():
+                for part in parts:
+                    self.cp.all_reduce_(part, -1, "replay_d_carry")
+        return d_final
+
     def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
                timings=None):
-        if backward is not None and self.cp.size != 1:
+        if backward is not None and self.cp.size != 1 and not self.spread:
+            # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
         lo, hi = self.cp.shards(state.length)[self.cp.rank]
         cp_prefix_backward(adapter, state, prompt_ids[:-1][lo:hi], d_final, self.cp, settings.segment_tokens,
@@ -146,7 +212,7 @@ class ContextParallel:
         return None if caller_reduces else _take_grads(model)
 
     def after_replay(self, model, caller_reduces):
-        if not caller_reduces:
+        if not caller_reduces and not self.spread:
             _scale_grads_(model, 1.0 / self.cp.size)  # the same on every rank: count them once in the sum
 
     def reduce(self, model, before):
@@ -155,7 +221,9 @@ class ContextParallel:
 
     def report(self, state, group) -> dict:
         lo, hi = self.cp.shards(state.length)[self.cp.rank]
-        return {"cp": dict(self.cp.report(), shard=(lo, hi), replayed_tokens=group.response_tokens)}
+        replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
+        return {"cp": dict(self.cp.report(), shard=(lo, hi), replayed_tokens=replayed,
+                           replayed_members=self.replay_members(group))}
 
 
 # How a layer's work crosses context-parallel ranks (arch/specs.py), as parallel/capture.py runs it.

@@ -22,7 +22,7 @@ from .config import parse_config
 from .group import GRPOGroup
 from .lockstep import Lockstep, Schedule, common_shapes, shape_of
 from .memory import PhaseMeter
-from .objective import GRPOObjective
+from .objective import GRPOObjective, ScaledObjective
 from .parallel.experts import check_expert_parallel
 from .replay import final_carry_grads, replay_group, score_group
 from .topology import OneRank, topology_for
@@ -78,12 +78,14 @@ def score_reference(ref_model, group, settings, topology=None, schedule=None):
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
+    members = topology.replay_members(group)
     state = _capture(adapter, group, settings, False, "capture (reference)", topology, schedule)
     try:
         view = topology.replay_view(adapter, state, requires_grad=False)
         try:
-            return score_group(adapter, view.leaves, state.length, group, settings.replay_block, schedule=schedule,
-                               remote_attention=view.remote_attention)
+            scores = score_group(adapter, view.leaves, state.length, group, settings.replay_block,
+                                 schedule=schedule, remote_attention=view.remote_attention, members=members)
+            return topology.collect_members(scores, members, group.size)
         finally:
             view.leaves.release()
     finally:
@@ -132,7 +134,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     if ep is not None:
         ep.reset()
         lockstep = lockstep or _expert_lockstep(ep, group, settings, topology)
-    schedule = lockstep or Schedule()
+    schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
+    members = topology.replay_members(group)
+    weight = topology.member_weight(backward is not None)
+    if weight != 1.0:
+        objective = ScaledObjective(objective, weight)
     exact = settings.prefix_grad == "exact"
     caller_reduces = backward is not None
     meter = PhaseMeter(adapter.device)
@@ -153,13 +159,15 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
             view = topology.replay_view(adapter, state, requires_grad=exact)
             loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
                                           ref_logprobs, settings.replay_block, backward=backward, schedule=schedule,
-                                          remote_attention=view.remote_attention)
+                                          remote_attention=view.remote_attention, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
+            loss = topology.collect_loss(loss / weight)
+            logprobs = topology.collect_members(logprobs, members, group.size)
         topology.after_replay(model, caller_reduces)
 
         if exact:
             with meter.phase("prefix"), topology.phase("prefix"):
-                d_final = final_carry_grads(view.leaves)
+                d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
                 with _progress_bar(settings.progress and topology.size == 1, state.length, "prefix pass") as bar:
                     topology.prefix(adapter, state, group.prompt_ids, d_final, settings, schedule, backward=backward,
                                     progress=None if bar is None else bar.update, timings=prefix_seconds)

@@ -12,6 +12,8 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   average
            glm3exact  the same on a tiny glm_moe_dsa (LSE capture, host tier): its global top-k capture padded,
                   and the owner's SELECT / FORWARD / BACKWARD requests answered inside the mirrored turns
+           zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread": each CP rank replays its own members,
+                  padded to the common member slots of all four ranks
            glm3ep  the same with "ep_size" 2: each CP group is also the EP group (GLM-5.2's CP32/EP32 layout),
                   each rank's expert slice outside ZeRO, its gradient summed over the replicas holding it
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
@@ -40,7 +42,7 @@ SCRIPT = os.path.join(REPO, "tests", "dist_scripts", "engine_cp_checks.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_cp")
-    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep", 2: "zero3,zero3kept,glm3"}
+    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep,zero3spread", 2: "zero3,zero3kept,glm3"}
     dirs, logs, procs = {}, [], []
     for world, checks in jobs.items():
         dirs[world] = out / f"w{world}"
@@ -69,7 +71,8 @@ def _check(results, world, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,name", [(4, "zero3"), (4, "zero2"), (4, "zero3exact"), (4, "glm3exact"),
-                                        (4, "glm3ep"), (2, "zero3"), (2, "zero3kept"), (2, "glm3")])
+                                        (4, "glm3ep"), (4, "zero3spread"), (2, "zero3"), (2, "zero3kept"),
+                                        (2, "glm3")])
 def test_cp_step_equals_data_parallel_average(results, world, name):
     checks = _check(results, world, name)
     for rank, r in enumerate(checks):

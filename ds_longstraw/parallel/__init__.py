@@ -7,6 +7,8 @@ cp_sparse.py     the "topk_lse" combine: a global top-k selection from every ran
 ulysses.py       the capture's head/sequence all-to-all alternative for attention
 capture.py       layer-major capture of a sharded prompt (each layer's combine from its spec)
 prefix.py        exact mode's prefix pass, ranks in turn, remote pages served by their owners
+spread.py        the replay spread over the CP group (each rank its own members: queries out, partials back)
+experts.py       expert parallelism: routed (token, expert) pairs to the experts' owners by all-to-all and back
 The transaction runs over these through ../topology.py (ContextParallel); a family's own cross-rank math (the
 Gated DeltaNet state scan) lives with its adapter in ../arch/.
 """

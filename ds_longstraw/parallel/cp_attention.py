@@ -326,17 +326,27 @@ class PagesAttention:
         # this rank's pages, page by page from its tier; wrap: every replay block walks all layers
         self.stager = layer_stager(pool, adapter.specs, wrap=True)
 
-    def forward(self, layer, q_HTD):
+    # -- this rank's pages' share (the replicated schedule below, and parallel/spread.py's) ----------------------
+    def own_partial(self, layer, q_HTD):
+        """(out, lse) of the queries over this rank's pages, the lse in the accumulation dtype."""
         out, lse = streamed_partial(self.stager, self.specs[layer], q_HTD, self.adapter.attention_scale(layer))
+        return out, lse.to(_acc(q_HTD.dtype))
+
+    def own_grads(self, layer, q_HTD, lse, dout_HTD, delta):
+        """This rank's pages' share of dq given the merged lse and delta; dK/dV of its pages stay here, on its
+        gradient pages (exact mode)."""
+        return streamed_grads(self.stager, self.specs[layer], q_HTD, lse, dout_HTD, delta,
+                              self.adapter.attention_scale(layer), self.pool if self.exact else None)
+
+    # -- every rank with the same queries ---------------------------------------------------------------------
+    def forward(self, layer, q_HTD):
+        out, lse = self.own_partial(layer, q_HTD)
         outs = self.cp.all_gather(out, layer, "replay_out")
-        lses = self.cp.all_gather(lse.to(_acc(q_HTD.dtype)), layer, "replay_lse")
+        lses = self.cp.all_gather(lse, layer, "replay_lse")
         return merge_in_order(list(zip(outs, lses)))
 
     def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
-        delta = attention_delta(out, dout_HTD, dlse_HT)
-        # dK/dV of this rank's pages stay here, on its gradient pages (exact mode)
-        dq = streamed_grads(self.stager, self.specs[layer], q_HTD, lse, dout_HTD, delta,
-                            self.adapter.attention_scale(layer), self.pool if self.exact else None)
+        dq = self.own_grads(layer, q_HTD, lse, dout_HTD, attention_delta(out, dout_HTD, dlse_HT))
         self.cp.all_reduce_(dq, layer, "replay_dq")
         return dq
 

@@ -412,7 +412,10 @@ class SparsePagesAttention:
         self.rows, self.keys = row_stager(pool, adapter.specs, wrap=True), key_stager(pool, adapter.specs, wrap=True)
         self.stager = _Stagers(self.rows, self.keys)  # what the replay's leaves close
 
-    def candidates(self, layer, selector):
+    # -- this rank's pages' share (the replicated schedule below, and parallel/spread.py's) ----------------------
+    def own_candidates(self, layer, selector):
+        """This rank's candidates (scores, absolute positions int32) for the selector's queries, padded with score
+        -inf (never a candidate) to the width every rank uses."""
         spec, geometry = self.specs[layer], self.adapter.sparse_geometry(layer)
         tokens, device = selector[0].shape[0], selector[0].device
         width = min(geometry.topk, max(self.sizes))
@@ -422,7 +425,23 @@ class SparsePagesAttention:
             mine, local = streamed_candidates(self.keys, self.adapter, spec, selector)
             scores[:, : mine.shape[1]] = mine
             positions[:, : local.shape[1]] = (local + self.lo).to(torch.int32)
-        # padding (score -inf) never counts as a candidate
+        return scores, positions
+
+    def own_partial(self, layer, query, positions, valid):
+        """(out, lse) of the query over the selected rows among this rank's pages."""
+        own = _own(positions, valid, self.lo, self.hi)
+        return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+
+    def own_grads(self, layer, query, positions, valid, lse, d_out, delta):
+        """This rank's pages' share of d(query) given the merged lse and delta; d(rows) of its pages stay here, on
+        its gradient pages (exact mode)."""
+        own = _own(positions, valid, self.lo, self.hi)
+        return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
+                                     self.pool if self.exact else None)
+
+    # -- every rank with the same queries ---------------------------------------------------------------------
+    def candidates(self, layer, selector):
+        scores, positions = self.own_candidates(layer, selector)
         all_scores = self.cp.all_gather(scores, layer, "sparse_candidate_scores")
         all_positions = self.cp.all_gather(positions, layer, "sparse_candidates")
         best = None
@@ -434,18 +453,14 @@ class SparsePagesAttention:
         return selected_rows_attention(self, layer, query, positions, valid)
 
     def partials(self, layer, query, positions, valid):
-        own = _own(positions, valid, self.lo, self.hi)
-        out, lse = streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+        out, lse = self.own_partial(layer, query, positions, valid)
         outs = self.cp.all_gather(out, layer, "sparse_out")
         lses = self.cp.all_gather(lse, layer, "sparse_lse")
         return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses)))
 
     def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
         delta = attention_delta(out, d_out, d_lse)
-        own = _own(positions, valid, self.lo, self.hi)
-        # d(rows) of this rank's pages stay here, on its gradient pages (exact mode)
-        d_query = streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
-                                        self.pool if self.exact else None)
+        d_query = self.own_grads(layer, query, positions, valid, lse, d_out, delta)
         flat = self.cp.all_reduce_(torch.cat([d.reshape(-1) for d in d_query]), layer, "sparse_dq")
         return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query)]
 

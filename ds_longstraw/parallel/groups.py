@@ -10,6 +10,7 @@ Counting convention (logical payload, not wire bytes of a particular algorithm):
   all_reduce    each rank counts 2 (N-1)/N x the tensor's bytes (a ring all-reduce's receive volume).
 """
 
+import math
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -113,6 +114,36 @@ class CPContext:
         dist.all_reduce(tensor, group=self.group)
         self.traffic.add(self.phase_name, layer, op, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         return tensor
+
+    def gather_tokens(self, tensors, dim=0, layer=-1, op="gather_tokens"):
+        """Every rank's `tensors` (each with this rank's own number of tokens along `dim`, the same on all of its
+        tensors), concatenated in rank order; returns (tuple of gathered tensors, token counts by rank). Booleans
+        travel as uint8 (not every backend reduces or gathers bool)."""
+        count = torch.tensor([tensors[0].shape[dim]], dtype=torch.int64)
+        counts = [torch.zeros_like(count) for _ in range(self.size)]
+        dist.all_gather(counts, count, group=self.group)
+        counts = [int(c) for c in counts]
+        width = max(counts)
+        out = []
+        for tensor in tensors:
+            wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
+            pad = [0, 0] * (wire.dim() - 1 - dim % wire.dim()) + [0, width - wire.shape[dim]]
+            parts = self.all_gather(torch.nn.functional.pad(wire, pad), layer, op)
+            whole = torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts)], dim)
+            out.append(whole.bool() if tensor.dtype == torch.bool else whole)
+        return tuple(out), counts
+
+    def return_tokens(self, tensor, counts, dim=0, layer=-1, op="return_tokens"):
+        """The inverse journey of gather_tokens: `tensor` holds every rank's tokens along `dim` (counts by rank, in
+        rank order); rank r gets its own tokens' slice from every rank. Returns the slices by source rank."""
+        moved = tensor.movedim(dim, 0).contiguous()
+        row = math.prod(moved.shape[1:])
+        recv = torch.empty(self.size * counts[self.rank] * row, dtype=tensor.dtype, device=tensor.device)
+        dist.all_to_all_single(recv, moved.reshape(-1), [counts[self.rank] * row] * self.size,
+                               [n * row for n in counts], group=self.group)
+        self.traffic.add(self.phase_name, layer, op, (self.size - 1) * counts[self.rank] * row * tensor.element_size())
+        shape = (counts[self.rank], *moved.shape[1:])
+        return [piece.view(shape).movedim(0, dim) for piece in recv.split(counts[self.rank] * row)]
 
     def send(self, tensor, dst):
         dist.send(tensor.contiguous(), group=self.group, group_dst=dst)

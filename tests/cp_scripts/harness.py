@@ -10,7 +10,8 @@ optional ref_seed (KL to a separate reference model), optional capture_move ("au
 dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optional cp_attention, optional
 worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
 optional repeat (grpo_backward calls without zeroing .grad in between), optional tier ("cpu", or "nvme": page
-files under <out_dir>/nvme), optional keep (prefix_keep_attention) and kept_tier (offload.kept_attention_tier).
+files under <out_dir>/nvme), optional keep (prefix_keep_attention) and kept_tier (offload.kept_attention_tier),
+optional cp_replay.
 A GLM case (family "glm_moe_dsa") builds tests/glm_models.py's tiny_glm_moe_dsa (model: its config overrides) and
 runs under glm_reference() instead of float64_model(); with record, every selection a selecting layer makes
 (capture, replay, prefix pass) is saved as (phase, layer, first query position, positions, valid).
@@ -59,6 +60,8 @@ def case_config(case, world, out_dir=None):
         config["offload"] = {"tier": case["tier"]}
         if case["tier"] == "nvme":
             config["offload"]["nvme_path"] = nvme_dir(out_dir)
+    if "cp_replay" in case:  # who replays which member ("replicated" or "spread")
+        config["cp_replay"] = case["cp_replay"]
     if case.get("keep"):  # exact mode's kept attention, optionally on a tier of its own
         config["prefix_keep_attention"] = True
     if "kept_tier" in case:
