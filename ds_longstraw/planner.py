@@ -176,9 +176,9 @@ def _render_moe(plan) -> list:
              f"| weights per rank | ZeRO-3 only | EP {ep} + ZeRO-3 |" if ep > 1 else "| weights per rank | ZeRO-3 |",
              "|---|---:|---:|" if ep > 1 else "|---|---:|"]
     where = f"ZeRO-3: / {lay.gpus} GPUs" + (f"; EP: / {ep}, held whole outside ZeRO" if ep > 1 else "")
+    other = m["weights_per_rank_zero3"] - routed_zero3  # the same with and without EP
     rows = [(f"routed experts ({where})", routed_zero3, m["routed_weights_per_rank_ep"]),
-            (f"other parameters (/ {lay.gpus} GPUs)", m["weights_per_rank_zero3"] - routed_zero3,
-             m["weights_per_rank_ep"] - m["routed_weights_per_rank_ep"]),
+            (f"other parameters (/ {lay.gpus} GPUs)", other, other),
             ("total", m["weights_per_rank_zero3"], m["weights_per_rank_ep"])]
     for label, zero3, with_ep in rows:
         lines.append(f"| {label} | {_gib(zero3)} | {_gib(with_ep)} |" if ep > 1 else f"| {label} | {_gib(zero3)} |")

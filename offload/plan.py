@@ -250,8 +250,10 @@ def moe_figures(shape: ModelShape, layout: Layout, tokens_per_rank: int, capture
     out = {"ep": ep, "experts": moe.experts, "experts_per_token": moe.experts_per_token, "layers": moe.layers,
            "routed_params": routed,
            "weights_per_rank_zero3": int(shape.params * wb / layout.gpus),
-           "weights_per_rank_ep": int(routed * wb / ep + (shape.params - routed) * wb / layout.gpus),
-           "routed_weights_per_rank_ep": int(routed * wb / ep),
+           # None without EP: the routed experts are then ZeRO-3's like every other parameter
+           "weights_per_rank_ep": int(routed * wb / ep + (shape.params - routed) * wb / layout.gpus) if ep > 1
+           else None,
+           "routed_weights_per_rank_ep": int(routed * wb / ep) if ep > 1 else None,
            "zero3_gather_bytes_per_moe_call": int(moe.block_params * wb),
            "zero3_gather_bytes_per_moe_call_ep": int((moe.block_params - moe.routed_params) * wb),
            "capture_moe_calls": calls,

@@ -245,6 +245,10 @@ def test_cli_expert_parallel(capsys, tmp_path):
     assert main(args) == 0  # --ep 1: ZeRO-3's gather of a whole MoE block is still reported
     out = capsys.readouterr().out
     assert "19.41 GB per call" in out and "all-to-all per MoE layer" not in out
+    assert main(args + ["--json"]) == 0
+    no_ep = json.loads(capsys.readouterr().out)
+    assert no_ep["experts"]["weights_per_rank_ep"] is None
+    assert no_ep["weights_per_rank"] == no_ep["experts"]["weights_per_rank_zero3"]
     # --cp defaults to every GPU: an EP size other than 32 is refused, naming the flags
     assert main(args + ["--ep", "8"]) == 2
     err = capsys.readouterr().err
