@@ -10,7 +10,8 @@ from .config import LongstrawConfig, parse_config
 from .engine import StepResult, initialize
 from .group import GRPOGroup
 from .objective import GRPOObjective
+from .rollout import Rollouts, generate
 from .transaction import GroupResult, grpo_backward
 
-__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "StepResult", "grpo_backward", "initialize",
-           "parse_config", "shard_experts"]
+__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "Rollouts", "StepResult", "generate",
+           "grpo_backward", "initialize", "parse_config", "shard_experts"]

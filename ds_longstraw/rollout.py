@@ -1,0 +1,247 @@
+"""generate: rollouts of one prompt, decoded from the state the transaction's capture keeps.
+
+    capture   the prompt[:-1] once, without autograd, onto pages (the topology's capture: one rank, or the prompt
+              sharded over a context-parallel group; the config block's tiers)
+    decode    for each sample g in 1..G: feed prompt[-1], then each sampled token, one token per forward, through
+              the topology's replay view of the captured state (the prompt's pages, staged a layer at a time; under
+              context parallelism every rank's pages through all-gathered (out, lse) partials). The sample keeps
+              only its own carry (recurrent layers) and its own response rows (paged layers); the prompt state is
+              read, never copied or changed, so every sample starts from the same captured state.
+    release   the pages go (on error as on success)
+
+What it is: ancestral sampling at `temperature` with nucleus (top-p) truncation, or greedy argmax at temperature 0.
+What it is not: a batched decoder (samples run one after another, each one token per forward: the adapters' segment
+forward runs one sequence; batching the G samples' steps into one forward would read every page once per step for
+all of them, and is left for later), nor a reuse of the capture for training (the state is released on return).
+
+Sampling is reproducible across topologies and devices: the distribution of a step is moved to the CPU in float64,
+and sample g draws its step-t uniform from its own CPU torch.Generator (seeded from (seed, g)), by inverse CDF over
+the tokens sorted by probability (ties: lower id first). Ranks of a context-parallel group compute the same logits
+(the replicated replay's property); the token of the group's first rank is taken by every rank all the same, so
+the ranks' calls cannot drift apart even where a uniform lands on a rounding boundary.
+
+Legend: V vocabulary; rows are token-major [T, ...] per stream of a paged layer, as the adapter returns them.
+"""
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from .arch import adapter_for, expert_parallel
+from .config import parse_config
+from .group import GRPOGroup, _as_ids
+from .lockstep import Schedule
+from .memory import PhaseMeter, return_freed_host_memory
+from .offload import StagedPast
+from .topology import topology_for
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class Rollouts:
+    """G samples of one prompt. response_ids: G 1-D LongTensors (each ends with an eos id where one was sampled);
+    logprobs: G float64 tensors, each sampled token's log-prob under the model at temperature 1 (no top-p
+    truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs; finished: whether each
+    sample ended with eos (else it stopped at max_new_tokens); seed: the seed that reproduces the samples (drawn
+    at random when none was given); phases: name -> memory.PhaseStats of "capture" and "decode"."""
+
+    prompt_ids: torch.Tensor
+    response_ids: list
+    logprobs: list
+    finished: list
+    seed: int
+    phases: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.response_ids)
+
+    def group(self, rewards) -> GRPOGroup:
+        """The GRPO group of these samples with `rewards` [G], the sampled log-probs as its old log-probs."""
+        return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs))
+
+
+def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
+             seed=None, config=None, cp_group=None) -> Rollouts:
+    """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
+
+    The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
+    apply as in the transaction) and every sample is decoded from those same pages, one token per forward, samples
+    one after another (module docstring). temperature: 0 is greedy (argmax, lowest id among ties), else the logits
+    are divided by it; top_p: nucleus sampling, the smallest set of most probable tokens whose probability reaches
+    top_p (1.0: the whole vocabulary); eos_token_id: an id or a list of ids that end a sample (kept as its last
+    token); seed: reproduces the samples on any topology (None: a random seed, reported in Rollouts.seed).
+    cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks the
+    prompt is sharded over, with the config's cp_size; every rank calls with the same arguments and gets the same
+    samples (decoded on every rank, as the replicated replay does, whatever "cp_replay" says).
+    Models with sharded experts (shard_experts) are refused: their dispatches need the ranks in lockstep, which
+    decoding does not keep yet.
+    """
+    prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
+    settings = parse_config(config)
+    adapter = adapter_for(model)
+    if int(prompt_ids.max()) >= adapter.vocab_size:
+        raise ValueError(f"prompt_ids holds token id {int(prompt_ids.max())} >= vocab size {adapter.vocab_size}")
+    bad = [token for token in eos if token >= adapter.vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
+    if expert_parallel(model) is not None:
+        raise ValueError("generate: the model's experts are sharded (shard_experts); decoding does not run expert "
+                         "parallelism yet")
+    # Every rank decodes every sample: a spread view would send each rank's queries to the others for members it
+    # does not own, which decoding has none of.
+    settings = settings.model_copy(update={"cp_replay": "replicated"})
+    topology = topology_for(cp_group, settings)
+    topology.check(adapter, settings)
+    choose = _first_rank_token(topology, adapter.device)
+    seed = choose(secrets.randbits(62)) if seed is None else seed  # under CP: the first rank's, as its tokens
+    meter = PhaseMeter(adapter.device)
+
+    responses, logprobs, finished = [], [], []
+    with torch.no_grad():
+        with meter.phase("capture"), topology.phase("capture"):
+            state = topology.capture(adapter, prompt_ids, settings, False, Schedule())
+        try:
+            with meter.phase("decode"), topology.phase("decode"):
+                view = topology.replay_view(adapter, state, requires_grad=False)
+                try:
+                    for sample in range(num_samples):
+                        ids, logps, ended = _decode(adapter, view, state.length, prompt_ids[-1], max_new_tokens,
+                                                    temperature, top_p, eos, _generator(seed, sample), choose)
+                        responses.append(ids)
+                        logprobs.append(logps)
+                        finished.append(ended)
+                        return_freed_host_memory(adapter.device)
+                finally:
+                    view.leaves.release()
+        finally:
+            state.release()  # page files of a host/NVMe tier go on error as on success
+    return Rollouts(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, finished=finished, seed=seed,
+                    phases=meter.phases)
+
+
+def _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed):
+    """ValueError naming the argument; returns (prompt ids as a CPU LongTensor, eos ids as a tuple)."""
+    prompt_ids = _as_ids("prompt_ids", prompt_ids).cpu()
+    if prompt_ids.numel() < 2:
+        raise ValueError(f"prompt_ids needs at least 2 tokens, got {prompt_ids.numel()}")
+    for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float(
+            "inf"):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if any(isinstance(token, bool) or not isinstance(token, int) or token < 0 for token in eos):
+        raise ValueError(f"eos_token_id must be None, a token id or a list of token ids, got {eos_token_id!r}")
+    return prompt_ids, eos
+
+
+class _ResponseRows:
+    """One sample's own rows of every paged layer, token-major, in buffers that double when full: appending a token
+    costs O(1) amortised, and attention sees the response as one segment after the prompt's pages (a list of
+    one-token segments would make every attention call merge one partial per generated token)."""
+
+    def __init__(self):
+        self.buffers, self.length = {}, 0
+
+    def append(self, rows):
+        """rows: layer -> tuple of one token's rows [1, ...] per stream."""
+        for layer, parts in rows.items():
+            buffers = self.buffers.get(layer)
+            if buffers is None or buffers[0].shape[0] == self.length:
+                capacity = max(16, 2 * self.length)
+                grown = tuple(_new_buffer(part, capacity) for part in parts)
+                if buffers is not None:
+                    for new, old in zip(grown, buffers):
+                        new[: self.length] = old[: self.length]
+                self.buffers[layer] = buffers = grown
+            for buffer, part in zip(buffers, parts):
+                buffer[self.length: self.length + part.shape[0]] = part
+        self.length += 1
+
+    def past(self, leaves):
+        """The past a decode step attends: the prompt's pages (or none: context parallelism reaches them remotely),
+        then this sample's rows."""
+        if isinstance(leaves.past, StagedPast):
+            past = leaves.past.fresh()
+            for layer, buffers in self.buffers.items():
+                past.append(layer, tuple(buffer[: self.length] for buffer in buffers))
+            return past
+        past = {layer: list(segments) for layer, segments in leaves.past.items()}
+        for layer, buffers in self.buffers.items():
+            past[layer].append(tuple(buffer[: self.length] for buffer in buffers))
+        return past
+
+
+def _new_buffer(part, capacity):
+    """Room for `capacity` rows like `part`'s (uninitialised: only the rows written are ever read; tests poison it)."""
+    return part.new_empty((capacity, *part.shape[1:]))
+
+
+def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose):
+    """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos)."""
+    carry, rows = dict(view.leaves.carry), _ResponseRows()
+    token, ids, logps = first.view(1), [], []
+    for step in range(max_new_tokens):
+        out = adapter.forward_segment(token, start + step, carry, rows.past(view.leaves), view.remote_attention)
+        carry = dict(out.carry)
+        rows.append(out.rows)
+        logits_V = adapter.lm_head(adapter.body.norm(out.hidden))[0, -1].double().cpu()
+        # greedy draws nothing; a sample draws one uniform per step from its own stream
+        uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
+        chosen = choose(_sample(logits_V, temperature, top_p, uniform))
+        logps.append(torch.log_softmax(logits_V, dim=-1)[chosen])
+        ids.append(chosen)
+        if chosen in eos:
+            break
+        token = torch.tensor([chosen])
+    return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
+
+
+def _sample(logits_V, temperature, top_p, uniform) -> int:
+    """A token id from float64 CPU logits: argmax at temperature 0, else the token where `uniform` (in [0, 1)) falls
+    in the cumulative probability of the nucleus (the most probable tokens, ties lower id first, until their
+    probability reaches top_p), renormalised."""
+    if temperature == 0:
+        return int(torch.argmax(logits_V))
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    sorted_V, order_V = torch.sort(probs_V, descending=True, stable=True)
+    cumulative_V = torch.cumsum(sorted_V, dim=0)
+    # keep a token while the mass before it is below top_p: the first token always stays
+    kept = max(1, int(((cumulative_V - sorted_V) < top_p).sum()))
+    target = torch.tensor(uniform, dtype=torch.float64) * cumulative_V[kept - 1]
+    index = int(torch.searchsorted(cumulative_V[:kept], target, right=True))
+    return int(order_V[min(index, kept - 1)])
+
+
+def _splitmix64(value) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
+def _generator(seed, sample):
+    """Sample `sample`'s own CPU generator: its seed mixes (seed, sample) (SplitMix64), so seeds s and s + 1 share no
+    sample's stream, and a sample's draws depend on neither the rank nor how many samples are drawn."""
+    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ sample) >> 1)
+
+
+def _first_rank_token(topology, device):
+    """token -> the token (or drawn seed) every rank of the topology takes: its own on one rank, the CP group's first
+    rank's under context parallelism (one int64 all-gather per decoded token)."""
+    cp = getattr(topology, "cp", None)
+    if cp is None:
+        return lambda token: token
+
+    def choose(token):
+        return int(cp.all_gather(torch.tensor([token], device=device), op="rollout_token")[0])
+
+    return choose

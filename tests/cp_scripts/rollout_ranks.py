@@ -1,0 +1,88 @@
+"""Run ds_longstraw.generate on 2 forked gloo ranks with the prompt sharded over a CP group; collect each rank's
+rollouts in files.
+
+`run_rollouts(cases, out_dir)` forks WORLD processes that join one gloo process group, build the CP group with
+new_group (not the default group: generate must use the group it is given), run every case and write
+`<case>.rank<r>.pt` with the rank's response ids, log-probs, finished flags and seed. Forking reuses the parent's
+imports (as tests/cp_scripts/harness.py does, whose port helper this uses).
+
+A case is a dict: name, family ("qwen3_5" or "glm_moe_dsa"), prompt_len, samples, max_new, config (the longstraw
+block without cp_size), and generate's keyword arguments in `sampling` (temperature, top_p, eos_token_id, seed).
+"""
+
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .harness import free_port
+
+WORLD = 2
+
+
+def case_model(case):
+    """(model, the float64 reference mode it runs under) of a case: tests/models.py or tests/glm_models.py."""
+    if case["family"] == "glm_moe_dsa":
+        from glm_models import glm_reference, tiny_glm_moe_dsa
+
+        return tiny_glm_moe_dsa(), glm_reference
+    from models import float64_model, tiny_qwen3_5
+
+    return tiny_qwen3_5(**case.get("model", {})), float64_model
+
+
+def case_prompt(case):
+    return torch.randint(0, 97, (case["prompt_len"],), generator=torch.Generator().manual_seed(case.get("seed", 0)))
+
+
+def case_rollouts(case, cp_size=1, cp_group=None):
+    """generate() of the case on this rank (cp_size 1 and no group: the single-process reference)."""
+    from ds_longstraw import generate
+
+    model, reference = case_model(case)
+    with reference():
+        return generate(model, case_prompt(case), case["samples"], case["max_new"], config=dict(case["config"],
+                        cp_size=cp_size), cp_group=cp_group, **case["sampling"])
+
+
+def worker(rank, port, cases, out_dir):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+        group = dist.new_group(list(range(WORLD)), backend="gloo")
+        for case in cases:
+            result = case_rollouts(case, WORLD, group)
+            torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
+                        "finished": result.finished, "seed": result.seed},
+                       os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_rollouts(cases, out_dir, timeout=600):
+    """Fork WORLD ranks, run `cases`; return {case name: [results by rank]}; raise with the ranks' tracebacks."""
+    os.makedirs(out_dir, exist_ok=True)
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=worker, args=(r, port, cases, out_dir)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
+    if errors or any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"rollouts on {WORLD} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
+                           + "\n".join(errors))
+    return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
+                           for r in range(WORLD)] for case in cases}

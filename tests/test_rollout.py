@@ -1,0 +1,270 @@
+"""ds_longstraw.generate: rollouts decoded from the captured prompt state, against transformers and float64 references.
+
+Equivalence chains (float64 tiny models; qwen3_5 under float64_model(), glm_moe_dsa under glm_reference()):
+  generate(temperature=0) == transformers' model.generate(do_sample=False), token for token (eos included)
+  generate(...).logprobs == full-sequence log-softmax of prompt + response (tests/models.py full_sequence_logprobs)
+  generate(seed=s) == generate(seed=s); generate(seed=s) != generate(seed=s + 1)
+  generate(host tier) == generate(device tier); generate(CP 2), every rank == generate(one rank)
+  grpo_backward(rollouts.group(rewards)).logprobs == rollouts.logprobs (the transaction's replay of the samples)
+Tolerance: relative 1e-8 on log-probs (the issue's contract). Both sides are float64 and differ only in the order of
+their sums (one token per forward against one forward of the whole sequence; CP merges partials by LSE): measured
+~2e-16 here. Token ids are compared exactly: a sample drawn by inverse CDF changes only when a uniform lands within
+rounding of a boundary. The response rows' buffers are poisoned (NaN) in every test: a row read before it is written
+shows up as NaN log-probs.
+"""
+
+import pytest
+import torch
+from cp_scripts.rollout_ranks import case_model, case_prompt, case_rollouts, run_rollouts
+from glm_models import glm_reference, tiny_glm_moe_dsa
+from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
+
+import ds_longstraw.rollout as rollout
+from ds_longstraw import GRPOObjective, Rollouts, generate, grpo_backward
+
+TOL = 1e-8
+# prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
+FAMILIES = {
+    "qwen3_5": dict(build=tiny_qwen3_5, reference=float64_model, prompt_len=23,
+                    config={"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}),
+    # index_topk 8 < 44 prompt tokens: the selection is sparse over the prompt's pages and the sample's own rows
+    "glm_moe_dsa": dict(build=tiny_glm_moe_dsa, reference=glm_reference, prompt_len=45,
+                        config={"capture_chunk": 7, "page_tokens": 4, "replay_block": 3}),
+}
+
+
+@pytest.fixture(autouse=True)
+def poisoned_rows(monkeypatch):
+    """Response-row buffers start as NaN: only rows written may be read."""
+    def poisoned(part, capacity):
+        return part.new_full((capacity, *part.shape[1:]), float("nan"))
+
+    monkeypatch.setattr(rollout, "_new_buffer", poisoned)
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {name: family["build"]() for name, family in FAMILIES.items()}
+
+
+def _prompt(family, seed=1):
+    return torch.randint(0, 97, (FAMILIES[family]["prompt_len"],), generator=torch.Generator().manual_seed(seed))
+
+
+def _relative(a, b):
+    return float(((a - b).abs() / b.abs()).max())
+
+
+def _assert_logprobs(model, family, prompt, result):
+    with FAMILIES[family]["reference"](), torch.no_grad():
+        reference = full_sequence_logprobs(model, prompt, result.response_ids)
+    for member, (got, want) in enumerate(zip(result.logprobs, reference)):
+        assert got.dtype == torch.float64 and got.shape == want.shape
+        error = _relative(got, want)
+        assert error <= TOL, f"sample {member}: relative error {error:.3e}"
+
+
+def _transformers_greedy(model, prompt, max_new, eos=None):
+    model.generation_config.eos_token_id = None  # the config's default eos (GLM's 1) would stop it early
+    out = model.generate(prompt.unsqueeze(0), max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    return out[0, prompt.numel():]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers_generate(models, family):
+    model, prompt = models[family], _prompt(family)
+    with FAMILIES[family]["reference"]():
+        ours = generate(model, prompt, 2, 12, temperature=0, config=FAMILIES[family]["config"])
+        want = _transformers_greedy(model, prompt, 12)
+    assert ours.size == 2
+    for ids in ours.response_ids:  # greedy: every sample is the same
+        assert ids.dtype == torch.long and torch.equal(ids, want), (ids.tolist(), want.tolist())
+    assert ours.finished == [False, False]
+    _assert_logprobs(model, family, prompt, ours)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eos_stops_a_sample_like_transformers(models, family):
+    """eos = the 5th greedy token (not among the first 4): both decoders stop right after it."""
+    model, prompt = models[family], _prompt(family, seed=2)
+    with FAMILIES[family]["reference"]():
+        free = generate(model, prompt, 1, 10, temperature=0, config=FAMILIES[family]["config"]).response_ids[0]
+        position = next(i for i in range(4, 10) if int(free[i]) not in free[:i].tolist())
+        eos = int(free[position])
+        ours = generate(model, prompt, 1, 10, temperature=0, eos_token_id=[96, eos],
+                        config=FAMILIES[family]["config"])
+        want = _transformers_greedy(model, prompt, 10, eos=eos)
+    assert torch.equal(ours.response_ids[0], free[: position + 1])
+    assert torch.equal(ours.response_ids[0], want[: position + 1]) and (want[position + 1:] == 0).all()
+    assert ours.finished == [True] and ours.logprobs[0].numel() == position + 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.05)],
+                         ids=["t1", "t0.7-p0.9", "t1.3-p0.05"])
+def test_sampled_logprobs_equal_full_sequence(models, family, temperature, top_p):
+    """Log-probs at temperature 1 whatever the sampling temperature and nucleus; G = 3, responses of 1..7 tokens."""
+    model, prompt = models[family], _prompt(family)
+    with FAMILIES[family]["reference"]():
+        result = generate(model, prompt, 3, 7, temperature=temperature, top_p=top_p, seed=5,
+                          config=FAMILIES[family]["config"])
+        one_token = generate(model, prompt, 1, 1, temperature=temperature, top_p=top_p, seed=5,
+                             config=FAMILIES[family]["config"])
+    assert [ids.numel() for ids in result.response_ids] == [7, 7, 7]
+    _assert_logprobs(model, family, prompt, result)
+    _assert_logprobs(model, family, prompt, one_token)
+    assert torch.equal(one_token.response_ids[0], result.response_ids[0][:1])  # sample 0's stream, whatever G
+
+
+def test_top_p_keeps_the_nucleus():
+    """A tiny nucleus (top_p 1e-6) is the most probable token alone: the
+    sample then equals greedy decoding."""
+    model, prompt = tiny_qwen3_5(), _prompt("qwen3_5")
+    with float64_model():
+        nucleus = generate(model, prompt, 2, 6, top_p=1e-6, seed=3, config=FAMILIES["qwen3_5"]["config"])
+        greedy = generate(model, prompt, 1, 6, temperature=0, config=FAMILIES["qwen3_5"]["config"])
+    for ids in nucleus.response_ids:
+        assert torch.equal(ids, greedy.response_ids[0])
+
+
+def test_sample_by_inverse_cdf():
+    """_sample on known distributions: the uniform picks by cumulative probability over sorted tokens."""
+    logits = torch.log(torch.tensor([0.1, 0.5, 0.15, 0.25], dtype=torch.float64))
+    # sorted: 1 (0.5), 3 (0.25), 2 (0.15), 0 (0.1); cumulative 0.5, 0.75, 0.9, 1.0
+    picks = [rollout._sample(logits, 1.0, 1.0, u) for u in (0.0, 0.49, 0.51, 0.74, 0.76, 0.89, 0.91, 0.999)]
+    assert picks == [1, 1, 3, 3, 2, 2, 0, 0]
+    # top_p 0.7: the nucleus is {1, 3} (0.5 < 0.7 <= 0.75), renormalised: 1 below 2/3, 3 above
+    assert [rollout._sample(logits, 1.0, 0.7, u) for u in (0.6, 0.7, 0.999)] == [1, 3, 3]
+    # temperature 0.5 squares the probabilities: 0.25, 0.0625, 0.0225, 0.01 over 0.345; 1 below 0.7246
+    assert [rollout._sample(logits, 0.5, 1.0, u) for u in (0.72, 0.73)] == [1, 3]
+    assert rollout._sample(logits, 0, 1.0, 0.99) == 1  # greedy ignores the uniform
+
+
+def test_seed_reproduces_the_samples(models):
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    config = FAMILIES["qwen3_5"]["config"]
+    with float64_model():
+        first = generate(model, prompt, 3, 6, seed=7, config=config)
+        again = generate(model, prompt, 3, 6, seed=7, config=config)
+        other = generate(model, prompt, 3, 6, seed=8, config=config)
+        drawn = generate(model, prompt, 2, 6, config=config)
+        redrawn = generate(model, prompt, 2, 6, seed=drawn.seed, config=config)
+    assert first.seed == 7
+    for a, b in zip(first.response_ids, again.response_ids):
+        assert torch.equal(a, b)
+    assert all(not torch.equal(a, b) for a, b in zip(first.response_ids, other.response_ids))
+    assert len({tuple(ids.tolist()) for ids in first.response_ids}) == 3  # samples differ from each other
+    for a, b in zip(drawn.response_ids, redrawn.response_ids):
+        assert torch.equal(a, b)
+
+
+def test_sampled_eos_ends_each_sample(models):
+    """Several eos ids, near-uniform sampling: each sample ends at its first eos, or runs to max_new_tokens."""
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    eos = list(range(0, 97, 4))  # a quarter of the vocabulary: most samples end within a few tokens
+    with float64_model():
+        result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, config=FAMILIES["qwen3_5"]["config"])
+    assert any(result.finished)
+    for ids, ended, logps in zip(result.response_ids, result.finished, result.logprobs):
+        inside = [int(t) in eos for t in ids[:-1]]
+        assert not any(inside)
+        assert ended == (int(ids[-1]) in eos)
+        assert ended or ids.numel() == 9
+        assert logps.numel() == ids.numel()
+    _assert_logprobs(model, "qwen3_5", prompt, result)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_host_tier_equals_device_tier(models, family):
+    model, prompt = models[family], _prompt(family)
+    config = FAMILIES[family]["config"]
+    with FAMILIES[family]["reference"]():
+        device = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=config)
+        host = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=dict(config, offload={"tier": "cpu"}))
+    for a, b in zip(device.response_ids, host.response_ids):
+        assert torch.equal(a, b)
+    for a, b in zip(device.logprobs, host.logprobs):
+        assert _relative(b, a) <= TOL
+
+
+def test_group_trains_on_the_samples(models):
+    """Rollouts.group(rewards) is a GRPOGroup whose old log-probs are the samples'; the transaction's replay of those
+    samples gives the same log-probs (detached mode: the same captured state, the same weights)."""
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    config = FAMILIES["qwen3_5"]["config"]
+    with float64_model():
+        result = generate(model, prompt, 3, 5, seed=2, config=config)
+        group = result.group([1.0, 0.0, 0.5])
+        model.zero_grad(set_to_none=True)
+        trained = grpo_backward(model, group, GRPOObjective(), config=config)
+        model.zero_grad(set_to_none=True)
+    assert isinstance(result, Rollouts) and group.size == 3
+    assert torch.equal(group.prompt_ids, prompt)
+    for old, replayed, sampled in zip(group.old_logprobs, trained.logprobs, result.logprobs):
+        assert torch.equal(old, sampled)
+        assert _relative(replayed, sampled) <= TOL
+    assert result.phases["capture"].seconds > 0 and result.phases["decode"].seconds > 0
+
+
+CP_CASES = [
+    dict(name="qwen-sampled", family="qwen3_5", prompt_len=23, samples=3, max_new=7,
+         config={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(temperature=0.8, top_p=0.9, seed=11)),
+    dict(name="qwen-host-eos", family="qwen3_5", prompt_len=20, samples=4, max_new=6, seed=3,
+         config={"capture_chunk": 5, "page_tokens": 4, "offload": {"tier": "cpu"}, "cp_replay": "spread"},
+         sampling=dict(seed=2, eos_token_id=list(range(0, 97, 5)))),
+    dict(name="glm-sampled", family="glm_moe_dsa", prompt_len=45, samples=2, max_new=6,
+         config={"capture_chunk": 7, "page_tokens": 4}, sampling=dict(seed=4, top_p=0.95)),
+    dict(name="glm-greedy", family="glm_moe_dsa", prompt_len=41, samples=1, max_new=9, seed=5,
+         config={"capture_chunk": 6, "page_tokens": 5}, sampling=dict(temperature=0)),
+]
+
+
+@pytest.fixture(scope="module")
+def cp_results(tmp_path_factory):
+    return run_rollouts(CP_CASES, str(tmp_path_factory.mktemp("cp_rollouts")))
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[case["name"] for case in CP_CASES])
+def test_cp2_equals_one_rank(cp_results, case):
+    """Every rank of CP 2 gets the single-process samples (prompt shards 11/11, 9/10, 22/22, 20/20 tokens);
+    "cp_replay": "spread" in the config changes nothing (every rank decodes every sample)."""
+    reference = case_rollouts(case)
+    ranks = cp_results[case["name"]]
+    assert len({result["seed"] for result in ranks}) == 1  # a drawn seed too: the first rank's
+    for rank, result in enumerate(ranks):
+        assert result["finished"] == reference.finished
+        if "seed" in case["sampling"]:
+            assert result["seed"] == reference.seed
+        for member, (got, want) in enumerate(zip(result["response_ids"], reference.response_ids)):
+            assert torch.equal(got, want), f"rank {rank} sample {member}: {got.tolist()} != {want.tolist()}"
+        for member, (got, want) in enumerate(zip(result["logprobs"], reference.logprobs)):
+            assert _relative(got, want) <= TOL, f"rank {rank} sample {member}"
+    _assert_logprobs(case_model(case)[0], case["family"], case_prompt(case), reference)
+
+
+@pytest.mark.parametrize("arguments,name", [
+    (dict(prompt_ids=[5]), "prompt_ids"),
+    (dict(prompt_ids=[[1, 2]]), "prompt_ids"),
+    (dict(prompt_ids=[1.0, 2.0]), "prompt_ids"),
+    (dict(prompt_ids=[1, 200]), "prompt_ids"),
+    (dict(num_samples=0), "num_samples"),
+    (dict(num_samples=2.0), "num_samples"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(eos_token_id=-1), "eos_token_id"),
+    (dict(eos_token_id=[3, 97]), "eos_token_id"),
+    (dict(eos_token_id="x"), "eos_token_id"),
+    (dict(seed=-3), "seed"),
+    (dict(config={"page_tokens": 0}), "page_tokens"),
+    (dict(config={"cp_size": 2}), "cp_size"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_bad_arguments_are_refused_by_name(models, arguments, name):
+    call = dict(prompt_ids=[1, 2, 3], num_samples=1, max_new_tokens=2)
+    call.update(arguments)
+    with pytest.raises(ValueError, match=name):
+        generate(models["qwen3_5"], call.pop("prompt_ids"), call.pop("num_samples"), call.pop("max_new_tokens"),
+                 **call)
