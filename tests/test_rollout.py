@@ -268,3 +268,67 @@ def test_bad_arguments_are_refused_by_name(models, arguments, name):
     with pytest.raises(ValueError, match=name):
         generate(models["qwen3_5"], call.pop("prompt_ids"), call.pop("num_samples"), call.pop("max_new_tokens"),
                  **call)
+
+
+# -- memory: decoding G samples costs what one costs ------------------------------------------------------------------
+# Each configuration runs in a fresh process (tests/test_memory.py's method): the small shape, float32, one thread,
+# MALLOC_MMAP_THRESHOLD_ so freed memory is handed back; the figure is the kernel's high-water mark (VmHWM) over
+# the generate call minus the resident set before it. `python tests/test_rollout.py --peak PROMPT SAMPLES NEW`
+# prints one configuration's figures as JSON (BENCHMARKS.md "Rollouts").
+PEAK_PROMPT, PEAK_NEW = 4096, 32
+
+
+def generate_peak(prompt_tokens, samples, new_tokens):
+    """In this process: the figures of one generate call on the small shape (to be run in a fresh process)."""
+    import time
+
+    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
+    from ds_longstraw.shapes import build_model
+
+    model = build_model("small")
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    return_freed_host_memory("cpu")
+    before = host_current_bytes()
+    reset_host_peak()
+    start = time.perf_counter()
+    result = generate(model, prompt, samples, new_tokens, seed=0, config={"capture_chunk": 1024, "page_tokens": 256})
+    seconds = time.perf_counter() - start
+    peak = host_peak_bytes()
+    return {"prompt": prompt_tokens, "samples": samples, "new_tokens": new_tokens, "step_peak_bytes": peak - before,
+            "process_peak_bytes": peak, "decode_peak_bytes": result.phases["decode"].peak_bytes,
+            "capture_seconds": result.phases["capture"].seconds, "decode_seconds": result.phases["decode"].seconds,
+            "seconds": seconds, "tokens": sum(ids.numel() for ids in result.response_ids)}
+
+
+def fresh_generate_peak(prompt_tokens, samples, new_tokens):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, __file__, "--peak", str(prompt_tokens), str(samples), str(new_tokens)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_decode_peak_flat_in_samples():
+    """G = 8 samples of 32 tokens from a 4K-token prompt peak at most 1.1x one sample's (the issue's bound): samples
+    decode one after another, each with only its own carry and rows, from the one captured state."""
+    one = fresh_generate_peak(PEAK_PROMPT, 1, PEAK_NEW)
+    eight = fresh_generate_peak(PEAK_PROMPT, 8, PEAK_NEW)
+    assert eight["tokens"] == 8 * one["tokens"] == 8 * PEAK_NEW  # no eos: every sample runs to the end
+    ratio = eight["step_peak_bytes"] / one["step_peak_bytes"]
+    assert ratio <= 1.1, f"G=8 peaks at {ratio:.3f}x G=1 ({eight['step_peak_bytes']} vs {one['step_peak_bytes']} B)"
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    if len(sys.argv) != 5 or sys.argv[1] != "--peak":
+        raise SystemExit("usage: python tests/test_rollout.py --peak PROMPT_TOKENS SAMPLES NEW_TOKENS")
+    torch.set_num_threads(1)
+    print(json.dumps(generate_peak(*(int(value) for value in sys.argv[2:]))))
