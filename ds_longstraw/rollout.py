@@ -23,6 +23,7 @@ the ranks' calls cannot drift apart even where a uniform lands on a rounding bou
 Legend: V vocabulary; rows are token-major [T, ...] per stream of a paged layer, as the adapter returns them.
 """
 
+import math
 import secrets
 from dataclasses import dataclass, field
 
@@ -90,8 +91,7 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     if expert_parallel(model) is not None:
         raise ValueError("generate: the model's experts are sharded (shard_experts); decoding does not run expert "
                          "parallelism yet")
-    # Every rank decodes every sample: a spread view would send each rank's queries to the others for members it
-    # does not own, which decoding has none of.
+    # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
     settings = settings.model_copy(update={"cp_replay": "replicated"})
     topology = topology_for(cp_group, settings)
     topology.check(adapter, settings)
@@ -130,8 +130,8 @@ def _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p
     for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < float(
-            "inf"):
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
