@@ -92,7 +92,8 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
         raise ValueError("generate: the model's experts are sharded (shard_experts); decoding does not run expert "
                          "parallelism yet")
     # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
-    settings = settings.model_copy(update={"cp_replay": "replicated"})
+    # Nothing is kept for a prefix pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
+    settings = settings.model_copy(update={"cp_replay": "replicated", "prefix_grad": "detached"})
     topology = topology_for(cp_group, settings)
     topology.check(adapter, settings)
     choose = _first_rank_token(topology, adapter.device)

@@ -207,6 +207,25 @@ def test_group_trains_on_the_samples(models):
     assert result.phases["capture"].seconds > 0 and result.phases["decode"].seconds > 0
 
 
+def test_training_config_and_peft_policy(models):
+    """generate takes the training run's config block as it is (exact mode, kept attention, a small prefix_block:
+    nothing is kept for a prefix pass) and a peft LoRA policy (zero-initialised B: the base model's samples)."""
+    import peft
+
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    policy = peft.get_peft_model(tiny_qwen3_5(), peft.LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv"]))
+    exact = dict(FAMILIES["qwen3_5"]["config"], prefix_grad="exact", prefix_keep_attention=True, prefix_block=2)
+    with float64_model():
+        plain = generate(model, prompt, 2, 5, seed=9, config=FAMILIES["qwen3_5"]["config"])
+        trained = generate(model, prompt, 2, 5, seed=9, config=exact)
+        lora = generate(policy, prompt, 2, 5, seed=9, config=FAMILIES["qwen3_5"]["config"])
+    for other in (trained, lora):
+        for a, b in zip(plain.response_ids, other.response_ids):
+            assert torch.equal(a, b)
+        for a, b in zip(plain.logprobs, other.logprobs):
+            assert _relative(b, a) <= TOL
+
+
 CP_CASES = [
     dict(name="qwen-sampled", family="qwen3_5", prompt_len=23, samples=3, max_new=7,
          config={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(temperature=0.8, top_p=0.9, seed=11)),
