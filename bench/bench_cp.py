@@ -69,7 +69,7 @@ def count_tier_reads():
     TieredPagePool.begin_read = begin_read
 
 
-def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None):
+def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated"):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -78,7 +78,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
-              "cp_attention": attention, "offload": {"tier": tier}}
+              "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay}
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
@@ -93,13 +93,14 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
         best = seconds if best is None else min(best, seconds)
     seconds = best
     return {"seconds": seconds, "phases": {k: v.seconds for k, v in result.phases.items()},
+            "replay_cpu": result.phases["replay"].cpu_seconds, "replay": replay,
             "tier_read_bytes": TIER_READS["bytes"], "largest_read": TIER_READS["largest"],
             "retained": result.retained_bytes, "cp": result.extras.get("cp"), "tokens": group.response_tokens,
             # from the adapter's layer-state specs: paged ("lse") layers and carried ("affine_scan") ones
             "attn_layers": adapter_for(model).paged_layers, "gdn_layers": adapter_for(model).carry_layers}
 
 
-def _worker(rank, world, port, args, mode, attention, tier, out):
+def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated"):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -108,7 +109,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out):
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention, tier, out)
+        result = one_step(args, mode, group, world, attention, tier, out, replay)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -117,13 +118,13 @@ def _worker(rank, world, port, args, mode, attention, tier, out):
         os._exit(1)
 
 
-def run_world(args, mode, world, attention="lse", tier="none"):
+def run_world(args, mode, world, attention="lse", tier="none", replay="replicated"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -137,6 +138,8 @@ def run_world(args, mode, world, attention="lse", tier="none"):
 def summarise(world, mode, attention, ranks, tier="none"):
     first = ranks[0]
     row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-", "tier": tier,
+           "replay": first["replay"] if world > 1 else "-",
+           "replay_cpu_max": max(r["replay_cpu"] for r in ranks), "replay_cpu_sum": sum(r["replay_cpu"] for r in ranks),
            "tier_read_b_per_layer": sum(r["tier_read_bytes"] for r in ranks) // len(first["attn_layers"]),
            "largest_read": max(r["largest_read"] for r in ranks),
            "step_s": max(r["seconds"] for r in ranks),
@@ -175,6 +178,8 @@ def main(argv=None):
     parser.add_argument("--attention", default="lse,ulysses", help="capture attention paths for CP > 1")
     parser.add_argument("--tiers", default="none", help="offload tiers of the pages: none, cpu, nvme")
     parser.add_argument("--repeat", type=int, default=2, help="steps per row; the fastest is reported")
+    parser.add_argument("--replay", default="replicated",
+                        help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
                         "machine makes multi-threaded OpenMP spin)")
     args = parser.parse_args(argv)
@@ -186,25 +191,28 @@ def main(argv=None):
         for mode in args.modes.split(","):
             for world in (int(x) for x in args.cp.split(",")):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
-                    ranks = run_world(args, mode, world, attention, tier)
-                    rows.append(summarise(world, mode, attention, ranks, tier))
-                    print(f"# done tier={tier} cp={world} mode={mode} attention={attention}: "
-                          f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
+                    for replay in (["replicated"] if world == 1 else args.replay.split(",")):
+                        ranks = run_world(args, mode, world, attention, tier, replay)
+                        rows.append(summarise(world, mode, attention, ranks, tier))
+                        print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay}: "
+                              f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
     print("Bytes are received payload summed over the CP ranks; 'prefix B' is exact mode's remote-attention and "
           "state-gradient traffic, 'grad all-reduce B' the one parameter-gradient all-reduce per group.\n")
-    print("| tier | CP | mode | capture attention | step s | capture s | replay s | prefix s | tier reads B / layer "
+    print("| tier | CP | replay | mode | capture attention | step s | capture s | replay s "
+          "| replay CPU s (slowest rank) | replay CPU s (all ranks) | prefix s | tier reads B / layer "
           "| largest read (tokens) | K/V pages / rank | kept attention / rank | replay B / token "
           "| replay B / token / attn layer | capture B / attn layer | capture B / GDN layer | prefix B "
           "| grad all-reduce B |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         p = r["phases"]
         moves = r["attention"] if r["attention"] != "lse" else f"lse ({r['moves']} travel)"
-        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} | {r['step_s']:.2f} "
-              f"| {p.get('capture', 0):.2f} | {p.get('replay', 0):.2f} | {p.get('prefix', 0):.2f} "
+        print(f"| {r['tier']} | {r['cp']} | {r['replay']} | {r['mode']} | {moves if r['cp'] > 1 else '-'} "
+              f"| {r['step_s']:.2f} | {p.get('capture', 0):.2f} | {p.get('replay', 0):.2f} "
+              f"| {r['replay_cpu_max']:.2f} | {r['replay_cpu_sum']:.2f} | {p.get('prefix', 0):.2f} "
               f"| {r['tier_read_b_per_layer']:,} | {r['largest_read']:,} | {r['kv_pages_per_rank']:,} "
               f"| {r['kept_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
               f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "

@@ -80,9 +80,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
-    cp_replay: under context parallelism, who replays the members: "replicated" (every rank every member, the
-        same bits everywhere) or "spread" (rank r replays members m with m mod cp_size = r; queries travel to the
-        pages' owners and partials back, parallel/spread.py).
+    cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
+        m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
+        0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
+        the same bits everywhere; the schedule before the spread, kept for comparison).
     ep_size: expert-parallel ranks a MoE layer's routed experts are sharded over (ds_longstraw.shard_experts); with
         cp_size > 1 they are the CP group's ranks (ep_size = cp_size).
     """
@@ -98,7 +99,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
-    cp_replay: Literal["replicated", "spread"] = "replicated"
+    cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False
 

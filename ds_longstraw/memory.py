@@ -34,6 +34,7 @@ class HostPeakUnavailable(RuntimeError):
 class PhaseStats:
     seconds: float = 0.0
     peak_bytes: int = 0
+    cpu_seconds: float = 0.0  # this process's CPU time (all its threads) in the phase
     peak_measured: bool = True  # False: the peak was not measured (DS_LONGSTRAW_HOST_PEAK=off), peak_bytes is 0
 
 
@@ -128,7 +129,7 @@ class PhaseMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
         elif measured:
             reset_host_peak()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
@@ -139,6 +140,7 @@ class PhaseMeter:
                 peak = host_peak_bytes() if measured else 0
             stats = self.phases.setdefault(name, PhaseStats())
             stats.seconds += time.perf_counter() - start
+            stats.cpu_seconds += time.process_time() - cpu_start
             stats.peak_bytes = max(stats.peak_bytes, peak)
             stats.peak_measured = stats.peak_measured and measured
 

@@ -38,7 +38,9 @@ MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linea
 
 CASES = [
     # prompt[:-1] = 22 tokens: shards 11/11, 8/7/7, 6/6/5/5; chunks of 4 do not divide them
-    dict(name="uneven-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3, block=3),
+    # (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py the spread)
+    dict(name="uneven-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3, block=3,
+         cp_replay="replicated"),
     dict(name="uneven-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3),
     # 5 tokens: shards 3/2, 2/2/1, 2/1/1/1: smaller than a chunk and than the conv tail (3 tokens)
     dict(name="short-shards-exact", prompt_len=6, response_lens=[4, 1, 2], mode="exact", chunk=8, page=2, block=2,

@@ -46,7 +46,9 @@ FAMILY = "glm_moe_dsa"
 
 CASES = [
     # prompt[:-1] = 46 tokens: shards 23/23, 16/15/15, 12/12/11/11; chunks of 5 and pages of 4 divide none
-    dict(name="uneven-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4, block=3),
+    # (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py the spread)
+    dict(name="uneven-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4, block=3,
+         cp_replay="replicated"),
     dict(name="uneven-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3),
     # 20 tokens: shards 10/10, 7/7/6, 5/5/5/5: fewer keys per rank than index_topk (8), more in all
     dict(name="shards-below-topk-exact", prompt_len=21, response_lens=[4, 3], mode="exact", chunk=3, page=2,
@@ -70,10 +72,11 @@ CASES = [
     dict(name="nvme-tier-detached", prompt_len=42, response_lens=[5, 3], mode="detached", chunk=9, page=4, block=4,
          tier="nvme", seed=7, worlds=(3,)),
     # exact zero-score ties decide many selections: every selection is recorded and compared with the reference's
+    # (replicated: every rank replays, and records the selections of, every member)
     dict(name="ties-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4, block=3,
-         model=TIES, seed=1, record=True),
+         model=TIES, seed=1, record=True, cp_replay="replicated"),
     dict(name="ties-detached", prompt_len=50, response_lens=[6, 4], mode="detached", chunk=9, page=4, block=3,
-         model=TIES, seed=1, record=True, worlds=(2,)),
+         model=TIES, seed=1, record=True, worlds=(2,), cp_replay="replicated"),
     # bfloat16: held to twice transformers' own bfloat16 error (see test_low_precision_within_twice_plain_error)
     dict(name="bfloat16-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
          dtype="bfloat16", low_precision=True, worlds=(2, 3)),

@@ -116,6 +116,14 @@ def merge_partials_as(geometry, partials):
     return out.to(geometry.out[1]), lse
 
 
+def merge_rank_candidates(adapter, scores, positions):
+    """The ranks' candidates (padded: score -inf never counts), merged in rank order into the global top-k."""
+    best = None
+    for part_scores, part_positions in zip(scores, positions):
+        best = adapter.merge_candidates(best, (part_scores, part_positions.long()))
+    return best
+
+
 def row_stager(pool, specs, wrap=False):
     """A stager over the rows that "topk_lse" layers attend (the streams their selection does not score)."""
     return Stager(pool, {spec.layer: spec.row_names for spec in specs if spec.combine == COMBINE and spec.streams},
@@ -444,10 +452,7 @@ class SparsePagesAttention:
         scores, positions = self.own_candidates(layer, selector)
         all_scores = self.cp.all_gather(scores, layer, "sparse_candidate_scores")
         all_positions = self.cp.all_gather(positions, layer, "sparse_candidates")
-        best = None
-        for part_scores, part_positions in zip(all_scores, all_positions):
-            best = self.adapter.merge_candidates(best, (part_scores, part_positions.long()))
-        return best
+        return merge_rank_candidates(self.adapter, all_scores, all_positions)
 
     def attend(self, layer, query, positions, valid):
         return selected_rows_attention(self, layer, query, positions, valid)

@@ -24,7 +24,7 @@ import torch
 from ds_longstraw.kernels.attention import attention_delta
 
 from .cp_attention import merge_in_order, remote_pages_attention
-from .cp_sparse import merge_partials_as, selected_rows_attention
+from .cp_sparse import merge_partials_as, merge_rank_candidates, selected_rows_attention
 
 
 def spread_members(count, size, rank) -> list:
@@ -82,10 +82,7 @@ class SpreadSparsePagesAttention:
         scores, positions = self.pages.own_candidates(layer, gathered)
         all_scores = self.cp.return_tokens(scores, counts, 0, layer, "spread_candidate_scores")
         all_positions = self.cp.return_tokens(positions, counts, 0, layer, "spread_candidates")
-        best = None
-        for part_scores, part_positions in zip(all_scores, all_positions):
-            best = self.adapter.merge_candidates(best, (part_scores, part_positions.long()))
-        return best
+        return merge_rank_candidates(self.adapter, all_scores, all_positions)
 
     def attend(self, layer, query, positions, valid):
         return selected_rows_attention(self, layer, query, positions, valid)

@@ -19,9 +19,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .harness import free_port, make_group
+from .harness import fork_ranks, make_group
 
 # 8 routed experts in 2 groups of 4, top-2 from one group: every EP size here (2, 4) divides them
 EP_MODEL = {"n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2}
@@ -116,23 +115,12 @@ def worker(rank, world, port, cases, out_dir):
         os._exit(1)
 
 
+def _ep_worker(rank, port, world, cases, out_dir):
+    worker(rank, world, port, cases, out_dir)
+
+
 def run_ep(world, cases, out_dir, timeout=600):
     """Fork `world` ranks, run `cases`, return {case name: [results by rank]}; raise with the ranks' tracebacks."""
-    os.makedirs(out_dir, exist_ok=True)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=worker, args=(r, world, port, cases, out_dir)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"EP run on {world} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
-                           + "\n".join(errors))
+    fork_ranks(world, _ep_worker, (world, cases, out_dir), out_dir, timeout, what="EP run")
     return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
                            for r in range(world)] for case in cases if world in case.get("worlds", (world,))}

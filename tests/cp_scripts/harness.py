@@ -176,14 +176,14 @@ def worker(rank, world, port, cases, out_dir, cp_ranks=None):
         os._exit(1)
 
 
-def run_cp(world, cases, out_dir, timeout=600, cp_ranks=None):
-    """Fork `world` ranks, run `cases`, return {case name: [results by global rank]}; raise with the ranks'
-    tracebacks. cp_ranks: the CP groups as lists of global ranks (default: one group of all ranks), say
-    [[0, 2], [1, 3]] for two CP groups whose group ranks differ from their global ranks."""
+def fork_ranks(world, target, args, out_dir, timeout=600, what="CP run"):
+    """Fork `world` processes running target(rank, port, *args) (a worker that joins one gloo group on `port` and
+    writes error.rank<r>.txt with its traceback on failure); wait, kill what outlives `timeout`, and raise with
+    the ranks' tracebacks if any failed."""
     os.makedirs(out_dir, exist_ok=True)
     port = free_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=worker, args=(r, world, port, cases, out_dir, cp_ranks)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -194,8 +194,19 @@ def run_cp(world, cases, out_dir, timeout=600, cp_ranks=None):
             p.join()
     errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
     if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"CP run on {world} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
+        raise RuntimeError(f"{what} on {world} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
                            + "\n".join(errors))
+
+
+def _cp_worker(rank, port, world, cases, out_dir, cp_ranks):
+    worker(rank, world, port, cases, out_dir, cp_ranks)
+
+
+def run_cp(world, cases, out_dir, timeout=600, cp_ranks=None):
+    """Fork `world` ranks, run `cases`, return {case name: [results by global rank]}; raise with the ranks'
+    tracebacks. cp_ranks: the CP groups as lists of global ranks (default: one group of all ranks), say
+    [[0, 2], [1, 3]] for two CP groups whose group ranks differ from their global ranks."""
+    fork_ranks(world, _cp_worker, (world, cases, out_dir, cp_ranks), out_dir, timeout)
     cp_size = len(cp_ranks[0]) if cp_ranks else world
     return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
                            for r in range(world)] for case in cases if runs_on(case, cp_size)}

@@ -15,9 +15,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .harness import free_port, nvme_dir
+from .harness import fork_ranks, nvme_dir
 
 # As tests/test_cp_transaction.py: attention layers before GDN layers, so prompt attention feeds later state.
 MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
@@ -81,21 +80,7 @@ def worker(rank, port, cases, out_dir):
 
 def run_masks(cases, out_dir, timeout=600):
     """Fork WORLD ranks, run every case on CP 2 and CP 3; return {(case name, cp size): [results by rank]}."""
-    os.makedirs(out_dir, exist_ok=True)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=worker, args=(r, port, cases, out_dir)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"masked CP run failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+    fork_ranks(WORLD, worker, (cases, out_dir), out_dir, timeout, what="masked CP run")
     return {(case["name"], size): [torch.load(os.path.join(out_dir, f"{case['name']}.cp{size}.rank{r}.pt"),
                                               weights_only=False) for r in range(size)]
             for case in cases for size in CP_SIZES}

@@ -126,6 +126,25 @@ def check_same_step(out_dir):
             "global_steps": engine.global_steps}
 
 
+AVERAGE_WEIGHTS = {"A": 0.25, "B": 0.25, "C": 0.5}  # rank 0 brings [A, B], rank 1 [C]
+
+
+def reference_sgd_step(reference, groups, weights, mode):
+    """Single process: SGD (lr 0.1) on sum_name weight * grad(group name); returns the weighted loss."""
+    grads, loss = {}, 0.0
+    for name, group in groups.items():  # each group's gradient alone, then the weighted sum
+        reference.zero_grad(set_to_none=True)
+        loss += weights[name] * grpo_backward(reference, group, config=block(mode)).loss
+        for pname, p in reference.named_parameters():
+            # no gradient: a parameter no loss path reaches (GLM's indexer) or an expert no token was routed to
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            grads[pname] = grads.get(pname, 0.0) + weights[name] * grad
+    for pname, p in reference.named_parameters():
+        p.grad = grads[pname]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    return loss
+
+
 def check_average(out_dir, model=None, groups=None):
     rank = dist.get_rank()
     model = tiny_qwen3_5(torch.float32, seed=1) if model is None else model
@@ -137,18 +156,7 @@ def check_average(out_dir, model=None, groups=None):
                         "C": make_group(22, 41, [6, 2])}
     mine = [groups["A"], groups["B"]] if rank == 0 else [groups["C"]]
     result = engine.grpo_step(mine)
-    weights = {"A": 0.25, "B": 0.25, "C": 0.5}
-    grads, ref_loss = {}, 0.0
-    for name, group in groups.items():  # each group's gradient alone, then the weighted sum
-        reference.zero_grad(set_to_none=True)
-        ref_loss += weights[name] * grpo_backward(reference, group, config=block("exact")).loss
-        for pname, p in reference.named_parameters():
-            # no gradient: a parameter no loss path reaches (GLM's indexer) or an expert no token was routed to
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            grads[pname] = grads.get(pname, 0.0) + weights[name] * grad
-    for pname, p in reference.named_parameters():
-        p.grad = grads[pname]
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    ref_loss = reference_sgd_step(reference, groups, AVERAGE_WEIGHTS, "exact")
     return {"rel": step_error(gathered(engine), reference, before), "mean_loss": result.mean_loss,
             "ref_mean_loss": ref_loss, "rank_groups": len(result.groups)}
 
@@ -199,17 +207,7 @@ def check_ep(out_dir):
     groups = {"A": make_group(30, 45, [3, 7], GLM_VOCAB), "B": make_group(31, 37, [1, 2, 5], GLM_VOCAB),
               "C": make_group(32, 53, [6, 2], GLM_VOCAB)}
     result = engine.grpo_step([groups["A"], groups["B"]] if rank == 0 else [groups["C"]])
-    weights = {"A": 0.25, "B": 0.25, "C": 0.5}
-    grads, ref_loss = {}, 0.0
-    for name, group in groups.items():
-        reference.zero_grad(set_to_none=True)
-        ref_loss += weights[name] * grpo_backward(reference, group, config=block("exact")).loss
-        for pname, p in reference.named_parameters():
-            grad = torch.zeros_like(p) if p.grad is None else p.grad
-            grads[pname] = grads.get(pname, 0.0) + weights[name] * grad
-    for pname, p in reference.named_parameters():
-        p.grad = grads[pname]
-    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    ref_loss = reference_sgd_step(reference, groups, AVERAGE_WEIGHTS, "exact")
     ref_after = as_engine_holds(engine, {n: p.detach() for n, p in reference.named_parameters()})
     experts = engine.longstraw_experts
     zero3 = {n for n, p in engine.module.named_parameters() if hasattr(p, "ds_id")}
