@@ -138,6 +138,44 @@ class _FrozenTensor:
         return torch.cat(self.fragments, 0).narrow(0, 0, self.shape.numel()).view(self.shape)
 
 
+class _ExpertSlices:
+    """A parameter whose experts were sharded over an EP group (engine_experts.py): its ranks' slices, memory-mapped
+    from the experts_ep<E>_rank<r>.pt files, joined along the expert dimension on `contiguous()`."""
+
+    def __init__(self, slices):
+        self.slices = slices
+        self.shape = torch.Size((sum(t.shape[0] for t in slices), *slices[0].shape[1:]))
+        self.dtype = slices[0].dtype
+
+    def contiguous(self):
+        return torch.cat(self.slices, 0)
+
+
+def expert_slice_files(tag_dir) -> list:
+    """The expert-slice files of an EP run's checkpoint tag, in EP rank order (none: not an EP run)."""
+    found = [f for f in os.listdir(tag_dir) if f.startswith("experts_ep") and f.endswith(".pt")]
+    return sorted(found, key=lambda f: int(f.rsplit("_rank", 1)[1][:-3]))
+
+
+def _expert_slices(tag_dir):
+    """{name: _ExpertSlices} and the trained names among them, from an EP run's slice files (trained slices: their
+    float32 master copies where the run kept one, as the optimizer's masters are read for the other weights)."""
+    files = expert_slice_files(tag_dir)
+    if not files:
+        return {}, set()
+    with _quiet_mmap_loads():
+        saved = [torch.load(os.path.join(tag_dir, f), map_location="cpu", weights_only=False) for f in files]
+    size = saved[0]["ep_size"]
+    if len(saved) != size or [s["experts"][0] for s in saved] != sorted(s["experts"][0] for s in saved):
+        raise ValueError(f"{tag_dir}: {len(saved)} expert-slice files for an EP size of {size}")
+    trained = set(saved[0].get("trainable", ()))
+    slices = {}
+    for name in saved[0]["params"]:
+        source = "masters" if name in trained and name in saved[0].get("masters", {}) else "params"
+        slices[name] = _ExpertSlices([s[source][name] for s in saved])
+    return slices, trained
+
+
 class ZeroCheckpoint:
     """The tensors of a ZeRO-3 checkpoint tag by the trained module's parameter and buffer names.
 
@@ -167,6 +205,9 @@ class ZeroCheckpoint:
             lazy[name] = _FrozenTensor([state.frozen_param_fragments[name] for state in states], shape)
         self.aliases = {alias: name for alias, name in states[0].shared_params}
         self._lazy = {name: value for name, value in lazy.items() if name not in self.aliases}
+        experts, trained_experts = _expert_slices(tag_dir)  # an EP run's routed experts, kept out of ZeRO
+        self._lazy.update(experts)
+        self.trainable |= trained_experts
         self.shapes = {name: torch.Size(value.shape) for name, value in self._lazy.items()}
 
     def tensor(self, name) -> torch.Tensor:

@@ -133,6 +133,7 @@ class ExpertSlices:
             path = self._path(directory, tag)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save({"ep_size": self.ep.size, "experts": (self.local.start, self.local.stop),
+                        "trainable": sorted(self.trainable()),
                         "params": {n: p.detach().clone() for n, p in self.params.items()},
                         "masters": {n: self.masters[id(p)].detach().clone() for n, p in self.params.items()
                                     if id(p) in self.masters},

@@ -15,6 +15,7 @@ chains); each rank writes its measurements, asserted here:
   glm         glm_moe_dsa (MLA + DSA + MoE): as average, its MoE blocks ZeRO-3 leaf modules
   ep          the same with "ep_size" 2: the routed experts sharded over the two nodes, outside ZeRO-3
   ep_checkpoint  resume of an EP run (the engine's checkpoint and each rank's expert-slice file): bit for bit
+  ep_export   `longstraw export` of an EP run's checkpoint: the whole model, experts joined from the slice files
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -101,6 +102,14 @@ def test_expert_parallel_checkpoint_resume_is_bit_exact(results):
         assert r["max_abs"] == 0.0, r
         assert r["loss"] == r["resumed_loss"] and r["lr"] == r["resumed_lr"] > 0
         assert r["files"] == ["experts_ep2_rank0.pt", "experts_ep2_rank1.pt"]
+
+
+def test_expert_parallel_checkpoint_exports_the_whole_model(results):
+    rank0, rank1 = _check(results, "ep_export")
+    assert rank0["names_match"] and rank0["missing"] == [], rank0
+    assert rank0["max_abs"] == 0.0, rank0
+    assert rank0["expert_shape"] == [4, 64, 64]  # 4 routed experts: both ranks' 2-expert slices joined
+    assert rank0["experts"] == rank1["experts"] == 6
 
 
 def test_checkpoint_resume_reproduces_step_2_exactly(results):

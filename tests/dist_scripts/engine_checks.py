@@ -33,6 +33,8 @@ gradient_clipping 0):
   ep          as glm with "ep_size": 2 (8 routed experts, 4 per rank): the slices kept out of ZeRO, routed pairs
               dispatched over the ranks, each slice's gradient summed over the ranks holding it / W; the step on
               the non-expert weights and on each rank's slice == the single-process step on the whole model
+  ep_export   an EP run's checkpoint through `longstraw export`: the whole model (experts joined from both ranks'
+              slice files), every tensor equal to the engine's at the save, loaded by transformers
   ep_checkpoint  ZeRO-3 + EP, AdamW + WarmupLR: step 1, save, step 2 -> P; a fresh engine on different weights
               loads the step-1 checkpoint (the engine's and each rank's expert-slice file), step 2 -> Q; P == Q bit
               for bit, slices and their optimizer state included
@@ -253,6 +255,48 @@ def check_ep_checkpoint(out_dir):
             "loaded": path is not None, "client_step": client.get("step")}
 
 
+def check_ep_export(out_dir):
+    """An EP run's checkpoint (the engine's shards + each rank's expert-slice file) exported by `longstraw export`
+    is the whole model: every tensor equals the engine's at the save, the experts joined from both ranks' slices,
+    and transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    from ds_longstraw.export import export_checkpoint
+    from ds_longstraw.modeling import build_model
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shape = os.path.join(repo, "configs", "models", "tiny_glm_moe_dsa.yaml")  # 4 routed experts: 2 per rank
+    model = build_model(shape=shape, dtype="float32", seed=11)
+    config = ds_config("detached")
+    config["longstraw"]["ep_size"] = 2
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    engine.grpo_step(make_group(36, 41, [3, 5], 128))
+    ckpt = os.path.join(out_dir, "ckpt_ep_export")
+    engine.save_checkpoint(ckpt, tag="step1")
+    params = engine_params(engine)
+    slices = engine.longstraw_experts.params
+    everyone = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(everyone, {n: p.detach() for n, p in slices.items()})
+    for name in slices:
+        params[name] = torch.cat([rank_slices[name] for rank_slices in everyone])
+    result = {"experts": len(slices)}
+    if dist.get_rank() == 0:
+        run = os.path.join(out_dir, "ep_export_run.yaml")
+        with open(run, "w") as handle:
+            handle.write(f"deepspeed_config: {os.path.join(repo, 'configs', 'deepspeed', 'zero3_cpu.json')}\n"
+                         f"model: {{shape: {shape}, dtype: float32}}\ndata: {{path: unused.jsonl}}\n")
+        out = os.path.join(out_dir, "ep_export")
+        export_checkpoint(ckpt, out, tag="step1", run_config=run)
+        exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+        result.update(names_match=sorted(params) == sorted(n for n in exported if n in params),
+                      missing=[n for n in params if n not in exported],
+                      max_abs=max(float((exported[n] - p).abs().max()) for n, p in params.items() if n in exported),
+                      expert_shape=list(exported[next(iter(slices))].shape))
+    dist.barrier()
+    return result
+
+
 def check_checkpoint(out_dir):
     config = ds_config("detached", scheduler={"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
@@ -383,7 +427,7 @@ def check_zero2(out_dir):
 
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
           "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
-          "ep_checkpoint": check_ep_checkpoint}
+          "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export}
 
 
 def run_checks(checks, file_prefix, **context):
