@@ -246,7 +246,7 @@ def cp_results(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CP_CASES, ids=[case["name"] for case in CP_CASES])
 def test_cp2_equals_one_rank(cp_results, case):
-    """Every rank of CP 2 gets the single-process samples (prompt shards 11/11, 9/10, 22/22, 20/20 tokens);
+    """Every rank of CP 2 gets the single-process samples (prompt shards 11/11, 10/9, 22/22, 20/20 tokens);
     "cp_replay": "spread" in the config changes nothing (every rank decodes every sample)."""
     reference = case_rollouts(case)
     ranks = cp_results[case["name"]]
