@@ -8,7 +8,13 @@ bash bin/setup
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # 2 ranks on a small CPU box: one thread each
+# No device visible: tell DeepSpeed "cpu" instead of letting the launcher and each rank probe and warn (local ranks
+# only: this script launches no other node).
+if [ -z "${DS_ACCELERATOR:-}" ] && python launch/accelerator.py; then export DS_ACCELERATOR=cpu; fi
 mkdir -p runs/quickstart
 [ -f runs/quickstart/groups.jsonl ] || python launch/make_toy_groups.py runs/quickstart/groups.jsonl
-exec deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "${MASTER_PORT:-29531}" launch/train.py \
+# The launcher's INFO lines (and its note that a local run has no hostfile) stay out of view; LAUNCHER_LOG_LEVEL=info
+# shows them.
+exec deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "${MASTER_PORT:-29531}" \
+  --log_level "${LAUNCHER_LOG_LEVEL:-error}" launch/train.py \
   --config configs/run/quickstart.yaml "$@"

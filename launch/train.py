@@ -4,10 +4,12 @@
     deepspeed --hostfile launch/hostfile.example launch/train.py --config configs/run/qwen3_6_27b_h20.yaml
 
 Reads GRPO groups (a shared prompt, G responses, rewards) from JSONL, one optimizer step per `grpo_step` (each
-data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients), prints and
-logs (JSONL) per-step metrics on rank 0, saves DeepSpeed checkpoints (tags "step<N>", with the step in the client
-state) and resumes from them (`train.resume=latest` or a tag). The run config is ds_longstraw.run_config.RunConfig
-(YAML + dotlist overrides); the DeepSpeed JSON it names carries the "longstraw" block.
+data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients). Rank 0 prints
+a short line per step (step, loss, grad norm, seconds, tokens/s, peak) and the checkpoint path at the end, and logs
+the full per-step metrics as JSONL (train.metrics). It saves DeepSpeed checkpoints (tags "step<N>", with the step in
+the client state, and the run record `longstraw export` reads), resumes from them (`train.resume=latest` or a tag),
+and with train.export_dir exports the last one. The run config is ds_longstraw.run_config.RunConfig (YAML + dotlist
+overrides); the DeepSpeed JSON it names carries the "longstraw" block.
 """
 
 import argparse
@@ -113,8 +115,48 @@ def dump_trainable(engine, path, rank):
         torch.save(out, path)
 
 
+def step_line(record, max_steps) -> str:
+    """What the user reads per step (the full record goes to train.metrics)."""
+    grad = "-" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
+    return (f"[longstraw] step {record['step']}/{max_steps}  loss {record['mean_loss']:+.4f}  grad norm {grad}  "
+            f"{record['seconds']:.2f} s  {record['tokens_per_s_rank0']:,.0f} tok/s  "
+            f"peak {record['peak_bytes_rank0'] / 2**20:,.0f} MiB" + ("  (skipped)" if record["skipped"] else ""))
+
+
+def _settle_accelerator():
+    """DS_ACCELERATOR=cpu where this machine shows no device (launch/accelerator.py), before deepspeed is imported
+    (ds_longstraw imports it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "longstraw_launch_accelerator", os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerator.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.settle()
+
+
+def _init_distributed():
+    """deepspeed.init_distributed, without the line each rank prints when it loads DeepSpeed's shared-memory
+    all-reduce op ("... deepspeed_shm_comm_op built successfully"); anything else it prints is passed on."""
+    import contextlib
+    import io
+
+    import deepspeed
+
+    captured = io.StringIO()
+    with contextlib.redirect_stdout(captured):
+        deepspeed.init_distributed()
+    for line in captured.getvalue().splitlines():
+        if not line.endswith("built successfully"):
+            print(line, flush=True)
+
+
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    _settle_accelerator()
+    from ds_longstraw.console import hide_third_party_notices
+
+    hide_third_party_notices()
     from ds_longstraw.run_config import load_run_config
 
     run = load_run_config(args.config, args.overrides)
@@ -137,13 +179,12 @@ def main(argv=None):
         raise ValueError(f"train.export_dir = {run.train.export_dir!r} exists: remove it or choose another "
                          "(only a resumed run replaces its earlier export)")
 
-    import deepspeed
     from deepspeed import comm as dist
 
     import ds_longstraw
     from ds_longstraw.checkpoint_files import save_record
 
-    deepspeed.init_distributed()
+    _init_distributed()
     rank = dist.get_rank()
     model = _policy(run, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -175,9 +216,10 @@ def main(argv=None):
         from ds_longstraw.lora import trainable_summary
 
         ready = time.time() - psutil.Process().create_time()
-        print(f"[longstraw] {len(source)} groups from {run.data.path}; dp_world={dp_world}; steps {start}.."
-              f"{run.train.max_steps}; {trainable_summary(engine.module)}; ready {ready:.1f} s after start",
-              flush=True)
+        counts = trainable_summary(engine.module)
+        print(f"[longstraw] {len(source)} groups from {run.data.path}; {dp_world} data-parallel replica(s); steps "
+              f"{start + 1}..{run.train.max_steps}; {counts['trainable_params']:,} of {counts['total_params']:,} "
+              f"parameters train; ready {ready:.1f} s after start", flush=True)
 
     metrics_file = None
     if rank == 0 and run.train.metrics:
@@ -190,14 +232,14 @@ def main(argv=None):
         # disable=None: no bar where stderr is not a terminal (logs); the per-step metric lines remain.
         bar = tqdm(total=run.train.max_steps, initial=start, desc="grpo steps", unit="step", disable=None)
     say = bar.write if bar is not None else print
-    started = time.perf_counter()
+    started, saved = time.perf_counter(), None
     for step in range(start, run.train.max_steps):
         groups = source.for_step(step, dp_rank, dp_world, run.data.groups_per_rank)
         result = engine.grpo_step(groups, objective, ref_model=reference)
         done = step + 1
         if rank == 0:
             record = _metrics(done, result, dp_world)
-            say("[longstraw] " + json.dumps(record))
+            say(step_line(record, run.train.max_steps))
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
@@ -208,6 +250,7 @@ def main(argv=None):
         every = run.train.save_every
         if run.train.save_dir and ((every and done % every == 0) or last):
             engine.save_checkpoint(run.train.save_dir, tag=f"step{done}", client_state={"step": done})
+            saved = os.path.join(run.train.save_dir, f"step{done}")
             if rank == 0:  # what `longstraw export` needs beside the shards
                 save_record(os.path.join(run.train.save_dir, f"step{done}"), run, engine.module, tokenizer)
     if bar is not None:
@@ -217,8 +260,11 @@ def main(argv=None):
     if run.train.dump_params:
         dump_trainable(engine, run.train.dump_params, rank)
     if rank == 0:
-        print(f"[longstraw] done: steps {start}..{run.train.max_steps} in {time.perf_counter() - started:.1f} s",
-              flush=True)
+        where = [f"checkpoint {saved}" if saved else "no checkpoint (train.save_dir is not set)"]
+        if run.train.metrics:
+            where.append(f"metrics {run.train.metrics}")
+        print(f"[longstraw] done: steps {start + 1}..{run.train.max_steps} in {time.perf_counter() - started:.1f} s; "
+              + "; ".join(where), flush=True)
     dist.barrier()  # every rank's shards are written
     dist.destroy_process_group()
     if run.train.export_dir and rank == 0:
