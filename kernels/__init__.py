@@ -12,6 +12,7 @@ from .attention import (
 )
 from .gated_delta import chunk_gated_delta_rule_autograd, recurrent_gated_delta_rule
 from .gated_delta_chunked import chunk_gated_delta_rule
+from .logprobs import VOCAB_CHUNK, chunked_logprobs, logprobs_reference
 from .lse import merge_partials, merge_partials_reference
 
 __all__ = [
@@ -24,4 +25,7 @@ __all__ = [
     "chunk_gated_delta_rule",
     "chunk_gated_delta_rule_autograd",
     "recurrent_gated_delta_rule",
+    "chunked_logprobs",
+    "logprobs_reference",
+    "VOCAB_CHUNK",
 ]

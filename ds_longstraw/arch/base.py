@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ds_longstraw.kernels import VOCAB_CHUNK, chunked_logprobs
+
 
 @dataclass
 class SegmentOutput:
@@ -41,9 +43,43 @@ class CausalLMAdapter:
         positions = torch.arange(start, start + hidden.shape[1], device=hidden.device).unsqueeze(0)
         return self.body.rotary_emb(hidden, positions)
 
+    # Vocabulary ids per chunk of the log-probs (ds_longstraw.kernels.chunked_logprobs); None or 0: the plain path,
+    # full [T, V] logits then log_softmax. A class attribute, so a test or a user can force the reference with
+    # `CausalLMAdapter.logprobs_vocab_chunk = None` (adapters are made per call).
+    logprobs_vocab_chunk = VOCAB_CHUNK
+
     def logprobs(self, hidden_1TC, targets):
-        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64)."""
-        logits = self.lm_head(self.body.norm(hidden_1TC))[0]
-        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logp = torch.log_softmax(logits.to(acc), dim=-1)
-        return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64).
+
+        With a plain nn.Linear LM head the vocabulary is walked in chunks (forward and backward), so no [T, V]
+        logits exist: at Qwen3.6's 248,320-token vocabulary those are about 1 GB per 1,024 tokens in float32, and
+        the plain path holds several copies (logits, log-softmax, its gradient). Any other head (a peft LoRA
+        wrapper, a quantized linear) takes the plain path through the module call: the chunked path reads only a
+        plain head's weight and bias. Both paths run inside the head's module call (head_logprobs), so ZeRO-3
+        gathers a partitioned head as before.
+        """
+        normed_1TC = self.body.norm(hidden_1TC)
+        if not self.logprobs_vocab_chunk or type(self.lm_head) is not torch.nn.Linear:
+            logits = self.lm_head(normed_1TC)[0]
+            acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            logp = torch.log_softmax(logits.to(acc), dim=-1)
+            return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+        return head_logprobs(self.lm_head, normed_1TC[0], targets, self.logprobs_vocab_chunk)
+
+
+def head_logprobs(head, hidden_TC, targets_T, vocab_chunk):
+    """chunked_logprobs through a plain nn.Linear head, run AS the head's module call: the call's hooks are what
+    ZeRO-3 gathers a partitioned weight in (pre-forward) and gathers it again in backward (a hook on the call's
+    output, before this backward reads the saved weight), releasing it after the gradient has been accumulated (a
+    hook on the call's input). Reading head.weight outside a call would see an empty partition. Without ZeRO-3
+    the call is a plain function call. Each block makes one call, as the plain path does, so ZeRO-3's call order
+    matches on every rank."""
+
+    def chunked_forward(hidden_TC, targets_T):
+        return chunked_logprobs(hidden_TC, head.weight, targets_T, head.bias, vocab_chunk)
+
+    head.forward = chunked_forward  # an instance attribute: nn.Module.__call__ runs it between the hooks
+    try:
+        return head(hidden_TC, targets_T)
+    finally:
+        del head.forward

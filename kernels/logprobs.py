@@ -1,0 +1,146 @@
+"""Log-probs of target tokens under softmax(hidden @ weight.T + bias), without a [tokens, vocab] logits tensor.
+
+Legend: T tokens, C channels (hidden size), V vocabulary, c one vocabulary chunk (at most `vocab_chunk` ids).
+hidden_TC, weight_VC (the LM head's rows), bias_V, targets_T; z_Tc one chunk's logits.
+
+    log p(t) = z[t] - lse,   lse = log sum_v exp(z[v])
+
+The forward walks the vocabulary in chunks and keeps an online log-sum-exp (running max and sum per token) and the
+target's logit. The backward recomputes each chunk's logits from hidden and weight and uses
+    d log p(t) / d z[v] = 1[v = t] - exp(z[v] - lse)
+to accumulate d(hidden) and write that chunk's rows of d(weight) (and d(bias)). So neither pass holds more than a
+few [T, c] tensors at once; the plain reference (log_softmax, then gather) holds [T, V] logits, their log-softmax
+and, in backward, its gradient: at a 248,320-token vocabulary and a 1,024-token block about 1 GB each in float32.
+
+Precision matches the plain path of the model: each chunk's matmul runs in the inputs' dtype (so a logit is the
+same number the full matmul gives), the softmax arithmetic in float32 (float64 for float64 inputs), and d(hidden)
+is summed over chunks in that accumulation dtype.
+"""
+
+import torch
+
+# Vocabulary ids per chunk. Measured on CPU (2 shared cores, float32, T = 1,024, C = 256, V = 65,536, forward +
+# backward of the log-probs alone, best of 3): 1,024 ids 7.9 s, 4,096 3.6 s, 8,192 3.0 s, 16,384 2.6 s, 32,768
+# 2.4 s; the full-logits reference 2.0 s (the backward recomputes the logits: one matmul more of four). In the whole
+# GRPO step (bench/bench_logprobs.py, one thread) 8,192 is already no slower than the reference, and each doubling
+# doubles the float32 [T, c] temporaries (32 MiB per 1,024 tokens at 8,192): 8,192 keeps them small for the memory
+# this path exists to save.
+VOCAB_CHUNK = 8192
+
+
+# d(weight) and d(bias) are written chunk by chunk into uninitialised buffers; tests poison them (NaN) here.
+_uninitialised = torch.empty_like
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc):
+    """Logits of ids v0..v1-1, computed like the full matmul (inputs' dtype), returned in the accumulation dtype."""
+    z_Tc = hidden_TC @ weight_VC[v0:v1].T
+    if bias_V is not None:
+        z_Tc = z_Tc + bias_V[v0:v1]
+    return z_Tc.to(acc)
+
+
+def _in_chunk(targets_T, v0, v1):
+    """(tokens whose target is in [v0, v1), their target's column in the chunk, clamped for the others)."""
+    inside_T = (targets_T >= v0) & (targets_T < v1)
+    return inside_T, (targets_T - v0).clamp(0, v1 - v0 - 1)
+
+
+def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
+    """(log p(targets) [T], lse [T]) in the accumulation dtype, by an online log-sum-exp over vocabulary chunks."""
+    acc = _acc(hidden_TC.dtype)
+    tokens, vocab = hidden_TC.shape[0], weight_VC.shape[0]
+    max_T = torch.full((tokens,), float("-inf"), dtype=acc, device=hidden_TC.device)
+    sum_T = torch.zeros(tokens, dtype=acc, device=hidden_TC.device)
+    target_T = torch.zeros(tokens, dtype=acc, device=hidden_TC.device)
+    for v0 in range(0, vocab, vocab_chunk):
+        v1 = min(vocab, v0 + vocab_chunk)
+        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc)
+        inside_T, column_T = _in_chunk(targets_T, v0, v1)
+        target_T = torch.where(inside_T, z_Tc.gather(-1, column_T.unsqueeze(-1)).squeeze(-1), target_T)
+        new_max_T = torch.maximum(max_T, z_Tc.amax(dim=-1))
+        # The first chunk rescales a zero sum by exp(-inf) = 0; logits are finite, so new_max_T is too. In place:
+        # one [T, c] tensor per chunk.
+        chunk_sum_T = z_Tc.sub_(new_max_T.unsqueeze(-1)).exp_().sum(dim=-1)
+        sum_T = sum_T * torch.exp(max_T - new_max_T) + chunk_sum_T
+        max_T = new_max_T
+        del z_Tc
+    lse_T = max_T + torch.log(sum_T)
+    return target_T - lse_T, lse_T
+
+
+def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chunk, need):
+    """Gradients of sum(dlogp * log p) w.r.t. (hidden, weight, bias), chunk by chunk; None where not `need`ed."""
+    need_hidden, need_weight, need_bias = need
+    acc = _acc(hidden_TC.dtype)
+    vocab = weight_VC.shape[0]
+    dlogp_T = dlogp_T.to(acc)
+    dhidden_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if need_hidden else None
+    dweight_VC = _uninitialised(weight_VC) if need_weight else None
+    dbias_V = _uninitialised(bias_V) if need_bias else None
+    for v0 in range(0, vocab, vocab_chunk):
+        v1 = min(vocab, v0 + vocab_chunk)
+        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc)
+        # dz = dlogp * (onehot(target) - softmax), built in place on the recomputed logits.
+        dz_Tc = z_Tc.sub_(lse_T.unsqueeze(-1)).exp_().mul_(-dlogp_T.unsqueeze(-1))
+        inside_T, column_T = _in_chunk(targets_T, v0, v1)
+        dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T, dlogp_T, 0.0).unsqueeze(-1))
+        if need_bias:
+            dbias_V[v0:v1] = dz_Tc.sum(dim=0)
+        # Like the plain path's backward: the logits' gradient is cast to the inputs' dtype before the matmuls.
+        dz_Tc = dz_Tc.to(hidden_TC.dtype)
+        if need_hidden:
+            dhidden_TC += (dz_Tc @ weight_VC[v0:v1]).to(acc)
+        if need_weight:
+            dweight_VC[v0:v1] = dz_Tc.T @ hidden_TC
+        del z_Tc, dz_Tc
+    return (None if dhidden_TC is None else dhidden_TC.to(hidden_TC.dtype)), dweight_VC, dbias_V
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
+        logp_T, lse_T = _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk)
+        ctx.save_for_backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T)
+        ctx.vocab_chunk = vocab_chunk
+        return logp_T
+
+    @staticmethod
+    def backward(ctx, dlogp_T):
+        hidden_TC, weight_VC, bias_V, targets_T, lse_T = ctx.saved_tensors
+        dhidden, dweight, dbias = _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, ctx.vocab_chunk,
+                                            ctx.needs_input_grad[:3])
+        return dhidden, dweight, dbias, None, None
+
+
+def chunked_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK):
+    """log softmax(hidden @ weight.T + bias)[t, targets[t]] for each token t, as [T] in float32 (float64 for
+    float64 inputs): the same numbers as `logprobs_reference`, computed over `vocab_chunk` ids at a time with an
+    online log-sum-exp in forward and per-chunk recomputation in backward, so no [T, V] tensor is ever made.
+
+    Differentiable w.r.t. hidden, weight and bias. The weight is saved for backward as given: a ZeRO-3 partitioned
+    weight must be gathered in forward and again in backward, which DeepSpeed's hooks do when this runs inside
+    the head module's call (ds_longstraw.arch.base.head_logprobs).
+    """
+    if vocab_chunk is None or vocab_chunk <= 0:
+        raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
+    if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:
+        raise ValueError(f"expected hidden [T, C], weight [V, C], targets [T]; got {tuple(hidden_TC.shape)}, "
+                         f"{tuple(weight_VC.shape)}, {tuple(targets_T.shape)}")
+    if hidden_TC.shape[0] != targets_T.shape[0] or hidden_TC.shape[1] != weight_VC.shape[1]:
+        raise ValueError(f"shapes do not match: hidden {tuple(hidden_TC.shape)}, weight {tuple(weight_VC.shape)}, "
+                         f"targets {tuple(targets_T.shape)}")
+    targets_T = targets_T.to(device=hidden_TC.device, dtype=torch.long)
+    return _ChunkedLogprobs.apply(hidden_TC, weight_VC, bias_V, targets_T, int(vocab_chunk))
+
+
+def logprobs_reference(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=None):
+    """Plain reference with chunked_logprobs' signature: full [T, V] logits, log_softmax in float32 (float64 for
+    float64 inputs), then gather. vocab_chunk is ignored."""
+    logits_TV = torch.nn.functional.linear(hidden_TC, weight_VC, bias_V)
+    logp_TV = torch.log_softmax(logits_TV.to(_acc(logits_TV.dtype)), dim=-1)
+    return logp_TV.gather(-1, targets_T.to(logits_TV.device).long().unsqueeze(-1)).squeeze(-1)
