@@ -10,7 +10,7 @@ bash bin/setup
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}   # 2 ranks on a small CPU box: one thread each
 # No device visible: tell DeepSpeed "cpu" instead of letting the launcher and each rank probe and warn (local ranks
 # only: this script launches no other node).
-if [ -z "${DS_ACCELERATOR:-}" ] && python launch/accelerator.py; then export DS_ACCELERATOR=cpu; fi
+if [ -z "${DS_ACCELERATOR:-}" ] && python ds_longstraw/accelerator.py; then export DS_ACCELERATOR=cpu; fi
 mkdir -p runs/quickstart
 [ -f runs/quickstart/groups.jsonl ] || python launch/make_toy_groups.py runs/quickstart/groups.jsonl
 # The launcher's INFO lines (and its note that a local run has no hostfile) stay out of view; LAUNCHER_LOG_LEVEL=info

@@ -124,15 +124,9 @@ def step_line(record, max_steps) -> str:
 
 
 def _settle_accelerator():
-    """DS_ACCELERATOR=cpu where this machine shows no device (launch/accelerator.py), before deepspeed is imported
-    (ds_longstraw imports it)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "longstraw_launch_accelerator", os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerator.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.settle()
+    """DS_ACCELERATOR=cpu where this machine shows no device, before deepspeed is imported: importing ds_longstraw
+    settles it first thing (ds_longstraw/accelerator.py)."""
+    import ds_longstraw  # noqa: F401
 
 
 def _init_distributed():

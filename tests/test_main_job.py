@@ -111,7 +111,7 @@ def _module(name, *path):
 
 
 def test_accelerator_is_said_only_where_none_is_visible(monkeypatch):
-    accelerator = _module("launch_accelerator", "launch", "accelerator.py")
+    accelerator = _module("longstraw_accelerator", "ds_longstraw", "accelerator.py")
     monkeypatch.setattr(accelerator, "device_visible", lambda: False)
     assert accelerator.settle(env := {}) == "cpu" and env == {"DS_ACCELERATOR": "cpu"}
     assert accelerator.settle({"DS_ACCELERATOR": "xpu"}) == "xpu"

@@ -5,11 +5,13 @@ warns "Setting accelerator to CPU. If you have GPU or other accelerator, we were
 process (launcher, each rank). Where the same probes find nothing, "cpu" is the answer DeepSpeed would reach:
 saying it changes nothing but the message. Where a device is visible, or DS_ACCELERATOR is set, nothing is touched.
 
-Used before anything imports deepspeed (so it imports neither deepspeed nor ds_longstraw):
-    launch/train.py      settle() at the top (each rank decides for its own machine)
+Used before anything imports deepspeed (so it imports neither deepspeed nor the rest of ds_longstraw):
+    ds_longstraw/__init__.py   settle() first thing, so `import ds_longstraw` (the `longstraw` command, a user's
+                               script) does not make DeepSpeed guess
+    launch/train.py            settle() at the top (each rank decides for its own machine)
     bin/main, launch/quickstart.sh
-                         `python launch/accelerator.py` exits 0 when no device is visible (then they export
-                         DS_ACCELERATOR=cpu for the local processes they start)
+                               `python ds_longstraw/accelerator.py` exits 0 when no device is visible (then they
+                               export DS_ACCELERATOR=cpu for the local processes they start)
 """
 
 import importlib.util
