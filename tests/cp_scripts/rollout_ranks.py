@@ -4,7 +4,7 @@ rollouts in files.
 `run_rollouts(cases, out_dir)` forks WORLD processes that join one gloo process group, build the CP group with
 new_group (not the default group: generate must use the group it is given), run every case and write
 `<case>.rank<r>.pt` with the rank's response ids, log-probs, finished flags and seed. Forking reuses the parent's
-imports (as tests/cp_scripts/harness.py does, whose port helper this uses).
+imports (as tests/cp_scripts/harness.py does, whose fork_ranks this uses).
 
 A case is a dict: name, family ("qwen3_5" or "glm_moe_dsa"), prompt_len, samples, max_new, config (the longstraw
 block without cp_size), and generate's keyword arguments in `sampling` (temperature, top_p, eos_token_id, seed).
@@ -15,9 +15,8 @@ import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .harness import free_port
+from .harness import fork_ranks
 
 WORLD = 2
 
@@ -68,21 +67,6 @@ def worker(rank, port, cases, out_dir):
 
 def run_rollouts(cases, out_dir, timeout=600):
     """Fork WORLD ranks, run `cases`; return {case name: [results by rank]}; raise with the ranks' tracebacks."""
-    os.makedirs(out_dir, exist_ok=True)
-    port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=worker, args=(r, port, cases, out_dir)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    errors = [open(os.path.join(out_dir, f)).read() for f in sorted(os.listdir(out_dir)) if f.startswith("error.")]
-    if errors or any(p.exitcode != 0 for p in procs):
-        raise RuntimeError(f"rollouts on {WORLD} ranks failed (exit codes {[p.exitcode for p in procs]}):\n"
-                           + "\n".join(errors))
+    fork_ranks(WORLD, worker, (cases, out_dir), out_dir, timeout, what="rollouts")
     return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
                            for r in range(WORLD)] for case in cases}
