@@ -15,7 +15,6 @@ Each rank writes <name>.rank<r>.pt: its gradients, the expected ones, loss, log-
 
 import copy
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -94,33 +93,20 @@ def _record_indivisible(world, ep_group, out_dir, rank):
         handle.write(message)
 
 
-def worker(rank, world, port, cases, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        from glm_models import glm_reference
+def worker(rank, world, cases, out_dir):
+    """One rank of run_ep (inside fork_ranks' process group)."""
+    from glm_models import glm_reference
 
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        ep_group = dist.new_group(list(range(world)), backend="gloo")
-        with glm_reference():
-            for case in cases:
-                if world in case.get("worlds", (world,)):
-                    _run_case(case, world, ep_group, out_dir, rank)
-        _record_indivisible(world, ep_group, out_dir, rank)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
-
-
-def _ep_worker(rank, port, world, cases, out_dir):
-    worker(rank, world, port, cases, out_dir)
+    ep_group = dist.new_group(list(range(world)), backend="gloo")
+    with glm_reference():
+        for case in cases:
+            if world in case.get("worlds", (world,)):
+                _run_case(case, world, ep_group, out_dir, rank)
+    _record_indivisible(world, ep_group, out_dir, rank)
 
 
 def run_ep(world, cases, out_dir, timeout=600):
     """Fork `world` ranks, run `cases`, return {case name: [results by rank]}; raise with the ranks' tracebacks."""
-    fork_ranks(world, _ep_worker, (world, cases, out_dir), out_dir, timeout, what="EP run")
+    fork_ranks(world, worker, (cases, out_dir), out_dir, timeout, what="EP run")
     return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
                            for r in range(world)] for case in cases if world in case.get("worlds", (world,))}

@@ -155,19 +155,26 @@ def _run_model_case(case, world, cp_group, out_dir, rank, build, float64_model, 
                 "cp": result.extras["cp"], "selections": record}, path)
 
 
-def worker(rank, world, port, cases, out_dir, cp_ranks=None):
+def worker(rank, world, cases, out_dir, cp_ranks=None):
+    """One rank of run_cp (inside fork_ranks' process group)."""
+    cp_group, cp_size = None, world
+    for ranks in cp_ranks or [list(range(world))]:  # new_group is collective: every rank creates every group
+        group = dist.new_group(ranks, backend="gloo")
+        if rank in ranks:
+            cp_group, cp_size = group, len(ranks)
+    for case in cases:
+        if runs_on(case, cp_size):
+            _run_case(case, cp_size, cp_group, out_dir, rank)
+
+
+def _rank_main(rank, world, port, out_dir, body, args):
+    """A forked rank: one intra-op thread, one gloo group of `world` ranks on `port`, body(rank, world, *args), a
+    barrier; on failure its traceback goes to out_dir/error.rank<r>.txt and the process exits 1."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        cp_group, cp_size = None, world
-        for ranks in cp_ranks or [list(range(world))]:  # new_group is collective: every rank creates every group
-            group = dist.new_group(ranks, backend="gloo")
-            if rank in ranks:
-                cp_group, cp_size = group, len(ranks)
-        for case in cases:
-            if runs_on(case, cp_size):
-                _run_case(case, cp_size, cp_group, out_dir, rank)
+        body(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -176,14 +183,13 @@ def worker(rank, world, port, cases, out_dir, cp_ranks=None):
         os._exit(1)
 
 
-def fork_ranks(world, target, args, out_dir, timeout=600, what="CP run"):
-    """Fork `world` processes running target(rank, port, *args) (a worker that joins one gloo group on `port` and
-    writes error.rank<r>.txt with its traceback on failure); wait, kill what outlives `timeout`, and raise with
-    the ranks' tracebacks if any failed."""
+def fork_ranks(world, body, args, out_dir, timeout=600, what="CP run"):
+    """Fork `world` processes, each running body(rank, world, *args) inside one gloo process group (_rank_main);
+    wait, kill what outlives `timeout`, and raise with the ranks' tracebacks if any failed."""
     os.makedirs(out_dir, exist_ok=True)
     port = free_port()
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=target, args=(r, port, *args)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, out_dir, body, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -198,15 +204,11 @@ def fork_ranks(world, target, args, out_dir, timeout=600, what="CP run"):
                            + "\n".join(errors))
 
 
-def _cp_worker(rank, port, world, cases, out_dir, cp_ranks):
-    worker(rank, world, port, cases, out_dir, cp_ranks)
-
-
 def run_cp(world, cases, out_dir, timeout=600, cp_ranks=None):
     """Fork `world` ranks, run `cases`, return {case name: [results by global rank]}; raise with the ranks'
     tracebacks. cp_ranks: the CP groups as lists of global ranks (default: one group of all ranks), say
     [[0, 2], [1, 3]] for two CP groups whose group ranks differ from their global ranks."""
-    fork_ranks(world, _cp_worker, (world, cases, out_dir, cp_ranks), out_dir, timeout)
+    fork_ranks(world, worker, (cases, out_dir, cp_ranks), out_dir, timeout)
     cp_size = len(cp_ranks[0]) if cp_ranks else world
     return {case["name"]: [torch.load(os.path.join(out_dir, f"{case['name']}.rank{r}.pt"), weights_only=False)
                            for r in range(world)] for case in cases if runs_on(case, cp_size)}

@@ -11,7 +11,6 @@ block, optional objective kwargs, optional ref_seed (KL to a separate reference 
 """
 
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -60,22 +59,14 @@ def _run_case(case, cp_size, cp_group, out_dir, rank):
                os.path.join(out_dir, f"{case['name']}.cp{cp_size}.rank{rank}.pt"))
 
 
-def worker(rank, port, cases, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        groups = {size: dist.new_group(list(range(size)), backend="gloo") for size in CP_SIZES}  # collective
-        for size in CP_SIZES:
-            if rank < size:
-                for case in cases:
-                    _run_case(case, size, groups[size], out_dir, rank)
-            dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
+def worker(rank, world, cases, out_dir):
+    """One rank of run_masks (inside fork_ranks' process group): CP 3 on every rank, CP 2 on the first two."""
+    groups = {size: dist.new_group(list(range(size)), backend="gloo") for size in CP_SIZES}  # collective
+    for size in CP_SIZES:
+        if rank < size:
+            for case in cases:
+                _run_case(case, size, groups[size], out_dir, rank)
+        dist.barrier()
 
 
 def run_masks(cases, out_dir, timeout=600):

@@ -11,7 +11,6 @@ block without cp_size), and generate's keyword arguments in `sampling` (temperat
 """
 
 import os
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -46,23 +45,14 @@ def case_rollouts(case, cp_size=1, cp_group=None):
                         cp_size=cp_size), cp_group=cp_group, **case["sampling"])
 
 
-def worker(rank, port, cases, out_dir):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-        group = dist.new_group(list(range(WORLD)), backend="gloo")
-        for case in cases:
-            result = case_rollouts(case, WORLD, group)
-            torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
-                        "finished": result.finished, "seed": result.seed},
-                       os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(out_dir, f"error.rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        os._exit(1)
+def worker(rank, world, cases, out_dir):
+    """One rank of run_rollouts (inside fork_ranks' process group)."""
+    group = dist.new_group(list(range(world)), backend="gloo")
+    for case in cases:
+        result = case_rollouts(case, world, group)
+        torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
+                    "finished": result.finished, "seed": result.seed},
+                   os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
 
 
 def run_rollouts(cases, out_dir, timeout=600):
