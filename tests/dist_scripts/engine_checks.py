@@ -228,31 +228,12 @@ def experts_blocks(model):
 
 
 def check_ep_checkpoint(out_dir):
-    config = ds_config("detached", scheduler={"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
-    config["longstraw"]["ep_size"] = 2
+    """resumed_step_2 on the tiny glm_moe_dsa with its experts sharded over the two ranks."""
     first, second = make_group(33, 39, [4, 3], GLM_VOCAB), make_group(34, 31, [2, 8, 1], GLM_VOCAB)
-    ckpt = os.path.join(out_dir, "ckpt_ep")
-
-    def engine_from(seed):
-        model = tiny_glm_moe_dsa(torch.float32, seed=seed, **EP_MODEL)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
-        return ds_longstraw.initialize(model=model, optimizer=optimizer, config=config)[0]
-
-    engine = engine_from(5)
-    engine.grpo_step(first)
-    engine.save_checkpoint(ckpt, tag="step1", client_state={"step": 1})
-    straight = engine.grpo_step(second)
-    p = engine_params(engine)
-    resumed = engine_from(6)
-    path, client = resumed.load_checkpoint(ckpt, tag="step1")
-    again = resumed.grpo_step(second)
-    q = engine_params(resumed)
-    files = sorted(f for f in os.listdir(os.path.join(ckpt, "step1")) if f.startswith("experts_"))
-    return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "same_names": sorted(p) == sorted(q),
-            "slices": len(engine.longstraw_experts.params), "loss": straight.mean_loss,
-            "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr, "files": files,
-            "loaded": path is not None, "client_step": client.get("step")}
+    result, engine = resumed_step_2(lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed, **EP_MODEL), (5, 6),
+                                    first, second, os.path.join(out_dir, "ckpt_ep"), ep_size=2)
+    files = sorted(f for f in os.listdir(os.path.join(out_dir, "ckpt_ep", "step1")) if f.startswith("experts_"))
+    return dict(result, slices=len(engine.longstraw_experts.params), files=files)
 
 
 def check_ep_export(out_dir):
@@ -297,31 +278,38 @@ def check_ep_export(out_dir):
     return result
 
 
-def check_checkpoint(out_dir):
+def resumed_step_2(build, seeds, first, second, ckpt, ep_size=1):
+    """AdamW + DeepSpeed WarmupLR: step 1 on build(seeds[0]), save, step 2 -> P; a fresh engine on build(seeds[1])
+    (different starting weights: everything must come from the checkpoint) loads the step-1 checkpoint and takes
+    step 2 -> Q. Returns (P against Q, the first engine)."""
     config = ds_config("detached", scheduler={"type": "WarmupLR", "params": {
         "warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}})
-    first, second = make_group(30, 33, [4, 3]), make_group(31, 27, [2, 8, 1])
-    ckpt = os.path.join(out_dir, "ckpt")
+    config["longstraw"]["ep_size"] = ep_size
 
     def engine_from(seed):
-        model = tiny_qwen3_5(torch.float32, seed=seed)
+        model = build(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
         return ds_longstraw.initialize(model=model, optimizer=optimizer, config=config)[0]
 
-    engine = engine_from(3)
+    engine = engine_from(seeds[0])
     engine.grpo_step(first)
     engine.save_checkpoint(ckpt, tag="step1", client_state={"step": 1})
     straight = engine.grpo_step(second)
-    p = gathered(engine)
-
-    resumed = engine_from(4)  # different starting weights: everything must come from the checkpoint
+    p = engine_params(engine)
+    resumed = engine_from(seeds[1])
     path, client = resumed.load_checkpoint(ckpt, tag="step1")
     again = resumed.grpo_step(second)
-    q = gathered(resumed)
-    return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "loss": straight.mean_loss,
-            "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr,
+    q = engine_params(resumed)
+    return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "same_names": sorted(p) == sorted(q),
+            "loss": straight.mean_loss, "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr,
             "client_step": client.get("step"), "loaded": path is not None,
-            "global_steps": [engine.global_steps, resumed.global_steps]}
+            "global_steps": [engine.global_steps, resumed.global_steps]}, engine
+
+
+def check_checkpoint(out_dir):
+    first, second = make_group(30, 33, [4, 3]), make_group(31, 27, [2, 8, 1])
+    return resumed_step_2(lambda seed: tiny_qwen3_5(torch.float32, seed=seed), (3, 4), first, second,
+                          os.path.join(out_dir, "ckpt"))[0]
 
 
 def check_lora(out_dir):
