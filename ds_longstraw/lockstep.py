@@ -93,6 +93,13 @@ def common_shapes(local_shapes, group=None) -> list:
     return out
 
 
+def padded_to_common(group, settings, cp, process_group, kind=None):
+    """A Lockstep (or `kind`) padding this rank's transaction of `group` to the common shape of the ranks of
+    `process_group` (collective over them); cp: this rank's CPContext or None (shape_of)."""
+    local = shape_of(group, settings, cp)
+    return (kind or Lockstep)(local, common_shapes([local], process_group)[0], settings)
+
+
 def dummy_group():
     """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's shape;
     the engine scales its loss by zero)."""

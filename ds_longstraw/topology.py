@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .lockstep import ReplayLockstep, common_shapes, replayed_members, shape_of
+from .lockstep import ReplayLockstep, padded_to_common, replayed_members
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
@@ -171,8 +171,7 @@ class ContextParallel:
         pad them (capture and the prefix pass pair up already)."""
         if not self.spread:
             return None
-        local = shape_of(group, settings, self.cp)
-        return ReplayLockstep(local, common_shapes([local], self.cp.group)[0], settings)
+        return padded_to_common(group, settings, self.cp, self.cp.group, ReplayLockstep)
 
     def member_weight(self, caller_reduces) -> float:
         """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical

@@ -20,7 +20,7 @@ import torch
 from .arch import adapter_for, expert_parallel
 from .config import parse_config
 from .group import GRPOGroup
-from .lockstep import Lockstep, Schedule, common_shapes, shape_of
+from .lockstep import Schedule, padded_to_common
 from .memory import PhaseMeter
 from .objective import GRPOObjective, ScaledObjective
 from .parallel.experts import check_expert_parallel
@@ -92,13 +92,6 @@ def score_reference(ref_model, group, settings, topology=None, schedule=None):
         state.release()  # page files of a host/NVMe tier go on error as on success
 
 
-def _expert_lockstep(ep, group, settings, topology):
-    """Expert parallelism without a caller's lockstep: the dispatches are collectives over the EP group, so its
-    ranks pad their module calls to the group's common shape (lockstep.py), whatever groups they bring."""
-    local = shape_of(group, settings, getattr(topology, "cp", None))
-    return Lockstep(local, common_shapes([local], ep.group)[0], settings)
-
-
 def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
                   backward=None, lockstep=None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
@@ -133,7 +126,8 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     check_expert_parallel(ep, settings, ep_group, cp_group)
     if ep is not None:
         ep.reset()
-        lockstep = lockstep or _expert_lockstep(ep, group, settings, topology)
+        # the dispatches are collectives over the EP group: its ranks pad to a common shape, whatever they bring
+        lockstep = lockstep or padded_to_common(group, settings, getattr(topology, "cp", None), ep.group)
     schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
     members = topology.replay_members(group)
     weight = topology.member_weight(backward is not None)
