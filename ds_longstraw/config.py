@@ -102,6 +102,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False
+    kernels: Literal["auto", "reference"] = "auto"
 
     @model_validator(mode="after")
     def _ep_over_the_cp_group(self):

@@ -32,6 +32,7 @@ import torch
 from .arch import adapter_for, expert_parallel
 from .config import parse_config
 from .group import GRPOGroup, _as_ids
+from .kernels.dispatch import kernel_mode
 from .lockstep import Schedule
 from .memory import PhaseMeter, return_freed_host_memory
 from .offload import StagedPast
@@ -101,7 +102,7 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     meter = PhaseMeter(adapter.device)
 
     responses, logprobs, finished = [], [], []
-    with torch.no_grad():
+    with torch.no_grad(), kernel_mode(settings.kernels):
         with meter.phase("capture"), topology.phase("capture"):
             state = topology.capture(adapter, prompt_ids, settings, False, Schedule())
         try:

@@ -20,6 +20,7 @@ import torch
 from .arch import adapter_for, expert_parallel
 from .config import parse_config
 from .group import GRPOGroup
+from .kernels.dispatch import kernel_mode
 from .lockstep import Schedule, padded_to_common
 from .memory import PhaseMeter
 from .objective import GRPOObjective, ScaledObjective
@@ -113,6 +114,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     (lockstep.py) unless a lockstep is given.
     """
     settings = parse_config(config)
+    with kernel_mode(settings.kernels):
+        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep)
+
+
+def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep):
     objective = objective or GRPOObjective()
     if not isinstance(group, GRPOGroup):
         raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")

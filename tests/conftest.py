@@ -6,6 +6,10 @@ import sys
 # oversubscribe it (OpenMP spin-waits then slow torch down 10-30x): one thread per process, subprocesses included.
 os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton kernels run under the interpreter where no GPU is present (CI, CPU machines); set before triton is
+# imported. On a CUDA machine they compile for the device.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

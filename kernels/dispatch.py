@@ -1,0 +1,56 @@
+"""Which path a kernel takes: its plain reference, or a fast path where the device and the installed libraries
+allow one.
+
+Every fast path stands beside a reference with the same signature and is taken only when `fast_path` says so:
+    mode "auto"       (the default) the fast path where its tensors live on CUDA and its library imports
+    mode "reference"  the plain torch path everywhere (the "kernels" key of the longstraw block; for debugging a
+                      fast path against its reference on the same data, and for machines whose libraries misbehave)
+CPU tensors always take the project's own kernels, whatever is installed: some libraries (flash-linear-attention)
+import fine on a CPU machine and then fail on CPU tensors.
+"""
+
+import importlib.util
+from contextlib import contextmanager
+from functools import lru_cache
+
+MODES = ("auto", "reference")
+_mode = "auto"
+
+
+def set_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"kernel mode {mode!r}: expected one of {MODES}")
+    global _mode
+    _mode = mode
+
+
+def current_mode() -> str:
+    return _mode
+
+
+@contextmanager
+def kernel_mode(mode: str):
+    """Run a block with the kernels in `mode`, restoring the previous mode after (on error too)."""
+    previous = _mode
+    set_mode(mode)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+@lru_cache(maxsize=None)
+def available(module: str) -> bool:
+    """Whether `module` can be imported (checked once, without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def fast_path(tensor, library: str | None = None) -> bool:
+    """Whether a fast path may run on `tensor`: mode "auto", a CUDA tensor, and `library` (a module name) importable
+    where the path needs one."""
+    if _mode != "auto" or tensor.device.type != "cuda":
+        return False
+    return library is None or available(library)
