@@ -14,6 +14,7 @@ j <= i + causal_offset (0 for a block attending to itself). Queries that see no 
 
 import torch
 
+from .cuda_attention import flash_applies, flash_backward, flash_forward
 from .lse import merge_partials
 
 KEY_BLOCK = 2048
@@ -109,6 +110,8 @@ def _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
 
 
 def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+    if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (cuda_attention.py)
+        return flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
     if fused is not None:
         return fused[0], fused[1].to(_acc(q_HTD.dtype))
@@ -200,6 +203,11 @@ def _fused_cpu_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, scale, causal_o
 
 
 def _backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
+    flash = flash_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if flash_applies(
+        q, k, causal_offset) else None
+    if flash is not None:
+        dq, dk, dv = flash
+        return dq, (dk if need_kv else None), (dv if need_kv else None)
     if USE_FUSED and (dlse is None or not dlse.any()):
         fused = _fused_cpu_backward(q, k, v, out, lse, dout, scale, causal_offset)
         if fused is not None:

@@ -1,0 +1,154 @@
+"""The CUDA fast paths (kernels/cuda_attention.py, kernels/fla_delta.py) and how they are chosen.
+
+On CPU (CI): the dispatch never hands CPU tensors to a CUDA path, the "kernels" key forces the reference, and the
+lse-gradient fold that lets flash's backward serve a merged attention is exact (proved with torch's fused CPU flash
+backward, which, like the CUDA one, reads `out` only through rowsum(dout * out)).
+On a CUDA device (marked `cuda`; bench/gpu_check.sh runs them): torch's flash kernels and fla's gated delta rule
+against the project's float64 references.
+"""
+
+import pytest
+import torch
+
+from ds_longstraw.config import parse_config
+from ds_longstraw.kernels import attention, chunk_gated_delta_rule, partial_attention, partial_attention_reference
+from ds_longstraw.kernels.cuda_attention import flash_applies, fold_lse_grad
+from ds_longstraw.kernels.dispatch import current_mode, fast_path, kernel_mode
+from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
+
+F64 = dict(dtype=torch.float64)
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_cpu_tensors_never_take_a_cuda_path():
+    x = torch.zeros(2, 3, 8, dtype=torch.bfloat16)
+    assert not fast_path(x) and not fast_path(x, "torch")
+    assert not flash_applies(x, x, None)
+
+
+def test_kernel_mode_is_restored_after_an_error():
+    assert current_mode() == "auto"
+    with pytest.raises(RuntimeError), kernel_mode("reference"):
+        assert current_mode() == "reference"
+        raise RuntimeError("inside")
+    assert current_mode() == "auto"
+    with pytest.raises(ValueError, match="fastest"):
+        with kernel_mode("fastest"):
+            pass
+
+
+def test_kernels_key_is_validated_by_name():
+    assert parse_config({"kernels": "reference"}).kernels == "reference"
+    with pytest.raises(ValueError, match="'longstraw.kernels' = 'triton'"):
+        parse_config({"kernels": "triton"})
+
+
+def test_lse_gradient_fold_is_exact():
+    gen = torch.Generator().manual_seed(0)
+    out, dout = torch.randn(4, 9, 16, generator=gen, **F64), torch.randn(4, 9, 16, generator=gen, **F64)
+    dlse = torch.randn(4, 9, generator=gen, **F64)
+    folded = fold_lse_grad(out, dout, dlse)
+    # the fold computes in float32 (as flash does on CUDA): 1e-5 relative to the rows' magnitudes
+    torch.testing.assert_close((dout * folded).sum(-1), (dout * out).sum(-1) - dlse, rtol=1e-5, atol=1e-5)
+    dout[1, 2] = 0
+    assert fold_lse_grad(out, dout, dlse) is None  # dlse != 0 with dout = 0: no out' can carry it
+    dlse[1, 2] = 0
+    assert fold_lse_grad(out, dout, dlse) is not None
+
+
+def test_folded_lse_gradient_through_a_flash_style_backward():
+    """The fold, fed to torch's fused CPU flash backward (no lse gradient of its own), gives the merged-attention
+    gradients that the blockwise path computes with dlse. float32 inputs (the fold's precision): 2e-4 absolute."""
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s, generator=gen) for s in [(6, 21, 16), (2, 33, 16), (2, 33, 16)])
+    out, lse = partial_attention_reference(q.double(), k.double(), v.double(), 0.25)
+    out, lse = out.float(), lse.float()
+    dout, dlse = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    folded = fold_lse_grad(out, dout, dlse)
+    fused = attention._fused_cpu_backward(q, k, v, folded, lse, dout, 0.25, None)
+    blockwise = attention._blockwise_backward(q.double(), k.double(), v.double(), out.double(), lse.double(),
+                                              dout.double(), dlse.double(), 0.25, None, 8, True)
+    for got, want in zip(fused, blockwise):
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+
+
+# ---- on a CUDA device ------------------------------------------------------------------------------------------
+
+def _attention_case(heads, kv_heads, tq, tk, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, **F64) for s in [(heads, tq, d), (kv_heads, tk, d), (kv_heads, tk, d)]]
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads,kv_heads,tq,tk,causal", [(8, 2, 64, 300, None), (4, 4, 77, 77, 0),
+                                                         (8, 1, 40, 130, 90), (6, 2, 50, 20, -30)])
+@pytest.mark.parametrize("with_lse_grad", [False, True])
+def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal, with_lse_grad):
+    """bf16 flash against the float64 dense reference: bf16 inputs and outputs carry ~4e-3 relative rounding, so
+    values and gradients agree to 3e-2 absolute on unit-variance data. The last case (causal offset Tk - Tq < 0)
+    has rows that see no key: -inf lse, zero output."""
+    q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
+    if causal is not None:
+        causal = tk - tq
+    qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
+    assert flash_applies(qb, kb, causal)
+    out, lse = partial_attention(qb, kb, vb, 0.125, causal)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=3e-2)
+    gen = torch.Generator().manual_seed(5)
+    dout = torch.randn(ref_out.shape, generator=gen, **F64)
+    dlse = torch.randn(ref_lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(ref_lse.shape, **F64)
+    seen = torch.isfinite(ref_lse)
+    objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0) * dlse.cuda()).sum()
+    ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
+    grads = torch.autograd.grad(objective, [qb, kb, vb])
+    ref_grads = torch.autograd.grad(ref_objective, ref)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
+
+
+@CUDA
+@pytest.mark.cuda
+def test_reference_mode_keeps_cuda_tensors_on_the_torch_path():
+    q, k, v = (x.to("cuda", torch.bfloat16) for x in _attention_case(4, 2, 16, 32, 64, seed=0))
+    assert flash_applies(q, k, None)
+    with kernel_mode("reference"):
+        assert not flash_applies(q, k, None)
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 6e-2)])
+def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
+    """fla's chunk kernel (taken for CUDA tensors) against the float64 token loop: values, final state and every
+    gradient, the initial state's included. fla computes in tf32/bf16 matmuls: 2e-3 (float32), 6e-2 (bf16)."""
+    pytest.importorskip("fla")
+    from ds_longstraw.kernels.fla_delta import fla_applies
+
+    gen = torch.Generator().manual_seed(3)
+    b, t, hk, hv, dk, dv = 1, 200, 2, 4, 64, 64
+    q, k = (torch.randn(b, t, hk, dk, generator=gen, **F64) for _ in range(2))
+    v = torch.randn(b, t, hv, dv, generator=gen, **F64)
+    g = -torch.rand(b, t, hv, generator=gen, **F64) * 0.2
+    beta = torch.rand(b, t, hv, generator=gen, **F64)
+    h0 = torch.randn(b, hv, dk, dv, generator=gen, **F64) * 0.1
+    inputs = [q, k, v, g, beta, h0]
+    fast = [x.to("cuda", dtype if i < 5 else torch.float32).requires_grad_() for i, x in enumerate(inputs)]
+    assert fla_applies(fast[0], fast[2], fast[5])
+    out, final = chunk_gated_delta_rule(*fast[:5], initial_state=fast[5], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    ref = [x.clone().requires_grad_() for x in inputs]
+    ref_out, ref_final = recurrent_gated_delta_rule(*ref[:5], initial_state=ref[5], output_final_state=True,
+                                                    use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=atol)
+    torch.testing.assert_close(final.double().cpu(), ref_final, rtol=0, atol=atol)
+    gen = torch.Generator().manual_seed(4)
+    dout, dfinal = torch.randn(ref_out.shape, generator=gen, **F64), torch.randn(ref_final.shape, generator=gen, **F64)
+    grads = torch.autograd.grad((out.double() * dout.cuda()).sum() + (final.double() * dfinal.cuda()).sum(), fast)
+    ref_grads = torch.autograd.grad((ref_out * dout).sum() + (ref_final * dfinal).sum(), ref)
+    for got, want in zip(grads, ref_grads):
+        scale = want.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(got.double().cpu() / scale, want / scale, rtol=0, atol=atol)
