@@ -1,0 +1,372 @@
+"""The GPU check: each fast path timed beside its library peer and its torch fallback, then GRPO steps of the
+Qwen3.6-27B layer shape at growing prompt lengths until memory runs out. bench/gpu_check.sh runs it (after the
+CUDA parity tests); `--dry-run` runs every section at toy sizes on the CPU, so the script cannot rot unseen.
+
+    python bench/gpu_check.py [--dry-run] [--out DIR] [--budget SECONDS]
+
+Writes DIR/gpu_check.json (every row) and DIR/gpu_check.md (the tables for BENCHMARKS.md) after each section,
+so a run cut short keeps what it measured. A section that fails records its error and the next one runs.
+
+Timing: CUDA events around forward + backward, the median of `repeats` after one warm-up; memory:
+torch.cuda.max_memory_allocated during the op minus what was allocated before it (inputs excluded). On the CPU
+(dry run) wall-clock and no memory figure: the dry run proves the code paths, not speed.
+
+Paths per kernel:
+    fast       the dispatch's choice (kernels/dispatch.py, mode "auto"): flash / fla / Triton on CUDA
+    peer       the library's own public entry where one exists (torch SDPA for attention; full log-softmax)
+    reference  mode "reference": the project's plain torch kernel
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MIB = 2 ** 20
+
+
+class Clock:
+    """Median seconds of a callable and its peak extra memory on `device`."""
+
+    def __init__(self, device, repeats):
+        self.device, self.repeats = device, repeats
+
+    def measure(self, fn):
+        import torch
+
+        fn()  # warm-up: compiles Triton kernels, picks cuBLAS algorithms
+        times = []
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(self.repeats):
+            start = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        peak = (torch.cuda.max_memory_allocated() - base) / MIB if cuda else None
+        return statistics.median(times), peak
+
+
+class Report:
+    def __init__(self, out_dir, dry_run):
+        self.out_dir, self.dry_run = out_dir, dry_run
+        self.sections = {}
+        os.makedirs(out_dir, exist_ok=True)
+
+    def add(self, section, row):
+        self.sections.setdefault(section, {"rows": [], "error": None})["rows"].append(row)
+        print(f"[gpu_check] {section}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+
+    def fail(self, section, error):
+        self.sections.setdefault(section, {"rows": [], "error": None})["error"] = error
+        print(f"[gpu_check] {section} FAILED:\n{error}", flush=True)
+
+    def write(self, environment):
+        with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as handle:
+            json.dump({"environment": environment, "dry_run": self.dry_run, "sections": self.sections}, handle,
+                      indent=1)
+        lines = [f"Environment: {', '.join(f'{k} {v}' for k, v in environment.items())}", ""]
+        for name, section in self.sections.items():
+            lines.append(f"### {name}")
+            rows = section["rows"]
+            if rows:
+                keys = list(rows[0])
+                lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
+                lines += ["| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |" for row in rows]
+            if section["error"]:
+                lines.append(f"\nFAILED: {section['error'].strip().splitlines()[-1]}")
+            lines.append("")
+        with open(os.path.join(self.out_dir, "gpu_check.md"), "w") as handle:
+            handle.write("\n".join(lines))
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+
+def attention_section(report, clock, device, dtype, sizes):
+    """One replay block of queries over a prompt's keys: forward + backward (dq, dk, dv) of partial attention."""
+    import torch
+    import torch.nn.functional as F
+
+    from ds_longstraw.kernels import partial_attention
+    from ds_longstraw.kernels.dispatch import kernel_mode
+
+    heads, kv_heads, head_dim, tq = sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["tq"]
+    for tk in sizes["tk"]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(heads, tq, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        k = torch.randn(kv_heads, tk, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        v = torch.randn(kv_heads, tk, head_dim, device=device, dtype=dtype, generator=gen).requires_grad_()
+        dout = torch.randn(heads, tq, head_dim, device=device, dtype=dtype, generator=gen)
+
+        def ours():
+            out, _ = partial_attention(q, k, v, head_dim ** -0.5)
+            torch.autograd.grad(out, (q, k, v), dout)
+
+        def reference():
+            with kernel_mode("reference"):
+                ours()
+
+        def peer():  # torch SDPA: no lse to merge partials with, the speed to match
+            out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True)
+            torch.autograd.grad(out, (q, k, v), dout.unsqueeze(0))
+
+        flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
+        for path, fn in (("fast", ours), ("peer", peer), ("reference", reference)):
+            seconds, peak = clock.measure(fn)
+            report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
+                                     "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
+                                     "peak_mib": peak})
+
+
+def delta_rule_section(report, clock, device, dtype, sizes):
+    """The gated delta rule over T tokens with an initial state: forward + backward."""
+    import torch
+
+    from ds_longstraw.kernels import chunk_gated_delta_rule
+    from ds_longstraw.kernels.dispatch import kernel_mode
+
+    hk, hv, dk, dv = sizes["hk"], sizes["hv"], sizes["dk"], sizes["dv"]
+    for t in sizes["t"]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        q, k = (torch.randn(1, t, hk, dk, device=device, dtype=dtype, generator=gen).requires_grad_()
+                for _ in range(2))
+        v = torch.randn(1, t, hv, dv, device=device, dtype=dtype, generator=gen).requires_grad_()
+        g = (-torch.rand(1, t, hv, device=device, generator=gen) * 0.1).to(dtype).requires_grad_()
+        beta = torch.rand(1, t, hv, device=device, dtype=dtype, generator=gen).requires_grad_()
+        h0 = torch.zeros(1, hv, dk, dv, device=device, dtype=torch.float32, requires_grad=True)
+
+        def ours():
+            out, final = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True)
+            torch.autograd.grad(out.float().sum() + final.sum(), (q, k, v, g, beta, h0))
+
+        def reference():
+            with kernel_mode("reference"):
+                ours()
+
+        for path, fn in (("fast", ours), ("reference", reference)):
+            seconds, peak = clock.measure(fn)
+            report.add("gated_delta", {"tokens": t, "path": path, "ms": seconds * 1e3, "tokens_per_s": t / seconds,
+                                       "peak_mib": peak})
+
+
+def logprobs_section(report, clock, device, dtype, sizes):
+    """Log-probs of one replay block's targets under the LM head: forward + backward (d hidden, d weight)."""
+    import torch
+
+    from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
+
+    tokens, hidden, vocab = sizes["tokens"], sizes["hidden"], sizes["vocab"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
+    w = (torch.randn(vocab, hidden, device=device, dtype=dtype, generator=gen) * hidden ** -0.5).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
+    for path, fn in (("chunked", chunked_logprobs), ("full_logits", logprobs_reference)):
+        def step(fn=fn):
+            torch.autograd.grad(fn(h, w, targets).sum(), (h, w))
+        seconds, peak = clock.measure(step)
+        report.add("logprobs", {"tokens": tokens, "vocab": vocab, "path": path, "ms": seconds * 1e3,
+                                "peak_mib": peak})
+
+
+def triton_section(report, clock, device, dtype, sizes):
+    """The project's Triton kernels beside their torch references, where those modules are present."""
+    import importlib
+
+    found = False
+    for module in ("ds_longstraw.kernels.triton_paged_attention", "ds_longstraw.kernels.triton_dsa",
+                   "ds_longstraw.kernels.triton_sparse_mla"):
+        try:
+            kernel = importlib.import_module(module)
+        except ImportError:
+            continue
+        bench = getattr(kernel, "benchmark_cases", None)
+        if bench is None:
+            continue
+        found = True
+        for name, fast, reference in bench(device, dtype, sizes["scale"]):
+            for path, fn in (("triton", fast), ("reference", reference)):
+                seconds, peak = clock.measure(fn)
+                report.add("triton", {"kernel": name, "path": path, "ms": seconds * 1e3, "peak_mib": peak})
+    if not found:
+        report.add("triton", {"kernel": "none with benchmark_cases", "path": "-", "ms": None, "peak_mib": None})
+
+
+# ---- GRPO steps of the Qwen3.6-27B layer shape -------------------------------------------------------------------
+
+def _model(shape_overrides, device, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_longstraw.modeling import config_from_shape, load_shape
+
+    fields = {**load_shape(os.path.join(ROOT, "configs", "models", "qwen3_6_27b.yaml")), **shape_overrides}
+    config = config_from_shape(fields)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.train()
+
+
+def grpo_section(report, device, dtype, sizes, deadline):
+    """Detached GRPO steps at growing prompt lengths (each doubling) until memory runs out or time does; at the
+    first length also the torch fallback (kernels "reference") and the conventional full-sequence step."""
+    import torch
+
+    from ds_longstraw.baselines import conventional
+    from ds_longstraw.objective import GRPOObjective
+    from ds_longstraw.shapes import synthetic_group
+    from ds_longstraw.transaction import grpo_backward
+
+    model = _model(sizes["shape"], device, dtype)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    vocab = model.config.vocab_size
+    config = {"prefix_grad": "detached", "capture_chunk": sizes["capture_chunk"], "replay_block": 1024}
+    cuda = device.type == "cuda"
+
+    def step(prompt, how):
+        model.zero_grad(set_to_none=True)
+        group = synthetic_group(prompt, sizes["group"], sizes["response"], vocab, seed=prompt)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        start = time.perf_counter()
+        if how == "conventional":
+            result = conventional(model, group, GRPOObjective())
+        else:
+            result = grpo_backward(model, group, GRPOObjective(),
+                                   config={**config, "kernels": "reference" if how == "reference" else "auto"})
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        peak = (torch.cuda.max_memory_allocated() - base) / MIB if cuda else None
+        return {"prompt": prompt, "G": sizes["group"], "response": sizes["response"], "how": how,
+                "seconds": seconds, "prompt_tokens_per_s": prompt / seconds, "peak_above_weights_mib": peak,
+                "loss": result.loss, "weights_mib": weights / MIB}
+
+    lengths = sizes["prompts"]
+    for how in ("conventional", "reference"):
+        try:
+            report.add("grpo_step", step(lengths[0], how))
+        except torch.cuda.OutOfMemoryError:
+            report.add("grpo_step", {"prompt": lengths[0], "how": how, "seconds": None,
+                                     "peak_above_weights_mib": "OOM"})
+    for prompt in lengths:
+        if time.monotonic() > deadline:
+            report.add("grpo_step", {"prompt": prompt, "how": "default", "seconds": None,
+                                     "peak_above_weights_mib": "skipped: time budget"})
+            break
+        try:
+            report.add("grpo_step", step(prompt, "default"))
+        except torch.cuda.OutOfMemoryError:
+            report.add("grpo_step", {"prompt": prompt, "how": "default", "seconds": None,
+                                     "peak_above_weights_mib": "OOM"})
+            break
+    model.zero_grad(set_to_none=True)
+
+
+# ---- sizes -----------------------------------------------------------------------------------------------------
+
+def sizes_for(dry_run):
+    if dry_run:  # toy sizes: every path once on the CPU, in seconds
+        return {
+            "attention": {"heads": 4, "kv_heads": 2, "head_dim": 16, "tq": 32, "tk": [64]},
+            "gated_delta": {"hk": 2, "hv": 4, "dk": 16, "dv": 16, "t": [96]},
+            "logprobs": {"tokens": 32, "hidden": 16, "vocab": 20000},
+            "triton": {"scale": "tiny"},
+            "grpo_step": {"shape": {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                    "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                    "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 512},
+                          "prompts": [64, 96], "group": 2, "response": 16, "capture_chunk": 64},
+        }
+    return {  # Qwen3.6-27B's per-layer shape (configs/models/qwen3_6_27b.yaml)
+        "attention": {"heads": 24, "kv_heads": 4, "head_dim": 256, "tq": 1024, "tk": [8192, 65536, 262144]},
+        "gated_delta": {"hk": 16, "hv": 48, "dk": 128, "dv": 128, "t": [8192, 32768]},
+        "logprobs": {"tokens": 1024, "hidden": 5120, "vocab": 248320},
+        "triton": {"scale": "h200"},
+        # 4 layers: 3 Gated DeltaNet + 1 full attention, the 27B's widths and vocabulary
+        "grpo_step": {"shape": {"num_hidden_layers": 4}, "prompts": [16384, 65536, 262144, 1048576, 2097152],
+                      "group": 4, "response": 1024, "capture_chunk": 8192},
+    }
+
+
+def environment(device):
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "device": str(device)}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    for name in ("triton", "fla"):
+        try:
+            env[name] = getattr(__import__(name), "__version__", "?")
+        except ImportError:
+            env[name] = "absent"
+    return env
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU")
+    parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check"))
+    parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole script")
+    parser.add_argument("--sections", default="attention,gated_delta,logprobs,triton,grpo_step")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device visible (use --dry-run on a CPU machine)")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    clock = Clock(device, repeats=1 if args.dry_run else 5)
+    sizes = sizes_for(args.dry_run)
+    report = Report(args.out, args.dry_run)
+    env = environment(device)
+    print(f"[gpu_check] {env}", flush=True)
+    kernels = {"attention": attention_section, "gated_delta": delta_rule_section, "logprobs": logprobs_section,
+               "triton": triton_section}
+    for name in args.sections.split(","):
+        section_start = time.monotonic()
+        try:
+            if name == "grpo_step":
+                grpo_section(report, device, dtype, sizes[name], deadline=started + args.budget)
+            else:
+                kernels[name](report, clock, device, dtype, sizes[name])
+        except Exception:  # noqa: BLE001 -- a failed section is recorded and the check goes on
+            report.fail(name, traceback.format_exc())
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        print(f"[gpu_check] {name}: {time.monotonic() - section_start:.1f} s", flush=True)
+        report.write(env)
+    failed = [name for name, section in report.sections.items() if section["error"]]
+    print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; failed sections: {failed or 'none'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    try:  # installed (the GPU machine installs the project with --target): use that copy
+        import ds_longstraw.kernels  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, ROOT)
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""bench/gpu_check.sh's CPU dry run: the GPU check must run end to end before a GPU is lent, not rot unseen.
+
+It collects the CUDA/Triton parity tests and runs every benchmark section at toy sizes on the CPU; every section
+must report rows for each of its paths and no error, and the GRPO rows must carry the same loss on every path
+(the fast path, the torch fallback and the conventional step compute one objective).
+"""
+
+import json
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": ""})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "tests collected" in run.stdout
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["dry_run"] is True
+    sections = report["sections"]
+    assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
+    assert all(section["error"] is None for section in sections.values())
+    assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "peer", "reference"}
+    assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference"}
+    assert {row["path"] for row in sections["logprobs"]["rows"]} == {"chunked", "full_logits"}
+    steps = sections["grpo_step"]["rows"]
+    assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
+    first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
+    assert len(first) == 3 and max(first) - min(first) < 1e-5  # float32, one objective on three paths
+    assert "| prompt |" in (tmp_path / "gpu_check.md").read_text()
