@@ -169,6 +169,23 @@ class GroupSource:
                 raise
             raise _record_error(self.path, number, str(error)) from None
 
+    def prompt(self, index) -> torch.Tensor:
+        """Record `index`'s prompt alone (token ids, or its text tokenized), for rollouts that sample the responses;
+        other keys of the record are not read."""
+        number, record = self.records[index]
+        try:
+            from .group import _as_ids
+
+            return _as_ids("prompt_ids", self._ids(number, record, "prompt_ids", "prompt"))
+        except ValueError as error:
+            if str(error).startswith(f"{self.path}:"):
+                raise
+            raise _record_error(self.path, number, str(error)) from None
+
+    def prompts_for_step(self, step, rank, world, per_rank=1) -> list:
+        """The prompts rank `rank` of `world` samples from at optimizer step `step` (for_step's order)."""
+        return [self.prompt(i) for i in self.indices_for_step(step, rank, world, per_rank)]
+
     def order(self, epoch):
         if self.shuffle_seed is None:
             return list(range(len(self)))

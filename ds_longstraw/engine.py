@@ -25,8 +25,9 @@ What grpo_step is:
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
     per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (parallel/prefix.py).
-What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no sampling of
-responses (groups come in with their responses and rewards), no reuse of a capture across steps.
+What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
+capture across steps (nor of a rollout's capture for its training). Groups come in with their responses and
+rewards, or, with `rollout=`, as prompts whose responses are sampled from the policy (rollout_step.py).
 """
 
 import os
@@ -81,15 +82,22 @@ class LongstrawEngineMixin:
     longstraw_cp = None  # parallel.CPContext of this rank's CP group (cp_size > 1), built by initialize
     longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
-    def grpo_step(self, group, objective=None, ref_model=None) -> StepResult:
+    def grpo_step(self, group, objective=None, ref_model=None, rollout=None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
 
         ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
         DeepSpeed engine; under ZeRO-3 give a ZeRO-3 engine so its weights are partitioned too). A peft policy's
         reference is itself with its adapters disabled.
+        rollout: a `rollout:` block (rollout_step.py); `group` is then this rank's prompt (1-D ids) or list of
+        prompts, and the groups are sampled from the policy and rewarded first (result.extras: the rewards).
         """
         if not self.longstraw_config.enabled:
             raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
+        extras = {}
+        if rollout is not None:
+            from .rollout_step import engine_rollouts
+
+            group, extras = engine_rollouts(self, group, rollout)
         groups = [group] if isinstance(group, GRPOGroup) else list(group)
         if not groups:
             raise ValueError("grpo_step needs at least one group on every rank")
@@ -141,7 +149,7 @@ class LongstrawEngineMixin:
                           grad_norm=_float_or_none(self.get_global_grad_norm()),
                           seconds=time.perf_counter() - start,
                           tokens=sum(g.prompt_ids.numel() + g.response_tokens for g in groups),
-                          skipped=getattr(self, "skipped_steps", 0) != skipped_before)
+                          skipped=getattr(self, "skipped_steps", 0) != skipped_before, extras=extras)
 
     def _lockstep_plan(self, groups):
         """[(group, Lockstep or None, loss scale)]: this rank's groups (scale 1/len), padded under ZeRO-3 with

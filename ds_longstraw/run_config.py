@@ -7,7 +7,7 @@ Relative paths in the YAML are taken relative to the current directory (run from
 """
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -36,7 +36,8 @@ class LoraSettings:
 
 @dataclass
 class DataConfig:
-    path: str = MISSING  # JSONL, one group per line (ds_longstraw.data)
+    # JSONL, one group per line (ds_longstraw.data); with a rollout block, the prompts (unless rollout.prompts)
+    path: Optional[str] = None
     tokenizer: Optional[str] = None  # local tokenizer directory for text records (default: model.pretrained)
     shuffle_seed: Optional[int] = None
     groups_per_rank: int = 1
@@ -85,10 +86,24 @@ class RunConfig:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    # Rollouts inside training (ds_longstraw.rollout_step): each step samples the groups' responses from the policy
+    # and rewards them, instead of reading groups from data.path. Validated by rollout_step.parse_rollout.
+    rollout: Optional[Dict[str, Any]] = None
 
 
 def _check_choices(config):
     """Settings that are each valid alone but not together."""
+    if config.rollout is not None:
+        from .rollout_step import parse_rollout
+
+        rollout = parse_rollout(OmegaConf.to_container(config.rollout, resolve=True))
+        if rollout.prompts is None and config.data.path is None:
+            raise ValueError("run config: the rollout block takes its prompts from data.path (JSONL with 'prompt_ids' "
+                             "or 'prompt') or from rollout.prompts (an import path): set one")
+        if rollout.prompts is not None and config.data.path is not None:
+            raise ValueError("run config: rollout.prompts and data.path both give prompts: set one")
+    elif config.data.path is None:
+        raise ValueError("run config is missing ['data.path'] (JSONL groups; or a rollout block)")
     if config.train.export_dir is not None and config.train.save_dir is None:
         raise ValueError("run config: train.export_dir exports the last checkpoint: set train.save_dir too")
     if config.train.export_merge and not config.lora.enabled:

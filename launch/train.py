@@ -4,7 +4,10 @@
     deepspeed --hostfile launch/hostfile.example launch/train.py --config configs/run/qwen3_6_27b_h20.yaml
 
 Reads GRPO groups (a shared prompt, G responses, rewards) from JSONL, one optimizer step per `grpo_step` (each
-data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients). Rank 0 prints
+data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients). With a
+`rollout:` block (ds_longstraw.rollout_step) each step samples its groups from the policy instead: the step's
+prompts come from data.path (their responses unread) or from the `rollout.prompts` generator, and the rewards from
+`rollout.reward`; the step line then shows the mean reward. Rank 0 prints
 a short line per step (step, loss, grad norm, seconds, tokens/s, peak) and the checkpoint path at the end, and logs
 the full per-step metrics as JSONL (train.metrics). It saves DeepSpeed checkpoints (tags "step<N>", with the step in
 the client state, and the run record `longstraw export` reads), resumes from them (`train.resume=latest` or a tag),
@@ -97,7 +100,64 @@ def _metrics(step, result, world):
         "groups_per_rank": len(result.groups), "responses_rank0": sum(len(g.logprobs) for g in result.groups),
         "dp_world": world, "peak_bytes_rank0": max(g.peak_bytes for g in result.groups),
         "phase_seconds_rank0": {k: round(v, 4) for k, v in phases.items()}, "skipped": result.skipped,
+        **({"mean_reward": result.extras["mean_reward"], "rollout_seconds_rank0":
+            round(result.extras["rollout_seconds"], 4)} if "mean_reward" in result.extras else {}),
     }
+
+
+class _Groups:
+    """Each step's groups from data.path (JSONL with responses and rewards)."""
+
+    rollout = None
+
+    def __init__(self, run, tokenizer):
+        from ds_longstraw.data import GroupSource
+
+        self.data = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
+        self.path = run.data.path
+
+    def describe(self):
+        return f"{len(self.data)} groups from {self.path}"
+
+    def for_step(self, step, rank, world, per_rank):
+        return self.data.for_step(step, rank, world, per_rank)
+
+
+class _Prompts:
+    """Each step's prompts for rollouts inside training: data.path's prompts (JSONL order, as groups), or prompt
+    index (step W + r) k + j of the `rollout.prompts` generator, called generator(rollout.seed, index, **args)."""
+
+    def __init__(self, run, tokenizer):
+        from omegaconf import OmegaConf
+
+        from ds_longstraw.rollout_step import parse_rollout
+
+        self.rollout = parse_rollout(OmegaConf.to_container(run.rollout, resolve=True))
+        self.generator = self.rollout.prompt_function()
+        self.data = None
+        if self.generator is None:
+            from ds_longstraw.data import GroupSource
+
+            self.data = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
+            self.data.prompt(0)  # a record without a prompt fails here, before any work
+        else:
+            self.generator(self.rollout.seed, 0, **self.rollout.prompt_args)  # so do bad prompt_args
+        self.where = run.data.path or self.rollout.prompts
+
+    def describe(self):
+        count = f"{len(self.data)} prompts" if self.data is not None else "prompts"
+        return (f"rollouts: {count} from {self.where}, G = {self.rollout.num_samples}, up to "
+                f"{self.rollout.max_new_tokens} new tokens, reward {self.rollout.reward}")
+
+    def for_step(self, step, rank, world, per_rank):
+        if self.data is not None:
+            return self.data.prompts_for_step(step, rank, world, per_rank)
+        first = (step * world + rank) * per_rank
+        return [self.generator(self.rollout.seed, first + j, **self.rollout.prompt_args) for j in range(per_rank)]
+
+
+def _source(run, tokenizer):
+    return _Groups(run, tokenizer) if run.rollout is None else _Prompts(run, tokenizer)
 
 
 def dump_trainable(engine, path, rank):
@@ -118,7 +178,9 @@ def dump_trainable(engine, path, rank):
 def step_line(record, max_steps) -> str:
     """What the user reads per step (the full record goes to train.metrics)."""
     grad = "-" if record["grad_norm"] is None else f"{record['grad_norm']:.4f}"
-    return (f"[longstraw] step {record['step']}/{max_steps}  loss {record['mean_loss']:+.4f}  grad norm {grad}  "
+    reward = f"  reward {record['mean_reward']:.3f}" if "mean_reward" in record else ""
+    return (f"[longstraw] step {record['step']}/{max_steps}{reward}  loss {record['mean_loss']:+.4f}  "
+            f"grad norm {grad}  "
             f"{record['seconds']:.2f} s  {record['tokens_per_s_rank0']:,.0f} tok/s  "
             f"peak {record['peak_bytes_rank0'] / 2**20:,.0f} MiB" + ("  (skipped)" if record["skipped"] else ""))
 
@@ -163,10 +225,8 @@ def main(argv=None):
     from ds_longstraw import GRPOObjective
 
     objective = GRPOObjective(**run.objective)
-    from ds_longstraw.data import GroupSource
-
     tokenizer = _tokenizer(run)
-    source = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
+    source = _source(run, tokenizer)
     if run.train.resume and not run.train.save_dir:
         raise ValueError("train.resume needs train.save_dir (where the checkpoints are)")
     if run.train.export_dir and os.path.lexists(run.train.export_dir) and not run.train.resume:
@@ -211,7 +271,7 @@ def main(argv=None):
 
         ready = time.time() - psutil.Process().create_time()
         counts = trainable_summary(engine.module)
-        print(f"[longstraw] {len(source)} groups from {run.data.path}; {dp_world} data-parallel replica(s); steps "
+        print(f"[longstraw] {source.describe()}; {dp_world} data-parallel replica(s); steps "
               f"{start + 1}..{run.train.max_steps}; {counts['trainable_params']:,} of {counts['total_params']:,} "
               f"parameters train; ready {ready:.1f} s after start", flush=True)
 
@@ -228,8 +288,8 @@ def main(argv=None):
     say = bar.write if bar is not None else print
     started, saved = time.perf_counter(), None
     for step in range(start, run.train.max_steps):
-        groups = source.for_step(step, dp_rank, dp_world, run.data.groups_per_rank)
-        result = engine.grpo_step(groups, objective, ref_model=reference)
+        items = source.for_step(step, dp_rank, dp_world, run.data.groups_per_rank)
+        result = engine.grpo_step(items, objective, ref_model=reference, rollout=source.rollout)
         done = step + 1
         if rank == 0:
             record = _metrics(done, result, dp_world)

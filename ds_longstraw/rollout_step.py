@@ -1,0 +1,239 @@
+"""Rollouts inside training: a `rollout:` block turns a step's prompts into GRPO groups.
+
+    rollout:
+      source: internal                          # sample from the policy being trained (ds_longstraw.generate)
+      num_samples: 8                            # G per prompt, >= 2 (one sample has no advantage)
+      max_new_tokens: 4
+      temperature: 1.0                          # 0: greedy (every sample the same: no learning signal)
+      top_p: 1.0
+      reward: ds_longstraw.tasks.kv:reward      # "package.module:function", called function(prompt_ids, response_ids)
+      eos_token_id: null                        # an id or a list of ids that end a sample
+      seed: 0                                   # with the step number and the prompt's index: the samples' seed
+      prompts: ds_longstraw.tasks.kv:prompt     # launch/train.py only, optional: function(seed, index, **prompt_args)
+      prompt_args: {prompt_tokens: 64}          # (without `prompts` the step's prompts come from data.path's JSONL)
+
+Per prompt: `generate` decodes G samples from the prompt captured once, with the policy's current weights (under
+the DeepSpeed engine its module, whose ZeRO-3 hooks gather the weights as they are used), the run's "longstraw"
+block as config and the engine's context-parallel group; the reward function scores each (prompt, response); the
+group is `Rollouts.group(rewards)`, so its old log-probs are the sampling policy's. Training on it then captures
+the prompt again (generate releases its capture).
+
+Seeds: prompt i of step s samples with seed `sample_seed(seed, s, i)`, i counting over the data-parallel replicas
+(replica r of a step with k prompts per replica holds i = r k .. r k + k - 1): a run reproduces its samples from
+its seed and step alone, on any topology, and the ranks of one context-parallel group draw the same samples.
+
+Not here: batched decoding, reuse of the rollout's capture for training, asynchronous or off-policy rollouts, and
+under ZeRO-3 with several data-parallel replicas, prompts of different lengths or an eos (decoding runs no lockstep
+yet, so every rank must make the same forward calls; checked, with an error naming the cause).
+"""
+
+import importlib
+import math
+import time
+from typing import Any, Literal, Optional, Union
+
+import torch
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import Field, ValidationError, field_validator
+
+from .group import _as_ids
+
+BLOCK = "rollout"
+_MASK62 = (1 << 62) - 1
+
+
+def load_callable(path, key=f"{BLOCK}.reward"):
+    """The callable named by "package.module:function" (ValueError naming `key` when it does not import or is not
+    callable)."""
+    if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
+        raise ValueError(f"'{key}' = {path!r}: expected an import path 'package.module:function'")
+    module_name, attribute = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"'{key}' = {path!r}: module {module_name!r} does not import ({error})") from None
+    target = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"'{key}' = {path!r}: module {module_name!r} has no {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"'{key}' = {path!r}: {attribute!r} is a {type(target).__name__}, not callable")
+    return target
+
+
+class RolloutConfig(DeepSpeedConfigModel):
+    """The `rollout:` block (module docstring); unknown keys and bad values are errors naming the key."""
+
+    source: Literal["internal"]
+    num_samples: int = Field(8, ge=2)
+    max_new_tokens: int = Field(..., ge=1)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1)
+    reward: str
+    eos_token_id: Optional[Union[int, list[int]]] = None
+    seed: int = Field(0, ge=0)
+    prompts: Optional[str] = None
+    prompt_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("reward")
+    @classmethod
+    def _reward_imports(cls, value):
+        load_callable(value, f"{BLOCK}.reward")
+        return value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_import(cls, value):
+        if value is not None:
+            load_callable(value, f"{BLOCK}.prompts")
+        return value
+
+    @field_validator("eos_token_id")
+    @classmethod
+    def _eos_ids(cls, value):
+        ids = [value] if isinstance(value, int) else value or []
+        if any(token < 0 for token in ids):
+            raise ValueError(f"token ids must be >= 0, got {value!r}")
+        return value
+
+    def reward_function(self):
+        return load_callable(self.reward, f"{BLOCK}.reward")
+
+    def prompt_function(self):
+        return None if self.prompts is None else load_callable(self.prompts, f"{BLOCK}.prompts")
+
+
+def _describe(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        key = ".".join(str(p) for p in item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        if message.startswith(f"'{BLOCK}."):  # an import check: already names the key
+            parts.append(message)
+        elif item["type"] == "missing":
+            parts.append(f"'{BLOCK}.{key}' is required")
+        else:
+            parts.append(f"'{BLOCK}.{key}' = {item.get('input')!r}: {message}")
+    return "; ".join(parts)
+
+
+def parse_rollout(block) -> RolloutConfig:
+    """A dict (the YAML / JSON block) or a RolloutConfig -> a validated RolloutConfig (ValueError naming the key)."""
+    if isinstance(block, RolloutConfig):
+        return block
+    if not isinstance(block, dict):
+        raise ValueError(f"the '{BLOCK}' block must be a dict, got {type(block).__name__}")
+    try:
+        return RolloutConfig(**block)
+    except ValidationError as error:
+        raise ValueError(f"invalid '{BLOCK}' block: {_describe(error)}") from None
+
+
+def _splitmix64(value) -> int:
+    value = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return value ^ (value >> 31)
+
+
+def sample_seed(seed, step, index) -> int:
+    """generate's seed for prompt `index` of step `step` of a run seeded `seed` (SplitMix64 of the three: no two
+    (step, index) pairs of a run share a seed in practice, and neighbouring runs share none either)."""
+    return _splitmix64(_splitmix64(_splitmix64(int(seed)) ^ int(step)) ^ int(index)) & _MASK62
+
+
+def as_prompts(prompts) -> list:
+    """One prompt (1-D ids) or a list of them -> a list of CPU LongTensors (ValueError naming the prompt)."""
+    if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
+        prompts = [prompts]
+    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(p, int) for p in prompts):
+        prompts = [prompts]
+    prompts = list(prompts)
+    if not prompts:
+        raise ValueError("rollouts need at least one prompt")
+    return [_as_ids(f"prompts[{i}]", p).cpu() for i, p in enumerate(prompts)]
+
+
+def _reward(function, rollout, prompt_ids, response_ids) -> float:
+    value = function(prompt_ids, response_ids)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"'{BLOCK}.reward' = {rollout.reward!r} returned {value!r}: expected a finite number")
+    return float(value)
+
+
+def rollout_groups(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None) -> list:
+    """GRPOGroups of `prompts` (one or a list of 1-D ids) sampled from `model` as the `rollout` block says: for
+    prompt j, `rollout.num_samples` samples seeded sample_seed(rollout.seed, step, first_index + j), rewarded by
+    `rollout.reward`, their log-probs as old log-probs. config: the "longstraw" block (capture chunks, pages, tier);
+    cp_group: the context-parallel group the prompt is sharded over (None: one rank)."""
+    from .rollout import generate
+
+    rollout = parse_rollout(rollout)
+    prompts = as_prompts(prompts)
+    reward = rollout.reward_function()
+    groups = []
+    for j, prompt_ids in enumerate(prompts):
+        samples = generate(model, prompt_ids, rollout.num_samples, rollout.max_new_tokens,
+                           temperature=rollout.temperature, top_p=rollout.top_p, eos_token_id=rollout.eos_token_id,
+                           seed=sample_seed(rollout.seed, step, first_index + j), config=config, cp_group=cp_group)
+        rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
+        groups.append(samples.group(rewards))
+    return groups
+
+
+def _check_lockstep(prompts, rollout, dp_group):
+    """Under ZeRO-3 every rank must make the same forward calls while decoding (each gathers weights by a
+    collective): the same number of prompts of the same length, and no early stop at eos."""
+    from deepspeed import comm as dist
+
+    if rollout.eos_token_id is not None:
+        raise ValueError(f"'{BLOCK}.eos_token_id' = {rollout.eos_token_id!r}: under ZeRO-3 with several data-parallel "
+                         "replicas a sample that stops early would leave the ranks' weight gathers out of step "
+                         "(decoding runs no lockstep yet); leave eos_token_id unset")
+    lengths = [p.numel() for p in prompts]
+    gathered = [None] * dist.get_world_size(group=dp_group)
+    torch.distributed.all_gather_object(gathered, lengths, group=dp_group)
+    if any(other != lengths for other in gathered):
+        raise ValueError("rollouts under ZeRO-3 with several data-parallel replicas need the same number of prompts "
+                         "of the same lengths on every rank (decoding runs no lockstep yet); the ranks' prompt "
+                         f"lengths are {gathered}")
+
+
+def engine_rollouts(engine, prompts, rollout):
+    """(groups, extras) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the engine's
+    module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on resume), the
+    prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group), "mean_reward"
+    (over every data-parallel rank's samples), "rollout_seconds"."""
+    from deepspeed import comm as dist
+
+    from .arch import adapter_for
+
+    rollout = parse_rollout(rollout)
+    prompts = as_prompts(prompts)
+    vocab = adapter_for(engine.module).vocab_size
+    for i, prompt_ids in enumerate(prompts):  # fail before any collective, not halfway through one
+        if prompt_ids.numel() and int(prompt_ids.max()) >= vocab:
+            raise ValueError(f"prompts[{i}] holds token id {int(prompt_ids.max())} >= vocab size {vocab}")
+    start = time.perf_counter()
+    dp_group = engine.data_parallel_group
+    cp_size = engine.longstraw_config.cp_size
+    replica = dist.get_rank(group=dp_group) // cp_size
+    if engine.zero_optimization_stage() == 3 and dist.get_world_size(group=dp_group) > 1:
+        _check_lockstep(prompts, rollout, dp_group)
+    was_training = engine.module.training
+    engine.module.eval()
+    try:
+        groups = rollout_groups(engine.module, prompts, rollout, step=engine.global_steps,
+                                first_index=replica * len(prompts), config=engine.longstraw_config,
+                                cp_group=engine.longstraw_cp)
+    finally:
+        engine.module.train(was_training)
+    rewards = [group.rewards.tolist() for group in groups]
+    total = torch.tensor([sum(map(sum, rewards)), sum(map(len, rewards))], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(total, group=dp_group)
+    extras = {"rewards": rewards, "mean_reward": float(total[0] / total[1]),
+              "rollout_seconds": time.perf_counter() - start}
+    return groups, extras
