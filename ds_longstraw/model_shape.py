@@ -70,6 +70,22 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> Mode
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
     shape.params = parameter_count(config)
+    _workspace_dims(shape, config)
     experts = expert_shape(config)
     shape.moe = MoEShape(**experts) if experts else None
     return shape
+
+
+def _workspace_dims(shape: ModelShape, config):
+    """The sizes the kernels' workspaces scale with (offload/plan.kernel_workspace)."""
+    text = getattr(config, "text_config", None) or config
+    shape.vocab_size = getattr(text, "vocab_size", 0)
+    shape.hidden_size = getattr(text, "hidden_size", 0)
+    shape.attention_heads = getattr(text, "num_attention_heads", 0)
+    if getattr(text, "kv_lora_rank", None):  # absorbed MLA: a query head reads the latent and the rope key
+        shape.attention_head_dim = text.kv_lora_rank + text.qk_rope_head_dim
+    else:
+        shape.attention_head_dim = getattr(text, "head_dim", 0) or shape.hidden_size // max(shape.attention_heads, 1)
+    if getattr(text, "linear_num_value_heads", None):
+        shape.delta_heads = text.linear_num_value_heads
+        shape.delta_head_dims = text.linear_key_head_dim + text.linear_value_head_dim

@@ -143,6 +143,8 @@ def render(plan, detected) -> str:
         n = plan.needs[tier]
         lines.append(f"| {tier} | {plan.depth[tier]} | {_gib(n['gpu'])} | {_gib(n['host'])} | {_gib(n['nvme'])} | "
                      f"{'yes' if plan.fits[tier] else 'no'} | {_tokens(plan.max_context[tier])} |")
+    parts = ", ".join(f"{name} {_gib(size)}" for name, size in plan.workspace.items() if size)
+    lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.kernel_workspace)."]
     lines += _render_moe(plan)
     lines.append("")
     if plan.tier is None:
@@ -211,7 +213,7 @@ def as_dict(plan) -> dict:
             "experts": plan.moe or None,
             "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
             "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
-            "max_context": plan.max_context}
+            "max_context": plan.max_context, "workspace_bytes": plan.workspace}
 
 
 def main(argv=None) -> int:

@@ -11,10 +11,15 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's page gradients in float32
                  during backward (detached mode computes no gradient for the pages)             GPU
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
+  workspace      the kernels' scratch, the largest of (they never run at once):                 GPU
+                 log-probs   a replay block's vocabulary chunk of float32 logits, probabilities and their
+                             gradient, plus d(hidden) in float32 (kernels/logprobs.py)
+                 attention   flash's float32 dq accumulator and lse over a capture chunk's queries
+                 delta rule  the chunk kernel's float32 intermediates over a capture chunk
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
 10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
-What is not modelled: activation memory beyond the reserve (capture chunk, replay block, MoE dispatch), the
+What is not modelled: activations beyond the reserve and the workspace (the layers' own, MoE dispatch), the
 optimizer state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
 them against measured captures.
 
@@ -31,6 +36,8 @@ Routed experts (a model with a MoEShape), `moe_figures`:
 """
 
 from dataclasses import dataclass, field
+
+from ..kernels.logprobs import VOCAB_CHUNK
 
 GiB = 2**30
 _WRITE_QUEUE = 64 << 20
@@ -68,6 +75,13 @@ class ModelShape:
     layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
     params: int = 0
     moe: MoEShape | None = None  # None: no routed experts
+    # what the kernels' workspaces scale with (0: the model has no such layer)
+    vocab_size: int = 0
+    hidden_size: int = 0
+    attention_heads: int = 0
+    attention_head_dim: int = 0  # per query head as the kernel sees it (absorbed MLA: latent + rope)
+    delta_heads: int = 0  # gated delta rule value heads
+    delta_head_dims: int = 0  # key + value head dims
 
     @property
     def bytes_per_token(self) -> int:
@@ -113,6 +127,23 @@ class Plan:
     depth: dict = field(default_factory=dict)  # tier -> staging depth
     tier: str | None = None
     max_context: dict = field(default_factory=dict)  # tier -> prompt tokens (None: no bound known)
+    workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
+
+
+# The replay block the workspace is counted for: the longstraw block's default replay_block.
+REPLAY_BLOCK = 1024
+
+
+def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK) -> dict:
+    """Bytes of scratch each kernel takes on the GPU at its largest call (module docstring); float32 throughout."""
+    f32 = 4
+    chunk = min(shape.vocab_size, VOCAB_CHUNK)
+    tokens = max(capture_chunk, replay_block)
+    return {
+        "logprobs": replay_block * (3 * chunk + shape.hidden_size) * f32,
+        "attention": shape.attention_heads * tokens * (shape.attention_head_dim + 1) * f32,
+        "delta_rule": 2 * shape.delta_heads * capture_chunk * shape.delta_head_dims * f32,
+    }
 
 
 def captured_tokens_per_rank(context: int, cp: int) -> int:
@@ -137,8 +168,9 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
 _WHERE = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
 
 
-def _needs(shape, tokens, retained, tier, depth, kept_tier=None):
+def _needs(shape, tokens, retained, tier, depth, kept_tier=None, workspace=0):
     needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
+    needs["gpu"] += workspace
     if kept_tier not in (None, tier):  # kept attention outputs on a tier of their own
         needs[_WHERE[kept_tier]] += retained["kept_attention_pages"]
     return needs
@@ -193,6 +225,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
+    plan.workspace = kernel_workspace(shape, capture_chunk)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -204,10 +237,11 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.nvme_budget = layout.nvme_free // layout.gpus_per_node
     for tier in TIERS:
         depth = _depth_for(tier)
-        needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier)
+        workspace = max(plan.workspace.values())
+        needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         if tier == "nvme" and not _fits(needs, plan):
             depth = 1
-            needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier)
+            needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         plan.depth[tier], plan.needs[tier] = depth, needs
         plan.fits[tier] = _fits(needs, plan)
         bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention, kept_tier)
@@ -276,8 +310,8 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
 
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
-        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth, kept_tier),
-                     plan)
+        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth, kept_tier,
+                            max(plan.workspace.values())), plan)
 
     if not ok(2):
         return 0
