@@ -2,7 +2,8 @@
 
     longstraw demo   one GRPO step on the embedded default (a small random qwen3_5 model, a 64K-token synthetic
                      prompt, G = 4 responses; --model glm: a small random glm_moe_dsa, 8K tokens) with per-phase
-                     figures and the conventional baseline beside it
+                     figures and the conventional baseline beside it; --task kv: GRPO with rollouts inside
+                     training on the built-in kv task, reward per step and a plot (ds_longstraw/tasks/kv_demo.py)
     longstraw plan   the tier planner (retained bytes per rank, what fits where)
     longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
     longstraw export a training checkpoint as a transformers model or peft adapter directory
@@ -28,6 +29,12 @@ MODELS = {"qwen": ("small", 65536), "glm": ("small-glm", 8192)}
 
 
 def _demo_parser(parser):
+    parser.add_argument("--task", choices=["grpo", "kv"], default="grpo",
+                        help="grpo: one GRPO step on synthetic groups (the default); kv: train on the kv task with "
+                             "rollouts inside training (configs/run/kv_task.yaml), print rewards, plot them")
+    parser.add_argument("--steps", type=int, default=150, help="--task kv: optimizer steps (default 150)")
+    parser.add_argument("--plot", default="bench/kv_task.png", help="--task kv: the PNG to write")
+    parser.add_argument("--out", default="runs/kv_task", help="--task kv: where the metrics go")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen",
                         help="qwen: small qwen3_5 (Gated DeltaNet + attention); "
                              "glm: small glm_moe_dsa (MLA + DSA + MoE)")
@@ -116,6 +123,10 @@ def summary_line(row, conv, args) -> str:
 
 
 def demo(args):
+    if args.task == "kv":
+        from .tasks.kv_demo import run
+
+        return run(args)
     import torch
 
     from .bench import run_one

@@ -1,0 +1,217 @@
+"""Rollouts inside training (ds_longstraw.rollout_step): the `rollout:` block, its reward import path, and the
+engine path that samples, rewards and trains in one grpo_step.
+
+  config:   every bad block fails in parse_rollout (and so at engine.grpo_step and load_run_config, before any
+            work) with a ValueError naming the key: unknown source or key, a reward path that does not import or
+            names no callable, num_samples < 2, max_new_tokens < 1, temperature < 0, top_p outside (0, 1]
+  reward:   the import path resolves; the function is called once per sample with (the prompt's ids, that
+            sample's response ids), and a non-number it returns is an error naming rollout.reward
+  groups:   rollout_groups(prompts) == generate(prompt, seed=sample_seed(seed, step, index)) + Rollouts.group of
+            those rewards (responses, rewards and old log-probs equal); another step samples other responses
+  engine:   one-rank ZeRO-3 engine.grpo_step(prompts, rollout=block), SGD, in a fresh process == single-process
+            rollout_groups at step 0 (the same samples and rewards) + grpo_backward + the same SGD step: the
+            parameter update to relative 1e-5 in float32 (the tolerance of tests/test_engine.py: only summation
+            order differs), and extras' mean reward equals the reference's
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from models import tiny_qwen3_5
+
+from ds_longstraw import generate
+from ds_longstraw.rollout_step import (
+    load_callable,
+    parse_rollout,
+    rollout_groups,
+    sample_seed,
+)
+from ds_longstraw.run_config import load_run_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CALLS = []
+
+
+def recording_reward(prompt_ids, response_ids):
+    CALLS.append((prompt_ids.clone(), response_ids.clone()))
+    return float(response_ids[0] % 3)
+
+
+def mod3_reward(prompt_ids, response_ids):
+    return float(response_ids[0] % 3)
+
+
+def not_a_number_reward(prompt_ids, response_ids):
+    return "high"
+
+
+NOT_CALLABLE = 3
+GOOD = {"source": "internal", "num_samples": 3, "max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9,
+        "reward": f"{__name__}:recording_reward", "seed": 5}
+
+BAD = {
+    "unknown-source": (dict(GOOD, source="jsonl"), ["rollout.source", "jsonl"]),
+    "no-source": ({k: v for k, v in GOOD.items() if k != "source"}, ["rollout.source", "required"]),
+    "unknown-key": (dict(GOOD, samples=4), ["rollout.samples"]),
+    "one-sample": (dict(GOOD, num_samples=1), ["rollout.num_samples", "1"]),
+    "no-new-tokens": (dict(GOOD, max_new_tokens=0), ["rollout.max_new_tokens"]),
+    "negative-temperature": (dict(GOOD, temperature=-0.5), ["rollout.temperature"]),
+    "top-p-zero": (dict(GOOD, top_p=0.0), ["rollout.top_p"]),
+    "reward-module-missing": (dict(GOOD, reward="no_such_package.rewards:score"),
+                              ["rollout.reward", "no_such_package.rewards", "does not import"]),
+    "reward-attribute-missing": (dict(GOOD, reward="ds_longstraw.tasks.kv:no_such_reward"),
+                                 ["rollout.reward", "no_such_reward"]),
+    "reward-not-callable": (dict(GOOD, reward=f"{__name__}:NOT_CALLABLE"), ["rollout.reward", "not callable"]),
+    "reward-no-colon": (dict(GOOD, reward="ds_longstraw.tasks.kv.reward"), ["rollout.reward", "package.module"]),
+    "no-reward": ({k: v for k, v in GOOD.items() if k != "reward"}, ["rollout.reward", "required"]),
+    "prompts-missing": (dict(GOOD, prompts="ds_longstraw.tasks.kv:nothing"), ["rollout.prompts", "nothing"]),
+    "negative-eos": (dict(GOOD, eos_token_id=-1), ["rollout.eos_token_id"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_block_names_the_key(name):
+    block, words = BAD[name]
+    with pytest.raises(ValueError) as error:
+        parse_rollout(block)
+    for word in words:
+        assert word in str(error.value), str(error.value)
+
+
+def test_block_must_be_a_dict():
+    with pytest.raises(ValueError, match="'rollout' block must be a dict"):
+        parse_rollout("internal")
+
+
+def test_reward_path_resolves():
+    assert load_callable("ds_longstraw.tasks.kv:reward").__name__ == "reward"
+    assert parse_rollout(GOOD).reward_function() is recording_reward
+
+
+def test_sample_seeds_differ_by_step_and_index():
+    seeds = {sample_seed(0, step, index) for step in range(20) for index in range(20)}
+    assert len(seeds) == 400 and all(0 <= s < 2**62 for s in seeds)
+    assert sample_seed(1, 0, 0) != sample_seed(0, 0, 0) and sample_seed(3, 4, 5) == sample_seed(3, 4, 5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_qwen3_5(torch.float32)
+
+
+CONFIG = {"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}
+
+
+def test_groups_equal_generate_and_the_reward_sees_each_sample(model):
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 7)]
+    CALLS.clear()
+    groups = rollout_groups(model, prompts, GOOD, step=4, first_index=6, config=CONFIG)
+    assert len(groups) == 2 and len(CALLS) == 2 * 3
+    for j, (prompt, group) in enumerate(zip(prompts, groups)):
+        want = generate(model, prompt, 3, 4, temperature=1.0, top_p=0.9, seed=sample_seed(5, 4, 6 + j),
+                        config=CONFIG)
+        assert torch.equal(group.prompt_ids, prompt)
+        for g in range(3):
+            assert torch.equal(group.response_ids[g], want.response_ids[g])
+            torch.testing.assert_close(group.old_logprobs[g], want.logprobs[g], rtol=0, atol=0)
+            called_prompt, called_response = CALLS[3 * j + g]
+            assert torch.equal(called_prompt, prompt) and torch.equal(called_response, want.response_ids[g])
+        assert group.rewards.tolist() == [float(r[0] % 3) for r in want.response_ids]
+    later = rollout_groups(model, prompts[:1], GOOD, step=5, first_index=6, config=CONFIG)
+    assert any(not torch.equal(a, b) for a, b in zip(later[0].response_ids, groups[0].response_ids))
+
+
+def test_a_reward_that_is_not_a_number_names_the_key(model):
+    with pytest.raises(ValueError, match=r"'rollout.reward' = .*not_a_number_reward.* returned 'high'"):
+        rollout_groups(model, torch.arange(1, 9), dict(GOOD, reward=f"{__name__}:not_a_number_reward"), step=0,
+                       config=CONFIG)
+
+
+def test_bad_prompts_fail_naming_the_prompt(model):
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be 1-D"):
+        rollout_groups(model, [torch.arange(1, 9), torch.ones(2, 3, dtype=torch.long)], GOOD, step=0, config=CONFIG)
+
+
+def test_run_config_validates_the_block_at_load():
+    base = ["deepspeed_config=x.json", "model.shape=s.yaml"]
+    kv = [f"rollout.{k}={v}" for k, v in dict(GOOD, reward="ds_longstraw.tasks.kv:reward",
+                                             prompts="ds_longstraw.tasks.kv:prompt").items()]
+    run = load_run_config(None, base + kv)
+    assert run.rollout.num_samples == 3 and run.data.path is None
+    with pytest.raises(ValueError, match="rollout.num_samples"):
+        load_run_config(None, base + kv + ["rollout.num_samples=1"])
+    with pytest.raises(ValueError, match="rollout.reward"):
+        load_run_config(None, base + kv + ["rollout.reward=nowhere:fn"])
+    with pytest.raises(ValueError, match="data.path"):  # prompts from neither place
+        load_run_config(None, base + [item for item in kv if not item.startswith("rollout.prompts")])
+    with pytest.raises(ValueError, match="rollout.prompts and data.path"):
+        load_run_config(None, base + kv + ["data.path=g.jsonl"])
+
+
+ENGINE_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    out, port = sys.argv[1], sys.argv[2]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    sys.path.insert(0, os.path.join(sys.argv[3], "tests"))
+    import deepspeed
+    import ds_longstraw
+    from ds_longstraw import GRPOObjective, grpo_backward
+    from ds_longstraw.rollout_step import rollout_groups
+    from models import tiny_qwen3_5
+
+    block = {"enabled": True, "capture_chunk": 5, "page_tokens": 4, "replay_block": 3}
+    rollout = {"source": "internal", "num_samples": 4, "max_new_tokens": 3, "temperature": 1.0,
+               "reward": "test_rollout_step:mod3_reward", "seed": 11}
+    prompts = [torch.tensor([9, 3, 0, 12, 1, 9, 4, 0, 13, 1, 2, 4, 0]), torch.tensor([5, 0, 20, 1, 7, 2, 5, 0])]
+    lr = 0.05
+    reference = tiny_qwen3_5(torch.float32)
+    model = tiny_qwen3_5(torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "longstraw": block}
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                                         config=config)
+    result = engine.grpo_step(prompts, GRPOObjective(), rollout=rollout)
+
+    groups = rollout_groups(reference, prompts, rollout, step=0, config=block)
+    reference.zero_grad()
+    losses = [grpo_backward(reference, g, GRPOObjective(), config=block).loss for g in groups]
+    num = den = 0.0
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            got = param.detach() - before[name]
+        want = -lr * dict(reference.named_parameters())[name].grad / len(groups)
+        num += float((got - want).pow(2).sum())
+        den += float(want.pow(2).sum())
+    rewards = [g.rewards.tolist() for g in groups]
+    with open(out, "w") as handle:
+        json.dump({"rel": (num / den) ** 0.5, "norm": den ** 0.5, "rewards": result.extras["rewards"],
+                   "ref_rewards": rewards, "mean_reward": result.extras["mean_reward"],
+                   "ref_mean_reward": sum(map(sum, rewards)) / sum(map(len, rewards)),
+                   "loss": result.loss, "ref_loss": sum(losses) / len(losses), "global_step": result.global_step},
+                  handle)
+    torch.distributed.destroy_process_group()
+""")
+
+
+def test_engine_step_with_rollout_equals_single_process(tmp_path):
+    from dist_scripts.launching import free_port, launcher_env
+
+    script = tmp_path / "engine_rollout.py"
+    script.write_text(ENGINE_SCRIPT)
+    out = tmp_path / "result.json"
+    run = subprocess.run([sys.executable, str(script), str(out), str(free_port()), REPO], cwd=REPO,
+                         env=launcher_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["rewards"] == result["ref_rewards"] and result["global_step"] == 1
+    assert result["mean_reward"] == pytest.approx(result["ref_mean_reward"], rel=1e-12)
+    assert result["norm"] > 0 and result["rel"] < 1e-5, result
+    assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6, abs=1e-9)
