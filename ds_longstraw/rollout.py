@@ -7,12 +7,21 @@
               context parallelism every rank's pages through all-gathered (out, lse) partials). The sample keeps
               only its own carry (recurrent layers) and its own response rows (paged layers); the prompt state is
               read, never copied or changed, so every sample starts from the same captured state.
-    release   the pages go (on error as on success)
+    release   the pages go (on error as on success), unless the caller keeps the capture for training
+              (keep_capture=True): then Rollouts holds it until grpo_backward(..., capture=rollouts) takes it (and
+              releases it when that call returns or raises), or until Rollouts.release() / the end of a `with` block
 
 What it is: ancestral sampling at `temperature` with nucleus (top-p) truncation, or greedy argmax at temperature 0.
 What it is not: a batched decoder (samples run one after another, each one token per forward: the adapters' segment
 forward runs one sequence; batching the G samples' steps into one forward would read every page once per step for
-all of them, and is left for later), nor a reuse of the capture for training (the state is released on return).
+all of them, and is left for later).
+
+Reusing the capture for training (the on-policy step): generate(..., keep_capture=True) captures with the training
+config as given (exact mode: with the checkpoints at segment starts the prefix pass needs, as the transaction's own
+capture), and records a fingerprint of the trainable weights (each one's version counter: any in-place change, an
+optimizer step or a load, bumps it). grpo_backward(model, rollouts.group(rewards), ..., capture=rollouts) then skips
+its policy capture; it refuses (ValueError) a capture whose weights, prompt, model or capture-relevant settings
+differ from the call's. Under context parallelism every rank keeps (and reuses) its own shard.
 
 Sampling is reproducible across topologies and devices: the distribution of a step is moved to the CPU in float64,
 and sample g draws its step-t uniform from its own CPU torch.Generator (seeded from (seed, g)), by inverse CDF over
@@ -25,6 +34,7 @@ Legend: V vocabulary; rows are token-major [T, ...] per stream of a paged layer,
 
 import math
 import secrets
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +65,7 @@ class Rollouts:
     finished: list
     seed: int
     phases: dict = field(default_factory=dict)
+    capture: "KeptCapture | None" = None  # keep_capture=True: the captured prompt state, until taken or released
 
     @property
     def size(self) -> int:
@@ -64,9 +75,97 @@ class Rollouts:
         """The GRPO group of these samples with `rewards` [G], the sampled log-probs as its old log-probs."""
         return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs))
 
+    def release(self):
+        """Drop the kept capture (its pages and page files), if any is still held; safe to call twice."""
+        if self.capture is not None:
+            self.capture.release()
+            self.capture = None
+
+    def take_capture(self, model, group, settings):
+        """The kept capture's PrefixState for a transaction on `group` under `settings` (what grpo_backward's
+        `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the state and must
+        release it; on a refusal (ValueError: weights changed since generate, another model, prompt or config)
+        it is released here."""
+        kept, self.capture = self.capture, None
+        if kept is None:
+            raise ValueError("capture: these Rollouts hold no kept capture (generate(..., keep_capture=True) keeps "
+                             "one; a transaction or release() took it)")
+        try:
+            kept.check(model, group, settings)
+        except BaseException:
+            kept.release()
+            raise
+        return kept.take()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# Settings that change only how the replay runs, not what capture keeps: a kept capture serves any value of them.
+_REPLAY_ONLY = ("replay_block", "cp_replay", "progress", "prefix_recompute")
+
+
+def weights_fingerprint(model) -> tuple:
+    """The trainable parameters' version counters (and storage addresses): any in-place change (an optimizer step,
+    a load) or a new tensor assigned to .data changes it. Under ZeRO-3 the partition (ds_tensor) is what the
+    optimizer writes, so its counter is the one read."""
+    out = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            tensor = getattr(param, "ds_tensor", param)
+            out.append((name, tensor._version, tensor.data_ptr()))
+    return tuple(out)
+
+
+class KeptCapture:
+    """A prompt's captured state kept by generate for the training step: the PrefixState, the settings it was
+    captured under, the model and its weights' fingerprint. Page files of a host/NVMe tier go with release(), or
+    when this object is garbage collected."""
+
+    def __init__(self, state, settings, model, prompt_ids):
+        self.settings, self.prompt_ids = settings, prompt_ids
+        self.model, self.fingerprint = weakref.ref(model), weights_fingerprint(model)
+        self._holder = [state]
+        self._finalizer = weakref.finalize(self, _release_held, self._holder)
+
+    def check(self, model, group, settings):
+        """ValueError when this capture cannot stand for the capture a transaction of `group` under `settings`
+        would make."""
+        if self.model() is not model:
+            raise ValueError("capture: it was captured with another model than the one being trained")
+        if weights_fingerprint(model) != self.fingerprint:
+            raise ValueError("capture: the trainable weights changed since generate (an optimizer step?); the "
+                             "captured state is stale: train with a fresh capture (no capture=)")
+        if not torch.equal(group.prompt_ids.cpu(), self.prompt_ids):
+            raise ValueError("capture: the group's prompt is not the prompt that was captured")
+        mine = self.settings.model_dump(exclude=set(_REPLAY_ONLY))
+        theirs = settings.model_dump(exclude=set(_REPLAY_ONLY))
+        differ = sorted(key for key in mine if mine[key] != theirs.get(key))
+        if differ:
+            raise ValueError(f"capture: 'longstraw' keys {differ} differ between generate's config and the training "
+                             f"call's ({[mine[k] for k in differ]} vs {[theirs.get(k) for k in differ]}); a kept "
+                             "capture is reused only under the config it was captured with")
+
+    def take(self):
+        """The PrefixState, now the caller's to release."""
+        state = self._holder.pop()
+        self._finalizer.detach()
+        return state
+
+    def release(self):
+        self._finalizer()  # at most once: releases the state if still held
+
+
+def _release_held(holder):
+    while holder:
+        holder.pop().release()
+
 
 def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
-             seed=None, config=None, cp_group=None) -> Rollouts:
+             seed=None, config=None, cp_group=None, keep_capture=False) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -78,6 +177,9 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks the
     prompt is sharded over, with the config's cp_size; every rank calls with the same arguments and gets the same
     samples (decoded on every rank, as the replicated replay does, whatever "cp_replay" says).
+    keep_capture: keep the captured state in Rollouts.capture for grpo_backward(..., capture=rollouts) (module
+    docstring), captured under the config as given (exact mode: with the prefix pass's checkpoints); release it
+    with Rollouts.release() or a `with` block when not training on it.
     Models with sharded experts (shard_experts) are refused: their dispatches need the ranks in lockstep, which
     decoding does not keep yet.
     """
@@ -92,9 +194,12 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     if expert_parallel(model) is not None:
         raise ValueError("generate: the model's experts are sharded (shard_experts); decoding does not run expert "
                          "parallelism yet")
+    # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
+    # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
+    capture_settings = settings if keep_capture else settings.model_copy(update={"prefix_grad": "detached"})
+    keep_boundaries = capture_settings.prefix_grad == "exact"
     # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
-    # Nothing is kept for a prefix pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
-    settings = settings.model_copy(update={"cp_replay": "replicated", "prefix_grad": "detached"})
+    settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
     topology = topology_for(cp_group, settings)
     topology.check(adapter, settings)
     choose = _first_rank_token(topology, adapter.device)
@@ -102,9 +207,10 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     meter = PhaseMeter(adapter.device)
 
     responses, logprobs, finished = [], [], []
+    kept = None
     with torch.no_grad(), kernel_mode(settings.kernels):
         with meter.phase("capture"), topology.phase("capture"):
-            state = topology.capture(adapter, prompt_ids, settings, False, Schedule())
+            state = topology.capture(adapter, prompt_ids, capture_settings, keep_boundaries, Schedule())
         try:
             with meter.phase("decode"), topology.phase("decode"):
                 view = topology.replay_view(adapter, state, requires_grad=False)
@@ -118,10 +224,13 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
                         return_freed_host_memory(adapter.device)
                 finally:
                     view.leaves.release()
+            if keep_capture:
+                kept = KeptCapture(state, capture_settings, model, prompt_ids)
         finally:
-            state.release()  # page files of a host/NVMe tier go on error as on success
+            if kept is None:
+                state.release()  # page files of a host/NVMe tier go on error as on success
     return Rollouts(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, finished=finished, seed=seed,
-                    phases=meter.phases)
+                    phases=meter.phases, capture=kept)
 
 
 def _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed):

@@ -94,7 +94,7 @@ def score_reference(ref_model, group, settings, topology=None, schedule=None):
 
 
 def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
-                  backward=None, lockstep=None) -> GroupResult:
+                  backward=None, lockstep=None, capture=None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
 
     config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
@@ -112,13 +112,38 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     their experts' owners (parallel/experts.py); an owner's expert gradients then sum the EP group's tokens (each
     rank's other gradients are its own group's, as without EP). The EP ranks pad their calls to a common shape
     (lockstep.py) unless a lockstep is given.
+    capture: None, or the Rollouts of generate(..., keep_capture=True) on this group's prompt with these weights
+    and this config: the policy capture is skipped and that captured state is used (rollout.py); it is taken from
+    the Rollouts and released when this call returns or raises (refused: ValueError, released too). Not with a
+    lockstep or sharded experts (generate pads no capture for other ranks). The result's extras say
+    "capture_reused".
     """
     settings = parse_config(config)
     with kernel_mode(settings.kernels):
-        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep)
+        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
+                            capture)
 
 
-def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep):
+def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, capture=None):
+    reused = None
+    if capture is not None:
+        if lockstep is not None or expert_parallel(model) is not None:
+            capture.release()
+            raise ValueError("capture: a kept capture is not reused under a lockstep or with sharded experts (the "
+                             "other ranks' capture calls would not be padded); train without capture=")
+        if not isinstance(group, GRPOGroup):
+            capture.release()
+            raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
+        reused = capture.take_capture(model, group, settings)  # ValueError (and released) when it does not fit
+    try:
+        return _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
+                                reused)
+    finally:
+        if reused is not None:
+            reused.release()  # page files of a host/NVMe tier go on error as on success (twice is harmless)
+
+
+def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, reused):
     objective = objective or GRPOObjective()
     if not isinstance(group, GRPOGroup):
         raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
@@ -149,8 +174,11 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
         with meter.phase("reference"), topology.phase("reference"), _reference_policy(model, ref_model) as reference:
             ref_logprobs = score_reference(reference, group, settings, topology, schedule)
 
-    with meter.phase("capture"), topology.phase("capture"):
-        state = _capture(adapter, group, settings, exact, "capture", topology, schedule)
+    if reused is None:
+        with meter.phase("capture"), topology.phase("capture"):
+            state = _capture(adapter, group, settings, exact, "capture", topology, schedule)
+    else:
+        state = reused  # generate's capture (keep_capture): same prompt, weights and config
     prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
     try:
         retained = state.retained_bytes()
@@ -179,6 +207,7 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success
     extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
+    extras["capture_reused"] = reused is not None
     extras.update(topology.report(state, group))
     if ep is not None:
         extras["ep"] = ep.report()

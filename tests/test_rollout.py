@@ -351,3 +351,137 @@ if __name__ == "__main__":
         raise SystemExit("usage: python tests/test_rollout.py --peak PROMPT_TOKENS SAMPLES NEW_TOKENS")
     torch.set_num_threads(1)
     print(json.dumps(generate_peak(*(int(value) for value in sys.argv[2:]))))
+
+
+# -- the on-policy step: training reuses generate's capture ---------------------------------------------------------
+# grpo_backward(group, capture=rollouts) == grpo_backward(group) (its own capture), detached and exact, gradients
+# relative L2 <= 1e-12: both sides run the same float64 capture (same config, same chunks) and the same replay, so
+# they agree bit for bit in practice; 1e-12 leaves room only for a reordering.
+REUSE_TOL = 1e-12
+
+
+def _reuse_config(mode, tier, tmp_path, monkeypatch=None):
+    config = dict(FAMILIES["qwen3_5"]["config"], prefix_grad=mode.removesuffix("-keep"),
+                  prefix_keep_attention=mode.endswith("-keep"), prefix_block=5 if mode != "detached" else None)
+    if tier == "cpu":
+        config["offload"] = {"tier": "cpu"}
+    elif tier == "nvme":
+        _nvme_engine(monkeypatch)
+        config["offload"] = {"tier": "nvme", "nvme_path": str(tmp_path), "aio": {"block_size": 4096,
+                                                                                  "queue_depth": 4}}
+    return config
+
+
+def _nvme_engine(monkeypatch):
+    """DeepSpeed's aio op where it builds, else buffered I/O (as on a filesystem that refuses O_DIRECT)."""
+    from ds_longstraw.offload import io_engine
+
+    try:
+        io_engine.load_aio()
+    except RuntimeError:
+        monkeypatch.setattr("ds_longstraw.offload.nvme_pool.probe_direct_io", lambda directory: False)
+
+
+def _counted_captures(monkeypatch):
+    """Counts the policy captures (topology.capture on one rank)."""
+    from ds_longstraw.topology import OneRank
+
+    calls, capture = [], OneRank.capture
+
+    def counting(self, *args, **kwargs):
+        calls.append(args[1].numel())
+        return capture(self, *args, **kwargs)
+
+    monkeypatch.setattr(OneRank, "capture", counting)
+    return calls
+
+
+@pytest.mark.parametrize("mode,tier", [("detached", "none"), ("exact", "none"), ("exact-keep", "cpu"),
+                                       ("detached", "nvme"), ("exact", "nvme")])
+def test_training_reuses_the_capture(models, mode, tier, tmp_path, monkeypatch):
+    """generate(keep_capture) then grpo_backward(capture=rollouts): one capture in all (counted), the gradients of
+    the transaction's own capture, and no page file left once the step is done."""
+    from grads import grads_of, relative_l2
+
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    config = _reuse_config(mode, tier, tmp_path, monkeypatch)
+    with float64_model():
+        calls = _counted_captures(monkeypatch)
+        rollouts = generate(model, prompt, 3, 5, seed=2, config=config, keep_capture=True)
+        assert rollouts.capture is not None and len(calls) == 1
+        rollouts_group = rollouts.group([1.0, 0.0, 0.5])
+        grads, result = grads_of(model, lambda: grpo_backward(model, rollouts_group, GRPOObjective(), config=config,
+                                                              capture=rollouts))
+        assert len(calls) == 1 and rollouts.capture is None  # taken: no second capture
+        assert result.extras["capture_reused"] and "capture" not in result.phases
+        if tier != "none":
+            assert list(tmp_path.iterdir()) == []  # released with the transaction
+        want_grads, want = grads_of(model, lambda: grpo_backward(model, rollouts_group, GRPOObjective(),
+                                                                 config=config))
+        assert len(calls) == 2 and not want.extras["capture_reused"]
+        model.zero_grad(set_to_none=True)
+    assert relative_l2(grads, want_grads) <= REUSE_TOL
+    assert result.loss == pytest.approx(want.loss, rel=REUSE_TOL)
+    for mine, theirs in zip(result.logprobs, want.logprobs):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=REUSE_TOL)
+    if tier != "none":
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_reuse_is_refused_when_it_does_not_fit(models, tmp_path, monkeypatch):
+    """Refusals by name (and the capture released with each, its page files gone): weights changed by an optimizer
+    step, another prompt, another capture config, a second use; release() and `with` drop an unused capture."""
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    config = _reuse_config("detached", "nvme", tmp_path, monkeypatch)
+    other = tiny_qwen3_5()
+    with float64_model():
+        def kept():
+            return generate(model, prompt, 2, 3, seed=1, config=config, keep_capture=True)
+
+        rollouts = kept()
+        group = rollouts.group([1.0, 0.0])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        for param in model.parameters():
+            param.grad = torch.zeros_like(param)
+        optimizer.step()  # lr 0: the values stay, the step happened all the same
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(ValueError, match="weights changed"):
+            grpo_backward(model, group, config=config, capture=rollouts)
+        assert rollouts.capture is None
+        with pytest.raises(ValueError, match="no kept capture"):
+            grpo_backward(model, group, config=config, capture=rollouts)
+        rollouts = kept()
+        with pytest.raises(ValueError, match="prompt"):
+            grpo_backward(model, rollouts_with_prompt(rollouts, prompt.flip(0)), config=config, capture=rollouts)
+        rollouts = kept()
+        with pytest.raises(ValueError, match="page_tokens"):
+            grpo_backward(model, rollouts.group([1.0, 0.0]), config=dict(config, page_tokens=5), capture=rollouts)
+        rollouts = kept()
+        with pytest.raises(ValueError, match="another model"):
+            grpo_backward(other, rollouts.group([1.0, 0.0]), config=config, capture=rollouts)
+        rollouts = kept()
+        exact = dict(config, prefix_grad="exact")
+        with pytest.raises(ValueError, match="prefix_grad"):
+            grpo_backward(model, rollouts.group([1.0, 0.0]), config=exact, capture=rollouts)
+        # replay-only keys may differ
+        rollouts = kept()
+        result = grpo_backward(model, rollouts.group([1.0, 0.0]), config=dict(config, replay_block=2),
+                               capture=rollouts)
+        assert result.extras["capture_reused"]
+        with kept() as unused:
+            assert unused.capture is not None
+        assert unused.capture is None
+        kept().release()
+        model.zero_grad(set_to_none=True)
+        assert list(tmp_path.iterdir()) == []
+        kept()  # dropped without release: garbage collection removes its files
+        import gc
+
+        gc.collect()
+    assert list(tmp_path.iterdir()) == []
+
+
+def rollouts_with_prompt(rollouts, prompt):
+    from ds_longstraw import GRPOGroup
+
+    return GRPOGroup(prompt, list(rollouts.response_ids), rewards=[1.0, 0.0])
