@@ -15,6 +15,7 @@ j <= i + causal_offset (0 for a block attending to itself). Queries that see no 
 import torch
 
 from .cuda_attention import flash_applies, flash_backward, flash_forward
+from .dispatch import fast_path
 from .lse import merge_partials
 
 KEY_BLOCK = 2048
@@ -109,9 +110,23 @@ def _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
     return out.to(q_HTD.dtype).reshape(q_HTD.shape), lse.reshape(q_HTD.shape[:2])
 
 
+def _triton_paged(q_HTD, k_KTD):
+    """The Triton kernels (triton_paged_attention.py) where they apply, else None. Checked after flash: they take
+    the CUDA cases flash does not (float32, any causal offset, an lse gradient flash cannot fold); CPU tensors
+    never get here (the dispatch's fast_path is False for them, before triton is imported)."""
+    if not fast_path(q_HTD, "triton"):
+        return None
+    from . import triton_paged_attention  # imports this module: loaded on first use
+
+    return triton_paged_attention if triton_paged_attention.triton_applies(q_HTD, k_KTD) else None
+
+
 def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
     if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (cuda_attention.py)
         return flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
+    paged = _triton_paged(q_HTD, k_KTD)
+    if paged is not None:  # CUDA, where flash does not apply
+        return paged.segment_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
     if fused is not None:
         return fused[0], fused[1].to(_acc(q_HTD.dtype))
@@ -208,6 +223,9 @@ def _backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, ne
     if flash is not None:
         dq, dk, dv = flash
         return dq, (dk if need_kv else None), (dv if need_kv else None)
+    paged = _triton_paged(q, k)
+    if paged is not None:
+        return paged.segment_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, need_kv)
     if USE_FUSED and (dlse is None or not dlse.any()):
         fused = _fused_cpu_backward(q, k, v, out, lse, dout, scale, causal_offset)
         if fused is not None:
