@@ -29,10 +29,18 @@ order, so the ranks' candidates merged in rank order give exactly the one-rank t
 prior)` finishes a selection from the candidates of the keys before `offset`. `page_partial` is the attention over
 the selected rows that lie in one page, (o_lat, lse), and `page_grads` that page's share of the gradients given the
 merged (o_lat, lse) (tests/test_glm_cp.py holds both, merged over ranks and pages, to the plain references).
+
+Fast paths: where `kernels.dispatch.fast_path(q, "triton")` says so (a CUDA tensor, mode "auto") and the kernels
+take the inputs (float32 / bfloat16 / float16), `dsa_select` and `extend_candidates` score in Triton and keep the
+same canonical top-k (kernels/triton_dsa.py), and `sparse_latent_attention`, `page_partial` and `page_grads` run
+kernels/triton_sparse_mla.py; every other call (CPU tensors, float64) takes the torch code below, unchanged.
 """
 
 import torch
 import torch.nn.functional as F
+
+from ds_longstraw.kernels import triton_dsa, triton_sparse_mla
+from ds_longstraw.kernels.dispatch import fast_path
 
 # Elements of one query block's gathered rows [Tq, K, R + E] (or of its indexer scores [Tq, I, keys]): the unit
 # that bounds the transient memory of selection and attention. 2^24 elements are 64 MiB in float32.
@@ -84,6 +92,9 @@ def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, 
     acc = score_dtype(q_TID.dtype)
     device = q_TID.device
     best = no_candidates(tokens, acc, device) if best is None else best
+    if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, [keys_ND]):
+        part = triton_dsa.candidates(q_TID, weights_TI, [keys_ND], key_start, query_start, topk, scale)
+        return merge_candidates((best[0].to(acc), best[1]), part, topk)
     block = _query_block(q_TID.shape[1] * key_block, tokens)
     out_scores, out_pos = [], []
     with torch.no_grad():
@@ -153,6 +164,11 @@ def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offs
         raise ValueError(f"dsa_select: {total} keys cannot cover queries up to position {start + tokens - 1}")
     if offset and prior is None:
         raise ValueError(f"dsa_select: the keys before position {offset} need their candidates (prior)")
+    if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, keys):
+        best = triton_dsa.candidates(q_TID, weights_TI, keys, offset, start, topk, scale)
+        if prior is not None:
+            best = merge_candidates((prior[0].to(best[0].dtype), prior[1]), best, topk)
+        return candidates_selection(best, min(topk, total))
     best = prior
     with torch.no_grad():
         for k0, piece in _key_pieces(keys, key_block, offset):
@@ -348,6 +364,9 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
     if offset:
         valid = valid & (positions >= offset)
         positions = torch.where(valid, positions - offset, torch.zeros_like(positions))
+    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [*latents, *ropes]):
+        out, lse = triton_sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
+        return (out, lse) if with_lse else out
     out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
     return (out, lse) if with_lse else out
 
@@ -405,6 +424,9 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
     restricted to the page, both in max(float32, dtype) (so that merging many pages rounds once, not per page); a
     query with no selected row there gets (0, -inf). LSE-merging the pages' partials gives the attention over all
     of them. No autograd (see page_grads)."""
+    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+        return triton_sparse_mla.page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
+                                              scale)
     tokens, heads, rank = q_lat.shape
     acc = _acc(q_lat.dtype)
     out = torch.zeros(tokens, heads, rank, dtype=acc, device=q_lat.device)
@@ -426,6 +448,9 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     p = exp(s - lse) over the page's selected rows, d_s = p (d_out . row - delta) scale.
     Returns (d_q_lat [T, H, R], d_q_rope [T, H, E], d_latent_page [n, R], d_rope_page [n, E]), in max(float32,
     dtype); summing the first two over every page of every rank gives the queries' gradients."""
+    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+        return triton_sparse_mla.page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
+                                            lse, d_out, delta, scale)
     acc = _acc(q_lat.dtype)
     d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)
     d_q_rope = torch.zeros(q_rope.shape, dtype=acc, device=q_rope.device)
