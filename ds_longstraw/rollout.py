@@ -2,19 +2,22 @@
 
     capture   the prompt[:-1] once, without autograd, onto pages (the topology's capture: one rank, or the prompt
               sharded over a context-parallel group; the config block's tiers)
-    decode    for each sample g in 1..G: feed prompt[-1], then each sampled token, one token per forward, through
-              the topology's replay view of the captured state (the prompt's pages, staged a layer at a time; under
-              context parallelism every rank's pages through all-gathered (out, lse) partials). The sample keeps
-              only its own carry (recurrent layers) and its own response rows (paged layers); the prompt state is
-              read, never copied or changed, so every sample starts from the same captured state.
+    decode    step t of every sample in one forward (adapter.decode_step, arch/decode.py): feed prompt[-1], then
+              each sample's sampled token, through the topology's replay view of the captured state (the prompt's
+              pages, staged a layer at a time and read once per step for the whole batch; under context
+              parallelism every rank's pages through all-gathered (out, lse) partials). Each sample keeps only its
+              own carry (recurrent layers) and its own response rows (paged layers); the prompt state is read,
+              never copied or changed, so every sample starts from the same captured state. A sample that draws
+              eos leaves the batch. batched=False, or an adapter without decode_step (glm_moe_dsa for now: its DSA
+              selection over the prompt's and each sample's own indexer keys is not batched yet), decodes the
+              samples one after another through the segment forward: the plain reference.
     release   the pages go (on error as on success), unless the caller keeps the capture for training
               (keep_capture=True): then Rollouts holds it until grpo_backward(..., capture=rollouts) takes it (and
               releases it when that call returns or raises), or until Rollouts.release() / the end of a `with` block
 
 What it is: ancestral sampling at `temperature` with nucleus (top-p) truncation, or greedy argmax at temperature 0.
-What it is not: a batched decoder (samples run one after another, each one token per forward: the adapters' segment
-forward runs one sequence; batching the G samples' steps into one forward would read every page once per step for
-all of them, and is left for later).
+What it is not: a serving engine (no continuous batching across prompts, no speculative decoding; one token per
+sample per forward).
 
 Reusing the capture for training (the on-policy step): generate(..., keep_capture=True) captures with the training
 config as given (exact mode: with the checkpoints at segment starts the prefix pass needs, as the transaction's own
@@ -29,7 +32,8 @@ the tokens sorted by probability (ties: lower id first). Ranks of a context-para
 (the replicated replay's property); the token of the group's first rank is taken by every rank all the same, so
 the ranks' calls cannot drift apart even where a uniform lands on a rounding boundary.
 
-Legend: V vocabulary; rows are token-major [T, ...] per stream of a paged layer, as the adapter returns them.
+Legend: V vocabulary, G samples still in the batch; rows are token-major [T, ...] per stream of a paged layer, as
+the adapter returns them; the batched path keeps each layer's rows position-major [max_new_tokens, G, ...].
 """
 
 import math
@@ -165,7 +169,7 @@ def _release_held(holder):
 
 
 def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
-             seed=None, config=None, cp_group=None, keep_capture=False) -> Rollouts:
+             seed=None, config=None, cp_group=None, keep_capture=False, batched=True) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -180,6 +184,9 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     keep_capture: keep the captured state in Rollouts.capture for grpo_backward(..., capture=rollouts) (module
     docstring), captured under the config as given (exact mode: with the prefix pass's checkpoints); release it
     with Rollouts.release() or a `with` block when not training on it.
+    batched: decode the samples' steps as one batch (adapters with a decode_step: qwen3_5); False, or an adapter
+    without one (glm_moe_dsa for now), decodes them one after another (the plain reference; the same tokens and
+    log-probs up to rounding).
     Models with sharded experts (shard_experts) are refused: their dispatches need the ranks in lockstep, which
     decoding does not keep yet.
     """
@@ -215,13 +222,16 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
             with meter.phase("decode"), topology.phase("decode"):
                 view = topology.replay_view(adapter, state, requires_grad=False)
                 try:
-                    for sample in range(num_samples):
-                        ids, logps, ended = _decode(adapter, view, state.length, prompt_ids[-1], max_new_tokens,
-                                                    temperature, top_p, eos, _generator(seed, sample), choose)
+                    if batched and hasattr(adapter, "decode_step"):
+                        samples = _decode_batch(adapter, view, state.length, prompt_ids[-1], num_samples,
+                                                max_new_tokens, temperature, top_p, eos, seed, choose)
+                    else:
+                        samples = _decode_each(adapter, view, state.length, prompt_ids[-1], num_samples,
+                                               max_new_tokens, temperature, top_p, eos, seed, choose)
+                    for ids, logps, ended in samples:
                         responses.append(ids)
                         logprobs.append(logps)
                         finished.append(ended)
-                        return_freed_host_memory(adapter.device)
                 finally:
                     view.leaves.release()
             if keep_capture:
@@ -294,6 +304,64 @@ class _ResponseRows:
 def _new_buffer(part, capacity):
     """Room for `capacity` rows like `part`'s (uninitialised: only the rows written are ever read; tests poison it)."""
     return part.new_empty((capacity, *part.shape[1:]))
+
+
+def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose):
+    """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample."""
+    samples = []
+    for sample in range(num_samples):
+        samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
+                               _generator(seed, sample), choose))
+        return_freed_host_memory(adapter.device)
+    return samples
+
+
+def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose):
+    """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
+    all the samples still running; a sample that draws eos leaves the batch (its carry and rows are dropped).
+    Each sample draws from its own generator in the same order as _decode, so the tokens are the sequential
+    path's. Returns [(ids, log-probs, ended)] per sample."""
+    generators = [_generator(seed, sample) for sample in range(num_samples)]
+    active = list(range(num_samples))  # the samples in the batch, in batch order
+    ids, logps, ended = [[] for _ in active], [[] for _ in active], [False] * num_samples
+    # every sample starts from the prompt's carry: its own copy, [G, ...]
+    carry = {layer: tuple(t.expand(num_samples, *t.shape[1:]).clone() for t in parts)
+             for layer, parts in view.leaves.carry.items()}
+    rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
+    tokens = first.view(1).expand(num_samples)
+    for step in range(max_new_tokens):
+        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
+        out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
+        carry = dict(out.carry)
+        for layer, parts in out.rows.items():
+            if layer not in rows:
+                rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new_tokens) for part in parts)
+            for buffer, part in zip(rows[layer], parts):
+                buffer[step] = part
+        logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
+        del out, past, own
+        chosen_G, keep = [], []
+        for row, sample in enumerate(active):
+            uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generators[sample],
+                                                                    dtype=torch.float64))
+            chosen = choose(_sample(logits_GV[row], temperature, top_p, uniform))
+            logps[sample].append(torch.log_softmax(logits_GV[row], dim=-1)[chosen])
+            ids[sample].append(chosen)
+            if chosen in eos:
+                ended[sample] = True
+            else:
+                keep.append(row)
+                chosen_G.append(chosen)
+        if not keep:
+            break
+        if len(keep) < len(active):  # finished samples leave the batch
+            index = torch.tensor(keep, device=adapter.device)
+            carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}
+            rows = {layer: tuple(b.index_select(1, index) for b in buffers) for layer, buffers in rows.items()}
+            active = [active[row] for row in keep]
+        tokens = torch.tensor(chosen_G)
+    return [(torch.tensor(ids[g], dtype=torch.long), torch.stack(logps[g]), ended[g]) for g in range(num_samples)]
 
 
 def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose):

@@ -21,6 +21,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, merge_partials
 
 from .base import CausalLMAdapter, SegmentOutput
+from .decode import decode_attention
 from .qwen3_5_scan import capture_gdn_layer, forward_replaced
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
 
@@ -271,5 +272,36 @@ class Qwen35Adapter(CausalLMAdapter):
             else:
                 out.rows[index] = (first, second)
                 out.attention[index] = attention
+        out.hidden = hidden
+        return out
+
+    # -- a decode step of G samples at once (ds_longstraw.rollout) ----------------------------------------------
+    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None):
+        """One token of each of G sequences at the same `position` that share the prompt's state (arch/decode.py).
+
+        carry: layer -> (recurrent state [G, ...], conv tail [G, ...]), each sample's own; past: layer -> the prompt's
+        (K, V) segments, shared (a StagedPast, or empty under context parallelism, where remote_attention reaches
+        them as in forward_segment); own: layer -> (K, V) [S, G, K, D], each sample's earlier response rows.
+        Returns hidden [G, 1, C] (before the final norm), carry [G, ...] per layer, and rows: layer -> this step's
+        (K, V) [G, K, D]."""
+        hidden = self.body.embed_tokens(ids_G.to(self.device).view(-1, 1))
+        cos, sin = self.rotary(hidden, position)
+        out = SegmentOutput(hidden=None)
+        for index, layer in enumerate(self.layers[: len(self.layer_types)]):
+            h = self.mixer_input(index, hidden)
+            if self.layer_types[index] == LINEAR_ATTENTION:
+                mixed, state, tail = self.gdn_forward(layer.linear_attn, h, *carry[index])
+                out.carry[index] = (state, tail)
+            else:
+                module = layer.self_attn
+                query, gate, key, value = self.attention_qkv(module, h, cos, sin)  # [G, H or K, 1, D]
+                key, value = key[:, :, 0], value[:, :, 0]
+                own_k, own_v = own.get(index, (key[None][:0], value[None][:0]))
+                remote = None if remote_attention is None else partial(remote_attention, index)
+                out_GHD = decode_attention(query[:, :, 0], past.get(index, []), torch.cat([own_k, key[None]]),
+                                           torch.cat([own_v, value[None]]), module.scaling, remote)
+                mixed = module.o_proj(out_GHD.reshape(out_GHD.shape[0], 1, -1) * torch.sigmoid(gate))
+                out.rows[index] = (key, value)
+            hidden = self.mlp_residual(index, hidden + mixed)
         out.hidden = hidden
         return out

@@ -1,0 +1,49 @@
+"""Attention of a batch of decode steps: G sequences, one new token each, that share the prompt's keys.
+
+The G samples of one prompt (ds_longstraw.rollout) all sit at the same position when they decode a step (they start
+together; a finished one leaves the batch), so their queries meet the prompt's keys as one block of G queries that
+each see every prompt key: one partial per prompt page segment (or the remote partial under context parallelism),
+read once for the whole batch. Each sample's own keys (its response so far and this step's) are its alone: a
+batched dense partial per sample. The two partials merge by log-sum-exp (kernels.merge_partials).
+
+Legend: G samples (queries, one per sample), H/K query/kv heads (head h reads kv head h // (H // K)), D head dim,
+S own keys per sample, T prompt keys of a segment. q_GHD [G, H, D]; prompt segments token-major [T, K, D]; own keys
+position-major [S, G, K, D]; out_GHD [G, H, D], lse_GH [G, H].
+"""
+
+import torch
+
+from ds_longstraw.kernels import merge_partials, partial_attention
+
+
+def own_partial(q_GHD, k_SGKD, v_SGKD, scale):
+    """(out_GHD, lse_GH) of each sample's query over its own keys only (plain dense attention, no mask: every own
+    key precedes or is the query's token). Scores and softmax in float32 (float64 for float64 models)."""
+    groups, heads, dim = q_GHD.shape
+    kv_heads = k_SGKD.shape[2]
+    acc = torch.float64 if q_GHD.dtype == torch.float64 else torch.float32
+    q_GKRD = q_GHD.reshape(groups, kv_heads, heads // kv_heads, dim).to(acc)
+    scores_GKRS = torch.einsum("gkrd,sgkd->gkrs", q_GKRD, k_SGKD.to(acc)) * scale
+    lse_GKR = torch.logsumexp(scores_GKRS, dim=-1)
+    probs_GKRS = torch.exp(scores_GKRS - lse_GKR.unsqueeze(-1))
+    out_GKRD = torch.einsum("gkrs,sgkd->gkrd", probs_GKRS, v_SGKD.to(acc))
+    return out_GKRD.reshape(groups, heads, -1).to(q_GHD.dtype), lse_GKR.reshape(groups, heads)
+
+
+def decode_attention(q_GHD, shared, k_SGKD, v_SGKD, scale, remote=None):
+    """Attention of G single-token queries over the keys they share (`shared`: token-major (K, V) segments of the
+    prompt; `remote`: None, or a callable q_HTD -> (out_HTD, lse_HT) over prompt keys on other ranks) and over each
+    one's own keys [S, G, K, D]. Returns out_GHD."""
+    out_GHD, lse_GH = own_partial(q_GHD, k_SGKD, v_SGKD, scale)
+    q_HGD = q_GHD.transpose(0, 1).contiguous()
+    for k_TKD, v_TKD in shared:
+        if k_TKD.shape[0] == 0:
+            continue
+        part_HGD, part_lse_HG = partial_attention(q_HGD, k_TKD.transpose(0, 1), v_TKD.transpose(0, 1), scale)
+        out_GHD, lse_GH = merge_partials(out_GHD, lse_GH, part_HGD.transpose(0, 1),
+                                         part_lse_HG.transpose(0, 1).to(lse_GH.dtype))
+    if remote is not None:
+        part_HGD, part_lse_HG = remote(q_HGD)
+        out_GHD, lse_GH = merge_partials(out_GHD, lse_GH, part_HGD.transpose(0, 1),
+                                         part_lse_HG.transpose(0, 1).to(lse_GH.dtype))
+    return out_GHD
