@@ -8,6 +8,8 @@ imports (as tests/cp_scripts/harness.py does, whose fork_ranks this uses).
 
 A case is a dict: name, family ("qwen3_5" or "glm_moe_dsa"), prompt_len, samples, max_new, config (the longstraw
 block without cp_size), and generate's keyword arguments in `sampling` (temperature, top_p, eos_token_id, seed).
+A case with `rewards` also trains on its rollouts (case_train): generate(keep_capture=True), then grpo_backward on
+rollouts.group(rewards) with capture=rollouts; the rank's file then holds the parameter gradients too.
 """
 
 import os
@@ -45,13 +47,35 @@ def case_rollouts(case, cp_size=1, cp_group=None):
                         cp_size=cp_size), cp_group=cp_group, **case["sampling"])
 
 
+def case_train(case, cp_size=1, cp_group=None, reuse=True):
+    """(rollouts, {name: grad}, the transaction's result) of the case's on-policy step on this rank: generate, then
+    grpo_backward on rollouts.group(case["rewards"]) with the capture reused (reuse) or captured again."""
+    from ds_longstraw import GRPOObjective, generate, grpo_backward
+
+    model, reference = case_model(case)
+    config = dict(case["config"], cp_size=cp_size)
+    with reference():
+        rollouts = generate(model, case_prompt(case), case["samples"], case["max_new"], config=config,
+                            cp_group=cp_group, keep_capture=reuse, **case["sampling"])
+        model.zero_grad(set_to_none=True)
+        result = grpo_backward(model, rollouts.group(case["rewards"]), GRPOObjective(), config=config,
+                               cp_group=cp_group, capture=rollouts if reuse else None)
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return rollouts, grads, result
+
+
 def worker(rank, world, cases, out_dir):
     """One rank of run_rollouts (inside fork_ranks' process group)."""
     group = dist.new_group(list(range(world)), backend="gloo")
     for case in cases:
-        result = case_rollouts(case, world, group)
+        grads = extras = None
+        if "rewards" in case:
+            result, grads, trained = case_train(case, world, group)
+            extras = {"capture_reused": trained.extras["capture_reused"], "phases": sorted(trained.phases)}
+        else:
+            result = case_rollouts(case, world, group)
         torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
-                    "finished": result.finished, "seed": result.seed},
+                    "finished": result.finished, "seed": result.seed, "grads": grads, "extras": extras},
                    os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
 
 
