@@ -159,7 +159,17 @@ def delta_rule_section(report, clock, device, dtype, sizes):
             with kernel_mode("reference"):
                 ours()
 
-        for path, fn in (("fast", ours), ("reference", reference)):
+        def ours_forward():  # capture: no autograd (fla's forward serves where its backward is refused)
+            with torch.no_grad():
+                chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+
+        def reference_forward():
+            with kernel_mode("reference"):
+                ours_forward()
+
+        for path, fn in (("fast", ours), ("reference", reference), ("fast_forward", ours_forward),
+                         ("reference_forward", reference_forward)):
             seconds, peak = clock.measure(fn)
             report.add("gated_delta", {"tokens": t, "path": path, "ms": seconds * 1e3, "tokens_per_s": t / seconds,
                                        "peak_mib": peak})
@@ -211,11 +221,13 @@ def triton_section(report, clock, device, dtype, sizes):
 
 def _model(shape_overrides, device, dtype):
     import torch
+    import yaml  # the shape file is plain YAML; omegaconf (the launcher's reader) is not needed here
     from transformers import AutoModelForCausalLM
 
-    from ds_longstraw.modeling import config_from_shape, load_shape
+    from ds_longstraw.modeling import config_from_shape
 
-    fields = {**load_shape(os.path.join(ROOT, "configs", "models", "qwen3_6_27b.yaml")), **shape_overrides}
+    with open(os.path.join(ROOT, "configs", "models", "qwen3_6_27b.yaml")) as handle:
+        fields = {**yaml.safe_load(handle), **shape_overrides}
     config = config_from_shape(fields)
     torch.manual_seed(0)
     with torch.device(device):

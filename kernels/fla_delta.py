@@ -9,6 +9,8 @@ Legend as gated_delta.py: q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay) a
 state [B, Hv, dk, dv].
 """
 
+from functools import lru_cache
+
 import torch
 
 from .dispatch import fast_path
@@ -17,9 +19,25 @@ from .dispatch import fast_path
 _MAX_HEAD_DIM = 256
 
 
+@lru_cache(maxsize=None)
+def fla_backward_works(device_index: int) -> bool:
+    """fla 0.6 refuses its backward (a RuntimeError at the first backward) with Triton >= 3.4 and < 3.7.1 on Hopper
+    (compute capability 9.x: H20, H100, H200), whose compiler then gives wrong gradients in one of its kernels:
+    seen on an H200 with Triton 3.6. The forward is unaffected."""
+    import triton
+
+    version = tuple(int(part) for part in triton.__version__.split(".")[:3] if part.isdigit())
+    hopper = torch.cuda.get_device_capability(device_index)[0] == 9
+    return not (hopper and (3, 4, 0) <= version < (3, 7, 1))
+
+
 def fla_applies(query, value, initial_state=None) -> bool:
     if not fast_path(query, "fla"):
         return False
+    needs_backward = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (query, value, initial_state))
+    if needs_backward and not fla_backward_works(query.device.index or 0):
+        return False  # the project's kernel computes this call (its backward is right on every device)
     if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     if query.shape[-1] > _MAX_HEAD_DIM or value.shape[-1] > _MAX_HEAD_DIM:

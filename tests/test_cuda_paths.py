@@ -137,12 +137,18 @@ def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
     h0 = torch.randn(b, hv, dk, dv, generator=gen, **F64) * 0.1
     inputs = [q, k, v, g, beta, h0]
     fast = [x.to("cuda", dtype if i < 5 else torch.float32).requires_grad_() for i, x in enumerate(inputs)]
-    assert fla_applies(fast[0], fast[2], fast[5])
-    out, final = chunk_gated_delta_rule(*fast[:5], initial_state=fast[5], output_final_state=True,
-                                        use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():  # capture's forward: fla on every CUDA device
+        assert fla_applies(fast[0], fast[2], fast[5])
+        out, final = chunk_gated_delta_rule(*fast[:5], initial_state=fast[5], output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True)
     ref = [x.clone().requires_grad_() for x in inputs]
     ref_out, ref_final = recurrent_gated_delta_rule(*ref[:5], initial_state=ref[5], output_final_state=True,
                                                     use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(out.double().cpu(), ref_out.detach(), rtol=0, atol=atol)
+    torch.testing.assert_close(final.double().cpu(), ref_final.detach(), rtol=0, atol=atol)
+    # with autograd: fla where its backward is right, else the project's kernel (fla_backward_works)
+    out, final = chunk_gated_delta_rule(*fast[:5], initial_state=fast[5], output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=atol)
     torch.testing.assert_close(final.double().cpu(), ref_final, rtol=0, atol=atol)
     gen = torch.Generator().manual_seed(4)

@@ -26,7 +26,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
     assert all(section["error"] is None for section in sections.values())
     assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "peer", "reference"}
-    assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference"}
+    assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
+                                                                     "reference_forward"}
     assert {row["path"] for row in sections["logprobs"]["rows"]} == {"chunked", "full_logits"}
     steps = sections["grpo_step"]["rows"]
     assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
