@@ -274,6 +274,7 @@ def grpo_section(report, device, dtype, sizes, deadline):
                 "loss": result.loss, "weights_mib": weights / MIB}
 
     lengths = sizes["prompts"]
+    step(lengths[0], "default")  # warm-up, not reported: the first call compiles fla's and Triton's kernels
     for how in ("conventional", "reference"):
         try:
             report.add("grpo_step", step(lengths[0], how))
