@@ -141,7 +141,11 @@ class _Prompts:
             self.data = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
             self.data.prompt(0)  # a record without a prompt fails here, before any work
         else:
-            self.generator(self.rollout.seed, 0, **self.rollout.prompt_args)  # so do bad prompt_args
+            try:  # bad prompt_args fail here too
+                self.generator(self.rollout.seed, 0, **self.rollout.prompt_args)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"'rollout.prompt_args' = {self.rollout.prompt_args!r} for {self.rollout.prompts}: "
+                                 f"{error}") from None
         self.where = run.data.path or self.rollout.prompts
 
     def describe(self):

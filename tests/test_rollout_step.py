@@ -215,3 +215,49 @@ def test_engine_step_with_rollout_equals_single_process(tmp_path):
     assert result["mean_reward"] == pytest.approx(result["ref_mean_reward"], rel=1e-12)
     assert result["norm"] > 0 and result["rel"] < 1e-5, result
     assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6, abs=1e-9)
+
+
+def _train_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_for_rollouts", os.path.join(REPO, "launch", "train.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_prompts_per_step_from_the_generator_and_from_jsonl(tmp_path):
+    """launch/train.py's step prompts: generator index (step W + r) k + j, or data.path's prompts in for_step's
+    order; a JSONL record without a prompt fails at start naming its line."""
+    from ds_longstraw.tasks import kv
+
+    train = _train_module()
+    sizes = {"prompt_tokens": 20, "records": 2}
+    run = load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", "rollout.source=internal",
+                                 "rollout.max_new_tokens=1", "rollout.reward=ds_longstraw.tasks.kv:reward",
+                                 "rollout.seed=4", "rollout.prompts=ds_longstraw.tasks.kv:prompt",
+                                 *[f"rollout.prompt_args.{k}={v}" for k, v in sizes.items()]])
+    source = train._source(run, None)
+    got = source.for_step(3, 1, 2, 2)
+    assert [p.tolist() for p in got] == [kv.prompt(4, i, **sizes).tolist() for i in (14, 15)]
+    assert source.rollout.num_samples == 8
+    with pytest.raises(ValueError, match=r"'rollout.prompt_args' = .*'rows': 3.*rows"):
+        train._source(load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml",
+                                             "rollout.source=internal", "rollout.max_new_tokens=1",
+                                             "rollout.reward=ds_longstraw.tasks.kv:reward",
+                                             "rollout.prompts=ds_longstraw.tasks.kv:prompt",
+                                             "rollout.prompt_args.rows=3"]), None)
+
+    lines = [{"prompt_ids": [1, 2, i], "response_ids": [[3]], "rewards": [0.0]} for i in range(5)]
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run = load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", f"data.path={tmp_path}/g.jsonl",
+                                 "rollout.source=internal", "rollout.max_new_tokens=1",
+                                 "rollout.reward=ds_longstraw.tasks.kv:reward"])
+    source = train._source(run, None)
+    assert [p.tolist() for p in source.for_step(1, 0, 2, 2)] == [[1, 2, 4], [1, 2, 0]]  # indices 4, 5 -> 0
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"response_ids": [[3]], "rewards": [0.0]}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: needs 'prompt_ids'"):
+        train._source(load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml",
+                                             f"data.path={tmp_path}/bad.jsonl", "rollout.source=internal",
+                                             "rollout.max_new_tokens=1",
+                                             "rollout.reward=ds_longstraw.tasks.kv:reward"]), None)
