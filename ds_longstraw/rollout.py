@@ -8,9 +8,8 @@
               parallelism every rank's pages through all-gathered (out, lse) partials). Each sample keeps only its
               own carry (recurrent layers) and its own response rows (paged layers); the prompt state is read,
               never copied or changed, so every sample starts from the same captured state. A sample that draws
-              eos leaves the batch. batched=False, or an adapter without decode_step (glm_moe_dsa for now: its DSA
-              selection over the prompt's and each sample's own indexer keys is not batched yet), decodes the
-              samples one after another through the segment forward: the plain reference.
+              eos leaves the batch. batched=False (or an adapter without decode_step) decodes the samples one
+              after another through the segment forward: the plain reference.
     release   the pages go (on error as on success), unless the caller keeps the capture for training
               (keep_capture=True): then Rollouts holds it until grpo_backward(..., capture=rollouts) takes it (and
               releases it when that call returns or raises), or until Rollouts.release() / the end of a `with` block
@@ -184,9 +183,8 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     keep_capture: keep the captured state in Rollouts.capture for grpo_backward(..., capture=rollouts) (module
     docstring), captured under the config as given (exact mode: with the prefix pass's checkpoints); release it
     with Rollouts.release() or a `with` block when not training on it.
-    batched: decode the samples' steps as one batch (adapters with a decode_step: qwen3_5); False, or an adapter
-    without one (glm_moe_dsa for now), decodes them one after another (the plain reference; the same tokens and
-    log-probs up to rounding).
+    batched: decode the samples' steps as one batch (the adapter's decode_step: qwen3_5 and glm_moe_dsa); False
+    decodes them one after another (the plain reference; the same tokens and log-probs up to rounding).
     Models with sharded experts (shard_experts) are refused: their dispatches need the ranks in lockstep, which
     decoding does not keep yet.
     """

@@ -4,7 +4,9 @@ The G samples of one prompt (ds_longstraw.rollout) all sit at the same position 
 together; a finished one leaves the batch), so their queries meet the prompt's keys as one block of G queries that
 each see every prompt key: one partial per prompt page segment (or the remote partial under context parallelism),
 read once for the whole batch. Each sample's own keys (its response so far and this step's) are its alone: a
-batched dense partial per sample. The two partials merge by log-sum-exp (kernels.merge_partials).
+batched dense partial per sample. The two partials merge by log-sum-exp (kernels.merge_partials). This file holds
+the full-attention (K/V pages) form; glm_moe_dsa's sparse form (each sample's own top-k over the prompt's and its
+own indexer keys, then the absorbed attention's two partials) is in arch/glm_moe_dsa.py beside its segment forward.
 
 Legend: G samples (queries, one per sample), H/K query/kv heads (head h reads kv head h // (H // K)), D head dim,
 S own keys per sample, T prompt keys of a segment. q_GHD [G, H, D]; prompt segments token-major [T, K, D]; own keys
