@@ -10,7 +10,7 @@ import os
 
 import torch
 
-from .arch import expert_shape, specs_for_config
+from .arch import expert_shape, kernel_dims, specs_for_config
 from .modeling import MODELS_DIR, config_from_shape, parameter_count
 from .offload.plan import ModelShape, MoEShape
 
@@ -70,22 +70,9 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> Mode
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
     shape.params = parameter_count(config)
-    _workspace_dims(shape, config)
+    for name, value in kernel_dims(config).items():  # what the kernels' workspaces scale with
+        setattr(shape, name, value)
     experts = expert_shape(config)
     shape.moe = MoEShape(**experts) if experts else None
     return shape
 
-
-def _workspace_dims(shape: ModelShape, config):
-    """The sizes the kernels' workspaces scale with (offload/plan.kernel_workspace)."""
-    text = getattr(config, "text_config", None) or config
-    shape.vocab_size = getattr(text, "vocab_size", 0)
-    shape.hidden_size = getattr(text, "hidden_size", 0)
-    shape.attention_heads = getattr(text, "num_attention_heads", 0)
-    if getattr(text, "kv_lora_rank", None):  # absorbed MLA: a query head reads the latent and the rope key
-        shape.attention_head_dim = text.kv_lora_rank + text.qk_rope_head_dim
-    else:
-        shape.attention_head_dim = getattr(text, "head_dim", 0) or shape.hidden_size // max(shape.attention_heads, 1)
-    if getattr(text, "linear_num_value_heads", None):
-        shape.delta_heads = text.linear_num_value_heads
-        shape.delta_head_dims = text.linear_key_head_dim + text.linear_value_head_dim

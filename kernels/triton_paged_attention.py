@@ -33,7 +33,7 @@ outside the tests, which run the kernels under the Triton interpreter.
 
 import torch
 
-from .attention import attention_delta, blockwise_grads_from_delta, partial_attention_reference
+from .attention_reference import attention_delta, blockwise_grads_from_delta, partial_attention_reference
 from .dispatch import available, fast_path
 
 try:

@@ -37,8 +37,6 @@ Routed experts (a model with a MoEShape), `moe_figures`:
 
 from dataclasses import dataclass, field
 
-from ..kernels.logprobs import VOCAB_CHUNK
-
 GiB = 2**30
 _WRITE_QUEUE = 64 << 20
 TIERS = ("none", "cpu", "nvme")
@@ -130,8 +128,10 @@ class Plan:
     workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
 
 
-# The replay block the workspace is counted for: the longstraw block's default replay_block.
+# The replay block the workspace is counted for (the longstraw block's default replay_block), and the log-prob
+# kernel's vocabulary chunk (kernels/logprobs.VOCAB_CHUNK; offload stands apart from kernels, a test ties the two).
 REPLAY_BLOCK = 1024
+VOCAB_CHUNK = 8192
 
 
 def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK) -> dict:

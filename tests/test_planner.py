@@ -278,8 +278,10 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     replay block over an 8,192-id vocabulary chunk (logits, probabilities, their gradient) plus d(hidden); flash's
     dq accumulator and lse over a capture chunk's 24 heads of 256; the delta rule's two float32 intermediates over
     48 value heads of 128 + 128. The largest is added to every tier's GPU need."""
+    from ds_longstraw.kernels import VOCAB_CHUNK
     from ds_longstraw.offload import plan as plan_module
 
+    assert plan_module.VOCAB_CHUNK == VOCAB_CHUNK
     shape = shape_from_config(*load_config("qwen3.6-27b"))
     layout = Layout(gpus=8, cp=8, gpu_memory=96 * GiB)
     plan = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096)

@@ -44,6 +44,13 @@ def expert_shape(config) -> dict | None:
     return family.expert_shape(config) if family is not None and hasattr(family, "expert_shape") else None
 
 
+def kernel_dims(config) -> dict:
+    """The sizes the kernels' workspaces scale with (offload/plan.ModelShape's vocab_size, hidden_size,
+    attention_heads, attention_head_dim, delta_heads, delta_head_dims), as the model's family declares them."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return family.kernel_dims(config) if family is not None and hasattr(family, "kernel_dims") else {}
+
+
 def adapter_for(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     model_type = getattr(getattr(base, "config", None), "model_type", None)

@@ -88,6 +88,14 @@ def state_specs(config, dtype) -> list:
     return specs
 
 
+def kernel_dims(config) -> dict:
+    """What the planner's kernel workspaces scale with (arch.kernel_dims): absorbed MLA's query head reads the
+    latent and the rope key."""
+    return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "attention_heads": config.num_attention_heads,
+            "attention_head_dim": config.kv_lora_rank + config.qk_rope_head_dim}
+
+
 def expert_shape(config) -> dict:
     """The routed experts as the planner sizes them (offload/plan.MoEShape's fields), from a config alone: experts
     per MoE layer, top-k, hidden size, MoE layers ("sparse" in mlp_layer_types, which transformers derives from

@@ -74,6 +74,15 @@ def state_specs(config, dtype) -> list:
     return specs
 
 
+def kernel_dims(config) -> dict:
+    """What the planner's kernel workspaces scale with (arch.kernel_dims)."""
+    text = getattr(config, "text_config", None) or config
+    return {"vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
+            "attention_heads": text.num_attention_heads, "attention_head_dim": text.head_dim,
+            "delta_heads": text.linear_num_value_heads,
+            "delta_head_dims": text.linear_key_head_dim + text.linear_value_head_dim}
+
+
 def _delta_rule(query, key, value, g, beta, state):
     if query.shape[1] == 1 and not torch.is_grad_enabled() and query.device.type == "cpu":
         # One token without a graph (a decode step): the token loop. The chunked rule pads it to a 64-token chunk,
