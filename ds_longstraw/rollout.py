@@ -339,6 +339,7 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
                 buffer[step] = part
         logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
         del out, past, own
+        return_freed_host_memory(adapter.device)  # a step's scattered small temporaries (G times one sample's)
         chosen_G, keep = [], []
         for row, sample in enumerate(active):
             uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generators[sample],
