@@ -263,12 +263,14 @@ CP_CASES = [
          config={"capture_chunk": 7, "page_tokens": 4}, sampling=dict(seed=4, top_p=0.95)),
     dict(name="glm-greedy", family="glm_moe_dsa", prompt_len=41, samples=1, max_new=9, seed=5,
          config={"capture_chunk": 6, "page_tokens": 5}, sampling=dict(temperature=0)),
-    # the on-policy step under CP 2: every rank trains on its own kept shard (detached; exact with the host tier)
+    # the on-policy step under CP 2: every rank trains on its own kept shard (detached; exact, host tier; GLM exact)
     dict(name="qwen-train-detached", family="qwen3_5", prompt_len=21, samples=3, max_new=5, rewards=[1.0, 0.0, 0.4],
          config={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(seed=6)),
     dict(name="qwen-train-exact", family="qwen3_5", prompt_len=22, samples=2, max_new=4, rewards=[0.0, 1.0],
          config={"capture_chunk": 4, "page_tokens": 3, "prefix_grad": "exact", "offload": {"tier": "cpu"}},
          sampling=dict(seed=8)),
+    dict(name="glm-train-exact", family="glm_moe_dsa", prompt_len=37, samples=2, max_new=4, rewards=[1.0, 0.2],
+         config={"capture_chunk": 6, "page_tokens": 4, "prefix_grad": "exact"}, sampling=dict(seed=9)),
 ]
 
 
@@ -414,8 +416,8 @@ if __name__ == "__main__":
 REUSE_TOL = 1e-12
 
 
-def _reuse_config(mode, tier, tmp_path, monkeypatch=None):
-    config = dict(FAMILIES["qwen3_5"]["config"], prefix_grad=mode.removesuffix("-keep"),
+def _reuse_config(mode, tier, tmp_path, monkeypatch=None, family="qwen3_5"):
+    config = dict(FAMILIES[family]["config"], prefix_grad=mode.removesuffix("-keep"),
                   prefix_keep_attention=mode.endswith("-keep"), prefix_block=5 if mode != "detached" else None)
     if tier == "cpu":
         config["offload"] = {"tier": "cpu"}
@@ -450,16 +452,18 @@ def _counted_captures(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("mode,tier", [("detached", "none"), ("exact", "none"), ("exact-keep", "cpu"),
-                                       ("detached", "nvme"), ("exact", "nvme")])
-def test_training_reuses_the_capture(models, mode, tier, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family,mode,tier", [
+    ("qwen3_5", "detached", "none"), ("qwen3_5", "exact", "none"), ("qwen3_5", "exact-keep", "cpu"),
+    ("qwen3_5", "detached", "nvme"), ("qwen3_5", "exact", "nvme"),
+    ("glm_moe_dsa", "detached", "cpu"), ("glm_moe_dsa", "exact", "nvme")])
+def test_training_reuses_the_capture(models, family, mode, tier, tmp_path, monkeypatch):
     """generate(keep_capture) then grpo_backward(capture=rollouts): one capture in all (counted), the gradients of
     the transaction's own capture, and no page file left once the step is done."""
     from grads import grads_of, relative_l2
 
-    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
-    config = _reuse_config(mode, tier, tmp_path, monkeypatch)
-    with float64_model():
+    model, prompt = models[family], _prompt(family)
+    config = _reuse_config(mode, tier, tmp_path, monkeypatch, family)
+    with FAMILIES[family]["reference"]():
         calls = _counted_captures(monkeypatch)
         rollouts = generate(model, prompt, 3, 5, seed=2, config=config, keep_capture=True)
         assert rollouts.capture is not None and len(calls) == 1
