@@ -100,6 +100,69 @@ if triton is not None:
         return page, (cols % page_tokens).to(tl.int64)
 
     @triton.jit
+    def _span(start, BLOCK: tl.constexpr, limit):
+        """(indices start .. start + BLOCK - 1, which of them are < limit)."""
+        index = start + tl.arange(0, BLOCK)
+        return index, index < limit
+
+    @triton.jit
+    def _page_tile(ptr, page, slot, kv_head, dims, s_n, s_p, s_k, s_d):
+        """Addresses [BLOCK_N, BLOCK_D] of kv head `kv_head`'s rows (page, slot) in a page tensor."""
+        return ptr + page[:, None] * s_n + slot[:, None] * s_p + kv_head * s_k + dims[None, :] * s_d
+
+    @triton.jit
+    def _head_tile(ptr, head, rows, dims, s_h, s_t, s_d):
+        """Addresses [BLOCK_M, BLOCK_D] of query rows `rows` of head `head` in a [H, Tq, D] tensor."""
+        return ptr + head * s_h + rows[:, None] * s_t + dims[None, :] * s_d
+
+    @triton.jit
+    def _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
+                 sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d):
+        """(k, v) [BLOCK_N, BLOCK_D] of keys `cols`, read from their pages through the table (0 where masked)."""
+        page, slot = _page_rows(table_ptr, cols, tokens, page_tokens)
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
+        k = tl.load(_page_tile(k_ptr, page, slot, kv_head, dims, sk_n, sk_p, sk_k, sk_d), mask=kv_mask, other=0.0)
+        v = tl.load(_page_tile(v_ptr, page, slot, kv_head, dims, sv_n, sv_p, sv_k, sv_d), mask=kv_mask, other=0.0)
+        return k, v
+
+    @triton.jit
+    def _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims, dim_ok,
+                        sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t):
+        """(q, dout, lse, delta) of query rows `rows` of head `head`: what both backward kernels read per row."""
+        tile = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_h, sq_t, sq_d), mask=tile, other=0.0)
+        dout = tl.load(_head_tile(dout_ptr, head, rows, dims, sdo_h, sdo_t, sdo_d), mask=tile, other=0.0)
+        lse = tl.load(lse_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=float("-inf"))
+        delta = tl.load(delta_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=0.0)
+        return q, dout, lse, delta
+
+    @triton.jit
+    def _key_end(block, tokens, causal_offset, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+        """Keys a query block walks: all `tokens`, or with CAUSAL none past the last query's horizon."""
+        end = tokens
+        if CAUSAL:
+            end = tl.minimum(tokens, tl.maximum(block * BLOCK_M + BLOCK_M + causal_offset, 0))
+        return end
+
+    @triton.jit
+    def _scores(q, k, rows, cols, row_ok, col_ok, scale, causal_offset, CAUSAL: tl.constexpr,
+                PRECISION: tl.constexpr):
+        """(s, seen) of one (query block, key block) tile: the scaled scores and which keys each query sees."""
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        seen = row_ok[:, None] & col_ok[None, :]
+        if CAUSAL:
+            seen = seen & (cols[None, :] <= rows[:, None] + causal_offset)
+        return s, seen
+
+    @triton.jit
+    def _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset,
+                       CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+        """p = exp(s - lse) of one (query block, key block) tile with the MERGED lse; 0 where a key is not seen."""
+        s, seen = _scores(q, k, rows, cols, row_ok, col_ok, scale, causal_offset, CAUSAL, PRECISION)
+        safe_lse = tl.where(lse == float("-inf"), 0.0, lse)
+        return tl.where(seen, tl.exp(s - safe_lse[:, None]), 0.0)
+
+    @triton.jit
     def _paged_forward_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr,
         tokens, page_tokens, tq, group, scale, causal_offset,
@@ -114,31 +177,18 @@ if triton is not None:
         block = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // group
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, BLOCK_D)
-        row_ok = rows < tq
-        dim_ok = dims < D
-        q = tl.load(q_ptr + head * sq_h + rows[:, None] * sq_t + dims[None, :] * sq_d,
-                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        rows, row_ok = _span(block * BLOCK_M, BLOCK_M, tq)
+        dims, dim_ok = _span(0, BLOCK_D, D)
+        tile = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_h, sq_t, sq_d), mask=tile, other=0.0)
         run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tokens
-        if CAUSAL:  # no key past the last query's horizon
-            end = tl.minimum(tokens, tl.maximum(block * BLOCK_M + BLOCK_M + causal_offset, 0))
-        for start in range(0, end, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < tokens
-            page, slot = _page_rows(table_ptr, cols, tokens, page_tokens)
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * sk_n + slot[:, None] * sk_p + kv_head * sk_k + dims[None, :] * sk_d,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + page[:, None] * sv_n + slot[:, None] * sv_p + kv_head * sv_k + dims[None, :] * sv_d,
-                        mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            seen = col_ok[None, :] & row_ok[:, None]
-            if CAUSAL:
-                seen = seen & (cols[None, :] <= rows[:, None] + causal_offset)
+        for start in range(0, _key_end(block, tokens, causal_offset, BLOCK_M, CAUSAL), BLOCK_N):
+            cols, col_ok = _span(start, BLOCK_N, tokens)
+            k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
+                            sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
+            s, seen = _scores(q, k, rows, cols, row_ok, col_ok, scale, causal_offset, CAUSAL, PRECISION)
             s = tl.where(seen, s, float("-inf"))
             new_max = tl.maximum(run_max, tl.max(s, 1))
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -150,20 +200,8 @@ if triton is not None:
         seen_any = run_sum > 0
         out = tl.where(seen_any[:, None], acc / tl.where(seen_any, run_sum, 1.0)[:, None], 0.0)
         lse = tl.where(seen_any, run_max + tl.log(tl.where(seen_any, run_sum, 1.0)), float("-inf"))
-        tl.store(out_ptr + head * so_h + rows[:, None] * so_t + dims[None, :] * so_d,
-                 out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(_head_tile(out_ptr, head, rows, dims, so_h, so_t, so_d), out.to(out_ptr.dtype.element_ty), mask=tile)
         tl.store(lse_ptr + head * sl_h + rows * sl_t, lse, mask=row_ok)
-
-    @triton.jit
-    def _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset,
-                       CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-        """p = exp(s - lse) of one (query block, key block) tile with the MERGED lse; 0 where a key is not seen."""
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        seen = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            seen = seen & (cols[None, :] <= rows[:, None] + causal_offset)
-        safe_lse = tl.where(lse == float("-inf"), 0.0, lse)
-        return tl.where(seen, tl.exp(s - safe_lse[:, None]), 0.0)
 
     @triton.jit
     def _paged_dq_kernel(
@@ -181,33 +219,21 @@ if triton is not None:
         block = tl.program_id(0)
         head = tl.program_id(1)
         kv_head = head // group
-        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        dims = tl.arange(0, BLOCK_D)
-        row_ok = rows < tq
-        dim_ok = dims < D
-        tile = row_ok[:, None] & dim_ok[None, :]
-        q = tl.load(q_ptr + head * sq_h + rows[:, None] * sq_t + dims[None, :] * sq_d, mask=tile, other=0.0)
-        dout = tl.load(dout_ptr + head * sdo_h + rows[:, None] * sdo_t + dims[None, :] * sdo_d, mask=tile, other=0.0)
-        lse = tl.load(lse_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=float("-inf"))
-        delta = tl.load(delta_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=0.0)
+        rows, row_ok = _span(block * BLOCK_M, BLOCK_M, tq)
+        dims, dim_ok = _span(0, BLOCK_D, D)
+        q, dout, lse, delta = _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims, dim_ok,
+                                              sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        end = tokens
-        if CAUSAL:
-            end = tl.minimum(tokens, tl.maximum(block * BLOCK_M + BLOCK_M + causal_offset, 0))
-        for start in range(0, end, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < tokens
-            page, slot = _page_rows(table_ptr, cols, tokens, page_tokens)
-            kv_mask = col_ok[:, None] & dim_ok[None, :]
-            k = tl.load(k_ptr + page[:, None] * sk_n + slot[:, None] * sk_p + kv_head * sk_k + dims[None, :] * sk_d,
-                        mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + page[:, None] * sv_n + slot[:, None] * sv_p + kv_head * sv_k + dims[None, :] * sv_d,
-                        mask=kv_mask, other=0.0)
+        for start in range(0, _key_end(block, tokens, causal_offset, BLOCK_M, CAUSAL), BLOCK_N):
+            cols, col_ok = _span(start, BLOCK_N, tokens)
+            k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
+                            sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
             p = _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset, CAUSAL, PRECISION)
             dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        tl.store(dq_ptr + head * sdq_h + rows[:, None] * sdq_t + dims[None, :] * sdq_d, dq, mask=tile)
+        tl.store(_head_tile(dq_ptr, head, rows, dims, sdq_h, sdq_t, sdq_d), dq,
+                 mask=row_ok[:, None] & dim_ok[None, :])
 
     @triton.jit
     def _paged_dkdv_kernel(
@@ -225,16 +251,10 @@ if triton is not None:
     ):
         block = tl.program_id(0)
         kv_head = tl.program_id(1)
-        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        dims = tl.arange(0, BLOCK_D)
-        col_ok = cols < tokens
-        dim_ok = dims < D
-        kv_mask = col_ok[:, None] & dim_ok[None, :]
-        page, slot = _page_rows(table_ptr, cols, tokens, page_tokens)
-        k = tl.load(k_ptr + page[:, None] * sk_n + slot[:, None] * sk_p + kv_head * sk_k + dims[None, :] * sk_d,
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + page[:, None] * sv_n + slot[:, None] * sv_p + kv_head * sv_k + dims[None, :] * sv_d,
-                    mask=kv_mask, other=0.0)
+        cols, col_ok = _span(block * BLOCK_N, BLOCK_N, tokens)
+        dims, dim_ok = _span(0, BLOCK_D, D)
+        k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
+                        sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         first = 0
@@ -243,24 +263,18 @@ if triton is not None:
         for member in range(0, group):  # the query heads that read this kv head: no atomics across programs
             head = kv_head * group + member
             for start in range(first, tq, BLOCK_M):
-                rows = start + tl.arange(0, BLOCK_M)
-                row_ok = rows < tq
-                tile = row_ok[:, None] & dim_ok[None, :]
-                q = tl.load(q_ptr + head * sq_h + rows[:, None] * sq_t + dims[None, :] * sq_d, mask=tile, other=0.0)
-                dout = tl.load(dout_ptr + head * sdo_h + rows[:, None] * sdo_t + dims[None, :] * sdo_d, mask=tile,
-                               other=0.0)
-                lse = tl.load(lse_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=float("-inf"))
-                delta = tl.load(delta_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=0.0)
+                rows, row_ok = _span(start, BLOCK_M, tq)
+                q, dout, lse, delta = _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims,
+                                                      dim_ok, sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t)
                 p = _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset, CAUSAL, PRECISION)
                 dv += tl.dot(tl.trans(p.to(dout.dtype)), dout, input_precision=PRECISION)
                 dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
                 ds = p * (dp - delta[:, None]) * scale
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         grad_page, grad_slot = _page_rows(grad_table_ptr, cols, tokens, page_tokens)
-        dk_at = (dk_ptr + grad_page[:, None] * sdk_n + grad_slot[:, None] * sdk_p + kv_head * sdk_k
-                 + dims[None, :] * sdk_d)
-        dv_at = (dv_ptr + grad_page[:, None] * sdv_n + grad_slot[:, None] * sdv_p + kv_head * sdv_k
-                 + dims[None, :] * sdv_d)
+        dk_at = _page_tile(dk_ptr, grad_page, grad_slot, kv_head, dims, sdk_n, sdk_p, sdk_k, sdk_d)
+        dv_at = _page_tile(dv_ptr, grad_page, grad_slot, kv_head, dims, sdv_n, sdv_p, sdv_k, sdv_d)
+        kv_mask = col_ok[:, None] & dim_ok[None, :]
         old_dk = tl.load(dk_at, mask=kv_mask, other=0.0).to(tl.float32)
         old_dv = tl.load(dv_at, mask=kv_mask, other=0.0).to(tl.float32)
         tl.store(dk_at, (old_dk + dk).to(dk_ptr.dtype.element_ty), mask=kv_mask)

@@ -75,6 +75,27 @@ if triton is not None:
         return tl.load(OFFSETS + piece) + (pos - first) * tl.load(STRIDES + piece)
 
     @triton.jit
+    def _selected_rows(t, k0, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF, ROPE_STRIDE, K, P,
+                       s_pt, s_vt, r, e, r_in, e_in, LOG_P: tl.constexpr, BLOCK_K: tl.constexpr):
+        """(ok, pos, rows, ropes) of query t's slots k0 .. k0 + BLOCK_K - 1: which are valid, their positions (0
+        where not), their latent rows [BK, BR] and rope rows [BK, BE] (0 where not valid)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        ok = (tl.load(VALID + t * s_vt + k, mask=k < K, other=0) != 0) & (k < K)
+        pos = tl.load(POS + t * s_pt + k, mask=ok, other=0)
+        lat_at = _row_addresses(pos, STARTS, LAT_OFF, LAT_STRIDE, P, LOG_P)
+        rope_at = _row_addresses(pos, STARTS, ROPE_OFF, ROPE_STRIDE, P, LOG_P)
+        rows = tl.load(LAT + lat_at[:, None] + r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
+        ropes = tl.load(ROPE + rope_at[:, None] + e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
+        return ok, pos, rows, ropes
+
+    @triton.jit
+    def _scores(q_lat, q_rope, rows, ropes, PRECISION: tl.constexpr):
+        """q_lat . c + q_rope . k_rope [BH, BK], float32, before the scale."""
+        s = tl.dot(q_lat, tl.trans(rows), input_precision=PRECISION)
+        s += tl.dot(q_rope, tl.trans(ropes), input_precision=PRECISION)
+        return s
+
+    @triton.jit
     def _forward_kernel(Q_LAT, Q_ROPE, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF, ROPE_STRIDE,
                         OUT, LSE, scale, H, R, E, K, P,
                         s_qlt, s_qlh, s_qrt, s_qrh, s_pt, s_vt, s_ot, s_oh, s_lt,
@@ -93,15 +114,9 @@ if triton is not None:
         l_sum = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ok = (tl.load(VALID + t * s_vt + k, mask=k < K, other=0) != 0) & (k < K)
-            pos = tl.load(POS + t * s_pt + k, mask=ok, other=0)
-            lat_at = _row_addresses(pos, STARTS, LAT_OFF, LAT_STRIDE, P, LOG_P)
-            rope_at = _row_addresses(pos, STARTS, ROPE_OFF, ROPE_STRIDE, P, LOG_P)
-            rows = tl.load(LAT + lat_at[:, None] + r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
-            ropes = tl.load(ROPE + rope_at[:, None] + e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
-            s = tl.dot(q_lat, tl.trans(rows), input_precision=PRECISION)
-            s += tl.dot(q_rope, tl.trans(ropes), input_precision=PRECISION)
+            ok, pos, rows, ropes = _selected_rows(t, k0, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF,
+                                                  ROPE_STRIDE, K, P, s_pt, s_vt, r, e, r_in, e_in, LOG_P, BLOCK_K)
+            s = _scores(q_lat, q_rope, rows, ropes, PRECISION)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep p and alpha 0, not nan
@@ -138,15 +153,9 @@ if triton is not None:
         d_q_lat = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
         d_q_rope = tl.zeros([BLOCK_H, BLOCK_E], tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ok = (tl.load(VALID + t * s_vt + k, mask=k < K, other=0) != 0) & (k < K)
-            pos = tl.load(POS + t * s_pt + k, mask=ok, other=0)
-            lat_at = _row_addresses(pos, STARTS, LAT_OFF, LAT_STRIDE, P, LOG_P)
-            rope_at = _row_addresses(pos, STARTS, ROPE_OFF, ROPE_STRIDE, P, LOG_P)
-            rows = tl.load(LAT + lat_at[:, None] + r[None, :], mask=ok[:, None] & r_in[None, :], other=0.0)
-            ropes = tl.load(ROPE + rope_at[:, None] + e[None, :], mask=ok[:, None] & e_in[None, :], other=0.0)
-            s = tl.dot(q_lat, tl.trans(rows), input_precision=PRECISION)
-            s += tl.dot(q_rope, tl.trans(ropes), input_precision=PRECISION)
+            ok, pos, rows, ropes = _selected_rows(t, k0, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF,
+                                                  ROPE_STRIDE, K, P, s_pt, s_vt, r, e, r_in, e_in, LOG_P, BLOCK_K)
+            s = _scores(q_lat, q_rope, rows, ropes, PRECISION)
             live = h_in[:, None] & ok[None, :]
             p = tl.where(live, tl.exp(s * scale - lse[:, None]), 0.0)  # [BH, BK]
             d_p = tl.dot(d_o, tl.trans(rows), input_precision=PRECISION)
