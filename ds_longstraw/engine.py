@@ -26,8 +26,9 @@ What grpo_step is:
     per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (parallel/prefix.py).
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
-capture across steps (nor of a rollout's capture for its training). Groups come in with their responses and
-rewards, or, with `rollout=`, as prompts whose responses are sampled from the policy (rollout_step.py).
+capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
+responses are sampled from the policy (rollout_step.py); with one rollout prompt per rank the step trains on the
+rollout's own capture (one prefill per on-policy step; the result's groups say extras["capture_reused"]).
 """
 
 import os
@@ -93,11 +94,19 @@ class LongstrawEngineMixin:
         """
         if not self.longstraw_config.enabled:
             raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
-        extras = {}
+        extras, captures = {}, None
         if rollout is not None:
             from .rollout_step import engine_rollouts
 
-            group, extras = engine_rollouts(self, group, rollout)
+            group, extras, captures = engine_rollouts(self, group, rollout)
+        try:
+            return self._grpo_step(group, objective, ref_model, extras, captures)
+        finally:  # a kept capture the step did not take (an error before its transaction): its pages go
+            for kept in captures or ():
+                if kept is not None:
+                    kept.release()
+
+    def _grpo_step(self, group, objective, ref_model, extras, captures):
         groups = [group] if isinstance(group, GRPOGroup) else list(group)
         if not groups:
             raise ValueError("grpo_step needs at least one group on every rank")
@@ -122,13 +131,14 @@ class LongstrawEngineMixin:
 
         experts = self.longstraw_experts
         with self.coalesce_grad_reduction():
-            for item, lockstep, scale in plan:
+            for slot, (item, lockstep, scale) in enumerate(plan):
                 # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
                 # back-propagates injected gradients that already carry it.
                 weighted = objective if scale == 1.0 else ScaledObjective(objective, scale)
                 result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
                                        cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep,
-                                       ep_group=None if experts is None else experts.ep.group)
+                                       ep_group=None if experts is None else experts.ep.group,
+                                       capture=captures[slot] if captures and slot < len(captures) else None)
                 if scale != 0.0:  # not a dummy group
                     result.loss /= scale
                     results.append(result)

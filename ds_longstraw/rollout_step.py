@@ -169,19 +169,34 @@ def rollout_groups(model, prompts, rollout, *, step, first_index=0, config=None,
     prompt j, `rollout.num_samples` samples seeded sample_seed(rollout.seed, step, first_index + j), rewarded by
     `rollout.reward`, their log-probs as old log-probs. config: the "longstraw" block (capture chunks, pages, tier);
     cp_group: the context-parallel group the prompt is sharded over (None: one rank)."""
+    return [group for group, _ in rollout_samples(model, prompts, rollout, step=step, first_index=first_index,
+                                                   config=config, cp_group=cp_group)]
+
+
+def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None,
+                    keep_capture=False) -> list:
+    """[(GRPOGroup, Rollouts)] as `rollout_groups`; with keep_capture each Rollouts keeps its prompt's capture for
+    grpo_backward(..., capture=) (the caller trains on it or releases it; on error here every kept one goes)."""
     from .rollout import generate
 
     rollout = parse_rollout(rollout)
     prompts = as_prompts(prompts)
     reward = rollout.reward_function()
-    groups = []
-    for j, prompt_ids in enumerate(prompts):
-        samples = generate(model, prompt_ids, rollout.num_samples, rollout.max_new_tokens,
-                           temperature=rollout.temperature, top_p=rollout.top_p, eos_token_id=rollout.eos_token_id,
-                           seed=sample_seed(rollout.seed, step, first_index + j), config=config, cp_group=cp_group)
-        rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
-        groups.append(samples.group(rewards))
-    return groups
+    sampled = []  # (group, Rollouts); the group is None until its rewards are in
+    try:
+        for j, prompt_ids in enumerate(prompts):
+            samples = generate(model, prompt_ids, rollout.num_samples, rollout.max_new_tokens,
+                               temperature=rollout.temperature, top_p=rollout.top_p,
+                               eos_token_id=rollout.eos_token_id, seed=sample_seed(rollout.seed, step, first_index + j),
+                               config=config, cp_group=cp_group, keep_capture=keep_capture)
+            sampled.append((None, samples))
+            rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
+            sampled[-1] = (samples.group(rewards), samples)
+    except BaseException:  # a failed reward or sample: no kept capture outlives the call
+        for _, samples in sampled:
+            samples.release()
+        raise
+    return sampled
 
 
 def _check_lockstep(prompts, rollout, dp_group):
@@ -203,10 +218,11 @@ def _check_lockstep(prompts, rollout, dp_group):
 
 
 def engine_rollouts(engine, prompts, rollout):
-    """(groups, extras) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the engine's
-    module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on resume), the
-    prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group), "mean_reward"
-    (over every data-parallel rank's samples), "rollout_seconds"."""
+    """(groups, extras, captures) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the
+    engine's module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on
+    resume), the prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group),
+    "mean_reward" (over every data-parallel rank's samples), "rollout_seconds". captures: per group, the Rollouts
+    whose kept capture the training step reuses (one prompt per rank), else None."""
     from deepspeed import comm as dist
 
     from .arch import adapter_for
@@ -223,17 +239,23 @@ def engine_rollouts(engine, prompts, rollout):
     replica = dist.get_rank(group=dp_group) // cp_size
     if engine.zero_optimization_stage() == 3 and dist.get_world_size(group=dp_group) > 1:
         _check_lockstep(prompts, rollout, dp_group)
+    # One prompt per rank (the long-context case): keep its capture, so the training step skips a second prefill
+    # (every rank has one prompt of the same length under ZeRO-3 data parallelism, checked above: all of them skip
+    # their capture alike). Several prompts would keep several prompts' pages alive at once: they capture again.
+    keep = len(prompts) == 1 and engine.longstraw_experts is None
     was_training = engine.module.training
     engine.module.eval()
     try:
-        groups = rollout_groups(engine.module, prompts, rollout, step=engine.global_steps,
-                                first_index=replica * len(prompts), config=engine.longstraw_config,
-                                cp_group=engine.longstraw_cp)
+        sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
+                                  first_index=replica * len(prompts), config=engine.longstraw_config,
+                                  cp_group=engine.longstraw_cp, keep_capture=keep)
     finally:
         engine.module.train(was_training)
+    groups = [group for group, _ in sampled]
+    captures = [samples if keep else None for _, samples in sampled]
     rewards = [group.rewards.tolist() for group in groups]
     total = torch.tensor([sum(map(sum, rewards)), sum(map(len, rewards))], dtype=torch.float64, device=engine.device)
     dist.all_reduce(total, group=dp_group)
     extras = {"rewards": rewards, "mean_reward": float(total[0] / total[1]),
               "rollout_seconds": time.perf_counter() - start}
-    return groups, extras
+    return groups, extras, captures

@@ -114,9 +114,10 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     (lockstep.py) unless a lockstep is given.
     capture: None, or the Rollouts of generate(..., keep_capture=True) on this group's prompt with these weights
     and this config: the policy capture is skipped and that captured state is used (rollout.py); it is taken from
-    the Rollouts and released when this call returns or raises (refused: ValueError, released too). Not with a
-    lockstep or sharded experts (generate pads no capture for other ranks). The result's extras say
-    "capture_reused".
+    the Rollouts and released when this call returns or raises (refused: ValueError, released too). Not with
+    sharded experts, nor under a lockstep that pads this rank's capture (generate pads no capture for other ranks);
+    under a lockstep whose capture needs no padding every rank must reuse its capture alike (engine.grpo_step with
+    one rollout prompt per rank does). The result's extras say "capture_reused".
     """
     settings = parse_config(config)
     with kernel_mode(settings.kernels):
@@ -127,10 +128,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
 def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, capture=None):
     reused = None
     if capture is not None:
-        if lockstep is not None or expert_parallel(model) is not None:
+        if (lockstep is not None and lockstep.capture_pad) or expert_parallel(model) is not None:
             capture.release()
-            raise ValueError("capture: a kept capture is not reused under a lockstep or with sharded experts (the "
-                             "other ranks' capture calls would not be padded); train without capture=")
+            raise ValueError("capture: a kept capture is not reused under a lockstep that pads this rank's capture, "
+                             "or with sharded experts (the other ranks' capture calls would not be padded); train "
+                             "without capture=")
         if not isinstance(group, GRPOGroup):
             capture.release()
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")

@@ -101,7 +101,9 @@ def _metrics(step, result, world):
         "dp_world": world, "peak_bytes_rank0": max(g.peak_bytes for g in result.groups),
         "phase_seconds_rank0": {k: round(v, 4) for k, v in phases.items()}, "skipped": result.skipped,
         **({"mean_reward": result.extras["mean_reward"], "rollout_seconds_rank0":
-            round(result.extras["rollout_seconds"], 4)} if "mean_reward" in result.extras else {}),
+            round(result.extras["rollout_seconds"], 4),
+            "capture_reused_rank0": all(g.extras.get("capture_reused") for g in result.groups)}
+           if "mean_reward" in result.extras else {}),
     }
 
 

@@ -11,7 +11,8 @@ engine path that samples, rewards and trains in one grpo_step.
   engine:   one-rank ZeRO-3 engine.grpo_step(prompts, rollout=block), SGD, in a fresh process == single-process
             rollout_groups at step 0 (the same samples and rewards) + grpo_backward + the same SGD step: the
             parameter update to relative 1e-5 in float32 (the tolerance of tests/test_engine.py: only summation
-            order differs), and extras' mean reward equals the reference's
+            order differs), and extras' mean reward equals the reference's; with two prompts each is captured again
+            for training, with one the step trains on the rollout's capture (no capture phase)
 """
 
 import json
@@ -170,33 +171,40 @@ ENGINE_SCRIPT = textwrap.dedent("""
                "reward": "test_rollout_step:mod3_reward", "seed": 11}
     prompts = [torch.tensor([9, 3, 0, 12, 1, 9, 4, 0, 13, 1, 2, 4, 0]), torch.tensor([5, 0, 20, 1, 7, 2, 5, 0])]
     lr = 0.05
-    reference = tiny_qwen3_5(torch.float32)
-    model = tiny_qwen3_5(torch.float32)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "longstraw": block}
-    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
-                                         config=config)
-    result = engine.grpo_step(prompts, GRPOObjective(), rollout=rollout)
 
-    groups = rollout_groups(reference, prompts, rollout, step=0, config=block)
-    reference.zero_grad()
-    losses = [grpo_backward(reference, g, GRPOObjective(), config=block).loss for g in groups]
-    num = den = 0.0
-    for name, param in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param]):
-            got = param.detach() - before[name]
-        want = -lr * dict(reference.named_parameters())[name].grad / len(groups)
-        num += float((got - want).pow(2).sum())
-        den += float(want.pow(2).sum())
-    rewards = [g.rewards.tolist() for g in groups]
+
+    def step_against_reference(prompts):
+        reference = tiny_qwen3_5(torch.float32)
+        model = tiny_qwen3_5(torch.float32)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
+                                             config=config)
+        result = engine.grpo_step(prompts, GRPOObjective(), rollout=rollout)
+        groups = rollout_groups(reference, prompts, rollout, step=0, config=block)
+        reference.zero_grad()
+        losses = [grpo_backward(reference, g, GRPOObjective(), config=block).loss for g in groups]
+        num = den = 0.0
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                got = param.detach() - before[name]
+            want = -lr * dict(reference.named_parameters())[name].grad / len(groups)
+            num += float((got - want).pow(2).sum())
+            den += float(want.pow(2).sum())
+        rewards = [g.rewards.tolist() for g in groups]
+        return {"rel": (num / den) ** 0.5, "norm": den ** 0.5, "rewards": result.extras["rewards"],
+                "ref_rewards": rewards, "mean_reward": result.extras["mean_reward"],
+                "ref_mean_reward": sum(map(sum, rewards)) / sum(map(len, rewards)),
+                "loss": result.loss, "ref_loss": sum(losses) / len(losses), "global_step": result.global_step,
+                "capture_reused": [g.extras["capture_reused"] for g in result.groups],
+                "capture_phases": ["capture" in g.phases for g in result.groups]}
+
+
+    # two prompts: each captured again for training; one prompt: the step trains on the rollout's capture
     with open(out, "w") as handle:
-        json.dump({"rel": (num / den) ** 0.5, "norm": den ** 0.5, "rewards": result.extras["rewards"],
-                   "ref_rewards": rewards, "mean_reward": result.extras["mean_reward"],
-                   "ref_mean_reward": sum(map(sum, rewards)) / sum(map(len, rewards)),
-                   "loss": result.loss, "ref_loss": sum(losses) / len(losses), "global_step": result.global_step},
-                  handle)
+        json.dump({"two": step_against_reference(prompts), "one": step_against_reference(prompts[:1])}, handle)
     torch.distributed.destroy_process_group()
 """)
 
@@ -210,11 +218,14 @@ def test_engine_step_with_rollout_equals_single_process(tmp_path):
     run = subprocess.run([sys.executable, str(script), str(out), str(free_port()), REPO], cwd=REPO,
                          env=launcher_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["rewards"] == result["ref_rewards"] and result["global_step"] == 1
-    assert result["mean_reward"] == pytest.approx(result["ref_mean_reward"], rel=1e-12)
-    assert result["norm"] > 0 and result["rel"] < 1e-5, result
-    assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6, abs=1e-9)
+    results = json.loads(out.read_text())
+    for result in results.values():
+        assert result["rewards"] == result["ref_rewards"] and result["global_step"] == 1
+        assert result["mean_reward"] == pytest.approx(result["ref_mean_reward"], rel=1e-12)
+        assert result["norm"] > 0 and result["rel"] < 1e-5, result
+        assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6, abs=1e-9)
+    assert results["two"]["capture_reused"] == [False, False] and results["two"]["capture_phases"] == [True, True]
+    assert results["one"]["capture_reused"] == [True] and results["one"]["capture_phases"] == [False]
 
 
 def _train_module():
@@ -261,3 +272,68 @@ def test_train_prompts_per_step_from_the_generator_and_from_jsonl(tmp_path):
                                              f"data.path={tmp_path}/bad.jsonl", "rollout.source=internal",
                                              "rollout.max_new_tokens=1",
                                              "rollout.reward=ds_longstraw.tasks.kv:reward"]), None)
+
+
+KV_RUN = os.path.join(REPO, "configs", "run", "kv_task.yaml")
+KV_SHAPE = os.path.join(REPO, "configs", "models", "kv_qwen3_5.yaml")
+KV_BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
+# eps 1: Adam would turn float32 rounding in near-zero gradients into full-size steps (as tests/test_launcher.py)
+KV_OPTIM = {"lr": 3e-3, "eps": 1.0, "weight_decay": 0.01}
+
+
+@pytest.mark.slow
+def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
+    """2 ranks under the `deepspeed` launcher, ZeRO-3, one kv prompt per rank per step: every rank trains on its
+    rollout's capture (no second prefill; the ZeRO-3 lockstep needs no capture padding, all prompts being one
+    length), and 2 steps land on the weights of a single-process reference (per step, both replicas' rollout groups
+    at that step's seeds, their mean gradient, AdamW) to relative 1e-5 in float32."""
+    from dist_scripts.launching import finish, free_port, start
+
+    from ds_longstraw.modeling import build_model
+    from ds_longstraw.tasks import kv
+
+    with open(os.path.join(REPO, "configs", "deepspeed", "zero3_cpu.json")) as handle:
+        ds = json.load(handle)
+    ds.update(gradient_clipping=0.0, longstraw=KV_BLOCK)
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    overrides = [f"deepspeed_config={tmp_path / 'ds.json'}", "train.max_steps=2", "data.groups_per_rank=1",
+                 f"train.metrics={tmp_path / 'metrics.jsonl'}", f"train.dump_params={tmp_path / 'final.pt'}",
+                 *[f"optim.{k}={v}" for k, v in KV_OPTIM.items()]]
+    log = str(tmp_path / "train.log")
+    job = start(["--num_gpus", "2", "--master_port", str(free_port())],
+                [os.path.join(REPO, "launch", "train.py"), "--config", KV_RUN, *overrides], log)
+    finish([job], timeout=600, logs=[log])
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["capture_reused_rank0"] for m in metrics)
+    assert all("capture" not in m["phase_seconds_rank0"] for m in metrics)
+
+    import yaml
+
+    from ds_longstraw import GRPOObjective, grpo_backward
+
+    with open(KV_RUN) as handle:
+        run = yaml.safe_load(handle)
+    rollout, args = run["rollout"], run["rollout"]["prompt_args"]
+    objective = GRPOObjective(**run["objective"])
+    torch.set_num_threads(1)
+    model = build_model(shape=KV_SHAPE, dtype="float32", seed=0)
+    start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), **KV_OPTIM)
+    for step in range(2):
+        total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        for replica in range(2):  # launch/train.py's prompt index (step W + r) k + j; the seed's index r k + j
+            model.zero_grad(set_to_none=True)
+            prompts = [kv.prompt(rollout["seed"], step * 2 + replica, **args)]
+            for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica, config=KV_BLOCK):
+                grpo_backward(model, group, objective, config=KV_BLOCK)
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    total[name] += p.grad / 2
+        for name, p in model.named_parameters():
+            p.grad = total[name]
+        optimizer.step()
+    got = torch.load(tmp_path / "final.pt")
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    num = sum(float(((got[n] - want[n]) ** 2).sum()) for n in want)
+    den = sum(float(((want[n] - start_weights[n]) ** 2).sum()) for n in want)
+    assert den > 0 and (num / den) ** 0.5 < 1e-5
