@@ -195,26 +195,57 @@ def logprobs_section(report, clock, device, dtype, sizes):
 
 
 def triton_section(report, clock, device, dtype, sizes):
-    """The project's Triton kernels beside their torch references, where those modules are present."""
-    import importlib
+    """The project's Triton kernels ("fast", mode "auto") beside their torch paths (mode "reference"), through the
+    functions the adapters call: GLM-5.2's DSA selection and sparse absorbed MLA (forward + backward), and the paged
+    partial attention over a page table (forward + backward into gradient pages)."""
+    import torch
 
-    found = False
-    for module in ("ds_longstraw.kernels.triton_paged_attention", "ds_longstraw.kernels.triton_dsa",
-                   "ds_longstraw.kernels.triton_sparse_mla"):
-        try:
-            kernel = importlib.import_module(module)
-        except ImportError:
-            continue
-        bench = getattr(kernel, "benchmark_cases", None)
-        if bench is None:
-            continue
-        found = True
-        for name, fast, reference in bench(device, dtype, sizes["scale"]):
-            for path, fn in (("triton", fast), ("reference", reference)):
+    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
+    from ds_longstraw.kernels.dispatch import kernel_mode
+    from ds_longstraw.kernels.triton_paged_attention import paged_partial_attention
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, dt=dtype, grad=False):
+        return torch.randn(*shape, device=device, dtype=dt, generator=gen).requires_grad_(grad)
+
+    t, n, heads, latent, rope, k, index_heads, index_dim = (sizes[key] for key in (
+        "queries", "keys", "heads", "latent", "rope", "topk", "index_heads", "index_dim"))
+    q, w = randn(t, index_heads, index_dim), randn(t, index_heads, dt=torch.float32)
+    keys = [randn(n - t, index_dim), randn(t, index_dim)]
+    positions, valid = dsa.dsa_select(q, w, keys, n - t, k, 0.1)
+    q_lat, q_rope = randn(t, heads, latent, grad=True), randn(t, heads, rope, grad=True)
+    lat = [randn(m, latent, grad=True) for m in (n - t, t)]
+    ropes = [randn(m, rope, grad=True) for m in (n - t, t)]
+    d_out = randn(t, heads, latent)
+
+    def select():
+        dsa.dsa_select(q, w, keys, n - t, k, 0.1)
+
+    def sparse_mla():
+        out = dsa.sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
+        torch.autograd.grad(out, [q_lat, q_rope, *lat, *ropes], d_out)
+
+    p_heads, p_kv, p_dim, p_tq, p_tk, page = (sizes[key] for key in (
+        "paged_heads", "paged_kv_heads", "paged_dim", "paged_queries", "paged_keys", "page_tokens"))
+    pages = p_tk // page + 2
+    table = torch.randperm(pages, device=device, generator=gen)[:p_tk // page].to(torch.int32)
+    # float32: the case the Triton kernel serves on CUDA (bfloat16 takes flash, BENCHMARKS.md)
+    k_pages, v_pages = randn(pages, page, p_kv, p_dim, dt=torch.float32), randn(pages, page, p_kv, p_dim,
+                                                                                   dt=torch.float32)
+    pq = randn(p_heads, p_tq, p_dim, dt=torch.float32, grad=True)
+    grad_pages = (torch.zeros_like(k_pages), torch.zeros_like(v_pages))
+    p_dout = randn(p_heads, p_tq, p_dim, dt=torch.float32)
+
+    def paged():
+        out, _ = paged_partial_attention(pq, k_pages, v_pages, table, p_tk, p_dim ** -0.5, grad_pages=grad_pages)
+        torch.autograd.grad(out, pq, p_dout)
+
+    for name, fn in (("dsa_select", select), ("sparse_mla fwd+bwd", sparse_mla), ("paged attention fwd+bwd", paged)):
+        for path, mode in (("fast", "auto"), ("reference", "reference")):
+            with kernel_mode(mode):
                 seconds, peak = clock.measure(fn)
-                report.add("triton", {"kernel": name, "path": path, "ms": seconds * 1e3, "peak_mib": peak})
-    if not found:
-        report.add("triton", {"kernel": "none with benchmark_cases", "path": "-", "ms": None, "peak_mib": None})
+            report.add("triton", {"kernel": name, "path": path, "ms": seconds * 1e3, "peak_mib": peak})
 
 
 # ---- GRPO steps of the Qwen3.6-27B layer shape -------------------------------------------------------------------
@@ -303,7 +334,9 @@ def sizes_for(dry_run):
             "attention": {"heads": 4, "kv_heads": 2, "head_dim": 16, "tq": 32, "tk": [64]},
             "gated_delta": {"hk": 2, "hv": 4, "dk": 16, "dv": 16, "t": [96]},
             "logprobs": {"tokens": 32, "hidden": 16, "vocab": 20000},
-            "triton": {"scale": "tiny"},
+            "triton": {"queries": 16, "keys": 48, "heads": 2, "latent": 16, "rope": 16, "topk": 8, "index_heads": 2,
+                       "index_dim": 16, "paged_heads": 4, "paged_kv_heads": 2, "paged_dim": 16, "paged_queries": 16,
+                       "paged_keys": 64, "page_tokens": 16},
             "grpo_step": {"shape": {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128,
                                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
                                     "linear_num_key_heads": 2, "linear_num_value_heads": 4,
@@ -314,7 +347,11 @@ def sizes_for(dry_run):
         "attention": {"heads": 24, "kv_heads": 4, "head_dim": 256, "tq": 1024, "tk": [8192, 65536, 262144]},
         "gated_delta": {"hk": 16, "hv": 48, "dk": 128, "dv": 128, "t": [8192, 32768]},
         "logprobs": {"tokens": 1024, "hidden": 5120, "vocab": 248320},
-        "triton": {"scale": "h200"},
+        # GLM-5.2's DSA widths (64 heads, latent 512 + rope 64, top-2048 of 16K keys; indexer 32 heads of 128), and
+        # paged attention at Qwen3.6's heads
+        "triton": {"queries": 1024, "keys": 16384, "heads": 64, "latent": 512, "rope": 64, "topk": 2048,
+                   "index_heads": 32, "index_dim": 128, "paged_heads": 24, "paged_kv_heads": 4, "paged_dim": 256,
+                   "paged_queries": 1024, "paged_keys": 32768, "page_tokens": 256},
         # 4 layers: 3 Gated DeltaNet + 1 full attention, the 27B's widths and vocabulary
         "grpo_step": {"shape": {"num_hidden_layers": 4}, "prompts": [16384, 65536, 262144, 1048576, 2097152],
                       "group": 4, "response": 1024, "capture_chunk": 8192},

@@ -29,6 +29,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
                                                                      "reference_forward"}
     assert {row["path"] for row in sections["logprobs"]["rows"]} == {"chunked", "full_logits"}
+    assert {(row["kernel"], row["path"]) for row in sections["triton"]["rows"]} == {
+        (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd+bwd", "paged attention fwd+bwd")
+        for path in ("fast", "reference")}
     steps = sections["grpo_step"]["rows"]
     assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
     first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
