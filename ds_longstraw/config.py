@@ -130,27 +130,34 @@ class LongstrawConfig(DeepSpeedConfigModel):
         return self.capture_chunk
 
 
-def _describe(error: ValidationError) -> str:
+def describe_errors(error: ValidationError, block: str) -> str:
+    """pydantic's errors as one line naming each key of `block` (and the value it was given)."""
     parts = []
     for item in error.errors():
         key = ".".join(str(p) for p in item["loc"])
-        if not key:  # a check across keys (a model validator): its message names them
-            parts.append(item["msg"].removeprefix("Value error, "))
-            continue
-        value = item.get("input")
-        parts.append(f"'{BLOCK_NAME}.{key}' = {value!r}: {item['msg']}")
+        message = item["msg"].removeprefix("Value error, ")
+        if not key or message.startswith(f"'{block}."):  # a check across keys, or one that names its key itself
+            parts.append(message)
+        elif item["type"] == "missing":
+            parts.append(f"'{block}.{key}' is required")
+        else:
+            parts.append(f"'{block}.{key}' = {item.get('input')!r}: {message}")
     return "; ".join(parts)
+
+
+def parse_block(model, value, block: str, noun: str = "block"):
+    """A dict (the JSON / YAML block) or an instance of `model` -> a validated instance (ValueError naming the key
+    otherwise)."""
+    if isinstance(value, model):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"the '{block}' block must be a dict, got {type(value).__name__}")
+    try:
+        return model(**value)
+    except ValidationError as error:
+        raise ValueError(f"invalid '{block}' {noun}: {describe_errors(error, block)}") from None
 
 
 def parse_config(config) -> LongstrawConfig:
     """Turn a dict (the JSON block), a LongstrawConfig or None into a validated LongstrawConfig."""
-    if config is None:
-        return LongstrawConfig()
-    if isinstance(config, LongstrawConfig):
-        return config
-    if not isinstance(config, dict):
-        raise ValueError(f"the '{BLOCK_NAME}' block must be a dict, got {type(config).__name__}")
-    try:
-        return LongstrawConfig(**config)
-    except ValidationError as error:
-        raise ValueError(f"invalid '{BLOCK_NAME}' config: {_describe(error)}") from None
+    return LongstrawConfig() if config is None else parse_block(LongstrawConfig, config, BLOCK_NAME, "config")

@@ -34,8 +34,9 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from .config import parse_block
 from .group import _as_ids
 
 BLOCK = "rollout"
@@ -104,30 +105,9 @@ class RolloutConfig(DeepSpeedConfigModel):
         return None if self.prompts is None else load_callable(self.prompts, f"{BLOCK}.prompts")
 
 
-def _describe(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"])
-        message = item["msg"].removeprefix("Value error, ")
-        if message.startswith(f"'{BLOCK}."):  # an import check: already names the key
-            parts.append(message)
-        elif item["type"] == "missing":
-            parts.append(f"'{BLOCK}.{key}' is required")
-        else:
-            parts.append(f"'{BLOCK}.{key}' = {item.get('input')!r}: {message}")
-    return "; ".join(parts)
-
-
 def parse_rollout(block) -> RolloutConfig:
     """A dict (the YAML / JSON block) or a RolloutConfig -> a validated RolloutConfig (ValueError naming the key)."""
-    if isinstance(block, RolloutConfig):
-        return block
-    if not isinstance(block, dict):
-        raise ValueError(f"the '{BLOCK}' block must be a dict, got {type(block).__name__}")
-    try:
-        return RolloutConfig(**block)
-    except ValidationError as error:
-        raise ValueError(f"invalid '{BLOCK}' block: {_describe(error)}") from None
+    return parse_block(RolloutConfig, block, BLOCK)
 
 
 def _splitmix64(value) -> int:
