@@ -126,17 +126,19 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
 
 
 def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, capture=None):
-    reused = None
-    if capture is not None:
-        if (lockstep is not None and lockstep.capture_pad) or expert_parallel(model) is not None:
-            capture.release()
+    try:
+        if not isinstance(group, GRPOGroup):
+            raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
+        if capture is not None and ((lockstep is not None and lockstep.capture_pad)
+                                    or expert_parallel(model) is not None):
             raise ValueError("capture: a kept capture is not reused under a lockstep that pads this rank's capture, "
                              "or with sharded experts (the other ranks' capture calls would not be padded); train "
                              "without capture=")
-        if not isinstance(group, GRPOGroup):
+    except ValueError:
+        if capture is not None:
             capture.release()
-            raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
-        reused = capture.take_capture(model, group, settings)  # ValueError (and released) when it does not fit
+        raise
+    reused = None if capture is None else capture.take_capture(model, group, settings)  # released if it won't fit
     try:
         return _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
                                 reused)
@@ -147,8 +149,6 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
 
 def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, reused):
     objective = objective or GRPOObjective()
-    if not isinstance(group, GRPOGroup):
-        raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     topology = topology_for(cp_group, settings)
