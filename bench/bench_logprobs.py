@@ -1,7 +1,7 @@
 """Replay's peak memory with vocabulary-chunked log-probs against full [block, vocab] logits, side by side.
 
     python bench/bench_logprobs.py [--vocabs 8192,65536,248320] [--prompt 1024] [--group 2] [--response 1024]
-                                   [--out BENCHMARKS.md]
+                                   [--head trained|frozen] [--out BENCHMARKS.md]
 
 One detached grpo_backward of the "small" shape (hidden 128) with its vocabulary set to each size, every
 configuration in a fresh process (so no peak hides in another's). "chunked" is the default log-prob path
@@ -10,6 +10,9 @@ configuration in a fresh process (so no peak hides in another's). "chunked" is t
 high-water mark (VmHWM, reset at the step and at each phase start) minus the resident memory just before the step:
 weights, interpreter and libraries are excluded, the gradients the step creates (the LM head's d(weight) among
 them, the same in both paths) are not.
+
+--head frozen: the LM head's weight has no gradient (a LoRA run, or any run that trains the body only); then the
+chunked forward also computes d log p / d hidden and its backward recomputes no logits.
 """
 
 import argparse
@@ -25,9 +28,12 @@ if ROOT not in sys.path:
 
 MIB = 2 ** 20
 MODES = ("chunked", "reference")
+# With a frozen head, also the chunked path without the forward's d(hidden) direction (its backward recomputes
+# the logits, as with a trained head): the side-by-side figure for what the direction saves.
+FROZEN_MODES = MODES + ("recompute",)
 
 
-def run_one(vocab, mode, prompt, group_size, response, replay_block=1024, seed=0):
+def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_block=1024, seed=0):
     import torch
 
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -38,8 +44,13 @@ def run_one(vocab, mode, prompt, group_size, response, replay_block=1024, seed=0
     from ds_longstraw.transaction import grpo_backward
 
     require_host_peaks("bench_logprobs")
-    CausalLMAdapter.logprobs_vocab_chunk = VOCAB_CHUNK if mode == "chunked" else None
+    CausalLMAdapter.logprobs_vocab_chunk = None if mode == "reference" else VOCAB_CHUNK
+    if mode == "recompute":
+        from ds_longstraw.kernels import logprobs
+
+        logprobs._frozen_head = lambda *tensors: False
     model = build_model("small", dtype=torch.float32, seed=seed, vocab_size=vocab)
+    model.lm_head.weight.requires_grad_(head == "trained")
     group = synthetic_group(prompt, group_size, response, vocab, seed=seed)
     config = {"prefix_grad": "detached", "capture_chunk": 4096, "replay_block": replay_block}
     before = host_current_bytes()
@@ -49,7 +60,7 @@ def run_one(vocab, mode, prompt, group_size, response, replay_block=1024, seed=0
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {"vocab": vocab, "mode": mode, "prompt": prompt, "group": group_size, "response": response,
-            "replay_block": replay_block, "vocab_chunk": CausalLMAdapter.logprobs_vocab_chunk,
+            "replay_block": replay_block, "head": head, "vocab_chunk": CausalLMAdapter.logprobs_vocab_chunk,
             "seconds": seconds, "cpu_seconds": cpu_seconds, "step_peak_bytes": peak - before,
             "replay_peak_bytes": result.phases["replay"].peak_bytes - before, "loss": result.loss,
             "logprob_sum": float(sum(lp.sum() for lp in result.logprobs))}
@@ -57,7 +68,8 @@ def run_one(vocab, mode, prompt, group_size, response, replay_block=1024, seed=0
 
 def run_fresh(vocab, mode, args):
     command = [sys.executable, os.path.abspath(__file__), "--one", "--vocabs", str(vocab), "--mode", mode,
-               "--prompt", str(args.prompt), "--group", str(args.group), "--response", str(args.response)]
+               "--prompt", str(args.prompt), "--group", str(args.group), "--response", str(args.response),
+               "--head", args.head]
     # One intra-op thread: CPU seconds then measure the work whatever else the machine runs; freed blocks of 1 MiB
     # and more go back to the kernel at once, so the high-water mark follows live tensors.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
@@ -72,14 +84,15 @@ def table(rows, command):
     lines = [f"Command: `{command}`", "",
              f"Small shape (hidden 128, 8 layers), detached, prompt {first['prompt']}, G = {first['group']}, "
              f"responses of {first['response'] // 2}..{first['response']} tokens, replay_block "
-             f"{first['replay_block']}; chunked = {first['vocab_chunk']} ids per chunk. One block's float32 logits: "
-             "min(replay_block, longest response) x vocab x 4 bytes (the plain path holds several such tensors at "
-             "once). Peaks exclude the resident memory before the step; the head's d(weight) (vocab x 128 x 4 bytes) "
-             "is in both.", "",
+             f"{first['replay_block']}; chunked = {first['vocab_chunk']} ids per chunk; LM head {first['head']}. One "
+             "block's float32 logits: min(replay_block, longest response) x vocab x 4 bytes (the plain path holds "
+             "several such tensors at once). Peaks exclude the resident memory before the step"
+             + ("; the head's d(weight) (vocab x 128 x 4 bytes) is in both." if first["head"] == "trained" else "."),
+             "",
              "| vocab | one block's logits (MiB) | reference step peak (MiB) | chunked step peak (MiB) | "
              "reference replay peak (MiB) | chunked replay peak (MiB) | reference CPU (s) | chunked CPU (s) | "
-             "loss equal |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+             + ("chunked, backward recomputing (s) | " if first["head"] == "frozen" else "") + "loss equal |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if first["head"] == "frozen" else "") + "---|"]
     by = {(r["vocab"], r["mode"]): r for r in rows}
     for vocab in sorted({r["vocab"] for r in rows}):
         ref, chk = by[(vocab, "reference")], by[(vocab, "chunked")]
@@ -87,7 +100,10 @@ def table(rows, command):
         block = min(ref["replay_block"], ref["response"])
         cells = [f"{vocab:,}", f"{block * vocab * 4 / MIB:,.0f}"]
         cells += [f"{r[key] / MIB:,.0f}" for key in ("step_peak_bytes", "replay_peak_bytes") for r in (ref, chk)]
-        cells += [f"{ref['cpu_seconds']:.1f}", f"{chk['cpu_seconds']:.1f}", "yes" if same else "NO"]
+        cells += [f"{ref['cpu_seconds']:.1f}", f"{chk['cpu_seconds']:.1f}"]
+        if (vocab, "recompute") in by:
+            cells.append(f"{by[(vocab, 'recompute')]['cpu_seconds']:.1f}")
+        cells.append("yes" if same else "NO")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -98,17 +114,19 @@ def main(argv=None):
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--group", type=int, default=2)
     parser.add_argument("--response", type=int, default=1024)
+    parser.add_argument("--head", choices=("trained", "frozen"), default="trained",
+                        help="whether the LM head's weight takes a gradient")
     parser.add_argument("--out", default=None, help="append or refresh the table's section in this markdown file")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=FROZEN_MODES, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     vocabs = [int(v) for v in args.vocabs.split(",")]
     if args.one:
-        print(json.dumps(run_one(vocabs[0], args.mode, args.prompt, args.group, args.response)))
+        print(json.dumps(run_one(vocabs[0], args.mode, args.prompt, args.group, args.response, args.head)))
         return
     rows = []
     for vocab in vocabs:
-        for mode in MODES:
+        for mode in MODES if args.head == "trained" else FROZEN_MODES:
             row = run_fresh(vocab, mode, args)
             print(f"vocab {vocab} {mode}: step peak {row['step_peak_bytes'] / MIB:,.0f} MiB, replay peak "
                   f"{row['replay_peak_bytes'] / MIB:,.0f} MiB, {row['cpu_seconds']:.1f} s CPU", flush=True)
@@ -119,7 +137,7 @@ def main(argv=None):
     if args.out:
         from ds_longstraw.bench import write_section
 
-        write_section(args.out, "logprobs", text)
+        write_section(args.out, "logprobs" if args.head == "trained" else "logprobs-frozen-head", text)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,48 @@ def test_only_needed_gradients_are_computed():
     torch.testing.assert_close(logp, want, rtol=0, atol=TOL64)
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_frozen_head_direction_in_forward_matches_full_log_softmax(case, bias, monkeypatch):
+    """A frozen head: the forward computes d log p / d hidden (target row minus softmax-expected row) and the
+    backward only scales it by dlogp. Values and d(hidden) equal the reference's in float64, and backward computes
+    no logits (counted): a backward that silently fell back to recomputing would pass the values but not this."""
+    tokens, vocab, chunk = CASES[case]
+    hidden, weight, bias_v, targets, dlogp = _inputs(tokens, vocab, bias=bias)
+    weight = weight.detach()
+    bias_v = None if bias_v is None else bias_v.detach()
+    calls = []
+    chunk_logits = logprobs_module._chunk_logits
+    monkeypatch.setattr(logprobs_module, "_chunk_logits", lambda *a: calls.append(1) or chunk_logits(*a))
+    got = chunked_logprobs(hidden, weight, targets, bias_v, vocab_chunk=chunk)
+    forward_calls = len(calls)
+    (got_grad,) = torch.autograd.grad((got * dlogp).sum(), hidden)
+    assert len(calls) == forward_calls == -(-vocab // chunk)
+    reference_hidden = hidden.detach().requires_grad_()
+    want = logprobs_reference(reference_hidden, weight, targets, bias_v)
+    (want_grad,) = torch.autograd.grad((want * dlogp).sum(), reference_hidden)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL64)
+    torch.testing.assert_close(got_grad, want_grad, rtol=0, atol=TOL64)
+
+
+def test_frozen_head_float32_within_twice_the_plain_error():
+    """float32 with a frozen head: d(hidden) from the forward's direction is within 2x the plain float32 path's
+    error against float64 (plus 1 ulp of the gradient's scale), as the recomputing backward is."""
+    hidden, weight, bias_v, targets, dlogp = _inputs(37, 3001, channels=64)
+    reference_hidden = hidden.detach().requires_grad_()
+    exact = logprobs_reference(reference_hidden, weight.detach(), targets, bias_v.detach())
+    (exact_grad,) = torch.autograd.grad((exact * dlogp).sum(), reference_hidden)
+    grads = {}
+    for name, fn in (("chunked", chunked_logprobs), ("plain", logprobs_reference)):
+        low = hidden.detach().float().requires_grad_()
+        logp = fn(low, weight.detach().float(), targets, bias_v.detach().float(), vocab_chunk=512)
+        (grads[name],) = torch.autograd.grad((logp * dlogp.float()).sum(), low)
+    floor = torch.finfo(torch.float32).eps * exact_grad.abs().max().item()
+    c_err = (grads["chunked"].double() - exact_grad).abs().max().item()
+    p_err = (grads["plain"].double() - exact_grad).abs().max().item()
+    assert c_err <= 2 * p_err + floor, f"chunked error {c_err:.3g} vs plain {p_err:.3g}"
+
+
 def test_large_logits_do_not_overflow():
     """Logits of +-1e4: the running max keeps exp() in range (a plain sum of exp would overflow)."""
     hidden, weight, bias_v, targets, dlogp = _inputs(9, 70)
