@@ -31,6 +31,15 @@ from .lse import merge_partials
 # fallback and the path the fused one is tested against (set False to force it).
 USE_FUSED = True
 
+# Keys per call of a library backward (flash on CUDA, the fused CPU kernel) over an unmasked key set. Those kernels
+# return dK/dV for every key they see: where the caller needs none (detached mode's constant prompt pages), whole
+# calls would hold a prompt-sized dK/dV for nothing (8 GiB at 262,144 keys of Qwen3.6-27B's attention on the H200,
+# BENCHMARKS.md), and where dK/dV go to gradient pages (sinks) 2,048-key calls would leave flash mostly idle. 16,384
+# keys bound the transient to 64 MiB at that shape (4 KV heads of 256, bf16, K and V), and on the H200 flash's time
+# per key at 8,192 keys was within 1.3x of its time at 262,144. On CPU the call length does not matter (a 32K-key
+# sink backward took the same time with 2,048- to 32,768-key calls), so the sinks keep key_block there.
+LIBRARY_KEY_BLOCK = 16384
+
 
 def _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset):
     """PyTorch's fused CPU flash attention, which also returns the lse; None where it does not apply.
@@ -147,6 +156,27 @@ def _fused_cpu_backward(q_HTD, k_KTD, v_KTD, out, lse, dout_HTD, scale, causal_o
 
 
 def _backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
+    if not need_kv and causal_offset is None and k.shape[1] > LIBRARY_KEY_BLOCK:
+        # dq only, from a long unmasked key set: one library call per LIBRARY_KEY_BLOCK keys. Each block's share of
+        # dq is exact on its own (the MERGED out and lse), so the shares add up to the whole set's dq.
+        dq = None
+        for k0 in range(0, k.shape[1], LIBRARY_KEY_BLOCK):
+            k1 = min(k.shape[1], k0 + LIBRARY_KEY_BLOCK)
+            share = _backward_call(q, k[:, k0:k1], v[:, k0:k1], out, lse, dout, dlse, scale, None, key_block, False)[0]
+            dq = share if dq is None else dq + share
+        return dq, None, None
+    return _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv)
+
+
+def sink_block(q_HTD, k_KTD, key_block):
+    """Keys per sink call of a prompt segment's backward: LIBRARY_KEY_BLOCK where flash serves the calls, else
+    key_block (see LIBRARY_KEY_BLOCK)."""
+    return LIBRARY_KEY_BLOCK if flash_applies(q_HTD, k_KTD, None) else key_block
+
+
+def _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
+    """One key set's (dq, dk, dv) through the first kernel that applies: flash (CUDA), the Triton paged kernel
+    (CUDA, where flash does not apply), the fused CPU kernel, the blockwise torch loop."""
     flash = flash_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if flash_applies(
         q, k, causal_offset) else None
     if flash is not None:
@@ -220,8 +250,9 @@ class _AttentionWithPast(torch.autograd.Function):
             causal = 0 if index == ctx.count - 1 else None
             sink = ctx.sinks[index] if index < len(ctx.sinks) else None
             if sink is not None:  # earlier pages: key block by key block, each block's dK/dV straight to the sink
-                for k0 in range(0, k_KTD.shape[1], ctx.key_block):
-                    k1 = min(k_KTD.shape[1], k0 + ctx.key_block)
+                block = sink_block(q_HTD, k_KTD, ctx.key_block)
+                for k0 in range(0, k_KTD.shape[1], block):
+                    k1 = min(k_KTD.shape[1], k0 + block)
                     dq, dk, dv = _backward(q_HTD, k_KTD[:, k0:k1], v_KTD[:, k0:k1], out, lse, dout_HTD, dlse_HT,
                                            ctx.scale, None, ctx.key_block, True)
                     dq_total += dq

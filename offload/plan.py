@@ -14,7 +14,8 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   workspace      the kernels' scratch, the largest of (they never run at once):                 GPU
                  log-probs   a replay block's vocabulary chunk of float32 logits, probabilities and their
                              gradient, plus d(hidden) in float32 (kernels/logprobs.py)
-                 attention   flash's float32 dq accumulator and lse over a capture chunk's queries
+                 attention   flash's float32 dq accumulator and lse over a capture chunk's queries, and
+                             the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
                  delta rule  the chunk kernel's float32 intermediates over a capture chunk
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
@@ -78,6 +79,7 @@ class ModelShape:
     hidden_size: int = 0
     attention_heads: int = 0
     attention_head_dim: int = 0  # per query head as the kernel sees it (absorbed MLA: latent + rope)
+    attention_kv_heads: int = 0  # key/value heads of paged dense attention (0: none, e.g. absorbed MLA)
     delta_heads: int = 0  # gated delta rule value heads
     delta_head_dims: int = 0  # key + value head dims
 
@@ -128,10 +130,12 @@ class Plan:
     workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
 
 
-# The replay block the workspace is counted for (the longstraw block's default replay_block), and the log-prob
-# kernel's vocabulary chunk (kernels/logprobs.VOCAB_CHUNK; offload stands apart from kernels, a test ties the two).
+# The replay block the workspace is counted for (the longstraw block's default replay_block), the log-prob
+# kernel's vocabulary chunk (kernels/logprobs.VOCAB_CHUNK) and the keys per library attention backward call
+# (kernels/attention.LIBRARY_KEY_BLOCK); offload stands apart from kernels, a test ties them.
 REPLAY_BLOCK = 1024
 VOCAB_CHUNK = 8192
+LIBRARY_KEY_BLOCK = 16384
 
 
 def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK) -> dict:
@@ -141,7 +145,9 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
     tokens = max(capture_chunk, replay_block)
     return {
         "logprobs": replay_block * (3 * chunk + shape.hidden_size) * f32,
-        "attention": shape.attention_heads * tokens * (shape.attention_head_dim + 1) * f32,
+        # dq and lse, plus the dK/dV one library backward call returns over its keys (the pages' dtype)
+        "attention": shape.attention_heads * tokens * (shape.attention_head_dim + 1) * f32
+        + 2 * shape.attention_kv_heads * LIBRARY_KEY_BLOCK * shape.attention_head_dim * shape.dtype_bytes,
         "delta_rule": 2 * shape.delta_heads * capture_chunk * shape.delta_head_dims * f32,
     }
 

@@ -112,6 +112,42 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
 
 @CUDA
 @pytest.mark.cuda
+def test_flash_serves_prompt_pages_in_library_key_blocks():
+    """A prompt segment longer than LIBRARY_KEY_BLOCK on the flash path: with a sink (exact mode) the gradient
+    pages get dK/dV in LIBRARY_KEY_BLOCK-key calls, without one (detached mode) dq comes from calls of that length;
+    both against the float64 reference (bf16 tolerance as above)."""
+    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+
+    tk = attention.LIBRARY_KEY_BLOCK * 2 + 300
+    q, k, v = _attention_case(8, 2, 32, tk, 64, seed=11)
+    k_new, v_new = _attention_case(8, 2, 32, 32, 64, seed=12)[1:]
+    gen = torch.Generator().manual_seed(13)
+    dout = torch.randn(8, 32, 64, generator=gen, **F64)
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, _ = attention_with_past_reference(ref[0], [(ref[1], ref[2])], k_new, v_new, 0.125)
+    ref_dq, ref_dk, ref_dv = torch.autograd.grad((ref_out * dout).sum(), ref)
+    fast = [x.to("cuda", torch.bfloat16) for x in (q, k, v, k_new, v_new)]
+    for with_sink in (True, False):
+        qb = fast[0].clone().requires_grad_()
+        received, lengths = [torch.zeros(2, tk, 64, **F64) for _ in range(2)], []
+
+        def sink(offset, dk, dv):
+            lengths.append(dk.shape[1])
+            for into, grad in zip(received, (dk, dv)):
+                into[:, offset:offset + grad.shape[1]] += grad.double().cpu()
+
+        out, _ = attention_with_past(qb, [(fast[1], fast[2])], fast[3], fast[4], 0.125,
+                                     sinks=[sink] if with_sink else None)
+        (dq,) = torch.autograd.grad((out.double() * dout.cuda()).sum(), qb)
+        torch.testing.assert_close(dq.double().cpu(), ref_dq, rtol=0, atol=6e-2)
+        if with_sink:
+            assert lengths == [attention.LIBRARY_KEY_BLOCK] * 2 + [300]
+            torch.testing.assert_close(received[0], ref_dk, rtol=0, atol=6e-2)
+            torch.testing.assert_close(received[1], ref_dv, rtol=0, atol=6e-2)
+
+
+@CUDA
+@pytest.mark.cuda
 def test_reference_mode_keeps_cuda_tensors_on_the_torch_path():
     q, k, v = (x.to("cuda", torch.bfloat16) for x in _attention_case(4, 2, 16, 32, 64, seed=0))
     assert flash_applies(q, k, None)

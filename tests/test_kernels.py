@@ -276,3 +276,40 @@ def test_attention_with_past_sinks_take_page_gradients_block_by_block(monkeypatc
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     torch.testing.assert_close(received["k"], ref[-2], rtol=0, atol=1e-10)
     torch.testing.assert_close(received["v"], ref[-1], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("with_lse_grad", [False, True])
+def test_constant_keys_take_dq_only_library_calls_of_bounded_length(monkeypatch, fused, with_lse_grad):
+    """Constant keys (detached mode's prompt pages) longer than LIBRARY_KEY_BLOCK: the backward makes one kernel
+    call per LIBRARY_KEY_BLOCK keys (none of them sees the whole set, so no prompt-sized dK/dV exists), and the
+    summed dq equals the dense float64 reference's."""
+    from ds_longstraw.kernels import attention
+
+    monkeypatch.setattr(attention, "USE_FUSED", fused)
+    monkeypatch.setattr(attention, "LIBRARY_KEY_BLOCK", 16)
+    calls = []
+    backward_call = attention._backward_call
+    monkeypatch.setattr(attention, "_backward_call",
+                        lambda q, k, *rest: calls.append(k.shape[1]) or backward_call(q, k, *rest))
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(6, 11, 8, generator=gen, **F64).requires_grad_()
+    k = torch.randn(2, 41, 8, generator=gen, **F64)
+    v = torch.randn(2, 41, 8, generator=gen, **F64)
+    w = torch.randn(6, 11, 8, generator=gen, **F64)
+    wl = torch.randn(6, 11, generator=gen, **F64) if with_lse_grad else torch.zeros(6, 11, **F64)
+    out, lse = partial_attention(q, k, v, 0.3)
+    (dq,) = torch.autograd.grad((out * w).sum() + (lse * wl).sum(), q)
+    ref_q = q.detach().requires_grad_()
+    ref_out, ref_lse = partial_attention_reference(ref_q, k, v, 0.3)
+    (ref_dq,) = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), ref_q)
+    assert calls == [16, 16, 9]
+    torch.testing.assert_close(dq, ref_dq, rtol=0, atol=1e-10)
+
+
+def test_sinks_keep_key_block_off_the_flash_path():
+    """The sink's call length: key_block wherever flash does not serve the calls (every CPU tensor)."""
+    from ds_longstraw.kernels.attention import sink_block
+
+    q, k = torch.zeros(4, 3, 8), torch.zeros(2, 100, 8)
+    assert sink_block(q, k, 32) == 32

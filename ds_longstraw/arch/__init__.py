@@ -46,7 +46,8 @@ def expert_shape(config) -> dict | None:
 
 def kernel_dims(config) -> dict:
     """The sizes the kernels' workspaces scale with (offload/plan.ModelShape's vocab_size, hidden_size,
-    attention_heads, attention_head_dim, delta_heads, delta_head_dims), as the model's family declares them."""
+    attention_heads, attention_head_dim, attention_kv_heads, delta_heads, delta_head_dims), as the model's family
+    declares them."""
     family = FAMILIES.get(getattr(config, "model_type", None))
     return family.kernel_dims(config) if family is not None and hasattr(family, "kernel_dims") else {}
 

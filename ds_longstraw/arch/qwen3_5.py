@@ -79,7 +79,7 @@ def kernel_dims(config) -> dict:
     text = getattr(config, "text_config", None) or config
     return {"vocab_size": text.vocab_size, "hidden_size": text.hidden_size,
             "attention_heads": text.num_attention_heads, "attention_head_dim": text.head_dim,
-            "delta_heads": text.linear_num_value_heads,
+            "attention_kv_heads": text.num_key_value_heads, "delta_heads": text.linear_num_value_heads,
             "delta_head_dims": text.linear_key_head_dim + text.linear_value_head_dim}
 
 
