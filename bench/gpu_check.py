@@ -125,8 +125,25 @@ def attention_section(report, clock, device, dtype, sizes):
             out = F.scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), enable_gqa=True)
             torch.autograd.grad(out, (q, k, v), dout.unsqueeze(0))
 
+        def ours_constant_keys():  # detached mode's prompt pages: dq only (LIBRARY_KEY_BLOCK-key library calls)
+            out, _ = partial_attention(q, k.detach(), v.detach(), head_dim ** -0.5)
+            torch.autograd.grad(out, (q,), dout)
+
+        paths = [("fast", ours), ("fast_constant_keys", ours_constant_keys), ("peer", peer)]
+        if device == "cuda":  # which SDPA backend sets the peer's pace (each alone; a missing one is skipped)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+                def forced(backend=getattr(SDPBackend, name)):
+                    with sdpa_kernel(backend):
+                        peer()
+                try:
+                    forced()
+                except RuntimeError:
+                    continue
+                paths.append((f"peer_{name.split('_')[0].lower()}", forced))
         flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
-        for path, fn in (("fast", ours), ("peer", peer), ("reference", reference)):
+        for path, fn in paths + [("reference", reference)]:
             seconds, peak = clock.measure(fn)
             report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
                                      "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
@@ -176,22 +193,31 @@ def delta_rule_section(report, clock, device, dtype, sizes):
 
 
 def logprobs_section(report, clock, device, dtype, sizes):
-    """Log-probs of one replay block's targets under the LM head: forward + backward (d hidden, d weight)."""
+    """Log-probs of one replay block's targets under the LM head: forward + backward (d hidden, and d weight for a
+    trained head; a frozen head's d hidden comes from the chunked forward itself). The
+    Triton kernels ("triton") run where the dispatch would allow them (CUDA, mode "auto", triton importable)."""
     import torch
 
     from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
+    from ds_longstraw.kernels import triton_logprobs as triton_lp
+    from ds_longstraw.kernels.dispatch import fast_path
 
     tokens, hidden, vocab = sizes["tokens"], sizes["hidden"], sizes["vocab"]
     gen = torch.Generator(device=device).manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=gen).requires_grad_()
     w = (torch.randn(vocab, hidden, device=device, dtype=dtype, generator=gen) * hidden ** -0.5).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
-    for path, fn in (("chunked", chunked_logprobs), ("full_logits", logprobs_reference)):
-        def step(fn=fn):
-            torch.autograd.grad(fn(h, w, targets).sum(), (h, w))
-        seconds, peak = clock.measure(step)
-        report.add("logprobs", {"tokens": tokens, "vocab": vocab, "path": path, "ms": seconds * 1e3,
-                                "peak_mib": peak})
+    paths = [("chunked", chunked_logprobs), ("full_logits", logprobs_reference)]
+    if fast_path(h, "triton") and triton_lp.supported(h, w):
+        paths.insert(1, ("triton", triton_lp.triton_logprobs))
+    frozen = w.detach()  # a frozen head (LoRA): d(hidden) only, which the chunked forward computes itself
+    for head, weight, wanted in (("trained", w, (h, w)), ("frozen", frozen, (h,))):
+        for path, fn in paths:
+            def step(fn=fn, weight=weight, wanted=wanted):
+                torch.autograd.grad(fn(h, weight, targets).sum(), wanted)
+            seconds, peak = clock.measure(step)
+            report.add("logprobs", {"tokens": tokens, "vocab": vocab, "head": head, "path": path,
+                                    "ms": seconds * 1e3, "peak_mib": peak})
 
 
 def triton_section(report, clock, device, dtype, sizes):

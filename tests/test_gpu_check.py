@@ -25,10 +25,12 @@ def test_gpu_check_dry_run(tmp_path):
     sections = report["sections"]
     assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
     assert all(section["error"] is None for section in sections.values())
-    assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "peer", "reference"}
+    assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_constant_keys", "peer",
+                                                                       "reference"}
     assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
                                                                      "reference_forward"}
-    assert {row["path"] for row in sections["logprobs"]["rows"]} == {"chunked", "full_logits"}
+    assert {(row["head"], row["path"]) for row in sections["logprobs"]["rows"]} == {
+        (head, path) for head in ("trained", "frozen") for path in ("chunked", "full_logits")}
     assert {(row["kernel"], row["path"]) for row in sections["triton"]["rows"]} == {
         (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd+bwd", "paged attention fwd+bwd")
         for path in ("fast", "reference")}
