@@ -142,6 +142,25 @@ def attention_section(report, clock, device, dtype, sizes):
                 except RuntimeError:
                     continue
                 paths.append((f"peer_{name.split('_')[0].lower()}", forced))
+            # The backward alone on constant keys: flash's LIBRARY_KEY_BLOCK-key calls (which compute dK/dV and
+            # drop them) against the Triton paged kernel's dq kernel (dq only, no dK/dV work): which should serve
+            # detached mode's prompt pages.
+            from ds_longstraw.kernels import attention
+            from ds_longstraw.kernels import triton_paged_attention as paged
+
+            with torch.no_grad():
+                out, lse = partial_attention(q, k, v, head_dim ** -0.5)
+
+            def backward_flash_calls():
+                attention._backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, attention.KEY_BLOCK,
+                                    False)
+
+            paths.append(("backward_constant_keys_flash", backward_flash_calls))
+            if paged.triton_applies(q, k):
+                def backward_triton_dq():
+                    paged.segment_backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, False)
+
+                paths.append(("backward_constant_keys_triton_dq", backward_triton_dq))
         flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
         for path, fn in paths + [("reference", reference)]:
             seconds, peak = clock.measure(fn)

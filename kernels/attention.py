@@ -34,10 +34,12 @@ USE_FUSED = True
 # Keys per call of a library backward (flash on CUDA, the fused CPU kernel) over an unmasked key set. Those kernels
 # return dK/dV for every key they see: where the caller needs none (detached mode's constant prompt pages), whole
 # calls would hold a prompt-sized dK/dV for nothing (8 GiB at 262,144 keys of Qwen3.6-27B's attention on the H200,
-# BENCHMARKS.md), and where dK/dV go to gradient pages (sinks) 2,048-key calls would leave flash mostly idle. 16,384
-# keys bound the transient to 64 MiB at that shape (4 KV heads of 256, bf16, K and V), and on the H200 flash's time
-# per key at 8,192 keys was within 1.3x of its time at 262,144. On CPU the call length does not matter (a 32K-key
-# sink backward took the same time with 2,048- to 32,768-key calls), so the sinks keep key_block there.
+# BENCHMARKS.md), and where dK/dV go to gradient pages (sinks) 2,048-key calls would leave flash mostly idle. Flash
+# computes grouped heads' dK/dV per query head before summing them, so one call holds 2 x (H + K) x keys x D
+# numbers: 448 MiB at 16,384 keys of that shape (24 query and 4 KV heads of 256, bf16), which the planner counts;
+# on the H200 flash's time per key at 8,192 keys was within 1.3x of its time at 262,144. On CPU the call length
+# does not matter (a 32K-key sink backward took the same time with 2,048- to 32,768-key calls), so the sinks keep
+# key_block there.
 LIBRARY_KEY_BLOCK = 16384
 
 

@@ -145,9 +145,11 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
     tokens = max(capture_chunk, replay_block)
     return {
         "logprobs": replay_block * (3 * chunk + shape.hidden_size) * f32,
-        # dq and lse, plus the dK/dV one library backward call returns over its keys (the pages' dtype)
+        # dq and lse, plus one library backward call's dK/dV over its keys (the pages' dtype): flash makes them per
+        # query head, then sums each group into its KV head
         "attention": shape.attention_heads * tokens * (shape.attention_head_dim + 1) * f32
-        + 2 * shape.attention_kv_heads * LIBRARY_KEY_BLOCK * shape.attention_head_dim * shape.dtype_bytes,
+        + 2 * (shape.attention_heads + shape.attention_kv_heads) * LIBRARY_KEY_BLOCK * shape.attention_head_dim
+        * shape.dtype_bytes * (shape.attention_kv_heads > 0),
         "delta_rule": 2 * shape.delta_heads * capture_chunk * shape.delta_head_dims * f32,
     }
 

@@ -277,7 +277,7 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     """The log-prob, attention and delta-rule scratch of Qwen3.6-27B's shape, by hand (float32): a 1,024-token
     replay block over an 8,192-id vocabulary chunk (logits, probabilities, their gradient) plus d(hidden); flash's
     dq accumulator and lse over a capture chunk's 24 heads of 256, plus one backward call's bf16 dK/dV over 16,384
-    keys of the 4 KV heads; the delta rule's two float32 intermediates over
+    keys (per query head, then per KV head: 24 + 4); the delta rule's two float32 intermediates over
     48 value heads of 128 + 128. The largest is added to every tier's GPU need."""
     from ds_longstraw.kernels import VOCAB_CHUNK
     from ds_longstraw.kernels.attention import LIBRARY_KEY_BLOCK
@@ -288,7 +288,7 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     layout = Layout(gpus=8, cp=8, gpu_memory=96 * GiB)
     plan = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096)
     assert plan.workspace == {"logprobs": 1024 * (3 * 8192 + 5120) * 4,
-                              "attention": 24 * 4096 * 257 * 4 + 2 * 4 * 16384 * 256 * 2,
+                              "attention": 24 * 4096 * 257 * 4 + 2 * (24 + 4) * 16384 * 256 * 2,
                               "delta_rule": 2 * 48 * 4096 * 256 * 4}
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)
     assert plan.needs["none"]["gpu"] - bare["gpu"] == max(plan.workspace.values())
