@@ -149,6 +149,20 @@ def _frozen_head(hidden_TC, weight_VC, bias_V):
     return torch.is_grad_enabled() and hidden_TC.requires_grad and not head_trains
 
 
+def check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk):
+    """ValueError naming what is wrong with a log-prob kernel's inputs (this one's and triton_logprobs')."""
+    if vocab_chunk is None or vocab_chunk <= 0:
+        raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
+    if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:
+        raise ValueError(f"expected hidden [T, C], weight [V, C], targets [T]; got {tuple(hidden_TC.shape)}, "
+                         f"{tuple(weight_VC.shape)}, {tuple(targets_T.shape)}")
+    if hidden_TC.shape[0] != targets_T.shape[0] or hidden_TC.shape[1] != weight_VC.shape[1]:
+        raise ValueError(f"shapes do not match: hidden {tuple(hidden_TC.shape)}, weight {tuple(weight_VC.shape)}, "
+                         f"targets {tuple(targets_T.shape)}")
+    if bias_V is not None and bias_V.shape != (weight_VC.shape[0],):
+        raise ValueError(f"bias: expected [{weight_VC.shape[0]}], got {tuple(bias_V.shape)}")
+
+
 def chunked_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK):
     """log softmax(hidden @ weight.T + bias)[t, targets[t]] for each token t, as [T] in float32 (float64 for
     float64 inputs): the same numbers as `logprobs_reference`, computed over `vocab_chunk` ids at a time with an
@@ -159,14 +173,7 @@ def chunked_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=V
     this runs inside the head module's call (ds_longstraw.arch.base.head_logprobs). A frozen head's backward does
     not read it.
     """
-    if vocab_chunk is None or vocab_chunk <= 0:
-        raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
-    if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:
-        raise ValueError(f"expected hidden [T, C], weight [V, C], targets [T]; got {tuple(hidden_TC.shape)}, "
-                         f"{tuple(weight_VC.shape)}, {tuple(targets_T.shape)}")
-    if hidden_TC.shape[0] != targets_T.shape[0] or hidden_TC.shape[1] != weight_VC.shape[1]:
-        raise ValueError(f"shapes do not match: hidden {tuple(hidden_TC.shape)}, weight {tuple(weight_VC.shape)}, "
-                         f"targets {tuple(targets_T.shape)}")
+    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk)
     targets_T = targets_T.to(device=hidden_TC.device, dtype=torch.long)
     return _ChunkedLogprobs.apply(hidden_TC, weight_VC, bias_V, targets_T, int(vocab_chunk),
                                   _frozen_head(hidden_TC, weight_VC, bias_V))

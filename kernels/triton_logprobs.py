@@ -46,6 +46,8 @@ whatever device its tensors are on: the caller decides (kernels.dispatch.fast_pa
 
 import torch
 
+from .logprobs import check_logprob_inputs
+
 try:
     import triton
     import triton.language as tl
@@ -301,16 +303,7 @@ def triton_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VO
     decides that Triton may run there (kernels.dispatch.fast_path). Gradients come from float32 atomic sums, so
     they are not bitwise reproducible from run to run.
     """
-    if vocab_chunk is None or vocab_chunk <= 0:
-        raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
-    if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:
-        raise ValueError(f"expected hidden [T, C], weight [V, C], targets [T]; got {tuple(hidden_TC.shape)}, "
-                         f"{tuple(weight_VC.shape)}, {tuple(targets_T.shape)}")
-    if hidden_TC.shape[0] != targets_T.shape[0] or hidden_TC.shape[1] != weight_VC.shape[1]:
-        raise ValueError(f"shapes do not match: hidden {tuple(hidden_TC.shape)}, weight {tuple(weight_VC.shape)}, "
-                         f"targets {tuple(targets_T.shape)}")
-    if bias_V is not None and bias_V.shape != (weight_VC.shape[0],):
-        raise ValueError(f"bias: expected [{weight_VC.shape[0]}], got {tuple(bias_V.shape)}")
+    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk)
     if not supported(hidden_TC, weight_VC, bias_V):
         bias = None if bias_V is None else f"{bias_V.dtype} on {bias_V.device}"
         raise ValueError(f"triton_logprobs does not take hidden {hidden_TC.dtype} on {hidden_TC.device}, weight "

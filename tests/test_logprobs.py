@@ -180,6 +180,8 @@ def test_input_checks():
         chunked_logprobs(hidden, weight, targets[:3])
     with pytest.raises(ValueError, match="expected hidden"):
         chunked_logprobs(hidden.unsqueeze(0), weight, targets)
+    with pytest.raises(ValueError, match=r"bias: expected \[10\], got \(9,\)"):
+        chunked_logprobs(hidden, weight, targets, torch.zeros(9, dtype=hidden.dtype))
 
 
 # ---- the adapter path -------------------------------------------------------------------------------------------
