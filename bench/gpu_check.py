@@ -102,7 +102,8 @@ def attention_section(report, clock, device, dtype, sizes):
     import torch
     import torch.nn.functional as F
 
-    from ds_longstraw.kernels import partial_attention
+    from ds_longstraw.kernels import attention, partial_attention
+    from ds_longstraw.kernels import triton_paged_attention as paged
     from ds_longstraw.kernels.dispatch import kernel_mode
 
     heads, kv_heads, head_dim, tq = sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["tq"]
@@ -142,25 +143,21 @@ def attention_section(report, clock, device, dtype, sizes):
                 except RuntimeError:
                     continue
                 paths.append((f"peer_{name.split('_')[0].lower()}", forced))
-            # The backward alone on constant keys: flash's LIBRARY_KEY_BLOCK-key calls (which compute dK/dV and
-            # drop them) against the Triton paged kernel's dq kernel (dq only, no dK/dV work): which should serve
-            # detached mode's prompt pages.
-            from ds_longstraw.kernels import attention
-            from ds_longstraw.kernels import triton_paged_attention as paged
+        # The backward alone on constant keys: the library's LIBRARY_KEY_BLOCK-key calls (flash on CUDA, which
+        # computes dK/dV and drops them) against the Triton paged kernel's dq kernel where it runs (dq only, no dK/dV
+        # work): the figure that decides which should serve detached mode's prompt pages.
+        with torch.no_grad():
+            out, lse = partial_attention(q, k, v, head_dim ** -0.5)
 
-            with torch.no_grad():
-                out, lse = partial_attention(q, k, v, head_dim ** -0.5)
+        def backward_library_calls():
+            attention._backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, attention.KEY_BLOCK, False)
 
-            def backward_flash_calls():
-                attention._backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, attention.KEY_BLOCK,
-                                    False)
+        paths.append(("backward_constant_keys", backward_library_calls))
+        if paged.triton_applies(q, k):
+            def backward_triton_dq():
+                paged.segment_backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, False)
 
-            paths.append(("backward_constant_keys_flash", backward_flash_calls))
-            if paged.triton_applies(q, k):
-                def backward_triton_dq():
-                    paged.segment_backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, False)
-
-                paths.append(("backward_constant_keys_triton_dq", backward_triton_dq))
+            paths.append(("backward_constant_keys_triton_dq", backward_triton_dq))
         flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
         for path, fn in paths + [("reference", reference)]:
             seconds, peak = clock.measure(fn)

@@ -26,7 +26,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
     assert all(section["error"] is None for section in sections.values())
     assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_constant_keys", "peer",
-                                                                       "reference"}
+                                                                       "backward_constant_keys", "reference"}
     assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
                                                                      "reference_forward"}
     assert {(row["head"], row["path"]) for row in sections["logprobs"]["rows"]} == {
