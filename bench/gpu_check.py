@@ -152,14 +152,14 @@ def attention_section(report, clock, device, dtype, sizes):
         def backward_library_calls():
             attention._backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, attention.KEY_BLOCK, False)
 
-        paths.append(("backward_constant_keys", backward_library_calls))
-        if paged.triton_applies(q, k):
+        paths += [("backward_constant_keys", backward_library_calls), ("reference", reference)]
+        if paged.triton_applies(q, k):  # last: a kernel never compiled before cannot cost the rows above
             def backward_triton_dq():
                 paged.segment_backward(q, k, v, out, lse, dout, None, head_dim ** -0.5, None, False)
 
             paths.append(("backward_constant_keys_triton_dq", backward_triton_dq))
         flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
-        for path, fn in paths + [("reference", reference)]:
+        for path, fn in paths:
             seconds, peak = clock.measure(fn)
             report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
                                      "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
@@ -210,8 +210,8 @@ def delta_rule_section(report, clock, device, dtype, sizes):
 
 def logprobs_section(report, clock, device, dtype, sizes):
     """Log-probs of one replay block's targets under the LM head: forward + backward (d hidden, and d weight for a
-    trained head; a frozen head's d hidden comes from the chunked forward itself). The
-    Triton kernels ("triton") run where the dispatch would allow them (CUDA, mode "auto", triton importable)."""
+    trained head; a frozen head's d hidden comes from the chunked forward itself). The Triton kernels ("triton")
+    run where the dispatch would allow them (CUDA, mode "auto", triton importable)."""
     import torch
 
     from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
@@ -224,11 +224,12 @@ def logprobs_section(report, clock, device, dtype, sizes):
     w = (torch.randn(vocab, hidden, device=device, dtype=dtype, generator=gen) * hidden ** -0.5).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
     paths = [("chunked", chunked_logprobs), ("full_logits", logprobs_reference)]
-    if fast_path(h, "triton") and triton_lp.supported(h, w):
-        paths.insert(1, ("triton", triton_lp.triton_logprobs))
+    if fast_path(h, "triton") and triton_lp.supported(h, w):  # last: never compiled before this check
+        paths.append(("triton", triton_lp.triton_logprobs))
     frozen = w.detach()  # a frozen head (LoRA): d(hidden) only, which the chunked forward computes itself
-    for head, weight, wanted in (("trained", w, (h, w)), ("frozen", frozen, (h,))):
-        for path, fn in paths:
+    heads = (("trained", w, (h, w)), ("frozen", frozen, (h,)))
+    for path, fn in paths:  # path by path: a failing kernel costs only the rows after it
+        for head, weight, wanted in heads:
             def step(fn=fn, weight=weight, wanted=wanted):
                 torch.autograd.grad(fn(h, weight, targets).sum(), wanted)
             seconds, peak = clock.measure(step)
