@@ -25,6 +25,12 @@ split, and then needs [S, T, C] partials; and separate d(hidden) and d(weight) k
 L2 while programs that share a weight tile run side by side (the token tile is the grid's fastest axis). The price:
 the float32 sums' order depends on scheduling, so gradients are not bitwise reproducible (differences of float32
 rounding, below the bfloat16 rounding of the returned gradients).
+The risk to measure: the atomic traffic. Every (token tile, vocabulary tile) program adds BLOCK_T x C to d(hidden)
+and BLOCK_V x C to d(weight), so one backward makes T x C x (V / BLOCK_V) + V x C x (T / BLOCK_T) float32 atomic
+adds: 3.0e10 at T 1,024, C 5,120, V 248,320 with the CUDA tiles below, against about 4 matmuls' worth of tensor-core
+work (the torch chunked path's 26.6 ms on the H200, of which about 10 ms are elementwise passes over [T, c]). If
+the GPU check shows the atomics dominate, the likelier win is cuBLAS for the chunk matmuls with one fused Triton
+pass for the elementwise work (online softmax and target in forward; dz in place in backward).
 
 vocab_chunk: the ids of one vocabulary split in the forward and of one backward launch, rounded up to a multiple
 of BLOCK_V. The backward accumulates a chunk's d(weight) rows in a float32 [chunk, C] buffer (160 MiB at 8,192
