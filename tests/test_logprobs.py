@@ -248,6 +248,30 @@ def test_grpo_backward_chunked_equals_plain(monkeypatch):
         torch.testing.assert_close(got_grads[name], g, rtol=0, atol=TOL64, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_grpo_backward_with_a_frozen_head_takes_the_direction_path(monkeypatch):
+    """A frozen LM head (training the body only, as LoRA on the body does): the transaction's log-probs take the
+    forward's d(hidden) direction on every call that needs a gradient, and the body's gradients equal the plain
+    path's in float64."""
+    gen = torch.Generator().manual_seed(4)
+    group = GRPOGroup(torch.randint(0, 97, (11,), generator=gen),
+                      [torch.randint(0, 97, (n,), generator=gen) for n in (5, 9)], rewards=[1.0, -0.5])
+    config = {"prefix_grad": "exact", "capture_chunk": 4, "page_tokens": 4, "replay_block": 4}
+    frozen_calls = []
+    frozen_head = logprobs_module._frozen_head
+    monkeypatch.setattr(logprobs_module, "_frozen_head", lambda *a: frozen_calls.append(frozen_head(*a)) or
+                        frozen_calls[-1])
+    results = {}
+    for chunk in (10, None):
+        monkeypatch.setattr(CausalLMAdapter, "logprobs_vocab_chunk", chunk)
+        model = tiny_qwen3_5()
+        model.lm_head.weight.requires_grad_(False)
+        grpo_backward(model, group, GRPOObjective(), config=config)
+        results[chunk] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert frozen_calls and all(frozen_calls)  # 2 members x 2-3 replay blocks, every one with the direction
+    for name, g in results[None].items():
+        torch.testing.assert_close(results[10][name], g, rtol=0, atol=TOL64, msg=lambda m, n=name: f"{n}: {m}")
+
+
 # ---- ZeRO-3 -----------------------------------------------------------------------------------------------------
 
 ZERO3_SCRIPT = textwrap.dedent("""
