@@ -215,6 +215,7 @@ def logprobs_section(report, clock, device, dtype, sizes):
     import torch
 
     from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
+    from ds_longstraw.kernels import logprobs as logprobs_module
     from ds_longstraw.kernels import triton_logprobs as triton_lp
     from ds_longstraw.kernels.dispatch import fast_path
 
@@ -224,14 +225,20 @@ def logprobs_section(report, clock, device, dtype, sizes):
     w = (torch.randn(vocab, hidden, device=device, dtype=dtype, generator=gen) * hidden ** -0.5).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=gen)
     paths = [("chunked", chunked_logprobs), ("full_logits", logprobs_reference)]
-    if fast_path(h, "triton") and triton_lp.supported(h, w):  # last: never compiled before this check
+    if fast_path(h, "triton"):  # last: never compiled before this check
+        paths.append(("chunked_triton_steps", chunked_logprobs))  # cuBLAS matmuls, elementwise in one Triton pass
+    if fast_path(h, "triton") and triton_lp.supported(h, w):
         paths.append(("triton", triton_lp.triton_logprobs))
     frozen = w.detach()  # a frozen head (LoRA): d(hidden) only, which the chunked forward computes itself
     heads = (("trained", w, (h, w)), ("frozen", frozen, (h,)))
     for path, fn in paths:  # path by path: a failing kernel costs only the rows after it
         for head, weight, wanted in heads:
-            def step(fn=fn, weight=weight, wanted=wanted):
-                torch.autograd.grad(fn(h, weight, targets).sum(), wanted)
+            def step(fn=fn, weight=weight, wanted=wanted, steps=path == "chunked_triton_steps"):
+                previous, logprobs_module.USE_TRITON_STEPS = logprobs_module.USE_TRITON_STEPS, steps
+                try:  # forward and backward: the backward picks its steps when it runs
+                    torch.autograd.grad(fn(h, weight, targets).sum(), wanted)
+                finally:
+                    logprobs_module.USE_TRITON_STEPS = previous
             seconds, peak = clock.measure(step)
             report.add("logprobs", {"tokens": tokens, "vocab": vocab, "head": head, "path": path,
                                     "ms": seconds * 1e3, "peak_mib": peak})

@@ -27,6 +27,8 @@ is summed over chunks in that accumulation dtype.
 
 import torch
 
+from .dispatch import fast_path
+
 # Vocabulary ids per chunk. Measured on CPU (2 shared cores, float32, T = 1,024, C = 256, V = 65,536, forward +
 # backward of the log-probs alone, best of 3): 1,024 ids 7.9 s, 4,096 3.6 s, 8,192 3.0 s, 16,384 2.6 s, 32,768
 # 2.4 s; the full-logits reference 2.0 s (the backward recomputes the logits: one matmul more of four). In the whole
@@ -44,18 +46,58 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc):
-    """Logits of ids v0..v1-1, computed like the full matmul (inputs' dtype), returned in the accumulation dtype."""
+# The Triton steps (triton_logprob_steps.py: each chunk's elementwise work in one pass) stand beside the torch steps
+# below with the same signatures. Not taken until a GPU check has timed them (bench/gpu_check.py's log-prob section):
+# set True to take them where the dispatch allows (CUDA, mode "auto", triton importable).
+USE_TRITON_STEPS = False
+
+
+def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1):
+    """Logits of ids v0..v1-1, computed like the full matmul, in the inputs' dtype."""
     z_Tc = hidden_TC @ weight_VC[v0:v1].T
     if bias_V is not None:
         z_Tc = z_Tc + bias_V[v0:v1]
-    return z_Tc.to(acc)
+    return z_Tc
 
 
 def _in_chunk(targets_T, v0, v1):
     """(tokens whose target is in [v0, v1), their target's column in the chunk, clamped for the others)."""
     inside_T = (targets_T >= v0) & (targets_T < v1)
     return inside_T, (targets_T - v0).clamp(0, v1 - v0 - 1)
+
+
+def forward_step_reference(z_Tc, targets_T, v0, max_T, sum_T, target_T, want_p):
+    """Fold one chunk's logits z_Tc (ids v0 ..) into the running max, sum of exp(z - max) and target logit per
+    token (in place, in their dtype); returns (p_Tc or None, rescale_T): p = exp(z - new max) where want_p, rescale =
+    exp(old max - new max). The first chunk rescales a zero sum by exp(-inf) = 0; logits are finite, so the new max
+    is too."""
+    z_Tc = z_Tc.to(max_T.dtype)  # in place below: one [T, c] tensor per chunk
+    inside_T, column_T = _in_chunk(targets_T, v0, v0 + z_Tc.shape[1])
+    target_T.copy_(torch.where(inside_T, z_Tc.gather(-1, column_T.unsqueeze(-1)).squeeze(-1), target_T))
+    new_max_T = torch.maximum(max_T, z_Tc.amax(dim=-1))
+    p_Tc = z_Tc.sub_(new_max_T.unsqueeze(-1)).exp_()
+    rescale_T = torch.exp(max_T - new_max_T)
+    sum_T.mul_(rescale_T).add_(p_Tc.sum(dim=-1))
+    max_T.copy_(new_max_T)
+    return (p_Tc if want_p else None), rescale_T
+
+
+def backward_step_reference(z_Tc, targets_T, v0, lse_T, dlogp_T):
+    """dz = dlogp * (onehot(target) - exp(z - lse)) of one chunk, in lse's dtype (built in place on z's copy)."""
+    dz_Tc = z_Tc.to(lse_T.dtype).sub_(lse_T.unsqueeze(-1)).exp_().mul_(-dlogp_T.unsqueeze(-1))
+    inside_T, column_T = _in_chunk(targets_T, v0, v0 + z_Tc.shape[1])
+    return dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T, dlogp_T, 0.0).unsqueeze(-1))
+
+
+def _steps(hidden_TC, need_bias=False):
+    """(forward_step, backward_step): the Triton ones where USE_TRITON_STEPS and the dispatch allow and no bias
+    gradient is asked for (d(bias) sums the float32 dz, which those round to the inputs' dtype), else the torch
+    ones."""
+    if USE_TRITON_STEPS and not need_bias and fast_path(hidden_TC, "triton"):
+        from . import triton_logprob_steps as steps  # imports triton: on first use only
+
+        return steps.forward_step, steps.backward_step
+    return forward_step_reference, backward_step_reference
 
 
 def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_direction=False):
@@ -68,21 +110,14 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_directio
     target_T = torch.zeros(tokens, dtype=acc, device=hidden_TC.device)
     # sum_v exp(z[v] - max) weight[v], rescaled with the running max as sum_T is
     expected_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if with_direction else None
+    forward_step, _ = _steps(hidden_TC)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc)
-        inside_T, column_T = _in_chunk(targets_T, v0, v1)
-        target_T = torch.where(inside_T, z_Tc.gather(-1, column_T.unsqueeze(-1)).squeeze(-1), target_T)
-        new_max_T = torch.maximum(max_T, z_Tc.amax(dim=-1))
-        # The first chunk rescales a zero sum by exp(-inf) = 0; logits are finite, so new_max_T is too. In place:
-        # one [T, c] tensor per chunk.
-        p_Tc = z_Tc.sub_(new_max_T.unsqueeze(-1)).exp_()
-        rescale_T = torch.exp(max_T - new_max_T)
-        sum_T = sum_T * rescale_T + p_Tc.sum(dim=-1)
+        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1)
+        p_Tc, rescale_T = forward_step(z_Tc, targets_T, v0, max_T, sum_T, target_T, with_direction)
         if with_direction:
             # Like the plain backward: the softmax weights are cast to the inputs' dtype before the matmul.
             expected_TC = expected_TC * rescale_T.unsqueeze(-1) + (p_Tc.to(hidden_TC.dtype) @ weight_VC[v0:v1]).to(acc)
-        max_T = new_max_T
         del z_Tc, p_Tc
     lse_T = max_T + torch.log(sum_T)
     direction_TC = None
@@ -100,13 +135,11 @@ def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chu
     dhidden_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if need_hidden else None
     dweight_VC = _uninitialised(weight_VC) if need_weight else None
     dbias_V = _uninitialised(bias_V) if need_bias else None
+    _, backward_step = _steps(hidden_TC, need_bias)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, acc)
-        # dz = dlogp * (onehot(target) - softmax), built in place on the recomputed logits.
-        dz_Tc = z_Tc.sub_(lse_T.unsqueeze(-1)).exp_().mul_(-dlogp_T.unsqueeze(-1))
-        inside_T, column_T = _in_chunk(targets_T, v0, v1)
-        dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T, dlogp_T, 0.0).unsqueeze(-1))
+        # dz = dlogp * (onehot(target) - softmax), on the recomputed logits.
+        dz_Tc = backward_step(_chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1), targets_T, v0, lse_T, dlogp_T)
         if need_bias:
             dbias_V[v0:v1] = dz_Tc.sum(dim=0)
         # Like the plain path's backward: the logits' gradient is cast to the inputs' dtype before the matmuls.
@@ -115,7 +148,7 @@ def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chu
             dhidden_TC += (dz_Tc @ weight_VC[v0:v1]).to(acc)
         if need_weight:
             dweight_VC[v0:v1] = dz_Tc.T @ hidden_TC
-        del z_Tc, dz_Tc
+        del dz_Tc
     return (None if dhidden_TC is None else dhidden_TC.to(hidden_TC.dtype)), dweight_VC, dbias_V
 
 
