@@ -31,6 +31,8 @@ BLOCK_ELEMENTS.
 import torch
 import torch.nn.functional as F
 
+from .triton_common import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -80,10 +82,6 @@ if triton is not None:
         tl.store(OUT + t[:, None] * s_ot + out_col + n[None, :], acc, mask=t_in[:, None] & (n < n_keys)[None, :])
 
 
-def _pow2(n, least=16):
-    return max(least, triton.next_power_of_2(int(n)))
-
-
 def index_scores(q_TID, weights_TI, keys, key_start, query_start, scale, width):
     """scores [T, width] float32 of the queries (at positions query_start .., or None: after every key) over the
     keys at positions key_start .. key_start + width - 1, taken from the pieces `keys` (in position order from
@@ -108,7 +106,7 @@ def index_scores(q_TID, weights_TI, keys, key_start, query_start, scale, width):
             0 if query_start is None else query_start,
             q_TID.stride(0), q_TID.stride(1), weights_TI.stride(0), weights_TI.stride(1), piece.stride(0),
             out.stride(0), column, HEADS=heads, CAUSAL=query_start is not None, UPCAST=upcast, PRECISION=precision,
-            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=_pow2(dim))
+            BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_D=pow2(dim))
         column += n
     assert column == width, "the pieces cover the scored keys"
     return out

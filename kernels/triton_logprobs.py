@@ -53,6 +53,7 @@ whatever device its tensors are on: the caller decides (kernels.dispatch.fast_pa
 import torch
 
 from .logprobs import check_logprob_inputs
+from .triton_common import dot_precision
 
 try:
     import triton
@@ -191,11 +192,6 @@ def _tiles(kind):
     return _FORWARD_TILES if kind == "forward" else _BACKWARD_TILES
 
 
-def _precision(dtype):
-    """float32 inputs multiply in full precision (tests compare them to float64); bf16/fp16 use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _chunk_ids(vocab_chunk, block_v):
     """vocab_chunk rounded up to a whole number of vocabulary tiles."""
     return triton.cdiv(vocab_chunk, block_v) * block_v
@@ -230,7 +226,7 @@ def logprobs_forward_triton(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk
         hidden_TC, weight_VC, b_ptr, targets_T, max_ST, sum_ST, z_target_T,
         tokens, vocab, channels, split_ids,
         *hidden_TC.stride(), *weight_VC.stride(), s_b, max_ST.stride(0),
-        HAS_BIAS=bias_V is not None, PRECISION=_precision(hidden_TC.dtype),
+        HAS_BIAS=bias_V is not None, PRECISION=dot_precision(hidden_TC.dtype),
         BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=block_c, num_warps=warps, num_stages=stages,
     )
     lse_T = _merge_splits(max_ST, sum_ST)
@@ -272,7 +268,7 @@ def logprobs_backward_triton(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlo
                 tokens, vocab, channels, v0,
                 *hidden_TC.stride(), *weight_VC.stride(), s_b,
                 HAS_BIAS=bias_V is not None, NEED_H=need_hidden, NEED_W=need_weight, NEED_B=need_bias,
-                PRECISION=_precision(hidden_TC.dtype), BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=block_c,
+                PRECISION=dot_precision(hidden_TC.dtype), BLOCK_T=block_t, BLOCK_V=block_v, BLOCK_C=block_c,
                 num_warps=warps, num_stages=stages,
             )
             if need_weight:

@@ -35,13 +35,13 @@ import torch
 
 from .attention_reference import attention_delta, blockwise_grads_from_delta, partial_attention_reference
 from .dispatch import available, fast_path
+from .triton_common import dot_precision
 
 try:
     import triton
     import triton.language as tl
 except ImportError:  # the torch reference serves every call (fast_path says so)
     triton = None
-
 
 
 def _pages_shape_check(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens):
@@ -309,11 +309,6 @@ def _width(q_HTD):
     return q_HTD.shape[-1] * q_HTD.element_size() // 2
 
 
-def _precision(dtype):
-    """float32 inputs multiply in full precision (tests compare them to float64); bf16/fp16 use the tensor cores."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _causal_args(causal_offset):
     return (False, 0) if causal_offset is None else (True, int(causal_offset))
 
@@ -336,7 +331,7 @@ def paged_attention_forward_triton(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, 
         tokens, page_tokens, tq, heads // kv_heads, float(scale), offset,
         *q_HTD.stride(), *k_NPKD.stride(), *v_NPKD.stride(), *out_HTD.stride(), *lse_HT.stride(),
         D=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        PRECISION=_precision(q_HTD.dtype), num_warps=warps, num_stages=stages,
+        PRECISION=dot_precision(q_HTD.dtype), num_warps=warps, num_stages=stages,
     )
     return out_HTD, lse_HT
 
@@ -358,7 +353,7 @@ def paged_grads_from_delta_triton(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, l
     dout_HTD = dout_HTD.to(q_HTD.dtype)
     block_m, block_n, warps, stages = _tiles(_width(q_HTD), blocks, "backward")
     common = dict(D=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                  PRECISION=_precision(q_HTD.dtype), num_warps=warps, num_stages=stages)
+                  PRECISION=dot_precision(q_HTD.dtype), num_warps=warps, num_stages=stages)
     sizes = (tokens, page_tokens, tq, heads // kv_heads, float(scale), offset)
     strides = (*q_HTD.stride(), *k_NPKD.stride(), *v_NPKD.stride(), *dout_HTD.stride(), *lse_HT.stride())
     _paged_dq_kernel[(triton.cdiv(tq, block_m), heads)](

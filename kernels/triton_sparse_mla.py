@@ -39,6 +39,8 @@ here only where `kernels.dispatch.fast_path(q, "triton")` says so.
 
 import torch
 
+from .triton_common import pow2
+
 try:
     import triton
     import triton.language as tl
@@ -54,10 +56,6 @@ def supported(q_lat, q_rope, pieces):
         return False
     return all(x.dtype == q_lat.dtype and x.device == q_lat.device and (x.shape[0] == 0 or x.stride(-1) == 1)
                for x in (q_rope, *pieces))
-
-
-def _pow2(n, least=16):
-    return max(least, triton.next_power_of_2(int(n)))
 
 
 if triton is not None:
@@ -204,9 +202,9 @@ def _piece_tables(latents, ropes):
 
 def _blocks(q_lat, q_rope, positions):
     heads, rank, rope = q_lat.shape[1], q_lat.shape[2], q_rope.shape[2]
-    block_h = _pow2(min(heads, 32))
+    block_h = pow2(min(heads, 32))
     block_k = 16 if rank > 256 or q_lat.device.type != "cuda" else 32
-    return dict(BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=_pow2(rank), BLOCK_E=_pow2(rope),
+    return dict(BLOCK_H=block_h, BLOCK_K=block_k, BLOCK_R=pow2(rank), BLOCK_E=pow2(rope),
                 PRECISION="ieee" if q_lat.dtype == torch.float32 else None,
                 num_warps=8 if rank >= 256 else 4), triton.cdiv(heads, block_h)
 
