@@ -9,26 +9,21 @@ Legend as gated_delta.py: q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay) a
 state [B, Hv, dk, dv].
 """
 
-from functools import lru_cache
-
 import torch
 
 from .dispatch import fast_path
+from .fla_dqkwg import dqkwg_refused, ensure_registered
 
 # fla tiles the key and value head dims in blocks of at most 256 (Qwen3.6: 128 each).
 _MAX_HEAD_DIM = 256
 
 
-@lru_cache(maxsize=None)
-def fla_backward_works(device_index: int) -> bool:
-    """fla 0.6 refuses its backward (a RuntimeError at the first backward) with Triton >= 3.4 and < 3.7.1 on Hopper
-    (compute capability 9.x: H20, H100, H200), whose compiler then gives wrong gradients in one of its kernels:
-    seen on an H200 with Triton 3.6. The forward is unaffected."""
-    import triton
-
-    version = tuple(int(part) for part in triton.__version__.split(".")[:3] if part.isdigit())
-    hopper = torch.cuda.get_device_capability(device_index)[0] == 9
-    return not (hopper and (3, 4, 0) <= version < (3, 7, 1))
+def fla_backward_works(device) -> bool:
+    """Whether fla's backward runs on `device`. fla 0.6 refuses it (a RuntimeError at the first backward) with
+    Triton >= 3.4 and < 3.7.1 on Hopper (H20, H100, H200), whose compiler builds one of its kernels wrongly; there
+    the project's torch build of that one step (fla_dqkwg.py) is registered with fla and serves it, unless fla's
+    backend dispatch is turned off."""
+    return not dqkwg_refused(device) or ensure_registered()
 
 
 def fla_applies(query, value, initial_state=None) -> bool:
@@ -36,7 +31,7 @@ def fla_applies(query, value, initial_state=None) -> bool:
         return False
     needs_backward = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (query, value, initial_state))
-    if needs_backward and not fla_backward_works(query.device.index or 0):
+    if needs_backward and not fla_backward_works(query.device):
         return False  # the project's kernel computes this call (its backward is right on every device)
     if query.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
@@ -49,6 +44,8 @@ def chunk_gated_delta_rule_fla(query, key, value, g, beta, initial_state=None, o
                                use_qk_l2norm_in_kernel=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
+    if dqkwg_refused(query.device):
+        ensure_registered()  # before fla's backward can run (fla_backward_works)
     state = None if initial_state is None else initial_state.to(torch.float32)
     out, final = fla_rule(query, key, value, g=g.to(torch.float32), beta=beta, scale=query.shape[-1] ** -0.5,
                           initial_state=state, output_final_state=output_final_state,

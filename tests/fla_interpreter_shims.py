@@ -2,9 +2,12 @@
 tests/test_fla_interpreter.py, in a subprocess of its own.
 
 Run as `TRITON_INTERPRET=1 PYTHONPATH=<folder with fla> python fla_interpreter_shims.py INPUTS OUTPUTS`: INPUTS is a
-torch.save'd list of cases (dicts of float32 inputs, cotangents and flags); for each case the project's CUDA glue
-`kernels/fla_delta.chunk_gated_delta_rule_fla` calls fla, and OUTPUTS receives the output, the final state and the
-gradients of every input (the initial state's included) under those cotangents.
+torch.save'd dict: "cases" (dicts of float32 inputs, cotangents and flags) and "dqkwg" (keyword arguments of fla's
+`chunk_bwd_dqkwg`). For each case the project's CUDA glue `kernels/fla_delta.chunk_gated_delta_rule_fla` calls fla,
+twice: as installed, and with the project's torch `chunk_bwd_dqkwg` (kernels/fla_dqkwg.py) registered and taken,
+as where fla refuses its own. OUTPUTS receives the output, the final state and the gradients of every input (the
+initial state's included) under those cotangents, for both; and for each "dqkwg" entry, fla's Triton step and the
+torch one on the same arguments.
 
 Never import this module into the test process: fla must not be importable there (transformers' qwen3_5 then
 sends CPU tensors to fla), and the shims below change Triton for the whole process.
@@ -93,13 +96,47 @@ def run_case(case: dict) -> dict:
     return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d for name, d in zip(names, grads)}}
 
 
+def run_case_with_torch_dqkwg(case: dict) -> tuple[dict, int]:
+    """run_case with the project's torch `chunk_bwd_dqkwg` (kernels/fla_dqkwg.py) registered with fla and taken on
+    every call, as on a machine where fla refuses its Triton build; and how many calls it served. The default
+    registration is restored after."""
+    from ds_longstraw.kernels.fla_dqkwg import register_backend
+
+    served = []
+
+    def accept_every_gated_call(q, k, g, g_gamma, cu_seqlens):
+        served.append(g is not None)
+        return g is not None and g_gamma is None and cu_seqlens is None
+
+    assert register_backend(accept_every_gated_call)
+    try:
+        return run_case(case), sum(served)
+    finally:
+        register_backend()
+
+
+def run_dqkwg(inputs: dict) -> tuple[tuple, tuple]:
+    """fla's Triton `chunk_bwd_dqkwg` (its undispatched default) and the project's torch build on the same inputs."""
+    import inspect
+
+    from fla.ops.common import chunk_o
+
+    from ds_longstraw.kernels.fla_dqkwg import chunk_bwd_dqkwg_torch
+
+    fla_kernel = inspect.unwrap(chunk_o.chunk_bwd_dqkwg)  # past fla's backend dispatch
+    return fla_kernel(**inputs), chunk_bwd_dqkwg_torch(**inputs)
+
+
 def main(argv) -> None:
     inputs_path, outputs_path = argv
     install()
     import torch
 
     warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-    torch.save([run_case(case) for case in torch.load(inputs_path)], outputs_path)
+    inputs = torch.load(inputs_path)
+    torch.save({"cases": [run_case(case) for case in inputs["cases"]],
+                "torch_dqkwg_cases": [run_case_with_torch_dqkwg(case) for case in inputs["cases"]],
+                "dqkwg": [run_dqkwg(step) for step in inputs["dqkwg"]]}, outputs_path)
 
 
 if __name__ == "__main__":

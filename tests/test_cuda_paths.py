@@ -14,6 +14,7 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.kernels import attention, chunk_gated_delta_rule, partial_attention, partial_attention_reference
 from ds_longstraw.kernels.cuda_attention import flash_applies, fold_lse_grad
 from ds_longstraw.kernels.dispatch import current_mode, fast_path, kernel_mode
+from ds_longstraw.kernels.fla_dqkwg import dqkwg_refused, refused_by_fla
 from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
 
 F64 = dict(dtype=torch.float64)
@@ -35,6 +36,19 @@ def test_kernel_mode_is_restored_after_an_error():
     with pytest.raises(ValueError, match="fastest"):
         with kernel_mode("fastest"):
             pass
+
+
+@pytest.mark.parametrize("major,version,refused", [
+    (9, "3.6.0", True), (9, "3.4.0", True), (9, "3.7.0+git1a2b", True), (9, "3.7.1rc1", True),  # rc reads as 3.7
+    (9, "3.7.1", False), (9, "3.9.0", False), (9, "3.3.1", False), (8, "3.6.0", False), (10, "3.6.0", False)])
+def test_fla_refuses_its_dqkwg_step_on_hopper_with_triton_3_4_to_3_7_1(major, version, refused):
+    """Where fla's Triton `chunk_bwd_dqkwg` is refused, and so the project's torch step is taken (fla_dqkwg.py; the
+    step itself is proven against fla's kernel under the Triton interpreter, tests/test_fla_interpreter.py)."""
+    assert refused_by_fla(major, version) is refused
+
+
+def test_cpu_tensors_never_ask_for_the_torch_dqkwg_step():
+    assert not dqkwg_refused(torch.device("cpu"))
 
 
 def test_kernels_key_is_validated_by_name():
@@ -160,7 +174,8 @@ def test_reference_mode_keeps_cuda_tensors_on_the_torch_path():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 6e-2)])
 def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
     """fla's chunk kernel (taken for CUDA tensors) against the float64 token loop: values, final state and every
-    gradient, the initial state's included. fla computes in tf32/bf16 matmuls: 2e-3 (float32), 6e-2 (bf16)."""
+    gradient, the initial state's included. fla computes in tf32/bf16 matmuls: 2e-3 (float32), 6e-2 (bf16).
+    On Hopper with Triton >= 3.4 and < 3.7.1 the backward takes the project's torch dqkwg step (fla_dqkwg.py)."""
     pytest.importorskip("fla")
     from ds_longstraw.kernels.fla_delta import fla_applies
 
@@ -182,7 +197,8 @@ def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
                                                     use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out.double().cpu(), ref_out.detach(), rtol=0, atol=atol)
     torch.testing.assert_close(final.double().cpu(), ref_final.detach(), rtol=0, atol=atol)
-    # with autograd: fla where its backward is right, else the project's kernel (fla_backward_works)
+    # with autograd: fla's backward, with the project's torch dqkwg step where fla refuses its own (fla_dqkwg.py)
+    assert fla_applies(fast[0], fast[2], fast[5])
     out, final = chunk_gated_delta_rule(*fast[:5], initial_state=fast[5], output_final_state=True,
                                         use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=atol)

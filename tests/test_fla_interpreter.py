@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ds_longstraw.kernels.fla_dqkwg import SLICE_CHUNKS
 from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
 from ds_longstraw.kernels.gated_delta_chunked import chunk_gated_delta_rule
 
@@ -112,21 +113,54 @@ def _run_project(rule, case):
     return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d for name, d in zip(names, grads)}}
 
 
+def _dqkwg_arguments(batch, tokens, heads, dk, dv, with_w, state_v_first, seed):
+    """Keyword arguments of fla's `chunk_bwd_dqkwg` as its gated delta rule backward passes them: g the gate's
+    cumulative log2 inside each 64-token chunk (non-increasing, as decays make it), states h and dh per chunk."""
+    gen = torch.Generator().manual_seed(seed)
+    chunks = -(-tokens // 64)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    steps = -torch.rand(batch, chunks * 64, heads, generator=gen) * 0.3
+    g = steps.view(batch, chunks, 64, heads).cumsum(2).view(batch, -1, heads)[:, :tokens].contiguous()
+    state = (batch, chunks, heads, dv, dk) if state_v_first else (batch, chunks, heads, dk, dv)
+    return {"q": randn(batch, tokens, KEY_HEADS, dk), "k": randn(batch, tokens, KEY_HEADS, dk),
+            "v": randn(batch, tokens, heads, dv), "do": randn(batch, tokens, heads, dv),
+            "h": randn(*state) * 0.3, "dh": randn(*state) * 0.3,
+            "w": randn(batch, tokens, heads, dk) if with_w else None,
+            "dv": randn(batch, tokens, heads, dv) if with_w else None,
+            "g": g, "scale": dk ** -0.5, "state_v_first": state_v_first}
+
+
+# id -> batch, tokens, value heads, key head dim, value head dim, with the delta rule's w, states stored [V, K]
+DQKWG_CASES = {
+    "T100-w": (1, 100, 4, 16, 32, True, False),
+    "T130-B2-state-v-first": (2, 130, 4, 32, 16, True, True),
+    "T64-no-w": (1, 64, 4, 16, 16, False, False),
+    "T1100-two-slices": (1, 1100, 4, 16, 16, True, False),  # 18 chunks: SLICE_CHUNKS (16) and a short slice
+}
+
+
 @pytest.fixture(scope="module")
 def fla_results(tmp_path_factory):
-    """id -> (float64 case, fla's results): every case in one interpreter subprocess (fla's import is most of its
-    time)."""
+    """Everything fla computes here, in one interpreter subprocess (fla's import is most of its time):
+    "cases" id -> (float64 case, fla's results as installed, fla's results with the project's torch dqkwg step
+    and how many calls that step served); "dqkwg" id -> (fla's Triton step, the torch step)."""
     fla_dir = _install_fla()
     cases = {name: _case(*shape, seed=index) for index, (name, shape) in enumerate(CASES.items())}
+    steps = {name: _dqkwg_arguments(*shape, seed=10 + index) for index, (name, shape) in enumerate(DQKWG_CASES.items())}
     folder = tmp_path_factory.mktemp("fla_interpreter")
     inputs, outputs = folder / "inputs.pt", folder / "outputs.pt"
-    torch.save([_as_float32(case) for case in cases.values()], inputs)
+    torch.save({"cases": [_as_float32(case) for case in cases.values()], "dqkwg": list(steps.values())}, inputs)
     env = dict(os.environ, TRITON_INTERPRET="1",
                PYTHONPATH=os.pathsep.join(p for p in [str(fla_dir), os.environ.get("PYTHONPATH")] if p))
     result = subprocess.run([sys.executable, str(RUNNER), str(inputs), str(outputs)], env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=600)
     assert result.returncode == 0, f"fla under the interpreter failed:\n{result.stdout[-3000:]}{result.stderr[-5000:]}"
-    return dict(zip(cases, zip(cases.values(), torch.load(outputs))))
+    out = torch.load(outputs)
+    return {"cases": dict(zip(cases, zip(cases.values(), out["cases"], out["torch_dqkwg_cases"]))),
+            "dqkwg": dict(zip(steps, out["dqkwg"]))}
 
 
 def _scaled_error(got, want):
@@ -134,9 +168,7 @@ def _scaled_error(got, want):
     return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_fla_matches_the_token_loop_and_the_chunked_kernel(fla_results, name):
-    case, fla = fla_results[name]
+def _check_against_the_loop(fla, case):
     reference = _run_project(recurrent_gated_delta_rule, case)
     project = _run_project(chunk_gated_delta_rule, _as_float32(case))
     assert fla.keys() == reference.keys()
@@ -145,3 +177,37 @@ def test_fla_matches_the_token_loop_and_the_chunked_kernel(fla_results, name):
         assert fla_error <= ATOL, f"{key}: fla differs from the float64 loop by {fla_error:.2e}"
         assert fla_error <= RATIO * project_error + FLOOR, (
             f"{key}: fla's error {fla_error:.2e} against {project_error:.2e} for the project's float32 kernel")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fla_matches_the_token_loop_and_the_chunked_kernel(fla_results, name):
+    case, fla, _ = fla_results["cases"][name]
+    _check_against_the_loop(fla, case)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fla_with_the_torch_dqkwg_step_matches_the_token_loop(fla_results, name):
+    """fla's whole backward with its refused step served by kernels/fla_dqkwg.py (as on Hopper with Triton 3.6):
+    the same bounds as fla's own, and the step did serve the backward (one call per backward)."""
+    case, _, (fla, served) = fla_results["cases"][name]
+    assert served == 1
+    _check_against_the_loop(fla, case)
+
+
+@pytest.mark.parametrize("name", list(DQKWG_CASES))
+def test_torch_dqkwg_step_matches_fla_triton_step(fla_results, name):
+    """The step alone against fla's Triton kernel on the same arguments (dq, dk, dw, dg; dg before fla's reverse
+    cumsum). Both compute in float32 (the interpreter's tl.dot is IEEE float32) and sum in different orders:
+    2e-6 of the largest entry is ~20 float32 ulps, over sums of at most 64 + V terms."""
+    fla, torch_step = fla_results["dqkwg"][name]
+    if name == "T1100-two-slices":
+        assert -(-DQKWG_CASES[name][1] // 64) > SLICE_CHUNKS  # the case spans more than one slice
+    assert len(fla) == len(torch_step) == 4
+    for label, got, want in zip(("dq", "dk", "dw", "dg"), torch_step, fla):
+        if want is None:
+            assert got is None, f"{label}: fla returns none, the torch step returns one"
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype, label
+        assert got.is_contiguous(), f"{label}: fla's next kernels address it by raw strides"
+        error = _scaled_error(got, want.double())
+        assert error <= 2e-6, f"{label}: the torch step differs from fla's by {error:.2e}"
