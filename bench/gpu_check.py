@@ -130,7 +130,17 @@ def attention_section(report, clock, device, dtype, sizes):
             out, _ = partial_attention(q, k.detach(), v.detach(), head_dim ** -0.5)
             torch.autograd.grad(out, (q,), dout)
 
-        paths = [("fast", ours), ("fast_constant_keys", ours_constant_keys), ("peer", peer)]
+        # the same call on tensors stored token-major ([T, heads, D], as flash reads them) and handed over as
+        # head-major views: if this row matches the peer, the gap is the strided views of head-major pages
+        q_tm, k_tm, v_tm = (x.detach().transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v))
+
+        def ours_token_major_storage():
+            out, _ = partial_attention(q_tm.transpose(0, 1), k_tm.transpose(0, 1), v_tm.transpose(0, 1),
+                                       head_dim ** -0.5)
+            torch.autograd.grad(out, (q_tm, k_tm, v_tm), dout)
+
+        paths = [("fast", ours), ("fast_token_major_storage", ours_token_major_storage),
+                 ("fast_constant_keys", ours_constant_keys), ("peer", peer)]
         if device == "cuda":  # which SDPA backend sets the peer's pace (each alone; a missing one is skipped)
             from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -18,7 +18,8 @@ h, dh the chunk's state and state gradient, [K, V]; all products below are over 
     dg = rowsum(dq * q) - rowsum(dk * k), plus, on the chunk's last row,
          exp2(g_last) * sum(h * dh) + sum(exp2(g_last - g) * (v @ dh^T) * k)
 dq and dk are then summed over the value heads sharing a key head. fla's kernel rounds ds to the inputs' dtype
-before its two last products; this computes everything in float32 and rounds only the results.
+before its two last products; this computes everything in float32 and rounds only the results, and sums dg so
+that its terms which cancel exactly do so in float32 too (where fla's kernel leaves an ulp or two).
 Legend (fla's layout): q, k [B, T, H, K]; v, do, dv [B, T, HV, V]; w [B, T, HV, K]; g [B, T, HV];
 h, dh [B, NT, HV, K, V] ([.., V, K] with state_v_first).
 """
@@ -29,8 +30,8 @@ import torch
 
 # fla's TileLang remedy registers at priority 5; a larger number is tried after it
 _PRIORITY = 6
-# Chunks per batch of matmuls. A slice's float32 scratch is about 8 x HV x 128 floats per token plus its chunks'
-# states: ~330 MiB for 1,024 tokens of Qwen3.6's 48 value heads of 128, whatever the call's length (under the
+# Chunks per batch of matmuls. A slice's float32 scratch is about 6 x HV x 128 floats per token plus its chunks'
+# states: ~250 MiB for 1,024 tokens of Qwen3.6's 48 value heads of 128, whatever the call's length (under the
 # planner's delta-rule workspace for a capture chunk, offload/plan.py).
 SLICE_CHUNKS = 16
 
@@ -64,50 +65,60 @@ def chunk_bwd_dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=N
 
 def _dqkwg_slice(q, k, v, do, dv, g, h, dh, scale, state_v_first, chunk_size):
     """The step over whole chunks of one slice (its last chunk may be short), in float32: dq, dk [B, t, H, K],
-    dg [B, t, HV], dw [B, t, HV, K] (None without dv)."""
+    dg [B, t, HV], dw [B, t, HV, K] (None without dv). Value heads are kept as [H, G] (value head h * G + j reads
+    key head h, as in fla), so a key head's q and k are read once for its G value heads, never copied G times."""
     batch, tokens, key_heads, key_dim = k.shape
-    value_heads = v.shape[2]
+    group = v.shape[2] // key_heads
     chunks = h.shape[1]
     pad = chunks * chunk_size - tokens
 
-    def chunked(x, heads_to=None):  # [B, t, heads, D] -> float32 [B, n, BT, HV, D], zero rows past the end
-        x = x.float()
-        if heads_to is not None and x.shape[2] != heads_to:
-            x = x.repeat_interleave(heads_to // x.shape[2], dim=2)
-        x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad))
-        return x.view(batch, chunks, chunk_size, *x.shape[2:])
+    def chunked(x):  # [B, t, heads, D] -> float32 [B, n, BT, heads, D] (or [.., H, G, D]), zero rows past the end
+        x = torch.nn.functional.pad(x.float(), (0, 0, 0, 0, 0, pad))
+        x = x.view(batch, chunks, chunk_size, *x.shape[2:])
+        return x if x.shape[3] == key_heads else x.view(*x.shape[:3], key_heads, group, x.shape[-1])
 
-    q_, k_ = chunked(q, value_heads), chunked(k, value_heads)
-    v_, do_ = chunked(v), chunked(do)
-    h_, dh_ = (x.float().transpose(-1, -2) if state_v_first else x.float() for x in (h, dh))  # [B, n, HV, K, V]
-    gate = torch.nn.functional.pad(g.float(), (0, 0, 0, pad)).view(batch, chunks, chunk_size, value_heads)
+    q_, k_ = chunked(q), chunked(k)  # [B, n, BT, H, K]
+    v_, do_ = chunked(v), chunked(do)  # [B, n, BT, H, G, V]
+    h_, dh_ = (x.float().transpose(-1, -2) if state_v_first else x.float() for x in (h, dh))
+    h_, dh_ = (x.view(batch, chunks, key_heads, group, key_dim, -1) for x in (h_, dh_))  # [B, n, H, G, K, V]
+    gate = torch.nn.functional.pad(g.float(), (0, 0, 0, pad)).view(batch, chunks, chunk_size, key_heads, group)
     last_row = torch.arange(chunks, device=g.device) * chunk_size + chunk_size - 1
     last_row[-1] = tokens - 1  # the last chunk may be short
-    gate_last = g.float()[:, last_row]  # [B, n, HV]
+    gate_last = g.float()[:, last_row].view(batch, chunks, key_heads, group)
 
     # products with the chunk's state; padded rows are zero in do, v, q and k, so they contribute nothing
-    dq = torch.einsum("bnihv,bnhkv->bnihk", do_, h_) * (torch.exp2(gate) * scale).unsqueeze(-1)
-    dk = torch.einsum("bnihv,bnhkv->bnihk", v_, dh_) * torch.exp2(gate_last.unsqueeze(2) - gate).unsqueeze(-1)
-    dg_last = (h_ * dh_).sum((-2, -1)) * torch.exp2(gate_last) + (dk * k_).sum((2, 4))  # [B, n, HV]
+    dq = torch.einsum("bnihgv,bnhgkv->bnihgk", do_, h_) * (torch.exp2(gate) * scale).unsqueeze(-1)
+    dk = torch.einsum("bnihgv,bnhgkv->bnihgk", v_, dh_) * torch.exp2(gate_last.unsqueeze(2) - gate).unsqueeze(-1)
+    # rowsum(dk * k) of the state part enters dg twice: subtracted on its row, and summed into the chunk's last
+    # row; one tensor for both, so that the two cancel exactly where they must (one token without a state)
+    dk_k = (dk * k_.unsqueeze(4)).sum(-1)  # [B, n, BT, H, G]
+    dg_last = (h_ * dh_).sum((-2, -1)) * torch.exp2(gate_last) + dk_k.sum(2)
 
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = torch.exp2(gate.unsqueeze(3) - gate.unsqueeze(2))  # [B, n, BT(i), BT(j), HV]
-    ds = torch.einsum("bnihv,bnjhv->bnijh", do_, v_) * decay * scale
-    ds = ds.masked_fill(~causal[:, :, None], 0.0)
-    dq = dq + torch.einsum("bnijh,bnjhk->bnihk", ds, k_)
-    dk = dk + torch.einsum("bnijh,bnihk->bnjhk", ds, q_)
+    decay = torch.exp2(gate.unsqueeze(3) - gate.unsqueeze(2))  # [B, n, BT(i), BT(j), H, G]
+    ds = torch.einsum("bnihgv,bnjhgv->bnijhg", do_, v_) * decay * scale
+    ds = ds.masked_fill(~causal[:, :, None, None], 0.0)
 
-    dg = (dq * q_).sum(-1) - (dk * k_).sum(-1)  # [B, n, BT, HV]
-    dg = dg.reshape(batch, chunks * chunk_size, value_heads)
-    dg[:, last_row] += dg_last
+    # dg = rowsum(dq * q) - rowsum(dk * k). The ds parts of dq and dk contribute rowsum(M) - colsum(M) with
+    # M = ds * (q k^T): summed that way they cancel exactly where they must (a chunk of one token has dg = 0
+    # there), instead of leaving the rounding of two large, nearly equal rowsums.
+    scores = torch.einsum("bnihk,bnjhk->bnijh", q_, k_)
+    weighted = ds * scores.unsqueeze(-1)  # M, [B, n, BT(i), BT(j), H, G]
+    dg = (dq * q_.unsqueeze(4)).sum(-1) - dk_k + weighted.sum(3) - weighted.sum(2)  # [B, n, BT, H, G]
+    dq = dq + torch.einsum("bnijhg,bnjhk->bnihgk", ds, k_)
+    dk = dk + torch.einsum("bnijhg,bnihk->bnjhgk", ds, q_)
+
+    dg = dg.reshape(batch, chunks * chunk_size, key_heads * group)
+    dg[:, last_row] += dg_last.view(batch, chunks, -1)
     dw = None
     if dv is not None:
-        dw = -torch.einsum("bnihv,bnhkv->bnihk", chunked(dv), h_).reshape(batch, -1, value_heads, key_dim)
+        dw = -torch.einsum("bnihgv,bnhgkv->bnihgk", chunked(dv), h_)
+        dw = dw.reshape(batch, chunks * chunk_size, key_heads * group, key_dim)[:, :tokens]
 
-    def per_key_head(x):  # [B, n, BT, HV, K] -> [B, t, H, K], summing the value heads of each key head
-        return x.reshape(batch, -1, key_heads, value_heads // key_heads, key_dim).sum(3)[:, :tokens]
+    def per_key_head(x):  # [B, n, BT, H, G, K] -> [B, t, H, K], summing the value heads of each key head
+        return x.sum(4).reshape(batch, chunks * chunk_size, key_heads, key_dim)[:, :tokens]
 
-    return per_key_head(dq), per_key_head(dk), dg[:, :tokens], None if dw is None else dw[:, :tokens]
+    return per_key_head(dq), per_key_head(dk), dg[:, :tokens], dw
 
 
 def dqkwg_refused(device) -> bool:

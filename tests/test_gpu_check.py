@@ -25,7 +25,8 @@ def test_gpu_check_dry_run(tmp_path):
     sections = report["sections"]
     assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
     assert all(section["error"] is None for section in sections.values())
-    assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_constant_keys", "peer",
+    assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_token_major_storage",
+                                                                       "fast_constant_keys", "peer",
                                                                        "backward_constant_keys", "reference"}
     assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
                                                                      "reference_forward"}
