@@ -70,6 +70,10 @@ class Report:
         self.sections.setdefault(section, {"rows": [], "error": None})["error"] = error
         print(f"[gpu_check] {section} FAILED:\n{error}", flush=True)
 
+    def paths(self, section, taken):
+        """The kernel paths the section's calls took (kernels/dispatch.paths_taken): what "fast" really ran."""
+        self.sections.setdefault(section, {"rows": [], "error": None})["paths"] = taken
+
     def write(self, environment):
         with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as handle:
             json.dump({"environment": environment, "dry_run": self.dry_run, "sections": self.sections}, handle,
@@ -82,6 +86,10 @@ class Report:
                 keys = list(rows[0])
                 lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
                 lines += ["| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |" for row in rows]
+            if section.get("paths"):
+                lines.append("\nPaths taken: " + "; ".join(
+                    f"{kernel}: " + ", ".join(f"{path} x {calls:,}" for path, calls in paths.items())
+                    for kernel, paths in section["paths"].items()))
             if section["error"]:
                 lines.append(f"\nFAILED: {section['error'].strip().splitlines()[-1]}")
             lines.append("")
@@ -455,8 +463,11 @@ def main(argv=None):
     print(f"[gpu_check] {env}", flush=True)
     kernels = {"attention": attention_section, "gated_delta": delta_rule_section, "logprobs": logprobs_section,
                "triton": triton_section}
+    from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
+
     for name in args.sections.split(","):
         section_start = time.monotonic()
+        reset_paths_taken()
         try:
             if name == "grpo_step":
                 grpo_section(report, device, dtype, sizes[name], deadline=started + args.budget)
@@ -465,6 +476,7 @@ def main(argv=None):
         except Exception:  # noqa: BLE001 -- a failed section is recorded and the check goes on
             report.fail(name, traceback.format_exc())
         finally:
+            report.paths(name, paths_taken())
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(f"[gpu_check] {name}: {time.monotonic() - section_start:.1f} s", flush=True)

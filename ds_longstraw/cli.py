@@ -130,6 +130,7 @@ def demo(args):
     import torch
 
     from .bench import run_one
+    from .kernels.dispatch import describe_paths, reset_paths_taken
 
     shape, prompt = MODELS[args.model]
     args.shape = args.shape or shape
@@ -138,9 +139,11 @@ def demo(args):
     print(f"ds_longstraw demo: {args.shape} model (random weights), prompt {args.prompt:,} tokens, "
           f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.mode}, "
           f"{threads} threads")
+    reset_paths_taken()
     row = run_one(f"longstraw-{args.mode}", args.prompt, args.group, args.response, args.shape, args.chunk,
                   progress=True)
     print(f"\nGRPO step done: loss {row['loss']:.6f}, wall {row['seconds']:.1f} s")
+    print(f"  {describe_paths()}")
     print(f"\n  {'phase':<10} {'seconds':>8}   {'peak':>12}   (process high-water mark)")
     for name, phase in row["phases"].items():
         print(f"  {name:<10} {phase['seconds']:8.2f}   {_fmt(phase['peak_bytes']):>12}")

@@ -24,7 +24,7 @@ from .attention_reference import (
     partial_attention_reference,
 )
 from .cuda_attention import flash_applies, flash_backward, flash_forward
-from .dispatch import fast_path
+from .dispatch import fast_path, record
 from .lse import merge_partials
 
 # Forward through PyTorch's fused CPU flash kernel where it applies; the blockwise torch loop below is both the
@@ -111,13 +111,17 @@ def _triton_paged(q_HTD, k_KTD):
 
 def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
     if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (cuda_attention.py)
+        record("attention forward", "flash")
         return flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     paged = _triton_paged(q_HTD, k_KTD)
     if paged is not None:  # CUDA, where flash does not apply
+        record("attention forward", "triton_paged")
         return paged.segment_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     fused = _fused_cpu_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset) if USE_FUSED else None
     if fused is not None:
+        record("attention forward", "torch_fused_cpu")
         return fused[0], fused[1].to(accumulation_dtype(q_HTD.dtype))
+    record("attention forward", "torch_blockwise")
     return _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
@@ -182,16 +186,20 @@ def _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_bloc
     flash = flash_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if flash_applies(
         q, k, causal_offset) else None
     if flash is not None:
+        record("attention backward", "flash")
         dq, dk, dv = flash
         return dq, (dk if need_kv else None), (dv if need_kv else None)
     paged = _triton_paged(q, k)
     if paged is not None:
+        record("attention backward", "triton_paged")
         return paged.segment_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, need_kv)
     if USE_FUSED and (dlse is None or not dlse.any()):
         fused = _fused_cpu_backward(q, k, v, out, lse, dout, scale, causal_offset)
         if fused is not None:
+            record("attention backward", "torch_fused_cpu")
             dq, dk, dv = fused
             return dq, (dk if need_kv else None), (dv if need_kv else None)
+    record("attention backward", "torch_blockwise")
     return _blockwise_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv)
 
 

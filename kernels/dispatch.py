@@ -54,3 +54,33 @@ def fast_path(tensor, library: str | None = None) -> bool:
     if _mode != "auto" or tensor.device.type != "cuda":
         return False
     return library is None or available(library)
+
+
+# ---- which paths ran ---------------------------------------------------------------------------------------------
+# A fast path never replaces its reference silently: every dispatch site records the path it took, and
+# `paths_taken` says which ran and how often (the launcher prints it after the first step).
+_taken: dict[str, dict[str, int]] = {}
+
+
+def record(kernel: str, path: str) -> None:
+    """Counts one call of `kernel` on `path` ("flash", "fla", "triton", "torch_chunked", ...)."""
+    paths = _taken.setdefault(kernel, {})
+    paths[path] = paths.get(path, 0) + 1
+
+
+def paths_taken() -> dict[str, dict[str, int]]:
+    """{kernel: {path: calls}} in this process since it started or since `reset_paths_taken`."""
+    return {kernel: dict(paths) for kernel, paths in _taken.items()}
+
+
+def reset_paths_taken() -> None:
+    _taken.clear()
+
+
+def describe_paths(taken: dict[str, dict[str, int]] | None = None) -> str:
+    """One line: "kernels (mode auto): attention forward: flash x 96; gated delta rule: fla x 144, ...", kernels in
+    the order they first ran, each path with its calls."""
+    taken = paths_taken() if taken is None else taken
+    kernels = "; ".join(f"{kernel}: " + ", ".join(f"{path} x {calls:,}" for path, calls in paths.items())
+                        for kernel, paths in taken.items())
+    return f"kernels (mode {_mode}): {kernels or 'none ran'}"

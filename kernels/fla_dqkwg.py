@@ -28,6 +28,8 @@ from functools import lru_cache
 
 import torch
 
+from .dispatch import record
+
 # fla's TileLang remedy registers at priority 5; a larger number is tried after it
 _PRIORITY = 6
 # Chunks per batch of matmuls. A slice's float32 scratch is about 6 x HV x 128 floats per token plus its chunks'
@@ -171,6 +173,7 @@ def register_backend(accept=None) -> bool:
             return False, "taken only where fla's Triton chunk_bwd_dqkwg is refused (gated, equal lengths)"
 
         def chunk_bwd_dqkwg(self, *args, **kwargs):
+            record("fla backward step dqkwg", "torch")
             return chunk_bwd_dqkwg_torch(*args, **kwargs)
 
     backends.register("common")(TorchDqkwgBackend)

@@ -19,6 +19,7 @@ head dims. Within a chunk, with cum = cumsum(g), D_ij = exp(cum_i - cum_j) (j <=
 import torch
 import torch.nn.functional as F
 
+from .dispatch import record
 from .fla_delta import chunk_gated_delta_rule_fla, fla_applies
 from .gated_delta import _acc_dtype
 
@@ -216,8 +217,10 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     if query.shape[1] == 0:
         raise ValueError("the gated delta rule needs at least one token")
     if fla_applies(query, value, initial_state):  # CUDA: flash-linear-attention's kernel (fla_delta.py)
+        record("gated delta rule", "fla")
         return chunk_gated_delta_rule_fla(query, key, value, g, beta, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel)
+    record("gated delta rule", "torch_chunked")
     out, final = _ChunkedDeltaRule.apply(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
                                          chunk_size)
     return out, (final if output_final_state else None)

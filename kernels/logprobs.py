@@ -27,7 +27,7 @@ is summed over chunks in that accumulation dtype.
 
 import torch
 
-from .dispatch import fast_path
+from .dispatch import fast_path, record
 
 # Vocabulary ids per chunk. Measured on CPU (2 shared cores, float32, T = 1,024, C = 256, V = 65,536, forward +
 # backward of the log-probs alone, best of 3): 1,024 ids 7.9 s, 4,096 3.6 s, 8,192 3.0 s, 16,384 2.6 s, 32,768
@@ -111,6 +111,7 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_directio
     # sum_v exp(z[v] - max) weight[v], rescaled with the running max as sum_T is
     expected_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if with_direction else None
     forward_step, _ = _steps(hidden_TC)
+    record("log-probs", "chunked" if forward_step is forward_step_reference else "chunked_triton_steps")
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
         z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1)

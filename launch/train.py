@@ -243,6 +243,7 @@ def main(argv=None):
 
     import ds_longstraw
     from ds_longstraw.checkpoint_files import save_record
+    from ds_longstraw.kernels.dispatch import describe_paths
 
     _init_distributed()
     rank = dist.get_rank()
@@ -300,6 +301,8 @@ def main(argv=None):
         if rank == 0:
             record = _metrics(done, result, dp_world)
             say(step_line(record, run.train.max_steps))
+            if done == start + 1:  # which kernel paths the first step took on this rank (never silently)
+                say(f"[longstraw] {describe_paths()}")
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()

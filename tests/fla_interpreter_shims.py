@@ -98,8 +98,9 @@ def run_case(case: dict) -> dict:
 
 def run_case_with_torch_dqkwg(case: dict) -> tuple[dict, int]:
     """run_case with the project's torch `chunk_bwd_dqkwg` (kernels/fla_dqkwg.py) registered with fla and taken on
-    every call, as on a machine where fla refuses its Triton build; and how many calls it served. The default
-    registration is restored after."""
+    every call, as on a machine where fla refuses its Triton build; and how many calls it served (as the
+    dispatch's record counts them). The default registration is restored after."""
+    from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
     from ds_longstraw.kernels.fla_dqkwg import register_backend
 
     served = []
@@ -109,8 +110,11 @@ def run_case_with_torch_dqkwg(case: dict) -> tuple[dict, int]:
         return g is not None and g_gamma is None and cu_seqlens is None
 
     assert register_backend(accept_every_gated_call)
+    reset_paths_taken()
     try:
-        return run_case(case), sum(served)
+        results = run_case(case)
+        assert paths_taken().get("fla backward step dqkwg") == {"torch": sum(served)}, paths_taken()
+        return results, sum(served)
     finally:
         register_backend()
 

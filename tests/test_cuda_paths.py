@@ -51,6 +51,43 @@ def test_cpu_tensors_never_ask_for_the_torch_dqkwg_step():
     assert not dqkwg_refused(torch.device("cpu"))
 
 
+def test_every_dispatch_records_the_path_it_took(monkeypatch):
+    """A fast path never replaces its reference silently: each kernel call records its path (kernels/dispatch.py),
+    and the launcher prints them after the first step (tests/test_launcher.py)."""
+    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
+    from ds_longstraw.kernels import chunked_logprobs
+    from ds_longstraw.kernels.dispatch import describe_paths, paths_taken, reset_paths_taken
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(heads, 6, 8, generator=gen, requires_grad=True) for heads in (4, 2, 2))
+    reset_paths_taken()
+    out, _ = partial_attention(q, k, v, 0.3)
+    out.sum().backward()
+    monkeypatch.setattr(attention, "USE_FUSED", False)
+    out, _ = partial_attention(q, k, v, 0.3)
+    out.sum().backward()
+    x = torch.randn(1, 5, 2, 8, generator=gen)
+    chunk_gated_delta_rule(x, x, torch.randn(1, 5, 4, 8, generator=gen), -torch.rand(1, 5, 4, generator=gen),
+                           torch.rand(1, 5, 4, generator=gen))
+    hidden, weight = torch.randn(3, 8, generator=gen), torch.randn(50, 8, generator=gen)
+    chunked_logprobs(hidden, weight, torch.tensor([1, 20, 49]), None, 16)
+    dsa.dsa_select(torch.randn(4, 2, 8, generator=gen), torch.ones(4, 2), [torch.randn(4, 8, generator=gen)], 0, 2,
+                   1.0)
+    assert paths_taken() == {
+        "attention forward": {"torch_fused_cpu": 1, "torch_blockwise": 1},
+        "attention backward": {"torch_fused_cpu": 1, "torch_blockwise": 1},
+        "gated delta rule": {"torch_chunked": 1},
+        "log-probs": {"chunked": 1},
+        "DSA selection": {"torch": 1}}
+    assert describe_paths() == (
+        "kernels (mode auto): attention forward: torch_fused_cpu x 1, torch_blockwise x 1; attention backward: "
+        "torch_fused_cpu x 1, torch_blockwise x 1; gated delta rule: torch_chunked x 1; log-probs: chunked x 1; "
+        "DSA selection: torch x 1")
+    reset_paths_taken()
+    with kernel_mode("reference"):
+        assert describe_paths() == "kernels (mode reference): none ran"
+
+
 def test_kernels_key_is_validated_by_name():
     assert parse_config({"kernels": "reference"}).kernels == "reference"
     with pytest.raises(ValueError, match="'longstraw.kernels' = 'triton'"):

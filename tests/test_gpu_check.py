@@ -28,6 +28,10 @@ def test_gpu_check_dry_run(tmp_path):
     assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_token_major_storage",
                                                                        "fast_constant_keys", "peer",
                                                                        "backward_constant_keys", "reference"}
+    # which kernels "fast" ran, per section: on the CPU the project's own (flash, fla and Triton on CUDA)
+    assert set(sections["attention"]["paths"]["attention forward"]) == {"torch_fused_cpu"}
+    assert set(sections["gated_delta"]["paths"]["gated delta rule"]) == {"torch_chunked"}
+    assert "Paths taken: attention forward: torch_fused_cpu x " in (tmp_path / "gpu_check.md").read_text()
     assert {row["path"] for row in sections["gated_delta"]["rows"]} == {"fast", "reference", "fast_forward",
                                                                      "reference_forward"}
     assert {(row["head"], row["path"]) for row in sections["logprobs"]["rows"]} == {

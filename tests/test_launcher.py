@@ -163,6 +163,19 @@ def test_context_parallel_training_takes_the_reference_steps(runs, one_thread):
     assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 1 for m in metrics)
 
 
+def test_first_step_says_which_kernel_paths_ran(runs):
+    """Rank 0 prints the kernels' paths once, after its first step (kernels/dispatch.py): on CPU ranks the
+    project's own kernels. The resumed job's first step is step 2."""
+    for log, first in (("train.log", "step 1/2"), ("train_resume.log", "step 2/2")):
+        with open(runs / log) as handle:
+            lines = [line for line in handle.read().splitlines() if "[longstraw]" in line]
+        kernels = [i for i, line in enumerate(lines) if "[longstraw] kernels (mode auto): " in line]
+        steps = [i for i, line in enumerate(lines) if "[longstraw] step " in line]
+        assert len(kernels) == 1 and first in lines[steps[0]] and kernels[0] == steps[0] + 1, lines
+        for path in ("attention forward: torch_fused_cpu", "gated delta rule: torch_chunked", "log-probs: chunked"):
+            assert path in lines[kernels[0]], (path, lines[kernels[0]])
+
+
 @pytest.mark.parametrize("job", ["train", "qlora"])
 def test_resume_from_step_1_reproduces_step_2_exactly(runs, job):
     straight, resumed = torch.load(runs / f"{job}.pt"), torch.load(runs / f"{job}_resume.pt")

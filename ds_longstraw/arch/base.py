@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ds_longstraw.kernels import VOCAB_CHUNK, chunked_logprobs
+from ds_longstraw.kernels.dispatch import record
 
 
 @dataclass
@@ -60,6 +61,7 @@ class CausalLMAdapter:
         """
         normed_1TC = self.body.norm(hidden_1TC)
         if not self.logprobs_vocab_chunk or type(self.lm_head) is not torch.nn.Linear:
+            record("log-probs", "full_logits")
             logits = self.lm_head(normed_1TC)[0]
             acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
             logp = torch.log_softmax(logits.to(acc), dim=-1)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longstraw.kernels import triton_dsa, triton_sparse_mla
-from ds_longstraw.kernels.dispatch import fast_path
+from ds_longstraw.kernels.dispatch import fast_path, record
 
 # Elements of one query block's gathered rows [Tq, K, R + E] (or of its indexer scores [Tq, I, keys]): the unit
 # that bounds the transient memory of selection and attention. 2^24 elements are 64 MiB in float32.
@@ -93,8 +93,10 @@ def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, 
     device = q_TID.device
     best = no_candidates(tokens, acc, device) if best is None else best
     if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, [keys_ND]):
+        record("DSA selection", "triton")
         part = triton_dsa.candidates(q_TID, weights_TI, [keys_ND], key_start, query_start, topk, scale)
         return merge_candidates((best[0].to(acc), best[1]), part, topk)
+    record("DSA selection", "torch")
     block = _query_block(q_TID.shape[1] * key_block, tokens)
     out_scores, out_pos = [], []
     with torch.no_grad():
@@ -165,6 +167,7 @@ def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offs
     if offset and prior is None:
         raise ValueError(f"dsa_select: the keys before position {offset} need their candidates (prior)")
     if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, keys):
+        record("DSA selection", "triton")
         best = triton_dsa.candidates(q_TID, weights_TI, keys, offset, start, topk, scale)
         if prior is not None:
             best = merge_candidates((prior[0].to(best[0].dtype), prior[1]), best, topk)
@@ -365,8 +368,10 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
         valid = valid & (positions >= offset)
         positions = torch.where(valid, positions - offset, torch.zeros_like(positions))
     if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [*latents, *ropes]):
+        record("sparse MLA", "triton")
         out, lse = triton_sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
         return (out, lse) if with_lse else out
+    record("sparse MLA", "torch")
     out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
     return (out, lse) if with_lse else out
 
@@ -425,8 +430,10 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
     query with no selected row there gets (0, -inf). LSE-merging the pages' partials gives the attention over all
     of them. No autograd (see page_grads)."""
     if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+        record("sparse MLA pages", "triton")
         return triton_sparse_mla.page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
                                               scale)
+    record("sparse MLA pages", "torch")
     tokens, heads, rank = q_lat.shape
     acc = _acc(q_lat.dtype)
     out = torch.zeros(tokens, heads, rank, dtype=acc, device=q_lat.device)
@@ -449,8 +456,10 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     Returns (d_q_lat [T, H, R], d_q_rope [T, H, E], d_latent_page [n, R], d_rope_page [n, E]), in max(float32,
     dtype); summing the first two over every page of every rank gives the queries' gradients."""
     if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+        record("sparse MLA page gradients", "triton")
         return triton_sparse_mla.page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
                                             lse, d_out, delta, scale)
+    record("sparse MLA page gradients", "torch")
     acc = _acc(q_lat.dtype)
     d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)
     d_q_rope = torch.zeros(q_rope.shape, dtype=acc, device=q_rope.device)

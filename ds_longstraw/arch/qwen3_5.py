@@ -19,6 +19,7 @@ from transformers.activations import ACT2FN
 from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb
 
 from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, merge_partials, recurrent_gated_delta_rule
+from ds_longstraw.kernels.dispatch import record
 
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
@@ -87,6 +88,7 @@ def _delta_rule(query, key, value, g, beta, state):
     if query.shape[1] == 1 and not torch.is_grad_enabled() and query.device.type == "cpu":
         # One token without a graph (a decode step): the token loop. The chunked rule pads it to a 64-token chunk,
         # whose temporaries grow with a decode batch's samples (~10 MiB at G = 8 on the small shape).
+        record("gated delta rule", "torch_token_loop")
         return recurrent_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
                                           output_final_state=True, use_qk_l2norm_in_kernel=True)
     return chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state, output_final_state=True,
