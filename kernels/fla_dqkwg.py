@@ -152,11 +152,14 @@ def register_backend(accept=None) -> bool:
     """Registers `chunk_bwd_dqkwg_torch` with fla's backend registry for `chunk_bwd_dqkwg`, taken where
     `accept(q, k, g, g_gamma, cu_seqlens)` holds (default: the gated, equal-length case on a device where fla's
     Triton build is refused). Registering again replaces the previous registration (fla keys backends by type).
-    Returns False, registering nothing, where fla's dispatch is turned off (FLA_DISABLE_BACKEND_DISPATCH=1): there
-    fla's backward keeps refusing, and `fla_applies` keeps autograd calls on the project's kernel."""
-    from fla import backends
-
-    if backends._DISPATCH_DISABLED:
+    Returns False, registering nothing, where fla has no backend registry (before 0.6; the extra pins 0.6.0) or its
+    dispatch is turned off (FLA_DISABLE_BACKEND_DISPATCH=1, read at fla's import): there fla's backward keeps
+    refusing, and `fla_applies` keeps autograd calls on the project's kernel."""
+    try:
+        from fla import backends
+    except ImportError:
+        return False
+    if not hasattr(backends, "register") or getattr(backends, "_DISPATCH_DISABLED", False):
         return False
     import fla.ops.common.chunk_o  # noqa: F401 -- the entry point, whose import creates the "common" registry
 

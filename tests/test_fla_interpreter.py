@@ -211,3 +211,17 @@ def test_torch_dqkwg_step_matches_fla_triton_step(fla_results, name):
         assert got.is_contiguous(), f"{label}: fla's next kernels address it by raw strides"
         error = _scaled_error(got, want.double())
         assert error <= 2e-6, f"{label}: the torch step differs from fla's by {error:.2e}"
+
+
+@pytest.mark.parametrize("disabled", [False, True], ids=["dispatch-on", "dispatch-off"])
+def test_the_torch_step_registers_only_where_fla_dispatches(disabled):
+    """With FLA_DISABLE_BACKEND_DISPATCH=1 fla ignores every registered backend: register_backend then says so
+    (False), and `fla_backward_works` keeps autograd calls on a refused machine on the project's kernel."""
+    fla_dir = _install_fla()
+    env = dict(os.environ, TRITON_INTERPRET="1", FLA_DISABLE_BACKEND_DISPATCH="1" if disabled else "0",
+               PYTHONPATH=os.pathsep.join(p for p in [str(fla_dir), os.environ.get("PYTHONPATH")] if p))
+    code = "from ds_longstraw.kernels.fla_dqkwg import register_backend; print(register_backend())"
+    result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == str(not disabled)
