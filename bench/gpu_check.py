@@ -368,9 +368,11 @@ def grpo_section(report, device, dtype, sizes, deadline):
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         peak = (torch.cuda.max_memory_allocated() - base) / MIB if cuda else None
+        # where the step's time went, phase by phase (each CUDA-synchronised at its ends)
+        phases = ", ".join(f"{name} {stats.seconds:.2f} s" for name, stats in getattr(result, "phases", {}).items())
         return {"prompt": prompt, "G": sizes["group"], "response": sizes["response"], "how": how,
                 "seconds": seconds, "prompt_tokens_per_s": prompt / seconds, "peak_above_weights_mib": peak,
-                "loss": result.loss, "weights_mib": weights / MIB}
+                "loss": result.loss, "weights_mib": weights / MIB, "phases": phases or None}
 
     lengths = sizes["prompts"]
     step(lengths[0], "default")  # warm-up, not reported: the first call compiles fla's and Triton's kernels
