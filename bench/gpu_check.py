@@ -182,6 +182,38 @@ def attention_section(report, clock, device, dtype, sizes):
             report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
                                      "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
                                      "peak_mib": peak})
+        if device == "cuda":
+            cudnn_probe(report, clock, q, k, v, dout, out, lse, head_dim ** -0.5, flops)
+
+
+def cudnn_probe(report, clock, q, k, v, dout, flash_out, flash_lse, scale, flops):
+    """cuDNN's attention through its aten entry, which (unlike SDPA) returns the lse a merged attention needs: the
+    candidate if SDPA's pace comes from cuDNN (not dispatched). Records its time and how its output and lse
+    compare with the flash path's on the same tensors (GQA as the pages hold it, unmasked), or the error."""
+    import torch
+
+    row = dict.fromkeys(("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "error"))
+    row = {"tq": q.shape[1], "tk": k.shape[1], **row}  # every key in every row: the table takes the first's
+    q4, k4, v4 = (x.detach().unsqueeze(0).requires_grad_() for x in (q, k, v))
+
+    def cudnn():
+        out4, lse4, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False,
+                                                                            False, scale=scale)
+        torch.autograd.grad(out4, (q4, k4, v4), dout.unsqueeze(0))
+        return out4, lse4
+
+    try:
+        with torch.no_grad():
+            out4, lse4, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False,
+                                                                                False, scale=scale)
+        row["lse_shape"] = "x".join(map(str, lse4.shape))
+        row["out_max_diff"] = (out4[0].float() - flash_out.float()).abs().max().item()
+        row["lse_max_diff"] = (lse4.reshape(flash_lse.shape).float() - flash_lse.float()).abs().max().item()
+        seconds, peak = clock.measure(cudnn)
+        row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak)
+    except Exception as error:  # noqa: BLE001 -- the probe's answer may be that this entry refuses the case
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    report.add("attention_cudnn_probe", row)
 
 
 def delta_rule_section(report, clock, device, dtype, sizes):
