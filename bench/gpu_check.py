@@ -428,6 +428,50 @@ def grpo_section(report, device, dtype, sizes, deadline):
     model.zero_grad(set_to_none=True)
 
 
+def plot_grpo_steps(report, path):
+    """The GRPO rows as a picture: seconds and peak above the weights against prompt tokens (log-log), the
+    default path as a line, conventional and the torch kernels as points. Skipped, saying so, where matplotlib is
+    not installed (the GPU machine's packages are its own) or no step was measured."""
+    rows = [row for row in report.sections.get("grpo_step", {}).get("rows", []) if row.get("seconds")]
+    if not rows:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[gpu_check] no plot: matplotlib is not installed", flush=True)
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for how, style in (("default", "o-"), ("reference", "s"), ("conventional", "^")):
+        points = sorted((row["prompt"], row["seconds"], row["peak_above_weights_mib"]) for row in rows
+                        if row["how"] == how)
+        if not points:
+            continue
+        prompts = [prompt for prompt, _, _ in points]
+        axes[0].plot(prompts, [seconds for _, seconds, _ in points], style, label=how)
+        peaks = [(prompt, peak / 1024) for prompt, _, peak in points if isinstance(peak, (int, float))]
+        if peaks:
+            axes[1].plot([p for p, _ in peaks], [g for _, g in peaks], style, label=how)
+    for ax, label in ((axes[0], "step seconds"), (axes[1], "step peak above the weights (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+        else:  # the dry run measures no GPU memory
+            ax.text(0.5, 0.5, "no memory figure (CPU dry run)", transform=ax.transAxes, ha="center")
+    first = rows[0]
+    figure.suptitle(f"GRPO step, G = {first['G']}, responses of {first['response']} tokens")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"[gpu_check] plot: {path}", flush=True)
+
+
 # ---- sizes -----------------------------------------------------------------------------------------------------
 
 def sizes_for(dry_run):
@@ -515,6 +559,7 @@ def main(argv=None):
                 torch.cuda.empty_cache()
         print(f"[gpu_check] {name}: {time.monotonic() - section_start:.1f} s", flush=True)
         report.write(env)
+    plot_grpo_steps(report, os.path.join(args.out, "grpo_step.png"))
     failed = [name for name, section in report.sections.items() if section["error"]]
     print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0

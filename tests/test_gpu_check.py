@@ -41,6 +41,7 @@ def test_gpu_check_dry_run(tmp_path):
         for path in ("fast", "reference")}
     steps = sections["grpo_step"]["rows"]
     assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
+    assert (tmp_path / "grpo_step.png").stat().st_size > 10_000  # the steps' picture (matplotlib: a test extra)
     assert all(row["phases"].startswith("capture " if row["how"] != "conventional" else "reference ") for row in steps)
     first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
     assert len(first) == 3 and max(first) - min(first) < 1e-5  # float32, one objective on three paths
