@@ -4,8 +4,8 @@ CUDA parity tests); `--dry-run` runs every section at toy sizes on the CPU, so t
 
     python bench/gpu_check.py [--dry-run] [--out DIR] [--budget SECONDS]
 
-Writes DIR/gpu_check.json (every row) and DIR/gpu_check.md (the tables for BENCHMARKS.md) after each section,
-so a run cut short keeps what it measured. A section that fails records its error and the next one runs.
+Writes DIR/gpu_check.json (every row, and each section's kernel paths) and DIR/gpu_check.md (the tables for
+BENCHMARKS.md) after each section, so a run cut short keeps what it measured; at the end DIR/grpo_step.png. A section that fails records its error and the next one runs.
 
 Timing: CUDA events around forward + backward, the median of `repeats` after one warm-up; memory:
 torch.cuda.max_memory_allocated during the op minus what was allocated before it (inputs excluded). On the CPU

@@ -4,7 +4,7 @@
 #      the project's float64 references; the `triton` tests proper run the interpreter on CPU tensors, in CI);
 #   2. bench/gpu_check.py: each fast path timed beside its library peer and its torch fallback, then GRPO steps of
 #      the Qwen3.6-27B layer shape at growing prompt lengths until memory runs out; rows for BENCHMARKS.md in
-#      OUT/gpu_check.md and OUT/gpu_check.json.
+#      OUT/gpu_check.md and OUT/gpu_check.json, the steps' plot in OUT/grpo_step.png (where matplotlib is).
 #
 #   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS] [--sections a,b,...]
 #
