@@ -5,7 +5,8 @@ CUDA parity tests); `--dry-run` runs every section at toy sizes on the CPU, so t
     python bench/gpu_check.py [--dry-run] [--out DIR] [--budget SECONDS]
 
 Writes DIR/gpu_check.json (every row, and each section's kernel paths) and DIR/gpu_check.md (the tables for
-BENCHMARKS.md) after each section, so a run cut short keeps what it measured; at the end DIR/grpo_step.png. A section that fails records its error and the next one runs.
+BENCHMARKS.md) after each section, so a run cut short keeps what it measured; at the end DIR/grpo_step.png.
+A section that fails records its error and the next one runs.
 
 Timing: CUDA events around forward + backward, the median of `repeats` after one warm-up; memory:
 torch.cuda.max_memory_allocated during the op minus what was allocated before it (inputs excluded). On the CPU
@@ -188,27 +189,34 @@ def attention_section(report, clock, device, dtype, sizes):
 
 def cudnn_probe(report, clock, q, k, v, dout, flash_out, flash_lse, scale, flops):
     """cuDNN's attention through its aten entry, which (unlike SDPA) returns the lse a merged attention needs: the
-    candidate if SDPA's pace comes from cuDNN (not dispatched). Records its time and how its output and lse
-    compare with the flash path's on the same tensors (GQA as the pages hold it, unmasked), or the error."""
+    candidate if SDPA's pace comes from cuDNN (not dispatched). Records its time (forward + autograd backward),
+    how its output and lse compare with the flash path's on the same tensors (GQA as the pages hold it,
+    unmasked), and whether its backward entry called directly (as the lse-gradient fold of cuda_attention.py
+    would call it, with out' in place of out) gives autograd's dq; or the error where the entry refuses."""
     import torch
 
-    row = dict.fromkeys(("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "error"))
-    row = {"tq": q.shape[1], "tk": k.shape[1], **row}  # every key in every row: the table takes the first's
+    keys = ("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "direct_dq_max_diff", "error")
+    row = {"tq": q.shape[1], "tk": k.shape[1], **dict.fromkeys(keys)}  # every key in every row (the table's)
     q4, k4, v4 = (x.detach().unsqueeze(0).requires_grad_() for x in (q, k, v))
+    dout4 = dout.unsqueeze(0)
+
+    def forward():
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
+                                                                  scale=scale)
 
     def cudnn():
-        out4, lse4, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False,
-                                                                            False, scale=scale)
-        torch.autograd.grad(out4, (q4, k4, v4), dout.unsqueeze(0))
-        return out4, lse4
+        torch.autograd.grad(forward()[0], (q4, k4, v4), dout4)
 
     try:
-        with torch.no_grad():
-            out4, lse4, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False,
-                                                                                False, scale=scale)
+        out4, lse4, cum_q, cum_k, max_q, max_k, seed, offset, _ = forward()
         row["lse_shape"] = "x".join(map(str, lse4.shape))
         row["out_max_diff"] = (out4[0].float() - flash_out.float()).abs().max().item()
         row["lse_max_diff"] = (lse4.reshape(flash_lse.shape).float() - flash_lse.float()).abs().max().item()
+        dq = torch.autograd.grad(out4, q4, dout4)[0]
+        direct = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout4, q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse4, seed, offset, None, cum_q, cum_k,
+            max_q, max_k, 0.0, False, scale=scale)
+        row["direct_dq_max_diff"] = (direct[0].float() - dq.float()).abs().max().item()
         seconds, peak = clock.measure(cudnn)
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak)
     except Exception as error:  # noqa: BLE001 -- the probe's answer may be that this entry refuses the case

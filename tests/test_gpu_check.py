@@ -46,3 +46,33 @@ def test_gpu_check_dry_run(tmp_path):
     first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
     assert len(first) == 3 and max(first) - min(first) < 1e-5  # float32, one objective on three paths
     assert "| prompt |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_cudnn_probe_records_a_refusal_as_its_answer():
+    """The probe of cuDNN's attention entry runs on CUDA only; where the entry refuses (here: CPU tensors, on a
+    GPU perhaps grouped heads or a head dim) the row carries the error in the table's columns and nothing raises,
+    so the attention section's rows stand."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+
+    class Rows:
+        def __init__(self):
+            self.rows = []
+
+        def add(self, section, row):
+            self.rows.append((section, row))
+
+    q, k, v = torch.randn(4, 8, 16), torch.randn(2, 8, 16), torch.randn(2, 8, 16)
+    report = Rows()
+    gpu_check.cudnn_probe(report, gpu_check.Clock(torch.device("cpu"), 1), q, k, v, torch.randn(4, 8, 16), q,
+                          torch.zeros(4, 8), 0.25, 1.0)
+    [(section, row)] = report.rows
+    assert section == "attention_cudnn_probe" and row["tk"] == 8 and row["ms"] is None
+    assert row["error"].startswith("NotImplementedError") and "_scaled_dot_product_cudnn_attention" in row["error"]
