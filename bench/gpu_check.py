@@ -189,39 +189,44 @@ def attention_section(report, clock, device, dtype, sizes):
 
 def cudnn_probe(report, clock, q, k, v, dout, flash_out, flash_lse, scale, flops):
     """cuDNN's attention through its aten entry, which (unlike SDPA) returns the lse a merged attention needs: the
-    candidate if SDPA's pace comes from cuDNN (not dispatched). Records its time (forward + autograd backward),
-    how its output and lse compare with the flash path's on the same tensors (GQA as the pages hold it,
-    unmasked), and whether its backward entry called directly (as the lse-gradient fold of cuda_attention.py
+    candidate if SDPA's pace comes from cuDNN (not dispatched). Two rows: K/V heads grouped as the pages hold them,
+    and expanded to one per query head (the way round, should the entry refuse groups). Each records its time
+    (forward + autograd backward), how its output and lse compare with the flash path's on the same tensors
+    (unmasked), and whether its backward entry called directly (as the lse-gradient fold of cuda_attention.py
     would call it, with out' in place of out) gives autograd's dq; or the error where the entry refuses."""
     import torch
 
-    keys = ("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "direct_dq_max_diff", "error")
-    row = {"tq": q.shape[1], "tk": k.shape[1], **dict.fromkeys(keys)}  # every key in every row (the table's)
-    q4, k4, v4 = (x.detach().unsqueeze(0).requires_grad_() for x in (q, k, v))
-    dout4 = dout.unsqueeze(0)
+    group = q.shape[0] // k.shape[0]
+    for heads in ("grouped", "expanded"):
+        keys = ("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "direct_dq_max_diff",
+                "error")
+        row = {"tq": q.shape[1], "tk": k.shape[1], "kv_heads": heads, **dict.fromkeys(keys)}  # every key, every row
+        kv = (k, v) if heads == "grouped" else (k.repeat_interleave(group, 0), v.repeat_interleave(group, 0))
+        q4, k4, v4 = (x.detach().unsqueeze(0).requires_grad_() for x in (q, *kv))
+        dout4 = dout.unsqueeze(0)
 
-    def forward():
-        return torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
-                                                                  scale=scale)
+        def forward(q4=q4, k4=k4, v4=v4):
+            return torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
+                                                                      scale=scale)
 
-    def cudnn():
-        torch.autograd.grad(forward()[0], (q4, k4, v4), dout4)
+        def cudnn(q4=q4, k4=k4, v4=v4, forward=forward):
+            torch.autograd.grad(forward()[0], (q4, k4, v4), dout4)
 
-    try:
-        out4, lse4, cum_q, cum_k, max_q, max_k, seed, offset, _ = forward()
-        row["lse_shape"] = "x".join(map(str, lse4.shape))
-        row["out_max_diff"] = (out4[0].float() - flash_out.float()).abs().max().item()
-        row["lse_max_diff"] = (lse4.reshape(flash_lse.shape).float() - flash_lse.float()).abs().max().item()
-        dq = torch.autograd.grad(out4, q4, dout4)[0]
-        direct = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout4, q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse4, seed, offset, None, cum_q, cum_k,
-            max_q, max_k, 0.0, False, scale=scale)
-        row["direct_dq_max_diff"] = (direct[0].float() - dq.float()).abs().max().item()
-        seconds, peak = clock.measure(cudnn)
-        row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak)
-    except Exception as error:  # noqa: BLE001 -- the probe's answer may be that this entry refuses the case
-        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-    report.add("attention_cudnn_probe", row)
+        try:
+            out4, lse4, cum_q, cum_k, max_q, max_k, seed, offset, _ = forward()
+            row["lse_shape"] = "x".join(map(str, lse4.shape))
+            row["out_max_diff"] = (out4[0].float() - flash_out.float()).abs().max().item()
+            row["lse_max_diff"] = (lse4.reshape(flash_lse.shape).float() - flash_lse.float()).abs().max().item()
+            dq = torch.autograd.grad(out4, q4, dout4)[0]
+            direct = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout4, q4.detach(), k4.detach(), v4.detach(), out4.detach(), lse4, seed, offset, None, cum_q,
+                cum_k, max_q, max_k, 0.0, False, scale=scale)
+            row["direct_dq_max_diff"] = (direct[0].float() - dq.float()).abs().max().item()
+            seconds, peak = clock.measure(cudnn)
+            row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12, peak_mib=peak)
+        except Exception as error:  # noqa: BLE001 -- the probe's answer may be that this entry refuses the case
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        report.add("attention_cudnn_probe", row)
 
 
 def delta_rule_section(report, clock, device, dtype, sizes):

@@ -73,6 +73,8 @@ def test_cudnn_probe_records_a_refusal_as_its_answer():
     report = Rows()
     gpu_check.cudnn_probe(report, gpu_check.Clock(torch.device("cpu"), 1), q, k, v, torch.randn(4, 8, 16), q,
                           torch.zeros(4, 8), 0.25, 1.0)
-    [(section, row)] = report.rows
-    assert section == "attention_cudnn_probe" and row["tk"] == 8 and row["ms"] is None
-    assert row["error"].startswith("NotImplementedError") and "_scaled_dot_product_cudnn_attention" in row["error"]
+    assert [(section, row["kv_heads"]) for section, row in report.rows] == [
+        ("attention_cudnn_probe", "grouped"), ("attention_cudnn_probe", "expanded")]
+    for _, row in report.rows:
+        assert row["tk"] == 8 and row["ms"] is None
+        assert row["error"].startswith("NotImplementedError") and "_scaled_dot_product_cudnn_attention" in row["error"]
