@@ -106,6 +106,18 @@ def _fmt(value):
 
 # ---- kernels ---------------------------------------------------------------------------------------------------
 
+def planned_mib(kernel, tokens, dtype, **widths):
+    """The planner's workspace for one forward + backward call of `kernel` over `tokens`
+    (offload/plan.kernel_workspace in exact mode), in MiB, beside each measured peak. The measured peak also
+    holds what the planner counts elsewhere (the call's inputs' gradients: gradient pages, d(hidden), d(weight)),
+    so on the fast path the measured peak should exceed this by about those; a measured peak far above says the
+    planner undercounts that kernel's scratch."""
+    from ds_longstraw.offload.plan import ModelShape, kernel_workspace
+
+    shape = ModelShape(name="gpu_check", family="kernel", dtype_bytes=dtype.itemsize, **widths)
+    return kernel_workspace(shape, capture_chunk=tokens, replay_block=tokens, mode="exact")[kernel] / MIB
+
+
 def attention_section(report, clock, device, dtype, sizes):
     """One replay block of queries over a prompt's keys: forward + backward (dq, dk, dv) of partial attention."""
     import torch
@@ -178,11 +190,13 @@ def attention_section(report, clock, device, dtype, sizes):
 
             paths.append(("backward_constant_keys_triton_dq", backward_triton_dq))
         flops = 4 * heads * tq * tk * head_dim * 2.5  # forward 2 matmuls, backward 5 (in units of 2*m*n*k / 2)
+        planned = planned_mib("attention", tq, dtype, attention_heads=heads, attention_head_dim=head_dim,
+                              attention_kv_heads=kv_heads)
         for path, fn in paths:
             seconds, peak = clock.measure(fn)
             report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
                                      "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
-                                     "peak_mib": peak})
+                                     "peak_mib": peak, "planned_mib": planned})
         if device == "cuda":
             cudnn_probe(report, clock, q, k, v, dout, out, lse, head_dim ** -0.5, flops)
 
@@ -264,11 +278,12 @@ def delta_rule_section(report, clock, device, dtype, sizes):
             with kernel_mode("reference"):
                 ours_forward()
 
+        planned = planned_mib("delta_rule", t, dtype, delta_heads=hv, delta_head_dims=dk + dv)
         for path, fn in (("fast", ours), ("reference", reference), ("fast_forward", ours_forward),
                          ("reference_forward", reference_forward)):
             seconds, peak = clock.measure(fn)
             report.add("gated_delta", {"tokens": t, "path": path, "ms": seconds * 1e3, "tokens_per_s": t / seconds,
-                                       "peak_mib": peak})
+                                       "peak_mib": peak, "planned_mib": planned})
 
 
 def logprobs_section(report, clock, device, dtype, sizes):
@@ -304,7 +319,9 @@ def logprobs_section(report, clock, device, dtype, sizes):
                     logprobs_module.USE_TRITON_STEPS = previous
             seconds, peak = clock.measure(step)
             report.add("logprobs", {"tokens": tokens, "vocab": vocab, "head": head, "path": path,
-                                    "ms": seconds * 1e3, "peak_mib": peak})
+                                    "ms": seconds * 1e3, "peak_mib": peak,
+                                    "planned_mib": planned_mib("logprobs", tokens, dtype, vocab_size=vocab,
+                                                               hidden_size=hidden)})
 
 
 def triton_section(report, clock, device, dtype, sizes):

@@ -16,7 +16,8 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              gradient, plus d(hidden) in float32 (kernels/logprobs.py)
                  attention   flash's float32 dq accumulator and lse over a capture chunk's queries, and
                              the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
-                 delta rule  the chunk kernel's float32 intermediates over a capture chunk
+                 delta rule  the chunk kernel's float32 scratch: the capture's forward over a capture chunk,
+                             forward + backward over a replay block (exact mode: over a capture chunk too)
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
 10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
@@ -136,13 +137,33 @@ class Plan:
 REPLAY_BLOCK = 1024
 VOCAB_CHUNK = 8192
 LIBRARY_KEY_BLOCK = 16384
+# The gated delta rule's chunk (kernels/gated_delta_chunked.chunk_gated_delta_rule's chunk_size).
+DELTA_CHUNK = 64
 
 
-def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK) -> dict:
-    """Bytes of scratch each kernel takes on the GPU at its largest call (module docstring); float32 throughout."""
+def delta_rule_floats(head_dims: int, backward: bool, chunk: int = DELTA_CHUNK) -> int:
+    """float32 values of the chunked gated delta rule's scratch per token per value head, s = dk + dv: the
+    chunk's per-token rows (a multiple of s), its [c, c] matrices (of c) and its per-chunk states
+    (dk dv / c <= s^2 / 4c), forward alone or forward + backward. The multiples are fitted as upper bounds (within
+    1.2x) to fresh-process peaks of the project's kernel at (dk = dv = 128, c = 64), (64, 64) and (64, 32);
+    tests/test_planner.py measures a shape again. fla's kernel (CUDA) keeps less: this counts the kernel every
+    device has."""
+    s = head_dims
+    if backward:
+        return 16 * s + s * s // chunk + 24 * chunk
+    return 8 * s + s * s // (2 * chunk) + 8 * chunk
+
+
+def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK,
+                     mode: str = "detached") -> dict:
+    """Bytes of scratch each kernel takes on the GPU at its largest call (module docstring); float32 throughout.
+    Detached mode runs the delta rule's backward over replay blocks only; exact mode also over capture chunks."""
     f32 = 4
     chunk = min(shape.vocab_size, VOCAB_CHUNK)
     tokens = max(capture_chunk, replay_block)
+    backward_tokens = tokens if mode == "exact" else replay_block
+    delta = max(capture_chunk * delta_rule_floats(shape.delta_head_dims, backward=False),
+                backward_tokens * delta_rule_floats(shape.delta_head_dims, backward=True))
     return {
         "logprobs": replay_block * (3 * chunk + shape.hidden_size) * f32,
         # dq and lse, plus one library backward call's dK/dV over its keys (the pages' dtype): flash makes them per
@@ -150,7 +171,7 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
         "attention": shape.attention_heads * tokens * (shape.attention_head_dim + 1) * f32
         + 2 * (shape.attention_heads + shape.attention_kv_heads) * LIBRARY_KEY_BLOCK * shape.attention_head_dim
         * shape.dtype_bytes * (shape.attention_kv_heads > 0),
-        "delta_rule": 2 * shape.delta_heads * capture_chunk * shape.delta_head_dims * f32,
+        "delta_rule": shape.delta_heads * delta * f32,
     }
 
 
@@ -233,7 +254,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = kernel_workspace(shape, capture_chunk)
+    plan.workspace = kernel_workspace(shape, capture_chunk, mode=mode)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
