@@ -41,6 +41,8 @@ def test_gpu_check_dry_run(tmp_path):
         for path in ("fast", "reference")}
     steps = sections["grpo_step"]["rows"]
     assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
+    for name in ("attention", "gated_delta", "logprobs"):  # the planner's workspace beside each measured peak
+        assert all(row["planned_mib"] > 0 for row in sections[name]["rows"]), name
     assert (tmp_path / "grpo_step.png").stat().st_size > 10_000  # the steps' picture (matplotlib: a test extra)
     assert all(row["phases"].startswith("capture " if row["how"] != "conventional" else "reference ") for row in steps)
     first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
