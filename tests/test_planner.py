@@ -291,10 +291,10 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     plan = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096)
     assert plan.workspace == {"logprobs": 1024 * (3 * 8192 + 5120) * 4,
                               "attention": 24 * 4096 * 257 * 4 + 2 * (24 + 4) * 16384 * 256 * 2,
-                              "delta_rule": 48 * max(4096 * (8 * 256 + 256 * 256 // 128 + 8 * 64),
-                                                     1024 * (16 * 256 + 256 * 256 // 64 + 24 * 64)) * 4}
+                              "delta_rule": 48 * max(4096 * (8 * 256 + 256 * 256 // 128 + 12 * 64),
+                                                     1024 * (16 * 256 + 256 * 256 // 64 + 32 * 64)) * 4}
     exact = make_plan(shape, 1 << 20, 8, "exact", layout, capture_chunk=4096)
-    assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 24 * 64) * 4
+    assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 32 * 64) * 4
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)
     assert plan.needs["none"]["gpu"] - bare["gpu"] == max(plan.workspace.values())
     glm = shape_from_config(*load_config("glm-5.2"))
@@ -327,25 +327,20 @@ print(host_peak_bytes() - base)
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
 def test_delta_rule_workspace_bounds_the_measured_peak(backward):
-    """plan.delta_rule_floats against the project's kernel in fresh processes (the kernel's high-water mark above
-    the inputs), at 6 value heads of 64 + 64 and the 64-token chunk: the growth from 4,096 to 8,192 tokens per
-    token and head (the slope, free of the allocator's fixed arenas) lies within [1/1.3, 1.05] of the planner's
-    figure (5%: the high-water mark moves in pages and the allocator rounds), and the whole peak at 8,192 tokens
-    within 1.1x of it (those arenas). Measured: slopes 0.97x (forward + backward) and 0.96x (forward) of the
-    figures, whole peaks the same."""
+    """plan.delta_rule_floats against the project's kernel in a fresh process (the kernel's high-water mark above
+    its inputs, 8,192 tokens, 6 value heads of 64 + 64, the 64-token chunk): the planner's figure is at least the
+    measured peak (it is what the planner reserves) and at most 1.6x it (so it does not crowd out the pages).
+    Measured over four runs each: 0.83-0.87x of the figure forward and 0.85-0.89x forward + backward (the peak
+    moves by about 5% from run to run, with the allocator's state)."""
     import subprocess
     import sys
 
     from ds_longstraw.offload.plan import delta_rule_floats
 
-    heads, dim = 6, 64
-    peaks = {}
-    for tokens in (4096, 8192):
-        run = subprocess.run([sys.executable, "-c", PEAK, str(tokens), str(heads), str(dim),
-                              "backward" if backward else "forward"], capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr[-3000:]
-        peaks[tokens] = int(run.stdout.split()[-1])
-    planned = delta_rule_floats(2 * dim, backward) * 4  # bytes per token and value head
-    slope = (peaks[8192] - peaks[4096]) / (4096 * heads)
-    assert planned / 1.3 <= slope <= 1.05 * planned, (slope, planned)
-    assert peaks[8192] <= 1.1 * planned * 8192 * heads, (peaks[8192], planned)
+    tokens, heads, dim = 8192, 6, 64
+    run = subprocess.run([sys.executable, "-c", PEAK, str(tokens), str(heads), str(dim),
+                          "backward" if backward else "forward"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = int(run.stdout.split()[-1])
+    planned = delta_rule_floats(2 * dim, backward) * 4 * tokens * heads
+    assert measured <= planned <= 1.6 * measured, (measured, planned)
