@@ -76,6 +76,8 @@ class Report:
         self.sections.setdefault(section, {"rows": [], "error": None})["paths"] = taken
 
     def write(self, environment):
+        from ds_longstraw.kernels.dispatch import format_paths
+
         with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as handle:
             json.dump({"environment": environment, "dry_run": self.dry_run, "sections": self.sections}, handle,
                       indent=1)
@@ -88,9 +90,7 @@ class Report:
                 lines += ["| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys)]
                 lines += ["| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |" for row in rows]
             if section.get("paths"):
-                lines.append("\nPaths taken: " + "; ".join(
-                    f"{kernel}: " + ", ".join(f"{path} x {calls:,}" for path, calls in paths.items())
-                    for kernel, paths in section["paths"].items()))
+                lines.append("\nPaths taken: " + format_paths(section["paths"]))
             if section["error"]:
                 lines.append(f"\nFAILED: {section['error'].strip().splitlines()[-1]}")
             lines.append("")
@@ -211,13 +211,12 @@ def cudnn_probe(report, clock, q, k, v, dout, flash_out, flash_lse, scale, flops
     import torch
 
     group = q.shape[0] // k.shape[0]
+    keys = ("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "direct_dq_max_diff", "error")
+    dout4 = dout.unsqueeze(0)
     for heads in ("grouped", "expanded"):
-        keys = ("ms", "tflops", "peak_mib", "lse_shape", "out_max_diff", "lse_max_diff", "direct_dq_max_diff",
-                "error")
         row = {"tq": q.shape[1], "tk": k.shape[1], "kv_heads": heads, **dict.fromkeys(keys)}  # every key, every row
         kv = (k, v) if heads == "grouped" else (k.repeat_interleave(group, 0), v.repeat_interleave(group, 0))
         q4, k4, v4 = (x.detach().unsqueeze(0).requires_grad_() for x in (q, *kv))
-        dout4 = dout.unsqueeze(0)
 
         def forward(q4=q4, k4=k4, v4=v4):
             return torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, False, False,
@@ -309,6 +308,7 @@ def logprobs_section(report, clock, device, dtype, sizes):
         paths.append(("triton", triton_lp.triton_logprobs))
     frozen = w.detach()  # a frozen head (LoRA): d(hidden) only, which the chunked forward computes itself
     heads = (("trained", w, (h, w)), ("frozen", frozen, (h,)))
+    planned = planned_mib("logprobs", tokens, dtype, vocab_size=vocab, hidden_size=hidden)
     for path, fn in paths:  # path by path: a failing kernel costs only the rows after it
         for head, weight, wanted in heads:
             def step(fn=fn, weight=weight, wanted=wanted, steps=path == "chunked_triton_steps"):
@@ -319,9 +319,7 @@ def logprobs_section(report, clock, device, dtype, sizes):
                     logprobs_module.USE_TRITON_STEPS = previous
             seconds, peak = clock.measure(step)
             report.add("logprobs", {"tokens": tokens, "vocab": vocab, "head": head, "path": path,
-                                    "ms": seconds * 1e3, "peak_mib": peak,
-                                    "planned_mib": planned_mib("logprobs", tokens, dtype, vocab_size=vocab,
-                                                               hidden_size=hidden)})
+                                    "ms": seconds * 1e3, "peak_mib": peak, "planned_mib": planned})
 
 
 def triton_section(report, clock, device, dtype, sizes):

@@ -77,10 +77,13 @@ def reset_paths_taken() -> None:
     _taken.clear()
 
 
-def describe_paths(taken: dict[str, dict[str, int]] | None = None) -> str:
-    """One line: "kernels (mode auto): attention forward: flash x 96; gated delta rule: fla x 144, ...", kernels in
-    the order they first ran, each path with its calls."""
-    taken = paths_taken() if taken is None else taken
-    kernels = "; ".join(f"{kernel}: " + ", ".join(f"{path} x {calls:,}" for path, calls in paths.items())
-                        for kernel, paths in taken.items())
-    return f"kernels (mode {_mode}): {kernels or 'none ran'}"
+def format_paths(taken: dict[str, dict[str, int]]) -> str:
+    """"attention forward: flash x 96; gated delta rule: fla x 144, ...": kernels in the order they first ran,
+    each path with its calls."""
+    return "; ".join(f"{kernel}: " + ", ".join(f"{path} x {calls:,}" for path, calls in paths.items())
+                     for kernel, paths in taken.items())
+
+
+def describe_paths() -> str:
+    """One line: "kernels (mode auto): " and `format_paths` of what ran in this process."""
+    return f"kernels (mode {_mode}): {format_paths(paths_taken()) or 'none ran'}"

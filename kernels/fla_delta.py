@@ -44,8 +44,7 @@ def chunk_gated_delta_rule_fla(query, key, value, g, beta, initial_state=None, o
                                use_qk_l2norm_in_kernel=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
 
-    if dqkwg_refused(query.device):
-        ensure_registered()  # before fla's backward can run (fla_backward_works)
+    fla_backward_works(query.device)  # registers the torch dqkwg step where fla refuses its own, before any backward
     state = None if initial_state is None else initial_state.to(torch.float32)
     out, final = fla_rule(query, key, value, g=g.to(torch.float32), beta=beta, scale=query.shape[-1] ** -0.5,
                           initial_state=state, output_final_state=output_final_state,

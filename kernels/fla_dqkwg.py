@@ -44,7 +44,7 @@ def chunk_bwd_dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=N
     equal-length sequences (module docstring). Returns dq, dk [B, T, H, K] and dw (None without w) in the inputs'
     dtypes and dg [B, T, HV] in float32 (fla reverse-cumsums it afterwards), each contiguous: fla's kernels that
     take them next address them by raw strides. Computed SLICE_CHUNKS chunks at a time."""
-    if g is None or g_gamma is not None or cu_seqlens is not None:
+    if not serves(g, g_gamma, cu_seqlens):
         raise ValueError("chunk_bwd_dqkwg_torch serves the gated case (g given, no g_gamma) without cu_seqlens")
     batch, tokens, key_heads, key_dim = k.shape
     value_heads = v.shape[2]
@@ -183,8 +183,13 @@ def register_backend(accept=None) -> bool:
     return True
 
 
+def serves(g, g_gamma, cu_seqlens) -> bool:
+    """The calls `chunk_bwd_dqkwg_torch` computes: gated (g given, no g_gamma), equal-length sequences."""
+    return g is not None and g_gamma is None and cu_seqlens is None
+
+
 def _default_accept(q, k, g, g_gamma, cu_seqlens) -> bool:
-    return g is not None and g_gamma is None and cu_seqlens is None and dqkwg_refused(q.device)
+    return serves(g, g_gamma, cu_seqlens) and dqkwg_refused(q.device)
 
 
 @lru_cache(maxsize=None)

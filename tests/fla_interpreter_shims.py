@@ -101,13 +101,13 @@ def run_case_with_torch_dqkwg(case: dict) -> tuple[dict, int]:
     every call, as on a machine where fla refuses its Triton build; and how many calls it served (as the
     dispatch's record counts them). The default registration is restored after."""
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
-    from ds_longstraw.kernels.fla_dqkwg import register_backend
+    from ds_longstraw.kernels.fla_dqkwg import register_backend, serves
 
     served = []
 
     def accept_every_gated_call(q, k, g, g_gamma, cu_seqlens):
         served.append(g is not None)
-        return g is not None and g_gamma is None and cu_seqlens is None
+        return serves(g, g_gamma, cu_seqlens)
 
     assert register_backend(accept_every_gated_call)
     reset_paths_taken()
