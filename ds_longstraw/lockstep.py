@@ -56,15 +56,21 @@ def replayed_members(group, settings, cp=None) -> list:
     return list(range(group.size))
 
 
-def shape_of(group, settings, cp=None) -> GroupShape:
-    """cp: None, or this rank's parallel.CPContext: then the chunks are those of this rank's shard of the prompt
-    (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py), and
-    the blocks those of the members it replays (replayed_members), in order: member slots."""
-    tokens = group.prompt_ids.numel() - 1
+def capture_chunks(prompt_length, settings, cp=None) -> int:
+    """The capture chunks of a prompt of `prompt_length` ids (its last id is not captured: replay or decoding feeds
+    it). cp: None, or this rank's parallel.CPContext: then the chunks of this rank's shard of the prompt
+    (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py)."""
+    tokens = prompt_length - 1
     if cp is not None:
         lo, hi = cp.shards(tokens)[cp.rank]
         tokens = hi - lo
-    return GroupShape(chunks=ceil_div(tokens, settings.segment_tokens),
+    return ceil_div(tokens, settings.segment_tokens)
+
+
+def shape_of(group, settings, cp=None) -> GroupShape:
+    """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks), and the blocks
+    those of the members it replays (replayed_members), in order: member slots."""
+    return GroupShape(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
                       blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
                                    for m in replayed_members(group, settings, cp)))
 
@@ -115,6 +121,7 @@ class Schedule:
     whichever they were given, and never ask which."""
 
     capture_pad = 0  # extra capture chunks of dummy calls
+    idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
     # context parallelism: prefix iterations every rank makes in every turn (None: no mirroring)
     prefix_iterations = None
 
@@ -129,6 +136,15 @@ class Schedule:
 
     def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
         """After the group's members: the members other ranks have and this one lacks."""
+
+    # -- decoding (rollout.generate; decode_lockstep.DecodeLockstep pads it) --------------------------------------
+    def sample_slots(self, num_samples) -> int:
+        """How many samples a one-at-a-time decode walks: this rank's own."""
+        return num_samples
+
+    def keeps_decoding(self, running, device) -> bool:
+        """After a decode step: whether to take another, given whether this rank still has a sample running."""
+        return running
 
 
 class Lockstep(Schedule):

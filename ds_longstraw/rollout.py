@@ -10,6 +10,9 @@
               never copied or changed, so every sample starts from the same captured state. A sample that draws
               eos leaves the batch. batched=False (or an adapter without decode_step) decodes the samples one
               after another through the segment forward: the plain reference.
+    lockstep  (ranks whose module calls are collectives: ZeRO-3 data-parallel ranks, sharded experts) captures and
+              decode steps padded to every rank's, so each rank brings its own prompts, samples and eos
+              (decode_lockstep.py)
     release   the pages go (on error as on success), unless the caller keeps the capture for training
               (keep_capture=True): then Rollouts holds it until grpo_backward(..., capture=rollouts) takes it (and
               releases it when that call returns or raises), or until Rollouts.release() / the end of a `with` block
@@ -41,14 +44,17 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .arch import adapter_for, expert_parallel
 from .config import parse_config
+from .decode_lockstep import decode_locksteps
 from .group import GRPOGroup, _as_ids
 from .kernels.dispatch import kernel_mode
-from .lockstep import Schedule
+from .lockstep import PAD_TOKEN, Schedule
 from .memory import PhaseMeter, return_freed_host_memory
 from .offload import StagedPast
+from .parallel.experts import check_expert_parallel
 from .topology import topology_for
 
 _MASK64 = (1 << 64) - 1
@@ -84,17 +90,17 @@ class Rollouts:
             self.capture.release()
             self.capture = None
 
-    def take_capture(self, model, group, settings):
-        """The kept capture's PrefixState for a transaction on `group` under `settings` (what grpo_backward's
-        `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the state and must
-        release it; on a refusal (ValueError: weights changed since generate, another model, prompt or config)
-        it is released here."""
+    def take_capture(self, model, group, settings, lockstep=None):
+        """The kept capture's PrefixState for a transaction on `group` under `settings` and `lockstep` (what
+        grpo_backward's `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the
+        state and must release it; on a refusal (ValueError: weights changed since generate, another model, prompt,
+        config or capture padding) it is released here."""
         kept, self.capture = self.capture, None
         if kept is None:
             raise ValueError("capture: these Rollouts hold no kept capture (generate(..., keep_capture=True) keeps "
                              "one; a transaction or release() took it)")
         try:
-            kept.check(model, group, settings)
+            kept.check(model, group, settings, lockstep)
         except BaseException:
             kept.release()
             raise
@@ -126,17 +132,28 @@ def weights_fingerprint(model) -> tuple:
 class KeptCapture:
     """A prompt's captured state kept by generate for the training step: the PrefixState, the settings it was
     captured under, the model and its weights' fingerprint. Page files of a host/NVMe tier go with release(), or
-    when this object is garbage collected."""
+    when this object is garbage collected. padded_to: the capture chunks its capture was padded to under a decode
+    lockstep (decode_lockstep.py), None without one."""
 
-    def __init__(self, state, settings, model, prompt_ids):
-        self.settings, self.prompt_ids = settings, prompt_ids
+    def __init__(self, state, settings, model, prompt_ids, padded_to=None):
+        self.settings, self.prompt_ids, self.padded_to = settings, prompt_ids, padded_to
         self.model, self.fingerprint = weakref.ref(model), weights_fingerprint(model)
         self._holder = [state]
         self._finalizer = weakref.finalize(self, _release_held, self._holder)
 
-    def check(self, model, group, settings):
+    def check(self, model, group, settings, lockstep=None):
         """ValueError when this capture cannot stand for the capture a transaction of `group` under `settings`
-        would make."""
+        would make, padded by `lockstep` (lockstep.Lockstep or None): skipping the transaction's capture skips its
+        padding calls too, so every rank must skip alike. That holds where the capture needs no padding, or was
+        padded under a decode lockstep to the same chunks as the transaction's."""
+        if lockstep is None and expert_parallel(model) is not None:
+            raise ValueError("capture: a kept capture is reused with sharded experts only under a lockstep "
+                             "(engine.grpo_step's); train without capture=")
+        if lockstep is not None and lockstep.capture_pad and self.padded_to != lockstep.common.chunks:
+            raise ValueError(f"capture: this rank's capture is padded to {lockstep.common.chunks} chunks in the "
+                             f"transaction, but the kept capture was padded to {self.padded_to} (None: no decode "
+                             "lockstep) and the other ranks' capture calls would not pair up; train without "
+                             "capture=, or generate under the same data-parallel group")
         if self.model() is not model:
             raise ValueError("capture: it was captured with another model than the one being trained")
         if weights_fingerprint(model) != self.fingerprint:
@@ -168,7 +185,8 @@ def _release_held(holder):
 
 
 def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
-             seed=None, config=None, cp_group=None, keep_capture=False, batched=True) -> Rollouts:
+             seed=None, config=None, cp_group=None, dp_group=None, keep_capture=False, batched=True,
+             lockstep=None) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -180,13 +198,16 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks the
     prompt is sharded over, with the config's cp_size; every rank calls with the same arguments and gets the same
     samples (decoded on every rank, as the replicated replay does, whatever "cp_replay" says).
+    dp_group: None, or the ranks whose module calls are collectives (ZeRO-3's data-parallel ranks): every rank of it
+    calls generate together, each with its own prompt, samples and eos, and the calls are padded to the same ones
+    (decode_lockstep.py). A model with sharded experts (shard_experts) decodes in lockstep over its expert-parallel
+    group when dp_group is None. lockstep: one prompt slot's decode_lockstep.DecodeLockstep, computed by the caller
+    for several prompts at once (rollout_step.py), instead of dp_group.
     keep_capture: keep the captured state in Rollouts.capture for grpo_backward(..., capture=rollouts) (module
     docstring), captured under the config as given (exact mode: with the prefix pass's checkpoints); release it
     with Rollouts.release() or a `with` block when not training on it.
     batched: decode the samples' steps as one batch (the adapter's decode_step: qwen3_5 and glm_moe_dsa); False
     decodes them one after another (the plain reference; the same tokens and log-probs up to rounding).
-    Models with sharded experts (shard_experts) are refused: their dispatches need the ranks in lockstep, which
-    decoding does not keep yet.
     """
     prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
     settings = parse_config(config)
@@ -196,36 +217,82 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     bad = [token for token in eos if token >= adapter.vocab_size]
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
-    if expert_parallel(model) is not None:
-        raise ValueError("generate: the model's experts are sharded (shard_experts); decoding does not run expert "
-                         "parallelism yet")
+    capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture)
+    if lockstep is None:
+        lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, capture_settings, topology, dp_group)[0]
+    elif lockstep.idle:
+        raise ValueError("generate: this lockstep is an idle slot's (decode_idle_slot runs it)")
+    choose = _first_rank_token(topology, adapter.device)
+    seed = choose(secrets.randbits(62)) if seed is None else seed  # under CP: the first rank's, as its tokens
+    return _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens,
+                     temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
+
+
+def decode_idle_slot(model, lockstep, max_new_tokens, *, config=None, cp_group=None, keep_capture=False,
+                     batched=True):
+    """A prompt slot this rank has no prompt for (lockstep.idle): the dummy prompt's capture and ghost decode steps
+    that pad its calls to the other ranks' (decode_lockstep.py); nothing is sampled or kept. keep_capture and
+    batched: as the other ranks' generate calls of the slot (they decide the capture's settings and the steps)."""
+    from .decode_lockstep import IDLE_PROMPT
+
+    adapter = adapter_for(model)
+    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
+    _generate(model, adapter, topology, capture_settings, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
+              lambda token: token, False, batched, lockstep)
+
+
+def _decode_setup(model, adapter, settings, cp_group, keep_capture):
+    """(the settings the prompt is captured under, the topology) of a generate call, checked before any work."""
     # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
     # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
     capture_settings = settings if keep_capture else settings.model_copy(update={"prefix_grad": "detached"})
-    keep_boundaries = capture_settings.prefix_grad == "exact"
     # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
-    settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
-    topology = topology_for(cp_group, settings)
-    topology.check(adapter, settings)
-    choose = _first_rank_token(topology, adapter.device)
-    seed = choose(secrets.randbits(62)) if seed is None else seed  # under CP: the first rank's, as its tokens
-    meter = PhaseMeter(adapter.device)
+    decode_settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
+    topology = topology_for(cp_group, decode_settings)
+    topology.check(adapter, decode_settings)
+    ep = expert_parallel(model)
+    check_expert_parallel(ep, settings, None if ep is None else ep.group, cp_group)
+    return capture_settings, topology
 
+
+def decode_schedules(model, prompts, num_samples, *, config=None, cp_group=None, dp_group=None,
+                     keep_capture=False) -> list:
+    """Per prompt slot, the schedule this rank's generate (or decode_idle_slot, past its last prompt) runs under
+    for its `prompts` (1-D ids), with generate's arguments of the same names (decode_lockstep_for; collective over
+    dp_group, or the model's expert-parallel group)."""
+    adapter = adapter_for(model)
+    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
+    return decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group)
+
+
+def decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group) -> list:
+    """Per prompt slot, the schedule this rank decodes under: decode_lockstep.decode_locksteps over dp_group (or,
+    without one, over the model's expert-parallel group), or plain Schedules when neither is given (collective
+    over that group)."""
+    ep = expert_parallel(model)
+    group = dp_group if dp_group is not None else None if ep is None else ep.group
+    if group is None or dist.get_world_size(group=group) == 1:
+        return [Schedule() for _ in prompts]
+    return decode_locksteps(prompts, num_samples, capture_settings, getattr(topology, "cp", None), group)
+
+
+def _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens, temperature,
+              top_p, eos, seed, choose, keep_capture, batched, schedule):
+    """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
+    keep_boundaries = capture_settings.prefix_grad == "exact"
+    meter = PhaseMeter(adapter.device)
     responses, logprobs, finished = [], [], []
     kept = None
-    with torch.no_grad(), kernel_mode(settings.kernels):
+    with torch.no_grad(), kernel_mode(capture_settings.kernels):
         with meter.phase("capture"), topology.phase("capture"):
-            state = topology.capture(adapter, prompt_ids, capture_settings, keep_boundaries, Schedule())
+            state = topology.capture(adapter, prompt_ids, capture_settings, keep_boundaries, schedule)
         try:
             with meter.phase("decode"), topology.phase("decode"):
                 view = topology.replay_view(adapter, state, requires_grad=False)
                 try:
-                    if batched and hasattr(adapter, "decode_step"):
-                        samples = _decode_batch(adapter, view, state.length, prompt_ids[-1], num_samples,
-                                                max_new_tokens, temperature, top_p, eos, seed, choose)
-                    else:
-                        samples = _decode_each(adapter, view, state.length, prompt_ids[-1], num_samples,
-                                               max_new_tokens, temperature, top_p, eos, seed, choose)
+                    decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
+                    samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, max_new_tokens,
+                                     temperature, top_p, eos, seed, choose, schedule)
                     for ids, logps, ended in samples:
                         responses.append(ids)
                         logprobs.append(logps)
@@ -233,7 +300,8 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
                 finally:
                     view.leaves.release()
             if keep_capture:
-                kept = KeptCapture(state, capture_settings, model, prompt_ids)
+                kept = KeptCapture(state, capture_settings, model, prompt_ids,
+                                   getattr(schedule, "capture_padded_to", None))
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success
@@ -304,21 +372,31 @@ def _new_buffer(part, capacity):
     return part.new_empty((capacity, *part.shape[1:]))
 
 
-def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose):
-    """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample."""
+def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
+                 schedule):
+    """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample.
+    Under a lockstep the sample slots other ranks have and this one lacks are decoded as ghosts."""
     samples = []
-    for sample in range(num_samples):
-        samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
-                               _generator(seed, sample), choose))
+    for sample in range(schedule.sample_slots(num_samples)):
+        if sample < num_samples:
+            samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
+                                   _generator(seed, sample), choose, schedule))
+        else:
+            for _ in range(max_new_tokens):
+                _ghost_step(adapter, view, start, batched=False)
+                if not schedule.keeps_decoding(False, adapter.device):
+                    break
         return_freed_host_memory(adapter.device)
     return samples
 
 
-def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose):
+def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
+                  schedule):
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
     all the samples still running; a sample that draws eos leaves the batch (its carry and rows are dropped).
     Each sample draws from its own generator in the same order as _decode, so the tokens are the sequential
-    path's. Returns [(ids, log-probs, ended)] per sample."""
+    path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
+    Returns [(ids, log-probs, ended)] per sample."""
     generators = [_generator(seed, sample) for sample in range(num_samples)]
     active = list(range(num_samples))  # the samples in the batch, in batch order
     ids, logps, ended = [[] for _ in active], [[] for _ in active], [False] * num_samples
@@ -328,6 +406,11 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
     rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
     tokens = first.view(1).expand(num_samples)
     for step in range(max_new_tokens):
+        if not active:
+            _ghost_step(adapter, view, start, batched=True)
+            if not schedule.keeps_decoding(False, adapter.device):
+                break
+            continue
         past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
         own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
         out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
@@ -352,22 +435,28 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
             else:
                 keep.append(row)
                 chosen_G.append(chosen)
-        if not keep:
-            break
         if len(keep) < len(active):  # finished samples leave the batch
-            index = torch.tensor(keep, device=adapter.device)
+            index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
             carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}
             rows = {layer: tuple(b.index_select(1, index) for b in buffers) for layer, buffers in rows.items()}
             active = [active[row] for row in keep]
+        if not schedule.keeps_decoding(bool(active), adapter.device):
+            break
         tokens = torch.tensor(chosen_G)
     return [(torch.tensor(ids[g], dtype=torch.long), torch.stack(logps[g]), ended[g]) for g in range(num_samples)]
 
 
-def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose):
-    """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos)."""
+def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose, schedule):
+    """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos). Under a
+    lockstep the steps after its eos that other ranks still take are ghost steps."""
     carry, rows = dict(view.leaves.carry), _ResponseRows()
     token, ids, logps = first.view(1), [], []
     for step in range(max_new_tokens):
+        if ids and ids[-1] in eos:
+            _ghost_step(adapter, view, start, batched=False)
+            if not schedule.keeps_decoding(False, adapter.device):
+                break
+            continue
         out = adapter.forward_segment(token, start + step, carry, rows.past(view.leaves), view.remote_attention)
         carry = dict(out.carry)
         rows.append(out.rows)
@@ -377,10 +466,24 @@ def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos
         chosen = choose(_sample(logits_V, temperature, top_p, uniform))
         logps.append(torch.log_softmax(logits_V, dim=-1)[chosen])
         ids.append(chosen)
-        if chosen in eos:
+        if not schedule.keeps_decoding(chosen not in eos, adapter.device):
             break
         token = torch.tensor([chosen])
     return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
+
+
+def _ghost_step(adapter, view, start, batched):
+    """A decode step whose result is thrown away (decode_lockstep.py): one dummy token decoded from the prompt's
+    state, as a first step, through the forward the real steps take (decode_step batched, else the segment
+    forward) and the head, so it calls the same submodules as a real step."""
+    token = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+    carry = dict(view.leaves.carry)
+    if batched:
+        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        out = adapter.decode_step(token, start, carry, past, {}, view.remote_attention)
+    else:
+        out = adapter.forward_segment(token, start, carry, _ResponseRows().past(view.leaves), view.remote_attention)
+    adapter.lm_head(adapter.body.norm(out.hidden))
 
 
 def _sample(logits_V, temperature, top_p, uniform) -> int:

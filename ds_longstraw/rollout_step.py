@@ -19,12 +19,15 @@ group is `Rollouts.group(rewards)`, so its old log-probs are the sampling policy
 the prompt again (generate releases its capture).
 
 Seeds: prompt i of step s samples with seed `sample_seed(seed, s, i)`, i counting over the data-parallel replicas
-(replica r of a step with k prompts per replica holds i = r k .. r k + k - 1): a run reproduces its samples from
-its seed and step alone, on any topology, and the ranks of one context-parallel group draw the same samples.
+(replica r holds i = n_0 + ... + n_(r-1) onwards, n_q the prompts replica q brings: r k .. r k + k - 1 with k
+each): a run reproduces its samples from its seed and step alone, on any topology, and the ranks of one
+context-parallel group draw the same samples.
 
-Not here: batched decoding, reuse of the rollout's capture for training, asynchronous or off-policy rollouts, and
-under ZeRO-3 with several data-parallel replicas, prompts of different lengths or an eos (decoding runs no lockstep
-yet, so every rank must make the same forward calls; checked, with an error naming the cause).
+Under ZeRO-3 with several data-parallel replicas, or with sharded experts, every rank's module calls are
+collectives: the ranks decode in lockstep (decode_lockstep.py), so each brings its own number of prompts, of any
+lengths, and its samples stop at eos when they draw it; the samples are those each rank would draw alone.
+
+Not here: asynchronous or off-policy rollouts.
 """
 
 import importlib
@@ -153,22 +156,30 @@ def rollout_groups(model, prompts, rollout, *, step, first_index=0, config=None,
                                                    config=config, cp_group=cp_group)]
 
 
-def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None,
+def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None, dp_group=None,
                     keep_capture=False) -> list:
     """[(GRPOGroup, Rollouts)] as `rollout_groups`; with keep_capture each Rollouts keeps its prompt's capture for
-    grpo_backward(..., capture=) (the caller trains on it or releases it; on error here every kept one goes)."""
-    from .rollout import generate
+    grpo_backward(..., capture=) (the caller trains on it or releases it; on error here every kept one goes).
+    dp_group: the ranks that decode in lockstep, each with its own prompts (generate's dp_group): a rank with fewer
+    prompts than another pads its calls with idle slots."""
+    from .rollout import decode_idle_slot, decode_schedules, generate
 
     rollout = parse_rollout(rollout)
     prompts = as_prompts(prompts)
     reward = rollout.reward_function()
+    schedules = decode_schedules(model, prompts, rollout.num_samples, config=config, cp_group=cp_group,
+                                 dp_group=dp_group, keep_capture=keep_capture)
     sampled = []  # (group, Rollouts); the group is None until its rewards are in
     try:
-        for j, prompt_ids in enumerate(prompts):
-            samples = generate(model, prompt_ids, rollout.num_samples, rollout.max_new_tokens,
+        for j, schedule in enumerate(schedules):
+            if schedule.idle:
+                decode_idle_slot(model, schedule, rollout.max_new_tokens, config=config, cp_group=cp_group,
+                                 keep_capture=keep_capture)
+                continue
+            samples = generate(model, prompts[j], rollout.num_samples, rollout.max_new_tokens,
                                temperature=rollout.temperature, top_p=rollout.top_p,
                                eos_token_id=rollout.eos_token_id, seed=sample_seed(rollout.seed, step, first_index + j),
-                               config=config, cp_group=cp_group, keep_capture=keep_capture)
+                               config=config, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule)
             sampled.append((None, samples))
             rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
             sampled[-1] = (samples.group(rewards), samples)
@@ -177,24 +188,6 @@ def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None
             samples.release()
         raise
     return sampled
-
-
-def _check_lockstep(prompts, rollout, dp_group):
-    """Under ZeRO-3 every rank must make the same forward calls while decoding (each gathers weights by a
-    collective): the same number of prompts of the same length, and no early stop at eos."""
-    from deepspeed import comm as dist
-
-    if rollout.eos_token_id is not None:
-        raise ValueError(f"'{BLOCK}.eos_token_id' = {rollout.eos_token_id!r}: under ZeRO-3 with several data-parallel "
-                         "replicas a sample that stops early would leave the ranks' weight gathers out of step "
-                         "(decoding runs no lockstep yet); leave eos_token_id unset")
-    lengths = [p.numel() for p in prompts]
-    gathered = [None] * dist.get_world_size(group=dp_group)
-    torch.distributed.all_gather_object(gathered, lengths, group=dp_group)
-    if any(other != lengths for other in gathered):
-        raise ValueError("rollouts under ZeRO-3 with several data-parallel replicas need the same number of prompts "
-                         "of the same lengths on every rank (decoding runs no lockstep yet); the ranks' prompt "
-                         f"lengths are {gathered}")
 
 
 def engine_rollouts(engine, prompts, rollout):
@@ -217,18 +210,24 @@ def engine_rollouts(engine, prompts, rollout):
     dp_group = engine.data_parallel_group
     cp_size = engine.longstraw_config.cp_size
     replica = dist.get_rank(group=dp_group) // cp_size
-    if engine.zero_optimization_stage() == 3 and dist.get_world_size(group=dp_group) > 1:
-        _check_lockstep(prompts, rollout, dp_group)
-    # One prompt per rank (the long-context case): keep its capture, so the training step skips a second prefill
-    # (every rank has one prompt of the same length under ZeRO-3 data parallelism, checked above: all of them skip
-    # their capture alike). Several prompts would keep several prompts' pages alive at once: they capture again.
-    keep = len(prompts) == 1 and engine.longstraw_experts is None
+    # The ranks' module calls are collectives under ZeRO-3 and with sharded experts: they decode in lockstep.
+    lockstep = ((engine.zero_optimization_stage() == 3 or engine.longstraw_experts is not None)
+                and dist.get_world_size(group=dp_group) > 1)
+    # One prompt per rank (the long-context case): keep its capture, so the training step skips a second prefill.
+    # In lockstep every rank must skip its capture alike (the decode lockstep pads the kept captures as the training
+    # step's lockstep pads its captures): all ranks have one prompt, or none keeps. Several prompts would keep
+    # several prompts' pages alive at once: they capture again.
+    counts = [None] * dist.get_world_size(group=dp_group)  # every rank's prompts (a CP group's ranks: the same)
+    torch.distributed.all_gather_object(counts, len(prompts), group=dp_group)
+    keep = all(count == 1 for count in counts)
+    first_index = sum(counts[r * cp_size] for r in range(replica))  # the replicas before this one
     was_training = engine.module.training
     engine.module.eval()
     try:
         sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
-                                  first_index=replica * len(prompts), config=engine.longstraw_config,
-                                  cp_group=engine.longstraw_cp, keep_capture=keep)
+                                  first_index=first_index, config=engine.longstraw_config,
+                                  cp_group=engine.longstraw_cp, dp_group=dp_group if lockstep else None,
+                                  keep_capture=keep)
     finally:
         engine.module.train(was_training)
     groups = [group for group, _ in sampled]

@@ -114,10 +114,10 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     (lockstep.py) unless a lockstep is given.
     capture: None, or the Rollouts of generate(..., keep_capture=True) on this group's prompt with these weights
     and this config: the policy capture is skipped and that captured state is used (rollout.py); it is taken from
-    the Rollouts and released when this call returns or raises (refused: ValueError, released too). Not with
-    sharded experts, nor under a lockstep that pads this rank's capture (generate pads no capture for other ranks);
-    under a lockstep whose capture needs no padding every rank must reuse its capture alike (engine.grpo_step with
-    one rollout prompt per rank does). The result's extras say "capture_reused".
+    the Rollouts and released when this call returns or raises (refused: ValueError, released too). Under a
+    lockstep that pads this rank's capture (or with sharded experts) only a capture padded alike is taken: one
+    generate made under a decode lockstep (rollout.KeptCapture.check); every rank must then reuse its capture alike
+    (engine.grpo_step with one rollout prompt per rank does). The result's extras say "capture_reused".
     """
     settings = parse_config(config)
     with kernel_mode(settings.kernels):
@@ -129,16 +129,12 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
     try:
         if not isinstance(group, GRPOGroup):
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
-        if capture is not None and ((lockstep is not None and lockstep.capture_pad)
-                                    or expert_parallel(model) is not None):
-            raise ValueError("capture: a kept capture is not reused under a lockstep that pads this rank's capture, "
-                             "or with sharded experts (the other ranks' capture calls would not be padded); train "
-                             "without capture=")
     except ValueError:
         if capture is not None:
             capture.release()
         raise
-    reused = None if capture is None else capture.take_capture(model, group, settings)  # released if it won't fit
+    # released if it won't fit (another prompt, weights, config, or capture padding than this transaction's)
+    reused = None if capture is None else capture.take_capture(model, group, settings, lockstep)
     try:
         return _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
                                 reused)

@@ -16,6 +16,10 @@ chains); each rank writes its measurements, asserted here:
   ep          the same with "ep_size" 2: the routed experts sharded over the two nodes, outside ZeRO-3
   ep_checkpoint  resume of an EP run (the engine's checkpoint and each rank's expert-slice file): bit for bit
   ep_export   `longstraw export` of an EP run's checkpoint: the whole model, experts joined from the slice files
+  rollout_lockstep  grpo_step(prompts, rollout=) with an eos, prompts of different lengths and counts per rank:
+              decoding in lockstep (ghost steps, an idle slot, padded captures) samples what one process samples,
+              and two steps (the second trained on the rollouts' padded captures) == the single-process steps
+  rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -137,3 +141,30 @@ def test_lora_trains_only_adapters_and_reference_is_base(results, name):
         # float32 scoring of the same weights; lockstep's padded blocks change matmul shapes (a few ulps)
         assert r["ref_vs_base"] < 1e-5, r
         assert r["policy_vs_base"] > 1e-3, r  # the adapters do change the policy: the check above can fail
+
+
+@pytest.mark.parametrize("name", ["rollout_lockstep", "rollout_ep"])
+def test_rollouts_decode_in_lockstep(results, name):
+    """Each rank samples what a single process samples at the same seeds (response lengths: eos stops them at
+    different steps; rewards), the ranks took ghost steps to stay in step (so the check exercises them), step 2
+    trained on every rank's kept capture although the ranks' prompts need different capture chunks, and the
+    two steps land on the single-process weights."""
+    checks = _check(results, name)
+    for r in checks:
+        assert r["responses"] == r["ref_responses"] and r["rewards"] == r["ref_rewards"], r
+        assert r["rel"] < TOL, r
+    counts = [[len(step) for step in r["reused"]] for r in checks]
+    assert counts[0][0] != counts[1][0], counts  # step 1: different prompt counts (an idle slot)
+    assert all(not any(r["reused"][0]) and r["reused"][1] == [True] for r in checks), checks
+    assert sum(sum(r["ghost_steps"]) for r in checks) > 0
+    lengths = {n for r in checks for step in r["responses"] for group in step for n in group}
+    assert min(lengths) < ROLLOUT_MAX_NEW_TOKENS, lengths  # some sample stopped at eos
+    if name == "rollout_lockstep":  # generate(dp_group=) one sample at a time, 3 samples on rank 0, 2 on rank 1
+        for r in checks:
+            assert r["each_ids"] == r["each_ref_ids"], r
+            # the same float32 weights (gathered by ZeRO-3) through the same ops: equal up to a few ulps
+            assert r["each_logprob_diff"] < 1e-6, r
+        assert [len(r["each_ids"]) for r in checks] == [3, 2]
+
+
+ROLLOUT_MAX_NEW_TOKENS = 6  # engine_checks.ROLLOUT's

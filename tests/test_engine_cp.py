@@ -16,6 +16,8 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   padded to the common member slots of all four ranks
            glm3ep  the same with "ep_size" 2: each CP group is also the EP group (GLM-5.2's CP32/EP32 layout),
                   each rank's expert slice outside ZeRO, its gradient summed over the replicas holding it
+           rollout  ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids (replica 0 two prompts, replica 1
+                  one): the replicas decode in lockstep; samples == one process's, the step == the average
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
            zero3  ZeRO-3, detached
            zero3kept  ZeRO-3, exact, prefix_keep_attention: mirrored turns in which the owner's forward requests
@@ -42,7 +44,7 @@ SCRIPT = os.path.join(REPO, "tests", "dist_scripts", "engine_cp_checks.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_cp")
-    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep,zero3spread", 2: "zero3,zero3kept,glm3"}
+    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep,zero3spread,rollout", 2: "zero3,zero3kept,glm3"}
     dirs, logs, procs = {}, [], []
     for world, checks in jobs.items():
         dirs[world] = out / f"w{world}"
@@ -90,6 +92,21 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
         assert "vs_equal_weights" in checks[0]["controls"]
     if name in ("zero2", "zero3exact", "zero3kept"):
         assert "vs_detached" in checks[0]["controls"]
+
+
+@pytest.mark.slow
+def test_cp_replicas_roll_out_in_lockstep(results):
+    """2 replicas x CP 2 under ZeRO-3: replica 0 rolls out two prompts, replica 1 one, with eos; every rank's samples
+    are one process's at the same seeds (the CP ranks of a replica alike), and the step is the data-parallel
+    average of the single-process gradients."""
+    checks = _check(results, 4, "rollout")
+    for r in checks:
+        assert r["responses"] == r["ref_responses"] and r["rewards"] == r["ref_rewards"], r
+        assert r["rel"] < TOL, r
+        assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
+    assert [len(r["responses"]) for r in checks] == [2, 2, 1, 1]
+    assert all(r["reused"] == [False] * len(r["responses"]) for r in checks)  # several prompts: captured again
+    assert min(n for r in checks for group in r["responses"] for n in group) < 6  # some sample stopped at eos
 
 
 def _config(stage, **block):

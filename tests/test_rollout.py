@@ -21,6 +21,8 @@ from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 import ds_longstraw.rollout as rollout
 from ds_longstraw import GRPOObjective, Rollouts, generate, grpo_backward
+from ds_longstraw.config import parse_config
+from ds_longstraw.lockstep import GroupShape, Lockstep, shape_of
 
 TOL = 1e-8
 # prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
@@ -521,6 +523,16 @@ def test_reuse_is_refused_when_it_does_not_fit(models, tmp_path, monkeypatch):
         exact = dict(config, prefix_grad="exact")
         with pytest.raises(ValueError, match="prefix_grad"):
             grpo_backward(model, rollouts.group([1.0, 0.0]), config=exact, capture=rollouts)
+        # a transaction padding its capture (a lockstep's) takes only a capture padded alike under a decode lockstep
+        rollouts = kept()
+        group = rollouts.group([1.0, 0.0])
+        settings = parse_config(config)
+        local = shape_of(group, settings)
+        padded = Lockstep(local, GroupShape(local.chunks + 1, local.blocks), settings)
+        refusal = rf"padded to {local.chunks + 1} chunks .* kept capture was padded to None"
+        with pytest.raises(ValueError, match=refusal):
+            grpo_backward(model, group, config=config, capture=rollouts, lockstep=padded)
+        assert rollouts.capture is None
         # replay-only keys may differ
         rollouts = kept()
         result = grpo_backward(model, rollouts.group([1.0, 0.0]), config=dict(config, replay_block=2),

@@ -38,6 +38,12 @@ gradient_clipping 0):
   ep_checkpoint  ZeRO-3 + EP, AdamW + WarmupLR: step 1, save, step 2 -> P; a fresh engine on different weights
               loads the step-1 checkpoint (the engine's and each rank's expert-slice file), step 2 -> Q; P == Q bit
               for bit, slices and their optimizer state included
+  rollout_lockstep  grpo_step(prompts, rollout=ROLLOUT) with eos ids, two steps: rank 0 [29, 19]-token prompts and
+              rank 1 [41] (an idle decode slot), then [19] and [41] (different capture chunks, trained on the kept
+              captures); each rank's samples == single-process rollout_groups at the same seeds and the weights ==
+              the single-process SGD steps on the averaged gradients; then generate(dp_group=, batched=False) with 3
+              samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights
+  rollout_ep  the two rollout steps on the tiny glm_moe_dsa with "ep_size": 2 (decode dispatches in lockstep)
 """
 
 import argparse
@@ -413,9 +419,97 @@ def check_zero2(out_dir):
     return {"rel": rel, "fill": fill}
 
 
+# Rollouts in lockstep: eos ends samples early, so the ranks' decode steps differ (the ghost steps pad them).
+ROLLOUT = {"source": "internal", "num_samples": 3, "max_new_tokens": 6, "temperature": 1.0,
+           "reward": "test_rollout_step:mod3_reward", "eos_token_id": list(range(0, 97, 4)), "seed": 5}
+
+
+def rollout_steps(model, ep_size, steps, vocab):
+    """`steps`: per step, (rank 0's prompt lengths, rank 1's). Each step is engine.grpo_step(this rank's prompts,
+    rollout=ROLLOUT) under ZeRO-3 (detached, SGD), against a single-process reference on a copy of the weights:
+    rollout_groups of every rank's prompts at that step's seeds (rank 1's prompt indices after rank 0's), each
+    group's gradient weighted as the engine averages (1/len per rank, 1/2 over ranks), one SGD step."""
+    from ds_longstraw import rollout as rollout_module
+    from ds_longstraw.rollout_step import rollout_groups
+
+    rank = dist.get_rank()
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    config = ds_config("detached")
+    config["longstraw"]["ep_size"] = ep_size
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    ghost_steps = [0]
+    real_ghost = rollout_module._ghost_step
+
+    def counted(*args, **kwargs):  # the padding steps this rank takes (the real ones, counted)
+        ghost_steps[0] += 1
+        return real_ghost(*args, **kwargs)
+
+    rollout_module._ghost_step = counted
+    out = {"responses": [], "ref_responses": [], "reused": [], "ghost_steps": []}
+    try:
+        for step, lengths in enumerate(steps):
+            gen = torch.Generator().manual_seed(100 + step)
+            prompts = [[torch.randint(0, vocab, (n,), generator=gen) for n in rank_lengths] for rank_lengths in lengths]
+            ghost_steps[0] = 0
+            result = engine.grpo_step(prompts[rank], GRPOObjective(), rollout=ROLLOUT)
+            out["ghost_steps"].append(ghost_steps[0])
+            out["reused"].append([g.extras["capture_reused"] for g in result.groups])
+            out["responses"].append([[len(logp) for logp in g.logprobs] for g in result.groups])
+            groups, weights = {}, {}
+            for r, rank_prompts in enumerate(prompts):
+                first = sum(len(q) for q in prompts[:r])
+                for j, group in enumerate(rollout_groups(reference, rank_prompts, ROLLOUT, step=step,
+                                                         first_index=first, config=block("detached"))):
+                    groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 0.5 / len(rank_prompts)
+            out["ref_responses"].append([[len(x) for x in groups[f"{rank}.{j}"].response_ids]
+                                         for j in range(len(prompts[rank]))])
+            out.setdefault("rewards", []).append(result.extras["rewards"])
+            out.setdefault("ref_rewards", []).append([groups[f"{rank}.{j}"].rewards.tolist()
+                                                      for j in range(len(prompts[rank]))])
+            reference_sgd_step(reference, groups, weights, "detached")
+    finally:
+        rollout_module._ghost_step = real_ghost
+    ref_after = as_engine_holds(engine, {n: p.detach() for n, p in reference.named_parameters()})
+    out["rel"] = step_error(engine_params(engine), ref_after, as_engine_holds(engine, before))
+    return out, engine, reference
+
+
+def check_rollout_lockstep(out_dir):
+    """Step 1: rank 0 two prompts, rank 1 one (an idle slot; captured again for training); step 2: one prompt each,
+    of different capture chunks (chunk 16: 2 and 3), trained on the rollout captures padded alike. Then generate
+    itself over the data-parallel group, one sample at a time (the plain reference path: rank 1 decodes 2 samples
+    and a ghost sample while rank 0 decodes 3), against single-process generate on the engine's weights."""
+    out, engine, reference = rollout_steps(tiny_qwen3_5(torch.float32, seed=12), 1,
+                                           [((29, 19), (41,)), ((19,), (41,))], 97)
+    rank = dist.get_rank()
+    params = gathered(engine)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.copy_(params[name])
+    prompt = torch.randint(0, 97, (29 if rank == 0 else 45,), generator=torch.Generator().manual_seed(200 + rank))
+    kwargs = dict(eos_token_id=ROLLOUT["eos_token_id"], seed=7 + rank, config=block("detached"), batched=False)
+    got = ds_longstraw.generate(engine.module, prompt, 3 - rank, 6, dp_group=engine.data_parallel_group, **kwargs)
+    want = ds_longstraw.generate(reference, prompt, 3 - rank, 6, **kwargs)
+    out["each_ids"] = [ids.tolist() for ids in got.response_ids]
+    out["each_ref_ids"] = [ids.tolist() for ids in want.response_ids]
+    out["each_logprob_diff"] = max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs))
+    return out
+
+
+def check_rollout_ep(out_dir):
+    """As check_rollout_lockstep's steps on the tiny glm_moe_dsa with its experts sharded over the two ranks: every
+    decode step dispatches routed tokens to the other rank, ghost steps included."""
+    return rollout_steps(tiny_glm_moe_dsa(torch.float32, seed=13, **EP_MODEL), 2,
+                         [((45,), (37, 23)), ((23,), (45,))], GLM_VOCAB)[0]
+
+
+
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
           "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
-          "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export}
+          "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export,
+          "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep}
 
 
 def run_checks(checks, file_prefix, **context):

@@ -29,6 +29,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   glm3ep  glm3exact with "ep_size" = cp_size = 2 (8 routed experts, 4 per rank of each CP group: GLM-5.2's
           CP32/EP32 layout at toy size): routed pairs dispatched over the CP group, each slice's gradient summed
           over the replicas holding it; the step on the non-expert weights and each rank's slice == the average
+  rollout ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids: replica 0 two prompts, replica 1 one (an idle
+          decode slot, shard captures padded, ghost steps): samples == one process's, the step == the average
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -143,13 +145,52 @@ def check(mode, stage, seed, family="qwen", **block_options):
             "shards": [g.extras["cp"]["shard"] for g in result.groups]}
 
 
+def check_rollout(out_dir):
+    """ZeRO-3, detached, CP 2, grpo_step(prompts, rollout=ROLLOUT): replica 0 brings prompts of 30 and 26 tokens,
+    replica 1 (W = 4) one of 41, their samples stopping at eos at different steps: the replicas decode in lockstep
+    (idle slot, padded shard captures, ghost steps) while each CP group decodes its samples together. Each rank's
+    samples == single-process rollout_groups at the same seeds; the step == the single-process data-parallel
+    average."""
+    from engine_checks import ROLLOUT
+
+    from ds_longstraw import GRPOObjective
+    from ds_longstraw.rollout_step import rollout_groups
+
+    model = tiny_qwen3_5(torch.float32, seed=9)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config("detached", 3))
+    replicas, replica = dist.get_world_size() // CP, dist.get_rank() // CP
+    gen = torch.Generator().manual_seed(70)
+    prompts = [[torch.randint(0, 97, (n,), generator=gen) for n in lengths] for lengths in [(30, 26), (41,)]]
+    prompts = prompts[:replicas]
+    result = engine.grpo_step(prompts[replica], GRPOObjective(), rollout=ROLLOUT)
+    groups, weights, mine = {}, {}, []
+    for r, replica_prompts in enumerate(prompts):
+        first = sum(len(q) for q in prompts[:r])
+        for j, group in enumerate(rollout_groups(reference, replica_prompts, ROLLOUT, step=0, first_index=first,
+                                                 config=block("detached", 1))):
+            groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 1.0 / (replicas * len(replica_prompts))
+            if r == replica:
+                mine.append(group)
+    ref, ref_loss = reference_step(reference, "detached", weights, groups)
+    return {"rel": step_error(engine_params(engine), {n: p.detach() for n, p in ref.named_parameters()}, before),
+            "mean_loss": result.mean_loss, "ref_mean_loss": ref_loss, "rewards": result.extras["rewards"],
+            "ref_rewards": [g.rewards.tolist() for g in mine],
+            "responses": [[len(logp) for logp in g.logprobs] for g in result.groups],
+            "ref_responses": [[len(ids) for ids in g.response_ids] for g in mine],
+            "reused": [g.extras["capture_reused"] for g in result.groups]}
+
+
 CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
           "zero3kept": lambda out: check("exact", 3, 3, keep=True),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2),
-          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread")}
+          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread"),
+          "rollout": check_rollout}
 
 
 if __name__ == "__main__":
