@@ -156,3 +156,20 @@ def test_experts_that_the_group_does_not_divide_are_refused(results):
 def test_no_stray_files(results):
     world, _ = results
     assert not [f for f in os.listdir(OUT_DIRS[world]) if f.startswith("error.")]
+
+
+def test_generate_with_sharded_experts_decodes_in_lockstep(results):
+    """generate on the sharded model (no dp_group: the ranks decode in lockstep over the EP group), each rank its own
+    prompt and sample count, eos stopping samples at different steps, batched and one at a time; and one prompt
+    sharded over the same ranks (CP = EP): the same tokens as the unsharded model's generate, log-probs to float64
+    rounding (the dispatch sums each token's experts in another order)."""
+    world, _ = results
+    ranks = [torch.load(os.path.join(OUT_DIRS[world], f"generate.rank{r}.pt")) for r in range(world)]
+    for rank, record in enumerate(ranks):
+        for name, got in record.items():
+            assert got["ids"] == got["ref_ids"], (rank, name, got)
+            assert got["logprob_diff"] < TOL, (rank, name, got)
+        assert len(record["dp-batched"]["ids"]) == 3 - rank % 2
+    lengths = {len(ids) for record in ranks for got in record.values() for ids in got["ids"]}
+    assert min(lengths) < 6 and max(lengths) > 1, lengths  # eos ended samples at different steps
+    assert all(record["cp"]["ids"] == ranks[0]["cp"]["ids"] for record in ranks)

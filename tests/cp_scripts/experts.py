@@ -10,7 +10,8 @@ reference model at this seed), seed, worlds; and
   layout "dp": rank r brings groups[r] (cp_size 1, ep_size N; the groups differ in prompt length, member count
                and response lengths, so the ranks pad to a common shape): expected, on rank r, group r's
                gradients of the unsharded model, except the experts': the sum over every rank's group, sliced.
-Each rank writes <name>.rank<r>.pt: its gradients, the expected ones, loss, log-probs and the EP report.
+Each rank writes <name>.rank<r>.pt: its gradients, the expected ones, loss, log-probs and the EP report; and
+generate.rank<r>.pt: generate's samples on the sharded model beside the unsharded model's (_record_generate).
 """
 
 import copy
@@ -93,6 +94,39 @@ def _record_indivisible(world, ep_group, out_dir, rank):
         handle.write(message)
 
 
+# generate on the sharded model: eos ids that stop samples at different steps on different ranks
+GENERATE_EOS = list(range(0, 97, 4))
+
+
+def _record_generate(world, ep_group, out_dir, rank):
+    """generate with the experts sharded: "dp", rank r its own prompt (30 + 7 r tokens) and 3 - r % 2 samples,
+    batched and one at a time, in lockstep over the EP group (the default: no dp_group); "cp", one prompt sharded
+    over the same ranks (cp_size = ep_size = N). Beside each, single-process generate on the unsharded model."""
+    from glm_models import tiny_glm_moe_dsa
+
+    from ds_longstraw import generate, shard_experts
+
+    model = tiny_glm_moe_dsa(seed=5, **EP_MODEL)
+    full = copy.deepcopy(model)
+    shard_experts(model, ep_group)
+    config = {"capture_chunk": 8, "page_tokens": 4}
+    prompt = torch.randint(0, 97, (30 + 7 * rank,), generator=torch.Generator().manual_seed(40 + rank))
+    shared = torch.randint(0, 97, (41,), generator=torch.Generator().manual_seed(50))
+    out = {}
+    for name, batched in (("dp-batched", True), ("dp-each", False)):
+        kwargs = dict(eos_token_id=GENERATE_EOS, seed=rank, batched=batched)
+        out[name] = (generate(model, prompt, 3 - rank % 2, 6, config=dict(config, ep_size=world), **kwargs),
+                     generate(full, prompt, 3 - rank % 2, 6, config=config, **kwargs))
+    kwargs = dict(eos_token_id=GENERATE_EOS, seed=9)
+    out["cp"] = (generate(model, shared, 3, 6, config=dict(config, ep_size=world, cp_size=world), cp_group=ep_group,
+                          **kwargs),
+                 generate(full, shared, 3, 6, config=config, **kwargs))
+    record = {name: {"ids": [x.tolist() for x in got.response_ids], "ref_ids": [x.tolist() for x in want.response_ids],
+                     "logprob_diff": max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs))}
+              for name, (got, want) in out.items()}
+    torch.save(record, os.path.join(out_dir, f"generate.rank{rank}.pt"))
+
+
 def worker(rank, world, cases, out_dir):
     """One rank of run_ep (inside fork_ranks' process group)."""
     from glm_models import glm_reference
@@ -102,6 +136,7 @@ def worker(rank, world, cases, out_dir):
         for case in cases:
             if world in case.get("worlds", (world,)):
                 _run_case(case, world, ep_group, out_dir, rank)
+        _record_generate(world, ep_group, out_dir, rank)
     _record_indivisible(world, ep_group, out_dir, rank)
 
 
