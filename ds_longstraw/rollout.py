@@ -217,6 +217,8 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     bad = [token for token in eos if token >= adapter.vocab_size]
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
+    if lockstep is not None and dp_group is not None:
+        raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
     capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture)
     if lockstep is None:
         lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, capture_settings, topology, dp_group)[0]

@@ -346,6 +346,19 @@ def test_bad_arguments_are_refused_by_name(models, arguments, name):
                  **call)
 
 
+def test_lockstep_arguments_are_refused_by_name(models):
+    """dp_group and a precomputed lockstep are two ways to say one thing; an idle slot's lockstep decodes no prompt
+    (decode_idle_slot runs it). Both refused before any collective."""
+    from ds_longstraw.decode_lockstep import DecodeLockstep
+
+    with pytest.raises(ValueError, match="dp_group or lockstep"):
+        generate(models["qwen3_5"], [1, 2, 3], 1, 2, dp_group=object(), lockstep=Lockstep(
+            GroupShape(1, ()), GroupShape(1, ()), parse_config(None)))
+    idle = DecodeLockstep(1, 1, 1, parse_config(None), group=None, idle=True)
+    with pytest.raises(ValueError, match="idle slot"):
+        generate(models["qwen3_5"], [1, 2, 3], 1, 2, lockstep=idle)
+
+
 # -- memory: decoding G samples costs what one costs ------------------------------------------------------------------
 # Each configuration runs in a fresh process (tests/test_memory.py's method): the small shape, float32, one thread,
 # MALLOC_MMAP_THRESHOLD_ so freed memory is handed back; the figure is the kernel's high-water mark (VmHWM) over
