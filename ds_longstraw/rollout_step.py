@@ -9,6 +9,7 @@
       reward: ds_longstraw.tasks.kv:reward      # "package.module:function", called function(prompt_ids, response_ids)
       eos_token_id: null                        # an id or a list of ids that end a sample
       seed: 0                                   # with the step number and the prompt's index: the samples' seed
+      zero3_weights: per_call                   # per_call | whole: how decoding reaches ZeRO-3's partitioned weights
       prompts: ds_longstraw.tasks.kv:prompt     # launch/train.py only, optional: function(seed, index, **prompt_args)
       prompt_args: {prompt_tokens: 64}          # (without `prompts` the step's prompts come from data.path's JSONL)
 
@@ -27,12 +28,20 @@ Under ZeRO-3 with several data-parallel replicas, or with sharded experts, every
 collectives: the ranks decode in lockstep (decode_lockstep.py), so each brings its own number of prompts, of any
 lengths, and its samples stop at eos when they draw it; the samples are those each rank would draw alone.
 
+Weights under ZeRO-3 (engine.grpo_step): "per_call" (the default) leaves ZeRO-3's hooks to gather each submodule's
+weights when it runs and release them after, so every decode step all-gathers the whole model, one submodule at a
+time, and nothing beyond one submodule's weights is ever whole. "whole" gathers every weight once for the step's
+rollouts and takes the hooks off while they decode (decode steps then make no weight collective), and puts them back
+before training: faster decoding for the price of the whole model's weights on every rank during the rollouts,
+which the largest models cannot pay (BENCHMARKS.md has the ratio).
+
 Not here: asynchronous or off-policy rollouts.
 """
 
 import importlib
 import math
 import time
+from contextlib import contextmanager
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -77,6 +86,7 @@ class RolloutConfig(DeepSpeedConfigModel):
     reward: str
     eos_token_id: Optional[Union[int, list[int]]] = None
     seed: int = Field(0, ge=0)
+    zero3_weights: Literal["per_call", "whole"] = "per_call"
     prompts: Optional[str] = None
     prompt_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -190,6 +200,28 @@ def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None
     return sampled
 
 
+@contextmanager
+def decoding_weights(engine, how):
+    """The engine's weights as the rollouts decode them (module docstring): "per_call" as ZeRO-3 serves them; "whole"
+    (ZeRO-3 only) every partitioned weight gathered once, and ZeRO-3's module hooks off until the block ends, when
+    they go back on (on error too) and the weights are partitioned again."""
+    if how == "per_call" or engine.zero_optimization_stage() != 3:
+        yield
+        return
+    import deepspeed
+
+    # the hooks' owner: the ZeRO-3 optimizer's parameter offload, or the engine's offload without an optimizer
+    offload = getattr(engine.optimizer, "parameter_offload", engine.optimizer)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for hook in offload.forward_hooks + offload.backward_hooks:
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+
 def engine_rollouts(engine, prompts, rollout):
     """(groups, extras, captures) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the
     engine's module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on
@@ -224,10 +256,11 @@ def engine_rollouts(engine, prompts, rollout):
     was_training = engine.module.training
     engine.module.eval()
     try:
-        sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
-                                  first_index=first_index, config=engine.longstraw_config,
-                                  cp_group=engine.longstraw_cp, dp_group=dp_group if lockstep else None,
-                                  keep_capture=keep)
+        with decoding_weights(engine, rollout.zero3_weights):
+            sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
+                                      first_index=first_index, config=engine.longstraw_config,
+                                      cp_group=engine.longstraw_cp, dp_group=dp_group if lockstep else None,
+                                      keep_capture=keep)
     finally:
         engine.module.train(was_training)
     groups = [group for group, _ in sampled]

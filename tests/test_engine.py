@@ -18,7 +18,8 @@ chains); each rank writes its measurements, asserted here:
   ep_export   `longstraw export` of an EP run's checkpoint: the whole model, experts joined from the slice files
   rollout_lockstep  grpo_step(prompts, rollout=) with an eos, prompts of different lengths and counts per rank:
               decoding in lockstep (ghost steps, an idle slot, padded captures) samples what one process samples,
-              and two steps (the second trained on the rollouts' padded captures) == the single-process steps
+              and two steps (the second trained on the rollouts' padded captures, its weights gathered whole for
+              decoding: no ZeRO-3 gather while it decodes) == the single-process steps
   rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
@@ -159,12 +160,16 @@ def test_rollouts_decode_in_lockstep(results, name):
     assert sum(sum(r["ghost_steps"]) for r in checks) > 0
     lengths = {n for r in checks for step in r["responses"] for group in step for n in group}
     assert min(lengths) < ROLLOUT_MAX_NEW_TOKENS, lengths  # some sample stopped at eos
+    # ZeRO-3's per-submodule gathers while generate ran: step 1 ("per_call") makes them, the "whole" steps none
+    assert all(r["decode_fetches"][0] > 0 and r["decode_fetches"][1:] == [0] for r in checks), checks
     if name == "rollout_lockstep":  # generate(dp_group=) one sample at a time, 3 samples on rank 0, 2 on rank 1
         for r in checks:
             assert r["each_ids"] == r["each_ref_ids"], r
             # the same float32 weights (gathered by ZeRO-3) through the same ops: equal up to a few ulps
             assert r["each_logprob_diff"] < 1e-6, r
         assert [len(r["each_ids"]) for r in checks] == [3, 2]
+        # the same submodule calls on both ranks, whatever each sampled: the lockstep itself
+        assert checks[0]["decode_fetches"][0] == checks[1]["decode_fetches"][0]
 
 
 ROLLOUT_MAX_NEW_TOKENS = 6  # engine_checks.ROLLOUT's

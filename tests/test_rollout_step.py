@@ -72,6 +72,7 @@ BAD = {
     "no-reward": ({k: v for k, v in GOOD.items() if k != "reward"}, ["rollout.reward", "required"]),
     "prompts-missing": (dict(GOOD, prompts="ds_longstraw.tasks.kv:nothing"), ["rollout.prompts", "nothing"]),
     "negative-eos": (dict(GOOD, eos_token_id=-1), ["rollout.eos_token_id"]),
+    "unknown-weights": (dict(GOOD, zero3_weights="half"), ["rollout.zero3_weights", "half"]),
 }
 
 

@@ -40,7 +40,8 @@ gradient_clipping 0):
               for bit, slices and their optimizer state included
   rollout_lockstep  grpo_step(prompts, rollout=ROLLOUT) with eos ids, two steps: rank 0 [29, 19]-token prompts and
               rank 1 [41] (an idle decode slot), then [19] and [41] (different capture chunks, trained on the kept
-              captures); each rank's samples == single-process rollout_groups at the same seeds and the weights ==
+              captures; "zero3_weights": "whole": the weights gathered once, ZeRO-3's hooks off while decoding);
+              each rank's samples == single-process rollout_groups at the same seeds and the weights ==
               the single-process SGD steps on the averaged gradients; then generate(dp_group=, batched=False) with 3
               samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights
   rollout_ep  the two rollout steps on the tiny glm_moe_dsa with "ep_size": 2 (decode dispatches in lockstep)
@@ -425,8 +426,9 @@ ROLLOUT = {"source": "internal", "num_samples": 3, "max_new_tokens": 6, "tempera
 
 
 def rollout_steps(model, ep_size, steps, vocab):
-    """`steps`: per step, (rank 0's prompt lengths, rank 1's). Each step is engine.grpo_step(this rank's prompts,
-    rollout=ROLLOUT) under ZeRO-3 (detached, SGD), against a single-process reference on a copy of the weights:
+    """`steps`: per step, (rank 0's prompt lengths, rank 1's). Step s is engine.grpo_step(this rank's prompts,
+    rollout=ROLLOUT) under ZeRO-3 (detached, SGD), the weights served per call in step 1 and gathered whole in the
+    later ones ("zero3_weights"), against a single-process reference on a copy of the weights:
     rollout_groups of every rank's prompts at that step's seeds (rank 1's prompt indices after rank 0's), each
     group's gradient weighted as the engine averages (1/len per rank, 1/2 over ranks), one SGD step."""
     from ds_longstraw import rollout as rollout_module
@@ -439,22 +441,38 @@ def rollout_steps(model, ep_size, steps, vocab):
     config["longstraw"]["ep_size"] = ep_size
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=config)
-    ghost_steps = [0]
-    real_ghost = rollout_module._ghost_step
+    ghost_steps, fetches, decoding = [0], [0], [False]
+    real_ghost, real_generate = rollout_module._ghost_step, rollout_module._generate
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    real_fetch = coordinator.fetch_sub_module
 
     def counted(*args, **kwargs):  # the padding steps this rank takes (the real ones, counted)
         ghost_steps[0] += 1
         return real_ghost(*args, **kwargs)
 
-    rollout_module._ghost_step = counted
-    out = {"responses": [], "ref_responses": [], "reused": [], "ghost_steps": []}
+    def generating(*args, **kwargs):  # marks the calls made while generate captures and decodes
+        decoding[0] = True
+        try:
+            return real_generate(*args, **kwargs)
+        finally:
+            decoding[0] = False
+
+    def fetch(*args, **kwargs):  # ZeRO-3's gather of a submodule's weights before it runs
+        fetches[0] += decoding[0]
+        return real_fetch(*args, **kwargs)
+
+    rollout_module._ghost_step, rollout_module._generate = counted, generating
+    coordinator.fetch_sub_module = fetch
+    out = {"responses": [], "ref_responses": [], "reused": [], "ghost_steps": [], "decode_fetches": []}
     try:
         for step, lengths in enumerate(steps):
             gen = torch.Generator().manual_seed(100 + step)
             prompts = [[torch.randint(0, vocab, (n,), generator=gen) for n in rank_lengths] for rank_lengths in lengths]
-            ghost_steps[0] = 0
-            result = engine.grpo_step(prompts[rank], GRPOObjective(), rollout=ROLLOUT)
+            ghost_steps[0] = fetches[0] = 0
+            rollout = dict(ROLLOUT, zero3_weights="per_call" if step == 0 else "whole")
+            result = engine.grpo_step(prompts[rank], GRPOObjective(), rollout=rollout)
             out["ghost_steps"].append(ghost_steps[0])
+            out["decode_fetches"].append(fetches[0])
             out["reused"].append([g.extras["capture_reused"] for g in result.groups])
             out["responses"].append([[len(logp) for logp in g.logprobs] for g in result.groups])
             groups, weights = {}, {}
@@ -470,7 +488,8 @@ def rollout_steps(model, ep_size, steps, vocab):
                                                       for j in range(len(prompts[rank]))])
             reference_sgd_step(reference, groups, weights, "detached")
     finally:
-        rollout_module._ghost_step = real_ghost
+        rollout_module._ghost_step, rollout_module._generate = real_ghost, real_generate
+        coordinator.fetch_sub_module = real_fetch
     ref_after = as_engine_holds(engine, {n: p.detach() for n, p in reference.named_parameters()})
     out["rel"] = step_error(engine_params(engine), ref_after, as_engine_holds(engine, before))
     return out, engine, reference
