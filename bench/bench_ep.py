@@ -32,10 +32,7 @@ import argparse
 import json
 import os
 import shlex
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -202,34 +199,13 @@ def rank_main(args):
 
 # -- driver -----------------------------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args, ep_size):
-    """One `deepspeed --num_gpus 2` job (fresh processes) for one EP size; returns the two ranks' results."""
-    result = tempfile.mkdtemp(prefix=f"bench_ep{ep_size}_")
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    command = [deepspeed, "--num_gpus", "2", "--master_port", str(_free_port()), os.path.abspath(__file__),
-               "--rank-script", "--ep-size", str(ep_size), "--result", result, "--prompt", str(args.prompt),
-               "--group", str(args.group), "--response", str(args.response), "--steps", str(args.steps)]
-    # One thread per rank on a small shared box; freed memory goes back to the kernel so VmHWM measures the step.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576",
-               PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-    log = os.path.join(result, "launcher.log")
-    with open(log, "w") as handle:
-        code = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        with open(log) as handle:
-            tail = [line for line in handle if " [INFO] " not in line][-40:]
-        raise RuntimeError(f"EP {ep_size}: launcher exit code {code}\n" + "".join(tail))
-    ranks = []
-    for rank in range(2):
-        with open(os.path.join(result, f"rank{rank}.json")) as handle:
-            ranks.append(json.load(handle))
-    return ranks
+    """One 2-rank job (fresh processes) for one EP size; returns the two ranks' results."""
+    from two_ranks import launch as launch_two_ranks
+
+    return launch_two_ranks(__file__, ["--ep-size", str(ep_size), "--prompt", str(args.prompt), "--group",
+                                       str(args.group), "--response", str(args.response), "--steps",
+                                       str(args.steps)], f"bench_ep{ep_size}")
 
 
 def planner_figures(ep_size, prompt):

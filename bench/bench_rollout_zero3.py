@@ -24,9 +24,7 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,31 +98,12 @@ def rank_main(args):
 # -- driver -----------------------------------------------------------------------------------------------------
 
 def launch(args, setting):
-    """One `deepspeed --num_gpus 2` job (fresh processes) for one setting; returns the two ranks' results."""
-    from bench_ep import _free_port
+    """One 2-rank job (fresh processes) for one setting; returns the two ranks' results."""
+    from two_ranks import launch as launch_two_ranks
 
-    result = tempfile.mkdtemp(prefix=f"bench_rollout_zero3_{setting}_")
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    command = [deepspeed, "--num_gpus", "2", "--master_port", str(_free_port()), os.path.abspath(__file__),
-               "--rank-script", "--setting", setting, "--result", result, "--prompt", str(args.prompt),
-               "--samples", str(args.samples), "--new", str(args.new), "--hidden", str(args.hidden),
-               "--repeat", str(args.repeat)]
-    # One thread per rank on a small shared box; freed memory goes back to the kernel so VmHWM measures the call.
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="1048576",
-               PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), ROOT]))
-    log = os.path.join(result, "launcher.log")
-    with open(log, "w") as handle:
-        code = subprocess.run(command, cwd=ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT).returncode
-    if code != 0:
-        with open(log) as handle:
-            tail = [line for line in handle if " [INFO] " not in line][-40:]
-        raise RuntimeError(f"{setting}: launcher exit code {code}\n" + "".join(tail))
-    ranks = []
-    for rank in range(2):
-        with open(os.path.join(result, f"rank{rank}.json")) as handle:
-            ranks.append(json.load(handle))
-    return ranks
+    return launch_two_ranks(__file__, ["--setting", setting, "--prompt", str(args.prompt), "--samples",
+                                       str(args.samples), "--new", str(args.new), "--hidden", str(args.hidden),
+                                       "--repeat", str(args.repeat)], f"bench_rollout_zero3_{setting}")
 
 
 def summarise(ranks):
@@ -178,7 +157,7 @@ def main(argv=None):
     if args.rank_script:
         rank_main(args)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_ep's helpers
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # two_ranks, bench_ep's GatherCounter
     command = "python bench/bench_rollout_zero3.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = {}
     for setting in SETTINGS:
