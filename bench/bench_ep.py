@@ -36,6 +36,7 @@ import sys
 import time
 
 import torch
+from two_ranks import add_rank_script_arguments, launch_two_ranks  # bench/ is the script's folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -201,8 +202,6 @@ def rank_main(args):
 
 def launch(args, ep_size):
     """One 2-rank job (fresh processes) for one EP size; returns the two ranks' results."""
-    from two_ranks import launch as launch_two_ranks
-
     return launch_two_ranks(__file__, ["--ep-size", str(ep_size), "--prompt", str(args.prompt), "--group",
                                        str(args.group), "--response", str(args.response), "--steps",
                                        str(args.steps)], f"bench_ep{ep_size}")
@@ -323,11 +322,9 @@ def main(argv=None):
     parser.add_argument("--ep", default="1,2", help="EP sizes to compare (1 or 2)")
     parser.add_argument("--write", default=None, help="markdown file whose bench:ep-glm section to rewrite")
     parser.add_argument("--json", default=None, help="also save the raw per-rank results here")
-    # the rank script's arguments (the launcher adds --local_rank)
-    parser.add_argument("--rank-script", action="store_true", help=argparse.SUPPRESS)
+    # the rank script's arguments
+    add_rank_script_arguments(parser)
     parser.add_argument("--ep-size", type=int, default=1, help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_script:
         rank_main(args)

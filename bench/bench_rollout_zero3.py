@@ -27,6 +27,8 @@ import shlex
 import sys
 import time
 
+from two_ranks import add_rank_script_arguments, launch_two_ranks  # bench/ is the script's folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -99,8 +101,6 @@ def rank_main(args):
 
 def launch(args, setting):
     """One 2-rank job (fresh processes) for one setting; returns the two ranks' results."""
-    from two_ranks import launch as launch_two_ranks
-
     return launch_two_ranks(__file__, ["--setting", setting, "--prompt", str(args.prompt), "--samples",
                                        str(args.samples), "--new", str(args.new), "--hidden", str(args.hidden),
                                        "--repeat", str(args.repeat)], f"bench_rollout_zero3_{setting}")
@@ -148,16 +148,13 @@ def main(argv=None):
     parser.add_argument("--hidden", type=int, default=512, help="hidden size (intermediate: 3x)")
     parser.add_argument("--repeat", type=int, default=2, help="rollout calls per setting; the last is reported")
     parser.add_argument("--write", default=None, help="markdown file whose bench:rollout-zero3 section to rewrite")
-    # the rank script's arguments (the launcher adds --local_rank)
-    parser.add_argument("--rank-script", action="store_true", help=argparse.SUPPRESS)
+    # the rank script's arguments
+    add_rank_script_arguments(parser)
     parser.add_argument("--setting", default="per_call", help=argparse.SUPPRESS)
-    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_script:
         rank_main(args)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # two_ranks, bench_ep's GatherCounter
     command = "python bench/bench_rollout_zero3.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     rows = {}
     for setting in SETTINGS:

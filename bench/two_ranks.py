@@ -1,10 +1,11 @@
 """Start a benchmark's rank script under the real `deepspeed` launcher on 2 CPU ranks, in fresh processes.
 
-The rank script writes <result>/rank<r>.json; `launch` returns the two ranks' results, or raises with the
+The rank script writes <result>/rank<r>.json; `launch_two_ranks` returns the two ranks' results, or raises with the
 launcher log's tail. One thread per rank on a small shared box; freed blocks of 1 MiB and more go back to the
 kernel, so a rank's VmHWM measures its own work.
 """
 
+import argparse
 import json
 import os
 import socket
@@ -21,7 +22,14 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(script, script_args, label):
+def add_rank_script_arguments(parser):
+    """The hidden arguments `launch_two_ranks` gives the rank script (and the launcher's --local_rank)."""
+    parser.add_argument("--rank-script", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+
+
+def launch_two_ranks(script, script_args, label):
     """`deepspeed --num_gpus 2 script --result DIR *script_args` from the repository root (bench/ and the root on
     PYTHONPATH); returns [rank 0's result, rank 1's]. label: names the run in errors and the result folder."""
     result = tempfile.mkdtemp(prefix=f"{label}_")
