@@ -7,7 +7,9 @@
 Reports retained bytes per rank by layer type, what each tier needs of GPU, host and NVMe memory and whether it
 fits, the recommended `offload` block (tier, staging depth) and the longest prompt each tier allows. For a model
 with routed experts it also reports the weights per rank with and without expert parallelism (--ep), what ZeRO-3
-gathers per call of a MoE block, and the EP all-to-all's bytes per MoE layer and token. Memory the
+gathers per call of a MoE block, and the EP all-to-all's bytes per MoE layer and token. With --new-tokens it
+sizes rollouts too: the G samples' own state while they decode, with the weights per call and gathered whole
+(`rollout.zero3_weights`), and the longest response each tier leaves room for. Memory the
 command is not given is detected: host memory with psutil, the CPU with py-cpuinfo, the GPU with torch (when
 one is visible), free NVMe space at --nvme-path. Sizes take a unit (96GB, 2TiB, 512M); a bare number is GiB.
 The model of what costs what is in offload/plan.py; the byte figures come from the architecture's layer-state
@@ -22,7 +24,7 @@ import sys
 
 from .config import parse_config
 from .model_shape import load_config, shape_from_config
-from .offload.plan import TIERS, GiB, Layout, make_plan
+from .offload.plan import TIERS, GiB, Layout, make_plan, rollout_figures
 
 _UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -71,6 +73,8 @@ def _parser():
                    help="longstraw.prefix_keep_attention (exact mode): attention outputs kept with the pages")
     p.add_argument("--kept-attention-tier", choices=("none", "cpu", "nvme"), default=None,
                    help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
+    p.add_argument("--new-tokens", type=parse_tokens, default=None,
+                   help="rollouts: the samples' max_new_tokens (sizes decoding G samples from the captured prompt)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -146,6 +150,7 @@ def render(plan, detected) -> str:
     parts = ", ".join(f"{name} {_gib(size)}" for name, size in plan.workspace.items() if size)
     lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.kernel_workspace)."]
     lines += _render_moe(plan)
+    lines += _render_rollout(plan)
     lines.append("")
     if plan.tier is None:
         lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt.")
@@ -206,6 +211,36 @@ def _render_moe(plan) -> list:
     return lines
 
 
+def _render_rollout(plan) -> list:
+    """Decoding the G samples (offload/plan.rollout_figures): their own state, and the GPU under each tier."""
+    r = plan.rollout
+    if not r:
+        return []
+    lines = ["", "## Rollouts (generate)", "",
+             f"G = {plan.group_size} samples of up to {r['new_tokens']:,} new tokens, decoded from the captured "
+             f"prompt (every CP rank decodes every sample): each keeps its own carry "
+             f"({_gib(r['carry_per_sample'])}) and response rows ({plan.shape.bytes_per_token:,} B per token: "
+             f"{_gib(r['rows_per_sample'])}); all of them {_gib(r['samples'])} per rank, plus "
+             f"{_gib(r['logits'])} of a step's logits. `rollout.zero3_weights: whole` adds "
+             f"{_gib(r['whole_weights_extra'])} per rank (the whole weights instead of the ZeRO-3 share).", "",
+             "| tier | GPU while decoding, per_call | fits | longest response | GPU, whole | fits | longest response |",
+             "|---|---:|---|---:|---:|---|---:|"]
+
+    def fits(value):
+        return "-" if value is None else "yes" if value else "no"
+
+    def longest(value):
+        return "-" if value is None else f"{value:,}"
+
+    for tier in TIERS:
+        cells = []
+        for weights in ("per_call", "whole"):
+            f = r[weights]
+            cells += [_gib(f["gpu"][tier]), fits(f["fits"][tier]), longest(f["longest"][tier])]
+        lines.append(f"| {tier} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def as_dict(plan) -> dict:
     return {"model": plan.shape.name, "params": plan.shape.params, "context": plan.context,
             "group_size": plan.group_size, "mode": plan.mode, "tokens_per_rank": plan.tokens_per_rank,
@@ -213,7 +248,7 @@ def as_dict(plan) -> dict:
             "experts": plan.moe or None,
             "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
             "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
-            "max_context": plan.max_context, "workspace_bytes": plan.workspace}
+            "max_context": plan.max_context, "workspace_bytes": plan.workspace, "rollout": plan.rollout or None}
 
 
 def main(argv=None) -> int:
@@ -245,6 +280,10 @@ def main(argv=None) -> int:
                                  "cp_size": cp})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier)
+        if args.new_tokens is not None:
+            if args.new_tokens < 1:
+                raise ValueError(f"--new-tokens {args.new_tokens}: a response has at least 1 new token")
+            plan.rollout = rollout_figures(plan, args.new_tokens)
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

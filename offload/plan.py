@@ -25,6 +25,16 @@ What is not modelled: activations beyond the reserve and the workspace (the laye
 optimizer state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
 them against measured captures.
 
+Rollouts (`rollout_figures`, when the plan is given the samples' new tokens): generate decodes G samples from
+the captured prompt, whose pages stay where the tier puts them; each sample keeps its own
+  carry          a copy of the prompt's per-sequence carry                                    GPU
+  rows           its response's rows of every paged layer (the page streams per token), the whole
+                 max_new_tokens allocated up front                                            GPU
+and every step's logits [G, vocab] (the head's dtype, then float64 for sampling) on the GPU. Every CP rank decodes
+every sample, so none of this is sharded. With `rollout.zero3_weights: whole` each rank also holds the whole
+weights (routed experts: its EP slice) instead of its ZeRO-3 share while decoding. The kernels' training
+workspace is not live while decoding.
+
 Routed experts (a model with a MoEShape), `moe_figures`:
   weights        ZeRO-3 only: every parameter / gpus. Expert parallelism over `ep` ranks: the routed experts / ep
                  (each rank holds its slice whole, outside ZeRO) + the other parameters / gpus (ZeRO-3)
@@ -129,6 +139,7 @@ class Plan:
     tier: str | None = None
     max_context: dict = field(default_factory=dict)  # tier -> prompt tokens (None: no bound known)
     workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
+    rollout: dict = field(default_factory=dict)  # rollout_figures (empty: no rollout sized)
 
 
 # The replay block the workspace is counted for (the longstraw block's default replay_block), the log-prob
@@ -278,6 +289,39 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = next((t for t in TIERS if plan.fits[t]), None)
     return plan
+
+
+def rollout_figures(plan: Plan, new_tokens: int) -> dict:
+    """Bytes per rank of decoding the plan's G samples of up to `new_tokens` tokens from its captured prompt
+    (module docstring), and what the GPU then holds under each tier, with the weights as ZeRO-3 shares them and
+    gathered whole; the longest response that fits the GPU budget under each."""
+    shape, layout, g = plan.shape, plan.layout, plan.group_size
+    if new_tokens < 1:
+        raise ValueError(f"new tokens must be >= 1, got {new_tokens}")
+    rows_per_token = shape.bytes_per_token
+    logits = g * shape.vocab_size * (shape.dtype_bytes + 8)
+    samples = g * (shape.carry_total + rows_per_token * new_tokens)
+    if plan.moe and layout.ep > 1:  # the EP slice is already whole; gathering makes the rest whole
+        whole = plan.moe["routed_weights_per_rank_ep"] + int((shape.params - plan.moe["routed_params"])
+                                                            * layout.weight_bytes)
+    else:
+        whole = int(shape.params * layout.weight_bytes)
+    out = {"new_tokens": new_tokens, "carry_per_sample": shape.carry_total,
+           "rows_per_sample": rows_per_token * new_tokens, "samples": samples, "logits": logits,
+           "whole_weights_extra": max(whole - plan.weights_per_rank, 0)}
+    workspace = max(plan.workspace.values())
+    budget = plan.gpu_budget
+    for weights in ("per_call", "whole"):  # rollout.zero3_weights
+        extra = out["whole_weights_extra"] if weights == "whole" else 0
+        figures = out[weights] = {"gpu": {}, "fits": {}, "longest": {}}  # by tier
+        for tier in TIERS:
+            prompt = plan.needs[tier]["gpu"] - workspace  # the capture's share of the tier's GPU needs
+            figures["gpu"][tier] = prompt + samples + logits + extra
+            figures["fits"][tier] = None if budget is None else figures["gpu"][tier] <= budget
+            room = None if budget is None else budget - prompt - logits - extra - g * shape.carry_total
+            figures["longest"][tier] = (None if room is None or not rows_per_token
+                                        else max(room // (g * rows_per_token), 0))
+    return out
 
 
 def check_expert_layout(shape: ModelShape, layout: Layout):

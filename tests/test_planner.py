@@ -20,7 +20,7 @@ from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
 from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.model_shape import load_config, shape_from_config
-from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank
+from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank, rollout_figures
 from ds_longstraw.planner import main, parse_size, parse_tokens
 from ds_longstraw.state import capture_prefix
 
@@ -344,3 +344,77 @@ def test_delta_rule_workspace_bounds_the_measured_peak(backward):
     measured = int(run.stdout.split()[-1])
     planned = delta_rule_floats(2 * dim, backward) * 4 * tokens * heads
     assert measured <= planned <= 1.6 * measured, (measured, planned)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "glm_moe_dsa"])
+def test_rollout_state_matches_what_generate_allocates(family, monkeypatch):
+    """offload/plan.rollout_figures against a real batched generate of the tiny model (float64, no eos, so every
+    sample runs to max_new_tokens): the samples' response-row buffers generate allocates (rollout._new_buffer) are
+    G x new tokens x the page streams' bytes per token, and the carry the first decode step receives is G copies of
+    the prompt's per-sequence carry; both to the byte."""
+    import ds_longstraw.rollout as rollout
+    from ds_longstraw import generate
+
+    if family == "qwen3_5":
+        model, config = tiny_qwen3_5(), tiny_qwen3_5_config().to_dict()
+    else:
+        from glm_models import tiny_glm_moe_dsa, tiny_glm_moe_dsa_config
+
+        model, config = tiny_glm_moe_dsa(), tiny_glm_moe_dsa_config().to_dict()
+    samples, new_tokens, prompt_len = 3, 5, 45
+    rows, carries = [], []
+    real_buffer, adapter = rollout._new_buffer, adapter_for(model)
+    real_step = type(adapter).decode_step
+
+    def buffer(part, capacity):
+        out = real_buffer(part, capacity)
+        rows.append(out.nbytes)
+        return out
+
+    def step(self, tokens, start, carry, *args, **kwargs):
+        if not carries:
+            carries.append(sum(t.nbytes for parts in carry.values() for t in parts))
+        return real_step(self, tokens, start, carry, *args, **kwargs)
+
+    monkeypatch.setattr(rollout, "_new_buffer", buffer)
+    monkeypatch.setattr(type(adapter), "decode_step", step)
+    prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(3))
+    with float64_model():
+        result = generate(model, prompt, samples, new_tokens, seed=0, config={"capture_chunk": 16, "page_tokens": 7})
+    assert [len(ids) for ids in result.response_ids] == [new_tokens] * samples
+    plan = make_plan(shape_from_config("tiny", config, 8), prompt_len, samples, "detached", Layout())
+    figures = rollout_figures(plan, new_tokens)
+    assert sum(rows) == samples * figures["rows_per_sample"] > 0
+    assert carries == [samples * figures["carry_per_sample"]]
+    assert (carries[0] > 0) == (family == "qwen3_5")  # Gated DeltaNet's state; MLA keeps none
+    assert figures["samples"] == sum(rows) + carries[0]
+
+
+def test_cli_sizes_rollouts(capsys):
+    """--new-tokens: the samples' own state (qwen3.6-27b: 65,536 B of K/V rows per token over its 16 attention
+    layers, the Gated DeltaNet carry per sample), the GPU while decoding per tier with the weights per call and
+    whole, and the longest response that fits; refused by name below 1."""
+    base = ["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-memory", "141GB",
+            "--host-memory", "2TB", "--group-size", "8"]
+    assert main(base + ["--new-tokens", "32K", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    r = plan["rollout"]
+    assert r["rows_per_sample"] == 65536 * 32 * 1024
+    assert r["samples"] == 8 * (r["carry_per_sample"] + r["rows_per_sample"])
+    params = shape_from_config(*load_config("qwen3.6-27b")).params
+    assert r["whole_weights_extra"] == int(params * 2.0) - plan["weights_per_rank"]
+    workspace = max(plan["workspace_bytes"].values())
+    for tier in ("none", "cpu", "nvme"):
+        per_call, whole = r["per_call"], r["whole"]
+        assert per_call["gpu"][tier] == plan["needs"][tier]["gpu"] - workspace + r["samples"] + r["logits"]
+        assert whole["gpu"][tier] == per_call["gpu"][tier] + r["whole_weights_extra"]
+        assert whole["longest"][tier] < per_call["longest"][tier]
+        # the longest response fits, one more token's rows for every sample would not (to rounding of the floor)
+        longest = per_call["longest"][tier]
+        used = plan["needs"][tier]["gpu"] - workspace + r["logits"] + 8 * (r["carry_per_sample"] + 65536 * longest)
+        assert used <= plan["budgets"]["gpu"] < used + 8 * 65536
+    assert main(base + ["--new-tokens", "32K"]) == 0
+    out = capsys.readouterr().out
+    assert "## Rollouts (generate)" in out and "zero3_weights: whole" in out
+    assert main(base + ["--new-tokens", "0"]) == 2
+    assert "--new-tokens 0" in capsys.readouterr().err
