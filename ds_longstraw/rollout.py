@@ -225,7 +225,7 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
     elif lockstep.idle:
         raise ValueError("generate: this lockstep is an idle slot's (decode_idle_slot runs it)")
     choose = _first_rank_token(topology, adapter.device)
-    seed = choose(secrets.randbits(62)) if seed is None else seed  # under CP: the first rank's, as its tokens
+    seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
     return _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens,
                      temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
 
@@ -240,7 +240,7 @@ def decode_idle_slot(model, lockstep, max_new_tokens, *, config=None, cp_group=N
     adapter = adapter_for(model)
     capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
     _generate(model, adapter, topology, capture_settings, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
-              lambda token: token, False, batched, lockstep)
+              lambda tokens: list(tokens), False, batched, lockstep)
 
 
 def _decode_setup(model, adapter, settings, cp_group, keep_capture):
@@ -425,11 +425,13 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
         logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
         del out, past, own
         return_freed_host_memory(adapter.device)  # a step's scattered small temporaries (G times one sample's)
-        chosen_G, keep = [], []
+        drawn = []
         for row, sample in enumerate(active):
             uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generators[sample],
                                                                     dtype=torch.float64))
-            chosen = choose(_sample(logits_GV[row], temperature, top_p, uniform))
+            drawn.append(_sample(logits_GV[row], temperature, top_p, uniform))
+        chosen_G, keep = [], []
+        for row, (sample, chosen) in enumerate(zip(active, choose(drawn))):  # the step's tokens in one exchange
             logps[sample].append(torch.log_softmax(logits_GV[row], dim=-1)[chosen])
             ids[sample].append(chosen)
             if chosen in eos:
@@ -465,7 +467,7 @@ def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos
         logits_V = adapter.lm_head(adapter.body.norm(out.hidden))[0, -1].double().cpu()
         # greedy draws nothing; a sample draws one uniform per step from its own stream
         uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
-        chosen = choose(_sample(logits_V, temperature, top_p, uniform))
+        chosen = choose([_sample(logits_V, temperature, top_p, uniform)])[0]
         logps.append(torch.log_softmax(logits_V, dim=-1)[chosen])
         ids.append(chosen)
         if not schedule.keeps_decoding(chosen not in eos, adapter.device):
@@ -518,13 +520,15 @@ def _generator(seed, sample):
 
 
 def _first_rank_token(topology, device):
-    """token -> the token (or drawn seed) every rank of the topology takes: its own on one rank, the CP group's first
-    rank's under context parallelism (one int64 all-gather per decoded token)."""
+    """tokens (a list of ints) -> the tokens (or drawn seed) every rank of the topology takes: its own on one rank,
+    the CP group's first rank's under context parallelism (one int64 all-gather per call: a decode step's tokens
+    of every sample together)."""
     cp = getattr(topology, "cp", None)
     if cp is None:
-        return lambda token: token
+        return lambda tokens: list(tokens)
 
-    def choose(token):
-        return int(cp.all_gather(torch.tensor([token], device=device), op="rollout_token")[0])
+    def choose(tokens):
+        first = cp.all_gather(torch.tensor(tokens, dtype=torch.int64, device=device), op="rollout_token")[0]
+        return [int(token) for token in first.tolist()]
 
     return choose

@@ -297,6 +297,10 @@ def test_cp2_equals_one_rank(cp_results, case):
         for member, (got, want) in enumerate(zip(result["logprobs"], reference.logprobs)):
             assert _relative(got, want) <= TOL, f"rank {rank} sample {member}"
     _assert_logprobs(case_model(case)[0], case["family"], case_prompt(case), reference)
+    if "rewards" not in case:  # one exchange of the first rank's tokens per decode step for all the samples
+        steps = max(len(ids) for ids in reference.response_ids)
+        drawn_seed = "seed" not in case["sampling"]
+        assert all(result["token_exchanges"] == steps + drawn_seed for result in ranks), ranks
 
 
 TRAIN_CASES = [case for case in CP_CASES if "rewards" in case]
