@@ -24,7 +24,7 @@ import sys
 
 from .config import parse_config
 from .model_shape import load_config, shape_from_config
-from .offload.plan import TIERS, GiB, Layout, make_plan, rollout_figures
+from .offload.plan import TIERS, GiB, Layout, make_plan, recommended_tier, rollout_figures
 
 _UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -153,12 +153,15 @@ def render(plan, detected) -> str:
     lines += _render_rollout(plan)
     lines.append("")
     if plan.tier is None:
-        lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt.")
+        lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt"
+                     + (" or the responses." if plan.rollout else "."))
     else:
         block = {"tier": plan.tier, "staging_depth": plan.depth[plan.tier]}
         if plan.tier == "nvme":
             block["nvme_path"] = "/local_nvme/longstraw"
-        lines.append(f"Recommended: \"offload\": {json.dumps(block)} (the first tier that fits, fastest first).")
+        decoding = " and decoding the rollouts" if plan.rollout else ""
+        lines.append(f"Recommended: \"offload\": {json.dumps(block)} (the first tier that fits the transaction"
+                     f"{decoding}, fastest first).")
     return "\n".join(lines)
 
 
@@ -284,6 +287,7 @@ def main(argv=None) -> int:
             if args.new_tokens < 1:
                 raise ValueError(f"--new-tokens {args.new_tokens}: a response has at least 1 new token")
             plan.rollout = rollout_figures(plan, args.new_tokens)
+            plan.tier = recommended_tier(plan)  # decoding must fit too
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2

@@ -287,8 +287,15 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention, kept_tier)
                   for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
         plan.max_context[tier] = None if None in bounds else max(bounds)
-    plan.tier = next((t for t in TIERS if plan.fits[t]), None)
+    plan.tier = recommended_tier(plan)
     return plan
+
+
+def recommended_tier(plan: Plan) -> str | None:
+    """The first tier (fastest first) where the transaction fits and, when rollouts are sized (plan.rollout),
+    decoding them fits too with the weights served per call."""
+    decodes = plan.rollout["per_call"]["fits"] if plan.rollout else {}
+    return next((t for t in TIERS if plan.fits[t] and decodes.get(t) is not False), None)
 
 
 def rollout_figures(plan: Plan, new_tokens: int) -> dict:

@@ -418,3 +418,9 @@ def test_cli_sizes_rollouts(capsys):
     assert "## Rollouts (generate)" in out and "zero3_weights: whole" in out
     assert main(base + ["--new-tokens", "0"]) == 2
     assert "--new-tokens 0" in capsys.readouterr().err
+    # the recommendation must decode too: 200K new tokens per sample no longer fit beside the pages on the GPU
+    assert plan["recommended_tier"] == "none"
+    assert main(base + ["--new-tokens", "200K", "--json"]) == 0
+    long = json.loads(capsys.readouterr().out)
+    assert long["fits"]["none"] and long["rollout"]["per_call"]["fits"] == {"none": False, "cpu": True, "nvme": True}
+    assert long["recommended_tier"] == "cpu"
