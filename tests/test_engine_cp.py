@@ -96,17 +96,19 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
 
 @pytest.mark.slow
 def test_cp_replicas_roll_out_in_lockstep(results):
-    """2 replicas x CP 2 under ZeRO-3: replica 0 rolls out two prompts, replica 1 one, with eos; every rank's samples
-    are one process's at the same seeds (the CP ranks of a replica alike), and the step is the data-parallel
-    average of the single-process gradients."""
+    """2 replicas x CP 2 under ZeRO-3: replica 0 rolls out two prompts, replica 1 one, with eos, then one prompt each
+    of different lengths; every rank's samples are one process's at the same seeds (the CP ranks of a replica alike),
+    and each step is the data-parallel average of the single-process gradients."""
     checks = _check(results, 4, "rollout")
     for r in checks:
         assert r["responses"] == r["ref_responses"] and r["rewards"] == r["ref_rewards"], r
         assert r["rel"] < TOL, r
         assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
-    assert [len(r["responses"]) for r in checks] == [2, 2, 1, 1]
-    assert all(r["reused"] == [False] * len(r["responses"]) for r in checks)  # several prompts: captured again
-    assert min(n for r in checks for group in r["responses"] for n in group) < 6  # some sample stopped at eos
+    assert [[len(step) for step in r["responses"]] for r in checks] == [[2, 1], [2, 1], [1, 1], [1, 1]]
+    # step 1: several prompts on a replica, so every group is captured again; step 2: one prompt per replica, so
+    # every rank trains on its kept shard capture although the replicas' prompts differ in length
+    assert all(r["reused"] == [[False] * len(r["responses"][0]), [True]] for r in checks), checks
+    assert min(n for r in checks for step in r["responses"] for group in step for n in group) < 6  # eos
 
 
 def _config(stage, **block):

@@ -30,7 +30,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           CP32/EP32 layout at toy size): routed pairs dispatched over the CP group, each slice's gradient summed
           over the replicas holding it; the step on the non-expert weights and each rank's slice == the average
   rollout ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids: replica 0 two prompts, replica 1 one (an idle
-          decode slot, shard captures padded, ghost steps): samples == one process's, the step == the average
+          decode slot, shard captures padded, ghost steps); then one prompt each of different lengths (trained on
+          the kept shard captures, padded alike): samples == one process's, two steps == the averages
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -162,25 +163,30 @@ def check_rollout(out_dir):
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=ds_config("detached", 3))
     replicas, replica = dist.get_world_size() // CP, dist.get_rank() // CP
-    gen = torch.Generator().manual_seed(70)
-    prompts = [[torch.randint(0, 97, (n,), generator=gen) for n in lengths] for lengths in [(30, 26), (41,)]]
-    prompts = prompts[:replicas]
-    result = engine.grpo_step(prompts[replica], GRPOObjective(), rollout=ROLLOUT)
-    groups, weights, mine = {}, {}, []
-    for r, replica_prompts in enumerate(prompts):
-        first = sum(len(q) for q in prompts[:r])
-        for j, group in enumerate(rollout_groups(reference, replica_prompts, ROLLOUT, step=0, first_index=first,
-                                                 config=block("detached", 1))):
-            groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 1.0 / (replicas * len(replica_prompts))
-            if r == replica:
-                mine.append(group)
-    ref, ref_loss = reference_step(reference, "detached", weights, groups)
-    return {"rel": step_error(engine_params(engine), {n: p.detach() for n, p in ref.named_parameters()}, before),
-            "mean_loss": result.mean_loss, "ref_mean_loss": ref_loss, "rewards": result.extras["rewards"],
-            "ref_rewards": [g.rewards.tolist() for g in mine],
-            "responses": [[len(logp) for logp in g.logprobs] for g in result.groups],
-            "ref_responses": [[len(ids) for ids in g.response_ids] for g in mine],
-            "reused": [g.extras["capture_reused"] for g in result.groups]}
+    out = {}
+    # step 1: two prompts on replica 0, one on replica 1; step 2: one each, of different shard chunk counts, so
+    # the training step reuses every rank's kept capture padded alike
+    for step, lengths in enumerate([[(30, 26), (41,)], [(26,), (41,)]]):
+        gen = torch.Generator().manual_seed(70 + step)
+        prompts = [[torch.randint(0, 97, (n,), generator=gen) for n in ls] for ls in lengths][:replicas]
+        result = engine.grpo_step(prompts[replica], GRPOObjective(), rollout=ROLLOUT)
+        groups, weights, mine = {}, {}, []
+        for r, replica_prompts in enumerate(prompts):
+            first = sum(len(q) for q in prompts[:r])
+            for j, group in enumerate(rollout_groups(reference, replica_prompts, ROLLOUT, step=step,
+                                                     first_index=first, config=block("detached", 1))):
+                groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 1.0 / (replicas * len(replica_prompts))
+                if r == replica:
+                    mine.append(group)
+        reference, ref_loss = reference_step(reference, "detached", weights, groups)
+        for key, value in {"mean_loss": result.mean_loss, "ref_mean_loss": ref_loss,
+                           "rewards": result.extras["rewards"], "ref_rewards": [g.rewards.tolist() for g in mine],
+                           "responses": [[len(logp) for logp in g.logprobs] for g in result.groups],
+                           "ref_responses": [[len(ids) for ids in g.response_ids] for g in mine],
+                           "reused": [g.extras["capture_reused"] for g in result.groups]}.items():
+            out.setdefault(key, []).append(value)
+    out["rel"] = step_error(engine_params(engine), {n: p.detach() for n, p in reference.named_parameters()}, before)
+    return out
 
 
 CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
