@@ -122,6 +122,7 @@ class Schedule:
 
     capture_pad = 0  # extra capture chunks of dummy calls
     idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
+    capture_padded_to = None  # decoding: the chunks every rank's capture of the slot calls (None: not padded)
     # context parallelism: prefix iterations every rank makes in every turn (None: no mirroring)
     prefix_iterations = None
 

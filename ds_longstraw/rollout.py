@@ -302,8 +302,7 @@ def _generate(model, adapter, topology, capture_settings, prompt_ids, num_sample
                 finally:
                     view.leaves.release()
             if keep_capture:
-                kept = KeptCapture(state, capture_settings, model, prompt_ids,
-                                   getattr(schedule, "capture_padded_to", None))
+                kept = KeptCapture(state, capture_settings, model, prompt_ids, schedule.capture_padded_to)
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success
