@@ -61,16 +61,16 @@ def decode_locksteps(prompts, num_samples, settings, cp, group) -> list:
     then idle slots (collective over `group`: one all-gather of every rank's slot sizes). prompts: this rank's 1-D
     id tensors; settings: the config the prompts are captured under; cp: this rank's CPContext or None."""
     mine = [(capture_chunks(p.numel(), settings, cp), num_samples) for p in prompts]
-    gathered = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(gathered, mine, group=group)
-    slots = max(len(theirs) for theirs in gathered)
+    # an idle slot's chunks depend on the rank's CP shard of IDLE_PROMPT: every rank sends its own
     idle_chunks = capture_chunks(IDLE_PROMPT.numel(), settings, cp)
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, (mine, idle_chunks), group=group)
+    slots = max(len(theirs) for theirs, _ in gathered)
     out = []
     for slot in range(slots):
-        present = [theirs[slot] for theirs in gathered if slot < len(theirs)]
-        common_chunks = max(chunks for chunks, _ in present)
-        if len(present) < len(gathered):  # some rank decodes an idle slot here
-            common_chunks = max(common_chunks, idle_chunks)
+        present = [theirs[slot] for theirs, _ in gathered if slot < len(theirs)]
+        idle = [chunks for theirs, chunks in gathered if slot >= len(theirs)]  # the ranks idle in this slot
+        common_chunks = max([chunks for chunks, _ in present] + idle)
         common_samples = max(samples for _, samples in present)
         local_chunks = mine[slot][0] if slot < len(mine) else idle_chunks
         out.append(DecodeLockstep(local_chunks, common_chunks, common_samples, settings, group,
