@@ -226,8 +226,10 @@ def engine_rollouts(engine, prompts, rollout):
     """(groups, extras, captures) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the
     engine's module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on
     resume), the prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group),
-    "mean_reward" (over every data-parallel rank's samples), "rollout_seconds". captures: per group, the Rollouts
-    whose kept capture the training step reuses (one prompt per rank), else None."""
+    "mean_reward" (over every data-parallel rank's samples), "rollout_seconds", "groups" (this rank's sampled
+    GRPOGroups: responses, rewards, the sampling log-probs as old log-probs; another grpo_step on them is an
+    off-policy update), "finished" (per group, whether each sample ended with eos). captures: per group, the
+    Rollouts whose kept capture the training step reuses (one prompt per rank), else None."""
     from deepspeed import comm as dist
 
     from .arch import adapter_for
@@ -269,5 +271,6 @@ def engine_rollouts(engine, prompts, rollout):
     total = torch.tensor([sum(map(sum, rewards)), sum(map(len, rewards))], dtype=torch.float64, device=engine.device)
     dist.all_reduce(total, group=dp_group)
     extras = {"rewards": rewards, "mean_reward": float(total[0] / total[1]),
-              "rollout_seconds": time.perf_counter() - start}
+              "rollout_seconds": time.perf_counter() - start,
+              "groups": groups, "finished": [samples.finished for _, samples in sampled]}
     return groups, extras, captures

@@ -68,6 +68,7 @@ class TrainConfig:
     save_every: int = 0  # 0: only at the end (when save_dir is set)
     resume: Optional[str] = None  # "latest" or a tag such as step1 (from save_dir)
     metrics: Optional[str] = None  # JSONL, one line per step (rank 0)
+    samples: Optional[str] = None  # with a rollout block: JSONL, one line per group rank 0 sampled (its responses)
     dump_params: Optional[str] = None  # torch.save of the full (gathered) trainable parameters at the end
     # At the end, the last checkpoint exported as a transformers model (full fine-tune) or a peft adapter (LoRA)
     # directory, as `longstraw export` writes it (ds_longstraw.export); needs save_dir. An existing directory is an
@@ -104,6 +105,9 @@ def _check_choices(config):
             raise ValueError("run config: rollout.prompts and data.path both give prompts: set one")
     elif config.data.path is None:
         raise ValueError("run config is missing ['data.path'] (JSONL groups; or a rollout block)")
+    if config.train.samples is not None and config.rollout is None:
+        raise ValueError("run config: train.samples records the responses a rollout block samples: there is no "
+                         "rollout block (the groups of data.path are on disk already)")
     if config.train.export_dir is not None and config.train.save_dir is None:
         raise ValueError("run config: train.export_dir exports the last checkpoint: set train.save_dir too")
     if config.train.export_merge and not config.lora.enabled:

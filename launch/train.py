@@ -7,7 +7,8 @@ Reads GRPO groups (a shared prompt, G responses, rewards) from JSONL, one optimi
 data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients). With a
 `rollout:` block (ds_longstraw.rollout_step) each step samples its groups from the policy instead: the step's
 prompts come from data.path (their responses unread) or from the `rollout.prompts` generator, and the rewards from
-`rollout.reward`; the step line then shows the mean reward. Rank 0 prints
+`rollout.reward`; the step line then shows the mean reward, and train.samples (JSONL) records what rank 0 sampled.
+Rank 0 prints
 a short line per step (step, loss, grad norm, seconds, tokens/s, peak) and the checkpoint path at the end, and logs
 the full per-step metrics as JSONL (train.metrics). It saves DeepSpeed checkpoints (tags "step<N>", with the step in
 the client state, and the run record `longstraw export` reads), resumes from them (`train.resume=latest` or a tag),
@@ -106,6 +107,19 @@ def _metrics(step, result, world):
             "capture_reused_rank0": all(g.extras.get("capture_reused") for g in result.groups)}
            if "mean_reward" in result.extras else {}),
     }
+
+
+def _sample_records(step, result, tokenizer):
+    """train.samples: one record per group rank 0 sampled at `step` (its prompt's length and last ids, each
+    response's ids, text where a tokenizer is known, reward and whether it ended with eos)."""
+    for index, (group, finished) in enumerate(zip(result.extras["groups"], result.extras["finished"])):
+        responses = [ids.tolist() for ids in group.response_ids]
+        record = {"step": step, "group": index, "prompt_tokens": group.prompt_ids.numel(),
+                  "prompt_tail": group.prompt_ids[-16:].tolist(), "response_ids": responses,
+                  "rewards": group.rewards.tolist(), "finished": finished}
+        if tokenizer is not None:
+            record["responses"] = [tokenizer.decode(ids) for ids in responses]
+        yield record
 
 
 class _Groups:
@@ -283,10 +297,13 @@ def main(argv=None):
               f"{start + 1}..{run.train.max_steps}; {counts['trainable_params']:,} of {counts['total_params']:,} "
               f"parameters train; ready {ready:.1f} s after start", flush=True)
 
-    metrics_file = None
+    metrics_file = samples_file = None
     if rank == 0 and run.train.metrics:
         os.makedirs(os.path.dirname(os.path.abspath(run.train.metrics)), exist_ok=True)
         metrics_file = open(run.train.metrics, "a" if run.train.resume else "w")  # a resumed run appends
+    if rank == 0 and run.train.samples:
+        os.makedirs(os.path.dirname(os.path.abspath(run.train.samples)), exist_ok=True)
+        samples_file = open(run.train.samples, "a" if run.train.resume else "w")
     bar = None
     if rank == 0 and run.train.progress:
         from tqdm import tqdm
@@ -307,6 +324,10 @@ def main(argv=None):
             if metrics_file is not None:
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
+            if samples_file is not None:
+                for line in _sample_records(done, result, tokenizer):
+                    samples_file.write(json.dumps(line) + "\n")
+                samples_file.flush()
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{result.mean_loss:.4f}")
@@ -319,8 +340,9 @@ def main(argv=None):
                 save_record(os.path.join(run.train.save_dir, f"step{done}"), run, engine.module, tokenizer)
     if bar is not None:
         bar.close()
-    if metrics_file is not None:
-        metrics_file.close()
+    for handle in (metrics_file, samples_file):
+        if handle is not None:
+            handle.close()
     if run.train.dump_params:
         dump_trainable(engine, run.train.dump_params, rank)
     if rank == 0:

@@ -153,6 +153,9 @@ def test_run_config_validates_the_block_at_load():
         load_run_config(None, base + [item for item in kv if not item.startswith("rollout.prompts")])
     with pytest.raises(ValueError, match="rollout.prompts and data.path"):
         load_run_config(None, base + kv + ["data.path=g.jsonl"])
+    with pytest.raises(ValueError, match="train.samples"):  # nothing is sampled without a rollout block
+        load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", "data.path=g.jsonl",
+                               "train.samples=s.jsonl"])
 
 
 ENGINE_SCRIPT = textwrap.dedent("""
@@ -195,7 +198,11 @@ ENGINE_SCRIPT = textwrap.dedent("""
             num += float((got - want).pow(2).sum())
             den += float(want.pow(2).sum())
         rewards = [g.rewards.tolist() for g in groups]
-        return {"rel": (num / den) ** 0.5, "norm": den ** 0.5, "rewards": result.extras["rewards"],
+        same_groups = [[a.tolist() for a in g.response_ids] == [b.tolist() for b in r.response_ids]
+                       and torch.equal(g.old_logprobs[0], r.old_logprobs[0])
+                       for g, r in zip(result.extras["groups"], groups)]
+        return {"rel": (num / den) ** 0.5, "same_groups": same_groups, "finished": result.extras["finished"],
+                "norm": den ** 0.5, "rewards": result.extras["rewards"],
                 "ref_rewards": rewards, "mean_reward": result.extras["mean_reward"],
                 "ref_mean_reward": sum(map(sum, rewards)) / sum(map(len, rewards)),
                 "loss": result.loss, "ref_loss": sum(losses) / len(losses), "global_step": result.global_step,
@@ -222,6 +229,9 @@ def test_engine_step_with_rollout_equals_single_process(tmp_path):
     results = json.loads(out.read_text())
     for result in results.values():
         assert result["rewards"] == result["ref_rewards"] and result["global_step"] == 1
+        # the step's sampled groups come back in extras: responses and old log-probs as one process samples them
+        assert result["same_groups"] and all(result["same_groups"]), result
+        assert [len(f) for f in result["finished"]] == [4] * len(result["same_groups"])
         assert result["mean_reward"] == pytest.approx(result["ref_mean_reward"], rel=1e-12)
         assert result["norm"] > 0 and result["rel"] < 1e-5, result
         assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-6, abs=1e-9)
@@ -299,6 +309,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     overrides = [f"deepspeed_config={tmp_path / 'ds.json'}", "train.max_steps=2", "data.groups_per_rank=1",
                  f"train.metrics={tmp_path / 'metrics.jsonl'}", f"train.dump_params={tmp_path / 'final.pt'}",
+                 f"train.samples={tmp_path / 'samples.jsonl'}",
                  *[f"optim.{k}={v}" for k, v in KV_OPTIM.items()]]
     log = str(tmp_path / "train.log")
     job = start(["--num_gpus", "2", "--master_port", str(free_port())],
@@ -320,12 +331,18 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     model = build_model(shape=KV_SHAPE, dtype="float32", seed=0)
     start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), **KV_OPTIM)
+    recorded = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["group"]) for r in recorded] == [(1, 0), (2, 0)]  # rank 0's one group per step
     for step in range(2):
         total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
         for replica in range(2):  # launch/train.py's prompt index (step W + r) k + j; the seed's index r k + j
             model.zero_grad(set_to_none=True)
             prompts = [kv.prompt(rollout["seed"], step * 2 + replica, **args)]
             for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica, config=KV_BLOCK):
+                if replica == 0:  # what train.samples recorded: rank 0's samples, before the step's update
+                    assert recorded[step]["response_ids"] == [ids.tolist() for ids in group.response_ids]
+                    assert recorded[step]["rewards"] == group.rewards.tolist()
+                    assert recorded[step]["prompt_tokens"] == prompts[0].numel()
                 grpo_backward(model, group, objective, config=KV_BLOCK)
             for name, p in model.named_parameters():
                 if p.grad is not None:
