@@ -3,7 +3,7 @@
     python bench/bench_rollout_zero3.py [--prompt 1024] [--samples 4] [--new 32] [--hidden 512] [--repeat 2]
                                         [--write BENCHMARKS.md]
 
-For each `rollout.zero3_weights` setting ("per_call", the default, and "whole") it starts the real `deepspeed`
+For each `rollout.zero3_weights` setting ("per_call", "whole", and "auto", the default) it starts the real `deepspeed`
 launcher (`--num_gpus 2`: 2 CPU ranks on gloo, one intra-op thread each) on this file as the rank script, so each
 setting runs in fresh processes. Every rank builds the same random qwen3_5 (the "small" shape widened to
 --hidden, float32) under ZeRO-3 with stage3_param_persistence_threshold 0 and stage3_max_reuse_distance 0 (every
@@ -34,7 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 SECTION = "rollout-zero3"
-SETTINGS = ("per_call", "whole")
+SETTINGS = ("per_call", "whole", "auto")
 MIB = 2 ** 20
 
 
@@ -88,6 +88,7 @@ def rank_main(args):
             if kept is not None:
                 kept.release()
         calls.append({"seconds": extras["rollout_seconds"], "cpu_seconds": cpu, "peak_bytes": peak,
+                      "took": extras["zero3_weights"],
                       "gathered_bytes": counter.bytes["other"],
                       "tokens": sum(len(ids) for ids in groups[0].response_ids)})
     out = {"rank": rank, "setting": args.setting, "weight_bytes": weight_bytes, "prompt": length, "calls": calls}
@@ -111,7 +112,7 @@ def summarise(ranks):
     last = [r["calls"][-1] for r in ranks]
     return {"seconds": max(c["seconds"] for c in last), "cpu": max(c["cpu_seconds"] for c in last),
             "peak": max(c["peak_bytes"] for c in last), "gathered": sum(c["gathered_bytes"] for c in last) / 2,
-            "tokens": [c["tokens"] for c in last], "weights": ranks[0]["weight_bytes"]}
+            "tokens": [c["tokens"] for c in last], "weights": ranks[0]["weight_bytes"], "took": last[0]["took"]}
 
 
 def report(args, rows, command):
@@ -129,7 +130,7 @@ def report(args, rows, command):
              "peak above resident (MiB) |", "|---|---:|---:|---:|---:|"]
     for setting in SETTINGS:
         r = rows[setting]
-        label = f"{setting} (default)" if setting == "per_call" else setting
+        label = f"auto (the default: took {r['took']})" if setting == "auto" else setting
         lines.append(f"| {label} | {r['seconds']:.2f} | {r['cpu']:.2f} | {mib(r['gathered'])} | {mib(r['peak'])} |")
     per_call, whole = rows["per_call"], rows["whole"]
     lines += ["", f"\"whole\" against \"per_call\": {whole['seconds'] / per_call['seconds']:.2f}x the wall time "

@@ -9,7 +9,8 @@
       reward: ds_longstraw.tasks.kv:reward      # "package.module:function", called function(prompt_ids, response_ids)
       eos_token_id: null                        # an id or a list of ids that end a sample
       seed: 0                                   # with the step number and the prompt's index: the samples' seed
-      zero3_weights: per_call                   # per_call | whole: how decoding reaches ZeRO-3's partitioned weights
+      zero3_weights: auto                       # auto | per_call | whole: how decoding reaches ZeRO-3's weights
+      zero3_whole_budget: 0.8                   # auto: the share of free device memory "whole" may fill
       prompts: ds_longstraw.tasks.kv:prompt     # launch/train.py only, optional: function(seed, index, **prompt_args)
       prompt_args: {prompt_tokens: 64}          # (without `prompts` the step's prompts come from data.path's JSONL)
 
@@ -28,18 +29,23 @@ Under ZeRO-3 with several data-parallel replicas, or with sharded experts, every
 collectives: the ranks decode in lockstep (decode_lockstep.py), so each brings its own number of prompts, of any
 lengths, and its samples stop at eos when they draw it; the samples are those each rank would draw alone.
 
-Weights under ZeRO-3 (engine.grpo_step): "per_call" (the default) leaves ZeRO-3's hooks to gather each submodule's
-weights when it runs and release them after, so every decode step all-gathers the whole model, one submodule at a
-time, and nothing beyond one submodule's weights is ever whole. "whole" gathers every weight once for the step's
-rollouts and takes the hooks off while they decode (decode steps then make no weight collective), and puts them back
-before training: faster decoding for the price of the whole model's weights on every rank during the rollouts,
-which the largest models cannot pay (BENCHMARKS.md has the ratio).
+Weights under ZeRO-3 (engine.grpo_step): "per_call" leaves ZeRO-3's hooks to gather each submodule's weights when
+it runs and release them after, so every decode step all-gathers the whole model, one submodule at a time, and
+nothing beyond one submodule's weights is ever whole. "whole" gathers every weight once for the step's rollouts and
+takes the hooks off while they decode (decode steps then make no weight collective), and puts them back before
+training: faster decoding (BENCHMARKS.md has the ratio) for the price of the whole model's weights on every rank
+during the rollouts, which the largest models cannot pay. "auto" (the default) takes "whole" where every rank has
+room for it: the weights beyond its ZeRO-3 share plus what decoding keeps on the device (the longest prompt's
+pages on the "none" tier, else two staged layers; every sample's carry and response rows; a step's logits) within
+`zero3_whole_budget` of its free device memory (host memory shared by the node's ranks on CPU); else "per_call".
+The step's extras say which ran ("zero3_weights").
 
 Not here: asynchronous or off-policy rollouts.
 """
 
 import importlib
 import math
+import os
 import time
 from contextlib import contextmanager
 from typing import Any, Literal, Optional, Union
@@ -86,7 +92,8 @@ class RolloutConfig(DeepSpeedConfigModel):
     reward: str
     eos_token_id: Optional[Union[int, list[int]]] = None
     seed: int = Field(0, ge=0)
-    zero3_weights: Literal["per_call", "whole"] = "per_call"
+    zero3_weights: Literal["auto", "per_call", "whole"] = "auto"
+    zero3_whole_budget: float = Field(0.8, ge=0, le=1, allow_inf_nan=False)
     prompts: Optional[str] = None
     prompt_args: dict[str, Any] = Field(default_factory=dict)
 
@@ -200,12 +207,58 @@ def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None
     return sampled
 
 
+def free_device_bytes(device) -> int:
+    """Memory this rank may still take: on CUDA the device's free memory plus what torch's allocator holds unused;
+    on CPU the host's available memory over the node's ranks (LOCAL_WORLD_SIZE, set by the launcher)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().available // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
+def decoding_bytes(adapter, prompts, rollout, settings) -> int:
+    """What decoding this rank's prompts keeps on the device (module docstring): the longest prompt's pages (its
+    CP shard) on the "none" tier, else two staged layers of them; every sample's carry and its response rows
+    (allocated whole up front); a step's logits in the head's dtype and in float64."""
+    specs = adapter.specs
+    tokens = -(-max(p.numel() - 1 for p in prompts) // settings.cp_size)
+    per_token = sum(spec.bytes_per_token for spec in specs)
+    pages = tokens * (per_token if settings.offload.tier == "none"
+                      else 2 * max(spec.bytes_per_token for spec in specs))
+    element = torch.empty((), dtype=adapter.dtype).element_size()
+    samples = rollout.num_samples * (sum(spec.carry_bytes for spec in specs) + per_token * rollout.max_new_tokens)
+    return pages + samples + rollout.num_samples * adapter.vocab_size * (element + 8)
+
+
+def resolve_zero3_weights(engine, prompts, rollout, dp_group) -> str:
+    """"per_call" or "whole" for this step's rollouts (collective over dp_group when `auto`): "whole" only where
+    every rank has room for the weights beyond its ZeRO-3 share beside what decoding keeps (module docstring)."""
+    if engine.zero_optimization_stage() != 3:
+        return "per_call"  # the weights are whole already: nothing is gathered either way
+    if rollout.zero3_weights != "auto":
+        return rollout.zero3_weights
+    from deepspeed import comm as dist
+
+    from .arch import adapter_for
+
+    partitioned = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
+    beyond_share = sum((p.ds_numel - p.ds_tensor.numel()) * p.element_size() for p in partitioned)
+    need = beyond_share + decoding_bytes(adapter_for(engine.module), prompts, rollout, engine.longstraw_config)
+    fits = torch.tensor([1 if need <= rollout.zero3_whole_budget * free_device_bytes(engine.device) else 0],
+                        device=engine.device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=dp_group)
+    return "whole" if bool(fits.item()) else "per_call"
+
+
 @contextmanager
 def decoding_weights(engine, how):
     """The engine's weights as the rollouts decode them (module docstring): "per_call" as ZeRO-3 serves them; "whole"
     (ZeRO-3 only) every partitioned weight gathered once, and ZeRO-3's module hooks off until the block ends, when
     they go back on (on error too) and the weights are partitioned again."""
-    if how == "per_call" or engine.zero_optimization_stage() != 3:
+    if how != "whole" or engine.zero_optimization_stage() != 3:
         yield
         return
     import deepspeed
@@ -228,7 +281,8 @@ def engine_rollouts(engine, prompts, rollout):
     resume), the prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group),
     "mean_reward" (over every data-parallel rank's samples), "rollout_seconds", "groups" (this rank's sampled
     GRPOGroups: responses, rewards, the sampling log-probs as old log-probs; another grpo_step on them is an
-    off-policy update), "finished" (per group, whether each sample ended with eos). captures: per group, the
+    off-policy update), "finished" (per group, whether each sample ended with eos), "zero3_weights" (how decoding
+    reached the weights: "per_call" or "whole"; module docstring). captures: per group, the
     Rollouts whose kept capture the training step reuses (one prompt per rank), else None."""
     from deepspeed import comm as dist
 
@@ -255,10 +309,11 @@ def engine_rollouts(engine, prompts, rollout):
     torch.distributed.all_gather_object(counts, len(prompts), group=dp_group)
     keep = all(count == 1 for count in counts)
     first_index = sum(counts[r * cp_size] for r in range(replica))  # the replicas before this one
+    weights = resolve_zero3_weights(engine, prompts, rollout, dp_group)
     was_training = engine.module.training
     engine.module.eval()
     try:
-        with decoding_weights(engine, rollout.zero3_weights):
+        with decoding_weights(engine, weights):
             sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
                                       first_index=first_index, config=engine.longstraw_config,
                                       cp_group=engine.longstraw_cp, dp_group=dp_group if lockstep else None,
@@ -272,5 +327,5 @@ def engine_rollouts(engine, prompts, rollout):
     dist.all_reduce(total, group=dp_group)
     extras = {"rewards": rewards, "mean_reward": float(total[0] / total[1]),
               "rollout_seconds": time.perf_counter() - start,
-              "groups": groups, "finished": [samples.finished for _, samples in sampled]}
+              "groups": groups, "finished": [samples.finished for _, samples in sampled], "zero3_weights": weights}
     return groups, extras, captures

@@ -104,7 +104,8 @@ def _metrics(step, result, world):
         "phase_seconds_rank0": {k: round(v, 4) for k, v in phases.items()}, "skipped": result.skipped,
         **({"mean_reward": result.extras["mean_reward"], "rollout_seconds_rank0":
             round(result.extras["rollout_seconds"], 4),
-            "capture_reused_rank0": all(g.extras.get("capture_reused") for g in result.groups)}
+            "capture_reused_rank0": all(g.extras.get("capture_reused") for g in result.groups),
+            "zero3_weights_rank0": result.extras["zero3_weights"]}
            if "mean_reward" in result.extras else {}),
     }
 

@@ -19,7 +19,7 @@ chains); each rank writes its measurements, asserted here:
   rollout_lockstep  grpo_step(prompts, rollout=) with an eos, prompts of different lengths and counts per rank:
               decoding in lockstep (ghost steps, an idle slot, padded captures) samples what one process samples,
               and two steps (the second trained on the rollouts' padded captures, its weights gathered whole for
-              decoding: no ZeRO-3 gather while it decodes) == the single-process steps
+              decoding by "zero3_weights" "auto": no ZeRO-3 gather while it decodes) == the single-process steps
   rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
@@ -160,7 +160,9 @@ def test_rollouts_decode_in_lockstep(results, name):
     assert sum(sum(r["ghost_steps"]) for r in checks) > 0
     lengths = {n for r in checks for step in r["responses"] for group in step for n in group}
     assert min(lengths) < ROLLOUT_MAX_NEW_TOKENS, lengths  # some sample stopped at eos
-    # ZeRO-3's per-submodule gathers while generate ran: step 1 ("per_call") makes them, the "whole" steps none
+    # "auto": no room granted in step 1 (per call), room found on this machine in step 2 (whole); ZeRO-3's
+    # per-submodule gathers while generate ran follow: step 1 makes them, the "whole" step none
+    assert all(r["zero3_weights"] == ["per_call", "whole"] for r in checks), checks
     assert all(r["decode_fetches"][0] > 0 and r["decode_fetches"][1:] == [0] for r in checks), checks
     if name == "rollout_lockstep":  # generate(dp_group=) one sample at a time, 3 samples on rank 0, 2 on rank 1
         for r in checks:

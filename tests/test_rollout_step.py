@@ -73,6 +73,7 @@ BAD = {
     "prompts-missing": (dict(GOOD, prompts="ds_longstraw.tasks.kv:nothing"), ["rollout.prompts", "nothing"]),
     "negative-eos": (dict(GOOD, eos_token_id=-1), ["rollout.eos_token_id"]),
     "unknown-weights": (dict(GOOD, zero3_weights="half"), ["rollout.zero3_weights", "half"]),
+    "budget-above-one": (dict(GOOD, zero3_whole_budget=1.5), ["rollout.zero3_whole_budget"]),
 }
 
 
@@ -317,6 +318,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     finish([job], timeout=600, logs=[log])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["capture_reused_rank0"] for m in metrics)
+    assert all(m["zero3_weights_rank0"] == "whole" for m in metrics)  # "auto" finds room for the tiny model
     assert all("capture" not in m["phase_seconds_rank0"] for m in metrics)
 
     import yaml
@@ -355,3 +357,28 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     num = sum(float(((got[n] - want[n]) ** 2).sum()) for n in want)
     den = sum(float(((want[n] - start_weights[n]) ** 2).sum()) for n in want)
     assert den > 0 and (num / den) ** 0.5 < 1e-5
+
+
+@pytest.mark.parametrize("tier", ["none", "cpu"])
+def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
+    """rollout_step.decoding_bytes (what "auto" sets beside the whole weights) == the planner's figures for the same
+    prompt and rollout: the prompt's pages (tier none; else two staged layers of the largest), the samples' carry and
+    rows, a step's logits; the planner's samples figure is checked against a real generate in tests/test_planner.py."""
+    from ds_longstraw import parse_config
+    from ds_longstraw.arch import adapter_for
+    from ds_longstraw.model_shape import shape_from_config
+    from ds_longstraw.offload.plan import Layout, make_plan, retained_per_rank, rollout_figures
+    from ds_longstraw.rollout_step import decoding_bytes
+
+    model = tiny_qwen3_5()
+    prompts = [torch.zeros(40, dtype=torch.long), torch.zeros(57, dtype=torch.long)]
+    rollout = parse_rollout(dict(GOOD, num_samples=3, max_new_tokens=9))
+    settings = parse_config({"offload": {"tier": tier, "nvme_path": None}} if tier == "cpu" else {})
+    shape = shape_from_config("tiny", model.config.to_dict(), 8)
+    plan = make_plan(shape, 57, 3, "detached", Layout())
+    figures = rollout_figures(plan, 9)
+    pages = sum(v for k, v in retained_per_rank(shape, 57, 1, "detached", 4096).items() if k.endswith("_pages"))
+    if tier == "cpu":
+        pages = 2 * shape.staged_layer_bytes_per_token * 56
+    assert decoding_bytes(adapter_for(model), prompts, rollout, settings) == pages + figures["samples"] + figures[
+        "logits"] > 0

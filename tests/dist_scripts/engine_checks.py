@@ -40,7 +40,8 @@ gradient_clipping 0):
               for bit, slices and their optimizer state included
   rollout_lockstep  grpo_step(prompts, rollout=ROLLOUT) with eos ids, two steps: rank 0 [29, 19]-token prompts and
               rank 1 [41] (an idle decode slot), then [19] and [41] (different capture chunks, trained on the kept
-              captures; "zero3_weights": "whole": the weights gathered once, ZeRO-3's hooks off while decoding);
+              captures; "zero3_weights" "auto" finding room: the weights gathered once, ZeRO-3's hooks off while
+              decoding; step 1's "auto" is granted none, zero3_whole_budget 0, and decodes per call);
               each rank's samples == single-process rollout_groups at the same seeds and the weights ==
               the single-process SGD steps on the averaged gradients; then generate(dp_group=, batched=False) with 3
               samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights
@@ -427,8 +428,9 @@ ROLLOUT = {"source": "internal", "num_samples": 3, "max_new_tokens": 6, "tempera
 
 def rollout_steps(model, ep_size, steps, vocab):
     """`steps`: per step, (rank 0's prompt lengths, rank 1's). Step s is engine.grpo_step(this rank's prompts,
-    rollout=ROLLOUT) under ZeRO-3 (detached, SGD), the weights served per call in step 1 and gathered whole in the
-    later ones ("zero3_weights"), against a single-process reference on a copy of the weights:
+    rollout=ROLLOUT) under ZeRO-3 (detached, SGD), "zero3_weights" "auto" serving the weights per call in step 1
+    (no room granted) and gathering them whole in the later ones, against a single-process reference on a copy of
+    the weights:
     rollout_groups of every rank's prompts at that step's seeds (rank 1's prompt indices after rank 0's), each
     group's gradient weighted as the engine averages (1/len per rank, 1/2 over ranks), one SGD step."""
     from ds_longstraw import rollout as rollout_module
@@ -469,8 +471,11 @@ def rollout_steps(model, ep_size, steps, vocab):
             gen = torch.Generator().manual_seed(100 + step)
             prompts = [[torch.randint(0, vocab, (n,), generator=gen) for n in rank_lengths] for rank_lengths in lengths]
             ghost_steps[0] = fetches[0] = 0
-            rollout = dict(ROLLOUT, zero3_weights="per_call" if step == 0 else "whole")
+            # step 1: "auto" with no room granted (zero3_whole_budget 0) decodes per call; later steps: "auto"
+            # finds room on this machine for the tiny model and gathers it whole
+            rollout = dict(ROLLOUT, zero3_whole_budget=0.0) if step == 0 else ROLLOUT
             result = engine.grpo_step(prompts[rank], GRPOObjective(), rollout=rollout)
+            out.setdefault("zero3_weights", []).append(result.extras["zero3_weights"])
             out["ghost_steps"].append(ghost_steps[0])
             out["decode_fetches"].append(fetches[0])
             out["reused"].append([g.extras["capture_reused"] for g in result.groups])
