@@ -383,10 +383,7 @@ def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, tempe
             samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
                                    _generator(seed, sample), choose, schedule))
         else:
-            for _ in range(max_new_tokens):
-                _ghost_step(adapter, view, start, batched=False)
-                if not schedule.keeps_decoding(False, adapter.device):
-                    break
+            _ghost_steps(adapter, view, start, max_new_tokens, False, schedule)
         return_freed_host_memory(adapter.device)
     return samples
 
@@ -407,11 +404,9 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
     rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
     tokens = first.view(1).expand(num_samples)
     for step in range(max_new_tokens):
-        if not active:
-            _ghost_step(adapter, view, start, batched=True)
-            if not schedule.keeps_decoding(False, adapter.device):
-                break
-            continue
+        if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
+            _ghost_steps(adapter, view, start, max_new_tokens - step, True, schedule)
+            break
         past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
         own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
         out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
@@ -455,11 +450,9 @@ def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos
     carry, rows = dict(view.leaves.carry), _ResponseRows()
     token, ids, logps = first.view(1), [], []
     for step in range(max_new_tokens):
-        if ids and ids[-1] in eos:
-            _ghost_step(adapter, view, start, batched=False)
-            if not schedule.keeps_decoding(False, adapter.device):
-                break
-            continue
+        if ids and ids[-1] in eos:  # it stopped while another rank decodes
+            _ghost_steps(adapter, view, start, max_new_tokens - step, False, schedule)
+            break
         out = adapter.forward_segment(token, start + step, carry, rows.past(view.leaves), view.remote_attention)
         carry = dict(out.carry)
         rows.append(out.rows)
@@ -473,6 +466,14 @@ def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos
             break
         token = torch.tensor([chosen])
     return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
+
+
+def _ghost_steps(adapter, view, start, steps, batched, schedule):
+    """At most `steps` ghost steps, until no rank of the schedule has a sample running (decode_lockstep.py)."""
+    for _ in range(steps):
+        _ghost_step(adapter, view, start, batched)
+        if not schedule.keeps_decoding(False, adapter.device):
+            return
 
 
 def _ghost_step(adapter, view, start, batched):
