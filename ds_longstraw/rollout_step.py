@@ -56,6 +56,7 @@ from pydantic import Field, field_validator
 
 from .config import parse_block
 from .group import _as_ids
+from .offload.plan import decode_state_bytes
 
 BLOCK = "rollout"
 _MASK62 = (1 << 62) - 1
@@ -228,9 +229,10 @@ def decoding_bytes(adapter, prompts, rollout, settings) -> int:
     per_token = sum(spec.bytes_per_token for spec in specs)
     pages = tokens * (per_token if settings.offload.tier == "none"
                       else 2 * max(spec.bytes_per_token for spec in specs))
-    element = torch.empty((), dtype=adapter.dtype).element_size()
-    samples = rollout.num_samples * (sum(spec.carry_bytes for spec in specs) + per_token * rollout.max_new_tokens)
-    return pages + samples + rollout.num_samples * adapter.vocab_size * (element + 8)
+    samples, logits = decode_state_bytes(rollout.num_samples, rollout.max_new_tokens,
+                                         sum(spec.carry_bytes for spec in specs), per_token, adapter.vocab_size,
+                                         torch.empty((), dtype=adapter.dtype).element_size())
+    return pages + samples + logits
 
 
 def resolve_zero3_weights(engine, prompts, rollout, dp_group) -> str:
@@ -255,10 +257,10 @@ def resolve_zero3_weights(engine, prompts, rollout, dp_group) -> str:
 
 @contextmanager
 def decoding_weights(engine, how):
-    """The engine's weights as the rollouts decode them (module docstring): "per_call" as ZeRO-3 serves them; "whole"
-    (ZeRO-3 only) every partitioned weight gathered once, and ZeRO-3's module hooks off until the block ends, when
-    they go back on (on error too) and the weights are partitioned again."""
-    if how != "whole" or engine.zero_optimization_stage() != 3:
+    """The engine's weights as the rollouts decode them (module docstring), `how` as resolve_zero3_weights says:
+    "per_call" as ZeRO-3 serves them; "whole" every partitioned weight gathered once, and ZeRO-3's module hooks off
+    until the block ends, when they go back on (on error too) and the weights are partitioned again."""
+    if how != "whole":
         yield
         return
     import deepspeed

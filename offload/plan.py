@@ -298,6 +298,15 @@ def recommended_tier(plan: Plan) -> str | None:
     return next((t for t in TIERS if plan.fits[t] and decodes.get(t) is not False), None)
 
 
+def decode_state_bytes(samples: int, new_tokens: int, carry_bytes: int, bytes_per_token: int, vocab_size: int,
+                       dtype_bytes: int) -> tuple:
+    """(the samples' own state, a step's logits) in bytes while `samples` decode up to `new_tokens` tokens (module
+    docstring): each sample's copy of the per-sequence carry and its response rows, allocated whole up front; the
+    logits [samples, vocab] in the head's dtype and in float64. rollout_figures and the engine's "auto"
+    zero3_weights (rollout_step.decoding_bytes) both count with it."""
+    return samples * (carry_bytes + bytes_per_token * new_tokens), samples * vocab_size * (dtype_bytes + 8)
+
+
 def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     """Bytes per rank of decoding the plan's G samples of up to `new_tokens` tokens from its captured prompt
     (module docstring), and what the GPU then holds under each tier, with the weights as ZeRO-3 shares them and
@@ -306,8 +315,8 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     if new_tokens < 1:
         raise ValueError(f"new tokens must be >= 1, got {new_tokens}")
     rows_per_token = shape.bytes_per_token
-    logits = g * shape.vocab_size * (shape.dtype_bytes + 8)
-    samples = g * (shape.carry_total + rows_per_token * new_tokens)
+    samples, logits = decode_state_bytes(g, new_tokens, shape.carry_total, rows_per_token, shape.vocab_size,
+                                         shape.dtype_bytes)
     if plan.moe and layout.ep > 1:  # the EP slice is already whole; gathering makes the rest whole
         whole = plan.moe["routed_weights_per_rank_ep"] + int((shape.params - plan.moe["routed_params"])
                                                             * layout.weight_bytes)
