@@ -110,6 +110,14 @@ def _metrics(step, result, world):
     }
 
 
+def _log_file(path, resume):
+    """A JSONL log opened for writing (None without a path); a resumed run appends to it."""
+    if not path:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    return open(path, "a" if resume else "w")
+
+
 def _sample_records(step, result, tokenizer):
     """train.samples: one record per group rank 0 sampled at `step` (its prompt's length and last ids, each
     response's ids, text where a tokenizer is known, reward and whether it ended with eos)."""
@@ -298,13 +306,8 @@ def main(argv=None):
               f"{start + 1}..{run.train.max_steps}; {counts['trainable_params']:,} of {counts['total_params']:,} "
               f"parameters train; ready {ready:.1f} s after start", flush=True)
 
-    metrics_file = samples_file = None
-    if rank == 0 and run.train.metrics:
-        os.makedirs(os.path.dirname(os.path.abspath(run.train.metrics)), exist_ok=True)
-        metrics_file = open(run.train.metrics, "a" if run.train.resume else "w")  # a resumed run appends
-    if rank == 0 and run.train.samples:
-        os.makedirs(os.path.dirname(os.path.abspath(run.train.samples)), exist_ok=True)
-        samples_file = open(run.train.samples, "a" if run.train.resume else "w")
+    metrics_file = _log_file(run.train.metrics, run.train.resume) if rank == 0 else None
+    samples_file = _log_file(run.train.samples, run.train.resume) if rank == 0 else None
     bar = None
     if rank == 0 and run.train.progress:
         from tqdm import tqdm
