@@ -80,6 +80,12 @@ class LongstrawConfig(DeepSpeedConfigModel):
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
+    cp_layout: under context parallelism, how the prompt's tokens are laid out over the ranks: "zigzag" (the prompt
+        cut into 2 cp_size segments, rank r owning segments r and 2 cp_size - 1 - r: every rank's causal attention
+        work is equal, and the capture's page exchange runs on all ranks at once), "contiguous" (one shard per rank:
+        the last rank reads every earlier key; the layout before zigzag, kept for comparison), or "auto" (the
+        default: zigzag where the schedule runs it, that is detached mode with cp_attention "lse" and layers that
+        combine by "lse" or "affine_scan"; contiguous otherwise).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -99,6 +105,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
+    cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

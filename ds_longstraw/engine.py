@@ -47,6 +47,7 @@ from .engine_experts import ExpertSlices, build_ep_groups, check_engine_settings
 from .group import GRPOGroup
 from .lockstep import Lockstep, common_shapes, dummy_group, shape_of
 from .objective import GRPOObjective, ScaledObjective
+from .topology import resolve_layout
 from .transaction import GroupResult, grpo_backward
 
 
@@ -169,7 +170,9 @@ class LongstrawEngineMixin:
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, scale) for group in groups]
-        cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard
+        cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
+        if cp is not None:
+            cp.layout = resolve_layout(adapter_for(self.module).specs, settings)
         shapes = [shape_of(group, settings, cp) for group in groups]
         plan = []
         for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):

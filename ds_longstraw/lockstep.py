@@ -61,10 +61,10 @@ def capture_chunks(prompt_length, settings, cp=None) -> int:
     it). cp: None, or this rank's parallel.CPContext: then the chunks of this rank's shard of the prompt
     (context-parallel capture calls the submodules once per chunk of its own shard, see parallel/capture.py)."""
     tokens = prompt_length - 1
-    if cp is not None:
-        lo, hi = cp.shards(tokens)[cp.rank]
-        tokens = hi - lo
-    return ceil_div(tokens, settings.segment_tokens)
+    if cp is None:
+        return ceil_div(tokens, settings.segment_tokens)
+    # chunks never straddle two of a rank's pieces (parallel/groups.local_spans)
+    return sum(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
 
 
 def shape_of(group, settings, cp=None) -> GroupShape:

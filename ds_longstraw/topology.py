@@ -135,6 +135,7 @@ class ContextParallel:
         self.settings = settings
         self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
+        self.cp.layout = resolve_layout(adapter.specs, settings)
         check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
@@ -219,9 +220,10 @@ class ContextParallel:
         _reduce_and_restore(model, before, self.cp)
 
     def report(self, state, group) -> dict:
-        lo, hi = self.cp.shards(state.length)[self.cp.rank]
+        pieces = self.cp.pieces(state.length)[self.cp.rank]
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
-        return {"cp": dict(self.cp.report(), shard=(lo, hi), replayed_tokens=replayed,
+        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
+                           replayed_tokens=replayed,
                            replayed_members=self.replay_members(group))}
 
 
@@ -236,6 +238,31 @@ def check_combines(specs, cp_size):
         layers = [spec.layer for spec in specs if spec.combine in missing]
         raise ValueError(f"'longstraw.cp_size' = {cp_size}: layers {layers} combine across ranks by {missing}, "
                          f"which context parallelism does not run yet (it runs {list(CP_COMBINES)}); use cp_size 1")
+
+
+# Where the zigzag layout runs: the capture's ring exchange serves "lse" layers and the scan folds any pieces in
+# prompt order; exact mode's prefix pass takes its turns over contiguous shards, Ulysses' all-to-all and the
+# global top-k's candidate exchange assume them too.
+ZIGZAG_COMBINES = ("lse", "affine_scan", "none")
+
+
+def resolve_layout(specs, settings) -> str:
+    """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
+    any work) when zigzag is asked for where it does not run."""
+    blockers = []
+    if settings.prefix_grad != "detached":
+        blockers.append(f"prefix_grad {settings.prefix_grad!r} (its prefix pass takes turns over contiguous shards)")
+    if settings.cp_attention != "lse":
+        blockers.append(f"cp_attention {settings.cp_attention!r}")
+    combines = sorted({spec.combine for spec in specs} - set(ZIGZAG_COMBINES))
+    if combines:
+        blockers.append(f"layers that combine by {combines}")
+    if settings.cp_layout == "zigzag" and blockers:
+        raise ValueError(f"'longstraw.cp_layout' = 'zigzag' does not run with {'; '.join(blockers)}: use 'auto' or "
+                         "'contiguous'")
+    if settings.cp_layout == "auto":
+        return "contiguous" if blockers else "zigzag"
+    return settings.cp_layout
 
 
 def topology_for(cp_group, settings):

@@ -26,7 +26,7 @@ from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOObjective, grpo_backward
-from ds_longstraw.parallel import shard_bounds
+from ds_longstraw.parallel import shard_bounds, shard_pieces, visible_prefix
 
 TOL = 1e-8
 WORLDS = [2, 3, 4]
@@ -37,10 +37,18 @@ MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linea
                                     "linear_attention"])
 
 CASES = [
-    # prompt[:-1] = 22 tokens: shards 11/11, 8/7/7, 6/6/5/5; chunks of 4 do not divide them
-    # (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py the spread)
+    # prompt[:-1] = 22 tokens; detached mode takes the zigzag layout ("auto"): 2N segments of 6/6/5/5 (CP 2),
+    # 4/4/4/4/3/3 (CP 3), 3/3/3/3/3/3/2/2 (CP 4), rank r holding segments r and 2N-1-r; chunks of 4 and pages of 3
+    # divide neither (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py
+    # the spread)
     dict(name="uneven-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3, block=3,
          cp_replay="replicated"),
+    # the same group on contiguous shards 11/11, 8/7/7, 6/6/5/5 (the layout before zigzag, kept for comparison)
+    dict(name="contiguous-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3,
+         block=3, cp_replay="replicated", layout="contiguous"),
+    # zigzag with segments shorter than the conv tail (3 tokens) and than a page: 9 tokens over 8 segments at CP 4
+    dict(name="zigzag-short-detached", prompt_len=10, response_lens=[3, 1, 2], mode="detached", chunk=2, page=2,
+         block=2, layout="zigzag", seed=11),
     dict(name="uneven-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3),
     # 5 tokens: shards 3/2, 2/2/1, 2/1/1/1: smaller than a chunk and than the conv tail (3 tokens)
     dict(name="short-shards-exact", prompt_len=6, response_lens=[4, 1, 2], mode="exact", chunk=8, page=2, block=2,
@@ -173,20 +181,22 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
 
 
 def test_retained_bytes_split_over_ranks(world_results, single_process_retained):
-    """Each rank keeps the pages of its own tokens only (1/N of the prompt, +-1 token) plus the whole GDN state."""
+    """Each rank keeps the pages of its own tokens only (1/N of the prompt, +-1 token, on either layout) plus the
+    whole GDN state."""
     world, results = world_results
-    case = BY_NAME["uneven-detached"]
     single = single_process_retained
-    length = case["prompt_len"] - 1
-    bounds = shard_bounds(length, world)
-    ranks = results["uneven-detached"]
-    for (lo, hi), result in zip(bounds, ranks):
-        assert result["retained"]["attention_kv_pages"] * length == single["attention_kv_pages"] * (hi - lo)
-        assert result["retained"]["gdn_state"] == single["gdn_state"]
-        assert result["cp"]["shard"] == (lo, hi)
-    assert sum(r["retained"]["attention_kv_pages"] for r in ranks) == single["attention_kv_pages"]
-    assert max(r["retained"]["attention_kv_pages"] for r in ranks) <= single["attention_kv_pages"] * (
-        -(-length // world)) / length
+    length = BY_NAME["uneven-detached"]["prompt_len"] - 1
+    for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
+        ranks = results[name]
+        for own, result in zip(shard_pieces(length, world, layout), ranks):
+            tokens = sum(hi - lo for lo, hi in own)
+            assert result["retained"]["attention_kv_pages"] * length == single["attention_kv_pages"] * tokens
+            assert result["retained"]["gdn_state"] == single["gdn_state"]
+            assert result["cp"]["layout"] == layout
+            assert result["cp"]["shard"] == (own[0] if layout == "contiguous" else own)
+        assert sum(r["retained"]["attention_kv_pages"] for r in ranks) == single["attention_kv_pages"]
+        assert max(r["retained"]["attention_kv_pages"] for r in ranks) <= single["attention_kv_pages"] * (
+            -(-length // world)) / length
 
 
 def test_traffic_accounting(world_results):
@@ -198,31 +208,35 @@ def test_traffic_accounting(world_results):
     gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
     case = BY_NAME["uneven-detached"]
     block, tokens = case["block"], case["response_lens"]
-    for result in results["uneven-detached"]:
-        report = result["cp"]
-        assert report["replayed_tokens"] == sum(tokens)
-        expected = 0
-        for n in tokens:  # one forward all-gather and one backward all-reduce per replay block
-            for a in range(0, n, block):
-                q = min(n, a + block) - a
-                expected += (world - 1) * heads * q * (dim + 1) * 8 + 2 * (world - 1) * heads * q * dim * 8 // world
-        for layer in attention_layers:
-            assert report["received_bytes_by_layer"]["replay"][layer] == expected
-        # GDN layers move only constant-size tails and [B | P] summaries in capture, whatever the prompt length
-        capture = report["received_bytes_by_layer"]["capture"]
-        per_gdn = (world - 1) * 8 * (config.linear_num_value_heads * config.linear_key_head_dim
-                                     * (config.linear_value_head_dim + config.linear_key_head_dim)
-                                     + (2 * config.linear_num_key_heads * config.linear_key_head_dim
-                                        + config.linear_num_value_heads * config.linear_value_head_dim)
-                                     * (config.linear_conv_kernel_dim - 1))
-        assert all(capture[layer] == per_gdn for layer in gdn_layers)
-        # grouped-query attention: pages are the cheaper cargo in capture
-        assert report["capture_moves"] == {"capture": {layer: "kv" for layer in attention_layers}}
     length = case["prompt_len"] - 1
-    sizes = [hi - lo for lo, hi in shard_bounds(length, world)]
-    for rank, result in enumerate(results["uneven-detached"]):
-        received = result["cp"]["received_bytes_by_op"]["capture"].get("capture_kv", 0)
-        assert received == sum(sizes[:rank]) * 2 * kv_heads * dim * 8 * len(attention_layers)
+    for name, layout, move in (("uneven-detached", "zigzag", "ring"), ("contiguous-detached", "contiguous", "kv")):
+        pieces = shard_pieces(length, world, layout)
+        for rank, result in enumerate(results[name]):
+            report = result["cp"]
+            assert report["replayed_tokens"] == sum(tokens)
+            expected = 0
+            for n in tokens:  # one forward all-gather and one backward all-reduce per replay block
+                for a in range(0, n, block):
+                    q = min(n, a + block) - a
+                    expected += (world - 1) * heads * q * (dim + 1) * 8 + 2 * (world - 1) * heads * q * dim * 8 // world
+            for layer in attention_layers:
+                assert report["received_bytes_by_layer"]["replay"][layer] == expected
+            # GDN layers move only constant-size tails and [B | P] summaries in capture (one of each per piece of
+            # every rank), whatever the prompt length
+            capture = report["received_bytes_by_layer"]["capture"]
+            per_gdn = len(pieces[0]) * (world - 1) * 8 * (
+                config.linear_num_value_heads * config.linear_key_head_dim
+                * (config.linear_value_head_dim + config.linear_key_head_dim)
+                + (2 * config.linear_num_key_heads * config.linear_key_head_dim
+                   + config.linear_num_value_heads * config.linear_value_head_dim) * (config.linear_conv_kernel_dim - 1))
+            assert all(capture[layer] == per_gdn for layer in gdn_layers)
+            # grouped-query attention: pages are the cheaper cargo in capture (zigzag: in a ring, all ranks at once)
+            assert report["capture_moves"] == {"capture": {layer: move for layer in attention_layers}}
+            # each rank receives, from every other rank, the longest prefix of its keys that any piece here sees
+            seen = sum(max(visible_prefix(pieces[j], lo) for lo, hi in pieces[rank] if hi > lo)
+                       for j in range(world) if j != rank and any(hi > lo for lo, hi in pieces[rank]))
+            received = report["received_bytes_by_op"]["capture"].get("capture_kv", 0)
+            assert received == seen * 2 * kv_heads * dim * 8 * len(attention_layers)
     if "queries-travel-exact" in results:
         for result in results["queries-travel-exact"]:
             assert set(result["cp"]["capture_moves"]["capture"].values()) == {"q"}

@@ -1,7 +1,12 @@
 """Single-process checks of the pieces context parallelism is built from (no process group needed).
 
   shard_bounds            contiguous, balanced, covers [0, L), empty shards when L < N
+  shard_pieces (zigzag)   rank r owns segments r and 2N-1-r of 2N; every rank's causal attention work (query-key
+                          pairs) within one segment's worth of every other's; local chunks never straddle pieces
+  resolve_layout          "auto" takes zigzag only where it runs; asking for it elsewhere names the key
   GDN transition [B | P]  S_end(S_0) == P S_0 + B for the plain token-by-token delta rule (affine in S_0);
+  GDN one-pass outputs    the augmented run's [o(0) | q~] from [0 | I], corrected by q~ S_0 afterwards, == the token
+                          loop's outputs from S_0 (chunk by chunk, as capture runs it)
                           the exclusive fold of segment summaries == the recurrence's state at each segment start
   conv-tail fold          == the last k-1 columns of the concatenated pre-conv projections (shards shorter than k-1)
   grads given merged lse  summing each key shard's dq share == dq of dense attention over all keys; each shard's
@@ -13,10 +18,18 @@ Tolerances: float64, different association orders of the same sums: ~1e-14; asse
 import pytest
 import torch
 
-from ds_longstraw.arch.qwen3_5_scan import extend_summary, fold_states, fold_tails, identity_summary
+from ds_longstraw.arch.qwen3_5_scan import (
+    _corrected,
+    extend_summary,
+    extend_with_outputs,
+    fold_states,
+    fold_tails,
+    identity_summary,
+)
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
 from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
-from ds_longstraw.parallel import shard_bounds
+from ds_longstraw.config import LongstrawConfig
+from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visible_prefix
 from ds_longstraw.parallel.cp_attention import capture_move_bytes
 
 
@@ -27,6 +40,61 @@ def test_shard_bounds(length, size):
     assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     sizes = [hi - lo for lo, hi in bounds]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@pytest.mark.parametrize("length,size", [(22, 3), (9, 4), (5, 4), (1000, 8), (1, 2)])
+def test_zigzag_pieces_balance_causal_attention(length, size):
+    pieces = shard_pieces(length, size, "zigzag")
+    covered = sorted(piece for own in pieces for piece in own)
+    assert covered == shard_bounds(length, 2 * size)  # a partition of [0, L) into 2N segments
+    assert all(own == (covered[r], covered[2 * size - 1 - r]) for r, own in enumerate(pieces))
+    # causal work of rank r: each of its tokens at position p reads p + 1 keys
+    work = [sum(sum(range(lo + 1, hi + 1)) for lo, hi in own) for own in pieces]
+    segment = -(-length // (2 * size))
+    assert max(work) - min(work) <= 2 * segment * segment + 2 * length
+    if length >= 1000:  # contiguous shards: the last rank does (2N-1)/N^2 of the work; zigzag: within 1% of 1/N
+        assert max(work) / sum(work) < 1.01 / size
+    for own in pieces:
+        spans = local_spans(own, 3)
+        assert [b - a for a, b, _ in spans] and all(b - a <= 3 for a, b, _ in spans) or length < 2 * size
+        for a, b, position in spans:  # a chunk lies in one piece, at the prompt position its local index says
+            assert any(lo <= position and position + (b - a) <= hi for lo, hi in own)
+            assert visible_prefix(own, position) == a
+
+
+def test_visible_prefix_counts_earlier_tokens():
+    assert visible_prefix(((0, 5), (15, 20)), 17) == 7
+    assert visible_prefix(((5, 10), (10, 15)), 5) == 0
+    assert visible_prefix(((5, 10), (10, 15)), 12) == 7
+
+
+def _layout_specs(combines):
+    from ds_longstraw.arch.specs import LayerState
+
+    return [LayerState(layer=i, kind="x", label="x", combine=c) for i, c in enumerate(combines)]
+
+
+@pytest.mark.parametrize("settings,combines,expected", [
+    ({}, ["affine_scan", "lse"], "zigzag"),
+    ({"prefix_grad": "exact"}, ["affine_scan", "lse"], "contiguous"),
+    ({"cp_attention": "ulysses"}, ["lse"], "contiguous"),
+    ({}, ["topk_lse"], "contiguous"),
+    ({"cp_layout": "contiguous"}, ["lse"], "contiguous"),
+], ids=["detached", "exact", "ulysses", "topk", "asked"])
+def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
+    from ds_longstraw.topology import resolve_layout
+
+    assert resolve_layout(_layout_specs(combines), LongstrawConfig(cp_size=2, **settings)) == expected
+
+
+def test_zigzag_refused_where_it_does_not_run():
+    from ds_longstraw.topology import resolve_layout
+
+    config = LongstrawConfig(cp_size=2, cp_layout="zigzag", prefix_grad="exact")
+    with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*prefix_grad 'exact'"):
+        resolve_layout(_layout_specs(["lse"]), config)
+    with pytest.raises(ValueError, match="combine by \\['topk_lse'\\]"):
+        resolve_layout(_layout_specs(["topk_lse"]), LongstrawConfig(cp_size=2, cp_layout="zigzag"))
 
 
 def _delta_inputs(gen, tokens, hk=2, hv=4, dk=8, dv=6):
@@ -50,6 +118,24 @@ def test_delta_rule_is_affine_in_initial_state():
                                                 use_qk_l2norm_in_kernel=True)
     torch.testing.assert_close(bias, end_from_zero, rtol=0, atol=1e-12)
     torch.testing.assert_close(product @ s0 + bias, end_from_s0, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("tokens,chunk", [(37, 10), (5, 8), (64, 64)])
+def test_one_pass_outputs_corrected_by_the_initial_state(tokens, chunk):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, g, beta = _delta_inputs(gen, tokens)
+    s0 = torch.randn(1, 4, 8, 6, generator=gen, dtype=torch.float64)
+    expected, end = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+    summary, outs = identity_summary(4, 8, 6, torch.float64, "cpu"), []
+    for a in range(0, tokens, chunk):  # the summary carries over chunks; the correction waits for S_0
+        out, summary = extend_with_outputs(summary, *(t[:, a:a + chunk] for t in (q, k, v, g, beta)))
+        outs.append(out)
+    corrected = torch.cat([_corrected(out, s0, 6) for out in outs], 1)
+    torch.testing.assert_close(corrected, expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(summary[..., 6:] @ s0 + summary[..., :6], end, rtol=0, atol=1e-12)
+    # without the correction the outputs are the zero-state run's: the test can tell the two apart
+    assert (torch.cat([out[..., :6] for out in outs], 1) - expected).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("cuts", [(0, 9, 9, 40, 70), (0, 1, 2, 3, 70), (0, 70, 70)],

@@ -72,6 +72,11 @@ def _check(results, world, name):
 
 
 @pytest.mark.slow
+def _pieces(shard):
+    """A report's shard as a list of (lo, hi): one contiguous shard, or a rank's pieces."""
+    return [tuple(shard)] if isinstance(shard[0], int) else [tuple(piece) for piece in shard]
+
+
 @pytest.mark.parametrize("world,name", [(4, "zero3"), (4, "zero2"), (4, "zero3exact"), (4, "glm3exact"),
                                         (4, "glm3ep"), (4, "zero3spread"), (2, "zero3"), (2, "zero3kept"),
                                         (2, "glm3")])
@@ -83,10 +88,16 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
         assert r["mean_loss"] == pytest.approx(r["ref_mean_loss"], rel=1e-6)
         for control, value in r["controls"].items():
             assert value > 100 * TOL, (control, r)
-    # the prompt really is sharded: CP ranks of a replica hold adjacent, non-overlapping pieces
+    # the prompt really is sharded: the CP ranks of a replica hold non-overlapping pieces that tile it, each rank
+    # some tokens; detached qwen3_5 takes the zigzag layout (2 pieces a rank), the others contiguous shards
+    layout = "zigzag" if name == "zero3" else "contiguous"
     for lo_rank, hi_rank in zip(checks[0::2], checks[1::2]):
-        for (a, b), (c, d) in zip(lo_rank["shards"], hi_rank["shards"]):
-            assert a == 0 and b == c and d > c
+        for mine, theirs, layouts in zip(lo_rank["shards"], hi_rank["shards"], zip(lo_rank["layouts"],
+                                                                                   hi_rank["layouts"])):
+            pieces = sorted(_pieces(mine) + _pieces(theirs))
+            assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            assert all(hi > lo for lo, hi in pieces) and len(pieces) == (4 if layout == "zigzag" else 2)
+            assert set(layouts) == {layout}
     if world == 4:
         assert [r["rank_groups"] for r in checks] == [2, 2, 1, 1]
         assert "vs_equal_weights" in checks[0]["controls"]

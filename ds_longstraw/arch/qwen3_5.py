@@ -146,8 +146,13 @@ class Qwen35Adapter(CausalLMAdapter):
         # The chunked rule keeps only its inputs for backward (kernels/gated_delta_chunked.py): its intermediates
         # are ~10x their size, and the exact-mode prefix pass holds a whole segment's graph.
         out, new_state = _delta_rule(query, key, value, g, beta, state)
-        out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-        return module.out_proj(out.reshape(batch, t, -1)), new_state, new_tail
+        return self.gdn_finish(module, out, z), new_state, new_tail
+
+    def gdn_finish(self, module, out_1THV, z):
+        """The layer's output [1, T, C] from the delta rule's output [1, T, Hv, dv]: gated norm, out projection."""
+        batch, t = out_1THV.shape[:2]
+        out = module.norm(out_1THV.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+        return module.out_proj(out.reshape(batch, t, -1))
 
     def gdn_forward(self, module, h_1TC, state, tail):
         # Under ZeRO-3 the module's hooks wrap its inputs and outputs (re-gathering A_log and dt_bias before this
@@ -226,9 +231,9 @@ class Qwen35Adapter(CausalLMAdapter):
         """The layer's mixer output [1, T, C] from the attention result out_HTD [H, T, D]."""
         return self.attention_output(self.layers[index].self_attn, out_HTD, gate)
 
-    def capture_scan_layer(self, index, normed_1TC, spans, cp, bounds, boundaries, pad=0, checkpoints=None):
+    def capture_scan_layer(self, index, normed_1TC, spans, cp, pieces, boundaries, pad=0, checkpoints=None):
         """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
-        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, bounds, boundaries,
+        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, pieces, boundaries,
                                  index, pad=pad, checkpoints=checkpoints)
 
     # -- the segment -------------------------------------------------------------------------------------

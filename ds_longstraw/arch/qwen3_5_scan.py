@@ -20,16 +20,30 @@ all ranks' summaries is the prompt's final state, which replay needs. The summar
 tensors per GDN layer) and every rank folds them itself, in the same order, so every rank holds the same final
 state bit for bit. `tests/test_cp_units.py` checks the affine form and the fold against the plain recurrence.
 
-Conv tails cross ranks too: each rank contributes the last min(T_r, k-1) tokens of its pre-conv projection; rank r's
-incoming tail is the last k-1 tokens of zeros(k-1) ++ contributions of ranks 0..r-1 (shards shorter than k-1 make
-the tail span several ranks).
+Output with an unknown initial state, in the same pass. The delta rule is linear in (S_0, v) together, so a
+token's output is o_t = o_t(S_0 = 0) + q~_t S_0, where q~_t [dk] (the query as it reads the segment's initial state
+through every update since) does not depend on S_0. The same augmented run gives both: its output's first dv
+columns are o_t(0) and its last dk columns are q~_t (the state's P columns read by the query). So a rank runs the
+delta rule ONCE over its shard, from [0 | I], keeping the outputs' [o(0) | q~] until the exchange has given it S_0,
+then adds q~ S_0 (one [T, dk] x [dk, dv] product per head) and finishes the layer. A segment at the prompt start
+needs no correction (S_0 = 0): it runs the plain rule and finishes at once.
+
+Conv tails cross ranks too: each segment contributes the last min(T_s, k-1) tokens of its pre-conv projection; a
+segment's incoming tail is the last k-1 tokens of zeros(k-1) ++ contributions of every earlier segment (segments
+shorter than k-1 make the tail span several of them).
+
+Segments: a rank owns one or more pieces of the prompt (parallel/groups.py, shard_pieces: contiguous or zigzag);
+every piece is a segment of the scan, and the scan folds all ranks' segments in PROMPT order.
 
 Capture schedule per GDN layer (layer-major, see ds_longstraw/parallel/capture.py):
-(1) all-gather tail contributions -> incoming tail;
-(2) pass 1 over this rank's chunks from zero state -> [B | P]; all-gather; fold -> initial and final state;
-(3) pass 2 over the chunks with the true initial state through the adapter's own GDN forward (the single-process
-code path), which gives the layer's outputs and the exact-mode chunk checkpoints. Pass 1 recomputes the
-projections rather than keeping them: memory stays one chunk.
+(1) all-gather the pieces' tail contributions -> each piece's incoming tail;
+(2) one pass over this rank's chunks: projections, convolution, the delta rule from [0 | I] (the plain rule for a
+    piece at the prompt start), keeping [o(0) | q~] and z per chunk (exact mode: the summary at each chunk start);
+(3) all-gather the pieces' summaries; fold in prompt order -> each piece's initial state and the final state;
+(4) per chunk: o = o(0) + q~ S_0, gated norm and out projection (exact mode: each chunk start's carry P_c S_0 + B_c
+    checkpointed).
+Memory: what waits for the exchange is [T, Hv, dv + dk] outputs and [T, Hv, dv] gates over the shard, beside the
+shard's hidden states that the layer-major capture keeps anyway.
 """
 
 from contextlib import contextmanager
@@ -71,11 +85,16 @@ def identity_summary(heads, dk, dv, dtype, device):
 
 def extend_summary(summary, query, key, value, g, beta):
     """Extend a segment's [B | P] summary by the tokens (query, key, value, g, beta) (delta-rule layouts)."""
+    return extend_with_outputs(summary, query, key, value, g, beta)[1]
+
+
+def extend_with_outputs(summary, query, key, value, g, beta):
+    """The augmented rule over tokens from `summary` [B | P]: (outputs [1, T, Hv, dv + dk] = [o(0) | q~ P], the
+    summary after them)."""
     dk = key.shape[-1]
     augmented = torch.cat([value, value.new_zeros(value.shape[:-1] + (dk,))], dim=-1)
-    _, summary = chunk_gated_delta_rule(query, key, augmented, g=g, beta=beta, initial_state=summary,
-                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return summary
+    return chunk_gated_delta_rule(query, key, augmented, g=g, beta=beta, initial_state=summary,
+                                  output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 def apply_summary(summary, state, dv):
@@ -102,57 +121,116 @@ def fold_tails(parts, counts, width):
     return tail
 
 
-def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, bounds, boundaries, layer, pad=0, checkpoints=None):
+def _segments(pieces):
+    """Every rank's pieces in prompt order: [(rank, index within the rank, lo, hi)]."""
+    return sorted(((rank, index, lo, hi) for rank, own in enumerate(pieces) for index, (lo, hi) in enumerate(own)),
+                  key=lambda segment: (segment[2], segment[3]))
+
+
+def _stacked(tensors):
+    return torch.stack(tensors).contiguous()
+
+
+def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries, layer, pad=0, checkpoints=None):
     """One GDN layer of the layer-major capture on this rank's shard (no autograd).
 
-    Returns (output [1, T, C], (final state, final conv tail) of the whole prompt). boundaries: None, or the
-    exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start,
-    kept in `checkpoints` (ds_longstraw.state's checkpoint store).
+    spans: this rank's chunks [(a, b, position)] in local order (groups.local_spans); pieces: every rank's pieces
+    (groups.shard_pieces). Returns (output [1, T, C], (final state, final conv tail) of the whole prompt).
+    boundaries: None, or the exact-mode ChunkBoundary list of this rank, whose carries get this layer's
+    (state, tail) at each chunk start, kept in `checkpoints` (ds_longstraw.state's checkpoint store).
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see parallel/capture.py); an empty
-    shard also makes a dummy call in place of its conv-tail projection.
+    piece also makes a dummy call in place of its conv-tail projection.
     """
     width = module.conv_kernel_size - 1
-    tokens = normed_1TC.shape[1]
-    sizes = [hi - lo for lo, hi in bounds]
-    lo = bounds[cp.rank][0]
-
-    # (1) conv tails across rank boundaries
-    count = min(tokens, width)
-    part = normed_1TC.new_zeros(1, module.conv_dim, width)
-    if count:
-        part[:, :, width - count:] = module.in_proj_qkv(normed_1TC[:, tokens - count:]).transpose(1, 2)
-    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
-    if pad and not count:
-        module.in_proj_qkv(dummy)
-    parts = cp.all_gather(part, layer, "gdn_tail")
-    counts = [min(n, width) for n in sizes]
-    tail_in = fold_tails(parts[:cp.rank], counts[:cp.rank], width) if lo > 0 else None
-    tail_final = fold_tails(parts, counts, width)
-
-    # (2) this rank's transition from zero state, the exclusive combine and the final state
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
-    summary = identity_summary(heads, dk, dv, adapter.state_dtype(), normed_1TC.device)
-    tail = tail_in
-    for a, b in spans:
-        def inputs(a=a, b=b, tail=tail):
+    mine, order = pieces[cp.rank], _segments(pieces)
+    starts = [0]
+    for lo, hi in mine:  # each piece's first local token
+        starts.append(starts[-1] + hi - lo)
+    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
+
+    # (1) conv tails across segment boundaries
+    parts = []
+    for (lo, hi), a in zip(mine, starts):
+        count = min(hi - lo, width)
+        part = normed_1TC.new_zeros(1, module.conv_dim, width)
+        if count:
+            b = a + hi - lo
+            part[:, :, width - count:] = module.in_proj_qkv(normed_1TC[:, b - count:b]).transpose(1, 2)
+        elif pad:
+            module.in_proj_qkv(dummy)
+        parts.append(part)
+    gathered = cp.all_gather(_stacked(parts), layer, "gdn_tail")
+    tail_parts = [gathered[rank][index] for rank, index, _, _ in order]
+    counts = [min(hi - lo, width) for _, _, lo, hi in order]
+    tails_in = [fold_tails(tail_parts[:_before(order, lo)], counts[:_before(order, lo)], width) if lo > 0 else None
+                for lo, _ in mine]
+    tail_final = fold_tails(tail_parts, counts, width)
+
+    # (2) one pass over the chunks: the plain rule for a piece at the prompt start, else from [0 | I]
+    summaries = [identity_summary(heads, dk, dv, adapter.state_dtype(), normed_1TC.device) for _ in mine]
+    plain = [lo == 0 and hi > lo for lo, hi in mine]
+    states = [None] * len(mine)  # the plain pieces' running state
+    tails = list(tails_in)
+    held, chunk_starts = [], []  # per chunk: (delta-rule output, z); (summary or state, tail) at its start
+    for a, b, _ in spans:
+        k = _piece_of(starts, a)
+        chunk_starts.append((states[k] if plain[k] else summaries[k], tails[k]))
+
+        def inputs(a=a, b=b, tail=tails[k]):
             return adapter.gdn_inputs(module, normed_1TC[:, a:b], tail)
 
-        query, key, value, g, beta, _, tail = _call_module(module, inputs)
-        summary = extend_summary(summary, query, key, value, g, beta)
+        query, key, value, g, beta, z, tails[k] = _call_module(module, inputs)
+        if plain[k]:
+            out, states[k] = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=states[k],
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+        else:
+            out, summaries[k] = extend_with_outputs(summaries[k], query, key, value, g, beta)
+        held.append((out, z))
     for _ in range(pad):
         _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None))
-    summaries = cp.all_gather(summary, layer, "gdn_summary")
-    state = fold_states(summaries[:cp.rank], sizes[:cp.rank], dv) if lo > 0 else None
-    final_state = fold_states(summaries, sizes, dv)
+    for k, state in enumerate(states):
+        if plain[k]:  # the prompt's first segment: its summary's B is its end state (its P is never read)
+            summaries[k] = torch.cat([state.to(summaries[k].dtype), summaries[k][..., dv:]], dim=-1)
 
-    # (3) the layer itself, chunk by chunk from the true carry (the single-process code path)
-    outs, tail = [], tail_in
-    for index, (a, b) in enumerate(spans):
-        if boundaries is not None and state is not None:
-            boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (state, tail))
-        out, state, tail = adapter.gdn_forward(module, normed_1TC[:, a:b], state, tail)
-        outs.append(out)
+    # (3) the exchange: every piece's initial state and the prompt's final state, folded in prompt order
+    gathered = cp.all_gather(_stacked(summaries), layer, "gdn_summary")
+    folded = [gathered[rank][index] for rank, index, _, _ in order]
+    sizes = [hi - lo for _, _, lo, hi in order]
+    initial = [fold_states(folded[:_before(order, lo)], sizes[:_before(order, lo)], dv) if lo > 0 else None
+               for lo, _ in mine]
+    final_state = fold_states(folded, sizes, dv)
+
+    # (4) the outputs' initial-state term, then the layer's output chunk by chunk
+    outs = []
+    for index, ((a, _, _), (out, z), (start, tail)) in enumerate(zip(spans, held, chunk_starts)):
+        k = _piece_of(starts, a)
+        if not plain[k]:
+            start = apply_summary(start, initial[k], dv) if initial[k] is not None else None
+            out = _corrected(out, initial[k], dv)
+        if boundaries is not None and start is not None:
+            boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (start, tail))
+        outs.append(adapter.gdn_finish(module, out, z))
     for _ in range(pad):
-        adapter.gdn_forward(module, dummy, None, None)
+        adapter.gdn_finish(module, dummy.new_zeros(1, 1, heads, dv), dummy.new_zeros(1, 1, heads * dv))
     output = torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
     return output, (final_state, tail_final)
+
+
+def _before(order, lo):
+    """How many segments (in prompt order) end at or before prompt position lo."""
+    return sum(1 for _, _, _, hi in order if hi <= lo)
+
+
+def _piece_of(starts, a):
+    """The index of the piece that local token a falls in (starts: each piece's first local token, then the end)."""
+    return max(k for k in range(len(starts) - 1) if starts[k] <= a)
+
+
+def _corrected(out_aug, initial, dv):
+    """o = o(0) + q~ S_0 from the augmented outputs (S_0 None: zeros)."""
+    zero_state = out_aug[..., :dv]
+    if initial is None:
+        return zero_state
+    term = torch.einsum("bthk,bhkv->bthv", out_aug[..., dv:].to(initial.dtype), initial)
+    return (zero_state.to(term.dtype) + term).to(out_aug.dtype)

@@ -1,6 +1,6 @@
 """Context parallelism: explicit process groups, attention across ranks' pages, the prefix pass in turns.
 
-groups.py        CPContext (the CP process group, shard bounds, traffic counters), as_cp_context
+groups.py        CPContext (the CP process group, its layout of the prompt, traffic counters), as_cp_context
 cp_attention.py  (out, lse) partials across ranks: capture (pages or queries travel), replay (all-gather), grads
 cp_sparse.py     the "topk_lse" combine: a global top-k selection from every rank's candidates, the selected rows'
                  partials computed where the rows live, merged by log-sum-exp
@@ -13,6 +13,7 @@ The transaction runs over these through ../topology.py (ContextParallel); a fami
 Gated DeltaNet state scan) lives with its adapter in ../arch/.
 """
 
-from .groups import CPContext, as_cp_context, shard_bounds
+from .groups import CP_LAYOUTS, CPContext, as_cp_context, local_spans, shard_bounds, shard_pieces, visible_prefix
 
-__all__ = ["CPContext", "as_cp_context", "shard_bounds"]
+__all__ = ["CP_LAYOUTS", "CPContext", "as_cp_context", "local_spans", "shard_bounds", "shard_pieces",
+           "visible_prefix"]

@@ -1,13 +1,14 @@
 """Capture of a prompt sharded over context-parallel ranks: layer-major, one exchange per layer.
 
-Rank r owns prompt[:-1] tokens [lo_r, hi_r) (balanced contiguous shards, `groups.shard_bounds`). Layer l+1's
-input on rank r depends on layer l's output there, and for a recurrent layer that output depends on every earlier
-rank's layer-l carry, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
+Rank r owns pieces of prompt[:-1] (`groups.shard_pieces`: one contiguous shard, or under the zigzag layout segments
+r and 2N-1-r of 2N), kept in prompt order as its local tokens. Layer l+1's input on rank r depends on layer l's
+output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
 rank boundaries before anyone moves on, as the layer's spec says (arch/specs.py, `combine`):
-  "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in rank order (the
+  "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in prompt order (the
                  family's own math; qwen3_5: arch/qwen3_5_scan.py);
-  "lse"          this rank's rows go onto its own pages; queries meet earlier ranks' pages (cp_attention.py), or,
-                 with cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
+  "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (cp_attention.py:
+                 in turns for contiguous shards, all ranks at once in a ring for zigzag ones), or, with
+                 cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
   "topk_lse"     this rank's rows go onto its own pages; its queries' global top-k selection gathers the earlier
                  ranks' candidates and the selected rows' partials come back from their owners (cp_sparse.py); a
                  layer that selects nothing reuses the last selection.
@@ -24,6 +25,7 @@ from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
 from .cp_sparse import capture_sparse_layer
+from .groups import local_spans
 from .ulysses import ulysses_attention_layer
 
 
@@ -35,28 +37,31 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
     order, with the context-parallel exchanges at the same places in between."""
     ids_all = prompt_ids[:-1]
-    bounds = cp.shards(ids_all.numel())
-    lo, hi = bounds[cp.rank]
-    ids = ids_all[lo:hi]
-    tokens = hi - lo
+    pieces = cp.pieces(ids_all.numel())
+    mine = pieces[cp.rank]
+    ids = torch.cat([ids_all[lo:hi] for lo, hi in mine])
+    tokens = ids.numel()
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
-    # skips the attention and its remote exchanges in forward.
-    state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=bounds[-1][1], offset=lo)
+    # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
+    state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=ids_all.numel(),
+                              offset=mine[0][0])
     try:
-        _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress, pad)
+        _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad)
     except BaseException:
         state.release()  # page files of a host/NVMe tier go on error as on success
         raise
     return state
 
 
-def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress, pad):
+def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
     """Fill `state` (its pages, boundaries and final carry) layer by layer."""
     pool, kept_pool, checkpoints, lo = state.pool, state.kept_pool, state.checkpoints, state.offset
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
-    spans = [(a, min(tokens, a + chunk)) for a in range(0, tokens, chunk)]
-    boundaries = [ChunkBoundary(a, b, {}) for a, b in spans] if checkpoints is not None else None
+    spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
+    pairs = [(a, b) for a, b, _ in spans]
+    bounds = [own[0] for own in pieces] if all(len(own) == 1 for own in pieces) else None  # contiguous shards
+    boundaries = [ChunkBoundary(a, b, {}) for a, b in pairs] if checkpoints is not None else None
     final_carry = {}
     selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
     with torch.no_grad():
@@ -65,12 +70,14 @@ def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress,
             index = spec.layer
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
-                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, bounds, boundaries,
+                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,
                                                                        pad=pad, checkpoints=checkpoints)
+            elif spec.combine == "lse" and settings.cp_attention == "ulysses":
+                mixed = ulysses_attention_layer(adapter, spec, normed, spans, cp, bounds, pool, chunk, pad=pad,
+                                                kept_pool=kept_pool)
             elif spec.combine == "lse":
-                capture = ulysses_attention_layer if settings.cp_attention == "ulysses" else capture_attention_layer
-                mixed = capture(adapter, spec, normed, spans, lo, cp, bounds, pool, chunk, pad=pad,
-                                kept_pool=kept_pool)
+                mixed = capture_attention_layer(adapter, spec, normed, spans, cp, pieces, pool, chunk, pad=pad,
+                                                kept_pool=kept_pool)
             elif spec.combine == "topk_lse":
                 mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, lo, cp, bounds, pool,
                                                         selection, pad=pad)
@@ -79,11 +86,11 @@ def _capture_layers(adapter, ids, tokens, settings, cp, bounds, state, progress,
             del normed
             hidden = hidden + mixed
             del mixed
-            pieces = [adapter.mlp_residual(index, hidden[:, a:b]) for a, b in spans]
+            pieces_out = [adapter.mlp_residual(index, hidden[:, a:b]) for a, b in pairs]
             dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
             for _ in range(pad):
                 adapter.mlp_residual(index, dummy)
-            hidden = torch.cat(pieces, 1) if pieces else hidden
+            hidden = torch.cat(pieces_out, 1) if pieces_out else hidden
             if progress is not None:
                 progress(index)
     state.flush()  # the last partial pages too: after capture every page is on its tier

@@ -31,6 +31,8 @@ from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from
 from ds_longstraw.offload import Stager
 from ds_longstraw.state import append_rows, keep_segment_attention
 
+from .groups import visible_prefix
+
 
 def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -196,27 +198,76 @@ def capture_remote_partial(cp, q_HTD, stager, spec, scale, bounds, chunk):
     return mover(cp, q_HTD, stager, spec, scale, bounds, chunk)
 
 
-def capture_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, chunk, pad=0,
-                            kept_pool=None):
+def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
+    """(out, lse) of this rank's shard queries over the keys of every other rank that precede them, for a layout
+    whose ranks own several pieces (zigzag; no autograd). Every rank is busy at once: in step t = 1..N-1 rank r
+    sends the pages that rank r+t needs to it and receives those it needs from rank r-t (mod N), page by page,
+    posting its send before it waits for its receive (non-blocking point-to-point, so no rank waits on another's
+    turn). The keys a query sees on any rank are a prefix of that rank's local tokens (groups.visible_prefix), so
+    each rank sends the longest prefix any piece of the receiver sees, and the receiver cuts each page to what
+    each of its pieces sees."""
+    layer, key = spec.layer, spec.streams[0]
+    mine = pieces[cp.rank]
+    starts = [0]
+    for lo, hi in mine:
+        starts.append(starts[-1] + hi - lo)
+    result = empty_partial(q_HTD)
+    outs, lses = list(result[0].split([hi - lo for lo, hi in mine], 1)), list(result[1].split(
+        [hi - lo for lo, hi in mine], 1))
+    page = stager.pool.page_tokens
+    for step in range(1, cp.size):
+        dst, src = (cp.rank + step) % cp.size, (cp.rank - step) % cp.size
+        need_dst = max((visible_prefix(mine, lo) for lo, hi in pieces[dst] if hi > lo), default=0)
+        seen = [visible_prefix(pieces[src], lo) if hi > lo else 0 for lo, hi in mine]  # per piece of mine
+        need_src = max(seen, default=0)
+        outgoing = iter(stager.stream(layer, 0, need_dst)) if need_dst else iter(())
+        incoming = range(0, need_src, page)  # src's pages, as its stager cuts them
+        for index in range(max(-(-need_dst // page), len(incoming))):
+            sent = next(outgoing, None)
+            sending = None if sent is None else cp.isend(torch.stack([sent[2][n] for n in spec.stream_names]), dst)
+            if index < len(incoming):
+                p0 = incoming[index]
+                p1 = min(need_src, p0 + page)
+                kv = cp.irecv((2, p1 - p0) + tuple(key.shape), key.dtype, src, layer, "capture_kv", q_HTD.device)
+                for k, (a, b) in enumerate(zip(starts, starts[1:])):
+                    n = min(p1, seen[k]) - p0
+                    if b > a and n > 0:
+                        piece = chunked_partial(q_HTD[:, a:b], kv[0, :n].transpose(0, 1), kv[1, :n].transpose(0, 1),
+                                                scale, chunk)
+                        outs[k], lses[k] = merge_in_order([(outs[k], lses[k]), piece])
+                del kv
+            if sending is not None:
+                sending.wait()
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, chunk, pad=0, kept_pool=None):
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
-    Pass A computes q, gate, K, V chunk by chunk and appends K/V to this rank's pages; the remote partial over
-    earlier ranks' pages is computed for the whole shard; pass B attends each chunk to itself (causal) and this
-    rank's earlier pages, merges the remote partial by LSE and applies the output projection.
+    Pass A computes q, gate, K, V chunk by chunk (spans: [(a, b, position)], groups.local_spans) and appends K/V to
+    this rank's pages; the remote partial over the other ranks' earlier keys is computed for the whole shard
+    (contiguous shards: capture_remote_partial; several pieces per rank: ring_remote_partial); pass B attends each
+    chunk to itself (causal) and this rank's earlier pages, merges the remote partial by LSE and applies the
+    output projection.
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
     kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
     layer = spec.layer
-    queries, gates = project_spans(adapter, spec, normed_1TC, spans, offset, pool)
+    queries, gates = project_spans(adapter, spec, normed_1TC, spans, pool)
     dummy_out = pad_qkv_calls(adapter, layer, normed_1TC, pad)
     heads, _, dim = adapter.attention_geometry()
     scale = adapter.attention_scale(layer)
     q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
     stager = layer_stager(pool, [spec])
     try:
-        remote_out, remote_lse = capture_remote_partial(cp, q_all, stager, spec, scale, bounds, chunk)
+        if all(len(own) == 1 for own in pieces):
+            bounds = [own[0] for own in pieces]
+            remote_out, remote_lse = capture_remote_partial(cp, q_all, stager, spec, scale, bounds, chunk)
+        else:
+            cp.decisions[(cp.phase_name, layer)] = "ring"
+            remote_out, remote_lse = ring_remote_partial(cp, q_all, stager, spec, scale, pieces, chunk)
         del q_all
         outs = [_capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out, remote_lse, kept_pool)
-                for (a, b), q, gate in zip(spans, queries, gates)]
+                for (a, b, _), q, gate in zip(spans, queries, gates)]
     finally:
         stager.close()
     pad_output_calls(adapter, layer, dummy_out)
@@ -235,12 +286,12 @@ def _capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out
     return adapter.attention_finish(spec.layer, out, gate)
 
 
-def project_spans(adapter, spec, normed_1TC, spans, offset, pool):
-    """Queries and rows of this rank's shard chunk by chunk (positions from `offset`): the rows go onto its own
-    pages; returns the chunks' queries [H, T_c, D] and what attention_finish needs of each."""
+def project_spans(adapter, spec, normed_1TC, spans, pool):
+    """Queries and rows of this rank's shard chunk by chunk (spans [(a, b, prompt position of a)]): the rows go onto
+    its own pages; returns the chunks' queries [H, T_c, D] and what attention_finish needs of each."""
     queries, gates = [], []
-    for a, b in spans:
-        q, gate, rows = adapter.attention_project(spec.layer, normed_1TC[:, a:b], offset + a)
+    for a, b, position in spans:
+        q, gate, rows = adapter.attention_project(spec.layer, normed_1TC[:, a:b], position)
         append_rows(pool, spec, rows)
         queries.append(q)
         gates.append(gate)

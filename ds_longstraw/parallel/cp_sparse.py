@@ -312,7 +312,7 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
     layer, tokens = spec.layer, normed_1TC.shape[1]
     sizes = [hi - lo for lo, hi in bounds]
     selectors, queries, finishes = [], [], []
-    for a, b in spans:
+    for a, b, _ in spans:
         selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], offset + a)
         append_rows(pool, spec, rows)
         selectors.append(selector)
@@ -339,7 +339,7 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
     finally:
         keys.close()
         rows.close()
-    outs = [adapter.attention_finish(layer, out[a:b], finish) for (a, b), finish in zip(spans, finishes)]
+    outs = [adapter.attention_finish(layer, out[a:b], finish) for (a, b, _), finish in zip(spans, finishes)]
     for dummy_query, finish in padded:
         adapter.attention_finish(layer, torch.zeros_like(dummy_query[0]), finish)
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 CAPTURE_MOVES = ("auto", "kv", "q")
+CP_LAYOUTS = ("contiguous", "zigzag")
 
 
 def shard_bounds(length: int, size: int):
@@ -30,6 +31,40 @@ def shard_bounds(length: int, size: int):
         bounds.append((lo, hi))
         lo = hi
     return bounds
+
+
+def shard_pieces(length: int, size: int, layout: str = "contiguous"):
+    """Per rank, the prompt token ranges it owns: a tuple of (lo, hi), in increasing order.
+
+    contiguous  one range per rank (shard_bounds): under causal attention rank r reads the keys of ranks 0..r, so
+                the last rank does (2N-1)/N^2 of the attention and every layer waits for it.
+    zigzag      the prompt cut into 2N balanced segments; rank r owns segments r and 2N-1-r (ring attention's
+                zigzag), so every rank's causal attention work is equal (to a segment's +-1 token).
+    A rank keeps its tokens in this order (its "local" order), which is also their prompt order: the keys of any
+    rank that a query sees are always a prefix of that rank's local tokens (`visible_prefix`)."""
+    if layout == "contiguous":
+        return [((lo, hi),) for lo, hi in shard_bounds(length, size)]
+    if layout != "zigzag":
+        raise ValueError(f"cp layout must be one of {CP_LAYOUTS}, got {layout!r}")
+    segments = shard_bounds(length, 2 * size)
+    return [(segments[r], segments[2 * size - 1 - r]) for r in range(size)]
+
+
+def visible_prefix(pieces, position: int) -> int:
+    """How many of a rank's local tokens (its `pieces`, in order) lie before prompt position `position`."""
+    return sum(max(0, min(hi, position) - lo) for lo, hi in pieces)
+
+
+def local_spans(pieces, chunk: int):
+    """A rank's tokens in chunks of at most `chunk` that never straddle two of its pieces: [(a, b, position)] with
+    [a, b) in local order and `position` the prompt position of local token a."""
+    spans, a = [], 0
+    for lo, hi in pieces:
+        for start in range(lo, hi, chunk):
+            n = min(hi, start + chunk) - start
+            spans.append((a, a + n, start))
+            a += n
+    return spans
 
 
 class Traffic:
@@ -90,6 +125,10 @@ class CPContext:
         self.traffic = Traffic()
         self.decisions = {}  # (phase, layer) -> "kv" | "q": what capture moved, per attention layer
         self.phase_name = "idle"
+        # How the prompt is laid out over the ranks (CP_LAYOUTS): set at the door of every transaction and generate
+        # call (topology.ContextParallel.check, from the model's layer specs and the settings), the same on every
+        # rank; the engine sets it before it counts a step's chunks.
+        self.layout = "contiguous"
 
     @contextmanager
     def phase(self, name):
@@ -100,7 +139,13 @@ class CPContext:
             self.phase_name = saved
 
     def shards(self, length):
+        """Contiguous shards [(lo, hi)] per rank (the "contiguous" layout's pieces)."""
+        assert self.layout == "contiguous", "shards() is the contiguous layout's: use pieces()"
         return shard_bounds(length, self.size)
+
+    def pieces(self, length):
+        """Per rank, the token ranges it owns under this group's layout (shard_pieces)."""
+        return shard_pieces(length, self.size, self.layout)
 
     # -- collectives (each counts what this rank receives) ---------------------------------------------------
     def all_gather(self, tensor, layer=-1, op="all_gather"):
@@ -151,6 +196,17 @@ class CPContext:
     def recv(self, shape, dtype, src, layer=-1, op="recv", device=None):
         buffer = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buffer, group=self.group, group_src=src)
+        self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
+        return buffer
+
+    def isend(self, tensor, dst):
+        """A non-blocking send; returns its work handle (wait() before the tensor is reused)."""
+        return dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
+
+    def irecv(self, shape, dtype, src, layer=-1, op="recv", device=None):
+        """A receive posted without blocking the sends before it; returns the buffer once it has landed."""
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        dist.irecv(buffer, group=self.group, group_src=src).wait()
         self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
         return buffer
 

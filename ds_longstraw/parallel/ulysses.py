@@ -60,7 +60,7 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     return parts
 
 
-def ulysses_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, chunk, pad=0,
+def ulysses_attention_layer(adapter, spec, normed_1TC, spans, cp, bounds, pool, chunk, pad=0,
                             kept_pool=None):
     """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
     pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
@@ -73,7 +73,7 @@ def ulysses_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds
     size, scale = cp.size, adapter.attention_scale(layer)
     per_rank = heads // size
     sizes = [hi - lo for lo, hi in bounds]
-    queries, gates = project_spans(adapter, spec, normed_1TC, spans, offset, pool)
+    queries, gates = project_spans(adapter, spec, normed_1TC, spans, pool)
     padded = pad_qkv_calls(adapter, layer, normed_1TC, pad)
     dtype = normed_1TC.dtype
     q_HTD = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
@@ -112,9 +112,9 @@ def ulysses_attention_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds
         lse_parts = _all_to_all(cp, [lse_all[:, lo:hi] for lo, hi in bounds], [(per_rank, sizes[cp.rank])] * size,
                                 lse_all.dtype, layer, "ulysses_lse")
         lse_HT = torch.cat(lse_parts, 0)
-        for a, b in spans:
+        for a, b, _ in spans:
             keep_segment_attention(kept_pool, spec, (out_HTD[:, a:b], lse_HT[:, a:b]))
     del lses
-    results = [adapter.attention_finish(layer, out_HTD[:, a:b], gate) for (a, b), gate in zip(spans, gates)]
+    results = [adapter.attention_finish(layer, out_HTD[:, a:b], gate) for (a, b, _), gate in zip(spans, gates)]
     pad_output_calls(adapter, layer, padded)
     return torch.cat(results, 1) if results else normed_1TC.new_zeros(normed_1TC.shape)

@@ -62,6 +62,8 @@ def case_config(case, world, out_dir=None):
             config["offload"]["nvme_path"] = nvme_dir(out_dir)
     if "cp_replay" in case:  # who replays which member ("replicated" or "spread")
         config["cp_replay"] = case["cp_replay"]
+    if "layout" in case:
+        config["cp_layout"] = case["layout"]
     if case.get("keep"):  # exact mode's kept attention, optionally on a tier of its own
         config["prefix_keep_attention"] = True
     if "kept_tier" in case:

@@ -143,7 +143,8 @@ def check(mode, stage, seed, family="qwen", **block_options):
     return {"rel": step_error(after, ref, before), "controls": controls, "mean_loss": result.mean_loss,
             "ref_mean_loss": ref_loss,
             "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
-            "shards": [g.extras["cp"]["shard"] for g in result.groups]}
+            "shards": [g.extras["cp"]["shard"] for g in result.groups],
+            "layouts": [g.extras["cp"]["layout"] for g in result.groups]}
 
 
 def check_rollout(out_dir):
