@@ -7,7 +7,10 @@ Ranks are forked local processes on one machine, each with --threads intra-op th
 oversubscribes, so its step time says little about speed; the byte counts are what the design moves.
 
     python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact,exact-keep]
-                             [--tiers none,cpu,nvme]
+                             [--tiers none,cpu,nvme] [--layouts auto,zigzag,contiguous]
+
+A second table sets each phase beside the single-process one and gives every rank's busy and waiting seconds
+(waiting: inside blocking exchanges, CPContext's timers).
 
 With a host or NVMe tier it also reports the bytes each step reads from the tier (summed over ranks, per paged
 layer) and the largest single read in tokens: what the stager streams, page by page, instead of whole shards.
@@ -69,7 +72,8 @@ def count_tier_reads():
     TieredPagePool.begin_read = begin_read
 
 
-def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated"):
+def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated",
+             layout="auto"):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -78,7 +82,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
-              "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay}
+              "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay, "cp_layout": layout}
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
@@ -96,11 +100,12 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
             "replay_cpu": result.phases["replay"].cpu_seconds, "replay": replay,
             "tier_read_bytes": TIER_READS["bytes"], "largest_read": TIER_READS["largest"],
             "retained": result.retained_bytes, "cp": result.extras.get("cp"), "tokens": group.response_tokens,
+            "prompt": group.prompt_ids.numel(),
             # from the adapter's layer-state specs: paged ("lse") layers and carried ("affine_scan") ones
             "attn_layers": adapter_for(model).paged_layers, "gdn_layers": adapter_for(model).carry_layers}
 
 
-def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated"):
+def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto"):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -109,7 +114,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention, tier, out, replay)
+        result = one_step(args, mode, group, world, attention, tier, out, replay, layout)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -118,13 +123,13 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
         os._exit(1)
 
 
-def run_world(args, mode, world, attention="lse", tier="none", replay="replicated"):
+def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -138,6 +143,10 @@ def run_world(args, mode, world, attention="lse", tier="none", replay="replicate
 def summarise(world, mode, attention, ranks, tier="none"):
     first = ranks[0]
     row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-", "tier": tier,
+           "layout": first["cp"]["layout"] if world > 1 else "-",
+           # per rank: (phase -> wall seconds, phase -> seconds waited inside blocking exchanges)
+           "rank_phases": [(r["phases"], (r["cp"] or {}).get("waited_seconds", {})) for r in ranks],
+           "prompt": first["prompt"],
            "replay": first["replay"] if world > 1 else "-",
            "replay_cpu_max": max(r["replay_cpu"] for r in ranks), "replay_cpu_sum": sum(r["replay_cpu"] for r in ranks),
            "tier_read_b_per_layer": sum(r["tier_read_bytes"] for r in ranks) // len(first["attn_layers"]),
@@ -178,6 +187,8 @@ def main(argv=None):
     parser.add_argument("--attention", default="lse,ulysses", help="capture attention paths for CP > 1")
     parser.add_argument("--tiers", default="none", help="offload tiers of the pages: none, cpu, nvme")
     parser.add_argument("--repeat", type=int, default=2, help="steps per row; the fastest is reported")
+    parser.add_argument("--layouts", default="auto", help="CP layouts (cp_layout) for CP > 1: auto, zigzag, "
+                        "contiguous, comma-separated")
     parser.add_argument("--replay", default="replicated",
                         help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
@@ -192,10 +203,11 @@ def main(argv=None):
             for world in (int(x) for x in args.cp.split(",")):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
                     for replay in (["replicated"] if world == 1 else args.replay.split(",")):
-                        ranks = run_world(args, mode, world, attention, tier, replay)
-                        rows.append(summarise(world, mode, attention, ranks, tier))
-                        print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay}: "
-                              f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
+                        for layout in (["auto"] if world == 1 else args.layouts.split(",")):
+                            ranks = run_world(args, mode, world, attention, tier, replay, layout)
+                            rows.append(summarise(world, mode, attention, ranks, tier))
+                            print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay} "
+                                  f"layout={layout}: {rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
@@ -217,6 +229,35 @@ def main(argv=None):
               f"| {r['kept_per_rank']:,} | {r['replay_b_per_tok']:,.0f} "
               f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "
               f"| {r['prefix_b']:,} | {r.get('grad_reduce_b', 0):,} |")
+    print_balance(rows)
+
+
+def print_balance(rows):
+    """The phases against one process (same tier and mode), each rank's busy and waiting seconds, and the capture's
+    bytes per attention layer and prompt token."""
+    single = {(r["tier"], r["mode"]): r for r in rows if r["cp"] == 1}
+    print("\nPhases against one process; per rank busy / waiting seconds (waiting: inside blocking exchanges); "
+          "capture bytes received per attention layer and prompt token, summed over ranks.\n")
+    print("| tier | CP | mode | layout | capture s | x CP 1 | replay s | x CP 1 | prefix s | x CP 1 "
+          "| capture busy / wait per rank | prefix busy / wait per rank | capture B / attn layer / token |")
+    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    for r in rows:
+        base = single.get((r["tier"], r["mode"]))
+        cells = []
+        for phase in ("capture", "replay", "prefix"):
+            seconds = r["phases"].get(phase, 0.0)
+            ref = base["phases"].get(phase, 0.0) if base else 0.0
+            cells += [f"{seconds:.2f}", f"{seconds / ref:.2f}" if ref else "-"]
+
+        def busy_wait(phase):
+            if r["cp"] == 1:
+                return "-"
+            return ", ".join(f"{p.get(phase, 0.0) - w.get(phase, 0.0):.2f} / {w.get(phase, 0.0):.2f}"
+                             for p, w in r["rank_phases"])
+
+        per_token = r["capture_attn_b"] / max(1, r["prompt"] - 1)
+        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {r['layout']} | {' | '.join(cells)} "
+              f"| {busy_wait('capture')} | {busy_wait('prefix')} | {per_token:,.1f} |")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ class ContextParallel:
 
     def check(self, adapter, settings, lockstep=None):
         """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
-        and capture decisions start from zero (the group's report covers this call only)."""
+        wait timers and capture decisions start from zero (the group's report covers this call only)."""
         self.settings = settings
         self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
@@ -140,8 +140,7 @@ class ContextParallel:
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
             check_heads(heads, kv_heads, self.cp.size)
-        self.cp.traffic.reset()
-        self.cp.decisions.clear()
+        self.cp.reset()
 
     def phase(self, name):
         return self.cp.phase(name)

@@ -18,6 +18,10 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
                  delta rule  the chunk kernel's float32 scratch: the capture's forward over a capture chunk,
                              forward + backward over a replay block (exact mode: over a capture chunk too)
+                 gdn scan    (context parallelism) a Gated DeltaNet layer's outputs over the rank's shard, held
+                             until the cross-rank exchange gives its initial state ([o(0) | q~], (dv + dk) per
+                             value head and token, the model's dtype; arch/qwen3_5_scan.py), plus the capture
+                             chunk's scratch of that augmented run
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
 10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
@@ -186,6 +190,25 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
     }
 
 
+def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
+    """Bytes a context-parallel rank holds of one Gated DeltaNet layer's outputs while its capture waits for the
+    layer's exchange: [o(0) | q~] for each of its tokens (a rank whose pieces do not start the prompt; the one that
+    does holds dk less per head for that piece)."""
+    return tokens_per_rank * shape.delta_heads * shape.delta_head_dims * shape.dtype_bytes
+
+
+def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int) -> dict:
+    """kernel_workspace, plus (context parallelism, Gated DeltaNet layers) the scan's held outputs together with
+    the augmented run's scratch over a capture chunk: its value width is dv + dk (dk = dv in the families here, so
+    1.5 x delta_head_dims)."""
+    workspace = kernel_workspace(shape, capture_chunk, mode=mode)
+    if cp > 1 and shape.delta_heads:
+        augmented = shape.delta_head_dims + shape.delta_head_dims // 2
+        workspace["gdn_scan"] = (gdn_scan_outputs(shape, tokens_per_rank) + shape.delta_heads * 4 * capture_chunk
+                                 * delta_rule_floats(augmented, backward=False))
+    return workspace
+
+
 def captured_tokens_per_rank(context: int, cp: int) -> int:
     return -(-max(context - 1, 0) // cp)
 
@@ -265,7 +288,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = kernel_workspace(shape, capture_chunk, mode=mode)
+    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -399,8 +422,9 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
 
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
-        return _fits(_needs(shape, captured_tokens_per_rank(context, layout.cp), retained, tier, depth, kept_tier,
-                            max(plan.workspace.values())), plan)
+        tokens = captured_tokens_per_rank(context, layout.cp)
+        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens).values())
+        return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):
         return 0

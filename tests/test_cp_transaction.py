@@ -26,6 +26,8 @@ from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOObjective, grpo_backward
+from ds_longstraw.model_shape import shape_from_config
+from ds_longstraw.offload.plan import gdn_scan_outputs
 from ds_longstraw.parallel import shard_bounds, shard_pieces, visible_prefix
 
 TOL = 1e-8
@@ -240,6 +242,25 @@ def test_traffic_accounting(world_results):
     if "queries-travel-exact" in results:
         for result in results["queries-travel-exact"]:
             assert set(result["cp"]["capture_moves"]["capture"].values()) == {"q"}
+
+
+def test_planner_counts_the_scan_outputs_a_capture_holds(world_results):
+    """What a rank's GDN capture holds until the exchange (the delta rule's outputs over its shard) == the planner's
+    gdn_scan_outputs for its tokens, byte for byte, on a rank whose pieces do not start the prompt; the rank whose
+    piece does holds dk less per value head and token of that piece."""
+    world, results = world_results
+    config = tiny_qwen3_5(**MODEL).config
+    shape = shape_from_config("tiny", config.to_dict(), 8)
+    length = BY_NAME["uneven-detached"]["prompt_len"] - 1
+    for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
+        for own, result in zip(shard_pieces(length, world, layout), results[name]):
+            tokens = sum(hi - lo for lo, hi in own)
+            first = sum(hi - lo for lo, hi in own if lo == 0)  # tokens of a piece at the prompt start
+            held = result["cp"]["held_bytes"]["gdn_scan_outputs"]
+            expected = gdn_scan_outputs(shape, tokens) - first * config.linear_num_value_heads \
+                * config.linear_key_head_dim * 8
+            assert held == expected, (name, own)
+            assert held <= gdn_scan_outputs(shape, -(-length // world))
 
 
 def test_ulysses_capture_moves_and_refusal(world_results):

@@ -292,7 +292,10 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     assert plan.workspace == {"logprobs": 1024 * (3 * 8192 + 5120) * 4,
                               "attention": 24 * 4096 * 257 * 4 + 2 * (24 + 4) * 16384 * 256 * 2,
                               "delta_rule": 48 * max(4096 * (8 * 256 + 256 * 256 // 128 + 12 * 64),
-                                                     1024 * (16 * 256 + 256 * 256 // 64 + 32 * 64)) * 4}
+                                                     1024 * (16 * 256 + 256 * 256 // 64 + 32 * 64)) * 4,
+                              # CP: the GDN scan's [o(0) | q~] over the 131,072 tokens of a rank (bf16), with the
+                              # augmented run's scratch (value width 256 + 128) over a capture chunk
+                              "gdn_scan": 131072 * 48 * 256 * 2 + 48 * 4096 * (8 * 384 + 384 * 384 // 128 + 12 * 64) * 4}
     exact = make_plan(shape, 1 << 20, 8, "exact", layout, capture_chunk=4096)
     assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 32 * 64) * 4
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)

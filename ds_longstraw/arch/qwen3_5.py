@@ -114,13 +114,14 @@ class Qwen35Adapter(CausalLMAdapter):
         self.carry_layers = carry_layers(self.specs)  # Gated DeltaNet: recurrent state + conv tail
 
     # -- pieces ------------------------------------------------------------------------------------------
-    def gdn_inputs(self, module, h_1TC, tail):
+    def gdn_inputs(self, module, h_1TC, tail, with_gate=True):
         """What a GDN layer's delta rule reads: projections, the causal convolution continuing `tail` (None: the
-        prompt start) and the gates. Returns (query, key, value, g, beta, z, new_tail)."""
+        prompt start) and the gates. Returns (query, key, value, g, beta, z, new_tail); z (the output gate) is None
+        without with_gate (a caller that computes it later, gdn_gate)."""
         batch, t, _ = h_1TC.shape
         kernel = module.conv_kernel_size
         mixed = module.in_proj_qkv(h_1TC).transpose(1, 2)
-        z = module.in_proj_z(h_1TC).reshape(batch, t, -1, module.head_v_dim)
+        z = self.gdn_gate(module, h_1TC) if with_gate else None
         b = module.in_proj_b(h_1TC)
         a = module.in_proj_a(h_1TC)
         if tail is None:  # the start of the prompt: the causal convolution sees zeros before it
@@ -147,6 +148,10 @@ class Qwen35Adapter(CausalLMAdapter):
         # are ~10x their size, and the exact-mode prefix pass holds a whole segment's graph.
         out, new_state = _delta_rule(query, key, value, g, beta, state)
         return self.gdn_finish(module, out, z), new_state, new_tail
+
+    def gdn_gate(self, module, h_1TC):
+        """The output gate z [1, T, Hv, dv] of the layer input h_1TC."""
+        return module.in_proj_z(h_1TC).reshape(h_1TC.shape[0], h_1TC.shape[1], -1, module.head_v_dim)
 
     def gdn_finish(self, module, out_1THV, z):
         """The layer's output [1, T, C] from the delta rule's output [1, T, Hv, dv]: gated norm, out projection."""

@@ -38,12 +38,15 @@ every piece is a segment of the scan, and the scan folds all ranks' segments in 
 Capture schedule per GDN layer (layer-major, see ds_longstraw/parallel/capture.py):
 (1) all-gather the pieces' tail contributions -> each piece's incoming tail;
 (2) one pass over this rank's chunks: projections, convolution, the delta rule from [0 | I] (the plain rule for a
-    piece at the prompt start), keeping [o(0) | q~] and z per chunk (exact mode: the summary at each chunk start);
+    piece at the prompt start: its outputs), keeping [o(0) | q~] per chunk (exact mode: the summary at each
+    chunk start);
 (3) all-gather the pieces' summaries; fold in prompt order -> each piece's initial state and the final state;
-(4) per chunk: o = o(0) + q~ S_0, gated norm and out projection (exact mode: each chunk start's carry P_c S_0 + B_c
-    checkpointed).
-Memory: what waits for the exchange is [T, Hv, dv + dk] outputs and [T, Hv, dv] gates over the shard, beside the
-shard's hidden states that the layer-major capture keeps anyway.
+(4) per chunk: o = o(0) + q~ S_0, the output gate z (projected here from the layer input, which the layer-major
+    capture keeps anyway, rather than held), gated norm and out projection (exact mode: each chunk start's carry
+    P_c S_0 + B_c checkpointed).
+Memory: what waits for the exchange is the delta rule's outputs over the shard, in the model's dtype: [T, Hv, dv + dk]
+for pieces that do not start the prompt, [T, Hv, dv] for the one that does (`held_bytes`; the planner's
+"gdn_scan_outputs").
 """
 
 from contextlib import contextmanager
@@ -172,23 +175,24 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     plain = [lo == 0 and hi > lo for lo, hi in mine]
     states = [None] * len(mine)  # the plain pieces' running state
     tails = list(tails_in)
-    held, chunk_starts = [], []  # per chunk: (delta-rule output, z); (summary or state, tail) at its start
+    held, chunk_starts = [], []  # per chunk: the delta rule's output; (summary or state, tail) at its start
     for a, b, _ in spans:
         k = _piece_of(starts, a)
         chunk_starts.append((states[k] if plain[k] else summaries[k], tails[k]))
 
         def inputs(a=a, b=b, tail=tails[k]):
-            return adapter.gdn_inputs(module, normed_1TC[:, a:b], tail)
+            return adapter.gdn_inputs(module, normed_1TC[:, a:b], tail, with_gate=False)
 
-        query, key, value, g, beta, z, tails[k] = _call_module(module, inputs)
+        query, key, value, g, beta, _, tails[k] = _call_module(module, inputs)
         if plain[k]:
             out, states[k] = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=states[k],
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
         else:
             out, summaries[k] = extend_with_outputs(summaries[k], query, key, value, g, beta)
-        held.append((out, z))
+        held.append(out)
     for _ in range(pad):
-        _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None))
+        _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None, with_gate=False))
+    cp.note_held("gdn_scan_outputs", sum(out.numel() * out.element_size() for out in held))
     for k, state in enumerate(states):
         if plain[k]:  # the prompt's first segment: its summary's B is its end state (its P is never read)
             summaries[k] = torch.cat([state.to(summaries[k].dtype), summaries[k][..., dv:]], dim=-1)
@@ -203,16 +207,18 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
 
     # (4) the outputs' initial-state term, then the layer's output chunk by chunk
     outs = []
-    for index, ((a, _, _), (out, z), (start, tail)) in enumerate(zip(spans, held, chunk_starts)):
+    # (every rank makes the same module calls in the same order: the gate and the finish of every chunk here)
+    for index, ((a, b, _), out, (start, tail)) in enumerate(zip(spans, held, chunk_starts)):
         k = _piece_of(starts, a)
         if not plain[k]:
             start = apply_summary(start, initial[k], dv) if initial[k] is not None else None
             out = _corrected(out, initial[k], dv)
+        z = adapter.gdn_gate(module, normed_1TC[:, a:b])
         if boundaries is not None and start is not None:
             boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (start, tail))
         outs.append(adapter.gdn_finish(module, out, z))
     for _ in range(pad):
-        adapter.gdn_finish(module, dummy.new_zeros(1, 1, heads, dv), dummy.new_zeros(1, 1, heads * dv))
+        adapter.gdn_finish(module, dummy.new_zeros(1, 1, heads, dv), adapter.gdn_gate(module, dummy))
     output = torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
     return output, (final_state, tail_final)
 

@@ -24,10 +24,12 @@ dv = p^T dout, ds = p (dout v^T - delta) scale, dq_part = ds k, dk = ds^T q, whe
 delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards gives dq.
 """
 
+import threading
+
 import torch
 
 from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
-from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
+from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise_grads_from_delta
 from ds_longstraw.offload import Stager
 from ds_longstraw.state import append_rows, keep_segment_attention
 
@@ -68,14 +70,37 @@ def chunked_partial(q_HTD, k_KTD, v_KTD, scale, chunk):
 def streamed_partial(stager, spec, q_HTD, scale, start=0, end=None, query_chunk=None):
     """(out, lse) of q_HTD over tokens [start, end) of this rank's pages of layer `spec.layer`, read page by page
     through `stager` (one page read ahead; no layer's shard is materialised whole) and merged by LSE in order.
-    query_chunk: queries per partial (bounds score memory for long query shards)."""
+    Consecutive pages are attended together, up to KEY_BLOCK keys per partial (short pages would otherwise cost a
+    kernel call and a merge each). query_chunk: queries per partial (bounds score memory for long query shards)."""
     result = empty_partial(q_HTD)
-    for _, _, pages in stager.stream(spec.layer, start, end):
-        k_KTD, v_KTD = (pages[name].transpose(0, 1) for name in spec.stream_names)
+    for k_KTD, v_KTD in _key_blocks(stager.stream(spec.layer, start, end), spec.stream_names):
         piece = (chunked_partial(q_HTD, k_KTD, v_KTD, scale, query_chunk) if query_chunk
                  else partial_attention(q_HTD, k_KTD, v_KTD, scale))
         result = merge_in_order([result, piece])
     return result
+
+
+def _key_blocks(stream, names):
+    """(K, V) head-major [K, T, D] over runs of consecutive pages of `stream`, up to KEY_BLOCK tokens each. A stager
+    releases a page when the next is asked for, so each page is copied into the block's buffer (reused from block
+    to block: the caller is done with a block when it asks for the next); a page of KEY_BLOCK tokens or more is
+    handed out as its own view, before the next page is read."""
+    buffers, tokens = None, 0
+    for lo, hi, pages in stream:
+        n = hi - lo
+        if buffers is None and n >= KEY_BLOCK:
+            yield tuple(pages[name].transpose(0, 1) for name in names)
+            continue
+        if buffers is not None and tokens + n > buffers[0].shape[0]:
+            yield tuple(buffer[:tokens].transpose(0, 1) for buffer in buffers)
+            tokens = 0
+        if buffers is None:
+            buffers = [pages[name].new_empty((max(KEY_BLOCK, n),) + pages[name].shape[1:]) for name in names]
+        for buffer, name in zip(buffers, names):
+            buffer[tokens:tokens + n].copy_(pages[name])
+        tokens += n
+    if tokens:
+        yield tuple(buffer[:tokens].transpose(0, 1) for buffer in buffers)
 
 
 def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None):
@@ -201,44 +226,81 @@ def capture_remote_partial(cp, q_HTD, stager, spec, scale, bounds, chunk):
 def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
     """(out, lse) of this rank's shard queries over the keys of every other rank that precede them, for a layout
     whose ranks own several pieces (zigzag; no autograd). Every rank is busy at once: in step t = 1..N-1 rank r
-    sends the pages that rank r+t needs to it and receives those it needs from rank r-t (mod N), page by page,
-    posting its send before it waits for its receive (non-blocking point-to-point, so no rank waits on another's
-    turn). The keys a query sees on any rank are a prefix of that rank's local tokens (groups.visible_prefix), so
-    each rank sends the longest prefix any piece of the receiver sees, and the receiver cuts each page to what
-    each of its pieces sees."""
+    sends the pages that rank r+t needs to it and receives those it needs from rank r-t (mod N), page by page.
+    Its sends run on a thread of their own (_RingSends), so a rank attends what it has received while its own
+    pages leave, whatever the other ranks' pace (zigzag's rank 0 at CP 2 receives twice the pages of rank 1 and
+    does half the work per page), and no rank waits for another's turn.
+
+    The keys a query sees on any rank are a prefix of that rank's local tokens (groups.visible_prefix), so each
+    rank sends the longest prefix any piece of the receiver sees, and the receiver cuts each block of pages (up to
+    KEY_BLOCK keys, attended at once) to what each of its pieces sees. Alive at once: one page in flight out, the
+    block being received and the next page's landing buffer."""
     layer, key = spec.layer, spec.streams[0]
     mine = pieces[cp.rank]
     starts = [0]
     for lo, hi in mine:
         starts.append(starts[-1] + hi - lo)
-    result = empty_partial(q_HTD)
-    outs, lses = list(result[0].split([hi - lo for lo, hi in mine], 1)), list(result[1].split(
-        [hi - lo for lo, hi in mine], 1))
+    sizes = [hi - lo for lo, hi in mine]
+    out, lse = empty_partial(q_HTD)
+    outs, lses = list(out.split(sizes, 1)), list(lse.split(sizes, 1))
     page = stager.pool.page_tokens
     for step in range(1, cp.size):
         dst, src = (cp.rank + step) % cp.size, (cp.rank - step) % cp.size
         need_dst = max((visible_prefix(mine, lo) for lo, hi in pieces[dst] if hi > lo), default=0)
         seen = [visible_prefix(pieces[src], lo) if hi > lo else 0 for lo, hi in mine]  # per piece of mine
-        need_src = max(seen, default=0)
-        outgoing = iter(stager.stream(layer, 0, need_dst)) if need_dst else iter(())
-        incoming = range(0, need_src, page)  # src's pages, as its stager cuts them
-        for index in range(max(-(-need_dst // page), len(incoming))):
-            sent = next(outgoing, None)
-            sending = None if sent is None else cp.isend(torch.stack([sent[2][n] for n in spec.stream_names]), dst)
-            if index < len(incoming):
-                p0 = incoming[index]
-                p1 = min(need_src, p0 + page)
-                kv = cp.irecv((2, p1 - p0) + tuple(key.shape), key.dtype, src, layer, "capture_kv", q_HTD.device)
+        end = max(seen, default=0)
+        incoming = [(p0, min(end, p0 + page)) for p0 in range(0, end, page)]  # src's pages, as its stager cuts them
+
+        def landing(index, shape=tuple(key.shape)):
+            p0, p1 = incoming[index]
+            return cp.irecv((2, p1 - p0) + shape, key.dtype, src, layer, "capture_kv", q_HTD.device)
+
+        sends = _RingSends(cp, stager, spec, dst, need_dst)
+        sends.start()
+        try:
+            block, block_start = [], 0  # received pages not yet attended
+            following = landing(0) if incoming else None
+            for index, (_, p1) in enumerate(incoming):
+                current, following = following, landing(index + 1) if index + 1 < len(incoming) else None
+                block.append(current.wait())
+                if p1 - block_start < KEY_BLOCK and following is not None:
+                    continue
+                kv = torch.cat(block, 1) if len(block) > 1 else block[0]
                 for k, (a, b) in enumerate(zip(starts, starts[1:])):
-                    n = min(p1, seen[k]) - p0
+                    n = min(p1, seen[k]) - block_start
                     if b > a and n > 0:
-                        piece = chunked_partial(q_HTD[:, a:b], kv[0, :n].transpose(0, 1), kv[1, :n].transpose(0, 1),
-                                                scale, chunk)
+                        piece = chunked_partial(q_HTD[:, a:b], kv[0, :n].transpose(0, 1),
+                                                kv[1, :n].transpose(0, 1), scale, chunk)
                         outs[k], lses[k] = merge_in_order([(outs[k], lses[k]), piece])
+                block, block_start = [], p1
                 del kv
-            if sending is not None:
-                sending.wait()
+        finally:
+            sends.finish()
     return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+class _RingSends(threading.Thread):
+    """The pages [0, need) of this rank's layer going to `dst`, one at a time on this thread (each stacked [K | V]
+    into one message; a tier's staging buffers are reused as its stream moves on). finish() joins it and raises
+    what it raised."""
+
+    def __init__(self, cp, stager, spec, dst, need):
+        super().__init__(name=f"ring-sends-layer{spec.layer}", daemon=True)
+        self.cp, self.stager, self.spec, self.dst, self.need = cp, stager, spec, dst, need
+        self.error = None
+
+    def run(self):
+        try:
+            if self.need:
+                for _, _, pages in self.stager.stream(self.spec.layer, 0, self.need):
+                    self.cp.isend(torch.stack([pages[name] for name in self.spec.stream_names]), self.dst).wait()
+        except BaseException as error:  # re-raised on the calling thread by finish()
+            self.error = error
+
+    def finish(self):
+        self.join()
+        if self.error is not None:
+            raise self.error
 
 
 def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, chunk, pad=0, kept_pool=None):

@@ -4,6 +4,9 @@ Every collective and point-to-point call here names `group=` (no hidden global p
 *within* the CP group. `CPContext` also counts the payload bytes each rank receives, keyed by
 (phase, layer, op), so a run can report bytes moved per layer and per replayed token.
 
+It also times, per phase, how long this rank waits inside its blocking exchanges (a collective, a receive, a
+send that has not been taken): a phase's busy seconds are its wall time minus those.
+
 Counting convention (logical payload, not wire bytes of a particular algorithm):
   send/recv     the receiver counts the tensor's bytes;
   all_gather    each rank counts (N-1) x the tensor's bytes;
@@ -11,6 +14,7 @@ Counting convention (logical payload, not wire bytes of a particular algorithm):
 """
 
 import math
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -123,6 +127,8 @@ class CPContext:
         self.size = dist.get_world_size(group)
         self.capture_move = capture_move
         self.traffic = Traffic()
+        self.waited = defaultdict(float)  # phase -> seconds inside blocking exchanges
+        self.held = defaultdict(int)  # what -> the most bytes a schedule step held at once (the planner's figures)
         self.decisions = {}  # (phase, layer) -> "kv" | "q": what capture moved, per attention layer
         self.phase_name = "idle"
         # How the prompt is laid out over the ranks (CP_LAYOUTS): set at the door of every transaction and generate
@@ -138,6 +144,30 @@ class CPContext:
         finally:
             self.phase_name = saved
 
+    @contextmanager
+    def waiting(self):
+        """Time a blocking exchange as this phase's waiting (nested exchanges count once)."""
+        if getattr(self, "_inside", False):
+            yield
+            return
+        self._inside, start = True, time.perf_counter()
+        try:
+            yield
+        finally:
+            self._inside = False
+            self.waited[self.phase_name] += time.perf_counter() - start
+
+    def reset(self):
+        """Start this rank's traffic counters, wait timers and capture decisions from zero."""
+        self.traffic.reset()
+        self.waited.clear()
+        self.held.clear()
+        self.decisions.clear()
+
+    def note_held(self, what, nbytes):
+        """Record that a step of the schedule holds `nbytes` of `what` at once (the largest is kept)."""
+        self.held[what] = max(self.held[what], int(nbytes))
+
     def shards(self, length):
         """Contiguous shards [(lo, hi)] per rank (the "contiguous" layout's pieces)."""
         assert self.layout == "contiguous", "shards() is the contiguous layout's: use pieces()"
@@ -151,12 +181,14 @@ class CPContext:
     def all_gather(self, tensor, layer=-1, op="all_gather"):
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor, group=self.group)
+        with self.waiting():
+            dist.all_gather(parts, tensor, group=self.group)
         self.traffic.add(self.phase_name, layer, op, (self.size - 1) * _nbytes(tensor))
         return parts
 
     def all_reduce_(self, tensor, layer=-1, op="all_reduce"):
-        dist.all_reduce(tensor, group=self.group)
+        with self.waiting():
+            dist.all_reduce(tensor, group=self.group)
         self.traffic.add(self.phase_name, layer, op, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         return tensor
 
@@ -166,7 +198,8 @@ class CPContext:
         travel as uint8 (not every backend reduces or gathers bool)."""
         count = torch.tensor([tensors[0].shape[dim]], dtype=torch.int64)
         counts = [torch.zeros_like(count) for _ in range(self.size)]
-        dist.all_gather(counts, count, group=self.group)
+        with self.waiting():
+            dist.all_gather(counts, count, group=self.group)
         counts = [int(c) for c in counts]
         width = max(counts)
         out = []
@@ -184,18 +217,21 @@ class CPContext:
         moved = tensor.movedim(dim, 0).contiguous()
         row = math.prod(moved.shape[1:])
         recv = torch.empty(self.size * counts[self.rank] * row, dtype=tensor.dtype, device=tensor.device)
-        dist.all_to_all_single(recv, moved.reshape(-1), [counts[self.rank] * row] * self.size,
-                               [n * row for n in counts], group=self.group)
+        with self.waiting():
+            dist.all_to_all_single(recv, moved.reshape(-1), [counts[self.rank] * row] * self.size,
+                                   [n * row for n in counts], group=self.group)
         self.traffic.add(self.phase_name, layer, op, (self.size - 1) * counts[self.rank] * row * tensor.element_size())
         shape = (counts[self.rank], *moved.shape[1:])
         return [piece.view(shape).movedim(0, dim) for piece in recv.split(counts[self.rank] * row)]
 
     def send(self, tensor, dst):
-        dist.send(tensor.contiguous(), group=self.group, group_dst=dst)
+        with self.waiting():
+            dist.send(tensor.contiguous(), group=self.group, group_dst=dst)
 
     def recv(self, shape, dtype, src, layer=-1, op="recv", device=None):
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        dist.recv(buffer, group=self.group, group_src=src)
+        with self.waiting():
+            dist.recv(buffer, group=self.group, group_src=src)
         self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
         return buffer
 
@@ -204,25 +240,38 @@ class CPContext:
         return dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
 
     def irecv(self, shape, dtype, src, layer=-1, op="recv", device=None):
-        """A receive posted without blocking the sends before it; returns the buffer once it has landed."""
+        """A receive posted without blocking; returns a Landing whose wait() gives the buffer once it has landed."""
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        dist.irecv(buffer, group=self.group, group_src=src).wait()
-        self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
-        return buffer
+        return Landing(buffer, dist.irecv(buffer, group=self.group, group_src=src), self,
+                       lambda: self.traffic.add(self.phase_name, layer, op, _nbytes(buffer)))
 
     def barrier(self):
-        dist.barrier(group=self.group)
+        with self.waiting():
+            dist.barrier(group=self.group)
 
     def report(self) -> dict:
         """Plain-data summary of this rank's traffic (for GroupResult.extras): bytes received by phase, by
         phase and layer, by phase and op; capture_moves: phase -> attention layer -> "kv" | "q" | "ulysses"."""
         phases = sorted({p for (p, _, _) in self.traffic.received})
-        return {"rank": self.rank, "size": self.size,
+        return {"rank": self.rank, "size": self.size, "waited_seconds": dict(self.waited), "held_bytes": dict(self.held),
                 "received_bytes": {p: self.traffic.total(p) for p in phases},
                 "received_bytes_by_layer": {p: self.traffic.by_layer(p) for p in phases},
                 "received_bytes_by_op": {p: self.traffic.by_op(p) for p in phases},
                 "capture_moves": {p: {layer: move for (q, layer), move in sorted(self.decisions.items()) if q == p}
                                   for p in sorted({q for q, _ in self.decisions})}}
+
+
+class Landing:
+    """A posted receive: wait() blocks until its buffer has landed, counts its bytes, and returns the buffer."""
+
+    def __init__(self, buffer, work, cp, count):
+        self.buffer, self.work, self.cp, self.count = buffer, work, cp, count
+
+    def wait(self):
+        with self.cp.waiting():
+            self.work.wait()
+        self.count()
+        return self.buffer
 
 
 def as_cp_context(cp_group, cp_size: int):
