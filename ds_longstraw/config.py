@@ -84,8 +84,12 @@ class LongstrawConfig(DeepSpeedConfigModel):
         cut into 2 cp_size segments, rank r owning segments r and 2 cp_size - 1 - r: every rank's causal attention
         work is equal, and the capture's page exchange runs on all ranks at once), "contiguous" (one shard per rank:
         the last rank reads every earlier key; the layout before zigzag, kept for comparison), or "auto" (the
-        default: zigzag where the schedule runs it, that is detached mode with cp_attention "lse" and layers that
-        combine by "lse" or "affine_scan"; contiguous otherwise).
+        default: zigzag where the schedule runs it, that is with cp_attention "lse" and layers that combine by
+        "lse" or "affine_scan", as qwen3_5's do; contiguous otherwise, as for glm_moe_dsa's global top-k).
+    cp_scan: under context parallelism, how a Gated DeltaNet layer's capture crosses ranks: "one_pass" (the default:
+        the delta rule runs once over the shard and its outputs wait for the exchange, [o(0) | q~] over the shard
+        in the model's dtype, the planner's "gdn_scan" workspace) or "two_pass" (nothing waits: the layer runs again
+        from its true initial state, projections included; for the longest prompts, where those bytes do not fit).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -106,6 +110,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
+    cp_scan: Literal["one_pass", "two_pass"] = "one_pass"
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

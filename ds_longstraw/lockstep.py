@@ -44,9 +44,17 @@ def ceil_div(a, b):
 class GroupShape:
     chunks: int  # capture chunks
     blocks: tuple  # replay blocks per member
+    segments: tuple = ()  # context parallelism: the capture chunks of each CP segment, in prompt order
 
     def encode(self) -> list:
-        return [self.chunks, len(self.blocks), *self.blocks]
+        return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments]
+
+    @staticmethod
+    def decode(code) -> "GroupShape":
+        members = code[1]
+        blocks = tuple(code[2:2 + members])
+        rest = code[2 + members:]
+        return GroupShape(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
 
 
 def replayed_members(group, settings, cp=None) -> list:
@@ -67,12 +75,20 @@ def capture_chunks(prompt_length, settings, cp=None) -> int:
     return sum(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
 
 
+def segment_chunks(prompt_length, settings, cp) -> tuple:
+    """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
+    the prefix iterations of each turn of exact mode's pass (parallel/prefix.py)."""
+    pieces = sorted(piece for own in cp.pieces(prompt_length - 1) for piece in own)
+    return tuple(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in pieces)
+
+
 def shape_of(group, settings, cp=None) -> GroupShape:
-    """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks), and the blocks
-    those of the members it replays (replayed_members), in order: member slots."""
+    """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
+    segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
     return GroupShape(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
                       blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
-                                   for m in replayed_members(group, settings, cp)))
+                                   for m in replayed_members(group, settings, cp)),
+                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), settings, cp))
 
 
 def merge(shapes) -> GroupShape:
@@ -80,7 +96,8 @@ def merge(shapes) -> GroupShape:
     members = max(len(s.blocks) for s in shapes)
     return GroupShape(chunks=max(s.chunks for s in shapes),
                       blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes)
-                                   for m in range(members)))
+                                   for m in range(members)),
+                      segments=tuple(max(column) for column in zip(*(s.segments for s in shapes))))
 
 
 def common_shapes(local_shapes, group=None) -> list:
@@ -93,7 +110,7 @@ def common_shapes(local_shapes, group=None) -> list:
     slots = max(len(ranks_shapes) for ranks_shapes in gathered)
     out = []
     for slot in range(slots):
-        shapes = [GroupShape(code[0], tuple(code[2:2 + code[1]])) for ranks_shapes in gathered
+        shapes = [GroupShape.decode(code) for ranks_shapes in gathered
                   if slot < len(ranks_shapes) for code in [ranks_shapes[slot]]]
         out.append(merge(shapes))
     return out
@@ -123,7 +140,8 @@ class Schedule:
     capture_pad = 0  # extra capture chunks of dummy calls
     idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
     capture_padded_to = None  # decoding: the chunks every rank's capture of the slot calls (None: not padded)
-    # context parallelism: prefix iterations every rank makes in every turn (None: no mirroring)
+    # context parallelism: the prefix iterations every rank makes in each turn, by segment in prompt order (None:
+    # no mirroring)
     prefix_iterations = None
 
     def pad_capture(self, adapter):
@@ -162,8 +180,10 @@ class Lockstep(Schedule):
         return self.common.chunks - self.local.chunks
 
     @property
-    def prefix_iterations(self) -> int:
-        return self.common.chunks
+    def prefix_iterations(self) -> tuple:
+        """Per CP segment (prompt order), the iterations of its turn: the most chunks that segment has on any
+        replica."""
+        return self.common.segments
 
     # -- capture and prefix ------------------------------------------------------------------------------
     def pad_capture(self, adapter):

@@ -75,6 +75,8 @@ def _parser():
                    help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
     p.add_argument("--new-tokens", type=parse_tokens, default=None,
                    help="rollouts: the samples' max_new_tokens (sizes decoding G samples from the captured prompt)")
+    p.add_argument("--cp-scan", choices=("one_pass", "two_pass"), default="one_pass",
+                   help="longstraw.cp_scan (two_pass: the GDN capture holds nothing across the CP exchange)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -148,7 +150,10 @@ def render(plan, detected) -> str:
         lines.append(f"| {tier} | {plan.depth[tier]} | {_gib(n['gpu'])} | {_gib(n['host'])} | {_gib(n['nvme'])} | "
                      f"{'yes' if plan.fits[tier] else 'no'} | {_tokens(plan.max_context[tier])} |")
     parts = ", ".join(f"{name} {_gib(size)}" for name, size in plan.workspace.items() if size)
-    lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.kernel_workspace)."]
+    lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.phase_workspace)."]
+    if "gdn_scan" in plan.workspace:
+        lines.append("gdn_scan: the Gated DeltaNet capture's outputs held across the CP exchange (longstraw.cp_scan "
+                     "one_pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
     lines += _render_moe(plan)
     lines += _render_rollout(plan)
     lines.append("")
@@ -280,9 +285,9 @@ def main(argv=None) -> int:
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
         settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
-                                 "cp_size": cp})
+                                 "cp_size": cp, "cp_scan": args.cp_scan})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
-                         settings.prefix_keep_attention, args.kept_attention_tier)
+                         settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan)
         if args.new_tokens is not None:
             if args.new_tokens < 1:
                 raise ValueError(f"--new-tokens {args.new_tokens}: a response has at least 1 new token")

@@ -22,8 +22,10 @@ from .arch.specs import stream_names
 
 
 def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
-                    recompute=True, timings=None):
-    """ids: prompt[:-1] (a context-parallel rank: its own shard, at prompt position state.offset);
+                    recompute=True, timings=None, boundaries=None):
+    """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
+    its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
+    one piece's);
     d_final_carry: layer -> d(its carry) after the prefix. Returns d(carry) at the start of the
     captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
 
@@ -34,7 +36,7 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
     `recompute`, the backward includes the layers' recompute)."""
     stager = Stager(state.pool, stream_names(adapter.specs))
-    boundaries = list(reversed(state.boundaries))
+    boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
             return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
@@ -88,7 +90,8 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         past = StagedPast(stager, 0, start, with_grad=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
-            out = adapter.forward_segment(ids[start:end], getattr(state, "offset", 0) + start, carry, past,
+            position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
+            out = adapter.forward_segment(ids[start:end], position, carry, past,
                                           remote_attention, checkpoint_layers=recompute,
                                           known_attention=kept)
             outputs = segment_roots(adapter.specs, out)

@@ -24,6 +24,7 @@ class ChunkBoundary:
     start: int
     end: int
     carry: dict  # layer -> its carry at `start` (views or checkpoint slots; absent at the prompt start)
+    position: int | None = None  # the prompt position of local token `start` (None: the state's offset + start)
 
 
 @dataclass
@@ -251,9 +252,11 @@ def open_checkpoints(settings, slots, device, rank=0):
     return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
 
 
-def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0) -> PrefixState:
+def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0,
+                      chunks=None) -> PrefixState:
     """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
-    `tokens`, from position `offset`): every layer's streams reserved on a pool of offload.tier and, in exact mode
+    `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
+    pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, in exact mode
     (keep_boundaries), the carry checkpoint store and with prefix_keep_attention the kept attention's pool. What
     was opened is released again on error."""
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
@@ -265,8 +268,8 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
         if keep_boundaries and settings.prefix_keep_attention:
             state.kept_pool = open_kept_pool(adapter, settings, pool, tokens, rank)
         if keep_boundaries:
-            state.checkpoints = open_checkpoints(settings, ceil_div(tokens, settings.segment_tokens), adapter.device,
-                                                 rank)
+            slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
+            state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
     except BaseException:
         state.release()
         raise

@@ -201,10 +201,10 @@ class ContextParallel:
         if backward is not None and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
-        lo, hi = self.cp.shards(state.length)[self.cp.rank]
-        cp_prefix_backward(adapter, state, prompt_ids[:-1][lo:hi], d_final, self.cp, settings.segment_tokens,
-                           backward=backward, lockstep_chunks=schedule.prefix_iterations,
-                           recompute=settings.recompute_layers)
+        ids = prompt_ids[:-1]
+        shard = torch.cat([ids[lo:hi] for lo, hi in self.cp.pieces(state.length)[self.cp.rank]])
+        cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
+                           turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
 
     def begin_gradients(self, model, caller_reduces):
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
@@ -239,9 +239,9 @@ def check_combines(specs, cp_size):
                          f"which context parallelism does not run yet (it runs {list(CP_COMBINES)}); use cp_size 1")
 
 
-# Where the zigzag layout runs: the capture's ring exchange serves "lse" layers and the scan folds any pieces in
-# prompt order; exact mode's prefix pass takes its turns over contiguous shards, Ulysses' all-to-all and the
-# global top-k's candidate exchange assume them too.
+# Where the zigzag layout runs: the capture's ring exchange serves "lse" layers, the scan folds any pieces in prompt
+# order and exact mode's prefix pass takes a turn per piece; Ulysses' all-to-all and the global top-k's candidate
+# exchange assume contiguous shards.
 ZIGZAG_COMBINES = ("lse", "affine_scan", "none")
 
 
@@ -249,8 +249,6 @@ def resolve_layout(specs, settings) -> str:
     """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
     any work) when zigzag is asked for where it does not run."""
     blockers = []
-    if settings.prefix_grad != "detached":
-        blockers.append(f"prefix_grad {settings.prefix_grad!r} (its prefix pass takes turns over contiguous shards)")
     if settings.cp_attention != "lse":
         blockers.append(f"cp_attention {settings.cp_attention!r}")
     combines = sorted({spec.combine for spec in specs} - set(ZIGZAG_COMBINES))

@@ -130,6 +130,7 @@ class Plan:
     mode: str
     layout: Layout
     capture_chunk: int
+    cp_scan: str = "one_pass"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
@@ -197,16 +198,26 @@ def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
     return tokens_per_rank * shape.delta_heads * shape.delta_head_dims * shape.dtype_bytes
 
 
-def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int) -> dict:
-    """kernel_workspace, plus (context parallelism, Gated DeltaNet layers) the scan's held outputs together with
-    the augmented run's scratch over a capture chunk: its value width is dv + dk (dk = dv in the families here, so
-    1.5 x delta_head_dims)."""
+def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
+                    cp_scan: str = "one_pass") -> dict:
+    """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, "cp_scan": "one_pass") the scan's held
+    outputs together with the augmented run's scratch over a capture chunk: its value width is dv + dk (dk = dv in
+    the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the exchange."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if cp > 1 and shape.delta_heads:
+    if cp > 1 and shape.delta_heads and cp_scan == "one_pass":
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
         workspace["gdn_scan"] = (gdn_scan_outputs(shape, tokens_per_rank) + shape.delta_heads * 4 * capture_chunk
                                  * delta_rule_floats(augmented, backward=False))
     return workspace
+
+
+def zigzag_chunks(context: int, cp: int, capture_chunk: int) -> int:
+    """The most capture chunks a rank has under context parallelism's zigzag layout (the default for families with
+    a carry, parallel/groups.shard_pieces): rank r owns segments r and 2 cp - 1 - r of 2 cp, each chunked on its
+    own (up to one chunk more than its tokens alone would need)."""
+    base, extra = divmod(max(context - 1, 0), 2 * cp)
+    sizes = [base + (1 if s < extra else 0) for s in range(2 * cp)]
+    return max(-(-sizes[r] // capture_chunk) + -(-sizes[2 * cp - 1 - r] // capture_chunk) for r in range(cp))
 
 
 def captured_tokens_per_rank(context: int, cp: int) -> int:
@@ -219,7 +230,8 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
     out.update(shape.carry_bytes)
-    chunks = -(-tokens // capture_chunk)
+    chunks = -(-tokens // capture_chunk) if cp == 1 or not shape.carry_total else zigzag_chunks(context, cp,
+                                                                                               capture_chunk)
     exact = mode == "exact"
     # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
@@ -274,21 +286,24 @@ def _depth_for(tier):
 
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
-              capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None) -> Plan:
+              capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
+              cp_scan: str = "one_pass") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
         raise ValueError(f"cp = {layout.cp} must divide gpus = {layout.gpus}")
     if context < 2 or group_size < 1:
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
-    plan = Plan(shape, context, group_size, mode, layout, capture_chunk)
+    if cp_scan not in ("one_pass", "two_pass"):
+        raise ValueError(f"cp_scan must be 'one_pass' or 'two_pass', got {cp_scan!r}")
+    plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank)
+    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -423,7 +438,7 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
         tokens = captured_tokens_per_rank(context, layout.cp)
-        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens).values())
+        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan).values())
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

@@ -28,7 +28,7 @@ from models import cache_continuation_logprobs, float64_model, full_sequence_log
 from ds_longstraw import GRPOObjective, grpo_backward
 from ds_longstraw.model_shape import shape_from_config
 from ds_longstraw.offload.plan import gdn_scan_outputs
-from ds_longstraw.parallel import shard_bounds, shard_pieces, visible_prefix
+from ds_longstraw.parallel import shard_pieces, visible_prefix
 
 TOL = 1e-8
 WORLDS = [2, 3, 4]
@@ -39,7 +39,7 @@ MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linea
                                     "linear_attention"])
 
 CASES = [
-    # prompt[:-1] = 22 tokens; detached mode takes the zigzag layout ("auto"): 2N segments of 6/6/5/5 (CP 2),
+    # prompt[:-1] = 22 tokens; qwen3_5 takes the zigzag layout ("auto") in both modes: 2N segments of 6/6/5/5 (CP 2),
     # 4/4/4/4/3/3 (CP 3), 3/3/3/3/3/3/2/2 (CP 4), rank r holding segments r and 2N-1-r; chunks of 4 and pages of 3
     # divide neither (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py
     # the spread)
@@ -63,7 +63,18 @@ CASES = [
          objective={"kl_coef": 0.3}, ref_seed=7, seed=3, worlds=(3,)),
     # capture with queries travelling to the page owners instead of pages travelling (forced)
     dict(name="queries-travel-exact", prompt_len=21, response_lens=[3, 4], mode="exact", chunk=5, page=4, block=2,
-         capture_move="q", seed=4, worlds=(3, 4)),
+         capture_move="q", seed=4, worlds=(3, 4), layout="contiguous"),
+    # exact mode on contiguous shards (one turn per rank; the layout before zigzag), and zigzag on the host tier
+    # with segments shorter than a chunk (several turns with empty or one-chunk pieces)
+    dict(name="contiguous-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         layout="contiguous"),
+    dict(name="zigzag-short-exact", prompt_len=10, response_lens=[3, 1, 2], mode="exact", chunk=2, page=2, block=2,
+         tier="cpu", layout="zigzag", seed=12),
+    # the GDN capture's second pass instead of held outputs ("cp_scan": "two_pass"), on both layouts
+    dict(name="two-pass-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         scan="two_pass", seed=13),
+    dict(name="two-pass-contiguous-detached", prompt_len=23, response_lens=[4, 2], mode="detached", chunk=5,
+         page=3, block=3, scan="two_pass", layout="contiguous", seed=14, worlds=(3,)),
     dict(name="G1-seq-mean-detached", prompt_len=17, response_lens=[6], mode="detached", chunk=3, page=2, block=4,
          objective={"loss_agg": "seq-mean-token-mean"}, seed=5, worlds=(2,), repeat=2),  # .grad accumulates
     # Ulysses all-to-all capture: 4 query heads over 2 ranks (2 each), over 4 ranks (1 each, kv heads replicated)
@@ -261,6 +272,8 @@ def test_planner_counts_the_scan_outputs_a_capture_holds(world_results):
                 * config.linear_key_head_dim * 8
             assert held == expected, (name, own)
             assert held <= gdn_scan_outputs(shape, -(-length // world))
+    for result in results["two-pass-exact"]:  # "two_pass" holds nothing across the exchange
+        assert result["cp"]["held_bytes"]["gdn_scan_outputs"] == 0
 
 
 def test_ulysses_capture_moves_and_refusal(world_results):
@@ -322,9 +335,10 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
     config = tiny_qwen3_5(**MODEL).config
     heads, dim = config.num_attention_heads, config.head_dim
     attention_layers = config.layer_types.count("full_attention")
-    bounds = shard_bounds(BY_NAME["kept-exact"]["prompt_len"] - 1, world)
-    for (lo, hi), kept, plain in zip(bounds, results["kept-exact"], results["uneven-exact"]):
-        assert kept["retained"]["kept_attention_pages"] == (hi - lo) * attention_layers * (heads * dim + heads) * 8
+    pieces = shard_pieces(BY_NAME["kept-exact"]["prompt_len"] - 1, world, "zigzag")
+    for own, kept, plain in zip(pieces, results["kept-exact"], results["uneven-exact"]):
+        tokens = sum(hi - lo for lo, hi in own)
+        assert kept["retained"]["kept_attention_pages"] == tokens * attention_layers * (heads * dim + heads) * 8
         assert plain["retained"]["kept_attention_pages"] == 0
         assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12
         with_kept = kept["cp"]["received_bytes_by_op"].get("prefix", {})
@@ -332,5 +346,6 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
         assert "prefix_out" not in with_kept and "prefix_lse" not in with_kept
         assert with_kept.get("prefix_q", 0) * 2 == recomputed.get("prefix_q", 0)
         assert with_kept.get("prefix_dq", 0) == recomputed.get("prefix_dq", 0)
-    # the last rank reads every earlier rank's pages: its forward requests were the ones skipped
-    assert results["uneven-exact"][-1]["cp"]["received_bytes_by_op"]["prefix"]["prefix_out"] > 0
+    # zigzag: every rank's later piece reads the other ranks' earlier pages: its forward requests were the ones
+    # skipped
+    assert all(r["cp"]["received_bytes_by_op"]["prefix"]["prefix_out"] > 0 for r in results["uneven-exact"])

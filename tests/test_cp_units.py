@@ -76,7 +76,7 @@ def _layout_specs(combines):
 
 @pytest.mark.parametrize("settings,combines,expected", [
     ({}, ["affine_scan", "lse"], "zigzag"),
-    ({"prefix_grad": "exact"}, ["affine_scan", "lse"], "contiguous"),
+    ({"prefix_grad": "exact"}, ["affine_scan", "lse"], "zigzag"),
     ({"cp_attention": "ulysses"}, ["lse"], "contiguous"),
     ({}, ["topk_lse"], "contiguous"),
     ({"cp_layout": "contiguous"}, ["lse"], "contiguous"),
@@ -90,8 +90,8 @@ def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
 def test_zigzag_refused_where_it_does_not_run():
     from ds_longstraw.topology import resolve_layout
 
-    config = LongstrawConfig(cp_size=2, cp_layout="zigzag", prefix_grad="exact")
-    with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*prefix_grad 'exact'"):
+    config = LongstrawConfig(cp_size=2, cp_layout="zigzag", cp_attention="ulysses")
+    with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*cp_attention 'ulysses'"):
         resolve_layout(_layout_specs(["lse"]), config)
     with pytest.raises(ValueError, match="combine by \\['topk_lse'\\]"):
         resolve_layout(_layout_specs(["topk_lse"]), LongstrawConfig(cp_size=2, cp_layout="zigzag"))

@@ -236,10 +236,11 @@ class Qwen35Adapter(CausalLMAdapter):
         """The layer's mixer output [1, T, C] from the attention result out_HTD [H, T, D]."""
         return self.attention_output(self.layers[index].self_attn, out_HTD, gate)
 
-    def capture_scan_layer(self, index, normed_1TC, spans, cp, pieces, boundaries, pad=0, checkpoints=None):
+    def capture_scan_layer(self, index, normed_1TC, spans, cp, pieces, boundaries, pad=0, checkpoints=None,
+                           hold=True):
         """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
         return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, pieces, boundaries,
-                                 index, pad=pad, checkpoints=checkpoints)
+                                 index, pad=pad, checkpoints=checkpoints, hold=hold)
 
     # -- the segment -------------------------------------------------------------------------------------
     def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):

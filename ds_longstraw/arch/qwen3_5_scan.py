@@ -44,6 +44,8 @@ Capture schedule per GDN layer (layer-major, see ds_longstraw/parallel/capture.p
 (4) per chunk: o = o(0) + q~ S_0, the output gate z (projected here from the layer input, which the layer-major
     capture keeps anyway, rather than held), gated norm and out projection (exact mode: each chunk start's carry
     P_c S_0 + B_c checkpointed).
+"cp_scan": "two_pass" keeps nothing across the exchange instead and runs (4) as the layer's own forward from the
+true initial state (the projections and the plain rule again).
 Memory: what waits for the exchange is the delta rule's outputs over the shard, in the model's dtype: [T, Hv, dv + dk]
 for pieces that do not start the prompt, [T, Hv, dv] for the one that does (`held_bytes`; the planner's
 "gdn_scan_outputs").
@@ -54,6 +56,7 @@ from contextlib import contextmanager
 import torch
 
 from ds_longstraw.kernels import chunk_gated_delta_rule
+from ds_longstraw.parallel.groups import segments_in_order
 
 
 @contextmanager
@@ -124,18 +127,17 @@ def fold_tails(parts, counts, width):
     return tail
 
 
-def _segments(pieces):
-    """Every rank's pieces in prompt order: [(rank, index within the rank, lo, hi)]."""
-    return sorted(((rank, index, lo, hi) for rank, own in enumerate(pieces) for index, (lo, hi) in enumerate(own)),
-                  key=lambda segment: (segment[2], segment[3]))
-
-
 def _stacked(tensors):
     return torch.stack(tensors).contiguous()
 
 
-def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries, layer, pad=0, checkpoints=None):
+def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries, layer, pad=0, checkpoints=None,
+                      hold=True):
     """One GDN layer of the layer-major capture on this rank's shard (no autograd).
+
+    hold: keep the first pass's outputs and correct them after the exchange ("cp_scan": "one_pass"), or keep
+    nothing and run the layer again from the true initial state ("two_pass": the projections and the plain rule a
+    second time, for the memory of [o(0) | q~] over the shard).
 
     spans: this rank's chunks [(a, b, position)] in local order (groups.local_spans); pieces: every rank's pieces
     (groups.shard_pieces). Returns (output [1, T, C], (final state, final conv tail) of the whole prompt).
@@ -146,7 +148,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     """
     width = module.conv_kernel_size - 1
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
-    mine, order = pieces[cp.rank], _segments(pieces)
+    mine, order = pieces[cp.rank], segments_in_order(pieces)
     starts = [0]
     for lo, hi in mine:  # each piece's first local token
         starts.append(starts[-1] + hi - lo)
@@ -189,10 +191,11 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
                                                     output_final_state=True, use_qk_l2norm_in_kernel=True)
         else:
             out, summaries[k] = extend_with_outputs(summaries[k], query, key, value, g, beta)
-        held.append(out)
+        held.append(out if hold else None)
+        del out
     for _ in range(pad):
         _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None, with_gate=False))
-    cp.note_held("gdn_scan_outputs", sum(out.numel() * out.element_size() for out in held))
+    cp.note_held("gdn_scan_outputs", sum(out.numel() * out.element_size() for out in held if out is not None))
     for k, state in enumerate(states):
         if plain[k]:  # the prompt's first segment: its summary's B is its end state (its P is never read)
             summaries[k] = torch.cat([state.to(summaries[k].dtype), summaries[k][..., dv:]], dim=-1)
@@ -204,6 +207,10 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     initial = [fold_states(folded[:_before(order, lo)], sizes[:_before(order, lo)], dv) if lo > 0 else None
                for lo, _ in mine]
     final_state = fold_states(folded, sizes, dv)
+
+    if not hold:
+        return _second_pass(adapter, module, normed_1TC, spans, starts, initial, tails_in, boundaries, checkpoints,
+                            layer, pad, dummy), (final_state, tail_final)
 
     # (4) the outputs' initial-state term, then the layer's output chunk by chunk
     outs = []
@@ -221,6 +228,22 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
         adapter.gdn_finish(module, dummy.new_zeros(1, 1, heads, dv), adapter.gdn_gate(module, dummy))
     output = torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
     return output, (final_state, tail_final)
+
+
+def _second_pass(adapter, module, normed_1TC, spans, starts, initial, tails_in, boundaries, checkpoints, layer, pad,
+                 dummy):
+    """"two_pass": the layer chunk by chunk from each piece's true initial state and tail (the single-process code
+    path), checkpointing each chunk start's carry (exact mode)."""
+    states, tails, outs = list(initial), list(tails_in), []
+    for index, (a, b, _) in enumerate(spans):
+        k = _piece_of(starts, a)
+        if boundaries is not None and states[k] is not None:
+            boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (states[k], tails[k]))
+        out, states[k], tails[k] = adapter.gdn_forward(module, normed_1TC[:, a:b], states[k], tails[k])
+        outs.append(out)
+    for _ in range(pad):
+        adapter.gdn_forward(module, dummy, None, None)
+    return torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
 
 
 def _before(order, lo):

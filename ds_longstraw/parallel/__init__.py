@@ -13,7 +13,16 @@ The transaction runs over these through ../topology.py (ContextParallel); a fami
 Gated DeltaNet state scan) lives with its adapter in ../arch/.
 """
 
-from .groups import CP_LAYOUTS, CPContext, as_cp_context, local_spans, shard_bounds, shard_pieces, visible_prefix
+from .groups import (
+    CP_LAYOUTS,
+    CPContext,
+    as_cp_context,
+    local_spans,
+    segments_in_order,
+    shard_bounds,
+    shard_pieces,
+    visible_prefix,
+)
 
-__all__ = ["CP_LAYOUTS", "CPContext", "as_cp_context", "local_spans", "shard_bounds", "shard_pieces",
-           "visible_prefix"]
+__all__ = ["CP_LAYOUTS", "CPContext", "as_cp_context", "local_spans", "segments_in_order", "shard_bounds",
+           "shard_pieces", "visible_prefix"]

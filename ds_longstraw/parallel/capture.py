@@ -45,7 +45,7 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
     # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
     state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=ids_all.numel(),
-                              offset=mine[0][0])
+                              offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)))
     try:
         _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad)
     except BaseException:
@@ -61,7 +61,7 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
     pairs = [(a, b) for a, b, _ in spans]
     bounds = [own[0] for own in pieces] if all(len(own) == 1 for own in pieces) else None  # contiguous shards
-    boundaries = [ChunkBoundary(a, b, {}) for a, b in pairs] if checkpoints is not None else None
+    boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
     final_carry = {}
     selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
     with torch.no_grad():
@@ -71,7 +71,8 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
                 mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,
-                                                                       pad=pad, checkpoints=checkpoints)
+                                                                       pad=pad, checkpoints=checkpoints,
+                                                                       hold=settings.cp_scan == "one_pass")
             elif spec.combine == "lse" and settings.cp_attention == "ulysses":
                 mixed = ulysses_attention_layer(adapter, spec, normed, spans, cp, bounds, pool, chunk, pad=pad,
                                                 kept_pool=kept_pool)

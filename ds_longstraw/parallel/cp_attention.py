@@ -103,11 +103,12 @@ def _key_blocks(stream, names):
         yield tuple(buffer[:tokens].transpose(0, 1) for buffer in buffers)
 
 
-def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None):
-    """This rank's pages' share of dq for a merged attention (given the MERGED lse and delta), page by page through
-    `stager`; with `pool`, each page's dK/dV is added to its gradient pages as it is computed."""
+def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None, end=None):
+    """The share of this rank's pages [0, end) (None: all) of dq for a merged attention (given the MERGED lse and
+    delta), page by page through `stager`; with `pool`, each page's dK/dV is added to its gradient pages as it is
+    computed."""
     dq = torch.zeros(q_HTD.shape, dtype=_acc(q_HTD.dtype), device=q_HTD.device)
-    for lo, _, pages in stager.stream(spec.layer):
+    for lo, _, pages in stager.stream(spec.layer, 0, end):
         k_KTD, v_KTD = (pages[name].transpose(0, 1) for name in spec.stream_names)
         # this page's share given the MERGED lse and delta (the ring-attention form)
         dq_part, dk, dv = blockwise_grads_from_delta(q_HTD, k_KTD, v_KTD, lse_HT, dout_HTD, delta_HT, scale)

@@ -54,6 +54,13 @@ def shard_pieces(length: int, size: int, layout: str = "contiguous"):
     return [(segments[r], segments[2 * size - 1 - r]) for r in range(size)]
 
 
+def segments_in_order(pieces):
+    """Every rank's pieces in prompt order: [(rank, index within the rank, lo, hi)] (empty pieces first among
+    equal starts)."""
+    return sorted(((rank, index, lo, hi) for rank, own in enumerate(pieces) for index, (lo, hi) in enumerate(own)),
+                  key=lambda segment: (segment[2], segment[3]))
+
+
 def visible_prefix(pieces, position: int) -> int:
     """How many of a rank's local tokens (its `pieces`, in order) lie before prompt position `position`."""
     return sum(max(0, min(hi, position) - lo) for lo, hi in pieces)

@@ -42,6 +42,7 @@ from .cp_attention import (
     streamed_grads,
     streamed_partial,
 )
+from .groups import segments_in_order, visible_prefix
 from .cp_sparse import (
     answer_candidates,
     answer_grads,
@@ -62,13 +63,14 @@ def _servers(sizes, owner):
 
 
 class RemotePages:
-    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the earlier ranks' pages; for a
-    "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
-    `remote`: the earlier ranks hold positions [0, end))."""
+    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the other ranks' earlier pages;
+    for a "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
+    `remote`: the earlier ranks hold positions [0, end)). servers: the ranks that hold keys before the turn's
+    piece (None: every earlier rank that holds tokens, contiguous shards)."""
 
-    def __init__(self, cp, sizes, adapter=None):
+    def __init__(self, cp, sizes, adapter=None, servers=None):
         self.cp = cp
-        self.servers = _servers(sizes, cp.rank)
+        self.servers = _servers(sizes, cp.rank) if servers is None else servers
         self.sizes, self.adapter = sizes, adapter
         self.end = sum(sizes[: cp.rank])
 
@@ -130,9 +132,10 @@ class RemotePages:
         self._header(DONE, -1, 0, device)
 
 
-def _answer(cp, owner, adapter, stager, chunk, op, layer, tq):
-    """Answer one request of `owner` (its header already read) against this rank's pages, streamed from its tier
-    page by page through `stager` (dK/dV go to the gradient pages page by page)."""
+def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
+    """Answer one request of `owner` (its header already read) against this rank's pages [0, end) (None: all;
+    the keys the owner's piece sees), streamed from its tier page by page through `stager` (dK/dV go to the
+    gradient pages page by page)."""
     spec = adapter.specs[layer]
     if spec.combine == "topk_lse":  # the selection's requests (cp_sparse.py)
         answer = {SELECT: answer_candidates, FORWARD: answer_partial, BACKWARD: answer_grads}.get(op)
@@ -145,13 +148,13 @@ def _answer(cp, owner, adapter, stager, chunk, op, layer, tq):
     scale = adapter.attention_scale(layer)
     q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
     if op == FORWARD:
-        out, lse = streamed_partial(stager, spec, q, scale, query_chunk=chunk)
+        out, lse = streamed_partial(stager, spec, q, scale, end=end, query_chunk=chunk)
         cp.send(out, owner)
         cp.send(lse.to(acc), owner)
     elif op == BACKWARD:
         dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=device)
         lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=device)
-        dq = streamed_grads(stager, spec, q, lse, dout, delta, scale, stager.pool)
+        dq = streamed_grads(stager, spec, q, lse, dout, delta, scale, stager.pool, end=end)
         cp.send(dq, owner)
     else:
         raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
@@ -161,15 +164,15 @@ def _read_header(cp, owner, device):
     return tuple(int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header", device=device))
 
 
-def serve(cp, owner, adapter, pool, chunk):
-    """Answer `owner`'s requests against this rank's pages until it says DONE."""
+def serve(cp, owner, adapter, pool, chunk, end=None):
+    """Answer `owner`'s requests against this rank's pages [0, end) until it says DONE."""
     stager = layer_stager(pool, adapter.specs)
     try:
         while True:
             op, layer, tq = _read_header(cp, owner, adapter.device)
             if op == DONE:
                 return
-            _answer(cp, owner, adapter, stager, chunk, op, layer, tq)
+            _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end)
     finally:
         stager.close()
 
@@ -185,10 +188,11 @@ class PageServer:
 
     end = 0  # the mirrored dummy iteration is one token at position 0: no keys on other ranks precede it
 
-    def __init__(self, cp, owner, adapter, pool, chunk, kept=False):
+    def __init__(self, cp, owner, adapter, pool, chunk, kept=False, visible=None):
         self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk
         self.stager = layer_stager(pool, adapter.specs)  # closed by close()
         self.kept = kept  # the owner's attention was kept from capture: it sends no FORWARD request
+        self.visible = visible  # this rank's pages [0, visible) are what the owner's piece sees (None: all)
 
     def answer(self, expected_op, expected_layer):
         op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
@@ -196,7 +200,7 @@ class PageServer:
             raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
                                f"{self.owner}, got {(op, layer)}: the ranks' prefix-pass module calls diverged")
         if op != DONE:
-            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq)
+            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq, self.visible)
 
     def close(self):
         self.stager.close()
@@ -252,57 +256,85 @@ def _carry_shapes(state):
     return {layer: [(t.shape, t.dtype) for t in parts] for layer, parts in state.carry.items()}
 
 
-def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, lockstep_chunks=None,
+def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, turn_iterations=None,
                        recompute=False):
-    """Exact-mode prefix pass of this rank's shard, in turn with the other ranks (see the module docstring).
+    """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
-    ids: this rank's shard of prompt[:-1]; d_final_carry: d(prompt's final carry) from replay (used by the
-    last rank); chunk: the capture segment (settings.segment_tokens: the shards' chunking, and queries per
-    partial on the serving side).
+    ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
+    (used by the owner of the last segment); chunk: the capture segment (settings.segment_tokens: the shards'
+    chunking, and queries per partial on the serving side).
+    Turns walk the CP segments (every rank's pieces, groups.shard_pieces) last to first: one per rank for
+    contiguous shards, two per rank for zigzag ones (a rank's own earlier piece is local past to its later one).
     Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
 
-    lockstep_chunks: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) the number
-    of prefix iterations every rank makes in every turn: the owner runs its real chunks and pads with zero
-    iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them with a one-token zero
-    iteration, and a rank whose pages the owner reads answers the owner's requests from inside its mirror
-    (PageServer), at the same layer of the same module sequence.
+    turn_iterations: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) per
+    segment in prompt order the number of prefix iterations every rank makes in its turn: the owner runs its real
+    chunks and pads with zero iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them
+    with a one-token zero iteration, and a rank whose pages the owner reads answers the owner's requests from
+    inside its mirror (PageServer), at the same layer of the same module sequence.
 
     recompute: each layer recomputed in backward, real segments and zero iterations alike (settings.recompute_layers:
     only where no layer's forward makes a remote exchange)."""
-    sizes = [hi - lo for lo, hi in cp.shards(state.length)]
+    pieces = cp.pieces(state.length)
+    sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
+    order = segments_in_order(pieces)
+    mine = pieces[cp.rank]
     shapes = _carry_shapes(state)
-    for owner in range(cp.size - 1, cp.rank, -1):
-        serving = cp.rank in _servers(sizes, owner)
-        if lockstep_chunks is not None:
-            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, serving, backward, recompute)
-        elif serving:
-            serve(cp, owner, adapter, state.pool, chunk)
-    if cp.rank < cp.size - 1:
-        d_final_carry = {layer: tuple(cp.recv(shape, dtype, cp.rank + 1, layer, "prefix_d_carry", device=adapter.device)
-                                      for shape, dtype in parts) for layer, parts in shapes.items()}
-    remote = RemotePages(cp, sizes, adapter)
-    d_start = prefix_backward(adapter, state, ids, d_final_carry, backward=backward,
-                              remote_attention=remote if remote.servers else None, recompute=recompute)
-    remote.close(adapter.device)
-    if lockstep_chunks is not None:  # pad this turn to the common count before the hand-over below
-        for _ in range(lockstep_chunks - len(state.boundaries)):
+    filled = [s for s, (_, _, lo, hi) in enumerate(order) if hi > lo]
+    d_carry, handoffs = d_final_carry, []  # d(carry) at the end of the segment in turn; sends still in flight
+    for s in reversed(range(len(order))):
+        owner, index, lo, hi = order[s]
+        iterations = None if turn_iterations is None else turn_iterations[s]
+        if hi == lo and iterations is None:
+            continue
+        later = [t for t in filled if t > s]
+        earlier = [t for t in filled if t < s]
+        servers = [j for j in range(cp.size) if j != owner and visible_prefix(pieces[j], lo) > 0] if hi > lo else []
+        if cp.rank != owner:
+            visible = visible_prefix(mine, lo)
+            if iterations is not None:
+                _mirror_turn(adapter, state, cp, owner, ceil_div(hi - lo, chunk), chunk, iterations,
+                             cp.rank in servers, backward, recompute, visible)
+            elif cp.rank in servers:
+                serve(cp, owner, adapter, state.pool, chunk, end=visible)
+            continue
+        if hi > lo and later and order[later[0]][0] != cp.rank:  # the next segment's owner hands d(carry) over
+            d_carry = {layer: tuple(cp.recv(shape, dtype, order[later[0]][0], layer, "prefix_d_carry",
+                                            device=adapter.device) for shape, dtype in parts)
+                       for layer, parts in shapes.items()}
+        turn = [b for b in state.boundaries if _piece_of(mine, b.position) == index] if hi > lo else []
+        if turn:
+            remote = RemotePages(cp, sizes, adapter, servers=servers)
+            d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
+                                      remote_attention=remote if servers else None, recompute=recompute,
+                                      boundaries=turn)
+            remote.close(adapter.device)
+        for _ in range((iterations or 0) - len(turn)):  # pad this turn to the common count
             zero_prefix_iteration(adapter, backward, recompute=recompute)
-    if cp.rank > 0:
-        for layer, parts in shapes.items():
-            grads = d_start.get(layer)  # absent: this shard starts at the prompt start (a zero carry)
-            for part, (shape, dtype) in enumerate(parts):
-                cp.send(torch.zeros(shape, dtype=dtype, device=adapter.device) if grads is None
-                        else grads[part].to(dtype), cp.rank - 1)
-    if lockstep_chunks is not None:  # the earlier ranks' turns: mirror them (this rank's pages are not read)
-        for owner in range(cp.rank - 1, -1, -1):
-            _mirror_turn(adapter, state, cp, owner, sizes, chunk, lockstep_chunks, False, backward, recompute)
+        if turn and earlier and order[earlier[-1]][0] != cp.rank:  # hand d(carry at this piece's start) over
+            handoffs += [cp.isend(_carry_part(d_carry.get(layer), part, shape, dtype, adapter.device),
+                                  order[earlier[-1]][0])
+                         for layer, parts in shapes.items() for part, (shape, dtype) in enumerate(parts)]
+    for work in handoffs:
+        work.wait()
 
 
-def _mirror_turn(adapter, state, cp, owner, sizes, chunk, iterations, serving, backward, recompute):
+def _carry_part(grads, part, shape, dtype, device):
+    """Part `part` of a layer's d(carry) as sent (zeros where the piece starts at the prompt start: no carry)."""
+    return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
+
+
+def _piece_of(pieces, position):
+    """The index of the piece of `pieces` that holds prompt position `position`."""
+    return next(k for k, (lo, hi) in enumerate(pieces) if lo <= position < hi)
+
+
+def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, recompute, visible):
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
-    mirror the owner's real chunks answer its requests when this rank serves it, then its DONE is read."""
-    real = ceil_div(sizes[owner], chunk)  # the owner's real chunks, counted as lockstep.shape_of counts them
-    server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None) if serving else None
+    mirror the owner's `real` chunks answer its requests (against this rank's pages [0, visible)) when this rank
+    serves it, then its DONE is read."""
+    server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None,
+                        visible=visible) if serving else None
     try:
         for _ in range(real):
             zero_prefix_iteration(adapter, backward, server, recompute)
