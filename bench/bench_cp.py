@@ -17,6 +17,7 @@ layer) and the largest single read in tokens: what the stager streams, page by p
 """
 
 import argparse
+import itertools
 import os
 import shlex
 import socket
@@ -73,7 +74,7 @@ def count_tier_reads():
 
 
 def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated",
-             layout="auto"):
+             layout="auto", scan="one_pass"):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -82,7 +83,8 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
-              "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay, "cp_layout": layout}
+              "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay, "cp_layout": layout,
+              "cp_scan": scan}
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
@@ -105,7 +107,8 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
             "attn_layers": adapter_for(model).paged_layers, "gdn_layers": adapter_for(model).carry_layers}
 
 
-def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto"):
+def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto",
+            scan="one_pass"):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -114,7 +117,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention, tier, out, replay, layout)
+        result = one_step(args, mode, group, world, attention, tier, out, replay, layout, scan)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -123,13 +126,13 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
         os._exit(1)
 
 
-def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto"):
+def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto", scan="one_pass"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout, scan))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -189,6 +192,9 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=2, help="steps per row; the fastest is reported")
     parser.add_argument("--layouts", default="auto", help="CP layouts (cp_layout) for CP > 1: auto, zigzag, "
                         "contiguous, comma-separated")
+    parser.add_argument("--plot", default=None, help="write a bar chart of every rank's capture (busy, waiting)")
+    parser.add_argument("--scans", default="one_pass", help="GDN capture schedules (cp_scan) for CP > 1: one_pass, "
+                        "two_pass, comma-separated")
     parser.add_argument("--replay", default="replicated",
                         help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
@@ -203,11 +209,15 @@ def main(argv=None):
             for world in (int(x) for x in args.cp.split(",")):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
                     for replay in (["replicated"] if world == 1 else args.replay.split(",")):
-                        for layout in (["auto"] if world == 1 else args.layouts.split(",")):
-                            ranks = run_world(args, mode, world, attention, tier, replay, layout)
-                            rows.append(summarise(world, mode, attention, ranks, tier))
+                        for layout, scan in itertools.product(
+                                *(["auto"], ["one_pass"]) if world == 1 else (args.layouts.split(","),
+                                                                              args.scans.split(","))):
+                            ranks = run_world(args, mode, world, attention, tier, replay, layout, scan)
+                            rows.append(dict(summarise(world, mode, attention, ranks, tier),
+                                             scan=scan if world > 1 else "-"))
                             print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay} "
-                                  f"layout={layout}: {rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
+                                  f"layout={layout} scan={scan}: {rows[-1]['step_s']:.2f} s", file=sys.stderr,
+                                  flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
@@ -230,6 +240,8 @@ def main(argv=None):
               f"| {r.get('replay_b_per_tok_layer', 0):,.0f} | {r['capture_attn_b']:,} | {r['capture_gdn_b']:,} "
               f"| {r['prefix_b']:,} | {r.get('grad_reduce_b', 0):,} |")
     print_balance(rows)
+    if args.plot:
+        plot_balance(rows, args.plot)
 
 
 def print_balance(rows):
@@ -238,9 +250,9 @@ def print_balance(rows):
     single = {(r["tier"], r["mode"]): r for r in rows if r["cp"] == 1}
     print("\nPhases against one process; per rank busy / waiting seconds (waiting: inside blocking exchanges); "
           "capture bytes received per attention layer and prompt token, summed over ranks.\n")
-    print("| tier | CP | mode | layout | capture s | x CP 1 | replay s | x CP 1 | prefix s | x CP 1 "
+    print("| tier | CP | mode | layout | GDN scan | capture s | x CP 1 | replay s | x CP 1 | prefix s | x CP 1 "
           "| capture busy / wait per rank | prefix busy / wait per rank | capture B / attn layer / token |")
-    print("|---|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         base = single.get((r["tier"], r["mode"]))
         cells = []
@@ -256,8 +268,40 @@ def print_balance(rows):
                              for p, w in r["rank_phases"])
 
         per_token = r["capture_attn_b"] / max(1, r["prompt"] - 1)
-        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {r['layout']} | {' | '.join(cells)} "
+        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {r['layout']} | {r['scan']} | {' | '.join(cells)} "
               f"| {busy_wait('capture')} | {busy_wait('prefix')} | {per_token:,.1f} |")
+
+
+def plot_balance(rows, path):
+    """Each CP rank's capture, busy and waiting, per configuration, beside the single-process capture."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in rows if r["cp"] > 1]
+    single = {(r["tier"], r["mode"]): r["phases"].get("capture", 0.0) for r in rows if r["cp"] == 1}
+    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * sum(r["cp"] for r in runs)))
+    labels, y = [], 0
+    for r in runs:
+        for rank, (phases, waited) in enumerate(r["rank_phases"]):
+            wait = waited.get("capture", 0.0)
+            busy = phases.get("capture", 0.0) - wait
+            ax.barh(y, busy, color="tab:blue", label="busy" if y == 0 else None)
+            ax.barh(y, wait, left=busy, color="tab:orange", label="waiting in exchanges" if y == 0 else None)
+            labels.append(f"{r['mode']}, {r['layout']}, {r['scan']}: rank {rank}")
+            y += 1
+    for index, ((tier, mode), seconds) in enumerate(sorted(single.items())):
+        ax.axvline(seconds, color="gray", linestyle=("--", ":")[index % 2], linewidth=1,
+                   label=f"one process, {mode}: {seconds:.2f} s")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("capture wall seconds")
+    ax.set_title(f"Capture of a {rows[0]['prompt']:,}-token prompt at CP {runs[0]['cp'] if runs else 1}: "
+                 "each rank's busy and waiting time", fontsize=10)
+    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

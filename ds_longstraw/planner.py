@@ -23,6 +23,7 @@ import shutil
 import sys
 
 from .config import parse_config
+from .cp_time import predict
 from .model_shape import load_config, shape_from_config
 from .offload.plan import TIERS, GiB, Layout, make_plan, recommended_tier, rollout_figures
 
@@ -77,6 +78,8 @@ def _parser():
                    help="rollouts: the samples' max_new_tokens (sizes decoding G samples from the captured prompt)")
     p.add_argument("--cp-scan", choices=("one_pass", "two_pass"), default="one_pass",
                    help="longstraw.cp_scan (two_pass: the GDN capture holds nothing across the CP exchange)")
+    p.add_argument("--gpu-tflops", type=float, default=148.0,
+                   help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
@@ -118,7 +121,7 @@ def _tokens(n):
     return f"{n:,} ({n / 2**20:.2f}M)" if n >= 2**20 else f"{n:,}"
 
 
-def render(plan, detected) -> str:
+def render(plan, detected, gpu_tflops=148.0) -> str:
     s, lay = plan.shape, plan.layout
     lines = [f"# longstraw plan: {s.name} ({s.family}, ~{s.params / 1e9:.1f}B parameters)", "",
              f"prompt {plan.context:,} tokens, G = {plan.group_size}, prefix_grad = {plan.mode}; {lay.gpus} GPUs, "
@@ -156,6 +159,7 @@ def render(plan, detected) -> str:
                      "one_pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
     lines += _render_moe(plan)
     lines += _render_rollout(plan)
+    lines += _render_cp_time(plan, gpu_tflops)
     lines.append("")
     if plan.tier is None:
         lines.append("Nothing fits: add GPUs (a larger CP size), host memory or NVMe, or shorten the prompt"
@@ -175,6 +179,29 @@ def _bytes(n):
         if n >= scale / 10:
             return f"{n / scale:,.2f} {unit}"
     return f"{n / 1e6:,.1f} MB"
+
+
+def _render_cp_time(plan, gpu_tflops) -> list:
+    """The CP schedules' predicted seconds per phase per rank (ds_longstraw/cp_time.py says how)."""
+    lay, counts = plan.layout, plan.shape.layer_counts
+    if lay.cp < 2:
+        return []
+    layers = sum(counts.values())
+    times = predict(layers, counts.get("full_attention", 0), counts.get("linear_attention", 0), plan.context,
+                    lay.cp, gpu_tflops)
+    if times is None:
+        return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models qwen3_5's "
+                "attention + Gated DeltaNet layers only.)"]
+    before, now = times["before"], times["now"]
+    return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
+            "", "| phase | contiguous shards, two-pass GDN scan (before) | zigzag, one pass (now) | ratio |",
+            "|---|---:|---:|---:|",
+            f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} |",
+            f"| exact prefix pass, turns | {before.prefix:,.0f} | {now.prefix:,.0f} | 1.00 |",
+            f"| exact prefix pass, layer-major (not built) | | {times['layer_major_prefix']:,.0f} | "
+            f"{times['layer_major_prefix'] / now.prefix:.2f} |", "",
+            "From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks (ds_longstraw/cp_time.py); communication and "
+            "replay not included. Added memory per rank: the gdn_scan workspace above."]
 
 
 def _render_moe(plan) -> list:
@@ -288,6 +315,8 @@ def main(argv=None) -> int:
                                  "cp_size": cp, "cp_scan": args.cp_scan})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan)
+        if args.gpu_tflops <= 0:
+            raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:
             if args.new_tokens < 1:
                 raise ValueError(f"--new-tokens {args.new_tokens}: a response has at least 1 new token")
@@ -296,7 +325,7 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as error:
         print(f"longstraw plan: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(as_dict(plan), indent=2) if args.json else render(plan, detected))
+    print(json.dumps(as_dict(plan), indent=2) if args.json else render(plan, detected, args.gpu_tflops))
     return 0
 
 

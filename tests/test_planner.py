@@ -427,3 +427,33 @@ def test_cli_sizes_rollouts(capsys):
     long = json.loads(capsys.readouterr().out)
     assert long["fits"]["none"] and long["rollout"]["per_call"]["fits"] == {"none": False, "cpu": True, "nvme": True}
     assert long["recommended_tier"] == "cpu"
+
+
+def test_cp_time_prediction_follows_its_stated_model(capsys):
+    """ds_longstraw/cp_time.py: the fit passes through BENCHMARKS.md's two H200 points; at CP 2 the zigzag layout's
+    attention share is 1/2 against contiguous shards' 3/4; the turns' prefix pass costs one GPU's pass; the CLI
+    prints the table for qwen3_5 and says it has none for glm_moe_dsa."""
+    from ds_longstraw import cp_time
+
+    fit = [4 * cp_time.LINEAR_S_PER_TOKEN_LAYER * n + cp_time.ATTENTION_S_PER_L2 * n * n for n in (65536, 262144)]
+    assert fit == pytest.approx([0.97, 5.12], rel=1e-12)
+    times = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS)
+    a4, b, r = cp_time.LINEAR_S_PER_TOKEN_LAYER, cp_time.ATTENTION_S_PER_L2, cp_time.RECURRENCE_S_PER_TOKEN
+    attention, tokens = b * 262144 ** 2, 131072
+    assert times["now"].capture == pytest.approx(4 * a4 * tokens + attention / 2 + 3 * r * tokens, rel=1e-12)
+    assert times["before"].capture == pytest.approx(
+        4 * a4 * tokens + attention * 3 / 4 + 3 * (2 * r + cp_time.IN_PROJ_SHARE * a4) * tokens, rel=1e-12)
+    assert times["now"].prefix == pytest.approx(3 * (4 * a4 * 262144 + attention), rel=1e-12)
+    slower = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS / 2)
+    assert slower["now"].capture == pytest.approx(2 * times["now"].capture, rel=1e-12)
+    assert cp_time.predict(78, 0, 0, 262144, 2, 148.0) is None
+    assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-memory", "96GB",
+                 "--host-memory", "1TB"]) == 0
+    out = capsys.readouterr().out
+    assert "## Context parallelism: predicted seconds per rank (148 dense bf16 TFLOPS per GPU)" in out
+    assert "| exact prefix pass, layer-major (not built) |" in out
+    assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "96GB",
+                 "--host-memory", "1TB"]) == 0
+    assert "No CP time prediction for glm_moe_dsa" in capsys.readouterr().out
+    assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
+    assert "--gpu-tflops 0.0" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""Predicted seconds per phase of the context-parallel schedules, for `longstraw plan` (a model, not a measurement).
+
+What the prediction is made from (one H200, bf16; BENCHMARKS.md):
+  - "GRPO steps of the Qwen3.6-27B layer shape": 4 layers of the 27B (3 Gated DeltaNet + 1 full attention, hidden
+    5,120) took 0.97 s at 65,536 and 5.12 s at 262,144 prompt tokens. A fit t(L) = a L + b L^2 through the two
+    points gives a (every layer's per-token work, 4 layers) and b (one attention layer's causal attention per L^2).
+  - "Gated delta rule": fla's forward over 8,192 tokens of Qwen3.6-27B's GDN heads took 1.05 ms: R per token and
+    GDN layer, the recurrence alone.
+  - the GDN layer's input projections (q, k, v, z, a, b) are their share of its matmul FLOPs, P = IN_PROJ_SHARE of
+    a layer's per-token work (5,120 -> 16,480 of a layer's 5,120 -> 16,480 + 6,144 -> 5,120 + its MLP's
+    3 x 5,120 x 17,408).
+Scaled to another GPU by the ratio of dense bf16 peaks (`H200_TFLOPS / gpu_tflops`). Per rank, at context L over
+N ranks (T = L / N tokens each), with the model's own layer counts:
+  capture  linear  a/4 x layers x T                                         (the same in both schedules)
+           attention b x attention_layers x L^2 x share: contiguous shards' last rank (2N-1)/N^2, zigzag 1/N
+           GDN     before: each layer ran the delta rule three times over (augmented pass + plain pass) and its
+                   input projections twice: + (2R + P) x gdn_layers x T; one pass: + R x gdn_layers x T (the
+                   augmented run costs about twice the plain rule)
+  prefix   (exact) recompute + backward of the whole prompt, about 3x its forward; in turns the ranks work one
+           after the other, so it costs what one GPU's pass over L costs; a layer-major pass (every rank at once,
+           not built yet) would cost 3x a rank's zigzag share.
+What it leaves out: communication (the exchanges overlap compute only in part), the replay, kernel efficiency at
+other shapes, and anything of a family other than qwen3_5's attention + Gated DeltaNet (for glm_moe_dsa, whose
+sparse attention and experts cost otherwise, `predict` returns None).
+"""
+
+from dataclasses import dataclass
+
+H200_TFLOPS = 989.0
+# The fit through BENCHMARKS.md's two H200 points (t(65,536) = 0.97 s, t(262,144) = 5.12 s, 4 layers)
+_L1, _T1, _L2, _T2 = 65536, 0.97, 262144, 5.12
+ATTENTION_S_PER_L2 = (_T2 - _T1 * _L2 / _L1) / (_L2 * _L2 - _L1 * _L2)  # b
+LINEAR_S_PER_TOKEN_LAYER = (_T1 - ATTENTION_S_PER_L2 * _L1 * _L1) / _L1 / 4  # a / 4
+RECURRENCE_S_PER_TOKEN = 1.05e-3 / 8192  # R: fla's forward, Qwen3.6-27B's 48 value heads
+IN_PROJ_SHARE = 16480 / (16480 + 5120 + 3 * 17408)  # P / (a / 4)
+
+
+@dataclass(frozen=True)
+class PhaseSeconds:
+    capture: float
+    prefix: float
+
+
+def predict(layers: int, attention_layers: int, gdn_layers: int, context: int, cp: int, gpu_tflops: float) -> dict:
+    """{"before": PhaseSeconds (contiguous shards, two-pass GDN scan, prefix in turns), "now": PhaseSeconds (zigzag,
+    one pass, prefix in turns), "layer_major_prefix": seconds (not built)} per rank; None without both attention
+    and GDN layers (a family this model does not describe)."""
+    if not attention_layers or not gdn_layers:
+        return None
+    scale = H200_TFLOPS / gpu_tflops
+    tokens = context / cp
+    linear = LINEAR_S_PER_TOKEN_LAYER * layers * tokens
+    attention = ATTENTION_S_PER_L2 * attention_layers * context * context
+    projections = IN_PROJ_SHARE * LINEAR_S_PER_TOKEN_LAYER
+    before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * gdn_layers * tokens
+    now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * gdn_layers * tokens
+    turns = 3 * (LINEAR_S_PER_TOKEN_LAYER * layers * context + attention)
+    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale, turns * scale),
+            "layer_major_prefix": 3 * (linear + attention / cp) * scale}
