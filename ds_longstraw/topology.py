@@ -8,7 +8,7 @@ The transaction is written once; it asks its topology for each phase's placement
   replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
                  a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (parallel/cp_attention.py;
                                                           a global top-k's candidates first: parallel/cp_sparse.py)
-  prefix         one reverse pass (prefix_pass.py)        ranks take turns last to first (parallel/prefix.py)
+  prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (parallel/prefix.py)
   reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
                                                           caller's backward reduces (the DeepSpeed engine)
 
@@ -109,8 +109,8 @@ class ContextParallel:
              "spread": rank r replays its own members (m mod N = r; parallel/spread.py): queries travel to the
              pages' owners and partials back; the members' losses, log-probs and d(final carry) are then summed or
              gathered over the CP group, and replay's gradients are each rank's own members' (no 1/N below).
-    prefix   (exact) ranks take turns last to first; the parameter gradients it produces differ per rank (each
-             covers its own tokens)
+    prefix   (exact) a turn per segment of the layout (cp_layout: zigzag, two per rank; contiguous, one), last first;
+             the parameter gradients it produces differ per rank (each covers its own tokens)
     reduce   ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
              is the group's gradient, and the same bits land on every rank even where replicated kernels are not
              bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart. What .grad held

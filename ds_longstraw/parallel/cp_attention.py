@@ -4,7 +4,10 @@ Legend: H query heads, K kv heads, D head dim, Tq queries, Tk keys; q_HTD [H, Tq
 [Tk, K, D] on their owner; out_HTD [H, Tq, D]; lse_HT [H, Tq]; N ranks, rank r owns prompt tokens [lo_r, hi_r).
 
 Three places, three movement choices (what is cheaper to move decides):
-  capture  every rank has a shard of queries and needs every EARLIER rank's pages of the same layer.
+  capture  every rank has a shard of queries and needs the other ranks' EARLIER keys of the same layer.
+           Zigzag shards (several pieces a rank): a ring, every rank at once (ring_remote_partial): each rank sends
+           every other the prefix of its pages that the other's later piece sees, and attends what it receives.
+           Contiguous shards, one of two cargos:
            "kv": pages travel from rank j to each later rank (2 K D elements per token per receiver);
            "q": queries travel to each earlier owner and (out, lse) come back ((2 H D + H) per token per owner).
            `capture_move_bytes` evaluates both for the prompt's shard sizes; with grouped-query attention (H > K)
@@ -13,8 +16,8 @@ Three places, three movement choices (what is cheaper to move decides):
            queries over its own pages, partials are all-gathered and LSE-merged in rank order (identical result
            everywhere). Queries do not move at all; per layer and replayed token each rank receives
            (N-1)(H D + H) elements forward and all-reduces H D (dq) backward.
-  prefix   (exact mode) one rank at a time recomputes its chunks with autograd; its chunk queries travel to the
-           earlier page owners, (out, lse) come back; backward sends (q, dout, lse, delta) and gets dq back. dK/dV
+  prefix   (exact mode) one segment at a time, its owner recomputes its chunks with autograd; its chunk queries
+           travel to the ranks holding earlier keys, (out, lse) come back; backward sends (q, dout, lse, delta) and gets dq back. dK/dV
            never leave the page owner: they are added to its gradient pages where they are computed.
 A rank reads its own pages from its tier page by page through a stager (streamed_partial / streamed_grads), the
 next page read ahead: no layer's shard is ever materialised whole, on any tier.

@@ -2,27 +2,31 @@
 
 The single-process prefix pass (prefix_pass.py) walks the capture chunks last to first; a chunk's backward needs
 the complete gradients of its outputs (its page rows, its end carry), which later tokens produce. Across ranks
-the same order holds: rank r's chunks can run only once every later rank has run (they add dK/dV to rank r's
-pages, and rank r+1 produces d(carry at its start) = d(carry at rank r's end)). So ranks take TURNS, last to
-first (wall time about that of the single-process pass; memory stays one shard per rank):
+the same order holds over the layout's SEGMENTS (groups.shard_pieces: one per rank for contiguous shards, two per
+rank for zigzag ones): a segment's chunks can run only once every later segment has run (they add dK/dV to its
+pages, and the next segment produces d(carry at its start) = d(carry at this one's end)). So segments take TURNS,
+last to first (wall time about that of the single-process pass; memory stays one shard per rank):
 
-  turn s   rank s runs prefix_backward over its own chunks. Its own earlier pages are local autograd leaves; the
-           earlier ranks' pages are reached by `RemotePages`: its chunk queries go to every earlier non-empty
-           rank, whose partial (out, lse) comes back (forward); backward sends (q, dout, lse, delta), the page
-           owner adds dK/dV to ITS gradient pages and returns its dq share. The earlier ranks run `serve` until
-           rank s says DONE; later ranks are finished.
-           Then rank s sends d(carry at its shard start) to rank s-1, where it is d(final carry).
-           With prefix_keep_attention rank s kept its tokens' merged (out, lse) in capture: its forward sends no
+  turn s   the owner of segment s runs prefix_backward over that piece's chunks. Its own earlier pages (an
+           earlier piece of its own included) are local autograd leaves; the other ranks' earlier pages are reached
+           by `RemotePages`: its chunk queries go to every rank holding keys before the piece, whose partial
+           (out, lse) over the prefix of its pages the piece sees comes back (forward); backward sends (q, dout,
+           lse, delta), the page owner adds dK/dV to ITS gradient pages and returns its dq share. Those ranks run
+           `serve` until the owner says DONE.
+           Then the owner hands d(carry at the piece's start) to the owner of the previous segment (kept if that
+           is itself), where it is d(carry at that segment's end).
+           With prefix_keep_attention the owner kept its tokens' merged (out, lse) in capture: its forward sends no
            request at all (KnownPagesFunction), only the backward ones.
 
 Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
-are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks any shard has);
-rank s runs its real chunks and pads with zero-gradient one-token iterations, every other rank runs only such
-zero iterations, and a rank whose pages rank s reads answers each request from inside the mirrored layer
+are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks segment s has on
+any replica, lockstep.GroupShape.segments); the owner runs its real chunks and pads with zero-gradient one-token
+iterations, every other rank runs only such zero iterations, and a rank whose pages the owner reads answers each
+request from inside the mirrored layer
 (`PageServer`): the point-to-point exchanges then sit at the same place in every rank's sequence of weight
 gathers, forward and backward.
 
-The last rank's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
+The last segment's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
 Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries]. A "topk_lse"
 layer's requests (cp_sparse.py) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
 rows' partial; their payloads are cp_sparse's request_* / answer_*.
