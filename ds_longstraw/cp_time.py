@@ -14,7 +14,7 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
   capture  linear  a/4 x layers x T                                         (the same in both schedules)
            attention b x attention_layers x L^2 x share: contiguous shards' last rank (2N-1)/N^2, zigzag 1/N
            GDN     before: each layer ran the delta rule three times over (augmented pass + plain pass) and its
-                   input projections twice: + (2R + P) x gdn_layers x T; one pass: + R x gdn_layers x T (the
+                   input projections twice: + (2R + P) x scan_layers x T; one pass: + R x scan_layers x T (the
                    augmented run costs about twice the plain rule)
   prefix   (exact) recompute + backward of the whole prompt, about 3x its forward; in turns the ranks work one
            after the other, so it costs what one GPU's pass over L costs; a layer-major pass (every rank at once,
@@ -41,19 +41,21 @@ class PhaseSeconds:
     prefix: float
 
 
-def predict(layers: int, attention_layers: int, gdn_layers: int, context: int, cp: int, gpu_tflops: float) -> dict:
+def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float) -> dict:
     """{"before": PhaseSeconds (contiguous shards, two-pass GDN scan, prefix in turns), "now": PhaseSeconds (zigzag,
-    one pass, prefix in turns), "layer_major_prefix": seconds (not built)} per rank; None without both attention
-    and GDN layers (a family this model does not describe)."""
-    if not attention_layers or not gdn_layers:
+    one pass, prefix in turns), "layer_major_prefix": seconds (not built)} per rank. attention_layers: the layers
+    that combine across ranks by "lse" (full attention), scan_layers: by "affine_scan" (Gated DeltaNet); None
+    without both (a family this model does not describe)."""
+    if not attention_layers or not scan_layers:
         return None
     scale = H200_TFLOPS / gpu_tflops
     tokens = context / cp
     linear = LINEAR_S_PER_TOKEN_LAYER * layers * tokens
     attention = ATTENTION_S_PER_L2 * attention_layers * context * context
     projections = IN_PROJ_SHARE * LINEAR_S_PER_TOKEN_LAYER
-    before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * gdn_layers * tokens
-    now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * gdn_layers * tokens
+    scan = scan_layers * tokens
+    before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * scan
+    now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * scan
     turns = 3 * (LINEAR_S_PER_TOKEN_LAYER * layers * context + attention)
     return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale, turns * scale),
             "layer_major_prefix": 3 * (linear + attention / cp) * scale}

@@ -183,12 +183,11 @@ def _bytes(n):
 
 def _render_cp_time(plan, gpu_tflops) -> list:
     """The CP schedules' predicted seconds per phase per rank (ds_longstraw/cp_time.py says how)."""
-    lay, counts = plan.layout, plan.shape.layer_counts
+    lay, counts = plan.layout, plan.shape.combine_counts
     if lay.cp < 2:
         return []
-    layers = sum(counts.values())
-    times = predict(layers, counts.get("full_attention", 0), counts.get("linear_attention", 0), plan.context,
-                    lay.cp, gpu_tflops)
+    times = predict(sum(counts.values()), counts.get("lse", 0), counts.get("affine_scan", 0), plan.context, lay.cp,
+                    gpu_tflops)
     if times is None:
         return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models qwen3_5's "
                 "attention + Gated DeltaNet layers only.)"]

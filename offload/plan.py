@@ -87,6 +87,7 @@ class ModelShape:
     kept_bytes_per_token: int = 0  # exact mode's prefix_keep_attention, all layers
     kept_layers: int = 0
     layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
+    combine_counts: dict = field(default_factory=dict)  # how layers cross CP ranks (the specs' combine) -> layers
     params: int = 0
     moe: MoEShape | None = None  # None: no routed experts
     # what the kernels' workspaces scale with (0: the model has no such layer)

@@ -241,7 +241,8 @@ def test_traffic_accounting(world_results):
                 config.linear_num_value_heads * config.linear_key_head_dim
                 * (config.linear_value_head_dim + config.linear_key_head_dim)
                 + (2 * config.linear_num_key_heads * config.linear_key_head_dim
-                   + config.linear_num_value_heads * config.linear_value_head_dim) * (config.linear_conv_kernel_dim - 1))
+                   + config.linear_num_value_heads * config.linear_value_head_dim)
+                * (config.linear_conv_kernel_dim - 1))
             assert all(capture[layer] == per_gdn for layer in gdn_layers)
             # grouped-query attention: pages are the cheaper cargo in capture (zigzag: in a ring, all ranks at once)
             assert report["capture_moves"] == {"capture": {layer: move for layer in attention_layers}}

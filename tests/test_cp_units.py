@@ -26,9 +26,9 @@ from ds_longstraw.arch.qwen3_5_scan import (
     fold_tails,
     identity_summary,
 )
+from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
 from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
-from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visible_prefix
 from ds_longstraw.parallel.cp_attention import capture_move_bytes
 

@@ -295,7 +295,8 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
                                                      1024 * (16 * 256 + 256 * 256 // 64 + 32 * 64)) * 4,
                               # CP: the GDN scan's [o(0) | q~] over the 131,072 tokens of a rank (bf16), with the
                               # augmented run's scratch (value width 256 + 128) over a capture chunk
-                              "gdn_scan": 131072 * 48 * 256 * 2 + 48 * 4096 * (8 * 384 + 384 * 384 // 128 + 12 * 64) * 4}
+                              "gdn_scan": 131072 * 48 * 256 * 2
+                              + 48 * 4096 * (8 * 384 + 384 * 384 // 128 + 12 * 64) * 4}
     exact = make_plan(shape, 1 << 20, 8, "exact", layout, capture_chunk=4096)
     assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 32 * 64) * 4
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)

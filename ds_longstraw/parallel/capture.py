@@ -2,8 +2,9 @@
 
 Rank r owns pieces of prompt[:-1] (`groups.shard_pieces`: one contiguous shard, or under the zigzag layout segments
 r and 2N-1-r of 2N), kept in prompt order as its local tokens. Layer l+1's input on rank r depends on layer l's
-output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture walks the layers in order and, per layer, all ranks exchange what crosses the
-rank boundaries before anyone moves on, as the layer's spec says (arch/specs.py, `combine`):
+output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture
+walks the layers in order and, per layer, all ranks exchange what crosses the rank boundaries before anyone moves
+on, as the layer's spec says (arch/specs.py, `combine`):
   "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in prompt order (the
                  family's own math; qwen3_5: arch/qwen3_5_scan.py);
   "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (cp_attention.py:

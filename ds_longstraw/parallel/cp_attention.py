@@ -17,8 +17,9 @@ Three places, three movement choices (what is cheaper to move decides):
            everywhere). Queries do not move at all; per layer and replayed token each rank receives
            (N-1)(H D + H) elements forward and all-reduces H D (dq) backward.
   prefix   (exact mode) one segment at a time, its owner recomputes its chunks with autograd; its chunk queries
-           travel to the ranks holding earlier keys, (out, lse) come back; backward sends (q, dout, lse, delta) and gets dq back. dK/dV
-           never leave the page owner: they are added to its gradient pages where they are computed.
+           travel to the ranks holding earlier keys, (out, lse) come back; backward sends (q, dout, lse, delta) and
+           gets dq back. dK/dV never leave the page owner: they are added to its gradient pages where they are
+           computed.
 A rank reads its own pages from its tier page by page through a stager (streamed_partial / streamed_grads), the
 next page read ahead: no layer's shard is ever materialised whole, on any tier.
 

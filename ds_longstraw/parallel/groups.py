@@ -260,7 +260,8 @@ class CPContext:
         """Plain-data summary of this rank's traffic (for GroupResult.extras): bytes received by phase, by
         phase and layer, by phase and op; capture_moves: phase -> attention layer -> "kv" | "q" | "ulysses"."""
         phases = sorted({p for (p, _, _) in self.traffic.received})
-        return {"rank": self.rank, "size": self.size, "waited_seconds": dict(self.waited), "held_bytes": dict(self.held),
+        return {"rank": self.rank, "size": self.size, "waited_seconds": dict(self.waited),
+                "held_bytes": dict(self.held),
                 "received_bytes": {p: self.traffic.total(p) for p in phases},
                 "received_bytes_by_layer": {p: self.traffic.by_layer(p) for p in phases},
                 "received_bytes_by_op": {p: self.traffic.by_op(p) for p in phases},

@@ -46,7 +46,6 @@ from .cp_attention import (
     streamed_grads,
     streamed_partial,
 )
-from .groups import segments_in_order, visible_prefix
 from .cp_sparse import (
     answer_candidates,
     answer_grads,
@@ -57,6 +56,7 @@ from .cp_sparse import (
     request_partials,
     selected_rows_attention,
 )
+from .groups import segments_in_order, visible_prefix
 
 FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
