@@ -86,10 +86,13 @@ class LongstrawConfig(DeepSpeedConfigModel):
         the last rank reads every earlier key; the layout before zigzag, kept for comparison), or "auto" (the
         default: zigzag where the schedule runs it, that is with cp_attention "lse" and layers that combine by
         "lse" or "affine_scan", as qwen3_5's do; contiguous otherwise, as for glm_moe_dsa's global top-k).
-    cp_scan: under context parallelism, how a Gated DeltaNet layer's capture crosses ranks: "one_pass" (the default:
-        the delta rule runs once over the shard and its outputs wait for the exchange, [o(0) | q~] over the shard
-        in the model's dtype, the planner's "gdn_scan" workspace) or "two_pass" (nothing waits: the layer runs again
-        from its true initial state, projections included; for the longest prompts, where those bytes do not fit).
+    cp_scan: under context parallelism, how a Gated DeltaNet layer's capture crosses ranks: "one_pass" (the delta rule
+        runs once over the shard and its outputs wait for the exchange, [o(0) | q~] over the shard in the model's
+        dtype, the planner's "gdn_scan" workspace), "two_pass" (nothing waits: the layer runs again from its true
+        initial state, projections included) or "auto" (the default: one_pass where those bytes for the largest
+        shard are at most SCAN_HOLD_FRACTION of the device's total memory, or off CUDA; else two_pass; the rule
+        reads the prompt, the model and the device type's total memory, so every rank of a job of one GPU type
+        decides alike).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -110,7 +113,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_size: int = Field(1, ge=1)
     cp_attention: Literal["lse", "ulysses"] = "lse"
     cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
-    cp_scan: Literal["one_pass", "two_pass"] = "one_pass"
+    cp_scan: Literal["auto", "one_pass", "two_pass"] = "auto"
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

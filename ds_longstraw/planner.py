@@ -76,8 +76,9 @@ def _parser():
                    help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
     p.add_argument("--new-tokens", type=parse_tokens, default=None,
                    help="rollouts: the samples' max_new_tokens (sizes decoding G samples from the captured prompt)")
-    p.add_argument("--cp-scan", choices=("one_pass", "two_pass"), default="one_pass",
-                   help="longstraw.cp_scan (two_pass: the GDN capture holds nothing across the CP exchange)")
+    p.add_argument("--cp-scan", choices=("auto", "one_pass", "two_pass"), default="auto",
+                   help="longstraw.cp_scan (two_pass: the GDN capture holds nothing across the CP exchange; auto: "
+                        "one_pass where those outputs take at most a quarter of the GPU)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
                    help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
@@ -156,7 +157,10 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.phase_workspace)."]
     if "gdn_scan" in plan.workspace:
         lines.append("gdn_scan: the Gated DeltaNet capture's outputs held across the CP exchange (longstraw.cp_scan "
-                     "one_pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
+                     f"{plan.cp_scan}: one pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
+    elif plan.layout.cp > 1 and plan.shape.delta_heads:
+        lines.append(f"longstraw.cp_scan {plan.cp_scan}: the Gated DeltaNet capture holds no outputs across the CP "
+                     "exchange (two passes over those layers).")
     lines += _render_moe(plan)
     lines += _render_rollout(plan)
     lines += _render_cp_time(plan, gpu_tflops)

@@ -131,7 +131,7 @@ class Plan:
     mode: str
     layout: Layout
     capture_chunk: int
-    cp_scan: str = "one_pass"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
+    cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
@@ -199,13 +199,27 @@ def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
     return tokens_per_rank * shape.delta_heads * shape.delta_head_dims * shape.dtype_bytes
 
 
+# "cp_scan": "auto" holds the GDN scan's outputs across the CP exchange where they take at most this fraction of
+# the device's total memory (parallel/capture.holds_scan_outputs decides the same way at run time).
+SCAN_HOLD_FRACTION = 0.25
+
+
+def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory: int | None) -> bool:
+    """Whether the GDN capture holds its outputs across the exchange: "one_pass", or "auto" where they fit
+    SCAN_HOLD_FRACTION of the GPU (always when the GPU's memory is not known)."""
+    if cp_scan != "auto":
+        return cp_scan == "one_pass"
+    return gpu_memory is None or gdn_scan_outputs(shape, tokens_per_rank) <= SCAN_HOLD_FRACTION * gpu_memory
+
+
 def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
-                    cp_scan: str = "one_pass") -> dict:
-    """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, "cp_scan": "one_pass") the scan's held
-    outputs together with the augmented run's scratch over a capture chunk: its value width is dv + dk (dk = dv in
-    the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the exchange."""
+                    cp_scan: str = "auto", gpu_memory: int | None = None) -> dict:
+    """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, where the capture holds its outputs:
+    scan_holds) the scan's held outputs together with the augmented run's scratch over a capture chunk: its value
+    width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
+    exchange."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if cp > 1 and shape.delta_heads and cp_scan == "one_pass":
+    if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
         workspace["gdn_scan"] = (gdn_scan_outputs(shape, tokens_per_rank) + shape.delta_heads * 4 * capture_chunk
                                  * delta_rule_floats(augmented, backward=False))
@@ -288,15 +302,15 @@ def _depth_for(tier):
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "one_pass") -> Plan:
+              cp_scan: str = "auto") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
         raise ValueError(f"cp = {layout.cp} must divide gpus = {layout.gpus}")
     if context < 2 or group_size < 1:
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
-    if cp_scan not in ("one_pass", "two_pass"):
-        raise ValueError(f"cp_scan must be 'one_pass' or 'two_pass', got {cp_scan!r}")
+    if cp_scan not in ("auto", "one_pass", "two_pass"):
+        raise ValueError(f"cp_scan must be 'auto', 'one_pass' or 'two_pass', got {cp_scan!r}")
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
@@ -304,7 +318,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan)
+    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
+                                     layout.gpu_memory)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -439,7 +454,8 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
         tokens = captured_tokens_per_rank(context, layout.cp)
-        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan).values())
+        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
+                                        layout.gpu_memory).values())
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

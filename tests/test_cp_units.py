@@ -229,3 +229,18 @@ def test_cp_size_and_group_are_checked_at_the_door():
     assert as_cp_context(context, 2) is context
     with pytest.raises(ValueError, match="capture_move"):
         CPContext(object(), capture_move="both")
+
+
+def test_auto_scan_holds_outputs_where_they_fit():
+    """"cp_scan": "auto" holds the GDN outputs off CUDA, and on CUDA where they take at most SCAN_HOLD_FRACTION of
+    the device (the same rule as the planner's scan_holds); explicit settings are obeyed."""
+    from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
+    from ds_longstraw.parallel.capture import holds_scan_outputs
+
+    cpu, cuda, gib = torch.device("cpu"), torch.device("cuda"), 1 << 30
+    auto = LongstrawConfig(cp_size=2)
+    assert auto.cp_scan == "auto" and holds_scan_outputs(auto, 10 ** 15, cpu)
+    assert holds_scan_outputs(auto, int(SCAN_HOLD_FRACTION * 96 * gib), cuda, device_total=96 * gib)
+    assert not holds_scan_outputs(auto, int(SCAN_HOLD_FRACTION * 96 * gib) + 1, cuda, device_total=96 * gib)
+    assert not holds_scan_outputs(LongstrawConfig(cp_size=2, cp_scan="two_pass"), 0, cpu)
+    assert holds_scan_outputs(LongstrawConfig(cp_size=2, cp_scan="one_pass"), 10 ** 15, cuda, device_total=1)

@@ -458,3 +458,19 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     assert "No CP time prediction for glm_moe_dsa" in capsys.readouterr().out
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
     assert "--gpu-tflops 0.0" in capsys.readouterr().err
+
+
+def test_auto_scan_holds_the_outputs_only_where_they_fit():
+    """cp_scan "auto": at 2M tokens on 8 x 96 GB the GDN outputs (6 GiB a rank) are held (gdn_scan counted); at 16M
+    (48 GiB a rank, over a quarter of the GPU) they are not, so the longest prompt the NVMe tier takes is the two-pass
+    one, longer than forcing one_pass allows."""
+    shape = shape_from_config(*load_config("qwen3.6-27b"))
+    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
+    assert "gdn_scan" in make_plan(shape, 2 << 20, 8, "detached", layout).workspace
+    assert "gdn_scan" not in make_plan(shape, 16 << 20, 8, "detached", layout).workspace
+    assert "gdn_scan" not in make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="two_pass").workspace
+    auto = make_plan(shape, 2 << 20, 8, "detached", layout).max_context["nvme"]
+    one_pass = make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="one_pass").max_context["nvme"]
+    assert auto > one_pass
+    with pytest.raises(ValueError, match="cp_scan must be"):
+        make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="three_pass")

@@ -236,6 +236,12 @@ class Qwen35Adapter(CausalLMAdapter):
         """The layer's mixer output [1, T, C] from the attention result out_HTD [H, T, D]."""
         return self.attention_output(self.layers[index].self_attn, out_HTD, gate)
 
+    def scan_output_bytes(self, tokens):
+        """Bytes the one-pass CP capture holds of one Gated DeltaNet layer's outputs over `tokens` tokens
+        ([o(0) | q~] in the model's dtype, qwen3_5_scan.py)."""
+        module = next(self.layers[i].linear_attn for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
+        return tokens * module.num_v_heads * (module.head_k_dim + module.head_v_dim) * self.dtype.itemsize
+
     def capture_scan_layer(self, index, normed_1TC, spans, cp, pieces, boundaries, pad=0, checkpoints=None,
                            hold=True):
         """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""

@@ -22,6 +22,7 @@ prefix_keep_attention also its own tokens' merged attention output and LSE).
 
 import torch
 
+from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
 from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
@@ -55,6 +56,19 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     return state
 
 
+def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
+    """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
+    `held_bytes` (settings.cp_scan; "auto": off CUDA always, on CUDA where held_bytes <= SCAN_HOLD_FRACTION of the
+    device's total memory; device_total: that total, read from the device when None)."""
+    if settings.cp_scan != "auto":
+        return settings.cp_scan == "one_pass"
+    if device.type != "cuda":
+        return True
+    if device_total is None:
+        device_total = torch.cuda.get_device_properties(device).total_memory
+    return held_bytes <= SCAN_HOLD_FRACTION * device_total
+
+
 def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
     """Fill `state` (its pages, boundaries and final carry) layer by layer."""
     pool, kept_pool, checkpoints, lo = state.pool, state.kept_pool, state.checkpoints, state.offset
@@ -65,6 +79,10 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
     final_carry = {}
     selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
+    # decided from the largest shard, so every rank decides alike (the module calls differ between the two)
+    largest = max(sum(hi - lo for lo, hi in own) for own in pieces)
+    hold = any(spec.combine == "affine_scan" for spec in adapter.specs) and holds_scan_outputs(
+        settings, adapter.scan_output_bytes(largest), adapter.device)
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
@@ -73,7 +91,7 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
             if spec.combine == "affine_scan":
                 mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,
                                                                        pad=pad, checkpoints=checkpoints,
-                                                                       hold=settings.cp_scan == "one_pass")
+                                                                       hold=hold)
             elif spec.combine == "lse" and settings.cp_attention == "ulysses":
                 mixed = ulysses_attention_layer(adapter, spec, normed, spans, cp, bounds, pool, chunk, pad=pad,
                                                 kept_pool=kept_pool)
