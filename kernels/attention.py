@@ -228,19 +228,25 @@ class _AttentionWithPast(torch.autograd.Function):
     set's scores."""
 
     @staticmethod
-    def forward(ctx, q_HTD, scale, key_block, sinks, known, *kv_sets):
+    def forward(ctx, q_HTD, scale, key_block, sinks, known, remote, *kv_sets):
         pairs = list(zip(kv_sets[0::2], kv_sets[1::2]))  # the last pair is the block itself (causal)
         out, lse = None, None
         if known is not None:  # the result, computed before from the same inputs: only record what backward needs
             out, lse = (x.clone() for x in known)
             pairs = []
+        elif remote is not None:  # the remote keys' owners work while the local key sets are attended below
+            remote.post_forward(q_HTD.detach())
         for index, (k_KTD, v_KTD) in enumerate(pairs):
             causal = 0 if index == len(pairs) - 1 else None
             if k_KTD.shape[1] == 0:
                 continue
             o, lse_part = _forward(q_HTD, k_KTD, v_KTD, scale, causal, key_block)
             out, lse = (o, lse_part) if out is None else merge_partials(out, lse, o, lse_part.to(lse.dtype))
+        if remote is not None and known is None:
+            o, lse_part = remote.collect_forward()
+            out, lse = merge_partials(out, lse, o.to(out.dtype), lse_part.to(lse.dtype))
         ctx.scale, ctx.key_block, ctx.count, ctx.sinks = scale, key_block, len(kv_sets) // 2, sinks
+        ctx.remote = remote
         ctx.save_for_backward(q_HTD, out, lse, *kv_sets)
         return out, lse
 
@@ -249,11 +255,13 @@ class _AttentionWithPast(torch.autograd.Function):
         q_HTD, out, lse, *kv_sets = ctx.saved_tensors
         if dout_HTD is None:
             dout_HTD = torch.zeros_like(out)
+        if ctx.remote is not None:  # the remote keys' share of dq (from the merged out and lse), computed meanwhile
+            ctx.remote.post_backward(q_HTD, out, lse, dout_HTD, dlse_HT)
         dq_total = torch.zeros_like(q_HTD)
         grads = []
         for index in range(ctx.count):
             k_KTD, v_KTD = kv_sets[2 * index], kv_sets[2 * index + 1]
-            need_kv = ctx.needs_input_grad[5 + 2 * index] or ctx.needs_input_grad[6 + 2 * index]
+            need_kv = ctx.needs_input_grad[6 + 2 * index] or ctx.needs_input_grad[7 + 2 * index]
             if k_KTD.shape[1] == 0:
                 grads += [torch.zeros_like(k_KTD) if need_kv else None] * 2
                 continue
@@ -273,7 +281,9 @@ class _AttentionWithPast(torch.autograd.Function):
                                    ctx.key_block, need_kv)
             dq_total += dq
             grads += [dk, dv]
-        return (dq_total, None, None, None, None, *grads)
+        if ctx.remote is not None:
+            dq_total += ctx.remote.collect_backward().to(dq_total.dtype)
+        return (dq_total, None, None, None, None, None, *grads)
 
 
 def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=KEY_BLOCK):
@@ -294,7 +304,8 @@ def partial_attention(q_HTD, k_KTD, v_KTD, scale, causal_offset=None, key_block=
     return _PartialAttention.apply(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block)
 
 
-def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK, sinks=None, known=None):
+def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_BLOCK, sinks=None, known=None,
+                        remote=None):
     """Causal attention of a query block over earlier segments plus itself, returning (out_HTD, lse_HT).
 
     `past` is a sequence of (k_KTD, v_KTD) segments that lie entirely before the block (prompt pages, earlier
@@ -309,12 +320,18 @@ def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_
 
     known: None, or the (out_HTD, lse_HT) this same call returned before (exact mode keeps the capture's): the
     forward then skips the attention and only records what backward needs; gradients are unchanged.
+
+    remote: None, or keys held by other processes, as a request that runs while the local key sets are attended
+    (context parallelism's prefix pass, parallel/prefix.RemoteKeys): post_forward(q) then collect_forward() ->
+    their (out, lse), merged in (not with `known`, which is merged over them already); post_backward(q, out, lse,
+    dout, dlse) with the MERGED result, then collect_backward() -> their share of dq (their own key gradients go
+    where they live).
     """
     flat = []
     for k_KTD, v_KTD in past:
         flat += [k_KTD, v_KTD]
     sinks = tuple(sinks) if sinks is not None else ()
-    return _AttentionWithPast.apply(q_HTD, scale, key_block, sinks, known, *flat, k_new_KTD, v_new_KTD)
+    return _AttentionWithPast.apply(q_HTD, scale, key_block, sinks, known, remote, *flat, k_new_KTD, v_new_KTD)
 
 
 def attention_with_past_reference(q_HTD, past, k_new_KTD, v_new_KTD, scale):

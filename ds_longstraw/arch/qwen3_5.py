@@ -185,18 +185,22 @@ class Qwen35Adapter(CausalLMAdapter):
         out = out_HTD.transpose(0, 1).reshape(1, out_HTD.shape[1], -1) * torch.sigmoid(gate)
         return module.o_proj(out)
 
-    def attention_forward(self, module, h_1TC, cos, sin, past, remote=None, known=None):
+    def attention_forward(self, module, h_1TC, cos, sin, past, remote=None, known=None, remote_keys=None):
         """Returns (layer output, K, V, (out_HTD, lse_HT)). remote: None, or a callable q_HTD -> (out_HTD, lse_HT)
         over keys held elsewhere (context-parallel pages), merged with the local partial by LSE; known: the
         (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed. With
         both, remote(q_HTD, known=(out, lse)) passes the merged result through and adds the remote keys' share of
-        the gradients in backward."""
+        the gradients in backward. remote_keys: instead of remote, the other ranks' keys as a request that runs
+        while the local keys are attended (the prefix pass's turns, parallel/prefix.RemoteKeys), forward and
+        backward."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
         sinks = [getattr(pair, "grad_sink", None) for pair in past]  # exact mode's prompt pages (StagedPast)
         out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks,
-                                              known=known)
-        if remote is not None and known is not None:
+                                              known=known, remote=remote_keys)
+        if remote_keys is not None:
+            pass  # merged inside attention_with_past
+        elif remote is not None and known is not None:
             # the kept result is already merged over every rank's keys: only the remote gradient path is left
             out_HTD, lse_HT = remote(query[0], known=(out_HTD, lse_HT))
         elif remote is not None:
@@ -259,8 +263,11 @@ class Qwen35Adapter(CausalLMAdapter):
             mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
         else:
             remote = None if remote_attention is None else partial(remote_attention, index)
+            # a remote that takes its requests in two halves (the prefix pass's turns) overlaps the local attention
+            keys = getattr(remote_attention, "keys", None)
             mixed, first, second, attention = self.attention_forward(
-                layer.self_attn, h, cos, sin, past.get(index, []), remote, known_attention.get(index))
+                layer.self_attn, h, cos, sin, past.get(index, []), remote, known_attention.get(index),
+                remote_keys=None if keys is None else keys(index))
         return self.mlp_residual(index, residual + mixed), first, second, attention
 
     def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,

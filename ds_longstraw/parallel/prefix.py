@@ -87,32 +87,19 @@ class RemotePages:
             self.cp.send(header, i)
 
     def forward(self, layer, q_HTD):
-        cp, tq = self.cp, q_HTD.shape[1]
-        acc = _acc(q_HTD.dtype)
-        self._header(FORWARD, layer, tq, q_HTD.device)
-        for i in self.servers:
-            cp.send(q_HTD, i)
-        partials = [(q_HTD.new_zeros(q_HTD.shape),
-                     torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
-        for i in self.servers:
-            out = cp.recv(q_HTD.shape, q_HTD.dtype, i, layer, "prefix_out", device=q_HTD.device)
-            lse = cp.recv(q_HTD.shape[:2], acc, i, layer, "prefix_lse", device=q_HTD.device)
-            partials.append((out, lse))
-        return merge_in_order(partials)
+        keys = self.keys(layer)
+        keys.post_forward(q_HTD)
+        return keys.collect_forward()
 
     def backward(self, layer, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
-        cp = self.cp
-        acc = _acc(q_HTD.dtype)
-        delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
-        self._header(BACKWARD, layer, q_HTD.shape[1], q_HTD.device)
-        for i in self.servers:
-            cp.send(q_HTD, i)
-            cp.send(dout_HTD.to(q_HTD.dtype), i)
-            cp.send(torch.stack([lse_HT.to(acc), delta_HT.to(acc)]), i)
-        dq = torch.zeros(q_HTD.shape, dtype=acc, device=q_HTD.device)
-        for i in self.servers:
-            dq += cp.recv(q_HTD.shape, acc, i, layer, "prefix_dq", device=q_HTD.device)
-        return dq
+        keys = self.keys(layer)
+        keys.post_backward(q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT)
+        return keys.collect_backward()
+
+    def keys(self, layer):
+        """The other ranks' earlier keys of `layer` as a request in two halves (RemoteKeys), so that the owner
+        attends its own key sets while the page owners work (kernels/attention.attention_with_past's remote)."""
+        return RemoteKeys(self, layer)
 
     # -- "topk_lse" layers (cp_sparse.py): the global selection's candidates, then the selected rows' partial ----
     def candidates(self, layer, selector):
@@ -134,6 +121,52 @@ class RemotePages:
 
     def close(self, device):
         self._header(DONE, -1, 0, device)
+
+
+class RemoteKeys:
+    """One attention layer's keys on the other ranks, for the owner in its turn: post_* sends a request to every
+    server (they compute while the owner goes on), collect_* receives and combines their answers.
+      forward   header, q out; (out, lse) back, merged in server order
+      backward  header, q, dout, (lse, delta) out (the MERGED result's, the ring-attention form); dq shares back,
+                summed; each server adds its keys' dK/dV to its gradient pages."""
+
+    def __init__(self, pages, layer):
+        self.pages, self.layer = pages, layer
+
+    def post_forward(self, q_HTD):
+        pages = self.pages
+        pages._header(FORWARD, self.layer, q_HTD.shape[1], q_HTD.device)
+        for i in pages.servers:
+            pages.cp.send(q_HTD, i)
+        self.q = q_HTD
+
+    def collect_forward(self):
+        cp, q_HTD, acc = self.pages.cp, self.q, _acc(self.q.dtype)
+        partials = [(q_HTD.new_zeros(q_HTD.shape),
+                     torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
+        for i in self.pages.servers:
+            out = cp.recv(q_HTD.shape, q_HTD.dtype, i, self.layer, "prefix_out", device=q_HTD.device)
+            lse = cp.recv(q_HTD.shape[:2], acc, i, self.layer, "prefix_lse", device=q_HTD.device)
+            partials.append((out, lse))
+        del self.q
+        return merge_in_order(partials)
+
+    def post_backward(self, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
+        pages, acc = self.pages, _acc(q_HTD.dtype)
+        delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
+        pages._header(BACKWARD, self.layer, q_HTD.shape[1], q_HTD.device)
+        for i in pages.servers:
+            pages.cp.send(q_HTD, i)
+            pages.cp.send(dout_HTD.to(q_HTD.dtype), i)
+            pages.cp.send(torch.stack([lse_HT.to(acc), delta_HT.to(acc)]), i)
+        self.shape, self.dtype, self.device = q_HTD.shape, acc, q_HTD.device
+
+    def collect_backward(self):
+        cp = self.pages.cp
+        dq = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for i in self.pages.servers:
+            dq += cp.recv(self.shape, self.dtype, i, self.layer, "prefix_dq", device=self.device)
+        return dq
 
 
 def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
