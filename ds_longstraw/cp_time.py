@@ -17,8 +17,9 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
                    input projections twice: + (2R + P) x scan_layers x T; one pass: + R x scan_layers x T (the
                    augmented run costs about twice the plain rule)
   prefix   (exact) recompute + backward of the whole prompt, about 3x its forward; in turns the ranks work one
-           after the other, so it costs what one GPU's pass over L costs; a layer-major pass (every rank at once,
-           not built yet) would cost 3x a rank's zigzag share.
+           after the other, so it costs what one GPU's pass over L costs (an upper bound: within a turn the page
+           owners' share of the attention overlaps the owner's, which this leaves out; at CP 2 on CPU that made
+           it 0.5x); a layer-major pass (every rank at once, not built yet) would cost 3x a rank's zigzag share.
 What it leaves out: communication (the exchanges overlap compute only in part), the replay, kernel efficiency at
 other shapes, and anything of a family other than qwen3_5's attention + Gated DeltaNet (for glm_moe_dsa, whose
 sparse attention and experts cost otherwise, `predict` returns None).
