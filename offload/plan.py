@@ -200,16 +200,22 @@ def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
 
 
 # "cp_scan": "auto" holds the GDN scan's outputs across the CP exchange where they take at most this fraction of
-# the device's total memory (parallel/capture.holds_scan_outputs decides the same way at run time).
+# the device's total memory (holds_scan, which the capture asks too).
 SCAN_HOLD_FRACTION = 0.25
 
 
-def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory: int | None) -> bool:
-    """Whether the GDN capture holds its outputs across the exchange: "one_pass", or "auto" where they fit
-    SCAN_HOLD_FRACTION of the GPU (always when the GPU's memory is not known)."""
+def holds_scan(cp_scan: str, held_bytes: int, device_memory: int | None) -> bool:
+    """Whether the GDN capture holds its outputs (`held_bytes` for the largest shard) across the exchange:
+    "one_pass", or "auto" where they fit SCAN_HOLD_FRACTION of the device's memory (always when there is no device
+    memory to bound them: off CUDA, or not known). The capture (parallel/capture.py) and the plan both ask this."""
     if cp_scan != "auto":
         return cp_scan == "one_pass"
-    return gpu_memory is None or gdn_scan_outputs(shape, tokens_per_rank) <= SCAN_HOLD_FRACTION * gpu_memory
+    return device_memory is None or held_bytes <= SCAN_HOLD_FRACTION * device_memory
+
+
+def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory: int | None) -> bool:
+    """holds_scan for a rank of `tokens_per_rank` captured tokens of `shape`."""
+    return holds_scan(cp_scan, gdn_scan_outputs(shape, tokens_per_rank), gpu_memory)
 
 
 def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,

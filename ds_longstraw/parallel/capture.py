@@ -22,7 +22,7 @@ prefix_keep_attention also its own tokens' merged attention output and LSE).
 
 import torch
 
-from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
+from ds_longstraw.offload.plan import holds_scan
 from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
@@ -58,15 +58,11 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
 
 def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
     """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
-    `held_bytes` (settings.cp_scan; "auto": off CUDA always, on CUDA where held_bytes <= SCAN_HOLD_FRACTION of the
-    device's total memory; device_total: that total, read from the device when None)."""
-    if settings.cp_scan != "auto":
-        return settings.cp_scan == "one_pass"
-    if device.type != "cuda":
-        return True
-    if device_total is None:
+    `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
+    the device when device_total is None; off CUDA nothing bounds them)."""
+    if settings.cp_scan == "auto" and device.type == "cuda" and device_total is None:
         device_total = torch.cuda.get_device_properties(device).total_memory
-    return held_bytes <= SCAN_HOLD_FRACTION * device_total
+    return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
 def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
