@@ -26,7 +26,7 @@ from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
 from .parallel.experts import is_expert_param
-from .parallel.groups import as_cp_context
+from .parallel.groups import as_cp_context, local_tokens
 from .parallel.prefix import cp_prefix_backward
 from .parallel.spread import gather_members, spread
 from .parallel.ulysses import check_heads
@@ -201,8 +201,7 @@ class ContextParallel:
         if backward is not None and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
-        ids = prompt_ids[:-1]
-        shard = torch.cat([ids[lo:hi] for lo, hi in self.cp.pieces(state.length)[self.cp.rank]])
+        shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
         cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
                            turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
 

@@ -56,7 +56,7 @@ from contextlib import contextmanager
 import torch
 
 from ds_longstraw.kernels import chunk_gated_delta_rule
-from ds_longstraw.parallel.groups import segments_in_order
+from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
 
 @contextmanager
@@ -149,9 +149,8 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     width = module.conv_kernel_size - 1
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
     mine, order = pieces[cp.rank], segments_in_order(pieces)
-    starts = [0]
-    for lo, hi in mine:  # each piece's first local token
-        starts.append(starts[-1] + hi - lo)
+    starts = local_starts(mine)
+    owners = [piece_index(mine, position) for _, _, position in spans]  # each chunk's piece
     dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
 
     # (1) conv tails across segment boundaries
@@ -178,8 +177,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     states = [None] * len(mine)  # the plain pieces' running state
     tails = list(tails_in)
     held, chunk_starts = [], []  # per chunk: the delta rule's output; (summary or state, tail) at its start
-    for a, b, _ in spans:
-        k = _piece_of(starts, a)
+    for (a, b, _), k in zip(spans, owners):
         chunk_starts.append((states[k] if plain[k] else summaries[k], tails[k]))
 
         def inputs(a=a, b=b, tail=tails[k]):
@@ -209,14 +207,13 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     final_state = fold_states(folded, sizes, dv)
 
     if not hold:
-        return _second_pass(adapter, module, normed_1TC, spans, starts, initial, tails_in, boundaries, checkpoints,
+        return _second_pass(adapter, module, normed_1TC, spans, owners, initial, tails_in, boundaries, checkpoints,
                             layer, pad, dummy), (final_state, tail_final)
 
     # (4) the outputs' initial-state term, then the layer's output chunk by chunk
     outs = []
     # (every rank makes the same module calls in the same order: the gate and the finish of every chunk here)
-    for index, ((a, b, _), out, (start, tail)) in enumerate(zip(spans, held, chunk_starts)):
-        k = _piece_of(starts, a)
+    for index, ((a, b, _), k, out, (start, tail)) in enumerate(zip(spans, owners, held, chunk_starts)):
         if not plain[k]:
             start = apply_summary(start, initial[k], dv) if initial[k] is not None else None
             out = _corrected(out, initial[k], dv)
@@ -230,13 +227,12 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     return output, (final_state, tail_final)
 
 
-def _second_pass(adapter, module, normed_1TC, spans, starts, initial, tails_in, boundaries, checkpoints, layer, pad,
+def _second_pass(adapter, module, normed_1TC, spans, owners, initial, tails_in, boundaries, checkpoints, layer, pad,
                  dummy):
     """"two_pass": the layer chunk by chunk from each piece's true initial state and tail (the single-process code
-    path), checkpointing each chunk start's carry (exact mode)."""
+    path), checkpointing each chunk start's carry (exact mode). owners: each chunk's piece."""
     states, tails, outs = list(initial), list(tails_in), []
-    for index, (a, b, _) in enumerate(spans):
-        k = _piece_of(starts, a)
+    for index, ((a, b, _), k) in enumerate(zip(spans, owners)):
         if boundaries is not None and states[k] is not None:
             boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (states[k], tails[k]))
         out, states[k], tails[k] = adapter.gdn_forward(module, normed_1TC[:, a:b], states[k], tails[k])
@@ -249,11 +245,6 @@ def _second_pass(adapter, module, normed_1TC, spans, starts, initial, tails_in, 
 def _before(order, lo):
     """How many segments (in prompt order) end at or before prompt position lo."""
     return sum(1 for _, _, _, hi in order if hi <= lo)
-
-
-def _piece_of(starts, a):
-    """The index of the piece that local token a falls in (starts: each piece's first local token, then the end)."""
-    return max(k for k in range(len(starts) - 1) if starts[k] <= a)
 
 
 def _corrected(out_aug, initial, dv):

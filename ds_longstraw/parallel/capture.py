@@ -27,7 +27,7 @@ from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
 from .cp_sparse import capture_sparse_layer
-from .groups import local_spans
+from .groups import contiguous_bounds, local_spans, local_tokens
 from .ulysses import ulysses_attention_layer
 
 
@@ -41,7 +41,7 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     ids_all = prompt_ids[:-1]
     pieces = cp.pieces(ids_all.numel())
     mine = pieces[cp.rank]
-    ids = torch.cat([ids_all[lo:hi] for lo, hi in mine])
+    ids = local_tokens(ids_all, mine)
     tokens = ids.numel()
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
@@ -71,7 +71,7 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
     pairs = [(a, b) for a, b, _ in spans]
-    bounds = [own[0] for own in pieces] if all(len(own) == 1 for own in pieces) else None  # contiguous shards
+    bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses and the global top-k need them)
     boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
     final_carry = {}
     selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)

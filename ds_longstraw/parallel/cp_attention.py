@@ -37,7 +37,7 @@ from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise
 from ds_longstraw.offload import Stager
 from ds_longstraw.state import append_rows, keep_segment_attention
 
-from .groups import visible_prefix
+from .groups import contiguous_bounds, local_starts, visible_prefix
 
 
 def _acc(dtype):
@@ -242,9 +242,7 @@ def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
     block being received and the next page's landing buffer."""
     layer, key = spec.layer, spec.streams[0]
     mine = pieces[cp.rank]
-    starts = [0]
-    for lo, hi in mine:
-        starts.append(starts[-1] + hi - lo)
+    starts = local_starts(mine)
     sizes = [hi - lo for lo, hi in mine]
     out, lse = empty_partial(q_HTD)
     outs, lses = list(out.split(sizes, 1)), list(lse.split(sizes, 1))
@@ -326,8 +324,8 @@ def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, 
     q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
     stager = layer_stager(pool, [spec])
     try:
-        if all(len(own) == 1 for own in pieces):
-            bounds = [own[0] for own in pieces]
+        bounds = contiguous_bounds(pieces)
+        if bounds is not None:
             remote_out, remote_lse = capture_remote_partial(cp, q_all, stager, spec, scale, bounds, chunk)
         else:
             cp.decisions[(cp.phase_name, layer)] = "ring"

@@ -66,6 +66,29 @@ def visible_prefix(pieces, position: int) -> int:
     return sum(max(0, min(hi, position) - lo) for lo, hi in pieces)
 
 
+def local_starts(pieces):
+    """Each of a rank's pieces' first local token, then the end: [0, n_0, n_0 + n_1, ...]."""
+    starts = [0]
+    for lo, hi in pieces:
+        starts.append(starts[-1] + hi - lo)
+    return starts
+
+
+def piece_index(pieces, position: int) -> int:
+    """The index of the piece of `pieces` that holds prompt position `position`."""
+    return next(k for k, (lo, hi) in enumerate(pieces) if lo <= position < hi)
+
+
+def local_tokens(tokens, pieces):
+    """A rank's tokens of the prompt-ordered `tokens` (dim 0), in local order."""
+    return torch.cat([tokens[lo:hi] for lo, hi in pieces])
+
+
+def contiguous_bounds(pieces):
+    """[(lo, hi)] per rank when every rank owns one piece (the contiguous layout), else None."""
+    return [own[0] for own in pieces] if all(len(own) == 1 for own in pieces) else None
+
+
 def local_spans(pieces, chunk: int):
     """A rank's tokens in chunks of at most `chunk` that never straddle two of its pieces: [(a, b, position)] with
     [a, b) in local order and `position` the prompt position of local token a."""

@@ -56,7 +56,7 @@ from .cp_sparse import (
     request_partials,
     selected_rows_attention,
 )
-from .groups import segments_in_order, visible_prefix
+from .groups import piece_index, segments_in_order, visible_prefix
 
 FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
@@ -339,7 +339,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
             d_carry = {layer: tuple(cp.recv(shape, dtype, order[later[0]][0], layer, "prefix_d_carry",
                                             device=adapter.device) for shape, dtype in parts)
                        for layer, parts in shapes.items()}
-        turn = [b for b in state.boundaries if _piece_of(mine, b.position) == index] if hi > lo else []
+        turn = [b for b in state.boundaries if piece_index(mine, b.position) == index] if hi > lo else []
         if turn:
             remote = RemotePages(cp, sizes, adapter, servers=servers)
             d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
@@ -359,11 +359,6 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
 def _carry_part(grads, part, shape, dtype, device):
     """Part `part` of a layer's d(carry) as sent (zeros where the piece starts at the prompt start: no carry)."""
     return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
-
-
-def _piece_of(pieces, position):
-    """The index of the piece of `pieces` that holds prompt position `position`."""
-    return next(k for k, (lo, hi) in enumerate(pieces) if lo <= position < hi)
 
 
 def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, recompute, visible):
