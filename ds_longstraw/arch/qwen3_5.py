@@ -190,17 +190,15 @@ class Qwen35Adapter(CausalLMAdapter):
         over keys held elsewhere (context-parallel pages), merged with the local partial by LSE; known: the
         (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed. With
         both, remote(q_HTD, known=(out, lse)) passes the merged result through and adds the remote keys' share of
-        the gradients in backward. remote_keys: instead of remote, the other ranks' keys as a request that runs
-        while the local keys are attended (the prefix pass's turns, parallel/prefix.RemoteKeys), forward and
-        backward."""
+        the gradients in backward. remote_keys: instead of remote (which is then None), the other ranks' keys as a
+        request that runs while the local keys are attended (the prefix pass's turns, parallel/prefix.RemoteKeys),
+        forward and backward, merged inside attention_with_past."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
         sinks = [getattr(pair, "grad_sink", None) for pair in past]  # exact mode's prompt pages (StagedPast)
         out_HTD, lse_HT = attention_with_past(query[0], past_KTD, key[0], value[0], module.scaling, sinks=sinks,
                                               known=known, remote=remote_keys)
-        if remote_keys is not None:
-            pass  # merged inside attention_with_past
-        elif remote is not None and known is not None:
+        if remote is not None and known is not None:
             # the kept result is already merged over every rank's keys: only the remote gradient path is left
             out_HTD, lse_HT = remote(query[0], known=(out_HTD, lse_HT))
         elif remote is not None:
@@ -262,12 +260,13 @@ class Qwen35Adapter(CausalLMAdapter):
             state, tail = carry.get(index, (None, None))
             mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
         else:
-            remote = None if remote_attention is None else partial(remote_attention, index)
             # a remote that takes its requests in two halves (the prefix pass's turns) overlaps the local attention
             keys = getattr(remote_attention, "keys", None)
+            remote_keys = None if keys is None else keys(index)
+            remote = None if remote_attention is None or remote_keys is not None else partial(remote_attention, index)
             mixed, first, second, attention = self.attention_forward(
                 layer.self_attn, h, cos, sin, past.get(index, []), remote, known_attention.get(index),
-                remote_keys=None if keys is None else keys(index))
+                remote_keys=remote_keys)
         return self.mlp_residual(index, residual + mixed), first, second, attention
 
     def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,

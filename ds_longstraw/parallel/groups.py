@@ -176,15 +176,11 @@ class CPContext:
 
     @contextmanager
     def waiting(self):
-        """Time a blocking exchange as this phase's waiting (nested exchanges count once)."""
-        if getattr(self, "_inside", False):
-            yield
-            return
-        self._inside, start = True, time.perf_counter()
+        """Time a blocking exchange (one torch.distributed call) as this phase's waiting."""
+        start = time.perf_counter()
         try:
             yield
         finally:
-            self._inside = False
             self.waited[self.phase_name] += time.perf_counter() - start
 
     def reset(self):

@@ -61,20 +61,15 @@ from .groups import piece_index, segments_in_order, visible_prefix
 FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
 
-def _servers(sizes, owner):
-    """The ranks whose pages `owner`'s queries read: every earlier rank that holds tokens."""
-    return [i for i in range(owner) if sizes[i]]
-
-
 class RemotePages:
     """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the other ranks' earlier pages;
     for a "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
     `remote`: the earlier ranks hold positions [0, end)). servers: the ranks that hold keys before the turn's
-    piece (None: every earlier rank that holds tokens, contiguous shards)."""
+    piece."""
 
-    def __init__(self, cp, sizes, adapter=None, servers=None):
+    def __init__(self, cp, sizes, servers, adapter=None):
         self.cp = cp
-        self.servers = _servers(sizes, cp.rank) if servers is None else servers
+        self.servers = servers
         self.sizes, self.adapter = sizes, adapter
         self.end = sum(sizes[: cp.rank])
 
@@ -341,7 +336,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
                        for layer, parts in shapes.items()}
         turn = [b for b in state.boundaries if piece_index(mine, b.position) == index] if hi > lo else []
         if turn:
-            remote = RemotePages(cp, sizes, adapter, servers=servers)
+            remote = RemotePages(cp, sizes, servers, adapter)
             d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
                                       remote_attention=remote if servers else None, recompute=recompute,
                                       boundaries=turn)
