@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .parallel.groups import segments_in_order  # prompt order: the order the prefix pass's turns index
 from .prefix_pass import segment_roots
 
 PAD_TOKEN = 0
@@ -78,8 +79,8 @@ def capture_chunks(prompt_length, settings, cp=None) -> int:
 def segment_chunks(prompt_length, settings, cp) -> tuple:
     """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
     the prefix iterations of each turn of exact mode's pass (parallel/prefix.py)."""
-    pieces = sorted(piece for own in cp.pieces(prompt_length - 1) for piece in own)
-    return tuple(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in pieces)
+    return tuple(ceil_div(hi - lo, settings.segment_tokens)
+                 for _, _, lo, hi in segments_in_order(cp.pieces(prompt_length - 1)))
 
 
 def shape_of(group, settings, cp=None) -> GroupShape:

@@ -474,3 +474,14 @@ def test_auto_scan_holds_the_outputs_only_where_they_fit():
     assert auto > one_pass
     with pytest.raises(ValueError, match="cp_scan must be"):
         make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="three_pass")
+
+
+@pytest.mark.parametrize("context,cp,chunk", [(23, 2, 4), (2_097_152, 8, 4096), (10, 4, 2), (1000, 3, 7)])
+def test_zigzag_chunks_match_the_capture_chunks(context, cp, chunk):
+    """offload/plan.zigzag_chunks (offload stands alone, so it sizes the segments itself) == the most chunks a rank's
+    capture makes under the zigzag layout (parallel/groups.local_spans over shard_pieces)."""
+    from ds_longstraw.offload.plan import zigzag_chunks
+    from ds_longstraw.parallel import local_spans, shard_pieces
+
+    pieces = shard_pieces(context - 1, cp, "zigzag")
+    assert zigzag_chunks(context, cp, chunk) == max(len(local_spans(own, chunk)) for own in pieces)
