@@ -93,6 +93,13 @@ class LongstrawConfig(DeepSpeedConfigModel):
         shard are at most SCAN_HOLD_FRACTION of the device's total memory, or off CUDA; else two_pass; the rule
         reads the prompt, the model and the device type's total memory, so every rank of a job of one GPU type
         decides alike).
+    cp_prefix: under context parallelism, how exact mode's prefix pass runs: "layer_major" (every rank at once,
+        layer by layer top to bottom, parallel/prefix_layers.py: each rank keeps every layer's input over its shard
+        from capture, on offload.tier, reported as retained "layer_inputs"), "turns" (the prompt's segments right to
+        left, one owner at a time while the others answer its requests, parallel/prefix.py: memory one chunk's
+        graph; the schedule before layer-major, kept for comparison) or "auto" (the default: layer_major where it
+        runs, that is for layers that combine by "lse" or "affine_scan", as qwen3_5's; turns otherwise, as for
+        glm_moe_dsa's global top-k).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -114,6 +121,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_attention: Literal["lse", "ulysses"] = "lse"
     cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
     cp_scan: Literal["auto", "one_pass", "two_pass"] = "auto"
+    cp_prefix: Literal["auto", "layer_major", "turns"] = "auto"
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

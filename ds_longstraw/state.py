@@ -41,6 +41,9 @@ class PrefixState:
     # exact mode: the store of the carry checkpoints (CarryCheckpoints on the device, PooledCarryCheckpoints on
     # offload.tier); None in detached mode
     checkpoints: "CarryCheckpoints | PooledCarryCheckpoints | None" = None
+    # exact mode's layer-major prefix pass under context parallelism (parallel/prefix_layers.py): every layer's
+    # input hidden states over this rank's shard, on a pool of offload.tier (stream INPUT_STREAM); None otherwise
+    input_pool: PagePool | None = None
 
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by the specs' labels, plus exact mode's carry checkpoints and kept
@@ -60,7 +63,13 @@ class PrefixState:
             kept_by_stream = self.kept_pool.bytes_by_stream()
             kept = sum(kept_by_stream.get((spec.layer, s.name), 0) for spec in self.specs for s in spec.kept)
         out["kept_attention_pages"] = kept
+        if self.input_pool is not None:
+            out["layer_inputs"] = sum(self.input_pool.bytes_by_stream().values())
         return out
+
+    def read_layer_input(self, layer):
+        """Layer `layer`'s input hidden states over the captured tokens, [1, T, C] (the layer-major prefix pass)."""
+        return self.input_pool.read(layer, INPUT_STREAM).unsqueeze(0)
 
     def begin_kept_attention(self, start, end):
         """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
@@ -75,10 +84,11 @@ class PrefixState:
             layer: tuple(got[(layer, s.name)].transpose(0, 1).contiguous() for s in streams)
             for layer, streams in kept.items()})
 
-    def begin_carry(self, boundary):
-        """Issue the read of the carry checkpointed at `boundary` (one of self.boundaries); result(): layer ->
-        its carry, absent for a layer that starts from zeros there (the prompt start)."""
-        return self.checkpoints.begin_load(boundary)
+    def begin_carry(self, boundary, layers=None):
+        """Issue the read of the carry checkpointed at `boundary` (one of self.boundaries), of every layer or of
+        `layers` only; result(): layer -> its carry, absent for a layer that starts from zeros there (the prompt
+        start)."""
+        return self.checkpoints.begin_load(boundary, layers)
 
     def flush(self):
         """Write back what capture left in partial pages: afterwards every page is on its tier."""
@@ -87,6 +97,8 @@ class PrefixState:
             self.kept_pool.flush()
         if self.checkpoints is not None:
             self.checkpoints.flush()
+        if self.input_pool is not None:
+            self.input_pool.flush()
 
     def release(self):
         """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
@@ -94,6 +106,8 @@ class PrefixState:
             self.kept_pool.release()
         if self.checkpoints is not None:
             self.checkpoints.release()
+        if self.input_pool is not None:
+            self.input_pool.release()
         self.pool.release()
         self.carry.clear()
         self.boundaries.clear()
@@ -183,8 +197,9 @@ class CarryCheckpoints(_CheckpointStore):
     def flush(self):
         """Nothing to write back: the store is on the device."""
 
-    def begin_load(self, boundary):
-        return ReadyRead(dict(boundary.carry))  # views into the store: complete at once
+    def begin_load(self, boundary, layers=None):
+        # views into the store: complete at once
+        return ReadyRead({layer: parts for layer, parts in boundary.carry.items() if layers is None or layer in layers})
 
     def nbytes(self) -> int:
         return self._saved_bytes
@@ -230,8 +245,9 @@ class PooledCarryCheckpoints(_CheckpointStore):
     def flush(self):
         self.pool.flush()
 
-    def begin_load(self, boundary):
-        slots = boundary.carry  # layer -> its slot
+    def begin_load(self, boundary, layers=None):
+        slots = {layer: slot for layer, slot in boundary.carry.items()  # layer -> its slot
+                 if layers is None or layer in layers}
         tickets = {(layer, part): self.pool.begin_read(layer, self._name(part), slot, slot + 1)
                    for layer, slot in slots.items() for part in range(self._parts[layer])}
         return PendingReads(tickets, lambda got: {
@@ -252,13 +268,30 @@ def open_checkpoints(settings, slots, device, rank=0):
     return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
 
 
+INPUT_STREAM = "layer_input"
+
+
+def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0):
+    """The pool of every layer's input hidden states [tokens, hidden_size] (the layer-major prefix pass), on
+    offload.tier, its streams reserved."""
+    pool = make_pool(settings.offload, settings.page_tokens, device, rank)
+    try:
+        for layer in layers:
+            pool.reserve(layer, INPUT_STREAM, tokens, (hidden_size,), dtype)
+    except BaseException:
+        pool.release()
+        raise
+    return pool
+
+
 def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0,
-                      chunks=None) -> PrefixState:
+                      chunks=None, keep_inputs=False) -> PrefixState:
     """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
     `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
     pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, in exact mode
-    (keep_boundaries), the carry checkpoint store and with prefix_keep_attention the kept attention's pool. What
-    was opened is released again on error."""
+    (keep_boundaries), the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
+    keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass). What was opened is released
+    again on error."""
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
     state = PrefixState(length=tokens if length is None else length, pool=pool, specs=adapter.specs, offset=offset)
     try:
@@ -270,6 +303,9 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
         if keep_boundaries:
             slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
             state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
+        if keep_inputs:
+            state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype,
+                                               [spec.layer for spec in adapter.specs], tokens, adapter.device, rank)
     except BaseException:
         state.release()
         raise

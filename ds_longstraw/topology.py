@@ -28,6 +28,7 @@ from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selecti
 from .parallel.experts import is_expert_param
 from .parallel.groups import as_cp_context, local_tokens
 from .parallel.prefix import cp_prefix_backward
+from .parallel.prefix_layers import layer_major_prefix_backward
 from .parallel.spread import gather_members, spread
 from .parallel.ulysses import check_heads
 from .prefix_pass import prefix_backward
@@ -136,6 +137,7 @@ class ContextParallel:
         self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
         self.cp.layout = resolve_layout(adapter.specs, settings)
+        self.prefix_schedule = resolve_prefix(adapter, settings)
         check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
@@ -147,7 +149,8 @@ class ContextParallel:
 
     def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
         return cp_capture_prefix(adapter, prompt_ids, settings, self.cp, keep_boundaries=keep_boundaries,
-                                 pad=schedule.capture_pad)
+                                 pad=schedule.capture_pad,
+                                 keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
 
     def replay_view(self, adapter, state, requires_grad):
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
@@ -202,8 +205,12 @@ class ContextParallel:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
         shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
-        cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
-                           turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
+        if self.prefix_schedule == "layer_major":
+            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens,
+                                        backward=backward, pad=schedule.capture_pad)
+        else:
+            cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
+                               turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
 
     def begin_gradients(self, model, caller_reduces):
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
@@ -220,7 +227,7 @@ class ContextParallel:
     def report(self, state, group) -> dict:
         pieces = self.cp.pieces(state.length)[self.cp.rank]
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
-        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
+        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout, prefix=self.prefix_schedule,
                            replayed_tokens=replayed,
                            replayed_members=self.replay_members(group))}
 
@@ -259,6 +266,25 @@ def resolve_layout(specs, settings) -> str:
     if settings.cp_layout == "auto":
         return "contiguous" if blockers else "zigzag"
     return settings.cp_layout
+
+
+# The combines the layer-major prefix pass runs (parallel/prefix_layers.py)
+LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
+
+
+def resolve_prefix(adapter, settings) -> str:
+    """How exact mode's CP prefix pass runs ("layer_major" or "turns") from settings.cp_prefix; ValueError (before
+    any work) when layer_major is asked for where it does not run."""
+    combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
+    scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
+    blockers = ([f"layers that combine by {combines}"] if combines else []) + (
+        [f"{adapter.family} (no prefix_scan_layer)"] if scan and not hasattr(adapter, "prefix_scan_layer") else [])
+    if settings.cp_prefix == "layer_major" and blockers:
+        raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
+                         "or 'turns'")
+    if settings.cp_prefix == "auto":
+        return "turns" if blockers else "layer_major"
+    return settings.cp_prefix
 
 
 def topology_for(cp_group, settings):

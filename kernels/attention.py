@@ -174,6 +174,13 @@ def _backward(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, ne
     return _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv)
 
 
+def key_set_grads(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, scale, causal_offset=None, key_block=KEY_BLOCK):
+    """(dq share, dK, dV) of one key set of a merged attention, from the MERGED out and lse (no lse gradient),
+    through the first kernel that applies (as a segment's backward does); the plain form is
+    blockwise_grads_from_delta."""
+    return _backward(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, None, scale, causal_offset, key_block, True)
+
+
 def sink_block(q_HTD, k_KTD, key_block):
     """Keys per sink call of a prompt segment's backward: LIBRARY_KEY_BLOCK where flash serves the calls, else
     key_block (see LIBRARY_KEY_BLOCK)."""

@@ -224,3 +224,32 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     out, final = _ChunkedDeltaRule.apply(query, key, value, g, beta, initial_state, use_qk_l2norm_in_kernel,
                                          chunk_size)
     return out, (final if output_final_state else None)
+
+
+def delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=False, chunk_size=64):
+    """How the gradient of a segment's initial state depends on the gradient D of its final state, given the
+    gradient d_out [B, T, Hv, dv] of its outputs: d(initial state) = A @ D + L, returned as (L [B, Hv, dk, dv],
+    A [B, Hv, dk, dk]) in accumulation precision.
+
+    Neither depends on the initial state itself (the backward's state recurrence is affine in dS and its
+    coefficients are chunk-local), so every context-parallel rank can summarise its segments at once and a reverse
+    scan of (L, A) across segments gives each its true D (ds_longstraw.parallel.prefix_layers). The recurrence is
+    `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X from the identity (the transposed transition):
+        dS_(i-1) = (decay_i I - R_i^T K_end_i) dS_i + Qd_i^T dO_i - R_i^T intra_i^T dO_i.
+    Costs about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/test_kernels.py."""
+    prepared = _Prepared(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size)
+    chunk = _Chunk(*prepared.chunks)
+    batch, heads, n, c, dk = chunk.k.shape
+    dv = chunk.v.shape[-1]
+    acc = chunk.q.dtype
+    t = query.shape[1]
+    d_out = F.pad(d_out.to(acc).transpose(1, 2), (0, 0, 0, n * c - t)).reshape(batch, heads, n, c, dv)
+    constant = (chunk.q_decayed.transpose(-1, -2) @ d_out
+                - chunk.reads.transpose(-1, -2) @ (chunk.intra.transpose(-1, -2) @ d_out))  # [B, H, n, dk, dv]
+    eye = torch.eye(dk, dtype=acc, device=chunk.q.device).expand(batch, heads, dk, dk)
+    joint = torch.cat([torch.zeros(batch, heads, dk, dv, dtype=acc, device=chunk.q.device), eye], -1)
+    for i in reversed(range(n)):
+        joint = (joint * chunk.chunk_decay[:, :, i]
+                 - chunk.reads[:, :, i].transpose(-1, -2) @ (chunk.k_to_end[:, :, i] @ joint))
+        joint[..., :dv] += constant[:, :, i]
+    return joint[..., :dv], joint[..., dv:]

@@ -29,6 +29,7 @@ from ds_longstraw import GRPOObjective, grpo_backward
 from ds_longstraw.model_shape import shape_from_config
 from ds_longstraw.offload.plan import gdn_scan_outputs
 from ds_longstraw.parallel import shard_pieces, visible_prefix
+from ds_longstraw.parallel.groups import local_spans
 
 TOL = 1e-8
 WORLDS = [2, 3, 4]
@@ -97,6 +98,14 @@ CASES = [
          cp_attention="ulysses", keep=True, worlds=(2, 4), seed=6),
     dict(name="kept-nvme-kl-exact", prompt_len=19, response_lens=[4, 6], mode="exact", chunk=5, page=4, block=4,
          keep=True, tier="cpu", kept_tier="nvme", objective={"kl_coef": 0.3}, ref_seed=7, seed=3, worlds=(2, 3)),
+    # exact mode's prefix pass in turns (the schedule before layer-major, kept for comparison): the groups of
+    # "uneven-exact" and "kept-exact", and zigzag's short pieces on the host tier
+    dict(name="turns-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         prefix="turns"),
+    dict(name="turns-kept-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         keep=True, prefix="turns"),
+    dict(name="turns-short-exact", prompt_len=10, response_lens=[3, 1, 2], mode="exact", chunk=2, page=2, block=2,
+         tier="cpu", layout="zigzag", seed=12, prefix="turns"),
     # ... and refused at the door where the heads do not split (4 heads, 3 ranks)
     dict(name="ulysses-refused", prompt_len=22, response_lens=[4, 3], mode="exact", chunk=4, page=3, block=3,
          cp_attention="ulysses", worlds=(3,), expect_error=True, seed=6),
@@ -337,7 +346,7 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
     heads, dim = config.num_attention_heads, config.head_dim
     attention_layers = config.layer_types.count("full_attention")
     pieces = shard_pieces(BY_NAME["kept-exact"]["prompt_len"] - 1, world, "zigzag")
-    for own, kept, plain in zip(pieces, results["kept-exact"], results["uneven-exact"]):
+    for own, kept, plain in zip(pieces, results["turns-kept-exact"], results["turns-exact"]):
         tokens = sum(hi - lo for lo, hi in own)
         assert kept["retained"]["kept_attention_pages"] == tokens * attention_layers * (heads * dim + heads) * 8
         assert plain["retained"]["kept_attention_pages"] == 0
@@ -349,4 +358,52 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
         assert with_kept.get("prefix_dq", 0) == recomputed.get("prefix_dq", 0)
     # zigzag: every rank's later piece reads the other ranks' earlier pages: its forward requests were the ones
     # skipped
-    assert all(r["cp"]["received_bytes_by_op"]["prefix"]["prefix_out"] > 0 for r in results["uneven-exact"])
+    assert all(r["cp"]["received_bytes_by_op"]["prefix"]["prefix_out"] > 0 for r in results["turns-exact"])
+
+
+def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
+    """The layer-major prefix pass ("auto" for qwen3_5) and what it moves, against its formulas (float64):
+    - each rank keeps every layer's input over its shard: tokens x hidden x layers x 8 bytes ("layer_inputs");
+    - attention, per layer: a rank receives (2 H D + 2 H) values for each token of another rank's chunk that sees
+      its keys (q, dout, lse and delta) and H D for each token of its own chunks per rank whose keys they see (the
+      dq shares); recomputing the forward (attention not kept) adds the capture's page ring, which the kept
+      attention skips;
+    - GDN, per layer: one [L | A] state adjoint summary and one d(start tail) per piece of every other rank;
+    - the turns pass gives the same gradients (1e-12: only the association of sums differs)."""
+    world, results = world_results
+    config = tiny_qwen3_5(**MODEL).config
+    heads, dim, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
+    attention_layers = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
+    gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    case = BY_NAME["uneven-exact"]
+    length, chunk = case["prompt_len"] - 1, case["chunk"]
+    pieces = shard_pieces(length, world, "zigzag")
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    conv_dim = 2 * config.linear_num_key_heads * dk + hv * dv
+    per_gdn = (world - 1) * len(pieces[0]) * 8 * (hv * dk * (dv + dk) + conv_dim * (config.linear_conv_kernel_dim - 1))
+
+    def seen_tokens(querier, owner):  # tokens of querier's chunks that see keys of owner
+        return sum(b - a for a, b, position in local_spans(pieces[querier], chunk)
+                   if visible_prefix(pieces[owner], position))
+
+    for rank, (plain, kept, turns) in enumerate(zip(results["uneven-exact"], results["kept-exact"],
+                                                    results["turns-exact"])):
+        assert plain["cp"]["prefix"] == "layer_major" and turns["cp"]["prefix"] == "turns"
+        tokens = sum(hi - lo for lo, hi in pieces[rank])
+        assert plain["retained"]["layer_inputs"] == tokens * hidden * len(config.layer_types) * 8
+        assert "layer_inputs" not in turns["retained"]
+        assert relative_l2(plain["grads"], turns["grads"]) <= 1e-12
+        assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12
+        others = [j for j in range(world) if j != rank]
+        requests = sum(seen_tokens(j, rank) for j in others) * (2 * heads * dim + 2 * heads) * 8
+        answers = sum(seen_tokens(rank, j) for j in others) * heads * dim * 8
+        for result in (plain, kept):
+            by_layer = result["cp"]["received_bytes_by_layer"]["prefix"]
+            by_op = result["cp"]["received_bytes_by_op"]["prefix"]
+            assert all(by_layer[layer] == per_gdn for layer in gdn_layers)
+            assert by_op["prefix_layer_dq"] == answers * len(attention_layers)
+            assert by_op["prefix_layer_q"] + by_op["prefix_layer_dout"] + by_op["prefix_layer_lse_delta"] \
+                == requests * len(attention_layers)
+        recomputed = plain["cp"]["received_bytes_by_op"]["prefix"].get("capture_kv", 0)
+        assert recomputed == plain["cp"]["received_bytes_by_op"]["capture"]["capture_kv"]
+        assert "capture_kv" not in kept["cp"]["received_bytes_by_op"]["prefix"]

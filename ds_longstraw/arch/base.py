@@ -19,6 +19,21 @@ class SegmentOutput:
     attention: dict = field(default_factory=dict)  # layer -> (out, lse) of its attention (kept attention), if any
 
 
+def inject_gradients(outputs, grads, backward=None):
+    """Back-propagate `grads` into `outputs` (None: zeros). Every output that requires grad is a root, whatever its
+    gradient, so that a real iteration and a zero one (ZeRO-3 lockstep) walk the same modules backward.
+    backward: None (torch.autograd.backward), or a callable taking one scalar (DeepSpeed's engine.backward): it
+    gets sum((output * grad).sum()), whose gradient with respect to each output is exactly its grad."""
+    live = [(o, torch.zeros_like(o) if g is None else g.to(o.dtype))
+            for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+    if not live:
+        return
+    if backward is None:
+        torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+    else:
+        backward(sum((o * g.detach()).sum() for o, g in live))
+
+
 class CausalLMAdapter:
     body = lm_head = config = None  # set by the family's adapter
 
@@ -29,6 +44,10 @@ class CausalLMAdapter:
     @property
     def device(self):
         return self.body.embed_tokens.weight.device
+
+    @property
+    def hidden_size(self):
+        return self.config.hidden_size
 
     @property
     def vocab_size(self):

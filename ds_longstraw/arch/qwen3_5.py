@@ -24,6 +24,7 @@ from ds_longstraw.kernels.dispatch import record
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
 from .qwen3_5_scan import capture_gdn_layer, forward_replaced
+from .qwen3_5_scan_backward import prefix_gdn_layer
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
 
 FULL_ATTENTION = "full_attention"
@@ -249,6 +250,12 @@ class Qwen35Adapter(CausalLMAdapter):
         """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
         return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, pieces, boundaries,
                                  index, pad=pad, checkpoints=checkpoints, hold=hold)
+
+    def prefix_scan_layer(self, index, x_1TC, dy_1TC, state, spans, cp, pieces, d_final, backward=None, pad=0):
+        """One Gated DeltaNet layer of the layer-major exact prefix pass under context parallelism: d(layer input)
+        over this rank's shard (qwen3_5_scan_backward.py)."""
+        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, x_1TC, dy_1TC, state, spans, cp,
+                                pieces, d_final, backward=backward, pad=pad)
 
     # -- the segment -------------------------------------------------------------------------------------
     def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):

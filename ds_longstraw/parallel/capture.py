@@ -23,7 +23,7 @@ prefix_keep_attention also its own tokens' merged attention output and LSE).
 import torch
 
 from ds_longstraw.offload.plan import holds_scan
-from ds_longstraw.state import ChunkBoundary, PrefixState, open_prefix_state
+from ds_longstraw.state import INPUT_STREAM, ChunkBoundary, PrefixState, open_prefix_state
 
 from .cp_attention import capture_attention_layer
 from .cp_sparse import capture_sparse_layer
@@ -31,13 +31,16 @@ from .groups import contiguous_bounds, local_spans, local_tokens
 from .ulysses import ulysses_attention_layer
 
 
-def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, pad=0) -> PrefixState:
+def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, pad=0,
+                      keep_inputs=False) -> PrefixState:
     """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
 
     pad: extra one-token chunks of dummy module calls per layer (ZeRO-3 lockstep, ../lockstep.py): at every place
     where a layer calls a submodule once per chunk, this rank makes `pad` more calls on a zero token (outputs
     discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
-    order, with the context-parallel exchanges at the same places in between."""
+    order, with the context-parallel exchanges at the same places in between.
+    keep_inputs: also keep every layer's input over the shard (exact mode's layer-major prefix pass,
+    prefix_layers.py)."""
     ids_all = prompt_ids[:-1]
     pieces = cp.pieces(ids_all.numel())
     mine = pieces[cp.rank]
@@ -47,7 +50,8 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
     # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
     state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=ids_all.numel(),
-                              offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)))
+                              offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
+                              keep_inputs=keep_inputs)
     try:
         _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad)
     except BaseException:
@@ -83,6 +87,8 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
             index = spec.layer
+            if state.input_pool is not None:
+                state.input_pool.append(index, INPUT_STREAM, hidden[0])
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
                 mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,

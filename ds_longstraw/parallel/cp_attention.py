@@ -310,18 +310,34 @@ def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, 
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
     Pass A computes q, gate, K, V chunk by chunk (spans: [(a, b, position)], groups.local_spans) and appends K/V to
-    this rank's pages; the remote partial over the other ranks' earlier keys is computed for the whole shard
-    (contiguous shards: capture_remote_partial; several pieces per rank: ring_remote_partial); pass B attends each
-    chunk to itself (causal) and this rank's earlier pages, merges the remote partial by LSE and applies the
-    output projection.
+    this rank's pages; then shard_attention gives each chunk's merged (out, lse) over every rank's earlier keys,
+    and the output projection is applied.
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
     kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
     layer = spec.layer
     queries, gates = project_spans(adapter, spec, normed_1TC, spans, pool)
     dummy_out = pad_qkv_calls(adapter, layer, normed_1TC, pad)
+    results = shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk)
+    outs = []
+    for result, gate in zip(results, gates):
+        if kept_pool is not None:
+            keep_segment_attention(kept_pool, spec, result)
+        outs.append(adapter.attention_finish(layer, result[0], gate))
+    pad_output_calls(adapter, layer, dummy_out)
+    return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
+
+
+def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
+    """The merged (out, lse) of each chunk of this rank's shard (queries: [H, T_c, D] per span) over every rank's
+    keys before it, its own pages being in place (no autograd; every rank calls it for the layer).
+
+    The remote partial over the other ranks' earlier keys is computed for the whole shard (contiguous shards:
+    capture_remote_partial; several pieces per rank: ring_remote_partial); then each chunk attends to itself
+    (causal) and this rank's earlier pages, and the remote partial is merged by LSE."""
+    layer = spec.layer
     heads, _, dim = adapter.attention_geometry()
     scale = adapter.attention_scale(layer)
-    q_all = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
+    q_all = torch.cat(queries, 1) if queries else pool_empty_queries(adapter, heads, dim)
     stager = layer_stager(pool, [spec])
     try:
         bounds = contiguous_bounds(pieces)
@@ -331,24 +347,23 @@ def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, 
             cp.decisions[(cp.phase_name, layer)] = "ring"
             remote_out, remote_lse = ring_remote_partial(cp, q_all, stager, spec, scale, pieces, chunk)
         del q_all
-        outs = [_capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out, remote_lse, kept_pool)
-                for (a, b, _), q, gate in zip(spans, queries, gates)]
+        return [_chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse)
+                for (a, b, _), q in zip(spans, queries)]
     finally:
         stager.close()
-    pad_output_calls(adapter, layer, dummy_out)
-    return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 
-def _capture_chunk(adapter, spec, stager, pool, scale, q, gate, a, b, remote_out, remote_lse, kept_pool):
+def pool_empty_queries(adapter, heads, dim):
+    return torch.zeros(heads, 0, dim, dtype=adapter.dtype, device=adapter.device)
+
+
+def _chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse):
     """One chunk [a, b) of the shard: causal over itself, over this rank's earlier pages (streamed page by page)
     and, merged by LSE, over the earlier ranks' keys (remote partial)."""
     out, lse = attention_with_past(q, [], *_pages_KTD(pool, spec, a, b), scale)
     earlier_out, earlier_lse = streamed_partial(stager, spec, q, scale, 0, a)
     out, lse = merge_partials(out, lse, earlier_out, earlier_lse.to(lse.dtype))
-    out, lse = merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
-    if kept_pool is not None:
-        keep_segment_attention(kept_pool, spec, (out, lse))
-    return adapter.attention_finish(spec.layer, out, gate)
+    return merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
 
 
 def project_spans(adapter, spec, normed_1TC, spans, pool):

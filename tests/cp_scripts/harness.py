@@ -66,6 +66,8 @@ def case_config(case, world, out_dir=None):
         config["cp_layout"] = case["layout"]
     if "scan" in case:
         config["cp_scan"] = case["scan"]
+    if "prefix" in case:
+        config["cp_prefix"] = case["prefix"]
     if case.get("keep"):  # exact mode's kept attention, optionally on a tier of its own
         config["prefix_keep_attention"] = True
     if "kept_tier" in case:

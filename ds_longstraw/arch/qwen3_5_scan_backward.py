@@ -1,0 +1,210 @@
+"""qwen3_5's Gated DeltaNet in the layer-major exact prefix pass: every context-parallel rank's backward at once.
+
+The family half of the "affine_scan" combine in ds_longstraw.parallel.prefix_layers (the capture's half is
+qwen3_5_scan.py). The pass walks the layers top to bottom on all ranks together; at this layer each rank holds
+d(layer output) for its own tokens and the layer's input over its shard (saved at capture), and must produce
+d(layer input), the parameter gradients of its tokens, and nothing else across ranks but two small exchanges.
+
+What crosses ranks backward, and why it is cheap:
+  state  the backward of the delta rule's state recurrence is affine in the gradient D of a segment's end state:
+         d(start state) = A D + L, where L (from the segment's output gradients) and A (the transposed transition)
+         do not depend on the forward state (kernels/gated_delta_chunked.delta_rule_state_adjoint). Each rank
+         summarises its pieces, the summaries are all-gathered, and every rank folds them from the prompt's end
+         (D of the last segment: replay's gradient of the prompt's final state) to get its pieces' true D. Each
+         piece then runs its own backward from its D, chunk by chunk, last chunk first.
+  tail   a segment's end conv tail is the last k-1 tokens of its pre-convolution projection (fewer when the segment
+         is shorter, the rest coming from its start tail). Its gradient touches only those projections, not the
+         recurrence, so the pieces' backwards run with zero d(end tail); afterwards the d(start tail) of every
+         piece is all-gathered, every rank folds them from the prompt's end (replay's gradient of the final tail
+         first) and back-propagates its pieces' share through the last tokens' projection.
+Per rank that is about its share of the layer's backward: the layer's forward recomputed twice (the output side
+once, the input side with the delta rule once) plus the summary's recurrence over [dS | X], (dv + dk) / dv of
+the backward's own state loop.
+
+Steps per GDN layer (pad: ZeRO-3 lockstep dummies after each per-chunk loop, as the capture makes):
+(0) no graph, per chunk from its checkpointed carry: the delta rule's inputs and output, the output gate z;
+(1) per chunk with autograd: y = mlp_residual(x + finish(o, z)) with o and z as leaves: d(o), d(z), d(x) part;
+(2) per piece: (L, A) from its inputs and d(o); all-gather; fold -> each piece's D;
+(3) per piece, chunks last first, with autograd from the chunk's checkpointed carry (leaves): the delta rule's
+    roots (o, z, end state, end tail) get (d(o), d(z), D or the next chunk's d(start state), the next chunk's
+    d(start tail)); d(x) part;
+(4) all-gather the pieces' d(start tail); fold; each piece's last tokens' projection gets its share; d(x) part.
+"""
+
+import torch
+
+from ds_longstraw.kernels import chunk_gated_delta_rule
+from ds_longstraw.kernels.gated_delta_chunked import delta_rule_state_adjoint
+from ds_longstraw.parallel.groups import local_starts, segments_in_order
+
+from .base import inject_gradients
+from .qwen3_5_scan import _call_module, forward_replaced, identity_summary
+
+
+def _core(adapter, module, h_1TC, state, tail):
+    """(o, z, end state, end tail) of the layer's delta rule on input h, as the module's call (ZeRO-3's hooks gather
+    A_log and dt_bias around it, forward and backward)."""
+
+    def forward(h):
+        query, key, value, g, beta, z, new_tail = adapter.gdn_inputs(module, h, tail)
+        out, new_state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
+                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
+        return out, z, new_state, new_tail
+
+    with forward_replaced(module, forward):
+        return tuple(module(h_1TC))
+
+
+def _leaf(tensor):
+    return None if tensor is None else tensor.detach().requires_grad_(True)
+
+
+def prefix_gdn_layer(adapter, module, layer, x_1TC, dy_1TC, state, spans, cp, pieces, d_final, backward=None,
+                     pad=0):
+    """d(layer input) [1, T, C] of GDN layer `layer` over this rank's shard (see the module docstring); parameter
+    gradients accumulate. x_1TC: the layer's input (capture's); dy_1TC: d(layer output); spans: this rank's chunks
+    [(a, b, position)] in local order, one per state.boundaries entry; d_final: replay's (d state, d tail) of the
+    prompt's final carry of this layer, or None."""
+    width = module.conv_kernel_size - 1
+    heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
+    mine, order = pieces[cp.rank], segments_in_order(pieces)
+    starts = local_starts(mine)
+    owned = [[j for j, (a, _, _) in enumerate(spans) if starts[k] <= a < starts[k + 1]] for k in range(len(mine))]
+    acc = adapter.state_dtype()
+    device = x_1TC.device
+    zero = x_1TC.new_zeros(1, 1, x_1TC.shape[-1])
+    d_x = torch.zeros(x_1TC.shape, dtype=dy_1TC.dtype, device=device)
+    carries = [_carry(state, boundary, layer) for boundary in state.boundaries]
+
+    # (0) the delta rule's inputs and outputs, no graph
+    inputs, outs, gates = [], [], []
+    with torch.no_grad():
+        for (a, b, _), (start_state, start_tail) in zip(spans, carries):
+            h = adapter.mixer_input(layer, x_1TC[:, a:b])
+
+            def project(h=h, tail=start_tail):
+                return adapter.gdn_inputs(module, h, tail)
+
+            query, key, value, g, beta, z, _ = _call_module(module, project)
+            out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=start_state,
+                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
+            inputs.append((query, key, value, g, beta))
+            outs.append(out)
+            gates.append(z)
+        for _ in range(pad):  # the calls of a real chunk, in its order
+            h = adapter.mixer_input(layer, zero)
+            _call_module(module, lambda h=h: adapter.gdn_inputs(module, h, None))
+
+    # (1) the output side: d(o), d(z), and the residual's and MLP's share of d(x)
+    d_outs, d_gates = [], []
+    for (a, b, _), out, z in zip(spans, outs, gates):
+        d_out, d_gate, d_part = _output_side(adapter, module, layer, x_1TC[:, a:b], out, z, dy_1TC[:, a:b], backward)
+        d_outs.append(d_out)
+        d_gates.append(d_gate)
+        d_x[:, a:b] += d_part
+    for _ in range(pad):
+        _output_side(adapter, module, layer, zero, zero.new_zeros(1, 1, heads, dv),
+                     zero.new_zeros(1, 1, heads, dv), zero, backward)
+    del outs, gates
+
+    # (2) each piece's state adjoint summary [L | A]; the fold from the prompt's end gives each piece its D
+    summaries = []
+    for k, (lo, hi) in enumerate(mine):
+        if hi == lo or lo == 0:  # empty, or the prompt's first segment (nothing before it reads its D)
+            summaries.append(identity_summary(heads, dk, dv, acc, device))
+            continue
+        query, key, value, g, beta = (torch.cat([inputs[j][i] for j in owned[k]], 1) for i in range(5))
+        d_out = torch.cat([d_outs[j] for j in owned[k]], 1)
+        bias, product = delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=True)
+        summaries.append(torch.cat([bias.to(acc), product.to(acc)], -1))
+    del inputs
+    gathered = cp.all_gather(torch.stack(summaries).contiguous(), layer, "gdn_adjoint_summary")
+    d_end = torch.zeros(1, heads, dk, dv, dtype=acc, device=device)
+    if d_final is not None and d_final[0] is not None:
+        d_end = d_final[0].to(acc).clone()
+    d_ends = {}  # (rank, piece) -> D
+    for rank, index, lo, hi in reversed(order):
+        d_ends[(rank, index)] = d_end
+        if hi > lo:
+            summary = gathered[rank][index]
+            d_end = summary[..., dv:] @ d_end + summary[..., :dv]
+
+    # (3) each piece's backward from its D, last chunk first; d(start tail) of each piece kept for (4)
+    d_tail_starts = []
+    for k in range(len(mine)):
+        d_state, d_tail = d_ends[(cp.rank, k)], None
+        for j in reversed(owned[k]):
+            a, b, _ = spans[j]
+            d_part, d_state, d_tail = _input_side(adapter, module, layer, x_1TC[:, a:b], carries[j],
+                                                  (d_outs[j], d_gates[j], d_state, d_tail), backward)
+            d_x[:, a:b] += d_part
+        d_tail_starts.append(torch.zeros(1, module.conv_dim, width, dtype=x_1TC.dtype, device=device)
+                             if d_tail is None else d_tail.to(x_1TC.dtype))
+    for _ in range(pad):
+        _input_side(adapter, module, layer, zero, (None, None), None, backward)
+
+    # (4) the conv tails: fold the pieces' d(start tail) from the prompt's end; each piece's share of it goes
+    # through its last tokens' pre-convolution projection
+    gathered = cp.all_gather(torch.stack(d_tail_starts).contiguous(), layer, "gdn_tail_grad")
+    t_end = torch.zeros_like(d_tail_starts[0])
+    if d_final is not None and d_final[1] is not None:
+        t_end = d_final[1].to(t_end.dtype).clone()
+    shares = {}  # (rank, piece) -> d(the piece's end tail)
+    for rank, index, lo, hi in reversed(order):
+        n = hi - lo
+        shares[(rank, index)] = t_end
+        passed = torch.zeros_like(t_end)
+        if n < width:  # a short segment's end tail holds part of its start tail
+            passed[..., n:] = t_end[..., : width - n]
+        t_end = gathered[rank][index] + passed
+    for k, (lo, hi) in enumerate(mine):
+        count = min(hi - lo, width)
+        end = starts[k] + hi - lo
+        if count == 0:
+            _tail_projection(adapter, module, layer, zero, zero.new_zeros(1, module.conv_dim, 1), backward)
+            continue
+        d_part = _tail_projection(adapter, module, layer, x_1TC[:, end - count:end],
+                                  shares[(cp.rank, k)][..., width - count:], backward)
+        d_x[:, end - count:end] += d_part
+    return d_x
+
+
+def _carry(state, boundary, layer):
+    """(state, tail) of `layer` checkpointed at the chunk's start ((None, None) at the prompt start)."""
+    got = state.begin_carry(boundary, {layer}).result().get(layer)
+    return (None, None) if got is None else got
+
+
+def _output_side(adapter, module, layer, x_1TC, out, z, dy_1TC, backward):
+    """Step (1) for one chunk: (d o, d z, d x) of y = mlp_residual(x + finish(o, z)) given d y."""
+    x, out, z = _leaf(x_1TC), _leaf(out), _leaf(z)
+    with torch.enable_grad():
+        y = adapter.mlp_residual(layer, x + adapter.gdn_finish(module, out, z))
+        inject_gradients([y], [dy_1TC], backward)
+    return _grad(out), _grad(z), _grad(x)
+
+
+def _input_side(adapter, module, layer, x_1TC, carry, injected, backward):
+    """Step (3) for one chunk from its checkpointed carry: (d x, d start state, d start tail). injected: the
+    gradients of (o, z, end state, end tail), None for a lockstep dummy (zero)."""
+    x = _leaf(x_1TC)
+    start_state, start_tail = (_leaf(t) for t in carry)
+    with torch.enable_grad():
+        roots = _core(adapter, module, adapter.mixer_input(layer, x), start_state, start_tail)
+        inject_gradients(roots, injected or [None] * len(roots), backward)
+    return _grad(x), _grad(start_state), _grad(start_tail)
+
+
+def _tail_projection(adapter, module, layer, x_1TC, d_tail, backward):
+    """Step (4): d(x) of the pre-convolution projection of the tokens x_1TC given its gradient d_tail."""
+    x = _leaf(x_1TC)
+    with torch.enable_grad():
+        projected = module.in_proj_qkv(adapter.mixer_input(layer, x)).transpose(1, 2)
+        inject_gradients([projected], [d_tail], backward)
+    return _grad(x)
+
+
+def _grad(tensor):
+    if tensor is None:
+        return None
+    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad

@@ -1,0 +1,246 @@
+"""Exact mode's prefix pass under context parallelism, layer-major: every rank busy at once.
+
+The turns of prefix.py walk the prompt's segments right to left, one owner at a time, because a segment's backward
+needs the complete gradients of its outputs, which later tokens produce. Walking the LAYERS top to bottom instead,
+all ranks together, breaks that chain everywhere but inside a layer, where it is cheap to settle:
+
+  at layer l every rank holds d(layer output) for its own tokens (from layer l+1's step; zero at the top, where
+  the prompt's hidden states feed nothing) and the layer's input over its shard (saved at capture on the pages'
+  tier, state.input_pool), and produces d(layer input):
+  "lse"          (attention; this module) the output side first, chunk by chunk with autograd from leaves
+                 (out, gate): d(out), d(gate), the residual's and MLP's d(input). Then the attention's backward for
+                 every query of every rank at once: a rank's own keys locally (dK/dV onto its gradient pages), the
+                 other ranks' earlier keys by a ring in which queries travel (step t: rank r sends (q, dout, lse,
+                 delta) of its pieces that see rank r+t's keys to it and answers rank r-t's, whose dK/dV land on its
+                 own gradient pages, sending the dq shares back). Then every rank's pages hold every contribution
+                 (replay's and all prompt queries'), and each chunk back-propagates its projections (q, gate, K, V)
+                 with autograd: d(input).
+  "affine_scan"  (GDN) the family's prefix_scan_layer (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
+                 the state adjoint all-gathered and folded from the prompt's end, each piece's backward from its
+                 own end-state gradient, then the conv tails' gradients likewise.
+Finally the embedding gets d(layer 0 input). Nothing of the prompt's graph outlives one chunk of one layer.
+
+The attention's forward result the output side needs is the capture's kept (out, lse) (prefix_keep_attention),
+or recomputed for the layer by the capture's own exchange (cp_attention.shard_attention, over the pages already in
+place). Bytes received per attention layer and prompt token (the ring, queries travelling): (2 H D + 2 H) values of
+every query that sees a rank's keys, per such rank, and H D of dq back (cp.report's "prefix" phase counts them).
+
+Held per rank across one layer: its input [T, C], d(output) and d(input) [T, C]; for attention the shard's q,
+gate, d(out), d(gate) [T, H D] and (out, lse), for GDN the delta rule's inputs, output, gate and their gradients
+over the shard (the planner's "layer_major_prefix" workspace).
+
+Under ZeRO-3 (lockstep) every rank makes the same module calls in the same order: each per-chunk loop is padded to
+the largest shard's chunk count with one-token zero iterations (the capture's `pad`).
+"""
+
+import torch
+
+from ds_longstraw.arch.base import inject_gradients
+from ds_longstraw.kernels.attention import attention_delta, key_set_grads
+
+from .cp_attention import _acc, _pages_KTD, add_page_grads, layer_stager, shard_attention, streamed_grads
+from .groups import local_spans, visible_prefix
+
+
+def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, pad=0):
+    """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
+
+    ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry) from
+    replay; chunk: the capture segment (settings.segment_tokens). Parameter gradients of this rank's tokens
+    accumulate into .grad; the caller reduces them. backward: as prefix_pass.prefix_backward's; pad: lockstep
+    iterations per chunk loop (lockstep.GroupShape's capture pad)."""
+    pieces = cp.pieces(state.length)
+    spans = local_spans(pieces[cp.rank], chunk)
+    if [(a, b) for a, b, _ in spans] != [(b.start, b.end) for b in state.boundaries]:
+        raise RuntimeError("layer-major prefix pass: the capture's chunks differ from this pass's")
+    tokens = ids.numel()
+    acc = _acc(adapter.dtype)
+    d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=acc, device=adapter.device)
+    for spec in reversed(adapter.specs):
+        x = state.read_layer_input(spec.layer)
+        if spec.combine == "lse":
+            d_hidden = attention_layer_backward(adapter, spec, state, x, d_hidden, spans, cp, pieces, chunk,
+                                                backward, pad)
+        elif spec.combine == "affine_scan":
+            d_hidden = adapter.prefix_scan_layer(spec.layer, x, d_hidden, state, spans, cp, pieces,
+                                                 d_final_carry.get(spec.layer), backward=backward, pad=pad)
+        else:
+            raise NotImplementedError(f"layer {spec.layer}: combine {spec.combine!r} in the layer-major prefix pass")
+        del x
+    for a, b, _ in spans:  # the embedding's share
+        with torch.enable_grad():
+            inject_gradients([adapter.embed(ids[a:b])], [d_hidden[:, a:b]], backward)
+    for _ in range(pad):
+        with torch.enable_grad():
+            inject_gradients([adapter.embed(ids[:0].new_zeros(1))], [None], backward)
+
+
+def attention_layer_backward(adapter, spec, state, x_1TC, dy_1TC, spans, cp, pieces, chunk, backward=None, pad=0):
+    """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard; parameter gradients
+    accumulate, and every rank's gradient pages of the layer get every prompt query's dK/dV."""
+    layer = spec.layer
+    pool = state.pool
+    zero = x_1TC.new_zeros(1, 1, x_1TC.shape[-1])
+    heads, _, dim = adapter.attention_geometry()
+    # (0) queries and output gates of the shard, and its merged attention
+    with torch.no_grad():
+        queries, gates = [], []
+        for a, b, position in spans:
+            q, gate, _ = adapter.attention_project(layer, adapter.mixer_input(layer, x_1TC[:, a:b]), position)
+            queries.append(q)
+            gates.append(gate)
+        for _ in range(pad):
+            adapter.attention_project(layer, adapter.mixer_input(layer, zero), 0)
+        results = _kept(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, pool,
+                                                                chunk)
+    # (1) the output side: d(out), d(gate), the residual's and MLP's d(input)
+    d_x = torch.zeros(x_1TC.shape, dtype=dy_1TC.dtype, device=x_1TC.device)
+    d_outs, d_gates = [], []
+    for (a, b, _), (out, _), gate in zip(spans, results, gates):
+        d_out, d_gate, d_part = _output_side(adapter, layer, x_1TC[:, a:b], out, gate, dy_1TC[:, a:b], backward)
+        d_outs.append(d_out)
+        d_gates.append(d_gate)
+        d_x[:, a:b] += d_part
+    for _ in range(pad):
+        _output_side(adapter, layer, zero, zero.new_zeros(heads, 1, dim), zero.new_zeros(1, 1, heads * dim),
+                     zero, backward)
+    # (2) the attention's backward, all ranks' queries at once: dq here, dK/dV onto the pages' owners
+    dq = _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs)
+    del results, d_outs
+    # (3) the input side: (q, gate, K, V) of each chunk with their complete gradients
+    for (a, b, position), d_query, d_gate in zip(spans, dq, d_gates):
+        rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
+        d_x[:, a:b] += _input_side(adapter, layer, x_1TC[:, a:b], position, (d_query, d_gate, *rows), backward)
+    for _ in range(pad):
+        _input_side(adapter, layer, zero, 0, None, backward)
+    return d_x
+
+
+def _kept(state, spec, spans):
+    """The capture's kept (out, lse) of each chunk, head-major, or None when the attention was not kept."""
+    if state.kept_pool is None:
+        return None
+    out, lse = (state.kept_pool.read(spec.layer, s.name).transpose(0, 1) for s in spec.kept)
+    return [(out[:, a:b], lse[:, a:b]) for a, b, _ in spans]
+
+
+def _leaf(tensor):
+    return tensor.detach().requires_grad_(True)
+
+
+def _grad(tensor):
+    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
+
+
+def _output_side(adapter, layer, x_1TC, out_HTD, gate, dy_1TC, backward):
+    """(d out, d gate, d x) of y = mlp_residual(x + finish(out, gate)) given d y."""
+    x, out, gate = _leaf(x_1TC), _leaf(out_HTD), _leaf(gate)
+    with torch.enable_grad():
+        y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, gate))
+        inject_gradients([y], [dy_1TC], backward)
+    return _grad(out), _grad(gate), _grad(x)
+
+
+def _input_side(adapter, layer, x_1TC, position, injected, backward):
+    """d x of the chunk's (q, gate, K, V) projections given their gradients (None: a lockstep zero iteration)."""
+    x = _leaf(x_1TC)
+    with torch.enable_grad():
+        query, gate, rows = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
+        roots = [query, gate, *rows]
+        inject_gradients(roots, injected or [None] * len(roots), backward)
+    return _grad(x)
+
+
+def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs):
+    """dq of every chunk of this rank's shard (accumulation precision), with dK/dV of this rank's keys from its own
+    queries and from every other rank's added to its gradient pages."""
+    layer, pool = spec.layer, state.pool
+    scale = adapter.attention_scale(layer)
+    acc = _acc(adapter.dtype)
+    deltas = [attention_delta(out, d_out, None) for (out, _), d_out in zip(results, d_outs)]
+    lses = [lse.to(acc) for _, lse in results]
+    heads, _, dim = adapter.attention_geometry()
+    requests = _Requests(cp, pieces, chunk, spans, queries, d_outs, lses, deltas, layer,
+                         (heads, dim, adapter.dtype, acc, adapter.device))
+    stager = layer_stager(pool, [spec])
+    try:
+        dq = []
+        for step in range(1, cp.size):
+            requests.post(step)
+            if step == 1:  # the local keys while the first step's requests are being answered
+                dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas)
+            requests.answer(step, stager, spec, scale, pool)
+            requests.collect(step, dq)
+        if cp.size == 1:
+            dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas)
+    finally:
+        stager.close()
+    return dq
+
+
+def _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas):
+    """Each chunk's queries against this rank's own keys before them (causal on the chunk itself)."""
+    dq = []
+    for (a, b, _), q, (out, lse), d_out, delta in zip(spans, queries, results, d_outs, deltas):
+        k_KTD, v_KTD = _pages_KTD(pool, spec, a, b)
+        share, dk, dv = key_set_grads(q, k_KTD, v_KTD, out, lse, d_out, scale, causal_offset=0)
+        add_page_grads(pool, spec, a, dk, dv)
+        earlier = streamed_grads(stager, spec, q, lse, d_out, delta, scale, pool, end=a)
+        dq.append(share.to(earlier.dtype) + earlier)
+    return dq
+
+
+class _Requests:
+    """The ring of the attention's backward (queries travelling). In step t rank r sends, for each of its chunks
+    that sees keys of rank r+t, (q, dout, [lse | delta]) to it; it answers rank r-t's chunks that see its keys
+    (dK/dV onto its own gradient pages, the dq share back); then it collects its own dq shares. Both sides derive
+    which chunks travel from the layout alone (groups.visible_prefix), so no header is sent. Sends are posted
+    without blocking in a fixed order per pair of ranks, receives in the same order."""
+
+    def __init__(self, cp, pieces, chunk, spans, queries, d_outs, lses, deltas, layer, geometry):
+        self.cp, self.pieces, self.chunk, self.layer = cp, pieces, chunk, layer
+        self.spans, self.queries, self.d_outs = spans, queries, d_outs
+        self.lse_delta = [torch.stack([lse, delta]) for lse, delta in zip(lses, deltas)]
+        self.heads, self.dim, self.dtype, self.acc, self.device = geometry
+        self.works = []
+
+    def _seen(self, rank, spans):
+        """(index, keys of rank `rank` it sees) of each chunk in `spans` that sees some."""
+        out = []
+        for index, (_, _, position) in enumerate(spans):
+            seen = visible_prefix(self.pieces[rank], position)
+            if seen:
+                out.append((index, seen))
+        return out
+
+    def post(self, step):
+        cp = self.cp
+        dst = (cp.rank + step) % cp.size
+        for index, _ in self._seen(dst, self.spans):
+            for tensor in (self.queries[index], self.d_outs[index].to(self.dtype), self.lse_delta[index]):
+                self.works.append(cp.isend(tensor, dst))
+
+    def answer(self, step, stager, spec, scale, pool):
+        cp = self.cp
+        src = (cp.rank - step) % cp.size
+        theirs = local_spans(self.pieces[src], self.chunk)
+        for index, seen in self._seen(cp.rank, theirs):
+            a, b, _ = theirs[index]
+            shape = (self.heads, b - a, self.dim)
+            q = cp.recv(shape, self.dtype, src, self.layer, "prefix_layer_q", device=self.device)
+            d_out = cp.recv(shape, self.dtype, src, self.layer, "prefix_layer_dout", device=self.device)
+            lse, delta = cp.recv((2, self.heads, b - a), self.acc, src, self.layer, "prefix_layer_lse_delta",
+                                 device=self.device)
+            share = streamed_grads(stager, spec, q, lse, d_out, delta, scale, pool, end=seen)
+            self.works.append(cp.isend(share, src))
+
+    def collect(self, step, dq):
+        cp = self.cp
+        dst = (cp.rank + step) % cp.size
+        for index, _ in self._seen(dst, self.spans):
+            share = cp.recv(dq[index].shape, dq[index].dtype, dst, self.layer, "prefix_layer_dq",
+                            device=dq[index].device)
+            dq[index] += share
+        for work in self.works:
+            work.wait()
+        self.works = []
