@@ -227,8 +227,8 @@ class ContextParallel:
     def report(self, state, group) -> dict:
         pieces = self.cp.pieces(state.length)[self.cp.rank]
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
-        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout, prefix=self.prefix_schedule,
-                           replayed_tokens=replayed,
+        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
+                           prefix=self.prefix_schedule, replayed_tokens=replayed,
                            replayed_members=self.replay_members(group))}
 
 

@@ -6,10 +6,9 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
            zero3  ZeRO-3, every parameter partitioned, detached: the CP capture and replay are padded so all four
                   ranks make the same submodule calls (shard chunk counts 5/5, 5/4 vs 7/7; members, blocks and a
                   whole group slot differ) == SGD on (g_A + g_B)/4 + g_C/2 from single-process grpo_backward
-           zero2  ZeRO stage 2, exact (the CP prefix pass, ranks in turn) == the same average
-           zero3exact  ZeRO-3, exact, Ulysses capture, host-tier pages: the Ulysses capture padded and the
-                  prefix turns mirrored by the other ranks (every rank makes the same submodule calls) == the same
-                  average
+           zero2  ZeRO stage 2, exact (the layer-major CP prefix pass) == the same average
+           zero3exact  ZeRO-3, exact, Ulysses capture, host-tier pages: the Ulysses capture and the layer-major
+                  prefix pass padded (every rank makes the same submodule calls) == the same average
            glm3exact  the same on a tiny glm_moe_dsa (LSE capture, host tier): its global top-k capture padded,
                   and the owner's SELECT / FORWARD / BACKWARD requests answered inside the mirrored turns
            zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread": each CP rank replays its own members,
@@ -20,8 +19,9 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   one): the replicas decode in lockstep; samples == one process's, the step == the average
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
            zero3  ZeRO-3, detached
-           zero3kept  ZeRO-3, exact, prefix_keep_attention: mirrored turns in which the owner's forward requests
-                  are skipped (its attention was kept from capture) and only the backward ones answered
+           zero3kept  ZeRO-3, exact, prefix_keep_attention, "cp_prefix": "turns": mirrored turns in which the
+                  owner's forward requests are skipped (its attention was kept from capture) and only the
+                  backward ones answered
            glm3   ZeRO-3, detached, on the tiny glm_moe_dsa
 No explicit CP all-reduce runs under the engine: each CP rank back-propagates the whole replay and cp_size x its
 own prefix share, and DeepSpeed's average over all W ranks is then the average over the W / cp_size replicas.
@@ -99,6 +99,9 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
             assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
             assert all(hi > lo for lo, hi in pieces) and len(pieces) == (4 if layout == "zigzag" else 2)
             assert set(layouts) == {layout}
+    # the exact prefix pass: layer-major ("auto") for qwen3_5, the turns where asked for and for glm_moe_dsa
+    prefix = "turns" if name == "zero3kept" or name.startswith("glm") else "layer_major"
+    assert all(set(r["prefixes"]) == {prefix} for r in checks)
     if world == 4:
         assert [r["rank_groups"] for r in checks] == [2, 2, 1, 1]
         assert "vs_equal_weights" in checks[0]["controls"]

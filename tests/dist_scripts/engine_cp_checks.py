@@ -12,11 +12,11 @@ The step must follow the data-parallel average: W = 2: (g_A + g_B) / 2; W = 4: (
 
 Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2
-  zero2   ZeRO stage 2, exact (the CP prefix pass takes turns across ranks; no weight gathers to keep in step)
-  zero3exact  ZeRO-3, exact, Ulysses capture (padded like the LSE capture), pages on the host tier: the prefix
-          turns are mirrored by the ranks not in turn, padded to the most chunks of any shard (7), with page
-          requests answered from inside the mirrored layers
-  zero3kept   ZeRO-3, exact, prefix_keep_attention: the owner in turn sends no forward page request (its
+  zero2   ZeRO stage 2, exact (the layer-major CP prefix pass; no weight gathers to keep in step)
+  zero3exact  ZeRO-3, exact, Ulysses capture (padded like the LSE capture), pages on the host tier: the
+          layer-major prefix pass, each of its per-chunk loops padded to the most chunks of any shard (7)
+  zero3kept   ZeRO-3, exact, prefix_keep_attention, "cp_prefix": "turns": the prefix turns are mirrored by the
+          ranks not in turn, padded likewise; the owner in turn sends no forward page request (its
           attention was kept), and the mirroring ranks answer only the backward ones; with no remote exchange in
           a layer's forward, every layer is recomputed in backward (prefix_recompute), mirrors included
   glm3    ZeRO-3, detached, on a tiny float32 glm_moe_dsa (MLA + DSA with a global top-k over the CP shards,
@@ -24,8 +24,9 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           the "topk_lse" capture padded like the LSE one
   glm3exact   the same in exact mode, pages on the host tier: in the mirrored prefix turns the serving rank
           answers the owner's SELECT, FORWARD and BACKWARD requests from inside its one-token dummy layers
-  zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread": each CP rank replays its own members (A, B:
-          3 and 2 members over 2 ranks; C: 2), padded to the common member slots and blocks of all 4 ranks
+  zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread" (layer-major prefix pass): each CP rank replays
+          its own members (A, B: 3 and 2 members over 2 ranks; C: 2), padded to the common member slots and blocks
+          of all 4 ranks
   glm3ep  glm3exact with "ep_size" = cp_size = 2 (8 routed experts, 4 per rank of each CP group: GLM-5.2's
           CP32/EP32 layout at toy size): routed pairs dispatched over the CP group, each slice's gradient summed
           over the replicas holding it; the step on the non-expert weights and each rank's slice == the average
@@ -63,10 +64,11 @@ from ds_longstraw import grpo_backward  # noqa: E402
 CP = 2
 
 
-def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False, ep_size=1, cp_replay="replicated"):
+def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False, ep_size=1, cp_replay="replicated",
+          cp_prefix="auto"):
     return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
             "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention,
-            "prefix_keep_attention": keep, "ep_size": ep_size, "cp_replay": cp_replay}
+            "prefix_keep_attention": keep, "ep_size": ep_size, "cp_replay": cp_replay, "cp_prefix": cp_prefix}
 
 
 def ds_config(mode, stage, **block_options):
@@ -144,7 +146,8 @@ def check(mode, stage, seed, family="qwen", **block_options):
             "ref_mean_loss": ref_loss,
             "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
             "shards": [g.extras["cp"]["shard"] for g in result.groups],
-            "layouts": [g.extras["cp"]["layout"] for g in result.groups]}
+            "layouts": [g.extras["cp"]["layout"] for g in result.groups],
+            "prefixes": [g.extras["cp"]["prefix"] for g in result.groups]}
 
 
 def check_rollout(out_dir):
@@ -192,7 +195,7 @@ def check_rollout(out_dir):
 
 CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
-          "zero3kept": lambda out: check("exact", 3, 3, keep=True),
+          "zero3kept": lambda out: check("exact", 3, 3, keep=True, cp_prefix="turns"),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2),
