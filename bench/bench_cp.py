@@ -8,6 +8,7 @@ oversubscribes, so its step time says little about speed; the byte counts are wh
 
     python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact,exact-keep]
                              [--tiers none,cpu,nvme] [--layouts auto,zigzag,contiguous]
+                             [--scans one_pass,two_pass] [--prefixes layer_major,turns]
 
 A second table sets each phase beside the single-process one and gives every rank's busy and waiting seconds
 (waiting: inside blocking exchanges, CPContext's timers).
@@ -74,7 +75,7 @@ def count_tier_reads():
 
 
 def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated",
-             layout="auto", scan="one_pass"):
+             layout="auto", scan="one_pass", prefix="auto"):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -84,7 +85,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
               "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay, "cp_layout": layout,
-              "cp_scan": scan}
+              "cp_scan": scan, "cp_prefix": prefix}
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
@@ -108,7 +109,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
 
 
 def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto",
-            scan="one_pass"):
+            scan="one_pass", prefix="auto"):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -117,7 +118,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention, tier, out, replay, layout, scan)
+        result = one_step(args, mode, group, world, attention, tier, out, replay, layout, scan, prefix)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -126,13 +127,15 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
         os._exit(1)
 
 
-def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto", scan="one_pass"):
+def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto", scan="one_pass",
+              prefix="auto"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout, scan))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout, scan,
+                                               prefix))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -147,6 +150,7 @@ def summarise(world, mode, attention, ranks, tier="none"):
     first = ranks[0]
     row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-", "tier": tier,
            "layout": first["cp"]["layout"] if world > 1 else "-",
+           "prefix": first["cp"]["prefix"] if world > 1 and mode.startswith("exact") else "-",
            # per rank: (phase -> wall seconds, phase -> seconds waited inside blocking exchanges)
            "rank_phases": [(r["phases"], (r["cp"] or {}).get("waited_seconds", {})) for r in ranks],
            "prompt": first["prompt"],
@@ -195,6 +199,8 @@ def main(argv=None):
     parser.add_argument("--plot", default=None, help="write a bar chart of every rank's capture (busy, waiting)")
     parser.add_argument("--scans", default="one_pass", help="GDN capture schedules (cp_scan) for CP > 1: one_pass, "
                         "two_pass, comma-separated")
+    parser.add_argument("--prefixes", default="auto", help="exact mode's CP prefix passes (cp_prefix) for CP > 1: "
+                        "auto, layer_major, turns, comma-separated")
     parser.add_argument("--replay", default="replicated",
                         help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
@@ -209,15 +215,16 @@ def main(argv=None):
             for world in (int(x) for x in args.cp.split(",")):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
                     for replay in (["replicated"] if world == 1 else args.replay.split(",")):
-                        for layout, scan in itertools.product(
-                                *(["auto"], ["one_pass"]) if world == 1 else (args.layouts.split(","),
-                                                                              args.scans.split(","))):
-                            ranks = run_world(args, mode, world, attention, tier, replay, layout, scan)
+                        prefixes = args.prefixes.split(",") if mode.startswith("exact") else ["auto"]
+                        for layout, scan, prefix in itertools.product(
+                                *(["auto"], ["one_pass"], ["auto"]) if world == 1 else (
+                                    args.layouts.split(","), args.scans.split(","), prefixes)):
+                            ranks = run_world(args, mode, world, attention, tier, replay, layout, scan, prefix)
                             rows.append(dict(summarise(world, mode, attention, ranks, tier),
                                              scan=scan if world > 1 else "-"))
                             print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay} "
-                                  f"layout={layout} scan={scan}: {rows[-1]['step_s']:.2f} s", file=sys.stderr,
-                                  flush=True)
+                                  f"layout={layout} scan={scan} prefix={prefix}: {rows[-1]['step_s']:.2f} s",
+                                  file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
@@ -250,9 +257,9 @@ def print_balance(rows):
     single = {(r["tier"], r["mode"]): r for r in rows if r["cp"] == 1}
     print("\nPhases against one process; per rank busy / waiting seconds (waiting: inside blocking exchanges); "
           "capture bytes received per attention layer and prompt token, summed over ranks.\n")
-    print("| tier | CP | mode | layout | GDN scan | capture s | x CP 1 | replay s | x CP 1 | prefix s | x CP 1 "
-          "| capture busy / wait per rank | prefix busy / wait per rank | capture B / attn layer / token |")
-    print("|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
+    print("| tier | CP | mode | layout | GDN scan | prefix pass | capture s | x CP 1 | replay s | x CP 1 | prefix s "
+          "| x CP 1 | capture busy / wait per rank | prefix busy / wait per rank | capture B / attn layer / token |")
+    print("|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---:|")
     for r in rows:
         base = single.get((r["tier"], r["mode"]))
         cells = []
@@ -268,38 +275,47 @@ def print_balance(rows):
                              for p, w in r["rank_phases"])
 
         per_token = r["capture_attn_b"] / max(1, r["prompt"] - 1)
-        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {r['layout']} | {r['scan']} | {' | '.join(cells)} "
+        print(f"| {r['tier']} | {r['cp']} | {r['mode']} | {r['layout']} | {r['scan']} | {r['prefix']} "
+              f"| {' | '.join(cells)} "
               f"| {busy_wait('capture')} | {busy_wait('prefix')} | {per_token:,.1f} |")
 
 
 def plot_balance(rows, path):
-    """Each CP rank's capture, busy and waiting, per configuration, beside the single-process capture."""
+    """Each CP rank's capture and (exact mode) prefix pass, busy and waiting, per configuration, beside the
+    single-process phase."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in rows if r["cp"] > 1]
-    single = {(r["tier"], r["mode"]): r["phases"].get("capture", 0.0) for r in rows if r["cp"] == 1}
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * sum(r["cp"] for r in runs)))
-    labels, y = [], 0
-    for r in runs:
-        for rank, (phases, waited) in enumerate(r["rank_phases"]):
-            wait = waited.get("capture", 0.0)
-            busy = phases.get("capture", 0.0) - wait
-            ax.barh(y, busy, color="tab:blue", label="busy" if y == 0 else None)
-            ax.barh(y, wait, left=busy, color="tab:orange", label="waiting in exchanges" if y == 0 else None)
-            labels.append(f"{r['mode']}, {r['layout']}, {r['scan']}: rank {rank}")
-            y += 1
-    for index, ((tier, mode), seconds) in enumerate(sorted(single.items())):
-        ax.axvline(seconds, color="gray", linestyle=("--", ":")[index % 2], linewidth=1,
-                   label=f"one process, {mode}: {seconds:.2f} s")
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("capture wall seconds")
-    ax.set_title(f"Capture of a {rows[0]['prompt']:,}-token prompt at CP {runs[0]['cp'] if runs else 1}: "
-                 "each rank's busy and waiting time", fontsize=10)
-    ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+    panels = [("capture", [r for r in rows if r["cp"] > 1]),
+              ("prefix", [r for r in rows if r["cp"] > 1 and r["mode"].startswith("exact")])]
+    panels = [(phase, runs) for phase, runs in panels if runs]
+    height = [0.5 + 0.45 * sum(r["cp"] for r in runs) for _, runs in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 0.6 + sum(height)), squeeze=False,
+                             gridspec_kw={"height_ratios": height})
+    for ax, (phase, runs) in zip(axes[:, 0], panels):
+        single = {(r["tier"], r["mode"]): r["phases"].get(phase, 0.0) for r in rows
+                  if r["cp"] == 1 and (phase == "capture" or r["mode"].startswith("exact"))}
+        labels, y = [], 0
+        for r in runs:
+            for rank, (phases, waited) in enumerate(r["rank_phases"]):
+                wait = waited.get(phase, 0.0)
+                busy = phases.get(phase, 0.0) - wait
+                ax.barh(y, busy, color="tab:blue", label="busy" if y == 0 else None)
+                ax.barh(y, wait, left=busy, color="tab:orange", label="waiting in exchanges" if y == 0 else None)
+                schedule = r["scan"] if phase == "capture" else r["prefix"]
+                labels.append(f"{r['mode']}, {r['layout']}, {schedule}: rank {rank}")
+                y += 1
+        for index, ((tier, mode), seconds) in enumerate(sorted(single.items())):
+            ax.axvline(seconds, color="gray", linestyle=("--", ":")[index % 2], linewidth=1,
+                       label=f"one process, {mode}: {seconds:.2f} s")
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"{phase} wall seconds")
+        ax.set_title(f"{'Capture' if phase == 'capture' else 'Exact prefix pass'} of a {rows[0]['prompt']:,}-token "
+                     f"prompt at CP {runs[0]['cp']}: each rank's busy and waiting time", fontsize=10)
+        ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

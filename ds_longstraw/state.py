@@ -67,9 +67,10 @@ class PrefixState:
             out["layer_inputs"] = sum(self.input_pool.bytes_by_stream().values())
         return out
 
-    def read_layer_input(self, layer):
-        """Layer `layer`'s input hidden states over the captured tokens, [1, T, C] (the layer-major prefix pass)."""
-        return self.input_pool.read(layer, INPUT_STREAM).unsqueeze(0)
+    def read_layer_input(self, layer, start=0, end=None):
+        """Layer `layer`'s input hidden states over captured tokens [start, end), [1, T, C] (the layer-major prefix
+        pass)."""
+        return self.input_pool.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
     def begin_kept_attention(self, start, end):
         """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the

@@ -97,6 +97,41 @@ def test_zigzag_refused_where_it_does_not_run():
         resolve_layout(_layout_specs(["topk_lse"]), LongstrawConfig(cp_size=2, cp_layout="zigzag"))
 
 
+class _FakeAdapter:
+    """What resolve_prefix reads of an adapter: its family, specs and whether it has the GDN layer's pass."""
+
+    def __init__(self, combines, scan_pass=True):
+        self.family, self.specs = "test", _layout_specs(combines)
+        if scan_pass:
+            self.prefix_scan_layer = lambda *args, **kwargs: None
+
+
+@pytest.mark.parametrize("settings,combines,scan_pass,expected", [
+    ({}, ["affine_scan", "lse"], True, "layer_major"),
+    ({"cp_attention": "ulysses"}, ["affine_scan", "lse"], True, "layer_major"),
+    ({}, ["topk_lse", "none"], True, "turns"),
+    ({}, ["affine_scan"], False, "turns"),
+    ({"cp_prefix": "turns"}, ["lse"], True, "turns"),
+], ids=["qwen3_5", "ulysses", "topk", "no-scan-pass", "asked"])
+def test_auto_prefix_takes_layer_major_where_it_runs(settings, combines, scan_pass, expected):
+    from ds_longstraw.topology import resolve_prefix
+
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", **settings)
+    assert resolve_prefix(_FakeAdapter(combines, scan_pass), config) == expected
+
+
+def test_layer_major_refused_where_it_does_not_run():
+    from ds_longstraw.topology import resolve_prefix
+
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
+    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*combine by \\['topk_lse'\\]"):
+        resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config)
+    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*no prefix_scan_layer"):
+        resolve_prefix(_FakeAdapter(["affine_scan"], scan_pass=False), config)
+    with pytest.raises(ValueError, match="cp_prefix"):
+        LongstrawConfig(cp_prefix="sideways")
+
+
 def _delta_inputs(gen, tokens, hk=2, hv=4, dk=8, dv=6):
     q = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)

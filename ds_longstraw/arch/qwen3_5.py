@@ -251,10 +251,11 @@ class Qwen35Adapter(CausalLMAdapter):
         return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, pieces, boundaries,
                                  index, pad=pad, checkpoints=checkpoints, hold=hold)
 
-    def prefix_scan_layer(self, index, x_1TC, dy_1TC, state, spans, cp, pieces, d_final, backward=None, pad=0):
+    def prefix_scan_layer(self, index, read_input, dy_1TC, state, spans, cp, pieces, d_final, backward=None, pad=0):
         """One Gated DeltaNet layer of the layer-major exact prefix pass under context parallelism: d(layer input)
-        over this rank's shard (qwen3_5_scan_backward.py)."""
-        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, x_1TC, dy_1TC, state, spans, cp,
+        over this rank's shard (qwen3_5_scan_backward.py); read_input(a, b): the layer's input of local tokens
+        [a, b)."""
+        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, read_input, dy_1TC, state, spans, cp,
                                 pieces, d_final, backward=backward, pad=pad)
 
     # -- the segment -------------------------------------------------------------------------------------

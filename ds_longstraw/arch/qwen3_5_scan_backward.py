@@ -22,13 +22,15 @@ once, the input side with the delta rule once) plus the summary's recurrence ove
 the backward's own state loop.
 
 Steps per GDN layer (pad: ZeRO-3 lockstep dummies after each per-chunk loop, as the capture makes):
-(0) no graph, per chunk from its checkpointed carry: the delta rule's inputs and output, the output gate z;
-(1) per chunk with autograd: y = mlp_residual(x + finish(o, z)) with o and z as leaves: d(o), d(z), d(x) part;
-(2) per piece: (L, A) from its inputs and d(o); all-gather; fold -> each piece's D;
+(0, 1) per chunk: the delta rule's inputs and output from its checkpointed carry without a graph; then with
+    autograd y = mlp_residual(x + finish(o, z)) with o and z as leaves: d(o), d(z), a d(x) part; and the chunk's
+    (L, A), composed into its piece's, so that no input of the delta rule outlives its chunk;
+(2) all-gather the pieces' (L, A); fold from the prompt's end -> each piece's D;
 (3) per piece, chunks last first, with autograd from the chunk's checkpointed carry (leaves): the delta rule's
     roots (o, z, end state, end tail) get (d(o), d(z), D or the next chunk's d(start state), the next chunk's
-    d(start tail)); d(x) part;
-(4) all-gather the pieces' d(start tail); fold; each piece's last tokens' projection gets its share; d(x) part.
+    d(start tail)); a d(x) part;
+(4) all-gather the pieces' d(start tail); fold; each piece's last tokens' projection gets its share; a d(x) part.
+Held across the layer: d(o) and d(z) over the shard.
 """
 
 import torch
@@ -59,65 +61,45 @@ def _leaf(tensor):
     return None if tensor is None else tensor.detach().requires_grad_(True)
 
 
-def prefix_gdn_layer(adapter, module, layer, x_1TC, dy_1TC, state, spans, cp, pieces, d_final, backward=None,
+def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, cp, pieces, d_final, backward=None,
                      pad=0):
     """d(layer input) [1, T, C] of GDN layer `layer` over this rank's shard (see the module docstring); parameter
-    gradients accumulate. x_1TC: the layer's input (capture's); dy_1TC: d(layer output); spans: this rank's chunks
-    [(a, b, position)] in local order, one per state.boundaries entry; d_final: replay's (d state, d tail) of the
-    prompt's final carry of this layer, or None."""
+    gradients accumulate. read_input(a, b): the layer's input [1, b - a, C] of local tokens [a, b) (capture's);
+    dy_1TC: d(layer output); spans: this rank's chunks [(a, b, position)] in local order, one per
+    state.boundaries entry; d_final: replay's (d state, d tail) of the prompt's final carry of this layer, or
+    None."""
     width = module.conv_kernel_size - 1
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
     mine, order = pieces[cp.rank], segments_in_order(pieces)
     starts = local_starts(mine)
-    owned = [[j for j, (a, _, _) in enumerate(spans) if starts[k] <= a < starts[k + 1]] for k in range(len(mine))]
+    owners = [next(k for k in range(len(mine)) if starts[k] <= a < starts[k + 1]) for a, _, _ in spans]
     acc = adapter.state_dtype()
-    device = x_1TC.device
-    zero = x_1TC.new_zeros(1, 1, x_1TC.shape[-1])
-    d_x = torch.zeros(x_1TC.shape, dtype=dy_1TC.dtype, device=device)
+    device = dy_1TC.device
+    zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=device)
+    d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=device)
     carries = [_carry(state, boundary, layer) for boundary in state.boundaries]
 
-    # (0) the delta rule's inputs and outputs, no graph
-    inputs, outs, gates = [], [], []
-    with torch.no_grad():
-        for (a, b, _), (start_state, start_tail) in zip(spans, carries):
-            h = adapter.mixer_input(layer, x_1TC[:, a:b])
-
-            def project(h=h, tail=start_tail):
-                return adapter.gdn_inputs(module, h, tail)
-
-            query, key, value, g, beta, z, _ = _call_module(module, project)
-            out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=start_state,
-                                            output_final_state=True, use_qk_l2norm_in_kernel=True)
-            inputs.append((query, key, value, g, beta))
-            outs.append(out)
-            gates.append(z)
-        for _ in range(pad):  # the calls of a real chunk, in its order
-            h = adapter.mixer_input(layer, zero)
-            _call_module(module, lambda h=h: adapter.gdn_inputs(module, h, None))
-
-    # (1) the output side: d(o), d(z), and the residual's and MLP's share of d(x)
+    # (0, 1) per chunk: the delta rule's inputs and output without a graph, then the output side with autograd:
+    # d(o), d(z), the residual's and MLP's d(x); (2, first half) the chunk's state adjoint summary [L | A], composed
+    # into its piece's (d start = A_1 (A_2 D + L_2) + L_1), so no input of the delta rule outlives its chunk
     d_outs, d_gates = [], []
-    for (a, b, _), out, z in zip(spans, outs, gates):
-        d_out, d_gate, d_part = _output_side(adapter, module, layer, x_1TC[:, a:b], out, z, dy_1TC[:, a:b], backward)
+    summaries = [identity_summary(heads, dk, dv, acc, device) for _ in mine]
+    for (a, b, _), (start_state, start_tail), k in zip(spans, carries, owners):
+        x = read_input(a, b)
+        inputs, out, z = _forward_no_graph(adapter, module, layer, x, start_state, start_tail)
+        d_out, d_gate, d_part = _output_side(adapter, module, layer, x, out, z, dy_1TC[:, a:b], backward)
         d_outs.append(d_out)
         d_gates.append(d_gate)
         d_x[:, a:b] += d_part
-    for _ in range(pad):
-        _output_side(adapter, module, layer, zero, zero.new_zeros(1, 1, heads, dv),
-                     zero.new_zeros(1, 1, heads, dv), zero, backward)
-    del outs, gates
+        if mine[k][0] > 0:  # the prompt's first segment: nothing before it reads its D
+            bias, product = delta_rule_state_adjoint(*inputs, d_out, use_qk_l2norm_in_kernel=True)
+            summaries[k] = _compose(summaries[k], bias.to(acc), product.to(acc), dv)
+        del inputs, out, z
+    for _ in range(pad):  # the calls of a real chunk, in its order
+        _, out, z = _forward_no_graph(adapter, module, layer, zero, None, None)
+        _output_side(adapter, module, layer, zero, out, z, zero, backward)
 
-    # (2) each piece's state adjoint summary [L | A]; the fold from the prompt's end gives each piece its D
-    summaries = []
-    for k, (lo, hi) in enumerate(mine):
-        if hi == lo or lo == 0:  # empty, or the prompt's first segment (nothing before it reads its D)
-            summaries.append(identity_summary(heads, dk, dv, acc, device))
-            continue
-        query, key, value, g, beta = (torch.cat([inputs[j][i] for j in owned[k]], 1) for i in range(5))
-        d_out = torch.cat([d_outs[j] for j in owned[k]], 1)
-        bias, product = delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=True)
-        summaries.append(torch.cat([bias.to(acc), product.to(acc)], -1))
-    del inputs
+    # (2, second half) the fold from the prompt's end gives each piece its D
     gathered = cp.all_gather(torch.stack(summaries).contiguous(), layer, "gdn_adjoint_summary")
     d_end = torch.zeros(1, heads, dk, dv, dtype=acc, device=device)
     if d_final is not None and d_final[0] is not None:
@@ -133,13 +115,13 @@ def prefix_gdn_layer(adapter, module, layer, x_1TC, dy_1TC, state, spans, cp, pi
     d_tail_starts = []
     for k in range(len(mine)):
         d_state, d_tail = d_ends[(cp.rank, k)], None
-        for j in reversed(owned[k]):
+        for j in reversed([j for j, owner in enumerate(owners) if owner == k]):
             a, b, _ = spans[j]
-            d_part, d_state, d_tail = _input_side(adapter, module, layer, x_1TC[:, a:b], carries[j],
+            d_part, d_state, d_tail = _input_side(adapter, module, layer, read_input(a, b), carries[j],
                                                   (d_outs[j], d_gates[j], d_state, d_tail), backward)
             d_x[:, a:b] += d_part
-        d_tail_starts.append(torch.zeros(1, module.conv_dim, width, dtype=x_1TC.dtype, device=device)
-                             if d_tail is None else d_tail.to(x_1TC.dtype))
+        d_tail_starts.append(torch.zeros(1, module.conv_dim, width, dtype=adapter.dtype, device=device)
+                             if d_tail is None else d_tail.to(adapter.dtype))
     for _ in range(pad):
         _input_side(adapter, module, layer, zero, (None, None), None, backward)
 
@@ -163,10 +145,30 @@ def prefix_gdn_layer(adapter, module, layer, x_1TC, dy_1TC, state, spans, cp, pi
         if count == 0:
             _tail_projection(adapter, module, layer, zero, zero.new_zeros(1, module.conv_dim, 1), backward)
             continue
-        d_part = _tail_projection(adapter, module, layer, x_1TC[:, end - count:end],
+        d_part = _tail_projection(adapter, module, layer, read_input(end - count, end),
                                   shares[(cp.rank, k)][..., width - count:], backward)
         d_x[:, end - count:end] += d_part
     return d_x
+
+
+def _forward_no_graph(adapter, module, layer, x_1TC, start_state, start_tail):
+    """((query, key, value, g, beta), o, z) of the layer's delta rule on a chunk, without a graph."""
+    with torch.no_grad():
+        h = adapter.mixer_input(layer, x_1TC)
+
+        def project():
+            return adapter.gdn_inputs(module, h, start_tail)
+
+        query, key, value, g, beta, z, _ = _call_module(module, project)
+        out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=start_state,
+                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return (query, key, value, g, beta), out, z
+
+
+def _compose(summary, bias, product, dv):
+    """[L | A] of a piece so far, extended by a later chunk's (bias L_c, product A_c): A A_c and A L_c + L."""
+    earlier_bias, earlier_product = summary[..., :dv], summary[..., dv:]
+    return torch.cat([earlier_product @ bias + earlier_bias, earlier_product @ product], -1)
 
 
 def _carry(state, boundary, layer):

@@ -7,14 +7,14 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
   at layer l every rank holds d(layer output) for its own tokens (from layer l+1's step; zero at the top, where
   the prompt's hidden states feed nothing) and the layer's input over its shard (saved at capture on the pages'
   tier, state.input_pool), and produces d(layer input):
-  "lse"          (attention; this module) the output side first, chunk by chunk with autograd from leaves
-                 (out, gate): d(out), d(gate), the residual's and MLP's d(input). Then the attention's backward for
-                 every query of every rank at once: a rank's own keys locally (dK/dV onto its gradient pages), the
-                 other ranks' earlier keys by a ring in which queries travel (step t: rank r sends (q, dout, lse,
-                 delta) of its pieces that see rank r+t's keys to it and answers rank r-t's, whose dK/dV land on its
-                 own gradient pages, sending the dq shares back). Then every rank's pages hold every contribution
-                 (replay's and all prompt queries'), and each chunk back-propagates its projections (q, gate, K, V)
-                 with autograd: d(input).
+  "lse"          (attention; this module) the output side first, chunk by chunk with autograd from the leaf
+                 out (the output gate recomputed with its graph): d(out), and d(input) through the residual, the
+                 MLP and the gate. Then the attention's backward for every query of every rank at once: a rank's
+                 own keys locally (dK/dV onto its gradient pages), the other ranks' earlier keys by a ring in which
+                 queries travel (step t: rank r sends (q, dout, lse, delta) of its chunks that see rank r+t's keys
+                 to it and answers rank r-t's, whose dK/dV land on its own gradient pages, sending the dq shares
+                 back). Then every rank's pages hold every contribution (replay's and all prompt queries'), and
+                 each chunk back-propagates its projections (q, K, V) with autograd: d(input).
   "affine_scan"  (GDN) the family's prefix_scan_layer (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
                  the state adjoint all-gathered and folded from the prompt's end, each piece's backward from its
                  own end-state gradient, then the conv tails' gradients likewise.
@@ -25,13 +25,15 @@ or recomputed for the layer by the capture's own exchange (cp_attention.shard_at
 place). Bytes received per attention layer and prompt token (the ring, queries travelling): (2 H D + 2 H) values of
 every query that sees a rank's keys, per such rank, and H D of dq back (cp.report's "prefix" phase counts them).
 
-Held per rank across one layer: its input [T, C], d(output) and d(input) [T, C]; for attention the shard's q,
-gate, d(out), d(gate) [T, H D] and (out, lse), for GDN the delta rule's inputs, output, gate and their gradients
-over the shard (the planner's "layer_major_prefix" workspace).
+Held per rank across one layer (the planner's "layer_major_prefix" workspace, offload/plan.py): d(output) and
+d(input) [T, C] in accumulation precision; for attention the shard's q, out and d(out) [T, H D] with lse and delta
+[T, H]; for GDN d(o) and d(z) [T, Hv dv]. The layer's input is read from the tier chunk by chunk.
 
 Under ZeRO-3 (lockstep) every rank makes the same module calls in the same order: each per-chunk loop is padded to
 the largest shard's chunk count with one-token zero iterations (the capture's `pad`).
 """
+
+from functools import partial
 
 import torch
 
@@ -57,16 +59,15 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, b
     acc = _acc(adapter.dtype)
     d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=acc, device=adapter.device)
     for spec in reversed(adapter.specs):
-        x = state.read_layer_input(spec.layer)
+        read_input = partial(state.read_layer_input, spec.layer)  # (a, b) -> [1, b - a, C] from the tier
         if spec.combine == "lse":
-            d_hidden = attention_layer_backward(adapter, spec, state, x, d_hidden, spans, cp, pieces, chunk,
+            d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces, chunk,
                                                 backward, pad)
         elif spec.combine == "affine_scan":
-            d_hidden = adapter.prefix_scan_layer(spec.layer, x, d_hidden, state, spans, cp, pieces,
+            d_hidden = adapter.prefix_scan_layer(spec.layer, read_input, d_hidden, state, spans, cp, pieces,
                                                  d_final_carry.get(spec.layer), backward=backward, pad=pad)
         else:
             raise NotImplementedError(f"layer {spec.layer}: combine {spec.combine!r} in the layer-major prefix pass")
-        del x
     for a, b, _ in spans:  # the embedding's share
         with torch.enable_grad():
             inject_gradients([adapter.embed(ids[a:b])], [d_hidden[:, a:b]], backward)
@@ -75,42 +76,39 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, b
             inject_gradients([adapter.embed(ids[:0].new_zeros(1))], [None], backward)
 
 
-def attention_layer_backward(adapter, spec, state, x_1TC, dy_1TC, spans, cp, pieces, chunk, backward=None, pad=0):
-    """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard; parameter gradients
-    accumulate, and every rank's gradient pages of the layer get every prompt query's dK/dV."""
+def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, chunk, backward=None,
+                             pad=0):
+    """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard (read_input(a, b): the
+    layer's input of local tokens [a, b)); parameter gradients accumulate, and every rank's gradient pages of the
+    layer get every prompt query's dK/dV."""
     layer = spec.layer
     pool = state.pool
-    zero = x_1TC.new_zeros(1, 1, x_1TC.shape[-1])
+    zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     heads, _, dim = adapter.attention_geometry()
-    # (0) queries and output gates of the shard, and its merged attention
+    # (0) the shard's queries and its merged attention
     with torch.no_grad():
-        queries, gates = [], []
-        for a, b, position in spans:
-            q, gate, _ = adapter.attention_project(layer, adapter.mixer_input(layer, x_1TC[:, a:b]), position)
-            queries.append(q)
-            gates.append(gate)
+        queries = [adapter.attention_project(layer, adapter.mixer_input(layer, read_input(a, b)), position)[0]
+                   for a, b, position in spans]
         for _ in range(pad):
             adapter.attention_project(layer, adapter.mixer_input(layer, zero), 0)
         results = _kept(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, pool,
                                                                 chunk)
-    # (1) the output side: d(out), d(gate), the residual's and MLP's d(input)
-    d_x = torch.zeros(x_1TC.shape, dtype=dy_1TC.dtype, device=x_1TC.device)
-    d_outs, d_gates = [], []
-    for (a, b, _), (out, _), gate in zip(spans, results, gates):
-        d_out, d_gate, d_part = _output_side(adapter, layer, x_1TC[:, a:b], out, gate, dy_1TC[:, a:b], backward)
+    # (1) the output side: d(out), and d(input) through the residual, the MLP and the output gate
+    d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
+    d_outs = []
+    for (a, b, position), (out, _) in zip(spans, results):
+        d_out, d_part = _output_side(adapter, layer, read_input(a, b), position, out, dy_1TC[:, a:b], backward)
         d_outs.append(d_out)
-        d_gates.append(d_gate)
         d_x[:, a:b] += d_part
     for _ in range(pad):
-        _output_side(adapter, layer, zero, zero.new_zeros(heads, 1, dim), zero.new_zeros(1, 1, heads * dim),
-                     zero, backward)
+        _output_side(adapter, layer, zero, 0, zero.new_zeros(heads, 1, dim), zero, backward)
     # (2) the attention's backward, all ranks' queries at once: dq here, dK/dV onto the pages' owners
     dq = _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs)
-    del results, d_outs
-    # (3) the input side: (q, gate, K, V) of each chunk with their complete gradients
-    for (a, b, position), d_query, d_gate in zip(spans, dq, d_gates):
+    del results, d_outs, queries
+    # (3) the input side: (q, K, V) of each chunk with their complete gradients
+    for (a, b, position), d_query in zip(spans, dq):
         rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
-        d_x[:, a:b] += _input_side(adapter, layer, x_1TC[:, a:b], position, (d_query, d_gate, *rows), backward)
+        d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, (d_query, None, *rows), backward)
     for _ in range(pad):
         _input_side(adapter, layer, zero, 0, None, backward)
     return d_x
@@ -132,17 +130,20 @@ def _grad(tensor):
     return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
 
 
-def _output_side(adapter, layer, x_1TC, out_HTD, gate, dy_1TC, backward):
-    """(d out, d gate, d x) of y = mlp_residual(x + finish(out, gate)) given d y."""
-    x, out, gate = _leaf(x_1TC), _leaf(out_HTD), _leaf(gate)
+def _output_side(adapter, layer, x_1TC, position, out_HTD, dy_1TC, backward):
+    """(d out, d x) of y = mlp_residual(x + finish(out, gate(x))) given d y: the output gate recomputed here with
+    its graph (its half of the query projection), rather than held over the shard."""
+    x, out = _leaf(x_1TC), _leaf(out_HTD)
     with torch.enable_grad():
+        _, gate, _ = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
         y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, gate))
         inject_gradients([y], [dy_1TC], backward)
-    return _grad(out), _grad(gate), _grad(x)
+    return _grad(out), _grad(x)
 
 
 def _input_side(adapter, layer, x_1TC, position, injected, backward):
-    """d x of the chunk's (q, gate, K, V) projections given their gradients (None: a lockstep zero iteration)."""
+    """d x of the chunk's (q, gate, K, V) projections given their gradients (the gate's is None: the output side
+    took it; None altogether: a lockstep zero iteration)."""
     x = _leaf(x_1TC)
     with torch.enable_grad():
         query, gate, rows = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
