@@ -16,10 +16,12 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
            GDN     before: each layer ran the delta rule three times over (augmented pass + plain pass) and its
                    input projections twice: + (2R + P) x scan_layers x T; one pass: + R x scan_layers x T (the
                    augmented run costs about twice the plain rule)
-  prefix   (exact) recompute + backward of the whole prompt, about 3x its forward; in turns the ranks work one
-           after the other, so it costs what one GPU's pass over L costs (an upper bound: within a turn the page
-           owners' share of the attention overlaps the owner's, which this leaves out; at CP 2 on CPU that made
-           it 0.5x); a layer-major pass (every rank at once, not built yet) would cost 3x a rank's zigzag share.
+  prefix   (exact) recompute + backward of the whole prompt, about 3x its forward.
+           before: in turns the ranks work one after the other, so it costs what one GPU's pass over L costs (an
+           upper bound: within a turn the page owners' share of the attention overlaps the owner's, which this
+           leaves out; at CP 2 on CPU that made it 0.5x);
+           now: layer-major, every rank at once: 3x a rank's zigzag share, plus per GDN layer the state adjoint's
+           summary, a recurrence over [dS | X] of about twice the rule's cost: + 2R x scan_layers x T.
 What it leaves out: communication (the exchanges overlap compute only in part), the replay, kernel efficiency at
 other shapes, and anything of a family other than qwen3_5's attention + Gated DeltaNet (for glm_moe_dsa, whose
 sparse attention and experts cost otherwise, `predict` returns None).
@@ -44,9 +46,9 @@ class PhaseSeconds:
 
 def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float) -> dict:
     """{"before": PhaseSeconds (contiguous shards, two-pass GDN scan, prefix in turns), "now": PhaseSeconds (zigzag,
-    one pass, prefix in turns), "layer_major_prefix": seconds (not built)} per rank. attention_layers: the layers
-    that combine across ranks by "lse" (full attention), scan_layers: by "affine_scan" (Gated DeltaNet); None
-    without both (a family this model does not describe)."""
+    one pass, prefix layer-major), "turns_prefix": seconds (the prefix in turns on the zigzag layout)} per rank.
+    attention_layers: the layers that combine across ranks by "lse" (full attention), scan_layers: by "affine_scan"
+    (Gated DeltaNet); None without both (a family this model does not describe)."""
     if not attention_layers or not scan_layers:
         return None
     scale = H200_TFLOPS / gpu_tflops
@@ -58,5 +60,7 @@ def predict(layers: int, attention_layers: int, scan_layers: int, context: int, 
     before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * scan
     now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * scan
     turns = 3 * (LINEAR_S_PER_TOKEN_LAYER * layers * context + attention)
-    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale, turns * scale),
-            "layer_major_prefix": 3 * (linear + attention / cp) * scale}
+    layer_major = 3 * (linear + attention / cp) + 2 * RECURRENCE_S_PER_TOKEN * scan
+    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
+                                                                                       layer_major * scale),
+            "turns_prefix": turns * scale}

@@ -25,7 +25,17 @@ import sys
 from .config import parse_config
 from .cp_time import predict
 from .model_shape import load_config, shape_from_config
-from .offload.plan import TIERS, GiB, Layout, make_plan, recommended_tier, rollout_figures
+from .offload.plan import (
+    TIERS,
+    GiB,
+    Layout,
+    gdn_scan_outputs,
+    layer_inputs_bytes,
+    layer_major_workspace,
+    make_plan,
+    recommended_tier,
+    rollout_figures,
+)
 
 _UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -79,6 +89,9 @@ def _parser():
     p.add_argument("--cp-scan", choices=("auto", "one_pass", "two_pass"), default="auto",
                    help="longstraw.cp_scan (two_pass: the GDN capture holds nothing across the CP exchange; auto: "
                         "one_pass where those outputs take at most a quarter of the GPU)")
+    p.add_argument("--cp-prefix", choices=("auto", "layer_major", "turns"), default="auto",
+                   help="longstraw.cp_prefix (exact mode under CP: layer_major, every rank at once, keeps every "
+                        "layer's input; turns, one rank after another; auto: layer_major where it runs)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
                    help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
@@ -138,10 +151,13 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     rows.update({label: (s.carry_layers[label], "per sequence") for label in s.carry_bytes})
     rows.update({"carry_checkpoints": (carry_layers, "per chunk start"),
                  "gradient_pages": ("as the pages", s.grad_bytes_per_token),
-                 "kept_attention_pages": (s.kept_layers, s.kept_bytes_per_token)})
+                 "kept_attention_pages": (s.kept_layers, s.kept_bytes_per_token),
+                 "layer_inputs": (sum(s.combine_counts.values()), s.hidden_size * s.dtype_bytes
+                                  * sum(s.combine_counts.values()))})
     for key, value in plan.retained.items():
         layers, per_token = rows[key]
-        if not layers or (not value and key in ("carry_checkpoints", "gradient_pages", "kept_attention_pages")):
+        if not layers or (not value and key in ("carry_checkpoints", "gradient_pages", "kept_attention_pages",
+                                                "layer_inputs")):
             continue  # exact mode's extras in detached mode, or what the model does not have
         per_token = f"{per_token:,}" if isinstance(per_token, int) else per_token
         lines.append(f"| {key} | {layers} | {per_token} | {_gib(value)} |")
@@ -161,6 +177,10 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     elif plan.layout.cp > 1 and plan.shape.delta_heads:
         lines.append(f"longstraw.cp_scan {plan.cp_scan}: the Gated DeltaNet capture holds no outputs across the CP "
                      "exchange (two passes over those layers).")
+    if "layer_major_prefix" in plan.workspace:
+        lines.append("layer_major_prefix: what exact mode's layer-major CP prefix pass holds across a layer (beside "
+                     "the layer_inputs kept with the pages); --cp-prefix turns holds one chunk's graph instead, and "
+                     "keeps no layer inputs, for the time of one GPU's pass.")
     lines += _render_moe(plan)
     lines += _render_rollout(plan)
     lines += _render_cp_time(plan, gpu_tflops)
@@ -186,7 +206,8 @@ def _bytes(n):
 
 
 def _render_cp_time(plan, gpu_tflops) -> list:
-    """The CP schedules' predicted seconds per phase per rank (ds_longstraw/cp_time.py says how)."""
+    """The CP schedules' predicted seconds per phase per rank (ds_longstraw/cp_time.py says how), and the memory
+    each schedule adds per rank."""
     lay, counts = plan.layout, plan.shape.combine_counts
     if lay.cp < 2:
         return []
@@ -196,15 +217,19 @@ def _render_cp_time(plan, gpu_tflops) -> list:
         return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models qwen3_5's "
                 "attention + Gated DeltaNet layers only.)"]
     before, now = times["before"], times["now"]
+    tokens = plan.tokens_per_rank
+    scan = gdn_scan_outputs(plan.shape, tokens) if plan.shape.delta_heads else 0
+    inputs, held = layer_inputs_bytes(plan.shape, tokens), layer_major_workspace(plan.shape, tokens)
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
-            "", "| phase | contiguous shards, two-pass GDN scan (before) | zigzag, one pass (now) | ratio |",
-            "|---|---:|---:|---:|",
-            f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} |",
-            f"| exact prefix pass, turns | {before.prefix:,.0f} | {now.prefix:,.0f} | 1.00 |",
-            f"| exact prefix pass, layer-major (not built) | | {times['layer_major_prefix']:,.0f} | "
-            f"{times['layer_major_prefix'] / now.prefix:.2f} |", "",
+            "", "| phase | before: contiguous shards, two-pass GDN scan, prefix in turns | now: zigzag, one pass, "
+            "prefix layer-major | ratio | added memory per rank (now) |",
+            "|---|---:|---:|---:|---|",
+            f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} "
+            f"| gdn_scan outputs {_gib(scan)} (cp_scan one_pass) |",
+            f"| exact prefix pass | {before.prefix:,.0f} | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
+            f"| layer_inputs {_gib(inputs)} on the pages' tier, {_gib(held)} held on the GPU per layer |", "",
             "From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks (ds_longstraw/cp_time.py); communication and "
-            "replay not included. Added memory per rank: the gdn_scan workspace above."]
+            "replay not included."]
 
 
 def _render_moe(plan) -> list:
@@ -315,9 +340,10 @@ def main(argv=None) -> int:
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
         settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
-                                 "cp_size": cp, "cp_scan": args.cp_scan})
+                                 "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
-                         settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan)
+                         settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
+                         settings.cp_prefix)
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

@@ -5,6 +5,7 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   gradient pages exact mode, as much again for streams with a gradient  with the pages
   kept attention exact mode with prefix_keep_attention: the specs' kept streams per token
                  with the pages, or on offload.kept_attention_tier
+  layer inputs   exact mode's layer-major CP prefix pass: every layer's input per token     with the pages
   carry          per sequence (a recurrent state, a conv tail)          always GPU
   checkpoints    exact mode: the whole carry per chunk start            with the pages (tier none: GPU);
                  off the device two of them staged on the GPU (one read ahead)
@@ -18,6 +19,9 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
                  delta rule  the chunk kernel's float32 scratch: the capture's forward over a capture chunk,
                              forward + backward over a replay block (exact mode: over a capture chunk too)
+                 layer-major (exact mode under context parallelism) what the layer-major prefix pass holds across
+                             a layer: d(output) and d(input) over the shard, and the layer kind's own
+                             (layer_major_workspace)
                  gdn scan    (context parallelism) a Gated DeltaNet layer's outputs over the rank's shard, held
                              until the cross-rank exchange gives its initial state ([o(0) | q~], (dv + dk) per
                              value head and token, the model's dtype; arch/qwen3_5_scan.py), plus the capture
@@ -132,6 +136,7 @@ class Plan:
     layout: Layout
     capture_chunk: int
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
+    cp_prefix: str = "auto"  # longstraw.cp_prefix: exact mode's CP prefix pass, layer-major or in turns
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
@@ -219,17 +224,52 @@ def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory
 
 
 def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
-                    cp_scan: str = "auto", gpu_memory: int | None = None) -> dict:
+                    cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto") -> dict:
     """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, where the capture holds its outputs:
     scan_holds) the scan's held outputs together with the augmented run's scratch over a capture chunk: its value
     width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
-    exchange."""
+    exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
+    ("layer_major_prefix")."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
+    if layer_major_prefix(shape, cp, mode, cp_prefix):
+        workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
     if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
         workspace["gdn_scan"] = (gdn_scan_outputs(shape, tokens_per_rank) + shape.delta_heads * 4 * capture_chunk
                                  * delta_rule_floats(augmented, backward=False))
     return workspace
+
+
+# The combines the layer-major prefix pass runs (ds_longstraw.topology.resolve_prefix says the same at run time)
+LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
+
+
+def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto") -> bool:
+    """Whether exact mode's CP prefix pass runs layer-major for this model ("auto": where its layers' combines
+    allow it, as topology.resolve_prefix decides)."""
+    if mode != "exact" or cp < 2 or cp_prefix == "turns":
+        return False
+    return set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES)
+
+
+def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int) -> int:
+    """Every layer's input hidden states over a rank's shard, kept from capture for the layer-major prefix pass
+    (state.input_pool: hidden_size values per token and layer in the model's dtype)."""
+    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * sum(shape.combine_counts.values())
+
+
+def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
+    """What the layer-major prefix pass holds on the device across one layer (parallel/prefix_layers.py): d(output)
+    and d(input) [T, C] in accumulation precision, and the largest layer kind's own: attention q, out and d(out)
+    [T, H D] in the model's dtype with lse and delta [T, H] in float32, or GDN d(o) and d(z) [T, Hv dv] (dv: half of
+    the key + value head dims, as in the families here). An estimate of the larger tensors, not of every
+    temporary."""
+    acc = 8 if shape.dtype_bytes == 8 else 4
+    hidden = 2 * shape.hidden_size * acc
+    attention = (3 * shape.attention_heads * shape.attention_head_dim * shape.dtype_bytes
+                 + 2 * shape.attention_heads * acc) if shape.attention_kv_heads else 0
+    delta = 2 * shape.delta_heads * (shape.delta_head_dims // 2) * shape.dtype_bytes
+    return tokens_per_rank * (hidden + max(attention, delta))
 
 
 def zigzag_chunks(context: int, cp: int, capture_chunk: int) -> int:
@@ -246,7 +286,7 @@ def captured_tokens_per_rank(context: int, cp: int) -> int:
 
 
 def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int,
-                      keep_attention: bool = False) -> dict:
+                      keep_attention: bool = False, cp_prefix: str = "auto") -> dict:
     """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
@@ -258,6 +298,7 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
     out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
+    out["layer_inputs"] = layer_inputs_bytes(shape, tokens) if layer_major_prefix(shape, cp, mode, cp_prefix) else 0
     return out
 
 
@@ -273,7 +314,8 @@ def _needs(shape, tokens, retained, tier, depth, kept_tier=None, workspace=0):
 
 
 def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
-    pages = sum(v for k, v in retained.items() if k.endswith("_pages"))  # state and gradient pages
+    # state and gradient pages, and the layer-major prefix pass's layer inputs (on the pages' tier)
+    pages = sum(v for k, v in retained.items() if k.endswith("_pages")) + retained.get("layer_inputs", 0)
     if kept_tier not in (None, tier):
         pages -= retained["kept_attention_pages"]
     layer = shape.staged_layer_bytes_per_token * tokens
@@ -308,7 +350,7 @@ def _depth_for(tier):
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "auto") -> Plan:
+              cp_scan: str = "auto", cp_prefix: str = "auto") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -317,15 +359,21 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
     if cp_scan not in ("auto", "one_pass", "two_pass"):
         raise ValueError(f"cp_scan must be 'auto', 'one_pass' or 'two_pass', got {cp_scan!r}")
-    plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan)
+    if cp_prefix not in ("auto", "layer_major", "turns"):
+        raise ValueError(f"cp_prefix must be 'auto', 'layer_major' or 'turns', got {cp_prefix!r}")
+    if cp_prefix == "layer_major" and mode == "exact" and layout.cp > 1 and not layer_major_prefix(
+            shape, layout.cp, mode):
+        raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
+                         f"{sorted(set(shape.combine_counts) - set(LAYER_MAJOR_COMBINES))})")
+    plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
-    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention)
+    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention, cp_prefix)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
     plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
-                                     layout.gpu_memory)
+                                     layout.gpu_memory, cp_prefix)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -458,10 +506,10 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
         return None
 
     def ok(context):
-        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention)
+        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix)
         tokens = captured_tokens_per_rank(context, layout.cp)
         workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
-                                        layout.gpu_memory).values())
+                                        layout.gpu_memory, plan.cp_prefix).values())
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

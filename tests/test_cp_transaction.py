@@ -27,7 +27,7 @@ from models import cache_continuation_logprobs, float64_model, full_sequence_log
 
 from ds_longstraw import GRPOObjective, grpo_backward
 from ds_longstraw.model_shape import shape_from_config
-from ds_longstraw.offload.plan import gdn_scan_outputs
+from ds_longstraw.offload.plan import gdn_scan_outputs, layer_inputs_bytes
 from ds_longstraw.parallel import shard_pieces, visible_prefix
 from ds_longstraw.parallel.groups import local_spans
 
@@ -378,6 +378,7 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
     case = BY_NAME["uneven-exact"]
     length, chunk = case["prompt_len"] - 1, case["chunk"]
     pieces = shard_pieces(length, world, "zigzag")
+    shape = shape_from_config("tiny", config.to_dict(), 8)
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     conv_dim = 2 * config.linear_num_key_heads * dk + hv * dv
     per_gdn = (world - 1) * len(pieces[0]) * 8 * (hv * dk * (dv + dk) + conv_dim * (config.linear_conv_kernel_dim - 1))
@@ -390,7 +391,8 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
                                                     results["turns-exact"])):
         assert plain["cp"]["prefix"] == "layer_major" and turns["cp"]["prefix"] == "turns"
         tokens = sum(hi - lo for lo, hi in pieces[rank])
-        assert plain["retained"]["layer_inputs"] == tokens * hidden * len(config.layer_types) * 8
+        assert plain["retained"]["layer_inputs"] == tokens * hidden * len(config.layer_types) * 8 \
+            == layer_inputs_bytes(shape, tokens)  # what the planner counts
         assert "layer_inputs" not in turns["retained"]
         assert relative_l2(plain["grads"], turns["grads"]) <= 1e-12
         assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12

@@ -432,8 +432,9 @@ def test_cli_sizes_rollouts(capsys):
 
 def test_cp_time_prediction_follows_its_stated_model(capsys):
     """ds_longstraw/cp_time.py: the fit passes through BENCHMARKS.md's two H200 points; at CP 2 the zigzag layout's
-    attention share is 1/2 against contiguous shards' 3/4; the turns' prefix pass costs one GPU's pass; the CLI
-    prints the table for qwen3_5 and says it has none for glm_moe_dsa."""
+    attention share is 1/2 against contiguous shards' 3/4; the turns' prefix pass costs one GPU's pass, the
+    layer-major one 3x a rank's zigzag share plus the GDN adjoint summaries; the CLI prints the table for qwen3_5
+    and says it has none for glm_moe_dsa."""
     from ds_longstraw import cp_time
 
     fit = [4 * cp_time.LINEAR_S_PER_TOKEN_LAYER * n + cp_time.ATTENTION_S_PER_L2 * n * n for n in (65536, 262144)]
@@ -444,7 +445,10 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     assert times["now"].capture == pytest.approx(4 * a4 * tokens + attention / 2 + 3 * r * tokens, rel=1e-12)
     assert times["before"].capture == pytest.approx(
         4 * a4 * tokens + attention * 3 / 4 + 3 * (2 * r + cp_time.IN_PROJ_SHARE * a4) * tokens, rel=1e-12)
-    assert times["now"].prefix == pytest.approx(3 * (4 * a4 * 262144 + attention), rel=1e-12)
+    assert times["turns_prefix"] == times["before"].prefix == pytest.approx(3 * (4 * a4 * 262144 + attention),
+                                                                           rel=1e-12)
+    assert times["now"].prefix == pytest.approx(3 * (4 * a4 * tokens + attention / 2) + 2 * r * 3 * tokens,
+                                                rel=1e-12)
     slower = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS / 2)
     assert slower["now"].capture == pytest.approx(2 * times["now"].capture, rel=1e-12)
     assert cp_time.predict(78, 0, 0, 262144, 2, 148.0) is None
@@ -452,7 +456,7 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
                  "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
     assert "## Context parallelism: predicted seconds per rank (148 dense bf16 TFLOPS per GPU)" in out
-    assert "| exact prefix pass, layer-major (not built) |" in out
+    assert "| exact prefix pass |" in out
     assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "96GB",
                  "--host-memory", "1TB"]) == 0
     assert "No CP time prediction for glm_moe_dsa" in capsys.readouterr().out
@@ -474,6 +478,31 @@ def test_auto_scan_holds_the_outputs_only_where_they_fit():
     assert auto > one_pass
     with pytest.raises(ValueError, match="cp_scan must be"):
         make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="three_pass")
+
+
+def test_layer_major_prefix_counts_its_inputs_and_workspace():
+    """Exact mode under CP with qwen3_5 ("auto" layer-major): every layer's input over the shard is retained with
+    the pages (hidden x dtype x layers per token), and what the pass holds across a layer is a workspace; the
+    turns keep neither; glm_moe_dsa (global top-k) runs the turns, and layer_major is refused for it by name."""
+    shape = shape_from_config(*load_config("qwen3.6-27b"))
+    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
+    plan = make_plan(shape, 2 << 20, 8, "exact", layout)
+    tokens = plan.tokens_per_rank
+    assert sum(shape.combine_counts.values()) == 64  # 48 Gated DeltaNet + 16 attention layers
+    assert plan.retained["layer_inputs"] == tokens * shape.hidden_size * shape.dtype_bytes * 64
+    assert plan.workspace["layer_major_prefix"] > 0
+    turns = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="turns")
+    assert turns.retained["layer_inputs"] == 0 and "layer_major_prefix" not in turns.workspace
+    assert make_plan(shape, 2 << 20, 8, "detached", layout).retained["layer_inputs"] == 0
+    # the inputs live with the pages: on the host tier they count against host memory
+    assert plan.needs["cpu"]["host"] - turns.needs["cpu"]["host"] == plan.retained["layer_inputs"]
+    glm = shape_from_config(*load_config("glm-5.2"))
+    glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
+    assert make_plan(glm, 2 << 20, 8, "exact", glm_layout).retained["layer_inputs"] == 0
+    with pytest.raises(ValueError, match="cp_prefix 'layer_major' does not run for glm_moe_dsa"):
+        make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major")
+    with pytest.raises(ValueError, match="cp_prefix must be"):
+        make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="sideways")
 
 
 @pytest.mark.parametrize("context,cp,chunk", [(23, 2, 4), (2_097_152, 8, 4096), (10, 4, 2), (1000, 3, 7)])
