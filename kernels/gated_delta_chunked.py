@@ -226,30 +226,56 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
     return out, (final if output_final_state else None)
 
 
-def delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=False, chunk_size=64):
-    """How the gradient of a segment's initial state depends on the gradient D of its final state, given the
-    gradient d_out [B, T, Hv, dv] of its outputs: d(initial state) = A @ D + L, returned as (L [B, Hv, dk, dv],
-    A [B, Hv, dk, dk]) in accumulation precision.
+class PreparedDeltaRule:
+    """One segment's chunk quantities (no graph), kept to give both its output from an initial state and, once the
+    output's gradient is known, its state adjoint: the layer-major prefix pass needs the first before the second,
+    and building the quantities costs about a forward.
 
-    Neither depends on the initial state itself (the backward's state recurrence is affine in dS and its
-    coefficients are chunk-local), so every context-parallel rank can summarise its segments at once and a reverse
-    scan of (L, A) across segments gives each its true D (ds_longstraw.parallel.prefix_layers). The recurrence is
-    `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X from the identity (the transposed transition):
-        dS_(i-1) = (decay_i I - R_i^T K_end_i) dS_i + Qd_i^T dO_i - R_i^T intra_i^T dO_i.
-    Costs about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/test_kernels.py."""
-    prepared = _Prepared(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size)
-    chunk = _Chunk(*prepared.chunks)
-    batch, heads, n, c, dk = chunk.k.shape
-    dv = chunk.v.shape[-1]
-    acc = chunk.q.dtype
-    t = query.shape[1]
-    d_out = F.pad(d_out.to(acc).transpose(1, 2), (0, 0, 0, n * c - t)).reshape(batch, heads, n, c, dv)
-    constant = (chunk.q_decayed.transpose(-1, -2) @ d_out
-                - chunk.reads.transpose(-1, -2) @ (chunk.intra.transpose(-1, -2) @ d_out))  # [B, H, n, dk, dv]
-    eye = torch.eye(dk, dtype=acc, device=chunk.q.device).expand(batch, heads, dk, dk)
-    joint = torch.cat([torch.zeros(batch, heads, dk, dv, dtype=acc, device=chunk.q.device), eye], -1)
-    for i in reversed(range(n)):
-        joint = (joint * chunk.chunk_decay[:, :, i]
-                 - chunk.reads[:, :, i].transpose(-1, -2) @ (chunk.k_to_end[:, :, i] @ joint))
-        joint[..., :dv] += constant[:, :, i]
-    return joint[..., :dv], joint[..., dv:]
+    state_adjoint(d_out): how the gradient of the segment's initial state depends on the gradient D of its final
+    state, given the gradient d_out [B, T, Hv, dv] of its outputs: d(initial state) = A @ D + L, returned as
+    (L [B, Hv, dk, dv], A [B, Hv, dk, dk]) in accumulation precision. Neither depends on the initial state (the
+    backward's state recurrence is affine in dS and its coefficients are chunk-local), so every context-parallel
+    rank can summarise its segments at once and a reverse scan of (L, A) across segments gives each its true D
+    (ds_longstraw.parallel.prefix_layers). The recurrence is `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X
+    from the identity (the transposed transition):
+        dS_(i-1) = (decay_i I - R_i^T K_end_i) dS_i + Qd_i^T dO_i - R_i^T intra_i^T dO_i,
+    about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/test_kernels.py."""
+
+    def __init__(self, query, key, value, g, beta, use_qk_l2norm_in_kernel=False, chunk_size=64):
+        if query.shape[1] == 0:
+            raise ValueError("the gated delta rule needs at least one token")
+        self.chunk = _Chunk(*_Prepared(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size).chunks)
+        self.tokens, self.dtype = query.shape[1], query.dtype
+
+    def output(self, initial_state=None):
+        """The rule's output [B, T, Hv, dv] (in the query's dtype) from `initial_state` (None: zeros)."""
+        chunk = self.chunk
+        batch, heads, _, _, dk = chunk.k.shape
+        dv = chunk.v.shape[-1]
+        state = (chunk.q.new_zeros(batch, heads, dk, dv) if initial_state is None
+                 else initial_state.to(chunk.q.dtype))
+        starts, _ = chunk.starts(state)
+        out = chunk.q_decayed @ starts + chunk.intra @ (chunk.new_values - chunk.reads @ starts)
+        return out.reshape(batch, heads, -1, dv)[:, :, :self.tokens].transpose(1, 2).to(self.dtype)
+
+    def state_adjoint(self, d_out):
+        chunk = self.chunk
+        batch, heads, n, c, dk = chunk.k.shape
+        dv = chunk.v.shape[-1]
+        acc = chunk.q.dtype
+        d_out = F.pad(d_out.to(acc).transpose(1, 2), (0, 0, 0, n * c - self.tokens)).reshape(batch, heads, n, c, dv)
+        constant = (chunk.q_decayed.transpose(-1, -2) @ d_out
+                    - chunk.reads.transpose(-1, -2) @ (chunk.intra.transpose(-1, -2) @ d_out))  # [B, H, n, dk, dv]
+        eye = torch.eye(dk, dtype=acc, device=chunk.q.device).expand(batch, heads, dk, dk)
+        joint = torch.cat([torch.zeros(batch, heads, dk, dv, dtype=acc, device=chunk.q.device), eye], -1)
+        for i in reversed(range(n)):
+            joint = (joint * chunk.chunk_decay[:, :, i]
+                     - chunk.reads[:, :, i].transpose(-1, -2) @ (chunk.k_to_end[:, :, i] @ joint))
+            joint[..., :dv] += constant[:, :, i]
+        return joint[..., :dv], joint[..., dv:]
+
+
+def delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=False, chunk_size=64):
+    """(L, A) with d(initial state) = A @ D + L for a segment whose outputs have gradient d_out
+    (PreparedDeltaRule.state_adjoint)."""
+    return PreparedDeltaRule(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size).state_adjoint(d_out)

@@ -364,8 +364,8 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
 def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
     """The layer-major prefix pass ("auto" for qwen3_5) and what it moves, against its formulas (float64):
     - each rank keeps every layer's input over its shard: tokens x hidden x layers x 8 bytes ("layer_inputs");
-    - attention, per layer: a rank receives (2 H D + 2 H) values for each token of another rank's chunk that sees
-      its keys (q, dout, lse and delta) and H D for each token of its own chunks per rank whose keys they see (the
+    - attention, per layer: a rank receives (3 H D + H) values for each token of another rank's chunk that sees
+      its keys (q, out, dout and lse) and H D for each token of its own chunks per rank whose keys they see (the
       dq shares); recomputing the forward (attention not kept) adds the capture's page ring, which the kept
       attention skips;
     - GDN, per layer: one [L | A] state adjoint summary and one d(start tail) per piece of every other rank;
@@ -397,15 +397,15 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
         assert relative_l2(plain["grads"], turns["grads"]) <= 1e-12
         assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12
         others = [j for j in range(world) if j != rank]
-        requests = sum(seen_tokens(j, rank) for j in others) * (2 * heads * dim + 2 * heads) * 8
+        requests = sum(seen_tokens(j, rank) for j in others) * (3 * heads * dim + heads) * 8
         answers = sum(seen_tokens(rank, j) for j in others) * heads * dim * 8
         for result in (plain, kept):
             by_layer = result["cp"]["received_bytes_by_layer"]["prefix"]
             by_op = result["cp"]["received_bytes_by_op"]["prefix"]
             assert all(by_layer[layer] == per_gdn for layer in gdn_layers)
             assert by_op["prefix_layer_dq"] == answers * len(attention_layers)
-            assert by_op["prefix_layer_q"] + by_op["prefix_layer_dout"] + by_op["prefix_layer_lse_delta"] \
-                == requests * len(attention_layers)
+            assert by_op["prefix_layer_q"] + by_op["prefix_layer_out"] + by_op["prefix_layer_dout"] \
+                + by_op["prefix_layer_lse"] == requests * len(attention_layers)
         recomputed = plain["cp"]["received_bytes_by_op"]["prefix"].get("capture_kv", 0)
         assert recomputed == plain["cp"]["received_bytes_by_op"]["capture"]["capture_kv"]
         assert "capture_kv" not in kept["cp"]["received_bytes_by_op"]["prefix"]

@@ -17,7 +17,7 @@ from ds_longstraw.kernels import (
     partial_attention_reference,
     recurrent_gated_delta_rule,
 )
-from ds_longstraw.kernels.gated_delta_chunked import delta_rule_state_adjoint
+from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule, delta_rule_state_adjoint
 
 F64 = dict(dtype=torch.float64)
 
@@ -147,13 +147,20 @@ def test_chunked_delta_rule_matches_token_loop(rule, t, chunk, hk, hv, with_stat
 @pytest.mark.parametrize("t,chunk", [(1, 4), (9, 4), (16, 8)])
 def test_state_adjoint_summary_matches_autograd(t, chunk):
     """d(initial state) = A D + L for any final-state gradient D: (L, A) against autograd of the token loop (the
-    plain reference) with two different D, grouped heads, the l2 norm, one chunk and a partial last chunk."""
+    plain reference) with two different D, grouped heads, the l2 norm, one chunk and a partial last chunk; the
+    prepared rule's output from the initial state (and from zeros) equals the token loop's."""
     q, k, v, g, beta, s0 = _delta_rule_inputs(t, 1, 2, seed=t)
     gen = torch.Generator().manual_seed(t + 1)
     kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, state = recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
     d_out = torch.randn(out.shape, generator=gen, **F64)
     L, A = delta_rule_state_adjoint(q, k, v, g, beta, d_out, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    prepared = PreparedDeltaRule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    with torch.no_grad():
+        torch.testing.assert_close(prepared.output(s0), out, rtol=0, atol=1e-10)
+        zero_start, _ = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(prepared.output(None), zero_start, rtol=0, atol=1e-10)
     for _ in range(2):
         D = torch.randn(state.shape, generator=gen, **F64)
         (expected,) = torch.autograd.grad((out * d_out).sum() + (state * D).sum(), [s0], retain_graph=True)

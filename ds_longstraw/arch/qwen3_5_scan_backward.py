@@ -36,7 +36,7 @@ Held across the layer: d(o) and d(z) over the shard.
 import torch
 
 from ds_longstraw.kernels import chunk_gated_delta_rule
-from ds_longstraw.kernels.gated_delta_chunked import delta_rule_state_adjoint
+from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule
 from ds_longstraw.parallel.groups import local_starts, segments_in_order
 
 from .base import inject_gradients
@@ -86,15 +86,15 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
     summaries = [identity_summary(heads, dk, dv, acc, device) for _ in mine]
     for (a, b, _), (start_state, start_tail), k in zip(spans, carries, owners):
         x = read_input(a, b)
-        inputs, out, z = _forward_no_graph(adapter, module, layer, x, start_state, start_tail)
+        rule, out, z = _forward_no_graph(adapter, module, layer, x, start_state, start_tail)
         d_out, d_gate, d_part = _output_side(adapter, module, layer, x, out, z, dy_1TC[:, a:b], backward)
         d_outs.append(d_out)
         d_gates.append(d_gate)
         d_x[:, a:b] += d_part
         if mine[k][0] > 0:  # the prompt's first segment: nothing before it reads its D
-            bias, product = delta_rule_state_adjoint(*inputs, d_out, use_qk_l2norm_in_kernel=True)
+            bias, product = rule.state_adjoint(d_out)
             summaries[k] = _compose(summaries[k], bias.to(acc), product.to(acc), dv)
-        del inputs, out, z
+        del rule, out, z
     for _ in range(pad):  # the calls of a real chunk, in its order
         _, out, z = _forward_no_graph(adapter, module, layer, zero, None, None)
         _output_side(adapter, module, layer, zero, out, z, zero, backward)
@@ -152,7 +152,8 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
 
 
 def _forward_no_graph(adapter, module, layer, x_1TC, start_state, start_tail):
-    """((query, key, value, g, beta), o, z) of the layer's delta rule on a chunk, without a graph."""
+    """(the chunk's PreparedDeltaRule, o, z) of the layer's delta rule on a chunk, without a graph: the prepared
+    rule gives o now and the state adjoint once d(o) is known, its chunk quantities built once."""
     with torch.no_grad():
         h = adapter.mixer_input(layer, x_1TC)
 
@@ -160,9 +161,8 @@ def _forward_no_graph(adapter, module, layer, x_1TC, start_state, start_tail):
             return adapter.gdn_inputs(module, h, start_tail)
 
         query, key, value, g, beta, z, _ = _call_module(module, project)
-        out, _ = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=start_state,
-                                        output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return (query, key, value, g, beta), out, z
+        rule = PreparedDeltaRule(query, key, value, g, beta, use_qk_l2norm_in_kernel=True)
+        return rule, rule.output(start_state), z
 
 
 def _compose(summary, bias, product, dv):

@@ -11,7 +11,7 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
                  out (the output gate recomputed with its graph): d(out), and d(input) through the residual, the
                  MLP and the gate. Then the attention's backward for every query of every rank at once: a rank's
                  own keys locally (dK/dV onto its gradient pages), the other ranks' earlier keys by a ring in which
-                 queries travel (step t: rank r sends (q, dout, lse, delta) of its chunks that see rank r+t's keys
+                 queries travel (step t: rank r sends (q, out, dout, lse) of its chunks that see rank r+t's keys
                  to it and answers rank r-t's, whose dK/dV land on its own gradient pages, sending the dq shares
                  back). Then every rank's pages hold every contribution (replay's and all prompt queries'), and
                  each chunk back-propagates its projections (q, K, V) with autograd: d(input).
@@ -22,12 +22,12 @@ Finally the embedding gets d(layer 0 input). Nothing of the prompt's graph outli
 
 The attention's forward result the output side needs is the capture's kept (out, lse) (prefix_keep_attention),
 or recomputed for the layer by the capture's own exchange (cp_attention.shard_attention, over the pages already in
-place). Bytes received per attention layer and prompt token (the ring, queries travelling): (2 H D + 2 H) values of
+place). Bytes received per attention layer and prompt token (the ring, queries travelling): (3 H D + H) values of
 every query that sees a rank's keys, per such rank, and H D of dq back (cp.report's "prefix" phase counts them).
 
 Held per rank across one layer (the planner's "layer_major_prefix" workspace, offload/plan.py): d(output) and
-d(input) [T, C] in accumulation precision; for attention the shard's q, out and d(out) [T, H D] with lse and delta
-[T, H]; for GDN d(o) and d(z) [T, Hv dv]. The layer's input is read from the tier chunk by chunk.
+d(input) [T, C] in accumulation precision; for attention the shard's q, out and d(out) [T, H D] with lse [T, H];
+for GDN d(o) and d(z) [T, Hv dv]. The layer's input is read from the tier chunk by chunk.
 
 Under ZeRO-3 (lockstep) every rank makes the same module calls in the same order: each per-chunk loop is padded to
 the largest shard's chunk count with one-token zero iterations (the capture's `pad`).
@@ -38,9 +38,9 @@ from functools import partial
 import torch
 
 from ds_longstraw.arch.base import inject_gradients
-from ds_longstraw.kernels.attention import attention_delta, key_set_grads
+from ds_longstraw.kernels.attention import key_set_grads
 
-from .cp_attention import _acc, _pages_KTD, add_page_grads, layer_stager, shard_attention, streamed_grads
+from .cp_attention import _acc, _pages_KTD, add_page_grads, layer_stager, shard_attention, streamed_key_grads
 from .groups import local_spans, visible_prefix
 
 
@@ -158,10 +158,8 @@ def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, re
     layer, pool = spec.layer, state.pool
     scale = adapter.attention_scale(layer)
     acc = _acc(adapter.dtype)
-    deltas = [attention_delta(out, d_out, None) for (out, _), d_out in zip(results, d_outs)]
-    lses = [lse.to(acc) for _, lse in results]
     heads, _, dim = adapter.attention_geometry()
-    requests = _Requests(cp, pieces, chunk, spans, queries, d_outs, lses, deltas, layer,
+    requests = _Requests(cp, pieces, chunk, spans, queries, results, d_outs, layer,
                          (heads, dim, adapter.dtype, acc, adapter.device))
     stager = layer_stager(pool, [spec])
     try:
@@ -169,39 +167,39 @@ def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, re
         for step in range(1, cp.size):
             requests.post(step)
             if step == 1:  # the local keys while the first step's requests are being answered
-                dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas)
+                dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs)
             requests.answer(step, stager, spec, scale, pool)
             requests.collect(step, dq)
         if cp.size == 1:
-            dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas)
+            dq = _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs)
     finally:
         stager.close()
     return dq
 
 
-def _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs, deltas):
+def _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs):
     """Each chunk's queries against this rank's own keys before them (causal on the chunk itself)."""
     dq = []
-    for (a, b, _), q, (out, lse), d_out, delta in zip(spans, queries, results, d_outs, deltas):
+    for (a, b, _), q, (out, lse), d_out in zip(spans, queries, results, d_outs):
         k_KTD, v_KTD = _pages_KTD(pool, spec, a, b)
         share, dk, dv = key_set_grads(q, k_KTD, v_KTD, out, lse, d_out, scale, causal_offset=0)
         add_page_grads(pool, spec, a, dk, dv)
-        earlier = streamed_grads(stager, spec, q, lse, d_out, delta, scale, pool, end=a)
+        earlier = streamed_key_grads(stager, spec, q, out, lse, d_out, scale, pool, end=a)
         dq.append(share.to(earlier.dtype) + earlier)
     return dq
 
 
 class _Requests:
     """The ring of the attention's backward (queries travelling). In step t rank r sends, for each of its chunks
-    that sees keys of rank r+t, (q, dout, [lse | delta]) to it; it answers rank r-t's chunks that see its keys
-    (dK/dV onto its own gradient pages, the dq share back); then it collects its own dq shares. Both sides derive
-    which chunks travel from the layout alone (groups.visible_prefix), so no header is sent. Sends are posted
-    without blocking in a fixed order per pair of ranks, receives in the same order."""
+    that sees keys of rank r+t, (q, out, dout, lse) to it (the merged out and lse: what the kernels' backward
+    takes); it answers rank r-t's chunks that see its keys (dK/dV onto its own gradient pages, the dq share back);
+    then it collects its own dq shares. Both sides derive which chunks travel from the layout alone
+    (groups.visible_prefix), so no header is sent. Sends are posted without blocking in a fixed order per pair of
+    ranks, receives in the same order."""
 
-    def __init__(self, cp, pieces, chunk, spans, queries, d_outs, lses, deltas, layer, geometry):
+    def __init__(self, cp, pieces, chunk, spans, queries, results, d_outs, layer, geometry):
         self.cp, self.pieces, self.chunk, self.layer = cp, pieces, chunk, layer
-        self.spans, self.queries, self.d_outs = spans, queries, d_outs
-        self.lse_delta = [torch.stack([lse, delta]) for lse, delta in zip(lses, deltas)]
+        self.spans, self.queries, self.results, self.d_outs = spans, queries, results, d_outs
         self.heads, self.dim, self.dtype, self.acc, self.device = geometry
         self.works = []
 
@@ -218,7 +216,9 @@ class _Requests:
         cp = self.cp
         dst = (cp.rank + step) % cp.size
         for index, _ in self._seen(dst, self.spans):
-            for tensor in (self.queries[index], self.d_outs[index].to(self.dtype), self.lse_delta[index]):
+            out, lse = self.results[index]
+            for tensor in (self.queries[index], out.to(self.dtype), self.d_outs[index].to(self.dtype),
+                           lse.to(self.acc)):
                 self.works.append(cp.isend(tensor, dst))
 
     def answer(self, step, stager, spec, scale, pool):
@@ -229,10 +229,10 @@ class _Requests:
             a, b, _ = theirs[index]
             shape = (self.heads, b - a, self.dim)
             q = cp.recv(shape, self.dtype, src, self.layer, "prefix_layer_q", device=self.device)
+            out = cp.recv(shape, self.dtype, src, self.layer, "prefix_layer_out", device=self.device)
             d_out = cp.recv(shape, self.dtype, src, self.layer, "prefix_layer_dout", device=self.device)
-            lse, delta = cp.recv((2, self.heads, b - a), self.acc, src, self.layer, "prefix_layer_lse_delta",
-                                 device=self.device)
-            share = streamed_grads(stager, spec, q, lse, d_out, delta, scale, pool, end=seen)
+            lse = cp.recv((self.heads, b - a), self.acc, src, self.layer, "prefix_layer_lse", device=self.device)
+            share = streamed_key_grads(stager, spec, q, out, lse, d_out, scale, pool, end=seen)
             self.works.append(cp.isend(share, src))
 
     def collect(self, step, dq):
