@@ -292,7 +292,7 @@ def plot_balance(rows, path):
               ("prefix", [r for r in rows if r["cp"] > 1 and r["mode"].startswith("exact")])]
     panels = [(phase, runs) for phase, runs in panels if runs]
     height = [0.5 + 0.45 * sum(r["cp"] for r in runs) for _, runs in panels]
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 0.6 + sum(height)), squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 0.6 + sum(height)), squeeze=False,
                              gridspec_kw={"height_ratios": height})
     for ax, (phase, runs) in zip(axes[:, 0], panels):
         single = {(r["tier"], r["mode"]): r["phases"].get(phase, 0.0) for r in rows
@@ -304,7 +304,7 @@ def plot_balance(rows, path):
                 busy = phases.get(phase, 0.0) - wait
                 ax.barh(y, busy, color="tab:blue", label="busy" if y == 0 else None)
                 ax.barh(y, wait, left=busy, color="tab:orange", label="waiting in exchanges" if y == 0 else None)
-                schedule = r["scan"] if phase == "capture" else r["prefix"]
+                schedule = r["scan"] if r["prefix"] == "-" else f"{r['scan']}, {r['prefix']}"
                 labels.append(f"{r['mode']}, {r['layout']}, {schedule}: rank {rank}")
                 y += 1
         for index, ((tier, mode), seconds) in enumerate(sorted(single.items())):
@@ -313,9 +313,9 @@ def plot_balance(rows, path):
         ax.set_yticks(range(len(labels)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_xlabel(f"{phase} wall seconds")
-        ax.set_title(f"{'Capture' if phase == 'capture' else 'Exact prefix pass'} of a {rows[0]['prompt']:,}-token "
-                     f"prompt at CP {runs[0]['cp']}: each rank's busy and waiting time", fontsize=10)
-        ax.legend(loc="lower left", fontsize=8, framealpha=0.9)
+        ax.set_title(f"{'Capture' if phase == 'capture' else 'Exact prefix pass'}, {rows[0]['prompt']:,}-token "
+                     f"prompt, CP {runs[0]['cp']}: each rank busy / waiting", fontsize=10)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

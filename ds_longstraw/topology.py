@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from .lockstep import ReplayLockstep, padded_to_common, replayed_members
+from .model_shape import shape_from_config
+from .offload.plan import layer_major_fits
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
@@ -273,8 +275,9 @@ LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
 
 
 def resolve_prefix(adapter, settings) -> str:
-    """How exact mode's CP prefix pass runs ("layer_major" or "turns") from settings.cp_prefix; ValueError (before
-    any work) when layer_major is asked for where it does not run."""
+    """How exact mode's CP prefix pass runs ("layer_major" or "turns") from settings.cp_prefix ("auto":
+    layer_major where it runs and its added bytes fit offload/plan.layer_major_fits); ValueError (before any work)
+    when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
     scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
@@ -283,7 +286,12 @@ def resolve_prefix(adapter, settings) -> str:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
     if settings.cp_prefix == "auto":
-        return "turns" if blockers else "layer_major"
+        if blockers:
+            return "turns"
+        # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
+        shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
+        fits = layer_major_fits(shape, settings.segment_tokens, settings.prefix_keep_attention)
+        return "layer_major" if fits else "turns"
     return settings.cp_prefix
 
 

@@ -224,14 +224,15 @@ def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory
 
 
 def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
-                    cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto") -> dict:
+                    cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto",
+                    keep_attention: bool = False) -> dict:
     """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, where the capture holds its outputs:
     scan_holds) the scan's held outputs together with the augmented run's scratch over a capture chunk: its value
     width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
     exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
     ("layer_major_prefix")."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if layer_major_prefix(shape, cp, mode, cp_prefix):
+    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
     if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
@@ -244,12 +245,33 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
 
 
-def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto") -> bool:
-    """Whether exact mode's CP prefix pass runs layer-major for this model ("auto": where its layers' combines
-    allow it, as topology.resolve_prefix decides)."""
+# "cp_prefix": "auto" runs the layer-major pass where what it adds per rank and token (every layer's input, kept
+# from capture, and what it holds across a layer) is at most this multiple of what the transaction keeps per rank
+# and token anyway (pages, gradient pages, carry checkpoints, kept attention): the longest prompt that fits then
+# shrinks by at most half. Models whose layer inputs dwarf their pages (Qwen3.6-27B: 64 layers x 5,120 values a
+# token, 10x its K/V pages) take the turns by default until inputs can be saved every k layers.
+LAYER_MAJOR_STATE_RATIO = 1.0
+
+
+def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False) -> bool:
+    """Whether the layer-major prefix pass's added bytes per token stay within LAYER_MAJOR_STATE_RATIO of the
+    transaction's own retained bytes per token (the "auto" rule; a function of the model and settings alone, so
+    every rank decides alike)."""
+    added = layer_inputs_bytes(shape, 1) + layer_major_workspace(shape, 1)
+    kept = (shape.bytes_per_token + shape.grad_bytes_per_token + shape.carry_total / segment_tokens
+            + (shape.kept_bytes_per_token if keep_attention else 0))
+    return added <= LAYER_MAJOR_STATE_RATIO * kept
+
+
+def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
+                       keep_attention: bool = False) -> bool:
+    """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
+    and under "auto" where its added bytes fit the rule above (topology.resolve_prefix decides the same)."""
     if mode != "exact" or cp < 2 or cp_prefix == "turns":
         return False
-    return set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES)
+    if not set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES):
+        return False
+    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention)
 
 
 def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int) -> int:
@@ -298,7 +320,8 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
     out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
-    out["layer_inputs"] = layer_inputs_bytes(shape, tokens) if layer_major_prefix(shape, cp, mode, cp_prefix) else 0
+    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention)
+    out["layer_inputs"] = layer_inputs_bytes(shape, tokens) if layer_major else 0
     return out
 
 
@@ -362,7 +385,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     if cp_prefix not in ("auto", "layer_major", "turns"):
         raise ValueError(f"cp_prefix must be 'auto', 'layer_major' or 'turns', got {cp_prefix!r}")
     if cp_prefix == "layer_major" and mode == "exact" and layout.cp > 1 and not layer_major_prefix(
-            shape, layout.cp, mode):
+            shape, layout.cp, mode, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{sorted(set(shape.combine_counts) - set(LAYER_MAJOR_COMBINES))})")
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix)
@@ -373,7 +396,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
     plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
-                                     layout.gpu_memory, cp_prefix)
+                                     layout.gpu_memory, cp_prefix, keep_attention)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -509,7 +532,7 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix)
         tokens = captured_tokens_per_rank(context, layout.cp)
         workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
-                                        layout.gpu_memory, plan.cp_prefix).values())
+                                        layout.gpu_memory, plan.cp_prefix, keep_attention).values())
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

@@ -112,6 +112,8 @@ CASES = [
 ]
 for _case in CASES:
     _case["model"] = MODEL
+    if _case["mode"] == "exact":  # the layer-major pass, asked for ("auto" takes it only where its layer inputs fit,
+        _case.setdefault("prefix", "layer_major")  # offload/plan.layer_major_fits); the turns cases ask for "turns"
 BY_NAME = {case["name"]: case for case in CASES}
 
 

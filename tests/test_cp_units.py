@@ -107,17 +107,46 @@ class _FakeAdapter:
 
 
 @pytest.mark.parametrize("settings,combines,scan_pass,expected", [
-    ({}, ["affine_scan", "lse"], True, "layer_major"),
-    ({"cp_attention": "ulysses"}, ["affine_scan", "lse"], True, "layer_major"),
+    ({"cp_prefix": "layer_major"}, ["affine_scan", "lse"], True, "layer_major"),
+    ({"cp_prefix": "layer_major", "cp_attention": "ulysses"}, ["affine_scan", "lse"], True, "layer_major"),
     ({}, ["topk_lse", "none"], True, "turns"),
     ({}, ["affine_scan"], False, "turns"),
     ({"cp_prefix": "turns"}, ["lse"], True, "turns"),
-], ids=["qwen3_5", "ulysses", "topk", "no-scan-pass", "asked"])
-def test_auto_prefix_takes_layer_major_where_it_runs(settings, combines, scan_pass, expected):
+], ids=["asked", "ulysses", "topk", "no-scan-pass", "turns-asked"])
+def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
+    """Where the combines rule layer-major out, "auto" takes the turns before weighing memory (the next test)."""
     from ds_longstraw.topology import resolve_prefix
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", **settings)
     assert resolve_prefix(_FakeAdapter(combines, scan_pass), config) == expected
+
+
+def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
+    """"auto" takes the layer-major pass only where every layer's input (and what the pass holds across a layer)
+    costs at most the state the transaction keeps anyway per token: the tiny test model at 4-token chunks (its carry
+    checkpoints are large per token) does, Qwen3.6-27B (64 layers x 5,120 values a token against 64 KiB of K/V
+    pages) and the tiny model at 4,096-token chunks do not; asked for, it runs anyway."""
+    from models import tiny_qwen3_5
+
+    from ds_longstraw.arch import adapter_for
+    from ds_longstraw.model_shape import load_config, shape_from_config
+    from ds_longstraw.offload.plan import LAYER_MAJOR_STATE_RATIO, layer_inputs_bytes, layer_major_fits
+    from ds_longstraw.offload.plan import layer_major_prefix as plan_layer_major
+    from ds_longstraw.topology import resolve_prefix
+
+    adapter = adapter_for(tiny_qwen3_5(layers=3, layer_types=["linear_attention", "full_attention",
+                                                              "linear_attention"]))
+    shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
+    assert LAYER_MAJOR_STATE_RATIO == 1.0
+    for chunk, expected in ((4, "layer_major"), (4096, "turns")):
+        config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=chunk)
+        assert resolve_prefix(adapter, config) == expected
+        assert layer_major_fits(shape, chunk) == (expected == "layer_major")
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4096, cp_prefix="layer_major")
+    assert resolve_prefix(adapter, config) == "layer_major"
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+    assert layer_inputs_bytes(qwen, 1) == 10 * qwen.bytes_per_token and not layer_major_fits(qwen, 4096)
+    assert not plan_layer_major(qwen, 8, "exact") and plan_layer_major(qwen, 8, "exact", "layer_major")
 
 
 def test_layer_major_refused_where_it_does_not_run():

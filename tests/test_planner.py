@@ -481,12 +481,14 @@ def test_auto_scan_holds_the_outputs_only_where_they_fit():
 
 
 def test_layer_major_prefix_counts_its_inputs_and_workspace():
-    """Exact mode under CP with qwen3_5 ("auto" layer-major): every layer's input over the shard is retained with
+    """Exact mode under CP with qwen3_5, layer-major asked for: every layer's input over the shard is retained with
     the pages (hidden x dtype x layers per token), and what the pass holds across a layer is a workspace; the
-    turns keep neither; glm_moe_dsa (global top-k) runs the turns, and layer_major is refused for it by name."""
+    turns keep neither, and "auto" takes them for Qwen3.6-27B (its inputs are 10x its pages) and so fits longer
+    prompts; glm_moe_dsa (global top-k) runs the turns, and layer_major is refused for it by name."""
     shape = shape_from_config(*load_config("qwen3.6-27b"))
-    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
-    plan = make_plan(shape, 2 << 20, 8, "exact", layout)
+    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB,
+                    nvme_free=3584 * GiB)
+    plan = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major")
     tokens = plan.tokens_per_rank
     assert sum(shape.combine_counts.values()) == 64  # 48 Gated DeltaNet + 16 attention layers
     assert plan.retained["layer_inputs"] == tokens * shape.hidden_size * shape.dtype_bytes * 64
@@ -494,6 +496,8 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     turns = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="turns")
     assert turns.retained["layer_inputs"] == 0 and "layer_major_prefix" not in turns.workspace
     assert make_plan(shape, 2 << 20, 8, "detached", layout).retained["layer_inputs"] == 0
+    auto = make_plan(shape, 2 << 20, 8, "exact", layout)
+    assert auto.retained == turns.retained and auto.max_context["nvme"] > plan.max_context["nvme"]
     # the inputs live with the pages: on the host tier they count against host memory
     assert plan.needs["cpu"]["host"] - turns.needs["cpu"]["host"] == plan.retained["layer_inputs"]
     glm = shape_from_config(*load_config("glm-5.2"))

@@ -193,13 +193,14 @@ def check_rollout(out_dir):
     return out
 
 
-CHECKS = {"zero3": lambda out: check("detached", 3, 0), "zero2": lambda out: check("exact", 2, 1),
-          "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses"),
+CHECKS = {"zero3": lambda out: check("detached", 3, 0),
+          "zero2": lambda out: check("exact", 2, 1, cp_prefix="layer_major"),
+          "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses", cp_prefix="layer_major"),
           "zero3kept": lambda out: check("exact", 3, 3, keep=True, cp_prefix="turns"),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2),
-          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread"),
+          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major"),
           "rollout": check_rollout}
 
 
