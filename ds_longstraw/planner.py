@@ -31,6 +31,7 @@ from .offload.plan import (
     Layout,
     gdn_scan_outputs,
     layer_inputs_bytes,
+    layer_major_prefix,
     layer_major_workspace,
     make_plan,
     recommended_tier,
@@ -220,16 +221,21 @@ def _render_cp_time(plan, gpu_tflops) -> list:
     tokens = plan.tokens_per_rank
     scan = gdn_scan_outputs(plan.shape, tokens) if plan.shape.delta_heads else 0
     inputs, held = layer_inputs_bytes(plan.shape, tokens), layer_major_workspace(plan.shape, tokens)
+    runs = "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
+                                               plan.keep_attention) else "turns"
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
-            "", "| phase | before: contiguous shards, two-pass GDN scan, prefix in turns | now: zigzag, one pass, "
-            "prefix layer-major | ratio | added memory per rank (now) |",
+            "", "| phase | before: contiguous shards, two-pass GDN scan | now: zigzag, one pass | ratio "
+            "| added memory per rank (now) |",
             "|---|---:|---:|---:|---|",
             f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} "
             f"| gdn_scan outputs {_gib(scan)} (cp_scan one_pass) |",
-            f"| exact prefix pass | {before.prefix:,.0f} | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
-            f"| layer_inputs {_gib(inputs)} on the pages' tier, {_gib(held)} held on the GPU per layer |", "",
-            "From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks (ds_longstraw/cp_time.py); communication and "
-            "replay not included."]
+            f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |",
+            f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
+            f"| layer_inputs {_gib(inputs)} on the pages' tier, {_gib(held)} held on the GPU across a layer |", "",
+            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
+            "layer-major where its added bytes per token are at most the transaction's own retained bytes, "
+            "offload/plan.layer_major_fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
+            "(ds_longstraw/cp_time.py); communication and replay not included."]
 
 
 def _render_moe(plan) -> list:

@@ -456,7 +456,8 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
                  "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
     assert "## Context parallelism: predicted seconds per rank (148 dense bf16 TFLOPS per GPU)" in out
-    assert "| exact prefix pass |" in out
+    assert "| exact prefix pass, layer-major |" in out and "| exact prefix pass, turns |" in out
+    assert "Exact mode here runs the prefix pass turns (longstraw.cp_prefix auto" in out
     assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "96GB",
                  "--host-memory", "1TB"]) == 0
     assert "No CP time prediction for glm_moe_dsa" in capsys.readouterr().out
