@@ -283,12 +283,12 @@ def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int) -> int:
 
 def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
     """What the layer-major prefix pass holds on the device across one layer (parallel/prefix_layers.py): d(output)
-    and d(input) [T, C] in accumulation precision, and the largest layer kind's own: attention q, out and d(out)
+    and d(input) [T, C] in the model's dtype, and the largest layer kind's own: attention q, out and d(out)
     [T, H D] in the model's dtype with lse [T, H] in float32, or GDN d(o) and d(z) [T, Hv dv] (dv: half of
     the key + value head dims, as in the families here). An estimate of the larger tensors, not of every
     temporary."""
     acc = 8 if shape.dtype_bytes == 8 else 4
-    hidden = 2 * shape.hidden_size * acc
+    hidden = 2 * shape.hidden_size * shape.dtype_bytes
     attention = (3 * shape.attention_heads * shape.attention_head_dim * shape.dtype_bytes
                  + shape.attention_heads * acc) if shape.attention_kv_heads else 0
     delta = 2 * shape.delta_heads * (shape.delta_head_dims // 2) * shape.dtype_bytes

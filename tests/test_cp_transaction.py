@@ -223,13 +223,18 @@ def test_retained_bytes_split_over_ranks(world_results, single_process_retained)
             -(-length // world)) / length
 
 
+def _layer_kinds(config):
+    """(attention layers, Gated DeltaNet layers) of the test model."""
+    return ([i for i, t in enumerate(config.layer_types) if t == "full_attention"],
+            [i for i, t in enumerate(config.layer_types) if t == "linear_attention"])
+
+
 def test_traffic_accounting(world_results):
     """What the counters report is what the design moves (float64: 8-byte elements)."""
     world, results = world_results
     config = tiny_qwen3_5(**MODEL).config
     heads, dim, kv_heads = config.num_attention_heads, config.head_dim, config.num_key_value_heads
-    attention_layers = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
-    gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    attention_layers, gdn_layers = _layer_kinds(config)
     case = BY_NAME["uneven-detached"]
     block, tokens = case["block"], case["response_lens"]
     length = case["prompt_len"] - 1
@@ -375,8 +380,7 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
     world, results = world_results
     config = tiny_qwen3_5(**MODEL).config
     heads, dim, hidden = config.num_attention_heads, config.head_dim, config.hidden_size
-    attention_layers = [i for i, t in enumerate(config.layer_types) if t == "full_attention"]
-    gdn_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    attention_layers, gdn_layers = _layer_kinds(config)
     case = BY_NAME["uneven-exact"]
     length, chunk = case["prompt_len"] - 1, case["chunk"]
     pieces = shard_pieces(length, world, "zigzag")

@@ -26,7 +26,7 @@ place). Bytes received per attention layer and prompt token (the ring, queries t
 every query that sees a rank's keys, per such rank, and H D of dq back (cp.report's "prefix" phase counts them).
 
 Held per rank across one layer (the planner's "layer_major_prefix" workspace, offload/plan.py): d(output) and
-d(input) [T, C] in accumulation precision; for attention the shard's q, out and d(out) [T, H D] with lse [T, H];
+d(input) [T, C] in the model's dtype; for attention the shard's q, out and d(out) [T, H D] with lse [T, H];
 for GDN d(o) and d(z) [T, Hv dv]. The layer's input is read from the tier chunk by chunk.
 
 Under ZeRO-3 (lockstep) every rank makes the same module calls in the same order: each per-chunk loop is padded to
@@ -56,8 +56,8 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, b
     if [(a, b) for a, b, _ in spans] != [(b.start, b.end) for b in state.boundaries]:
         raise RuntimeError("layer-major prefix pass: the capture's chunks differ from this pass's")
     tokens = ids.numel()
-    acc = _acc(adapter.dtype)
-    d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=acc, device=adapter.device)
+    # d(layer output) in the model's dtype, as autograd keeps a hidden state's gradient in the other passes
+    d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     for spec in reversed(adapter.specs):
         read_input = partial(state.read_layer_input, spec.layer)  # (a, b) -> [1, b - a, C] from the tier
         if spec.combine == "lse":
