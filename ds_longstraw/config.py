@@ -100,6 +100,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
         graph; the schedule before layer-major, kept for comparison) or "auto" (the default: layer_major where it
         runs, that is for layers that combine by "lse" or "affine_scan", as qwen3_5's; turns otherwise, as for
         glm_moe_dsa's global top-k).
+    prefix_inputs_every: exact mode's layer-major CP prefix pass only: capture keeps the input of every k-th layer
+        (layers 0, k, 2k, ...), and the pass recomputes the others of a group of k layers from it, over the shard
+        and with the layers' exchanges, into a pool of offload.tier that lives for the group: ceil(L / k) + k - 1
+        layers' inputs on the tier instead of L, for about one more forward of the prompt. 1: every layer's.
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -122,6 +126,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
     cp_scan: Literal["auto", "one_pass", "two_pass"] = "auto"
     cp_prefix: Literal["auto", "layer_major", "turns"] = "auto"
+    prefix_inputs_every: int = Field(1, ge=1)
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

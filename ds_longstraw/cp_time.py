@@ -21,7 +21,8 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
            upper bound: within a turn the page owners' share of the attention overlaps the owner's, which this
            leaves out; at CP 2 on CPU that made it 0.5x);
            now: layer-major, every rank at once: 3x a rank's zigzag share, plus per GDN layer the state adjoint's
-           summary, a recurrence over [dS | X] of about twice the rule's cost: + 2R x scan_layers x T.
+           summary, a recurrence over [dS | X] of about twice the rule's cost: + 2R x scan_layers x T; with
+           prefix_inputs_every k, the recompute of the other layers' inputs: + (k - 1) / k of a rank's forward.
 What it leaves out: communication (the exchanges overlap compute only in part), the replay, kernel efficiency at
 other shapes, and anything of a family other than qwen3_5's attention + Gated DeltaNet (for glm_moe_dsa, whose
 sparse attention and experts cost otherwise, `predict` returns None).
@@ -44,11 +45,13 @@ class PhaseSeconds:
     prefix: float
 
 
-def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float) -> dict:
+def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float,
+            inputs_every: int = 1) -> dict:
     """{"before": PhaseSeconds (contiguous shards, two-pass GDN scan, prefix in turns), "now": PhaseSeconds (zigzag,
     one pass, prefix layer-major), "turns_prefix": seconds (the prefix in turns on the zigzag layout)} per rank.
     attention_layers: the layers that combine across ranks by "lse" (full attention), scan_layers: by "affine_scan"
-    (Gated DeltaNet); None without both (a family this model does not describe)."""
+    (Gated DeltaNet); None without both (a family this model does not describe). inputs_every: the layer-major
+    pass recomputes the inputs of all but every inputs_every-th layer, (k - 1) / k of a forward more."""
     if not attention_layers or not scan_layers:
         return None
     scale = H200_TFLOPS / gpu_tflops
@@ -60,7 +63,8 @@ def predict(layers: int, attention_layers: int, scan_layers: int, context: int, 
     before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * scan
     now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * scan
     turns = 3 * (LINEAR_S_PER_TOKEN_LAYER * layers * context + attention)
-    layer_major = 3 * (linear + attention / cp) + 2 * RECURRENCE_S_PER_TOKEN * scan
+    recompute = (inputs_every - 1) / inputs_every * (linear + attention / cp)
+    layer_major = 3 * (linear + attention / cp) + 2 * RECURRENCE_S_PER_TOKEN * scan + recompute
     return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
                                                                                        layer_major * scale),
             "turns_prefix": turns * scale}

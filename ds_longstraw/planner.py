@@ -35,6 +35,7 @@ from .offload.plan import (
     layer_major_workspace,
     make_plan,
     recommended_tier,
+    recomputed_inputs_bytes,
     rollout_figures,
 )
 
@@ -93,6 +94,9 @@ def _parser():
     p.add_argument("--cp-prefix", choices=("auto", "layer_major", "turns"), default="auto",
                    help="longstraw.cp_prefix (exact mode under CP: layer_major, every rank at once, keeps every "
                         "layer's input; turns, one rank after another; auto: layer_major where it runs)")
+    p.add_argument("--prefix-inputs-every", type=int, default=1,
+                   help="longstraw.prefix_inputs_every (layer-major prefix pass: capture keeps every k-th layer's "
+                        "input, the pass recomputes the rest of a group of k)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
                    help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
@@ -153,12 +157,14 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     rows.update({"carry_checkpoints": (carry_layers, "per chunk start"),
                  "gradient_pages": ("as the pages", s.grad_bytes_per_token),
                  "kept_attention_pages": (s.kept_layers, s.kept_bytes_per_token),
-                 "layer_inputs": (sum(s.combine_counts.values()), s.hidden_size * s.dtype_bytes
-                                  * sum(s.combine_counts.values()))})
+                 "layer_inputs": (-(-sum(s.combine_counts.values()) // plan.inputs_every),
+                                  layer_inputs_bytes(s, 1, plan.inputs_every)),
+                 "recomputed_inputs": (max(min(plan.inputs_every, sum(s.combine_counts.values())) - 1, 0),
+                                       recomputed_inputs_bytes(s, 1, plan.inputs_every))})
     for key, value in plan.retained.items():
         layers, per_token = rows[key]
         if not layers or (not value and key in ("carry_checkpoints", "gradient_pages", "kept_attention_pages",
-                                                "layer_inputs")):
+                                                "layer_inputs", "recomputed_inputs")):
             continue  # exact mode's extras in detached mode, or what the model does not have
         per_token = f"{per_token:,}" if isinstance(per_token, int) else per_token
         lines.append(f"| {key} | {layers} | {per_token} | {_gib(value)} |")
@@ -213,16 +219,18 @@ def _render_cp_time(plan, gpu_tflops) -> list:
     if lay.cp < 2:
         return []
     times = predict(sum(counts.values()), counts.get("lse", 0), counts.get("affine_scan", 0), plan.context, lay.cp,
-                    gpu_tflops)
+                    gpu_tflops, plan.inputs_every)
     if times is None:
         return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models qwen3_5's "
                 "attention + Gated DeltaNet layers only.)"]
     before, now = times["before"], times["now"]
     tokens = plan.tokens_per_rank
     scan = gdn_scan_outputs(plan.shape, tokens) if plan.shape.delta_heads else 0
-    inputs, held = layer_inputs_bytes(plan.shape, tokens), layer_major_workspace(plan.shape, tokens)
+    every = plan.inputs_every
+    inputs = layer_inputs_bytes(plan.shape, tokens, every) + recomputed_inputs_bytes(plan.shape, tokens, every)
+    held = layer_major_workspace(plan.shape, tokens)
     runs = "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
-                                               plan.keep_attention) else "turns"
+                                               plan.keep_attention, plan.inputs_every) else "turns"
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
             "", "| phase | before: contiguous shards, two-pass GDN scan | now: zigzag, one pass | ratio "
             "| added memory per rank (now) |",
@@ -346,10 +354,11 @@ def main(argv=None) -> int:
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
         settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
-                                 "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix})
+                                 "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
+                                 "prefix_inputs_every": args.prefix_inputs_every})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
-                         settings.cp_prefix)
+                         settings.cp_prefix, settings.prefix_inputs_every)
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

@@ -305,8 +305,9 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
             slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
             state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
         if keep_inputs:
-            state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype,
-                                               [spec.layer for spec in adapter.specs], tokens, adapter.device, rank)
+            saved = [spec.layer for spec in adapter.specs if spec.layer % settings.prefix_inputs_every == 0]
+            state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype, saved, tokens,
+                                               adapter.device, rank)
     except BaseException:
         state.release()
         raise

@@ -208,8 +208,8 @@ class ContextParallel:
             _scale_injected_(state, d_final, self.cp.size)
         shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
         if self.prefix_schedule == "layer_major":
-            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens,
-                                        backward=backward, pad=schedule.capture_pad)
+            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, settings, backward=backward,
+                                        pad=schedule.capture_pad)
         else:
             cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
                                turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
@@ -290,7 +290,8 @@ def resolve_prefix(adapter, settings) -> str:
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
         shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
-        fits = layer_major_fits(shape, settings.segment_tokens, settings.prefix_keep_attention)
+        fits = layer_major_fits(shape, settings.segment_tokens, settings.prefix_keep_attention,
+                                settings.prefix_inputs_every)
         return "layer_major" if fits else "turns"
     return settings.cp_prefix
 

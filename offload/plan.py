@@ -5,7 +5,8 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   gradient pages exact mode, as much again for streams with a gradient  with the pages
   kept attention exact mode with prefix_keep_attention: the specs' kept streams per token
                  with the pages, or on offload.kept_attention_tier
-  layer inputs   exact mode's layer-major CP prefix pass: every layer's input per token     with the pages
+  layer inputs   exact mode's layer-major CP prefix pass: the input per token of every      with the pages
+                 prefix_inputs_every-th layer, and the rest of a group's while it runs
   carry          per sequence (a recurrent state, a conv tail)          always GPU
   checkpoints    exact mode: the whole carry per chunk start            with the pages (tier none: GPU);
                  off the device two of them staged on the GPU (one read ahead)
@@ -138,6 +139,7 @@ class Plan:
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     cp_prefix: str = "auto"  # longstraw.cp_prefix: exact mode's CP prefix pass, layer-major or in turns
     keep_attention: bool = False  # longstraw.prefix_keep_attention
+    inputs_every: int = 1  # longstraw.prefix_inputs_every
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
@@ -226,14 +228,14 @@ def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory
 
 def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
                     cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto",
-                    keep_attention: bool = False) -> dict:
+                    keep_attention: bool = False, inputs_every: int = 1) -> dict:
     """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, where the capture holds its outputs:
     scan_holds) the scan's held outputs together with the augmented run's scratch over a capture chunk: its value
     width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
     exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
     ("layer_major_prefix")."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention):
+    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
     if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
@@ -254,31 +256,41 @@ LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
 LAYER_MAJOR_STATE_RATIO = 1.0
 
 
-def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False) -> bool:
-    """Whether the layer-major prefix pass's added bytes per token stay within LAYER_MAJOR_STATE_RATIO of the
-    transaction's own retained bytes per token (the "auto" rule; a function of the model and settings alone, so
-    every rank decides alike)."""
-    added = layer_inputs_bytes(shape, 1) + layer_major_workspace(shape, 1)
+def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every: int = 1) -> bool:
+    """Whether the layer-major prefix pass's added bytes per token (the kept and the recomputed layer inputs, what
+    it holds across a layer) stay within LAYER_MAJOR_STATE_RATIO of the transaction's own retained bytes per token
+    (the "auto" rule; a function of the model and settings alone, so every rank decides alike)."""
+    added = (layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
+             + layer_major_workspace(shape, 1))
     kept = (shape.bytes_per_token + shape.grad_bytes_per_token + shape.carry_total / segment_tokens
             + (shape.kept_bytes_per_token if keep_attention else 0))
     return added <= LAYER_MAJOR_STATE_RATIO * kept
 
 
 def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
-                       keep_attention: bool = False) -> bool:
+                       keep_attention: bool = False, every: int = 1) -> bool:
     """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
     and under "auto" where its added bytes fit the rule above (topology.resolve_prefix decides the same)."""
     if mode != "exact" or cp < 2 or cp_prefix == "turns":
         return False
     if not set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES):
         return False
-    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention)
+    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention, every)
 
 
-def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int) -> int:
-    """Every layer's input hidden states over a rank's shard, kept from capture for the layer-major prefix pass
-    (state.input_pool: hidden_size values per token and layer in the model's dtype)."""
-    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * sum(shape.combine_counts.values())
+def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
+    """The layer inputs over a rank's shard that capture keeps for the layer-major prefix pass (state.input_pool:
+    hidden_size values per token and layer in the model's dtype): of layers 0, every, 2 every, ...
+    (prefix_inputs_every)."""
+    layers = sum(shape.combine_counts.values())
+    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * -(-layers // every)
+
+
+def recomputed_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
+    """What the layer-major prefix pass's recompute of a group's inputs holds on the pages' tier while the group
+    runs: every - 1 layers' inputs over the shard (prefix_layers.recompute_inputs)."""
+    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * (min(every, sum(shape.combine_counts.values()))
+                                                                      - 1)
 
 
 def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
@@ -309,7 +321,7 @@ def captured_tokens_per_rank(context: int, cp: int) -> int:
 
 
 def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int,
-                      keep_attention: bool = False, cp_prefix: str = "auto") -> dict:
+                      keep_attention: bool = False, cp_prefix: str = "auto", inputs_every: int = 1) -> dict:
     """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
@@ -321,8 +333,10 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
     out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
-    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention)
-    out["layer_inputs"] = layer_inputs_bytes(shape, tokens) if layer_major else 0
+    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every)
+    out["layer_inputs"] = layer_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
+    # the group's recomputed inputs, on the pages' tier while the group runs
+    out["recomputed_inputs"] = recomputed_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
     return out
 
 
@@ -339,7 +353,8 @@ def _needs(shape, tokens, retained, tier, depth, kept_tier=None, workspace=0):
 
 def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
     # state and gradient pages, and the layer-major prefix pass's layer inputs (on the pages' tier)
-    pages = sum(v for k, v in retained.items() if k.endswith("_pages")) + retained.get("layer_inputs", 0)
+    pages = (sum(v for k, v in retained.items() if k.endswith("_pages")) + retained.get("layer_inputs", 0)
+             + retained.get("recomputed_inputs", 0))
     if kept_tier not in (None, tier):
         pages -= retained["kept_attention_pages"]
     layer = shape.staged_layer_bytes_per_token * tokens
@@ -374,7 +389,7 @@ def _depth_for(tier):
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "auto", cp_prefix: str = "auto") -> Plan:
+              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int = 1) -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -389,16 +404,19 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
             shape, layout.cp, mode, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{sorted(set(shape.combine_counts) - set(LAYER_MAJOR_COMBINES))})")
+    if inputs_every < 1:
+        raise ValueError(f"inputs_every must be at least 1, got {inputs_every}")
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
-                keep_attention=keep_attention)
+                keep_attention=keep_attention, inputs_every=inputs_every)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
-    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention, cp_prefix)
+    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention, cp_prefix,
+                                      inputs_every)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
     plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
-                                     layout.gpu_memory, cp_prefix, keep_attention)
+                                     layout.gpu_memory, cp_prefix, keep_attention, inputs_every)
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
@@ -531,10 +549,12 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
         return None
 
     def ok(context):
-        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix)
+        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix,
+                                     plan.inputs_every)
         tokens = captured_tokens_per_rank(context, layout.cp)
         workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
-                                        layout.gpu_memory, plan.cp_prefix, keep_attention).values())
+                                        layout.gpu_memory, plan.cp_prefix, keep_attention,
+                                        plan.inputs_every).values())
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

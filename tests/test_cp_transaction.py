@@ -106,6 +106,12 @@ CASES = [
          keep=True, prefix="turns"),
     dict(name="turns-short-exact", prompt_len=10, response_lens=[3, 1, 2], mode="exact", chunk=2, page=2, block=2,
          tier="cpu", layout="zigzag", seed=12, prefix="turns"),
+    # the layer-major pass with capture keeping every 2nd / 3rd layer's input, the rest recomputed per group of
+    # layers (5 layers: groups [0, 1], [2, 3], [4] and [0, 1, 2], [3, 4]); with the attention kept, on NVMe
+    dict(name="inputs-every-2-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         inputs_every=2, seed=15),
+    dict(name="inputs-every-3-kept-nvme-exact", prompt_len=21, response_lens=[4, 2], mode="exact", chunk=5, page=3,
+         block=3, inputs_every=3, keep=True, tier="nvme", seed=16, worlds=(2, 3)),
     # ... and refused at the door where the heads do not split (4 heads, 3 ranks)
     dict(name="ulysses-refused", prompt_len=22, response_lens=[4, 3], mode="exact", chunk=4, page=3, block=3,
          cp_attention="ulysses", worlds=(3,), expect_error=True, seed=6),
@@ -399,6 +405,12 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
         tokens = sum(hi - lo for lo, hi in pieces[rank])
         assert plain["retained"]["layer_inputs"] == tokens * hidden * len(config.layer_types) * 8 \
             == layer_inputs_bytes(shape, tokens)  # what the planner counts
+        for name, every in (("inputs-every-2-exact", 2), ("inputs-every-3-kept-nvme-exact", 3)):
+            if name in results:  # capture keeps layers 0, k, 2k, ...: ceil(5 / k) of them
+                own = shard_pieces(BY_NAME[name]["prompt_len"] - 1, world, "zigzag")[rank]
+                kept_tokens = sum(hi - lo for lo, hi in own)
+                assert results[name][rank]["retained"]["layer_inputs"] == kept_tokens * hidden * 8 * -(-5 // every) \
+                    == layer_inputs_bytes(shape, kept_tokens, every)
         assert "layer_inputs" not in turns["retained"]
         assert relative_l2(plain["grads"], turns["grads"]) <= 1e-12
         assert relative_l2(kept["grads"], plain["grads"]) <= 1e-12

@@ -449,6 +449,9 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
                                                                            rel=1e-12)
     assert times["now"].prefix == pytest.approx(3 * (4 * a4 * tokens + attention / 2) + 2 * r * 3 * tokens,
                                                 rel=1e-12)
+    strided = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS, inputs_every=4)
+    assert strided["now"].prefix - times["now"].prefix == pytest.approx(0.75 * (4 * a4 * tokens + attention / 2),
+                                                                        rel=1e-12)
     slower = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS / 2)
     assert slower["now"].capture == pytest.approx(2 * times["now"].capture, rel=1e-12)
     assert cp_time.predict(78, 0, 0, 262144, 2, 148.0) is None
@@ -501,6 +504,14 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     assert auto.retained == turns.retained and auto.max_context["nvme"] > plan.max_context["nvme"]
     # the inputs live with the pages: on the host tier they count against host memory
     assert plan.needs["cpu"]["host"] - turns.needs["cpu"]["host"] == plan.retained["layer_inputs"]
+    # every 8th layer's input kept (8 of 64), 7 recomputed per group: 37.5 GiB on the tier instead of 160, and the
+    # 2M-token step fits the host tier again
+    strided = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major", inputs_every=8)
+    assert strided.retained["layer_inputs"] == plan.retained["layer_inputs"] // 8
+    assert strided.retained["recomputed_inputs"] == 7 * plan.retained["layer_inputs"] // 64
+    assert strided.fits["cpu"] and not plan.fits["cpu"]
+    with pytest.raises(ValueError, match="inputs_every must be at least 1"):
+        make_plan(shape, 2 << 20, 8, "exact", layout, inputs_every=0)
     glm = shape_from_config(*load_config("glm-5.2"))
     glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
     assert make_plan(glm, 2 << 20, 8, "exact", glm_layout).retained["layer_inputs"] == 0

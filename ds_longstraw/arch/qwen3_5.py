@@ -24,7 +24,7 @@ from ds_longstraw.kernels.dispatch import record
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
 from .qwen3_5_scan import capture_gdn_layer, forward_replaced
-from .qwen3_5_scan_backward import prefix_gdn_layer
+from .qwen3_5_scan_backward import forward_gdn_layer, prefix_gdn_layer
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
 
 FULL_ATTENTION = "full_attention"
@@ -257,6 +257,11 @@ class Qwen35Adapter(CausalLMAdapter):
         [a, b)."""
         return prefix_gdn_layer(self, self.layers[index].linear_attn, index, read_input, dy_1TC, state, spans, cp,
                                 pieces, d_final, backward=backward, pad=pad)
+
+    def scan_layer_forward(self, index, normed_1TC, spans, state, pad=0):
+        """One Gated DeltaNet layer's mixer output per chunk of this rank's shard, each from its checkpointed carry
+        (the layer-major prefix pass's recompute of a layer input, qwen3_5_scan_backward.py)."""
+        return forward_gdn_layer(self, self.layers[index].linear_attn, index, normed_1TC, spans, state, pad=pad)
 
     # -- the segment -------------------------------------------------------------------------------------
     def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):

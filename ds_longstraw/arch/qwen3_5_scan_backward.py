@@ -171,6 +171,20 @@ def _compose(summary, bias, product, dv):
     return torch.cat([earlier_product @ bias + earlier_bias, earlier_product @ product], -1)
 
 
+def forward_gdn_layer(adapter, module, layer, normed_1TC, spans, state, pad=0):
+    """The layer's mixer output of each chunk [a, b) of the shard (no graph), from the chunk's checkpointed carry:
+    the rank's own work alone, no exchange (the carries at every chunk start were kept by capture)."""
+    outs = []
+    with torch.no_grad():
+        for (a, b, _), boundary in zip(spans, state.boundaries):
+            start_state, start_tail = _carry(state, boundary, layer)
+            outs.append(adapter.gdn_forward(module, normed_1TC[:, a:b], start_state, start_tail)[0])
+        zero = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
+        for _ in range(pad):
+            adapter.gdn_forward(module, zero, None, None)
+    return outs
+
+
 def _carry(state, boundary, layer):
     """(state, tail) of `layer` checkpointed at the chunk's start ((None, None) at the prompt start)."""
     got = state.begin_carry(boundary, {layer}).result().get(layer)

@@ -39,8 +39,8 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     where a layer calls a submodule once per chunk, this rank makes `pad` more calls on a zero token (outputs
     discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
     order, with the context-parallel exchanges at the same places in between.
-    keep_inputs: also keep every layer's input over the shard (exact mode's layer-major prefix pass,
-    prefix_layers.py)."""
+    keep_inputs: also keep the inputs over the shard of every settings.prefix_inputs_every-th layer (exact mode's
+    layer-major prefix pass, prefix_layers.py)."""
     ids_all = prompt_ids[:-1]
     pieces = cp.pieces(ids_all.numel())
     mine = pieces[cp.rank]
@@ -87,7 +87,7 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
             index = spec.layer
-            if state.input_pool is not None:
+            if state.input_pool is not None and index % settings.prefix_inputs_every == 0:
                 state.input_pool.append(index, INPUT_STREAM, hidden[0])
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":

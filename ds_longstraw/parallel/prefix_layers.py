@@ -39,18 +39,31 @@ import torch
 
 from ds_longstraw.arch.base import inject_gradients
 from ds_longstraw.kernels.attention import key_set_grads
+from ds_longstraw.offload import make_pool
+from ds_longstraw.state import INPUT_STREAM
 
-from .cp_attention import _acc, _pages_KTD, add_page_grads, layer_stager, shard_attention, streamed_key_grads
+from .cp_attention import (
+    _acc,
+    _pages_KTD,
+    add_page_grads,
+    layer_stager,
+    pad_output_calls,
+    pad_qkv_calls,
+    shard_attention,
+    streamed_key_grads,
+)
 from .groups import local_spans, visible_prefix
 
 
-def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, pad=0):
+def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings, backward=None, pad=0):
     """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry) from
-    replay; chunk: the capture segment (settings.segment_tokens). Parameter gradients of this rank's tokens
+    replay; settings: the transaction's (segment_tokens: the capture's chunks; prefix_inputs_every: which layers'
+    inputs capture kept; offload: the tier of the recomputed ones). Parameter gradients of this rank's tokens
     accumulate into .grad; the caller reduces them. backward: as prefix_pass.prefix_backward's; pad: lockstep
     iterations per chunk loop (lockstep.GroupShape's capture pad)."""
+    chunk, every = settings.segment_tokens, settings.prefix_inputs_every
     pieces = cp.pieces(state.length)
     spans = local_spans(pieces[cp.rank], chunk)
     if [(a, b) for a, b, _ in spans] != [(b.start, b.end) for b in state.boundaries]:
@@ -58,22 +71,92 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, b
     tokens = ids.numel()
     # d(layer output) in the model's dtype, as autograd keeps a hidden state's gradient in the other passes
     d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
-    for spec in reversed(adapter.specs):
-        read_input = partial(state.read_layer_input, spec.layer)  # (a, b) -> [1, b - a, C] from the tier
-        if spec.combine == "lse":
-            d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces, chunk,
-                                                backward, pad)
-        elif spec.combine == "affine_scan":
-            d_hidden = adapter.prefix_scan_layer(spec.layer, read_input, d_hidden, state, spans, cp, pieces,
-                                                 d_final_carry.get(spec.layer), backward=backward, pad=pad)
-        else:
-            raise NotImplementedError(f"layer {spec.layer}: combine {spec.combine!r} in the layer-major prefix pass")
+    group = None  # the pool of the recomputed inputs of the layers above the current group's base
+    try:
+        for spec in reversed(adapter.specs):
+            layer = spec.layer
+            base = layer - layer % every
+            if layer == base:
+                read_input = partial(state.read_layer_input, layer)  # (a, b) -> [1, b - a, C] from the tier
+            else:
+                if group is None:  # the group's top layer: its inputs recomputed from the base's, once
+                    group = recompute_inputs(adapter, state, base, layer, spans, cp, pieces, settings, pad)
+                read_input = partial(_read_group, group, layer)
+            if spec.combine == "lse":
+                d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
+                                                    chunk, backward, pad)
+            elif spec.combine == "affine_scan":
+                d_hidden = adapter.prefix_scan_layer(layer, read_input, d_hidden, state, spans, cp, pieces,
+                                                     d_final_carry.get(layer), backward=backward, pad=pad)
+            else:
+                raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
+            if group is not None and layer == base + 1:  # the group is done
+                group.release()
+                group = None
+    finally:
+        if group is not None:
+            group.release()
     for a, b, _ in spans:  # the embedding's share
         with torch.enable_grad():
             inject_gradients([adapter.embed(ids[a:b])], [d_hidden[:, a:b]], backward)
     for _ in range(pad):
         with torch.enable_grad():
             inject_gradients([adapter.embed(ids[:0].new_zeros(1))], [None], backward)
+
+
+def _read_group(group, layer, start, end):
+    return group.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
+
+
+def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad=0):
+    """The inputs of layers base + 1 .. top over this rank's shard, recomputed without a graph from layer base's
+    (capture's) by the layers' own forward, with the exchanges their combine needs (every rank recomputes the same
+    group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every)."""
+    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
+    try:
+        tokens = state.read_layer_input(base).shape[1]
+        for layer in range(base + 1, top + 1):
+            pool.reserve(layer, INPUT_STREAM, tokens, (adapter.hidden_size,), adapter.dtype)
+        hidden = state.read_layer_input(base)
+        with torch.no_grad():
+            for spec in adapter.specs[base:top]:
+                hidden = layer_forward(adapter, spec, state, hidden, spans, cp, pieces, settings.segment_tokens, pad)
+                pool.append(spec.layer + 1, INPUT_STREAM, hidden[0])
+        pool.flush()
+    except BaseException:
+        pool.release()
+        raise
+    return pool
+
+
+def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pad=0):
+    """Layer `spec.layer`'s output over this rank's shard from its input, no graph, as the capture computes it but
+    reading what the capture kept: attention over the pages in place (or the kept attention), GDN from each chunk's
+    checkpointed carry (no exchange). pad: the capture's lockstep dummies."""
+    layer = spec.layer
+    normed = adapter.mixer_input(layer, hidden_1TC)
+    pairs = [(a, b) for a, b, _ in spans]
+    if spec.combine == "lse":
+        queries, gates = [], []
+        for a, b, position in spans:
+            q, gate, _ = adapter.attention_project(layer, normed[:, a:b], position)
+            queries.append(q)
+            gates.append(gate)
+        dummy_out = pad_qkv_calls(adapter, layer, normed, pad)
+        results = _kept(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, state.pool,
+                                                                chunk)
+        mixed = [adapter.attention_finish(layer, out, gate) for (out, _), gate in zip(results, gates)]
+        pad_output_calls(adapter, layer, dummy_out)
+    elif spec.combine == "affine_scan":
+        mixed = adapter.scan_layer_forward(layer, normed, spans, state, pad=pad)
+    else:
+        raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
+    hidden = hidden_1TC + (torch.cat(mixed, 1) if mixed else torch.zeros_like(hidden_1TC))
+    outs = [adapter.mlp_residual(layer, hidden[:, a:b]) for a, b in pairs]
+    dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
+    for _ in range(pad):
+        adapter.mlp_residual(layer, dummy)
+    return torch.cat(outs, 1) if outs else hidden
 
 
 def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, chunk, backward=None,

@@ -68,6 +68,8 @@ def case_config(case, world, out_dir=None):
         config["cp_scan"] = case["scan"]
     if "prefix" in case:
         config["cp_prefix"] = case["prefix"]
+    if "inputs_every" in case:
+        config["prefix_inputs_every"] = case["inputs_every"]
     if case.get("keep"):  # exact mode's kept attention, optionally on a tier of its own
         config["prefix_keep_attention"] = True
     if "kept_tier" in case:

@@ -24,7 +24,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           the "topk_lse" capture padded like the LSE one
   glm3exact   the same in exact mode, pages on the host tier: in the mirrored prefix turns the serving rank
           answers the owner's SELECT, FORWARD and BACKWARD requests from inside its one-token dummy layers
-  zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread" (layer-major prefix pass): each CP rank replays
+  zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread" (layer-major prefix pass, every 2nd layer's input
+          kept and the others recomputed, padded like the capture): each CP rank replays
           its own members (A, B: 3 and 2 members over 2 ranks; C: 2), padded to the common member slots and blocks
           of all 4 ranks
   glm3ep  glm3exact with "ep_size" = cp_size = 2 (8 routed experts, 4 per rank of each CP group: GLM-5.2's
@@ -65,10 +66,11 @@ CP = 2
 
 
 def block(mode, cp_size=CP, tier="none", cp_attention="lse", keep=False, ep_size=1, cp_replay="replicated",
-          cp_prefix="auto"):
+          cp_prefix="auto", inputs_every=1):
     return {"enabled": True, "prefix_grad": mode, "capture_chunk": 3, "replay_block": 4, "page_tokens": 8,
             "cp_size": cp_size, "offload": {"tier": tier}, "cp_attention": cp_attention,
-            "prefix_keep_attention": keep, "ep_size": ep_size, "cp_replay": cp_replay, "cp_prefix": cp_prefix}
+            "prefix_keep_attention": keep, "ep_size": ep_size, "cp_replay": cp_replay, "cp_prefix": cp_prefix,
+            "prefix_inputs_every": inputs_every}
 
 
 def ds_config(mode, stage, **block_options):
@@ -200,7 +202,8 @@ CHECKS = {"zero3": lambda out: check("detached", 3, 0),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2),
-          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major"),
+          "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major",
+                                           inputs_every=2),
           "rollout": check_rollout}
 
 
