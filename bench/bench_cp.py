@@ -8,7 +8,7 @@ oversubscribes, so its step time says little about speed; the byte counts are wh
 
     python bench/bench_cp.py [--prompt 1024] [--responses 4x32] [--cp 1,2,4] [--modes detached,exact,exact-keep]
                              [--tiers none,cpu,nvme] [--layouts auto,zigzag,contiguous]
-                             [--scans one_pass,two_pass] [--prefixes layer_major,turns]
+                             [--scans one_pass,two_pass] [--prefixes layer_major,turns] [--inputs-every 1,4]
 
 A second table sets each phase beside the single-process one and gives every rank's busy and waiting seconds
 (waiting: inside blocking exchanges, CPContext's timers).
@@ -75,7 +75,7 @@ def count_tier_reads():
 
 
 def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated",
-             layout="auto", scan="one_pass", prefix="auto"):
+             layout="auto", scan="one_pass", prefix="auto", every=1):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -85,7 +85,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
               "capture_chunk": args.chunk, "page_tokens": 256, "replay_block": args.block, "cp_size": world,
               "cp_attention": attention, "offload": {"tier": tier}, "cp_replay": replay, "cp_layout": layout,
-              "cp_scan": scan, "cp_prefix": prefix}
+              "cp_scan": scan, "cp_prefix": prefix, "prefix_inputs_every": every}
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
@@ -109,7 +109,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
 
 
 def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto",
-            scan="one_pass", prefix="auto"):
+            scan="one_pass", prefix="auto", every=1):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -118,7 +118,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
             return
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.new_group(list(range(world)), backend="gloo")
-        result = one_step(args, mode, group, world, attention, tier, out, replay, layout, scan, prefix)
+        result = one_step(args, mode, group, world, attention, tier, out, replay, layout, scan, prefix, every)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
         dist.barrier(group=group)
         dist.destroy_process_group()
@@ -128,14 +128,14 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
 
 
 def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto", scan="one_pass",
-              prefix="auto"):
+              prefix="auto", every=1):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp(prefix=f"bench_cp{world}_")
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=_worker, args=(r, world, port, args, mode, attention, tier, out, replay, layout, scan,
-                                               prefix))
+                                               prefix, every))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -201,6 +201,8 @@ def main(argv=None):
                         "two_pass, comma-separated")
     parser.add_argument("--prefixes", default="auto", help="exact mode's CP prefix passes (cp_prefix) for CP > 1: "
                         "auto, layer_major, turns, comma-separated")
+    parser.add_argument("--inputs-every", default="1", help="layer-major prefix pass: keep every k-th layer's input "
+                        "(prefix_inputs_every), comma-separated")
     parser.add_argument("--replay", default="replicated",
                         help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
@@ -216,15 +218,20 @@ def main(argv=None):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
                     for replay in (["replicated"] if world == 1 else args.replay.split(",")):
                         prefixes = args.prefixes.split(",") if mode.startswith("exact") else ["auto"]
-                        for layout, scan, prefix in itertools.product(
-                                *(["auto"], ["one_pass"], ["auto"]) if world == 1 else (
-                                    args.layouts.split(","), args.scans.split(","), prefixes)):
-                            ranks = run_world(args, mode, world, attention, tier, replay, layout, scan, prefix)
-                            rows.append(dict(summarise(world, mode, attention, ranks, tier),
-                                             scan=scan if world > 1 else "-"))
+                        everies = [int(k) for k in args.inputs_every.split(",")]
+                        for layout, scan, prefix, every in itertools.product(
+                                *(["auto"], ["one_pass"], ["auto"], [1]) if world == 1 else (
+                                    args.layouts.split(","), args.scans.split(","), prefixes, everies)):
+                            if every > 1 and prefix == "turns":
+                                continue  # the turns keep no layer inputs
+                            ranks = run_world(args, mode, world, attention, tier, replay, layout, scan, prefix, every)
+                            row = dict(summarise(world, mode, attention, ranks, tier), scan=scan if world > 1 else "-")
+                            if row["prefix"] == "layer_major" and every > 1:
+                                row["prefix"] = f"layer_major, inputs every {every}"
+                            rows.append(row)
                             print(f"# done tier={tier} cp={world} mode={mode} attention={attention} replay={replay} "
-                                  f"layout={layout} scan={scan} prefix={prefix}: {rows[-1]['step_s']:.2f} s",
-                                  file=sys.stderr, flush=True)
+                                  f"layout={layout} scan={scan} prefix={prefix} every={every}: "
+                                  f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
           f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")

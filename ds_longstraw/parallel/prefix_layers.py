@@ -6,7 +6,9 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
 
   at layer l every rank holds d(layer output) for its own tokens (from layer l+1's step; zero at the top, where
   the prompt's hidden states feed nothing) and the layer's input over its shard (saved at capture on the pages'
-  tier, state.input_pool), and produces d(layer input):
+  tier, state.input_pool; with prefix_inputs_every k only layers 0, k, 2k, ... are saved, and on reaching a
+  group's top layer every rank recomputes the group's other inputs from its base by the layers' own forward,
+  recompute_inputs, onto a pool of the tier released when the group is done), and produces d(layer input):
   "lse"          (attention; this module) the output side first, chunk by chunk with autograd from the leaf
                  out (the output gate recomputed with its graph): d(out), and d(input) through the residual, the
                  MLP and the gate. Then the attention's backward for every query of every rank at once: a rank's
