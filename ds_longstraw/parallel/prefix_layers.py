@@ -116,10 +116,9 @@ def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad
     group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every)."""
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
     try:
-        tokens = state.read_layer_input(base).shape[1]
-        for layer in range(base + 1, top + 1):
-            pool.reserve(layer, INPUT_STREAM, tokens, (adapter.hidden_size,), adapter.dtype)
         hidden = state.read_layer_input(base)
+        for layer in range(base + 1, top + 1):
+            pool.reserve(layer, INPUT_STREAM, hidden.shape[1], (adapter.hidden_size,), adapter.dtype)
         with torch.no_grad():
             for spec in adapter.specs[base:top]:
                 hidden = layer_forward(adapter, spec, state, hidden, spans, cp, pieces, settings.segment_tokens, pad)
