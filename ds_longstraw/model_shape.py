@@ -43,9 +43,10 @@ def _dtype_bytes(config, override):
     return _DTYPE_NAMES.get(str(dtype).replace("torch.", ""), 2)
 
 
-def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> ModelShape:
+def shape_from_config(name: str, config, dtype_bytes: int | None = None, parameters: bool = True) -> ModelShape:
     """The planner's view of a model: bytes per token by label, per-sequence carry, kept attention, parameters,
-    routed experts (the family's expert_shape; None where it has none)."""
+    routed experts (the family's expert_shape; None where it has none). parameters=False leaves params 0 and builds
+    no model on the meta device (a transaction's own rules read only the per-token state)."""
     if isinstance(config, dict):
         config = config_from_shape(config)
     e = _dtype_bytes(config, dtype_bytes)
@@ -70,7 +71,7 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None) -> Mode
         if spec.kept:
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
-    shape.params = parameter_count(config)
+    shape.params = parameter_count(config) if parameters else 0
     for name, value in kernel_dims(config).items():  # what the kernels' workspaces scale with
         setattr(shape, name, value)
     experts = expert_shape(config)

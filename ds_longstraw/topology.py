@@ -286,10 +286,10 @@ def resolve_prefix(adapter, settings) -> str:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
     if settings.cp_prefix == "auto":
-        if blockers:
+        if blockers or settings.prefix_grad != "exact":  # (detached mode runs no prefix pass)
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
-        shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
+        shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
         fits = layer_major_fits(shape, settings.segment_tokens, settings.prefix_keep_attention,
                                 settings.prefix_inputs_every)
         return "layer_major" if fits else "turns"

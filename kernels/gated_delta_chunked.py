@@ -117,6 +117,20 @@ class _Chunk:
         self.k_to_end = k * (self.cum[..., -1:] - self.cum).exp().unsqueeze(-1)
         self.chunk_decay = self.cum[..., -1].exp()[..., None, None]
 
+    def initial(self, state):
+        """The chunk-start state of the first chunk in accumulation precision (None: zeros)."""
+        if state is None:
+            return self.q.new_zeros(*self.k.shape[:2], self.k.shape[-1], self.v.shape[-1])
+        return state.to(self.q.dtype)
+
+    def output(self, state, tokens, dtype):
+        """(the rule's output [B, T, H, dv] in `dtype` from chunk-start state `state`, its final state)."""
+        batch, heads = self.q.shape[:2]
+        dv = self.v.shape[-1]
+        starts, final = self.starts(state)
+        out = self.q_decayed @ starts + self.intra @ (self.new_values - self.reads @ starts)
+        return out.reshape(batch, heads, -1, dv)[:, :, :tokens].transpose(1, 2).to(dtype), final
+
     def starts(self, state):
         """The state at every chunk start [B, H, n, dk, dv] and the final state: the only serial part."""
         starts = []
@@ -133,16 +147,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         ctx.use_qk_l2norm, ctx.chunk_size = use_qk_l2norm, chunk_size
         ctx.save_for_backward(query, key, value, g, beta, initial_state)
         chunk = _Chunk(*_Prepared(query, key, value, g, beta, use_qk_l2norm, chunk_size).chunks)
-        batch, heads, _, _, dk = chunk.k.shape
-        dv = chunk.v.shape[-1]
-        state = (chunk.q.new_zeros(batch, heads, dk, dv) if initial_state is None
-                 else initial_state.to(chunk.q.dtype))
-        starts, final = chunk.starts(state)
-        updates = chunk.new_values - chunk.reads @ starts
-        out = chunk.q_decayed @ starts + chunk.intra @ updates
-        t = query.shape[1]
-        out = out.reshape(batch, heads, -1, dv)[:, :, :t].transpose(1, 2).to(query.dtype)
-        return out, final
+        return chunk.output(chunk.initial(initial_state), query.shape[1], query.dtype)
 
     @staticmethod
     def backward(ctx, d_out, d_final):
@@ -153,7 +158,7 @@ class _ChunkedDeltaRule(torch.autograd.Function):
         batch, heads, n, c, dk = chunk.k.shape
         dv = chunk.v.shape[-1]
         acc = chunk.q.dtype
-        state = chunk.q.new_zeros(batch, heads, dk, dv) if initial_state is None else initial_state.to(acc)
+        state = chunk.initial(initial_state)
         starts, _ = chunk.starts(state)
         updates = chunk.new_values - chunk.reads @ starts
 
@@ -249,14 +254,7 @@ class PreparedDeltaRule:
 
     def output(self, initial_state=None):
         """The rule's output [B, T, Hv, dv] (in the query's dtype) from `initial_state` (None: zeros)."""
-        chunk = self.chunk
-        batch, heads, _, _, dk = chunk.k.shape
-        dv = chunk.v.shape[-1]
-        state = (chunk.q.new_zeros(batch, heads, dk, dv) if initial_state is None
-                 else initial_state.to(chunk.q.dtype))
-        starts, _ = chunk.starts(state)
-        out = chunk.q_decayed @ starts + chunk.intra @ (chunk.new_values - chunk.reads @ starts)
-        return out.reshape(batch, heads, -1, dv)[:, :, :self.tokens].transpose(1, 2).to(self.dtype)
+        return self.chunk.output(self.chunk.initial(initial_state), self.tokens, self.dtype)[0]
 
     def state_adjoint(self, d_out):
         chunk = self.chunk
@@ -273,9 +271,3 @@ class PreparedDeltaRule:
                      - chunk.reads[:, :, i].transpose(-1, -2) @ (chunk.k_to_end[:, :, i] @ joint))
             joint[..., :dv] += constant[:, :, i]
         return joint[..., :dv], joint[..., dv:]
-
-
-def delta_rule_state_adjoint(query, key, value, g, beta, d_out, use_qk_l2norm_in_kernel=False, chunk_size=64):
-    """(L, A) with d(initial state) = A @ D + L for a segment whose outputs have gradient d_out
-    (PreparedDeltaRule.state_adjoint)."""
-    return PreparedDeltaRule(query, key, value, g, beta, use_qk_l2norm_in_kernel, chunk_size).state_adjoint(d_out)

@@ -17,7 +17,7 @@ from ds_longstraw.kernels import (
     partial_attention_reference,
     recurrent_gated_delta_rule,
 )
-from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule, delta_rule_state_adjoint
+from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule
 
 F64 = dict(dtype=torch.float64)
 
@@ -154,8 +154,8 @@ def test_state_adjoint_summary_matches_autograd(t, chunk):
     kwargs = dict(initial_state=s0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out, state = recurrent_gated_delta_rule(q, k, v, g, beta, **kwargs)
     d_out = torch.randn(out.shape, generator=gen, **F64)
-    L, A = delta_rule_state_adjoint(q, k, v, g, beta, d_out, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
     prepared = PreparedDeltaRule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=chunk)
+    L, A = prepared.state_adjoint(d_out)
     with torch.no_grad():
         torch.testing.assert_close(prepared.output(s0), out, rtol=0, atol=1e-10)
         zero_start, _ = recurrent_gated_delta_rule(q, k, v, g, beta, output_final_state=True,

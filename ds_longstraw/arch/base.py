@@ -34,6 +34,19 @@ def inject_gradients(outputs, grads, backward=None):
         backward(sum((o * g.detach()).sum() for o, g in live))
 
 
+def grad_leaf(tensor):
+    """A detached copy of `tensor` that requires grad (None stays None): where a piece-by-piece backward cuts the
+    graph and reads the gradient back (grad_of)."""
+    return None if tensor is None else tensor.detach().requires_grad_(True)
+
+
+def grad_of(leaf):
+    """The gradient a grad_leaf got (zeros where backward reached none; None for None)."""
+    if leaf is None:
+        return None
+    return torch.zeros_like(leaf) if leaf.grad is None else leaf.grad
+
+
 class CausalLMAdapter:
     body = lm_head = config = None  # set by the family's adapter
 

@@ -142,12 +142,17 @@ class Qwen35Adapter(CausalLMAdapter):
         g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as the model defines it
         return query, key, value, g, beta, z, new_tail
 
-    def _gdn(self, module, h_1TC, state, tail):
-        batch, t, _ = h_1TC.shape
+    def gdn_core(self, module, h_1TC, state, tail):
+        """The delta rule's output [1, T, Hv, dv], the output gate z, the end state and the end conv tail of the
+        layer input h_1TC from (state, tail) (None: the prompt start), before the gated norm and out projection."""
         query, key, value, g, beta, z, new_tail = self.gdn_inputs(module, h_1TC, tail)
         # The chunked rule keeps only its inputs for backward (kernels/gated_delta_chunked.py): its intermediates
         # are ~10x their size, and the exact-mode prefix pass holds a whole segment's graph.
         out, new_state = _delta_rule(query, key, value, g, beta, state)
+        return out, z, new_state, new_tail
+
+    def _gdn(self, module, h_1TC, state, tail):
+        out, z, new_state, new_tail = self.gdn_core(module, h_1TC, state, tail)
         return self.gdn_finish(module, out, z), new_state, new_tail
 
     def gdn_gate(self, module, h_1TC):

@@ -8,7 +8,7 @@ d(layer input), the parameter gradients of its tokens, and nothing else across r
 What crosses ranks backward, and why it is cheap:
   state  the backward of the delta rule's state recurrence is affine in the gradient D of a segment's end state:
          d(start state) = A D + L, where L (from the segment's output gradients) and A (the transposed transition)
-         do not depend on the forward state (kernels/gated_delta_chunked.delta_rule_state_adjoint). Each rank
+         do not depend on the forward state (kernels/gated_delta_chunked.PreparedDeltaRule.state_adjoint). Each rank
          summarises its pieces, the summaries are all-gathered, and every rank folds them from the prompt's end
          (D of the last segment: replay's gradient of the prompt's final state) to get its pieces' true D. Each
          piece then runs its own backward from its D, chunk by chunk, last chunk first.
@@ -35,30 +35,22 @@ Held across the layer: d(o) and d(z) over the shard.
 
 import torch
 
-from ds_longstraw.kernels import chunk_gated_delta_rule
 from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule
-from ds_longstraw.parallel.groups import local_starts, segments_in_order
+from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
-from .base import inject_gradients
+from .base import grad_leaf, grad_of, inject_gradients
 from .qwen3_5_scan import _call_module, forward_replaced, identity_summary
 
 
 def _core(adapter, module, h_1TC, state, tail):
-    """(o, z, end state, end tail) of the layer's delta rule on input h, as the module's call (ZeRO-3's hooks gather
-    A_log and dt_bias around it, forward and backward)."""
+    """(o, z, end state, end tail) of the layer's delta rule on input h (the adapter's gdn_core), as the module's
+    call (ZeRO-3's hooks gather A_log and dt_bias around it, forward and backward)."""
 
     def forward(h):
-        query, key, value, g, beta, z, new_tail = adapter.gdn_inputs(module, h, tail)
-        out, new_state = chunk_gated_delta_rule(query, key, value, g=g, beta=beta, initial_state=state,
-                                                output_final_state=True, use_qk_l2norm_in_kernel=True)
-        return out, z, new_state, new_tail
+        return adapter.gdn_core(module, h, state, tail)
 
     with forward_replaced(module, forward):
         return tuple(module(h_1TC))
-
-
-def _leaf(tensor):
-    return None if tensor is None else tensor.detach().requires_grad_(True)
 
 
 def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, cp, pieces, d_final, backward=None,
@@ -72,7 +64,7 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
     mine, order = pieces[cp.rank], segments_in_order(pieces)
     starts = local_starts(mine)
-    owners = [next(k for k in range(len(mine)) if starts[k] <= a < starts[k + 1]) for a, _, _ in spans]
+    owners = [piece_index(mine, position) for _, _, position in spans]  # each chunk's piece
     acc = adapter.state_dtype()
     device = dy_1TC.device
     zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=device)
@@ -193,34 +185,28 @@ def _carry(state, boundary, layer):
 
 def _output_side(adapter, module, layer, x_1TC, out, z, dy_1TC, backward):
     """Step (1) for one chunk: (d o, d z, d x) of y = mlp_residual(x + finish(o, z)) given d y."""
-    x, out, z = _leaf(x_1TC), _leaf(out), _leaf(z)
+    x, out, z = grad_leaf(x_1TC), grad_leaf(out), grad_leaf(z)
     with torch.enable_grad():
         y = adapter.mlp_residual(layer, x + adapter.gdn_finish(module, out, z))
         inject_gradients([y], [dy_1TC], backward)
-    return _grad(out), _grad(z), _grad(x)
+    return grad_of(out), grad_of(z), grad_of(x)
 
 
 def _input_side(adapter, module, layer, x_1TC, carry, injected, backward):
     """Step (3) for one chunk from its checkpointed carry: (d x, d start state, d start tail). injected: the
     gradients of (o, z, end state, end tail), None for a lockstep dummy (zero)."""
-    x = _leaf(x_1TC)
-    start_state, start_tail = (_leaf(t) for t in carry)
+    x = grad_leaf(x_1TC)
+    start_state, start_tail = (grad_leaf(t) for t in carry)
     with torch.enable_grad():
         roots = _core(adapter, module, adapter.mixer_input(layer, x), start_state, start_tail)
         inject_gradients(roots, injected or [None] * len(roots), backward)
-    return _grad(x), _grad(start_state), _grad(start_tail)
+    return grad_of(x), grad_of(start_state), grad_of(start_tail)
 
 
 def _tail_projection(adapter, module, layer, x_1TC, d_tail, backward):
     """Step (4): d(x) of the pre-convolution projection of the tokens x_1TC given its gradient d_tail."""
-    x = _leaf(x_1TC)
+    x = grad_leaf(x_1TC)
     with torch.enable_grad():
         projected = module.in_proj_qkv(adapter.mixer_input(layer, x)).transpose(1, 2)
         inject_gradients([projected], [d_tail], backward)
-    return _grad(x)
-
-
-def _grad(tensor):
-    if tensor is None:
-        return None
-    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
+    return grad_of(x)

@@ -106,14 +106,19 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
             else:
                 raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
             del normed
-            hidden = hidden + mixed
+            hidden = mlp_over_chunks(adapter, index, hidden + mixed, pairs, pad)
             del mixed
-            pieces_out = [adapter.mlp_residual(index, hidden[:, a:b]) for a, b in pairs]
-            dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
-            for _ in range(pad):
-                adapter.mlp_residual(index, dummy)
-            hidden = torch.cat(pieces_out, 1) if pieces_out else hidden
             if progress is not None:
                 progress(index)
     state.flush()  # the last partial pages too: after capture every page is on its tier
     state.carry, state.boundaries = final_carry, boundaries or []
+
+
+def mlp_over_chunks(adapter, layer, hidden_1TC, pairs, pad=0):
+    """hidden + mlp(post_norm(hidden)) of `layer` over a shard, chunk by chunk (pairs: [(a, b)]), then `pad`
+    one-token dummy calls (ZeRO-3 lockstep)."""
+    outs = [adapter.mlp_residual(layer, hidden_1TC[:, a:b]) for a, b in pairs]
+    dummy = hidden_1TC.new_zeros(1, 1, hidden_1TC.shape[-1])
+    for _ in range(pad):
+        adapter.mlp_residual(layer, dummy)
+    return torch.cat(outs, 1) if outs else hidden_1TC

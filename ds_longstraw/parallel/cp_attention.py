@@ -351,7 +351,7 @@ def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
     layer = spec.layer
     heads, _, dim = adapter.attention_geometry()
     scale = adapter.attention_scale(layer)
-    q_all = torch.cat(queries, 1) if queries else pool_empty_queries(adapter, heads, dim)
+    q_all = torch.cat(queries, 1) if queries else _empty_queries(adapter, heads, dim)
     stager = layer_stager(pool, [spec])
     try:
         bounds = contiguous_bounds(pieces)
@@ -367,7 +367,7 @@ def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
         stager.close()
 
 
-def pool_empty_queries(adapter, heads, dim):
+def _empty_queries(adapter, heads, dim):
     return torch.zeros(heads, 0, dim, dtype=adapter.dtype, device=adapter.device)
 
 

@@ -39,11 +39,12 @@ from functools import partial
 
 import torch
 
-from ds_longstraw.arch.base import inject_gradients
+from ds_longstraw.arch.base import grad_leaf, grad_of, inject_gradients
 from ds_longstraw.kernels.attention import key_set_grads
 from ds_longstraw.offload import make_pool
 from ds_longstraw.state import INPUT_STREAM
 
+from .capture import mlp_over_chunks
 from .cp_attention import (
     _acc,
     _pages_KTD,
@@ -136,7 +137,6 @@ def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pa
     checkpointed carry (no exchange). pad: the capture's lockstep dummies."""
     layer = spec.layer
     normed = adapter.mixer_input(layer, hidden_1TC)
-    pairs = [(a, b) for a, b, _ in spans]
     if spec.combine == "lse":
         queries, gates = [], []
         for a, b, position in spans:
@@ -153,11 +153,7 @@ def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pa
     else:
         raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
     hidden = hidden_1TC + (torch.cat(mixed, 1) if mixed else torch.zeros_like(hidden_1TC))
-    outs = [adapter.mlp_residual(layer, hidden[:, a:b]) for a, b in pairs]
-    dummy = hidden.new_zeros(1, 1, hidden.shape[-1])
-    for _ in range(pad):
-        adapter.mlp_residual(layer, dummy)
-    return torch.cat(outs, 1) if outs else hidden
+    return mlp_over_chunks(adapter, layer, hidden, [(a, b) for a, b, _ in spans], pad)
 
 
 def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, chunk, backward=None,
@@ -206,34 +202,26 @@ def _kept(state, spec, spans):
     return [(out[:, a:b], lse[:, a:b]) for a, b, _ in spans]
 
 
-def _leaf(tensor):
-    return tensor.detach().requires_grad_(True)
-
-
-def _grad(tensor):
-    return torch.zeros_like(tensor) if tensor.grad is None else tensor.grad
-
-
 def _output_side(adapter, layer, x_1TC, position, out_HTD, dy_1TC, backward):
     """(d out, d x) of y = mlp_residual(x + finish(out, gate(x))) given d y: the output gate recomputed here with
     its graph (its half of the query projection), rather than held over the shard."""
-    x, out = _leaf(x_1TC), _leaf(out_HTD)
+    x, out = grad_leaf(x_1TC), grad_leaf(out_HTD)
     with torch.enable_grad():
         _, gate, _ = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
         y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, gate))
         inject_gradients([y], [dy_1TC], backward)
-    return _grad(out), _grad(x)
+    return grad_of(out), grad_of(x)
 
 
 def _input_side(adapter, layer, x_1TC, position, injected, backward):
     """d x of the chunk's (q, gate, K, V) projections given their gradients (the gate's is None: the output side
     took it; None altogether: a lockstep zero iteration)."""
-    x = _leaf(x_1TC)
+    x = grad_leaf(x_1TC)
     with torch.enable_grad():
         query, gate, rows = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
         roots = [query, gate, *rows]
         inject_gradients(roots, injected or [None] * len(roots), backward)
-    return _grad(x)
+    return grad_of(x)
 
 
 def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs):
