@@ -274,10 +274,10 @@ def resolve_layout(specs, settings) -> str:
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
 
 
-def resolve_prefix(adapter, settings) -> str:
-    """How exact mode's CP prefix pass runs ("layer_major" or "turns") from settings.cp_prefix ("auto":
-    layer_major where it runs and its added bytes fit offload/plan.layer_major_fits); ValueError (before any work)
-    when layer_major is asked for where it does not run."""
+def resolve_prefix(adapter, settings) -> str | None:
+    """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
+    settings.cp_prefix ("auto": layer_major where it runs and its added bytes fit offload/plan.layer_major_fits);
+    ValueError (before any work) when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
     scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
@@ -285,8 +285,10 @@ def resolve_prefix(adapter, settings) -> str:
     if settings.cp_prefix == "layer_major" and blockers:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
+    if settings.prefix_grad != "exact":
+        return None  # detached mode runs no prefix pass
     if settings.cp_prefix == "auto":
-        if blockers or settings.prefix_grad != "exact":  # (detached mode runs no prefix pass)
+        if blockers:
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
         shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
