@@ -84,8 +84,8 @@ class LongstrawConfig(DeepSpeedConfigModel):
         cut into 2 cp_size segments, rank r owning segments r and 2 cp_size - 1 - r: every rank's causal attention
         work is equal, and the capture's page exchange runs on all ranks at once), "contiguous" (one shard per rank:
         the last rank reads every earlier key; the layout before zigzag, kept for comparison), or "auto" (the
-        default: zigzag where the schedule runs it, that is with cp_attention "lse" and layers that combine by
-        "lse" or "affine_scan", as qwen3_5's do; contiguous otherwise, as for glm_moe_dsa's global top-k).
+        default: zigzag where the schedule runs it, that is with cp_attention "lse", for both families; contiguous
+        under Ulysses).
     cp_scan: under context parallelism, how a Gated DeltaNet layer's capture crosses ranks: "one_pass" (the delta rule
         runs once over the shard and its outputs wait for the exchange, [o(0) | q~] over the shard in the model's
         dtype, the planner's "gdn_scan" workspace), "two_pass" (nothing waits: the layer runs again from its true

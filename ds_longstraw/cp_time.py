@@ -23,9 +23,21 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
            now: layer-major, every rank at once: 3x a rank's zigzag share, plus per GDN layer the state adjoint's
            summary, a recurrence over [dS | X] of about twice the rule's cost: + 2R x scan_layers x T; with
            prefix_inputs_every k, the recompute of the other layers' inputs: + (k - 1) / k of a rank's forward.
-What it leaves out: communication (the exchanges overlap compute only in part), the replay, kernel efficiency at
-other shapes, and anything of a family other than qwen3_5's attention + Gated DeltaNet (for glm_moe_dsa, whose
-sparse attention and experts cost otherwise, `predict` returns None).
+
+A family whose layers attend a global top-k selection ("topk_lse", glm_moe_dsa) is `predict_sparse`'s, from the
+H200 Triton figures ("The Triton kernels on the H200"): the DSA selection of 1,024 queries over 16K keys (32
+indexer heads of 128, k = 2,048) took 2.2 ms, so Q per (query, key) pair and selecting layer; the sparse absorbed
+MLA (64 heads, latent 512 + rope 64, 2,048 rows a query) 16.8 ms forward and 46.2 ms forward + backward for 1,024
+queries, so S and S' per query and layer; both scaled linearly to other widths. The dense work (projections, the
+experts a token is routed to, norms) is D per active parameter and token: the 27B fit's a / 4 over one Qwen3.6-27B
+layer's parameters (its 4 benchmarked layers weigh 7.6 GiB in bf16 with the embeddings and head).
+  capture  (D x active + S x layers) x T + Q x selecting layers x the rank's causal pairs: contiguous shards' last
+           rank L^2 (2N - 1) / (2 N^2), zigzag L^2 / (2N)
+  prefix   (exact) in turns, so the whole prompt's: 3 D x active x L + S' x layers x L + Q x selecting layers x L^2 / 2
+           (the selection is recomputed, never differentiated: the indexer takes no gradient)
+What it leaves out: communication (the exchanges overlap compute only in part; the experts' all-to-all), the
+replay, kernel efficiency at other shapes, and any other family (`predict` returns None without both attention
+and Gated DeltaNet layers, `predict_sparse` without selecting layers).
 """
 
 from dataclasses import dataclass
@@ -39,10 +51,20 @@ RECURRENCE_S_PER_TOKEN = 1.05e-3 / 8192  # R: fla's forward, Qwen3.6-27B's 48 va
 IN_PROJ_SHARE = 16480 / (16480 + 5120 + 3 * 17408)  # P / (a / 4)
 
 
+# The sparse family's figures (see the module docstring)
+SELECT_S_PER_PAIR = 2.2e-3 / (1024 * 16384)  # Q, at SELECT_WIDTH
+SELECT_WIDTH = 32 * 128  # indexer heads x indexer head dim
+SPARSE_S_PER_QUERY = 16.8e-3 / 1024  # S, at SPARSE_WIDTH
+SPARSE_BACKWARD_S_PER_QUERY = 46.2e-3 / 1024  # S' (forward + backward), at SPARSE_WIDTH
+SPARSE_WIDTH = 64 * (512 + 64) * 2048  # heads x (latent + rope) x rows a query
+QWEN_LAYER_PARAMS = (7.6 * 2**30 / 2 - 2 * 248320 * 5120) / 4  # one Qwen3.6-27B layer of the benchmarked four
+DENSE_S_PER_PARAM_TOKEN = LINEAR_S_PER_TOKEN_LAYER / QWEN_LAYER_PARAMS  # D
+
+
 @dataclass(frozen=True)
 class PhaseSeconds:
     capture: float
-    prefix: float
+    prefix: float | None  # None: the schedule has no such prefix pass for this family
 
 
 def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float,
@@ -67,4 +89,26 @@ def predict(layers: int, attention_layers: int, scan_layers: int, context: int, 
     layer_major = 3 * (linear + attention / cp) + 2 * RECURRENCE_S_PER_TOKEN * scan + recompute
     return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
                                                                                        layer_major * scale),
+            "turns_prefix": turns * scale}
+
+
+def predict_sparse(layers: int, select_layers: int, active_params: float, context: int, cp: int, gpu_tflops: float,
+                   select_width: int, sparse_width: int) -> dict:
+    """{"before": PhaseSeconds (contiguous shards, prefix in turns), "now": PhaseSeconds (zigzag; no layer-major
+    prefix: None), "turns_prefix": seconds} per rank for a family whose `layers` attend a global top-k selection
+    that `select_layers` of them make (None without any). active_params: the dense parameters a prompt token runs
+    through (the routed experts at k of their count; no embeddings or head); select_width: indexer heads x head
+    dim; sparse_width: heads x (latent + rope) x rows a query."""
+    if not select_layers:
+        return None
+    scale = H200_TFLOPS / gpu_tflops
+    tokens = context / cp
+    dense = DENSE_S_PER_PARAM_TOKEN * active_params
+    pair = SELECT_S_PER_PAIR * select_width / SELECT_WIDTH * select_layers
+    width = sparse_width / SPARSE_WIDTH * layers
+    per_token = (dense + SPARSE_S_PER_QUERY * width) * tokens
+    before = per_token + pair * context * context * (2 * cp - 1) / (2 * cp * cp)
+    now = per_token + pair * context * context / (2 * cp)
+    turns = 3 * dense * context + SPARSE_BACKWARD_S_PER_QUERY * width * context + pair * context * context / 2
+    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale, None),
             "turns_prefix": turns * scale}

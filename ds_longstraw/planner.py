@@ -23,7 +23,7 @@ import shutil
 import sys
 
 from .config import parse_config
-from .cp_time import predict
+from .cp_time import predict, predict_sparse
 from .model_shape import load_config, shape_from_config
 from .offload.plan import (
     TIERS,
@@ -220,9 +220,11 @@ def _render_cp_time(plan, gpu_tflops) -> list:
         return []
     times = predict(sum(counts.values()), counts.get("lse", 0), counts.get("affine_scan", 0), plan.context, lay.cp,
                     gpu_tflops, plan.inputs_every)
+    if times is None and plan.shape.select_layers:
+        return _render_sparse_cp_time(plan, gpu_tflops)
     if times is None:
-        return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models qwen3_5's "
-                "attention + Gated DeltaNet layers only.)"]
+        return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/cp_time.py models attention + "
+                "Gated DeltaNet layers, and layers that attend a top-k selection.)"]
     before, now = times["before"], times["now"]
     tokens = plan.tokens_per_rank
     scan = gdn_scan_outputs(plan.shape, tokens) if plan.shape.delta_heads else 0
@@ -244,6 +246,35 @@ def _render_cp_time(plan, gpu_tflops) -> list:
             "layer-major where its added bytes per token are at most the transaction's own retained bytes, "
             "offload/plan.layer_major_fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
             "(ds_longstraw/cp_time.py); communication and replay not included."]
+
+
+def active_params(shape) -> float:
+    """The parameters a prompt token runs through: all but the embeddings and the head (untied), the routed experts
+    at k of their count."""
+    dense = shape.params - 2 * shape.vocab_size * shape.hidden_size
+    if shape.moe:
+        moe = shape.moe
+        dense -= moe.layers * moe.routed_params * (1 - moe.experts_per_token / moe.experts)
+    return dense
+
+
+def _render_sparse_cp_time(plan, gpu_tflops) -> list:
+    """The CP time table of a family whose layers attend a global top-k selection (cp_time.predict_sparse)."""
+    shape, lay = plan.shape, plan.layout
+    times = predict_sparse(shape.combine_counts.get("topk_lse", 0), shape.select_layers, active_params(shape),
+                           plan.context, lay.cp, gpu_tflops, shape.index_width,
+                           shape.attention_heads * shape.attention_head_dim * shape.select_topk)
+    before, now = times["before"], times["now"]
+    return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
+            "", "| phase | before: contiguous shards | now: zigzag | ratio | added memory per rank (now) |",
+            "|---|---:|---:|---:|---|",
+            f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} | none |",
+            f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |", "",
+            f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
+            "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "
+            "last rank (2N - 1) / N^2 of the L^2 / 2. The prefix pass runs in turns for this family (no layer-major "
+            "pass of its sparse layers yet). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
+            "(ds_longstraw/cp_time.py); communication (the experts' all-to-all included) and replay not included."]
 
 
 def _render_moe(plan) -> list:

@@ -22,10 +22,11 @@ from .arch.specs import stream_names
 
 
 def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
-                    recompute=True, timings=None, boundaries=None):
+                    recompute=True, timings=None, boundaries=None, past_start=0):
     """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
     its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
-    one piece's);
+    one piece's); past_start: the first local token of the pages a segment sees as its past (a context-parallel
+    turn of a family whose past must be contiguous in positions: its piece's start; remote_attention the rest);
     d_final_carry: layer -> d(its carry) after the prefix. Returns d(carry) at the start of the
     captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
 
@@ -40,7 +41,7 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
             return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                                   recompute, {} if timings is None else timings, segments)
+                                   recompute, {} if timings is None else timings, segments, past_start)
     finally:
         stager.close()
 
@@ -76,7 +77,7 @@ def _begin_segment(state, boundary, in_flight):
 
 
 def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
-                    timings, segments):
+                    timings, segments, past_start=0):
     """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
     pool = state.pool
     timings.setdefault("forward", 0.0)
@@ -87,7 +88,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         # the prompt start has no checkpoint: zeros there, nothing to carry further back
         carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                  for layer, parts in checkpointed.items()}
-        past = StagedPast(stager, 0, start, with_grad=True)
+        past = StagedPast(stager, past_start, start, with_grad=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position

@@ -158,7 +158,7 @@ class ContextParallel:
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
         if uses_selection(adapter.specs):
-            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.offset, state.length, exact=requires_grad)
+            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=requires_grad)
         else:
             pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
         if self.spread:  # each rank its own members: queries travel to the pages (parallel/spread.py)
@@ -248,9 +248,9 @@ def check_combines(specs, cp_size):
 
 
 # Where the zigzag layout runs: the capture's ring exchange serves "lse" layers, the scan folds any pieces in prompt
-# order and exact mode's prefix pass takes a turn per piece; Ulysses' all-to-all and the global top-k's candidate
-# exchange assume contiguous shards.
-ZIGZAG_COMBINES = ("lse", "affine_scan", "none")
+# order, the global top-k's candidates merge in canonical order wherever their positions lie, and exact mode's
+# prefix pass takes a turn per piece; Ulysses' all-to-all assumes contiguous shards.
+ZIGZAG_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
 def resolve_layout(specs, settings) -> str:

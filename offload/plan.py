@@ -103,6 +103,9 @@ class ModelShape:
     attention_kv_heads: int = 0  # key/value heads of paged dense attention (0: none, e.g. absorbed MLA)
     delta_heads: int = 0  # gated delta rule value heads
     delta_head_dims: int = 0  # key + value head dims
+    select_layers: int = 0  # layers that make a top-k selection (the others of their family reuse it)
+    select_topk: int = 0  # rows a query attends under a top-k selection (0: no such layer)
+    index_width: int = 0  # the selection's scorer: indexer heads x head dim
 
     @property
     def bytes_per_token(self) -> int:

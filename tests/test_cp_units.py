@@ -78,7 +78,7 @@ def _layout_specs(combines):
     ({}, ["affine_scan", "lse"], "zigzag"),
     ({"prefix_grad": "exact"}, ["affine_scan", "lse"], "zigzag"),
     ({"cp_attention": "ulysses"}, ["lse"], "contiguous"),
-    ({}, ["topk_lse"], "contiguous"),
+    ({}, ["topk_lse"], "zigzag"),
     ({"cp_layout": "contiguous"}, ["lse"], "contiguous"),
 ], ids=["detached", "exact", "ulysses", "topk", "asked"])
 def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
@@ -93,8 +93,42 @@ def test_zigzag_refused_where_it_does_not_run():
     config = LongstrawConfig(cp_size=2, cp_layout="zigzag", cp_attention="ulysses")
     with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*cp_attention 'ulysses'"):
         resolve_layout(_layout_specs(["lse"]), config)
-    with pytest.raises(ValueError, match="combine by \\['topk_lse'\\]"):
-        resolve_layout(_layout_specs(["topk_lse"]), LongstrawConfig(cp_size=2, cp_layout="zigzag"))
+
+
+@pytest.mark.parametrize("length,size,layout", [(23, 2, "zigzag"), (46, 3, "zigzag"), (5, 4, "zigzag"),
+                                                (17, 3, "contiguous")])
+def test_local_and_prompt_positions_invert_each_other(length, size, layout):
+    """A rank's local index i is its i-th token in prompt order; prompt_to_local marks exactly its own positions."""
+    from ds_longstraw.parallel.groups import local_to_prompt, prompt_to_local
+
+    everything = torch.arange(length)
+    for own in shard_pieces(length, size, layout):
+        expected = [p for lo, hi in own for p in range(lo, hi)]
+        local = torch.arange(len(expected))
+        assert local_to_prompt(local, own).tolist() == expected
+        back, mine = prompt_to_local(everything, torch.ones(length, dtype=torch.bool), own)
+        assert everything[mine].tolist() == expected
+        assert back[mine].tolist() == list(range(len(expected)))
+
+
+def test_candidate_sets_merge_in_canonical_order_whatever_their_positions():
+    """merge_candidate_sets of two canonical sets over interleaved positions (two zigzag ranks' pieces) == one
+    stable sort of every score by (score descending, position ascending), in either order, ties included."""
+    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
+
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.randint(0, 3, (5, 12), generator=gen).double()  # many ties
+    ranks = [torch.tensor([0, 1, 2, 9, 10, 11]), torch.tensor([3, 4, 5, 6, 7, 8])]
+    k = 4
+    parts = []
+    for positions in ranks:  # each rank's own canonical top-k (a stable sort in its position order)
+        values, order = torch.sort(scores[:, positions], dim=-1, descending=True, stable=True)
+        parts.append((values[:, :k], positions[order[:, :k]]))
+    values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    empty = dsa.no_candidates(5, torch.float64, "cpu")
+    for first, second in (parts, parts[::-1]):
+        merged = dsa.merge_candidate_sets(dsa.merge_candidate_sets(empty, first, k), second, k)
+        assert torch.equal(merged[0], values[:, :k]) and torch.equal(merged[1], order[:, :k])
 
 
 class _FakeAdapter:

@@ -35,7 +35,7 @@ from ds_longstraw.arch import glm_moe_dsa_attention as dsa
 from ds_longstraw.config import parse_config
 from ds_longstraw.kernels import merge_partials
 from ds_longstraw.kernels.attention import attention_delta
-from ds_longstraw.parallel import shard_bounds
+from ds_longstraw.parallel import shard_pieces
 from ds_longstraw.parallel.cp_sparse import selected_rows_attention
 from ds_longstraw.topology import ContextParallel
 
@@ -45,11 +45,18 @@ TIES = {"index_n_heads": 1}  # one indexer head: its ReLU scores are exactly 0 f
 FAMILY = "glm_moe_dsa"
 
 CASES = [
-    # prompt[:-1] = 46 tokens: shards 23/23, 16/15/15, 12/12/11/11; chunks of 5 and pages of 4 divide none
-    # (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py the spread)
+    # prompt[:-1] = 46 tokens on the zigzag layout ("auto"): 2N segments of 12/12/11/11 (CP 2), 8/8/8/8/7/7,
+    # 6/6/6/6/6/6/5/5; chunks of 5 and pages of 4 divide none (the replicated replay: test_traffic_accounting
+    # checks its formula; tests/test_cp_spread.py the spread)
     dict(name="uneven-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4, block=3,
          cp_replay="replicated"),
     dict(name="uneven-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3),
+    # the same group on contiguous shards 23/23, 16/15/15, 12/12/11/11 (the layout before zigzag, kept for
+    # comparison)
+    dict(name="contiguous-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4,
+         block=3, cp_replay="replicated", layout="contiguous"),
+    dict(name="contiguous-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
+         layout="contiguous", worlds=(2, 3)),
     # 20 tokens: shards 10/10, 7/7/6, 5/5/5/5: fewer keys per rank than index_topk (8), more in all
     dict(name="shards-below-topk-exact", prompt_len=21, response_lens=[4, 3], mode="exact", chunk=3, page=2,
          block=2, seed=1),
@@ -77,6 +84,8 @@ CASES = [
          model=TIES, seed=1, record=True, cp_replay="replicated"),
     dict(name="ties-detached", prompt_len=50, response_lens=[6, 4], mode="detached", chunk=9, page=4, block=3,
          model=TIES, seed=1, record=True, worlds=(2,), cp_replay="replicated"),
+    dict(name="ties-contiguous-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4, block=3,
+         model=TIES, seed=1, record=True, worlds=(3,), layout="contiguous", cp_replay="replicated"),
     # bfloat16: held to twice transformers' own bfloat16 error (see test_low_precision_within_twice_plain_error)
     dict(name="bfloat16-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
          dtype="bfloat16", low_precision=True, worlds=(2, 3)),
@@ -152,7 +161,11 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
         assert all(torch.equal(a, b) for a, b in zip(result["logprobs"], ranks[0]["logprobs"]))
 
 
-@pytest.mark.parametrize("name", ["ties-exact", "ties-detached"])
+def _layout(case):
+    return case.get("layout", "zigzag")
+
+
+@pytest.mark.parametrize("name", ["ties-exact", "ties-detached", "ties-contiguous-exact"])
 def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, name):
     """Every selection of a full indexer layer, on every rank (capture: its shard; replay: every member, on every
     rank alike; exact mode's prefix pass: its shard again), equals the reference's canonical top-k over the whole
@@ -172,7 +185,7 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
         assert boundary_ties(record) >= 10, "test setup: the tie-break must decide many selections"
     length = case["prompt_len"] - 1
     full_layers = [i for i, kind in enumerate(model.config.indexer_types) if kind == "full"]
-    for rank, ((lo, hi), result) in enumerate(zip(shard_bounds(length, world), results[name])):
+    for rank, (own, result) in enumerate(zip(shard_pieces(length, world, _layout(case)), results[name])):
         covered = {"capture": set(), "prefix": set(), "replay": []}
         member = -1
         for phase, layer, start, positions, valid in result["selections"]:
@@ -186,7 +199,7 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
                     covered["replay"].append((member, layer, start + row))
                 else:
                     covered[phase].add((layer, start + row))
-        shard = {(layer, t) for layer in full_layers for t in range(lo, hi)}
+        shard = {(layer, t) for layer in full_layers for lo, hi in own for t in range(lo, hi)}
         assert covered["capture"] == shard
         assert covered["prefix"] == (shard if case["mode"] == "exact" else set())
         replayed = [(m, layer, length + t) for m, response in enumerate(group.response_ids) for layer in full_layers
@@ -225,31 +238,45 @@ def test_retained_bytes_split_over_ranks(world_results):
     """Each rank keeps the pages of its own tokens only: latent + rope key on every layer, indexer keys on full
     layers."""
     world, results = world_results
-    case = BY_NAME["uneven-detached"]
     config = tiny_glm_moe_dsa().config
     full = config.indexer_types.count("full")
     per_token_latent = config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 8
     per_token_index = full * config.index_head_dim * 8
-    for (lo, hi), result in zip(shard_bounds(case["prompt_len"] - 1, world), results["uneven-detached"]):
-        assert result["retained"]["mla_latent_pages"] == (hi - lo) * per_token_latent
-        assert result["retained"]["indexer_key_pages"] == (hi - lo) * per_token_index
-        assert result["cp"]["shard"] == (lo, hi)
+    for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
+        pieces = shard_pieces(BY_NAME[name]["prompt_len"] - 1, world, layout)
+        for own, result in zip(pieces, results[name]):
+            tokens = sum(hi - lo for lo, hi in own)
+            assert result["retained"]["mla_latent_pages"] == tokens * per_token_latent
+            assert result["retained"]["indexer_key_pages"] == tokens * per_token_index
+            assert result["cp"]["layout"] == layout
+            assert result["cp"]["shard"] == (own[0] if layout == "contiguous" else own)
 
 
-def test_traffic_accounting(world_results):
+def _servers(pieces, rank):
+    """The ranks holding a key before the start of `rank`'s last non-empty piece (every key a query of it sees)."""
+    starts = [lo for lo, hi in pieces[rank] if hi > lo]
+    return [i for i, own in enumerate(pieces) if starts and i != rank and any(lo < starts[-1] for lo, hi in own
+                                                                                if hi > lo)]
+
+
+@pytest.mark.parametrize("name", ["uneven-detached", "contiguous-detached"])
+def test_traffic_accounting(world_results, name):
     """What the counters report is what the design moves (float64: 8-byte elements, int32 positions). Replay, per
     replay block of q tokens: each full layer all-gathers every rank's candidates (min(topk, largest shard) score +
     position pairs per token), every layer all-gathers the partials (o_lat [H, R] + lse [H]) and all-reduces
-    d(q_lat, q_rope). Capture: each rank receives, from every later non-empty rank, its selectors (full layers)
-    and its queries with the positions it owns (every layer); rows never travel."""
+    d(q_lat, q_rope). Capture: a rank's "servers" are the ranks holding keys before its last piece; from each rank
+    it serves it receives the selectors (full layers) and the queries with the positions it owns (every layer),
+    from each of its servers the candidates (as many columns as min(topk, the server's keys its latest piece
+    sees)) and the partials; rows never travel."""
     world, results = world_results
     config = tiny_glm_moe_dsa().config
     heads, rank_, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
     index_heads, index_dim, topk = config.index_n_heads, config.index_head_dim, config.index_topk
     layers, full = config.num_hidden_layers, config.indexer_types.count("full")
-    case = BY_NAME["uneven-detached"]
+    case = BY_NAME[name]
     length = case["prompt_len"] - 1
-    sizes = [hi - lo for lo, hi in shard_bounds(length, world)]
+    pieces = shard_pieces(length, world, _layout(case))
+    sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
     width = min(topk, max(sizes))
     blocks = [min(n, a + case["block"]) - a for n in case["response_lens"] for a in range(0, n, case["block"])]
     q = sum(blocks)
@@ -260,18 +287,21 @@ def test_traffic_accounting(world_results):
         "sparse_lse": layers * (world - 1) * q * heads * 8,
         "sparse_dq": layers * sum(2 * (world - 1) * (b * heads * (rank_ + rope) * 8) // world for b in blocks),
     }
-    for rank, result in enumerate(results["uneven-detached"]):
+    for rank, result in enumerate(results[name]):
         report = result["cp"]
         assert report["received_bytes_by_op"]["replay"] == expected_replay
-        later = sum(sizes[rank + 1:])  # tokens of the later ranks, whose queries this rank serves
+        servers = _servers(pieces, rank)
+        served = sum(sizes[j] for j in range(world) if rank in _servers(pieces, j))  # tokens of the ranks it serves
+        seen = max(lo for lo, hi in pieces[rank] if hi > lo)  # the start of its last piece
+        columns = sum(min(topk, sum(max(0, min(hi, seen) - lo) for lo, hi in pieces[i])) for i in servers)
         expected_capture = {
-            "sparse_selector": full * later * (index_heads * index_dim + index_heads) * 8,
-            "sparse_query": layers * later * heads * (rank_ + rope) * 8,
-            "sparse_positions": layers * later * topk * 4,
-            "sparse_candidate_scores": full * sum(min(topk, n) for n in sizes[:rank]) * sizes[rank] * 8,
-            "sparse_candidates": full * sum(min(topk, n) for n in sizes[:rank]) * sizes[rank] * 4,
-            "sparse_out": layers * rank * sizes[rank] * heads * rank_ * 8,
-            "sparse_lse": layers * rank * sizes[rank] * heads * 8,
+            "sparse_selector": full * served * (index_heads * index_dim + index_heads) * 8,
+            "sparse_query": layers * served * heads * (rank_ + rope) * 8,
+            "sparse_positions": layers * served * topk * 4,
+            "sparse_candidate_scores": full * columns * sizes[rank] * 8,
+            "sparse_candidates": full * columns * sizes[rank] * 4,
+            "sparse_out": layers * len(servers) * sizes[rank] * heads * rank_ * 8,
+            "sparse_lse": layers * len(servers) * sizes[rank] * heads * 8,
         }
         got = report["received_bytes_by_op"]["capture"]
         assert got == {op: n for op, n in expected_capture.items() if n}

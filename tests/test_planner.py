@@ -433,8 +433,9 @@ def test_cli_sizes_rollouts(capsys):
 def test_cp_time_prediction_follows_its_stated_model(capsys):
     """ds_longstraw/cp_time.py: the fit passes through BENCHMARKS.md's two H200 points; at CP 2 the zigzag layout's
     attention share is 1/2 against contiguous shards' 3/4; the turns' prefix pass costs one GPU's pass, the
-    layer-major one 3x a rank's zigzag share plus the GDN adjoint summaries; the CLI prints the table for qwen3_5
-    and says it has none for glm_moe_dsa."""
+    layer-major one 3x a rank's zigzag share plus the GDN adjoint summaries; for a family that selects, the
+    selection's pairs are L^2 (2N - 1) / 2N^2 on the last contiguous rank against L^2 / 2N on zigzag ones, and the
+    Triton figures give its per-pair and per-query costs; the CLI prints both tables."""
     from ds_longstraw import cp_time
 
     fit = [4 * cp_time.LINEAR_S_PER_TOKEN_LAYER * n + cp_time.ATTENTION_S_PER_L2 * n * n for n in (65536, 262144)]
@@ -463,7 +464,16 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     assert "Exact mode here runs the prefix pass turns (longstraw.cp_prefix auto" in out
     assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "96GB",
                  "--host-memory", "1TB"]) == 0
-    assert "No CP time prediction for glm_moe_dsa" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| capture |" in out and "| exact prefix pass, turns |" in out and "layer-major" in out
+    assert "39.3B active parameters a token" in out  # 743.4B less the embeddings and 248/256 of the routed experts
+    sparse = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048)
+    pair = 2.2e-3 / (1024 * 16384) * 21
+    per_token = (cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 16.8e-3 / 1024 * 78) * 65536
+    assert sparse["now"].capture == pytest.approx(per_token + pair * 262144 ** 2 / 8, rel=1e-12)
+    assert sparse["before"].capture == pytest.approx(per_token + pair * 262144 ** 2 * 7 / 32, rel=1e-12)
+    assert sparse["now"].prefix is None and sparse["turns_prefix"] == sparse["before"].prefix
+    assert cp_time.predict_sparse(78, 0, 40e9, 262144, 4, 148.0, 1, 1) is None
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
     assert "--gpu-tflops 0.0" in capsys.readouterr().err
 

@@ -89,11 +89,13 @@ def state_specs(config, dtype) -> list:
 
 
 def kernel_dims(config) -> dict:
-    """What the planner's kernel workspaces scale with (arch.kernel_dims): absorbed MLA's query head reads the
-    latent and the rope key."""
+    """What the planner's kernel workspaces and CP time model scale with (arch.kernel_dims): absorbed MLA's query
+    head reads the latent and the rope key; the selection keeps index_topk rows and scores with the indexer's
+    heads."""
     return {"vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "attention_heads": config.num_attention_heads,
-            "attention_head_dim": config.kv_lora_rank + config.qk_rope_head_dim}
+            "attention_head_dim": config.kv_lora_rank + config.qk_rope_head_dim,
+            "select_topk": config.index_topk, "index_width": config.index_n_heads * config.index_head_dim}
 
 
 def expert_shape(config) -> dict:
@@ -288,11 +290,13 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         return dsa.extend_candidates(best, query, weights, pages[INDEX_KEY], page_start, query_start,
                                      indexer.index_topk, indexer.softmax_scale)
 
-    def merge_candidates(self, best, part):
-        """Canonical candidates of best (None: none) and `part`, whose positions all lie above best's."""
+    def merge_candidates(self, best, part, interleaved=False):
+        """Canonical candidates of best (None: none) and `part`, whose positions all lie above best's, or with
+        `interleaved` anywhere else (another rank's pieces of a zigzag layout)."""
         if best is None:
             best = dsa.no_candidates(part[0].shape[0], part[0].dtype, part[0].device)
-        return dsa.merge_candidates(best, part, self.config.index_topk)
+        merge = dsa.merge_candidate_sets if interleaved else dsa.merge_candidates
+        return merge(best, part, self.config.index_topk)
 
     def sparse_selection(self, index, best, start, tokens):
         """The selection (positions, valid) [T, min(topk, start + T)] of queries at positions start .. from their

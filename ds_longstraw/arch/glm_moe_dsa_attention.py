@@ -76,6 +76,19 @@ def merge_candidates(best, part, k):
     return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
 
 
+def merge_candidate_sets(best, part, k):
+    """The k best of two canonical candidate sets over DISJOINT positions that may interleave (other ranks' zigzag
+    pieces), in canonical order: a sort by position, then a stable one by score descending, so ties keep position
+    order whatever the sets' order. Equal, bit for bit, to merge_candidates where part's positions lie above best's
+    (both give the one total order)."""
+    cat_scores = torch.cat([best[0], part[0].to(best[0].dtype)], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
+    by_position = torch.sort(cat_pos, dim=-1, stable=True).indices
+    cat_scores, cat_pos = cat_scores.gather(-1, by_position), cat_pos.gather(-1, by_position)
+    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
 def no_candidates(tokens, dtype, device):
     """The empty candidate set of `tokens` queries."""
     return (torch.full((tokens, 0), float("-inf"), dtype=dtype, device=device),

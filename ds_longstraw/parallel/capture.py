@@ -71,11 +71,11 @@ def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
 
 def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
     """Fill `state` (its pages, boundaries and final carry) layer by layer."""
-    pool, kept_pool, checkpoints, lo = state.pool, state.kept_pool, state.checkpoints, state.offset
+    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
     pairs = [(a, b) for a, b, _ in spans]
-    bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses and the global top-k need them)
+    bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses needs them)
     boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
     final_carry = {}
     selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
@@ -101,8 +101,8 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
                 mixed = capture_attention_layer(adapter, spec, normed, spans, cp, pieces, pool, chunk, pad=pad,
                                                 kept_pool=kept_pool)
             elif spec.combine == "topk_lse":
-                mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, lo, cp, bounds, pool,
-                                                        selection, pad=pad)
+                mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, cp, pieces, pool, selection,
+                                                        pad=pad)
             else:
                 raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
             del normed

@@ -1,15 +1,17 @@
 """Sparse attention across context-parallel ranks: the "topk_lse" combine (arch/specs.py).
 
 A "topk_lse" layer attends, for each query, only the rows of a top-k selection over every earlier key. Under context
-parallelism keys and rows are sharded (rank r owns the pages of prompt tokens [lo_r, hi_r)), and the selection is
+parallelism keys and rows are sharded (rank r owns the pages of its pieces of the prompt, groups.shard_pieces: one
+contiguous shard, or zigzag segments r and 2N-1-r, kept in prompt order as its local tokens), and the selection is
 GLOBAL, not a top-k per shard:
 
   select   (a layer whose spec names `select` streams; a layer that names none reuses the last selection, which is
            already global) each rank scores its OWN selection pages for the queries and keeps its top-k candidates
-           (score, position) in canonical order: score descending, then position ascending. The ranks' candidates
-           merge in rank order into the global top-k. A key of the global top-k is in its owner's top-k (fewer than
-           k keys precede it in the canonical order anywhere), so the merged set is exactly the one-rank selection,
-           ties included.
+           (score, position) in canonical order: score descending, then position ascending (scored in its local
+           positions, which order as the prompt's, then mapped to prompt positions). The ranks' candidates merge
+           into the global top-k in that total order whatever ranks their positions lie on (zigzag pieces
+           interleave). A key of the global top-k is in its owner's top-k (fewer than k keys precede it in the
+           canonical order anywhere), so the merged set is exactly the one-rank selection, ties included.
   attend   each rank computes the partial (out, lse) of the queries over the selected rows that it owns, reading its
            pages (spec.row_names) page by page; the partials merge by log-sum-exp in rank order.
   backward each owner computes its rows' share of d(query) from the MERGED (out, lse) (the ring-attention form:
@@ -21,12 +23,15 @@ padded to k) to the rows' owners and (out, lse) back; in backward (query, positi
 d(query) back.
 
 Three places, as for "lse" layers (cp_attention.py):
-  capture  (layer-major, capture.py) a rank's shard of queries: its selectors go to every earlier non-empty rank,
-           candidates come back; then its queries go to the same ranks and partials come back (capture_sparse_layer).
+  capture  (layer-major, capture.py) every rank at once, client and server: its selectors go (isend) to the ranks
+           holding keys its pieces see (sparse_servers), it answers the ranks whose queries see its keys over the
+           prefix of its pages each of their pieces sees, and collects its candidates; then its queries go to the
+           same ranks and partials come back the same way (capture_sparse_layer).
   replay   every rank replays every member identically: candidates and partials are all-gathered and merged in rank
            order, so every rank gets the same bits; d(query) is all-reduced (SparsePagesAttention).
-  prefix   (exact) the rank in its turn asks the earlier ranks (prefix.py's RemotePages and serve): the payloads are
-           request_* here, the owners' side answer_*.
+  prefix   (exact) the rank in its turn asks the ranks holding keys before its piece (prefix.py's RemotePages and
+           serve; its own earlier pieces through OwnRows): the payloads are request_* here, the owners' side
+           answer_*.
 A rank reads its own pages from its tier page by page through a stager (one page read ahead), the selection's
 streams and the attended rows each through their own, so no layer's shard is materialised whole.
 
@@ -46,6 +51,7 @@ from ds_longstraw.offload import Stager
 from ds_longstraw.state import append_rows
 
 from .cp_attention import merge_in_order
+from .groups import local_starts, local_to_prompt, prompt_to_local, visible_prefix
 
 COMBINE = "topk_lse"
 
@@ -69,24 +75,25 @@ def check_sparse(specs, settings, cp_size):
                          "to false")
 
 
-def earlier_owners(sizes, rank):
-    """The ranks whose keys `rank`'s queries read: every earlier rank that holds tokens."""
-    return [i for i in range(rank) if sizes[i]]
+def sparse_servers(pieces, rank):
+    """The ranks holding keys that some query of `rank` sees (every earlier key is seen): on contiguous shards the
+    earlier non-empty ranks; on zigzag ones every other rank with a key before `rank`'s last piece."""
+    starts = [lo for lo, hi in pieces[rank] if hi > lo]
+    if not starts:
+        return []
+    return [i for i in range(len(pieces)) if i != rank and visible_prefix(pieces[i], starts[-1]) > 0]
 
 
-def _starts(sizes):
-    starts, total = [], 0
-    for size in sizes:
-        starts.append(total)
-        total += size
-    return starts
+def sparse_clients(pieces, rank):
+    """The ranks whose queries see some key of `rank` (those it answers in the capture)."""
+    return [j for j in range(len(pieces)) if rank in sparse_servers(pieces, j)]
 
 
-def owned_positions(positions, valid, lo, hi, width):
-    """The selection as the owner of positions [lo, hi) sees it: its own positions (int32), -1 where the selected
-    row is not its own or the slot is invalid, padded with -1 to `width` columns (the receiver's buffer size)."""
-    mine = valid & (positions >= lo) & (positions < hi)
-    local = torch.where(mine, positions - lo, torch.full_like(positions, -1)).to(torch.int32)
+def owned_positions(positions, valid, pieces, width):
+    """The selection as the owner of `pieces` sees it: its own local indices (int32), -1 where the selected row is
+    not its own or the slot is invalid, padded with -1 to `width` columns (the receiver's buffer size)."""
+    local, mine = prompt_to_local(positions, valid, pieces)
+    local = torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
     return F.pad(local, (0, width - local.shape[1]), value=-1)
 
 
@@ -96,10 +103,17 @@ def _unpack(local):
     return torch.where(valid, local.long(), torch.zeros_like(local, dtype=torch.long)), valid
 
 
-def _own(positions, valid, lo, hi):
-    """(positions, valid) of the rows of [lo, hi), in that range's own positions (0 = lo)."""
-    mine = valid & (positions >= lo) & (positions < hi)
-    return torch.where(mine, positions - lo, torch.zeros_like(positions)), mine
+_own = prompt_to_local  # (local positions, valid) of the selected rows among a rank's pieces
+
+
+def padded_candidates(best, tokens, width, geometry, device):
+    """Candidates (scores, positions) widened to `width` columns with score -inf (never a candidate); None: none."""
+    scores = torch.full((tokens, width), float("-inf"), dtype=geometry.score_dtype, device=device)
+    positions = torch.zeros((tokens, width), dtype=torch.long, device=device)
+    if best is not None:
+        scores[:, : best[0].shape[1]] = best[0]
+        positions[:, : best[1].shape[1]] = best[1]
+    return scores, positions
 
 
 def empty_partial(geometry, tokens, device):
@@ -117,10 +131,11 @@ def merge_partials_as(geometry, partials):
 
 
 def merge_rank_candidates(adapter, scores, positions):
-    """The ranks' candidates (padded: score -inf never counts), merged in rank order into the global top-k."""
+    """The ranks' candidates (padded: score -inf never counts; positions interleave on a zigzag layout), merged in
+    rank order into the global top-k."""
     best = None
     for part_scores, part_positions in zip(scores, positions):
-        best = adapter.merge_candidates(best, (part_scores, part_positions.long()))
+        best = adapter.merge_candidates(best, (part_scores, part_positions.long()), interleaved=True)
     return best
 
 
@@ -133,17 +148,6 @@ def row_stager(pool, specs, wrap=False):
 def key_stager(pool, specs, wrap=False):
     """A stager over the streams the selecting layers score."""
     return Stager(pool, {spec.layer: spec.select for spec in specs if spec.select}, wrap=wrap)
-
-
-class _Stagers:
-    """Stagers closed together."""
-
-    def __init__(self, *stagers):
-        self.stagers = stagers
-
-    def close(self):
-        for stager in self.stagers:
-            stager.close()
 
 
 # -- this rank's pages, page by page ------------------------------------------------------------------------------
@@ -191,44 +195,70 @@ def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d
 
 
 # -- requests and answers, point to point (capture, and the prefix pass through prefix.py) ------------------------
-def _send_all(cp, tensors, dst):
+# A client's queries travel to the servers (the ranks holding keys they see); a server answers in its own LOCAL
+# positions (its pages' order) and the client, which knows every rank's pieces, maps them to prompt positions. The
+# capture sends with isend (every rank is client and server at once, so no send may wait for its receiver); the
+# prefix pass's turns send plainly (the servers only listen).
+def _send_all(cp, tensors, dst, works=None):
     for tensor in tensors:
-        cp.send(tensor, dst)
+        if works is None:
+            cp.send(tensor, dst)
+        else:
+            works.append(cp.isend(tensor, dst))
 
 
 def _recv_all(cp, parts, tokens, src, layer, op, device):
     return tuple(cp.recv((tokens, *shape), dtype, src, layer, op, device=device) for shape, dtype in parts)
 
 
-def request_candidates(cp, adapter, layer, selector, sizes, servers):
-    """Send the selector to every server; their candidates (absolute positions) merged in rank order, or None
-    when there are no servers."""
+def candidate_width(geometry, ends):
+    """The columns a server's candidates take for query groups that see its pages [0, end) for each end in ends."""
+    return min(geometry.topk, max(ends, default=0))
+
+
+def send_selector(cp, selector, servers, works=None):
+    for i in servers:
+        _send_all(cp, selector, i, works)
+
+
+def collect_candidates(cp, adapter, layer, tokens, device, servers, server_ends, pieces, best=None):
+    """`best` merged with every server's candidates (server_ends[i]: the end of its pages each query group sees,
+    as answer_candidates got them), in prompt positions."""
     geometry = adapter.sparse_geometry(layer)
-    tokens, device = selector[0].shape[0], selector[0].device
     for i in servers:
-        _send_all(cp, selector, i)
-    best, starts = None, _starts(sizes)
-    for i in servers:
-        width = min(geometry.topk, sizes[i])
+        width = candidate_width(geometry, server_ends[i])
         scores = cp.recv((tokens, width), geometry.score_dtype, i, layer, "sparse_candidate_scores", device=device)
         local = cp.recv((tokens, width), torch.int32, i, layer, "sparse_candidates", device=device)
-        best = adapter.merge_candidates(best, (scores, local.long() + starts[i]))
+        best = adapter.merge_candidates(best, (scores, local_to_prompt(local, pieces[i])), interleaved=True)
     return best
 
 
-def answer_candidates(cp, owner, adapter, stager, spec, tokens):
-    """The owner's selector in, this rank's candidates (its own positions) out: min(topk, its tokens) a query."""
+def request_candidates(cp, adapter, layer, selector, pieces, servers, end_of):
+    """Send the selector to every server; their candidates merged (prompt positions), or None when there are none.
+    end_of(i): the end of server i's pages that every query sees."""
+    send_selector(cp, selector, servers)
+    return collect_candidates(cp, adapter, layer, selector[0].shape[0], selector[0].device, servers,
+                              {i: [end_of(i)] for i in servers}, pieces)
+
+
+def answer_candidates(cp, client, adapter, stager, spec, groups, works=None):
+    """The client's selector in; for each group (rows, end) of its queries in order, this rank's candidates among
+    its pages [0, end) (every one of which precedes those queries), local positions, out: candidate_width columns."""
     geometry = adapter.sparse_geometry(spec.layer)
-    selector = _recv_all(cp, geometry.selector, tokens, owner, spec.layer, "sparse_selector", adapter.device)
-    scores, positions = streamed_candidates(stager, adapter, spec, selector)
-    cp.send(scores, owner)
-    cp.send(positions.to(torch.int32), owner)
+    tokens = sum(rows for rows, _ in groups)
+    selector = _recv_all(cp, geometry.selector, tokens, client, spec.layer, "sparse_selector", adapter.device)
+    width, a, parts = candidate_width(geometry, [end for _, end in groups]), 0, []
+    for rows, end in groups:
+        part = tuple(t[a:a + rows] for t in selector)
+        best = streamed_candidates(stager, adapter, spec, part, end=end) if rows and end else None
+        parts.append(padded_candidates(best, rows, width, geometry, adapter.device))
+        a += rows
+    scores, positions = _cat(parts) if parts else padded_candidates(None, 0, width, geometry, adapter.device)
+    _send_all(cp, (scores, positions.to(torch.int32)), client, works)
 
 
-def _send_query(cp, query, positions, valid, sizes, server, width):
-    lo = _starts(sizes)[server]
-    _send_all(cp, query, server)
-    cp.send(owned_positions(positions, valid, lo, lo + sizes[server], width), server)
+def _send_query(cp, query, positions, valid, pieces, server, width, works=None):
+    _send_all(cp, (*query, owned_positions(positions, valid, pieces[server], width)), server, works)
 
 
 def _recv_query(cp, owner, adapter, spec, tokens):
@@ -239,13 +269,14 @@ def _recv_query(cp, owner, adapter, spec, tokens):
     return (query, *_unpack(local))
 
 
-def request_partials(cp, adapter, layer, query, positions, valid, sizes, servers):
-    """(out, lse) of the query over the selected rows every server owns, merged in rank order (an empty partial
-    when there are no servers)."""
-    geometry = adapter.sparse_geometry(layer)
-    tokens, device = positions.shape[0], positions.device
+def send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers, works=None):
     for i in servers:
-        _send_query(cp, query, positions, valid, sizes, i, geometry.topk)
+        _send_query(cp, query, positions, valid, pieces, i, adapter.sparse_geometry(layer).topk, works)
+
+
+def collect_partials(cp, adapter, layer, tokens, device, servers):
+    """The servers' partials of a query block, merged in rank order (an empty partial when there are none)."""
+    geometry = adapter.sparse_geometry(layer)
     (shape, dtype), partials = geometry.out, [empty_partial(geometry, tokens, device)]
     for i in servers:
         out = cp.recv((tokens, *shape), dtype, i, layer, "sparse_out", device=device)
@@ -254,21 +285,26 @@ def request_partials(cp, adapter, layer, query, positions, valid, sizes, servers
     return merge_partials_as(geometry, partials)
 
 
-def answer_partial(cp, owner, adapter, stager, spec, tokens):
+def request_partials(cp, adapter, layer, query, positions, valid, pieces, servers):
+    """(out, lse) of the query over the selected rows every server owns, merged in rank order."""
+    send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers)
+    return collect_partials(cp, adapter, layer, positions.shape[0], positions.device, servers)
+
+
+def answer_partial(cp, owner, adapter, stager, spec, tokens, works=None):
     """The owner's query and this rank's positions in, the partial over those rows out."""
     query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
     out, lse = streamed_sparse_partial(stager, adapter, spec, query, positions, valid)
-    cp.send(out, owner)
-    cp.send(lse, owner)
+    _send_all(cp, (out, lse), owner, works)
 
 
-def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, sizes, servers):
+def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers):
     """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
     gradients to their gradient pages."""
     geometry = adapter.sparse_geometry(layer)
     acc = geometry.lse_dtype
     for i in servers:
-        _send_query(cp, query, positions, valid, sizes, i, geometry.topk)
+        _send_query(cp, query, positions, valid, pieces, i, geometry.topk)
         cp.send(d_out.to(geometry.out[1]), i)
         cp.send(torch.stack([lse.to(acc), delta.to(acc)]), i)
     d_query = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in query]
@@ -296,24 +332,24 @@ def _cat(parts):
     return tuple(torch.cat(pieces) for pieces in zip(*parts))
 
 
-def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, pool, selection=None, pad=0):
-    """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd).
+def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, selection=None, pad=0):
+    """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd), every rank at once.
 
     Pass A projects the shard chunk by chunk and appends its rows to this rank's pages. A layer that selects then
-    gathers the earlier ranks' candidates for its shard's selectors and extends them by its own pages (causal), so
-    every query has its global selection; a layer that selects nothing reuses `selection` (the last one made). The
-    earlier ranks return the partials of the selected rows they own, this rank's own pages give the rest, merged by
-    log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C], the
-    selection it used: positions, valid [T, K]).
+    sends its selectors to every rank holding keys they see, answers every rank whose queries see its own keys,
+    merges the candidates it gets back and extends them by its own pages (causal), so every query has its global
+    selection; a layer that selects nothing reuses `selection` (the last one made). The queries then go to the
+    same ranks, which return the partials of the selected rows they own; this rank's own pages give the rest,
+    merged by log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C],
+    the selection it used: positions, valid [T, K]).
 
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep, capture.py): `pad` projections
     after the shard's, `pad` output projections after its (results discarded), so the exchanges in between sit at
     the same place in every rank's sequence of weight gathers."""
-    layer, tokens = spec.layer, normed_1TC.shape[1]
-    sizes = [hi - lo for lo, hi in bounds]
+    layer, tokens, mine = spec.layer, normed_1TC.shape[1], pieces[cp.rank]
     selectors, queries, finishes = [], [], []
-    for a, b, _ in spans:
-        selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], offset + a)
+    for a, b, position in spans:
+        selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], position)
         append_rows(pool, spec, rows)
         selectors.append(selector)
         queries.append(query)
@@ -325,16 +361,16 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
     try:
         if spec.select:
             selector = _cat(selectors) if selectors else None
-            best = _capture_candidates(cp, adapter, spec, keys, selector, sizes)
+            best = _exchange_candidates(cp, adapter, spec, keys, selector, pieces)
             if tokens:
-                best = streamed_candidates(keys, adapter, spec, selector, best, key_start=offset, query_start=offset)
-            selection = adapter.sparse_selection(layer, best, offset, tokens)
+                best = _own_candidates(keys, adapter, spec, selector, mine, best)
+            selection = _piece_selections(adapter, layer, best, mine, tokens)
         elif selection is None:
             raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
         positions, valid = selection
-        out, lse = _capture_partials(cp, adapter, spec, rows, query, positions, valid, sizes)
-        if tokens:  # this rank's own rows, after the earlier ranks'
-            own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, offset, offset + tokens))
+        out, lse = _exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
+        if tokens:  # this rank's own rows
+            own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, mine))
             out, lse = merge_partials_as(adapter.sparse_geometry(layer), [(out, lse), own])
     finally:
         keys.close()
@@ -345,34 +381,68 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, offset, cp, bounds, p
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
 
 
-def _capture_candidates(cp, adapter, spec, stager, selector, sizes):
-    """For each client rank j in turn: j's selectors go to every earlier non-empty rank, whose candidates come
-    back merged in rank order (None on a rank without earlier keys)."""
-    best = None
-    for j in range(1, cp.size):
-        servers = earlier_owners(sizes, j)
-        if sizes[j] == 0 or not servers:
-            continue
-        if cp.rank == j:
-            best = request_candidates(cp, adapter, spec.layer, selector, sizes, servers)
-        elif cp.rank in servers:
-            answer_candidates(cp, j, adapter, stager, spec, sizes[j])
+def _query_groups(client_pieces, server_pieces):
+    """(rows, end of the server's pages they see) of each of a client's pieces."""
+    return [(hi - lo, visible_prefix(server_pieces, lo)) for lo, hi in client_pieces]
+
+
+def _exchange_candidates(cp, adapter, spec, stager, selector, pieces):
+    """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
+    see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
+    (prompt positions; None on a rank without earlier keys elsewhere)."""
+    rank, works = cp.rank, []
+    servers = sparse_servers(pieces, rank)
+    send_selector(cp, selector, servers, works)
+    for j in sparse_clients(pieces, rank):
+        answer_candidates(cp, j, adapter, stager, spec, _query_groups(pieces[j], pieces[rank]), works)
+    tokens = sum(hi - lo for lo, hi in pieces[rank])
+    ends = {i: [end for _, end in _query_groups(pieces[rank], pieces[i])] for i in servers}
+    best = collect_candidates(cp, adapter, spec.layer, tokens, adapter.device, servers, ends, pieces)
+    for work in works:
+        work.wait()
     return best
 
 
-def _capture_partials(cp, adapter, spec, stager, query, positions, valid, sizes):
-    """For each client rank j in turn: j's queries and selections go to every earlier non-empty rank, whose
-    partials come back merged in rank order (an empty partial on a rank without earlier keys)."""
+def _own_candidates(stager, adapter, spec, selector, mine, best):
+    """`best` merged with this rank's own keys' candidates, causal: each piece's queries over the local tokens up
+    to their own (local order is prompt order), scored in local positions, then mapped to prompt positions."""
+    starts, parts = local_starts(mine), []
+    for a, b in zip(starts, starts[1:]):
+        if b > a:
+            part = tuple(t[a:b] for t in selector)
+            parts.append(streamed_candidates(stager, adapter, spec, part, query_start=a, end=b))
     geometry = adapter.sparse_geometry(spec.layer)
-    result = merge_partials_as(geometry, [empty_partial(geometry, positions.shape[0], positions.device)])
-    for j in range(1, cp.size):
-        servers = earlier_owners(sizes, j)
-        if sizes[j] == 0 or not servers:
-            continue
-        if cp.rank == j:
-            result = request_partials(cp, adapter, spec.layer, query, positions, valid, sizes, servers)
-        elif cp.rank in servers:
-            answer_partial(cp, j, adapter, stager, spec, sizes[j])
+    width = max(part[0].shape[1] for part in parts)
+    own = _cat([padded_candidates(part, part[0].shape[0], width, geometry, adapter.device) for part in parts])
+    own = (own[0], local_to_prompt(own[1], mine))
+    return own if best is None else adapter.merge_candidates(best, own, interleaved=True)
+
+
+def _piece_selections(adapter, layer, best, mine, tokens):
+    """The shard's selection from its final candidates, piece by piece (a piece of queries at positions lo.. has
+    min(topk, hi) columns, as one process's segment there), widened with invalid slots to a common width."""
+    if not tokens:
+        return adapter.sparse_selection(layer, None, 0, 0)
+    starts, parts = local_starts(mine), []
+    for (lo, hi), a, b in zip(mine, starts, starts[1:]):
+        if b > a:
+            parts.append(adapter.sparse_selection(layer, (best[0][a:b], best[1][a:b]), lo, b - a))
+    width = max(positions.shape[1] for positions, _ in parts)
+    return (torch.cat([F.pad(positions, (0, width - positions.shape[1])) for positions, _ in parts]),
+            torch.cat([F.pad(valid, (0, width - valid.shape[1]), value=False) for _, valid in parts]))
+
+
+def _exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces):
+    """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
+    whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
+    rank, works = cp.rank, []
+    servers = sparse_servers(pieces, rank)
+    send_partial_requests(cp, adapter, spec.layer, query, positions, valid, pieces, servers, works)
+    for j in sparse_clients(pieces, rank):
+        answer_partial(cp, j, adapter, stager, spec, sum(hi - lo for lo, hi in pieces[j]), works)
+    result = collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers)
+    for work in works:
+        work.wait()
     return result
 
 
@@ -403,49 +473,69 @@ def selected_rows_attention(pages, layer, query, positions, valid):
     return _SelectedRows.apply(pages, layer, positions, valid, *query)
 
 
+class OwnRows:
+    """This rank's pages of "topk_lse" layers over its first pieces `pieces` (local tokens [0, n)) as one party of
+    a global selection: its candidates, its partials and its shares of the gradients, page by page from its tier.
+    exact: its rows' gradients go onto its gradient pages. wrap: a stager walk that restarts at every block."""
+
+    def __init__(self, pool, adapter, pieces, exact=False, wrap=False):
+        self.pool, self.adapter, self.pieces, self.exact = pool, adapter, pieces, exact
+        self.specs = {spec.layer: spec for spec in adapter.specs}
+        self.tokens = sum(hi - lo for lo, hi in pieces)
+        self.rows, self.keys = row_stager(pool, adapter.specs, wrap=wrap), key_stager(pool, adapter.specs, wrap=wrap)
+
+    def candidates(self, layer, selector, width):
+        """Candidates (scores, prompt positions int32) of the selector's queries, every one of which sees all these
+        rows, padded with score -inf (never a candidate) to `width` columns."""
+        spec, geometry = self.specs[layer], self.adapter.sparse_geometry(layer)
+        tokens, device = selector[0].shape[0], selector[0].device
+        best = streamed_candidates(self.keys, self.adapter, spec, selector, end=self.tokens) if self.tokens else None
+        if best is not None:  # scored in local positions (monotone in the prompt's)
+            best = (best[0], local_to_prompt(best[1], self.pieces))
+        scores, positions = padded_candidates(best, tokens, width, geometry, device)
+        return scores, positions.to(torch.int32)
+
+    def partial(self, layer, query, positions, valid):
+        """(out, lse) of the query over the selected rows among these pages."""
+        own = _own(positions, valid, self.pieces)
+        return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+
+    def grads(self, layer, query, positions, valid, lse, d_out, delta):
+        """These pages' share of d(query) given the merged lse and delta; d(rows) stay here, on the gradient pages
+        (exact)."""
+        own = _own(positions, valid, self.pieces)
+        return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
+                                     self.pool if self.exact else None)
+
+    def close(self):
+        self.rows.close()
+        self.keys.close()
+
+
 class SparsePagesAttention:
     """remote_attention of "topk_lse" layers for replay and scoring: the prompt's keys on every rank, this one's
     included (positions [0, end)), for queries that every rank computes alike (the response is replayed on every
-    rank). `candidates` all-gathers each rank's candidates and merges them in rank order; `attend` all-gathers the
-    partials and merges them in rank order, so every rank gets the same bits; backward all-reduces d(query), and in
-    exact mode each rank adds its own rows' gradients to its gradient pages."""
+    rank). `candidates` all-gathers each rank's candidates and merges them; `attend` all-gathers the partials and
+    merges them in rank order, so every rank gets the same bits; backward all-reduces d(query), and in exact mode
+    each rank adds its own rows' gradients to its gradient pages."""
 
-    def __init__(self, cp, pool, adapter, offset, end, exact=False):
-        self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
-        self.specs = {spec.layer: spec for spec in adapter.specs}
-        self.end = end
-        self.sizes = [hi - lo for lo, hi in cp.shards(end)]
-        self.lo, self.hi = offset, offset + self.sizes[cp.rank]
-        # this rank's pages from its tier, page by page; wrap: every replay block walks all layers
-        self.rows, self.keys = row_stager(pool, adapter.specs, wrap=True), key_stager(pool, adapter.specs, wrap=True)
-        self.stager = _Stagers(self.rows, self.keys)  # what the replay's leaves close
+    def __init__(self, cp, pool, adapter, end, exact=False):
+        self.cp, self.adapter, self.end = cp, adapter, end
+        pieces = cp.pieces(end)
+        self.sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
+        # wrap: every replay block walks all layers
+        self.own = self.stager = OwnRows(pool, adapter, pieces[cp.rank], exact, wrap=True)  # the leaves close it
 
     # -- this rank's pages' share (the replicated schedule below, and parallel/spread.py's) ----------------------
     def own_candidates(self, layer, selector):
-        """This rank's candidates (scores, absolute positions int32) for the selector's queries, padded with score
-        -inf (never a candidate) to the width every rank uses."""
-        spec, geometry = self.specs[layer], self.adapter.sparse_geometry(layer)
-        tokens, device = selector[0].shape[0], selector[0].device
-        width = min(geometry.topk, max(self.sizes))
-        scores = torch.full((tokens, width), float("-inf"), dtype=geometry.score_dtype, device=device)
-        positions = torch.zeros((tokens, width), dtype=torch.int32, device=device)
-        if self.hi > self.lo:
-            mine, local = streamed_candidates(self.keys, self.adapter, spec, selector)
-            scores[:, : mine.shape[1]] = mine
-            positions[:, : local.shape[1]] = (local + self.lo).to(torch.int32)
-        return scores, positions
+        """This rank's candidates at the width every rank uses (OwnRows.candidates)."""
+        return self.own.candidates(layer, selector, min(self.adapter.sparse_geometry(layer).topk, max(self.sizes)))
 
     def own_partial(self, layer, query, positions, valid):
-        """(out, lse) of the query over the selected rows among this rank's pages."""
-        own = _own(positions, valid, self.lo, self.hi)
-        return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+        return self.own.partial(layer, query, positions, valid)
 
     def own_grads(self, layer, query, positions, valid, lse, d_out, delta):
-        """This rank's pages' share of d(query) given the merged lse and delta; d(rows) of its pages stay here, on
-        its gradient pages (exact mode)."""
-        own = _own(positions, valid, self.lo, self.hi)
-        return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
-                                     self.pool if self.exact else None)
+        return self.own.grads(layer, query, positions, valid, lse, d_out, delta)
 
     # -- every rank with the same queries ---------------------------------------------------------------------
     def candidates(self, layer, selector):
@@ -470,4 +560,4 @@ class SparsePagesAttention:
         return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query)]
 
     def close(self):
-        self.stager.close()
+        self.own.close()

@@ -74,6 +74,29 @@ def local_starts(pieces):
     return starts
 
 
+def local_to_prompt(local, pieces):
+    """The prompt positions (int64) of a rank's local token indices `local` (any integer tensor; `pieces` its
+    ranges in order). Monotone: local order is prompt order."""
+    starts = local_starts(pieces)
+    local = local.long()
+    shift = torch.tensor([lo - start for (lo, _), start in zip(pieces, starts)], dtype=torch.long,
+                         device=local.device)
+    which = torch.bucketize(local, torch.tensor(starts[1:-1], dtype=torch.long, device=local.device), right=True)
+    return local + shift[which]
+
+
+def prompt_to_local(positions, valid, pieces):
+    """(local indices int64, mine) of prompt `positions` where `valid`: mine marks those among this rank's `pieces`;
+    the index is 0 elsewhere."""
+    local = torch.zeros_like(positions, dtype=torch.long)
+    mine = torch.zeros_like(valid)
+    for (lo, hi), start in zip(pieces, local_starts(pieces)):
+        inside = valid & (positions >= lo) & (positions < hi)
+        local = torch.where(inside, positions - lo + start, local)
+        mine |= inside
+    return local, mine
+
+
 def piece_index(pieces, position: int) -> int:
     """The index of the piece of `pieces` that holds prompt position `position`."""
     return next(k for k, (lo, hi) in enumerate(pieces) if lo <= position < hi)

@@ -47,16 +47,19 @@ from .cp_attention import (
     streamed_partial,
 )
 from .cp_sparse import (
+    OwnRows,
     answer_candidates,
     answer_grads,
     answer_partial,
     empty_partial,
+    merge_partials_as,
     request_candidates,
     request_grads,
     request_partials,
     selected_rows_attention,
+    uses_selection,
 )
-from .groups import piece_index, segments_in_order, visible_prefix
+from .groups import local_starts, piece_index, segments_in_order, visible_prefix
 
 FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
@@ -64,14 +67,16 @@ FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 class RemotePages:
     """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the other ranks' earlier pages;
     for a "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
-    `remote`: the earlier ranks hold positions [0, end)). servers: the ranks that hold keys before the turn's
-    piece."""
+    `remote`: the keys before position `start`, where the turn's piece begins). servers: the ranks that hold keys
+    before the turn's piece (each answers over the prefix of its pages the piece sees). earlier: None, or (a
+    "topk_lse" family on a layout where a rank owns several pieces) cp_sparse.OwnRows over this rank's own earlier
+    pieces, which the selection reaches like the other ranks' rows: the adapter's past must be contiguous in
+    positions up to the segment, so it starts at the turn's piece."""
 
-    def __init__(self, cp, sizes, servers, adapter=None):
-        self.cp = cp
-        self.servers = servers
-        self.sizes, self.adapter = sizes, adapter
-        self.end = sum(sizes[: cp.rank])
+    def __init__(self, cp, pieces, servers, adapter=None, start=0, earlier=None):
+        self.cp, self.pieces, self.servers, self.adapter = cp, pieces, servers, adapter
+        self.end, self.earlier = start, earlier
+        self.visible = {i: visible_prefix(pieces[i], start) for i in servers}
 
     def __call__(self, layer, q_HTD, known=None):
         return remote_pages_attention(self, layer, q_HTD, known)
@@ -99,23 +104,38 @@ class RemotePages:
     # -- "topk_lse" layers (cp_sparse.py): the global selection's candidates, then the selected rows' partial ----
     def candidates(self, layer, selector):
         self._header(SELECT, layer, selector[0].shape[0], selector[0].device)
-        return request_candidates(self.cp, self.adapter, layer, selector, self.sizes, self.servers)
+        best = request_candidates(self.cp, self.adapter, layer, selector, self.pieces, self.servers, self.visible.get)
+        if self.earlier is not None:
+            width = min(self.adapter.sparse_geometry(layer).topk, self.earlier.tokens)
+            scores, positions = self.earlier.candidates(layer, selector, width)
+            best = self.adapter.merge_candidates(best, (scores, positions.long()), interleaved=True)
+        return best
 
     def attend(self, layer, query, positions, valid):
         return selected_rows_attention(self, layer, query, positions, valid)
 
     def partials(self, layer, query, positions, valid):
         self._header(FORWARD, layer, positions.shape[0], positions.device)
-        return request_partials(self.cp, self.adapter, layer, query, positions, valid, self.sizes, self.servers)
+        result = request_partials(self.cp, self.adapter, layer, query, positions, valid, self.pieces, self.servers)
+        if self.earlier is not None:
+            own = self.earlier.partial(layer, query, positions, valid)
+            result = merge_partials_as(self.adapter.sparse_geometry(layer), [result, own])
+        return result
 
     def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
         delta = attention_delta(out, d_out, d_lse)
         self._header(BACKWARD, layer, positions.shape[0], positions.device)
-        return request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.sizes,
-                             self.servers)
+        d_query = request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.pieces,
+                                self.servers)
+        if self.earlier is not None:
+            for total, part in zip(d_query, self.earlier.grads(layer, query, positions, valid, lse, d_out, delta)):
+                total += part.to(total.dtype)
+        return d_query
 
     def close(self, device):
         self._header(DONE, -1, 0, device)
+        if self.earlier is not None:
+            self.earlier.close()
 
 
 class RemoteKeys:
@@ -173,6 +193,8 @@ def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
         answer = {SELECT: answer_candidates, FORWARD: answer_partial, BACKWARD: answer_grads}.get(op)
         if answer is None:
             raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+        if op == SELECT:  # every key of [0, end) precedes the owner's piece
+            return answer_candidates(cp, owner, adapter, stager, spec, [(tq, end)])
         return answer(cp, owner, adapter, stager, spec, tq)
     heads, _, dim = adapter.attention_geometry()
     dtype, device = adapter.dtype, adapter.device
@@ -308,7 +330,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     recompute: each layer recomputed in backward, real segments and zero iterations alike (settings.recompute_layers:
     only where no layer's forward makes a remote exchange)."""
     pieces = cp.pieces(state.length)
-    sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
+    selects = uses_selection(adapter.specs)
     order = segments_in_order(pieces)
     mine = pieces[cp.rank]
     shapes = _carry_shapes(state)
@@ -336,10 +358,14 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
                        for layer, parts in shapes.items()}
         turn = [b for b in state.boundaries if piece_index(mine, b.position) == index] if hi > lo else []
         if turn:
-            remote = RemotePages(cp, sizes, servers, adapter)
+            # a "topk_lse" family's past is its turn's piece only; its own earlier pieces are reached like the
+            # other ranks' rows (RemotePages' `earlier`)
+            past_start = local_starts(mine)[index] if selects else 0
+            own_earlier = OwnRows(state.pool, adapter, mine[:index], exact=True) if selects and past_start else None
+            remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
             d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
-                                      remote_attention=remote if servers else None, recompute=recompute,
-                                      boundaries=turn)
+                                      remote_attention=remote if servers or own_earlier else None, recompute=recompute,
+                                      boundaries=turn, past_start=past_start)
             remote.close(adapter.device)
         for _ in range((iterations or 0) - len(turn)):  # pad this turn to the common count
             zero_prefix_iteration(adapter, backward, recompute=recompute)
