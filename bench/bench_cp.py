@@ -36,9 +36,11 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def build_model(layers, seed=0):
+def build_model(layers, seed=0, family="qwen"):
     from ds_longstraw.shapes import build_model as build
 
+    if family == "glm":  # the "small-glm" shape (8 MLA + DSA layers, top-512 selection, 8 experts), as it is
+        return build("small-glm", seed=seed, vocab_size=512)
     # The "small" shape with 8 query heads over 2 kv heads (GQA 4:1, where sending pages beats sending queries).
     return build("small", seed=seed, vocab_size=512, num_hidden_layers=layers, num_attention_heads=8,
                  max_position_embeddings=1 << 16,
@@ -79,7 +81,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
-    model = build_model(args.layers)
+    model = build_model(args.layers, family=args.family)
     group = build_group(args.prompt, args.responses)
     # "exact-keep": exact mode with prefix_keep_attention (each rank keeps its tokens' merged attention)
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"),
@@ -146,6 +148,13 @@ def run_world(args, mode, world, attention="lse", tier="none", replay="replicate
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 
+def _paged_bytes(retained):
+    """A rank's attention pages: qwen3_5's K/V pages, or glm_moe_dsa's latent, rope and indexer-key pages."""
+    if "attention_kv_pages" in retained:
+        return retained["attention_kv_pages"]
+    return sum(b for label, b in retained.items() if label in ("mla_latent_pages", "indexer_key_pages"))
+
+
 def summarise(world, mode, attention, ranks, tier="none"):
     first = ranks[0]
     row = {"cp": world, "mode": mode, "attention": attention if world > 1 else "-", "tier": tier,
@@ -160,7 +169,7 @@ def summarise(world, mode, attention, ranks, tier="none"):
            "largest_read": max(r["largest_read"] for r in ranks),
            "step_s": max(r["seconds"] for r in ranks),
            "phases": {k: max(r["phases"].get(k, 0.0) for r in ranks) for k in first["phases"]},
-           "kv_pages_per_rank": max(r["retained"]["attention_kv_pages"] for r in ranks),
+           "kv_pages_per_rank": max(_paged_bytes(r["retained"]) for r in ranks),
            "kept_per_rank": max(r["retained"].get("kept_attention_pages", 0) for r in ranks),
            "replay_b_per_tok": 0.0, "capture_attn_b": 0, "capture_gdn_b": 0, "prefix_b": 0, "moves": "-"}
     if world > 1:
@@ -186,7 +195,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--responses", default="4x32", help="GxT: G responses of T tokens")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=8, help="layers of the qwen shape")
+    parser.add_argument("--family", default="qwen", choices=("qwen", "glm"),
+                        help="qwen: the small qwen3_5 shape at --layers; glm: the small-glm glm_moe_dsa shape")
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--cp", default="1,2,4")
@@ -233,7 +244,8 @@ def main(argv=None):
                                   f"layout={layout} scan={scan} prefix={prefix} every={every}: "
                                   f"{rows[-1]['step_s']:.2f} s", file=sys.stderr, flush=True)
     print(f"`{' '.join(shlex.quote(a) for a in ['python', 'bench/bench_cp.py'] + (argv or sys.argv[1:]))}` "
-          f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, {args.layers} layers, "
+          f"(prompt {args.prompt}, G x T = {args.responses[0]} x {args.responses[1]}, "
+          f"{'small-glm' if args.family == 'glm' else f'{args.layers} layers'}, "
           f"float32, {os.cpu_count()} cores, {args.threads} thread(s) per rank)\n")
     print("Bytes are received payload summed over the CP ranks; 'prefix B' is exact mode's remote-attention and "
           "state-gradient traffic, 'grad all-reduce B' the one parameter-gradient all-reduce per group.\n")

@@ -8,7 +8,7 @@ Example (inside the DeepSpeed config)::
 Unknown keys and bad values raise ValueError naming the key, before any work starts.
 """
 
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, ValidationError, model_validator
@@ -103,7 +103,9 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_inputs_every: exact mode's layer-major CP prefix pass only: capture keeps the input of every k-th layer
         (layers 0, k, 2k, ...), and the pass recomputes the others of a group of k layers from it, over the shard
         and with the layers' exchanges, into a pool of offload.tier that lives for the group: ceil(L / k) + k - 1
-        layers' inputs on the tier instead of L, for about one more forward of the prompt. 1: every layer's.
+        layers' inputs on the tier instead of L, for about one more forward of the prompt. 1: every layer's; "auto"
+        (the default): the smallest k whose added bytes fit the cp_prefix "auto" rule, else the k that adds the
+        fewest (offload/plan.inputs_every_for; `longstraw plan` shows the k it takes).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
@@ -126,7 +128,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_layout: Literal["auto", "zigzag", "contiguous"] = "auto"
     cp_scan: Literal["auto", "one_pass", "two_pass"] = "auto"
     cp_prefix: Literal["auto", "layer_major", "turns"] = "auto"
-    prefix_inputs_every: int = Field(1, ge=1)
+    prefix_inputs_every: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
     cp_replay: Literal["replicated", "spread"] = "spread"
     ep_size: int = Field(1, ge=1)
     progress: bool = False

@@ -26,6 +26,7 @@ from .config import parse_config
 from .cp_time import predict, predict_sparse
 from .model_shape import load_config, shape_from_config
 from .offload.plan import (
+    LAYER_MAJOR_STATE_RATIO,
     TIERS,
     GiB,
     Layout,
@@ -94,9 +95,9 @@ def _parser():
     p.add_argument("--cp-prefix", choices=("auto", "layer_major", "turns"), default="auto",
                    help="longstraw.cp_prefix (exact mode under CP: layer_major, every rank at once, keeps every "
                         "layer's input; turns, one rank after another; auto: layer_major where it runs)")
-    p.add_argument("--prefix-inputs-every", type=int, default=1,
+    p.add_argument("--prefix-inputs-every", type=_inputs_every, default="auto",
                    help="longstraw.prefix_inputs_every (layer-major prefix pass: capture keeps every k-th layer's "
-                        "input, the pass recomputes the rest of a group of k)")
+                        "input, the pass recomputes the rest of a group of k; auto: the smallest k that fits)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
                    help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
@@ -243,9 +244,15 @@ def _render_cp_time(plan, gpu_tflops) -> list:
             f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
             f"| layer_inputs {_gib(inputs)} on the pages' tier, {_gib(held)} held on the GPU across a layer |", "",
             f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
-            "layer-major where its added bytes per token are at most the transaction's own retained bytes, "
-            "offload/plan.layer_major_fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
+            f"layer-major where its added bytes per token are at most {LAYER_MAJOR_STATE_RATIO:g}x the "
+            "transaction's own retained bytes, offload/plan.layer_major_fits), keeping every "
+            f"{plan.inputs_every}-th layer's input (longstraw.prefix_inputs_every {plan.inputs_every_asked}: auto "
+            "takes the smallest k that fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
             "(ds_longstraw/cp_time.py); communication and replay not included."]
+
+
+def _inputs_every(text):
+    return text if text == "auto" else int(text)
 
 
 def active_params(shape) -> float:
@@ -265,15 +272,24 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
                            plan.context, lay.cp, gpu_tflops, shape.index_width,
                            shape.attention_heads * shape.attention_head_dim * shape.select_topk)
     before, now = times["before"], times["now"]
+    tokens = plan.tokens_per_rank
+    inputs = layer_inputs_bytes(shape, tokens, 1)
+    runs = "layer_major" if layer_major_prefix(shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
+                                               plan.keep_attention, 1) else "turns"
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
             "", "| phase | before: contiguous shards | now: zigzag | ratio | added memory per rank (now) |",
             "|---|---:|---:|---:|---|",
             f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} | none |",
-            f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |", "",
+            f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |",
+            f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
+            f"| layer_inputs {_gib(inputs)} on the pages' tier (every layer's), "
+            f"{_gib(layer_major_workspace(shape, tokens))} held on the GPU across a layer |", "",
+            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
+            f"layer-major where its added bytes per token are at most {LAYER_MAJOR_STATE_RATIO:g}x the "
+            "transaction's own retained bytes; this family keeps every layer's input). "
             f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
             "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "
-            "last rank (2N - 1) / N^2 of the L^2 / 2. The prefix pass runs in turns for this family (no layer-major "
-            "pass of its sparse layers yet). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
+            "last rank (2N - 1) / N^2 of the L^2 / 2. From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
             "(ds_longstraw/cp_time.py); communication (the experts' all-to-all included) and replay not included."]
 
 

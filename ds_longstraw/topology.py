@@ -23,7 +23,7 @@ import torch
 
 from .lockstep import ReplayLockstep, padded_to_common, replayed_members
 from .model_shape import shape_from_config
-from .offload.plan import layer_major_fits
+from .offload.plan import inputs_every_for, layer_major_fits
 from .parallel.capture import cp_capture_prefix
 from .parallel.cp_attention import PagesAttention
 from .parallel.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
@@ -140,6 +140,7 @@ class ContextParallel:
         check_combines(adapter.specs, self.cp.size)
         self.cp.layout = resolve_layout(adapter.specs, settings)
         self.prefix_schedule = resolve_prefix(adapter, settings)
+        self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
         check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
@@ -149,9 +150,13 @@ class ContextParallel:
     def phase(self, name):
         return self.cp.phase(name)
 
+    def _resolved(self, settings):
+        """settings with prefix_inputs_every as this transaction runs it (check's resolve_inputs_every)."""
+        return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
+
     def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
-        return cp_capture_prefix(adapter, prompt_ids, settings, self.cp, keep_boundaries=keep_boundaries,
-                                 pad=schedule.capture_pad,
+        return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
+                                 keep_boundaries=keep_boundaries, pad=schedule.capture_pad,
                                  keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
 
     def replay_view(self, adapter, state, requires_grad):
@@ -208,7 +213,8 @@ class ContextParallel:
             _scale_injected_(state, d_final, self.cp.size)
         shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
         if self.prefix_schedule == "layer_major":
-            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, settings, backward=backward,
+            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, self._resolved(settings),
+                                        backward=backward,
                                         pad=schedule.capture_pad)
         else:
             cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
@@ -230,7 +236,7 @@ class ContextParallel:
         pieces = self.cp.pieces(state.length)[self.cp.rank]
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
         return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
-                           prefix=self.prefix_schedule, replayed_tokens=replayed,
+                           prefix=self.prefix_schedule, inputs_every=self.inputs_every, replayed_tokens=replayed,
                            replayed_members=self.replay_members(group))}
 
 
@@ -271,7 +277,7 @@ def resolve_layout(specs, settings) -> str:
 
 
 # The combines the layer-major prefix pass runs (parallel/prefix_layers.py)
-LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
+LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
 def resolve_prefix(adapter, settings) -> str | None:
@@ -291,11 +297,27 @@ def resolve_prefix(adapter, settings) -> str | None:
         if blockers:
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
-        shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
-        fits = layer_major_fits(shape, settings.segment_tokens, settings.prefix_keep_attention,
+        fits = layer_major_fits(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
                                 settings.prefix_inputs_every)
         return "layer_major" if fits else "turns"
     return settings.cp_prefix
+
+
+def _state_shape(adapter):
+    """The planner's view of the adapter's model (per-token state only: no parameter count)."""
+    return shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
+
+
+def resolve_inputs_every(adapter, settings) -> int:
+    """settings.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
+    (the same on every rank: a function of the model and settings); ValueError (before any work) for k > 1 where a
+    layer attends a top-k selection (a layer may reuse the selection of one below its group)."""
+    if uses_selection(adapter.specs) and settings.prefix_inputs_every not in ("auto", 1):
+        raise ValueError(f"'longstraw.prefix_inputs_every' = {settings.prefix_inputs_every}: the layer-major prefix "
+                         f"pass of {adapter.family}'s top-k selection layers keeps every layer's input; use 1 or "
+                         "'auto'")
+    return inputs_every_for(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
+                            settings.prefix_inputs_every)
 
 
 def topology_for(cp_group, settings):

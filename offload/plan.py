@@ -142,7 +142,8 @@ class Plan:
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     cp_prefix: str = "auto"  # longstraw.cp_prefix: exact mode's CP prefix pass, layer-major or in turns
     keep_attention: bool = False  # longstraw.prefix_keep_attention
-    inputs_every: int = 1  # longstraw.prefix_inputs_every
+    inputs_every: int = 1  # longstraw.prefix_inputs_every, as it runs (inputs_every_for)
+    inputs_every_asked: int | str = "auto"  # as given
     tokens_per_rank: int = 0
     retained: dict = field(default_factory=dict)  # category -> bytes per rank
     weights_per_rank: int = 0
@@ -248,30 +249,57 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
 
 
 # The combines the layer-major prefix pass runs (ds_longstraw.topology.resolve_prefix says the same at run time)
-LAYER_MAJOR_COMBINES = ("lse", "affine_scan")
+LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
-# "cp_prefix": "auto" runs the layer-major pass where what it adds per rank and token (every layer's input, kept
-# from capture, and what it holds across a layer) is at most this multiple of what the transaction keeps per rank
-# and token anyway (pages, gradient pages, carry checkpoints, kept attention): the longest prompt that fits then
-# shrinks by at most half. Models whose layer inputs dwarf their pages (Qwen3.6-27B: 64 layers x 5,120 values a
-# token, 10x its K/V pages) take the turns by default until inputs can be saved every k layers.
-LAYER_MAJOR_STATE_RATIO = 1.0
+# "cp_prefix": "auto" runs the layer-major pass where what it adds per rank and token (the layer inputs kept from
+# capture and the group's recomputed ones, both on the pages' tier, and what it holds across a layer) is at most this
+# multiple of what the transaction keeps per rank and token anyway (pages, gradient pages, carry checkpoints, kept
+# attention): the longest prompt that fits then shrinks to at most 1 / (1 + 1.5) = 40% of what the turns allow, for
+# a prefix pass about cp_size times shorter. Qwen3.6-27B's inputs (64 layers x 5,120 values a token) are 4.4x the
+# state kept; kept every 8 layers (with the 7 recomputed ones of a group) they add 1.4x, which fits.
+LAYER_MAJOR_STATE_RATIO = 1.5
 
 
-def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every: int = 1) -> bool:
-    """Whether the layer-major prefix pass's added bytes per token (the kept and the recomputed layer inputs, what
-    it holds across a layer) stay within LAYER_MAJOR_STATE_RATIO of the transaction's own retained bytes per token
-    (the "auto" rule; a function of the model and settings alone, so every rank decides alike)."""
-    added = (layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
-             + layer_major_workspace(shape, 1))
-    kept = (shape.bytes_per_token + shape.grad_bytes_per_token + shape.carry_total / segment_tokens
+def layer_major_added(shape: ModelShape, every: int) -> int:
+    """Bytes per rank and token the layer-major prefix pass adds (layer inputs kept every `every` layers, a group's
+    recomputed ones, what it holds across a layer)."""
+    return (layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
+            + layer_major_workspace(shape, 1))
+
+
+def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: bool = False) -> float:
+    """What the transaction keeps per rank and token in exact mode anyway (the ratio's denominator)."""
+    return (shape.bytes_per_token + shape.grad_bytes_per_token + shape.carry_total / segment_tokens
             + (shape.kept_bytes_per_token if keep_attention else 0))
-    return added <= LAYER_MAJOR_STATE_RATIO * kept
+
+
+def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> int:
+    """prefix_inputs_every as it runs: `every` itself, or for "auto" the smallest k (the fewest recomputed layers)
+    whose added bytes fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then ceil(L / k) + k - 1
+    layers' inputs, about 2 sqrt(L)); 1 for a model whose layers attend a top-k selection. A function of the
+    model and settings alone: every rank decides alike."""
+    if every != "auto":
+        return every
+    if shape.select_layers:  # a layer attends the selection of one below it: every layer's input is kept
+        return 1
+    layers = max(sum(shape.combine_counts.values()), 1)
+    allowed = LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens, keep_attention)
+    fitting = [k for k in range(1, layers + 1) if layer_major_added(shape, k) <= allowed]
+    return fitting[0] if fitting else min(range(1, layers + 1), key=lambda k: (layer_major_added(shape, k), k))
+
+
+def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> bool:
+    """Whether the layer-major prefix pass's added bytes per token at prefix_inputs_every `every` ("auto":
+    inputs_every_for) stay within LAYER_MAJOR_STATE_RATIO of the transaction's own retained bytes per token (the
+    "auto" rule; a function of the model and settings alone, so every rank decides alike)."""
+    every = inputs_every_for(shape, segment_tokens, keep_attention, every)
+    return layer_major_added(shape, every) <= LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens,
+                                                                                           keep_attention)
 
 
 def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
-                       keep_attention: bool = False, every: int = 1) -> bool:
+                       keep_attention: bool = False, every="auto") -> bool:
     """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
     and under "auto" where its added bytes fit the rule above (topology.resolve_prefix decides the same)."""
     if mode != "exact" or cp < 2 or cp_prefix == "turns":
@@ -305,7 +333,7 @@ def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
     acc = 8 if shape.dtype_bytes == 8 else 4
     hidden = 2 * shape.hidden_size * shape.dtype_bytes
     attention = (3 * shape.attention_heads * shape.attention_head_dim * shape.dtype_bytes
-                 + shape.attention_heads * acc) if shape.attention_kv_heads else 0
+                 + shape.attention_heads * acc) if shape.attention_heads else 0
     delta = 2 * shape.delta_heads * (shape.delta_head_dims // 2) * shape.dtype_bytes
     return tokens_per_rank * (hidden + max(attention, delta))
 
@@ -392,7 +420,7 @@ def _depth_for(tier):
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int = 1) -> Plan:
+              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every="auto") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -407,10 +435,11 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
             shape, layout.cp, mode, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{sorted(set(shape.combine_counts) - set(LAYER_MAJOR_COMBINES))})")
-    if inputs_every < 1:
-        raise ValueError(f"inputs_every must be at least 1, got {inputs_every}")
+    if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
+        raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
+    asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
-                keep_attention=keep_attention, inputs_every=inputs_every)
+                keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked)
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")

@@ -146,7 +146,7 @@ class _FakeAdapter:
     ({}, ["topk_lse", "none"], True, "turns"),
     ({}, ["affine_scan"], False, "turns"),
     ({"cp_prefix": "turns"}, ["lse"], True, "turns"),
-], ids=["asked", "ulysses", "topk", "no-scan-pass", "turns-asked"])
+], ids=["asked", "ulysses", "none-combine", "no-scan-pass", "turns-asked"])
 def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
     """Where the combines rule layer-major out, "auto" takes the turns before weighing memory (the next test)."""
     from ds_longstraw.topology import resolve_prefix
@@ -156,39 +156,54 @@ def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
 
 
 def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
-    """"auto" takes the layer-major pass only where every layer's input (and what the pass holds across a layer)
-    costs at most the state the transaction keeps anyway per token: the tiny test model at 4-token chunks (its carry
-    checkpoints are large per token) does, Qwen3.6-27B (64 layers x 5,120 values a token against 64 KiB of K/V
-    pages) and the tiny model at 4,096-token chunks do not; asked for, it runs anyway."""
+    """"auto" takes the layer-major pass only where what it adds per token (the layer inputs kept every k layers, a
+    group's recomputed ones, what it holds across a layer) is at most 1.5x the state the transaction keeps anyway,
+    with prefix_inputs_every "auto" the smallest k for which it is: the tiny test model at 4-token chunks (its carry
+    checkpoints are large per token) does at k = 1, and at 4,096-token chunks does not at any k (3 layers: no k
+    saves anything); Qwen3.6-27B (64 layers x 5,120 values a token, 4.4x its state kept) does not at k = 1 but
+    does at k = 4 (16 kept + 3 recomputed layers' inputs); asked for, layer-major runs anyway."""
     from models import tiny_qwen3_5
 
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.model_shape import load_config, shape_from_config
-    from ds_longstraw.offload.plan import LAYER_MAJOR_STATE_RATIO, layer_inputs_bytes, layer_major_fits
+    from ds_longstraw.offload.plan import LAYER_MAJOR_STATE_RATIO, inputs_every_for, layer_major_fits
     from ds_longstraw.offload.plan import layer_major_prefix as plan_layer_major
-    from ds_longstraw.topology import resolve_prefix
+    from ds_longstraw.topology import resolve_inputs_every, resolve_prefix
 
     adapter = adapter_for(tiny_qwen3_5(layers=3, layer_types=["linear_attention", "full_attention",
                                                               "linear_attention"]))
     shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
-    assert LAYER_MAJOR_STATE_RATIO == 1.0
+    assert LAYER_MAJOR_STATE_RATIO == 1.5
     for chunk, expected in ((4, "layer_major"), (4096, "turns")):
         config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=chunk)
         assert resolve_prefix(adapter, config) == expected
         assert layer_major_fits(shape, chunk) == (expected == "layer_major")
+    assert resolve_inputs_every(adapter, LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4)) == 1
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4096, cp_prefix="layer_major")
     assert resolve_prefix(adapter, config) == "layer_major"
+
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
-    assert layer_inputs_bytes(qwen, 1) == 10 * qwen.bytes_per_token and not layer_major_fits(qwen, 4096)
-    assert not plan_layer_major(qwen, 8, "exact") and plan_layer_major(qwen, 8, "exact", "layer_major")
+    # the formula, written out: kept pages + gradient pages + the carry checkpoint per chunk start, against
+    # (ceil(64 / k) kept + k - 1 recomputed) layers' inputs of 5,120 bf16 values + the layer-major workspace
+    kept = 2 * 16 * 2 * 4 * 256 * 2 + qwen.carry_total / 4096
+    workspace = 2 * 5120 * 2 + 3 * 24 * 256 * 2 + 24 * 4  # d(output), d(input); attention q, out, d(out), lse
+    added = {k: 5120 * 2 * (-(-64 // k) + min(k, 64) - 1) + workspace for k in (1, 2, 3, 4)}
+    assert [added[k] <= 1.5 * kept for k in (1, 2, 3, 4)] == [False, False, False, True]
+    assert inputs_every_for(qwen, 4096) == 4 and not layer_major_fits(qwen, 4096, every=1)
+    assert layer_major_fits(qwen, 4096) and plan_layer_major(qwen, 8, "exact")
+    assert not plan_layer_major(qwen, 8, "exact", every=1)
+    assert plan_layer_major(qwen, 8, "exact", "layer_major", every=1)
+    assert not plan_layer_major(qwen, 8, "exact", "turns")
 
 
 def test_layer_major_refused_where_it_does_not_run():
-    from ds_longstraw.topology import resolve_prefix
+    from ds_longstraw.topology import resolve_inputs_every, resolve_prefix
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
-    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*combine by \\['topk_lse'\\]"):
-        resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config)
+    assert resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config) == "layer_major"
+    strided = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major", prefix_inputs_every=2)
+    with pytest.raises(ValueError, match="'longstraw.prefix_inputs_every' = 2: .*keeps every layer's input"):
+        resolve_inputs_every(_FakeAdapter(["topk_lse"]), strided)
     with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*no prefix_scan_layer"):
         resolve_prefix(_FakeAdapter(["affine_scan"], scan_pass=False), config)
     with pytest.raises(ValueError, match="cp_prefix"):

@@ -13,8 +13,9 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   and the owner's SELECT / FORWARD / BACKWARD requests answered inside the mirrored turns
            zero3spread  ZeRO-3, exact, host tier, "cp_replay": "spread": each CP rank replays its own members,
                   padded to the common member slots of all four ranks
-           glm3ep  the same with "ep_size" 2: each CP group is also the EP group (GLM-5.2's CP32/EP32 layout),
-                  each rank's expert slice outside ZeRO, its gradient summed over the replicas holding it
+           glm3ep  the same with "ep_size" 2 and the layer-major prefix pass: each CP group is also the EP group
+                  (GLM-5.2's CP32/EP32 layout), each rank's expert slice outside ZeRO, its gradient summed over the
+                  replicas holding it
            rollout  ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids (replica 0 two prompts, replica 1
                   one): the replicas decode in lockstep; samples == one process's, the step == the average
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
@@ -99,10 +100,9 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
             assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
             assert all(hi > lo for lo, hi in pieces) and len(pieces) == (4 if layout == "zigzag" else 2)
             assert set(layouts) == {layout}
-    # the exact prefix pass: layer-major where asked for, the turns where asked for and for glm_moe_dsa; detached
-    # mode runs none
-    prefix = None if name in ("zero3", "glm3") else "turns" if name == "zero3kept" or name.startswith("glm") \
-        else "layer_major"
+    # the exact prefix pass: layer-major where asked for (glm3ep included), the turns where asked for and by "auto"
+    # for glm_moe_dsa (glm3exact); detached mode runs none
+    prefix = None if name in ("zero3", "glm3") else "turns" if name in ("zero3kept", "glm3exact") else "layer_major"
     assert all(set(r["prefixes"]) == {prefix} for r in checks)
     if world == 4:
         assert [r["rank_groups"] for r in checks] == [2, 2, 1, 1]

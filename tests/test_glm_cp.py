@@ -86,6 +86,19 @@ CASES = [
          model=TIES, seed=1, record=True, worlds=(2,), cp_replay="replicated"),
     dict(name="ties-contiguous-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4, block=3,
          model=TIES, seed=1, record=True, worlds=(3,), layout="contiguous", cp_replay="replicated"),
+    # exact mode's prefix pass layer-major (every rank at once; "auto" takes the turns for this model: its layer
+    # inputs outweigh its pages), on both layouts, G = 1, a shared layer's selection recomputed from the full layer
+    # below it, the host tier, and a KL reference
+    dict(name="layer-major-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
+         prefix="layer_major"),
+    dict(name="layer-major-contiguous-exact", prompt_len=46, response_lens=[4, 2], mode="exact", chunk=4, page=3,
+         block=2, prefix="layer_major", layout="contiguous", seed=8, worlds=(2, 4)),
+    dict(name="layer-major-G1-host-exact", prompt_len=44, response_lens=[3], mode="exact", chunk=7, page=3, block=2,
+         prefix="layer_major", tier="cpu", seed=3, worlds=(2, 3)),
+    dict(name="layer-major-shards-below-topk-exact", prompt_len=21, response_lens=[4, 3], mode="exact", chunk=3,
+         page=2, block=2, prefix="layer_major", seed=1, worlds=(3, 4)),
+    dict(name="layer-major-kl-exact", prompt_len=45, response_lens=[4, 6, 2], mode="exact", chunk=11, page=4,
+         block=3, objective={"kl_coef": 0.3}, ref_seed=7, seed=5, prefix="layer_major", worlds=(2,)),
     # bfloat16: held to twice transformers' own bfloat16 error (see test_low_precision_within_twice_plain_error)
     dict(name="bfloat16-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
          dtype="bfloat16", low_precision=True, worlds=(2, 3)),
@@ -205,6 +218,16 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
         replayed = [(m, layer, length + t) for m, response in enumerate(group.response_ids) for layer in full_layers
                     for t in range(response.numel())]
         assert sorted(covered["replay"]) == sorted(replayed)
+
+
+def test_prefix_pass_runs_as_asked(world_results):
+    """Exact mode's prefix pass ran layer-major where a case asked for it, and in turns otherwise ("auto" for this
+    model); detached mode runs none."""
+    world, results = world_results
+    for name, ranks in results.items():
+        case = BY_NAME[name]
+        expected = case.get("prefix", "turns") if case["mode"] == "exact" else None
+        assert all(result["cp"]["prefix"] == expected for result in ranks), name
 
 
 def test_low_precision_within_twice_plain_error(world_results):

@@ -461,7 +461,8 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     out = capsys.readouterr().out
     assert "## Context parallelism: predicted seconds per rank (148 dense bf16 TFLOPS per GPU)" in out
     assert "| exact prefix pass, layer-major |" in out and "| exact prefix pass, turns |" in out
-    assert "Exact mode here runs the prefix pass turns (longstraw.cp_prefix auto" in out
+    assert "Exact mode here runs the prefix pass layer-major (longstraw.cp_prefix auto" in out
+    assert "keeping every 4-th layer's input (longstraw.prefix_inputs_every auto" in out
     assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "96GB",
                  "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
@@ -472,7 +473,9 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     per_token = (cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 16.8e-3 / 1024 * 78) * 65536
     assert sparse["now"].capture == pytest.approx(per_token + pair * 262144 ** 2 / 8, rel=1e-12)
     assert sparse["before"].capture == pytest.approx(per_token + pair * 262144 ** 2 * 7 / 32, rel=1e-12)
-    assert sparse["now"].prefix is None and sparse["turns_prefix"] == sparse["before"].prefix
+    assert sparse["turns_prefix"] == sparse["before"].prefix
+    assert sparse["now"].prefix == pytest.approx(
+        (3 * cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 46.2e-3 / 1024 * 78) * 65536 + pair * 262144 ** 2 / 8, rel=1e-12)
     assert cp_time.predict_sparse(78, 0, 40e9, 262144, 4, 148.0, 1, 1) is None
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
     assert "--gpu-tflops 0.0" in capsys.readouterr().err
@@ -495,14 +498,16 @@ def test_auto_scan_holds_the_outputs_only_where_they_fit():
 
 
 def test_layer_major_prefix_counts_its_inputs_and_workspace():
-    """Exact mode under CP with qwen3_5, layer-major asked for: every layer's input over the shard is retained with
-    the pages (hidden x dtype x layers per token), and what the pass holds across a layer is a workspace; the
-    turns keep neither, and "auto" takes them for Qwen3.6-27B (its inputs are 10x its pages) and so fits longer
-    prompts; glm_moe_dsa (global top-k) runs the turns, and layer_major is refused for it by name."""
+    """Exact mode under CP with qwen3_5, layer-major asked for with every layer's input: each layer's input over the
+    shard is retained with the pages (hidden x dtype x layers per token), and what the pass holds across a layer is
+    a workspace; the turns keep neither and fit longer prompts; "auto" keeps every 4th layer's input for
+    Qwen3.6-27B (16 kept, 3 recomputed per group: 1.5x its state at most) and runs layer-major; glm_moe_dsa runs
+    the turns under "auto" (every layer's input, 6,144 values a token x 78 layers, far outweighs its pages) and
+    layer-major where asked for, with every layer's input."""
     shape = shape_from_config(*load_config("qwen3.6-27b"))
     layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB,
                     nvme_free=3584 * GiB)
-    plan = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major")
+    plan = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major", inputs_every=1)
     tokens = plan.tokens_per_rank
     assert sum(shape.combine_counts.values()) == 64  # 48 Gated DeltaNet + 16 attention layers
     assert plan.retained["layer_inputs"] == tokens * shape.hidden_size * shape.dtype_bytes * 64
@@ -510,8 +515,7 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     turns = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="turns")
     assert turns.retained["layer_inputs"] == 0 and "layer_major_prefix" not in turns.workspace
     assert make_plan(shape, 2 << 20, 8, "detached", layout).retained["layer_inputs"] == 0
-    auto = make_plan(shape, 2 << 20, 8, "exact", layout)
-    assert auto.retained == turns.retained and auto.max_context["nvme"] > plan.max_context["nvme"]
+    assert turns.max_context["nvme"] > plan.max_context["nvme"]
     # the inputs live with the pages: on the host tier they count against host memory
     assert plan.needs["cpu"]["host"] - turns.needs["cpu"]["host"] == plan.retained["layer_inputs"]
     # every 8th layer's input kept (8 of 64), 7 recomputed per group: 37.5 GiB on the tier instead of 160, and the
@@ -520,13 +524,19 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     assert strided.retained["layer_inputs"] == plan.retained["layer_inputs"] // 8
     assert strided.retained["recomputed_inputs"] == 7 * plan.retained["layer_inputs"] // 64
     assert strided.fits["cpu"] and not plan.fits["cpu"]
-    with pytest.raises(ValueError, match="inputs_every must be at least 1"):
+    auto = make_plan(shape, 2 << 20, 8, "exact", layout)
+    assert auto.inputs_every == 4 and auto.inputs_every_asked == "auto"
+    assert auto.retained["layer_inputs"] == plan.retained["layer_inputs"] // 4
+    assert auto.retained["recomputed_inputs"] == 3 * plan.retained["layer_inputs"] // 64
+    assert auto.fits["cpu"]
+    with pytest.raises(ValueError, match="inputs_every must be 'auto' or at least 1"):
         make_plan(shape, 2 << 20, 8, "exact", layout, inputs_every=0)
     glm = shape_from_config(*load_config("glm-5.2"))
     glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
     assert make_plan(glm, 2 << 20, 8, "exact", glm_layout).retained["layer_inputs"] == 0
-    with pytest.raises(ValueError, match="cp_prefix 'layer_major' does not run for glm_moe_dsa"):
-        make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major")
+    asked = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major")
+    assert asked.inputs_every == 1
+    assert asked.retained["layer_inputs"] == asked.tokens_per_rank * 6144 * 2 * 78
     with pytest.raises(ValueError, match="cp_prefix must be"):
         make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="sideways")
 

@@ -85,26 +85,36 @@ def streamed_partial(stager, spec, q_HTD, scale, start=0, end=None, query_chunk=
 
 
 def _key_blocks(stream, names):
-    """(K, V) head-major [K, T, D] over runs of consecutive pages of `stream`, up to KEY_BLOCK tokens each. A stager
-    releases a page when the next is asked for, so each page is copied into the block's buffer (reused from block
-    to block: the caller is done with a block when it asks for the next); a page of KEY_BLOCK tokens or more is
-    handed out as its own view, before the next page is read."""
-    buffers, tokens = None, 0
+    """(K, V) head-major [K, T, D] over runs of consecutive pages of `stream`, up to KEY_BLOCK tokens each
+    (page_runs)."""
+    for _, _, run in page_runs(stream, names, KEY_BLOCK):
+        yield tuple(tensor.transpose(0, 1) for tensor in run)
+
+
+def page_runs(stream, names, block):
+    """(lo, hi, the streams `names` token-major) over runs of consecutive pages of `stream`, up to `block` tokens
+    each (short pages would otherwise cost a kernel call and a merge each). A stager releases a page when the next
+    is asked for, so each page is copied into the run's buffer (reused from run to run: the caller is done with a
+    run when it asks for the next); a page of `block` tokens or more is handed out as its own view, before the
+    next page is read."""
+    buffers, tokens, start = None, 0, 0
     for lo, hi, pages in stream:
         n = hi - lo
-        if buffers is None and n >= KEY_BLOCK:
-            yield tuple(pages[name].transpose(0, 1) for name in names)
+        if buffers is None and n >= block:
+            yield lo, hi, tuple(pages[name] for name in names)
             continue
         if buffers is not None and tokens + n > buffers[0].shape[0]:
-            yield tuple(buffer[:tokens].transpose(0, 1) for buffer in buffers)
+            yield start, start + tokens, tuple(buffer[:tokens] for buffer in buffers)
             tokens = 0
         if buffers is None:
-            buffers = [pages[name].new_empty((max(KEY_BLOCK, n),) + pages[name].shape[1:]) for name in names]
+            buffers = [pages[name].new_empty((max(block, n),) + pages[name].shape[1:]) for name in names]
+        if tokens == 0:
+            start = lo
         for buffer, name in zip(buffers, names):
             buffer[tokens:tokens + n].copy_(pages[name])
         tokens += n
     if tokens:
-        yield tuple(buffer[:tokens].transpose(0, 1) for buffer in buffers)
+        yield start, start + tokens, tuple(buffer[:tokens] for buffer in buffers)
 
 
 def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None, end=None):

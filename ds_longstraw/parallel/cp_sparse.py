@@ -50,10 +50,14 @@ from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import Stager
 from ds_longstraw.state import append_rows
 
-from .cp_attention import merge_in_order
+from .cp_attention import merge_in_order, page_runs
 from .groups import local_starts, local_to_prompt, prompt_to_local, visible_prefix
 
 COMBINE = "topk_lse"
+# Keys scored per candidates call: consecutive pages are scored together up to this many (each call merges its
+# scores into the running top-k, a sort over topk + keys columns per query, so pages shorter than topk would make
+# the merges cost more than the scores)
+CANDIDATE_BLOCK = 4096
 
 
 def uses_selection(specs) -> bool:
@@ -150,6 +154,14 @@ def key_stager(pool, specs, wrap=False):
     return Stager(pool, {spec.layer: spec.select for spec in specs if spec.select}, wrap=wrap)
 
 
+def _row_runs(stager, spec):
+    """This rank's rows of layer `spec.layer` in runs of consecutive pages (cp_attention.page_runs, CANDIDATE_BLOCK
+    tokens: a call per short page would cost more in finding each query's selected rows there than in the rows)."""
+    names = spec.row_names
+    for lo, hi, run in page_runs(stager.stream(spec.layer), names, CANDIDATE_BLOCK):
+        yield lo, hi, dict(zip(names, run))
+
+
 # -- this rank's pages, page by page ------------------------------------------------------------------------------
 def _has_rows(positions, valid, lo, hi):
     return bool((valid & (positions >= lo) & (positions < hi)).any())
@@ -158,8 +170,10 @@ def _has_rows(positions, valid, lo, hi):
 def streamed_candidates(stager, adapter, spec, selector, best=None, key_start=0, query_start=None, end=None):
     """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), at positions
     key_start ..), page by page; query_start None: every key is visible to every query (they precede them)."""
-    for lo, _, pages in stager.stream(spec.layer, 0, end):
-        best = adapter.sparse_candidates(spec.layer, selector, pages, key_start + lo, query_start, best)
+    names = spec.select
+    for lo, _, run in page_runs(stager.stream(spec.layer, 0, end), names, CANDIDATE_BLOCK):
+        best = adapter.sparse_candidates(spec.layer, selector, dict(zip(names, run)), key_start + lo, query_start,
+                                         best)
     return best
 
 
@@ -169,7 +183,7 @@ def streamed_sparse_partial(stager, adapter, spec, query, positions, valid):
     geometry's); pages holding none are not computed on."""
     geometry = adapter.sparse_geometry(spec.layer)
     result = empty_partial(geometry, positions.shape[0], positions.device)
-    for lo, hi, pages in stager.stream(spec.layer):
+    for lo, hi, pages in _row_runs(stager, spec):
         if _has_rows(positions, valid, lo, hi):
             page = adapter.sparse_partial(spec.layer, query, pages, lo, positions, valid)
             result = merge_in_order([result, tuple(t.to(geometry.lse_dtype) for t in page)])
@@ -181,7 +195,7 @@ def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d
     `pool`, each page's d(rows) is added to its gradient pages as it is computed (streams that carry one)."""
     d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
     grads = {stream.name for stream in spec.streams if stream.grad}
-    for lo, hi, pages in stager.stream(spec.layer):
+    for lo, hi, pages in _row_runs(stager, spec):
         if not _has_rows(positions, valid, lo, hi):
             continue
         parts, d_rows = adapter.sparse_grads(spec.layer, query, pages, lo, positions, valid, lse, d_out, delta)
@@ -298,23 +312,35 @@ def answer_partial(cp, owner, adapter, stager, spec, tokens, works=None):
     _send_all(cp, (out, lse), owner, works)
 
 
-def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers):
-    """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
-    gradients to their gradient pages."""
+def send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works=None):
     geometry = adapter.sparse_geometry(layer)
     acc = geometry.lse_dtype
     for i in servers:
-        _send_query(cp, query, positions, valid, pieces, i, geometry.topk)
-        cp.send(d_out.to(geometry.out[1]), i)
-        cp.send(torch.stack([lse.to(acc), delta.to(acc)]), i)
-    d_query = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in query]
+        _send_query(cp, query, positions, valid, pieces, i, geometry.topk, works)
+        _send_all(cp, (d_out.to(geometry.out[1]), torch.stack([lse.to(acc), delta.to(acc)])), i, works)
+
+
+def collect_grads(cp, adapter, layer, query, servers, d_query=None):
+    """d_query (None: zeros in the lse's dtype) plus every server's share of it."""
+    geometry = adapter.sparse_geometry(layer)
+    acc = geometry.lse_dtype
+    if d_query is None:
+        d_query = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in query]
+    tokens, device = query[0].shape[0], query[0].device
     for i in servers:
         for total, (shape, _) in zip(d_query, geometry.query):
-            total += cp.recv((positions.shape[0], *shape), acc, i, layer, "sparse_dq", device=positions.device)
+            total += cp.recv((tokens, *shape), acc, i, layer, "sparse_dq", device=device)
     return d_query
 
 
-def answer_grads(cp, owner, adapter, stager, spec, tokens):
+def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers):
+    """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
+    gradients to their gradient pages."""
+    send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers)
+    return collect_grads(cp, adapter, layer, query, servers)
+
+
+def answer_grads(cp, owner, adapter, stager, spec, tokens, works=None):
     """The owner's query, this rank's positions, d_out, lse and delta in; this rank's rows' gradients onto its
     gradient pages; its share of d(query) out."""
     geometry = adapter.sparse_geometry(spec.layer)
@@ -322,8 +348,8 @@ def answer_grads(cp, owner, adapter, stager, spec, tokens):
     (shape, dtype), acc = geometry.out, geometry.lse_dtype
     d_out = cp.recv((tokens, *shape), dtype, owner, spec.layer, "sparse_d_out", device=adapter.device)
     lse, delta = cp.recv((2, tokens, *shape[:-1]), acc, owner, spec.layer, "sparse_lse_delta", device=adapter.device)
-    for part in streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, stager.pool):
-        cp.send(part.to(acc), owner)
+    shares = streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, stager.pool)
+    _send_all(cp, [part.to(acc) for part in shares], owner, works)
 
 
 # -- capture ------------------------------------------------------------------------------------------------------
@@ -361,14 +387,14 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
     try:
         if spec.select:
             selector = _cat(selectors) if selectors else None
-            best = _exchange_candidates(cp, adapter, spec, keys, selector, pieces)
+            best = exchange_candidates(cp, adapter, spec, keys, selector, pieces)
             if tokens:
-                best = _own_candidates(keys, adapter, spec, selector, mine, best)
-            selection = _piece_selections(adapter, layer, best, mine, tokens)
+                best = own_causal_candidates(keys, adapter, spec, selector, spans, mine, best)
+            selection = piece_selections(adapter, layer, best, mine, tokens)
         elif selection is None:
             raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
         positions, valid = selection
-        out, lse = _exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
+        out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
         if tokens:  # this rank's own rows
             own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, mine))
             out, lse = merge_partials_as(adapter.sparse_geometry(layer), [(out, lse), own])
@@ -386,7 +412,7 @@ def _query_groups(client_pieces, server_pieces):
     return [(hi - lo, visible_prefix(server_pieces, lo)) for lo, hi in client_pieces]
 
 
-def _exchange_candidates(cp, adapter, spec, stager, selector, pieces):
+def exchange_candidates(cp, adapter, spec, stager, selector, pieces):
     """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
     see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
     (prompt positions; None on a rank without earlier keys elsewhere)."""
@@ -403,14 +429,14 @@ def _exchange_candidates(cp, adapter, spec, stager, selector, pieces):
     return best
 
 
-def _own_candidates(stager, adapter, spec, selector, mine, best):
-    """`best` merged with this rank's own keys' candidates, causal: each piece's queries over the local tokens up
-    to their own (local order is prompt order), scored in local positions, then mapped to prompt positions."""
-    starts, parts = local_starts(mine), []
-    for a, b in zip(starts, starts[1:]):
-        if b > a:
-            part = tuple(t[a:b] for t in selector)
-            parts.append(streamed_candidates(stager, adapter, spec, part, query_start=a, end=b))
+def own_causal_candidates(stager, adapter, spec, selector, spans, mine, best):
+    """`best` merged with this rank's own keys' candidates, causal: each chunk's queries (spans, local order) over
+    the local tokens up to the chunk's end (local order is prompt order, and a chunk sees no key past its own end,
+    so no later key is scored), in local positions, then mapped to prompt positions."""
+    parts = []
+    for a, b, _ in spans:
+        part = tuple(t[a:b] for t in selector)
+        parts.append(streamed_candidates(stager, adapter, spec, part, query_start=a, end=b))
     geometry = adapter.sparse_geometry(spec.layer)
     width = max(part[0].shape[1] for part in parts)
     own = _cat([padded_candidates(part, part[0].shape[0], width, geometry, adapter.device) for part in parts])
@@ -418,7 +444,7 @@ def _own_candidates(stager, adapter, spec, selector, mine, best):
     return own if best is None else adapter.merge_candidates(best, own, interleaved=True)
 
 
-def _piece_selections(adapter, layer, best, mine, tokens):
+def piece_selections(adapter, layer, best, mine, tokens):
     """The shard's selection from its final candidates, piece by piece (a piece of queries at positions lo.. has
     min(topk, hi) columns, as one process's segment there), widened with invalid slots to a common width."""
     if not tokens:
@@ -432,7 +458,7 @@ def _piece_selections(adapter, layer, best, mine, tokens):
             torch.cat([F.pad(valid, (0, width - valid.shape[1]), value=False) for _, valid in parts]))
 
 
-def _exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces):
+def exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces):
     """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
     whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
     rank, works = cp.rank, []

@@ -17,6 +17,8 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
                  to it and answers rank r-t's, whose dK/dV land on its own gradient pages, sending the dq shares
                  back). Then every rank's pages hold every contribution (replay's and all prompt queries'), and
                  each chunk back-propagates its projections (q, K, V) with autograd: d(input).
+  "topk_lse"     (sparse attention over a global top-k selection: prefix_sparse.py) the same steps, the queries
+                 travelling to the selected rows' owners and the selection recomputed without a graph.
   "affine_scan"  (GDN) the family's prefix_scan_layer (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
                  the state adjoint all-gathered and folded from the prompt's end, each piece's backward from its
                  own end-state gradient, then the conv tails' gradients likewise.
@@ -55,7 +57,9 @@ from .cp_attention import (
     shard_attention,
     streamed_key_grads,
 )
+from .cp_sparse import uses_selection
 from .groups import local_spans, visible_prefix
+from .prefix_sparse import Selections, sparse_layer_backward
 
 
 def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings, backward=None, pad=0):
@@ -75,6 +79,9 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
     # d(layer output) in the model's dtype, as autograd keeps a hidden state's gradient in the other passes
     d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     group = None  # the pool of the recomputed inputs of the layers above the current group's base
+    # "topk_lse" layers (every layer's input kept: prefix_inputs_every 1): the selections they attend
+    selections = Selections(adapter, state, spans, cp, pieces, lambda layer: partial(state.read_layer_input, layer),
+                            pad) if uses_selection(adapter.specs) else None
     try:
         for spec in reversed(adapter.specs):
             layer = spec.layer
@@ -88,6 +95,9 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
             if spec.combine == "lse":
                 d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
                                                     chunk, backward, pad)
+            elif spec.combine == "topk_lse":
+                d_hidden = sparse_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
+                                                 selections, backward, pad)
             elif spec.combine == "affine_scan":
                 d_hidden = adapter.prefix_scan_layer(layer, read_input, d_hidden, state, spans, cp, pieces,
                                                      d_final_carry.get(layer), backward=backward, pad=pad)

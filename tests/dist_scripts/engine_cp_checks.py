@@ -29,8 +29,10 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           its own members (A, B: 3 and 2 members over 2 ranks; C: 2), padded to the common member slots and blocks
           of all 4 ranks
   glm3ep  glm3exact with "ep_size" = cp_size = 2 (8 routed experts, 4 per rank of each CP group: GLM-5.2's
-          CP32/EP32 layout at toy size): routed pairs dispatched over the CP group, each slice's gradient summed
-          over the replicas holding it; the step on the non-expert weights and each rank's slice == the average
+          CP32/EP32 layout at toy size) and the layer-major prefix pass (its sparse layers' loops padded, the
+          experts' dispatch in every padded call): routed pairs dispatched over the CP group, each slice's gradient
+          summed over the replicas holding it; the step on the non-expert weights and each rank's slice == the
+          average
   rollout ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids: replica 0 two prompts, replica 1 one (an idle
           decode slot, shard captures padded, ghost steps); then one prompt each of different lengths (trained on
           the kept shard captures, padded alike): samples == one process's, two steps == the averages
@@ -201,7 +203,7 @@ CHECKS = {"zero3": lambda out: check("detached", 3, 0),
           "zero3kept": lambda out: check("exact", 3, 3, keep=True, cp_prefix="turns"),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu"),
-          "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2),
+          "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2, cp_prefix="layer_major"),
           "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major",
                                            inputs_every=2),
           "rollout": check_rollout}
