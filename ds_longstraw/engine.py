@@ -172,7 +172,7 @@ class LongstrawEngineMixin:
             return [(group, None, scale) for group in groups]
         cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
         if cp is not None:
-            cp.layout = resolve_layout(adapter_for(self.module).specs, settings)
+            cp.layout = resolve_layout(adapter_for(self.module), settings)
         shapes = [shape_of(group, settings, cp) for group in groups]
         plan = []
         for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):

@@ -138,7 +138,7 @@ class ContextParallel:
         self.settings = settings
         self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
-        self.cp.layout = resolve_layout(adapter.specs, settings)
+        self.cp.layout = resolve_layout(adapter, settings)
         self.prefix_schedule = resolve_prefix(adapter, settings)
         self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
         check_sparse(adapter.specs, settings, self.cp.size)
@@ -259,20 +259,25 @@ def check_combines(specs, cp_size):
 ZIGZAG_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
-def resolve_layout(specs, settings) -> str:
+def resolve_layout(adapter, settings) -> str:
     """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
-    any work) when zigzag is asked for where it does not run."""
+    any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
+    for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
+    costs it more than the balanced capture saves (BENCHMARKS.md, "glm_moe_dsa under context parallelism": the
+    turns took 1.25x one process's prefix pass on zigzag shards, 0.78x on contiguous ones, at CP 2)."""
     blockers = []
     if settings.cp_attention != "lse":
         blockers.append(f"cp_attention {settings.cp_attention!r}")
-    combines = sorted({spec.combine for spec in specs} - set(ZIGZAG_COMBINES))
+    combines = sorted({spec.combine for spec in adapter.specs} - set(ZIGZAG_COMBINES))
     if combines:
         blockers.append(f"layers that combine by {combines}")
     if settings.cp_layout == "zigzag" and blockers:
         raise ValueError(f"'longstraw.cp_layout' = 'zigzag' does not run with {'; '.join(blockers)}: use 'auto' or "
                          "'contiguous'")
     if settings.cp_layout == "auto":
-        return "contiguous" if blockers else "zigzag"
+        if blockers or (uses_selection(adapter.specs) and resolve_prefix(adapter, settings) == "turns"):
+            return "contiguous"
+        return "zigzag"
     return settings.cp_layout
 
 

@@ -80,11 +80,15 @@ def _layout_specs(combines):
     ({"cp_attention": "ulysses"}, ["lse"], "contiguous"),
     ({}, ["topk_lse"], "zigzag"),
     ({"cp_layout": "contiguous"}, ["lse"], "contiguous"),
-], ids=["detached", "exact", "ulysses", "topk", "asked"])
+    # a selection family in exact mode: contiguous where its prefix pass takes the turns, zigzag layer-major
+    ({"prefix_grad": "exact", "cp_prefix": "turns"}, ["topk_lse"], "contiguous"),
+    ({"prefix_grad": "exact", "cp_prefix": "layer_major"}, ["topk_lse"], "zigzag"),
+    ({"prefix_grad": "exact", "cp_prefix": "turns", "cp_layout": "zigzag"}, ["topk_lse"], "zigzag"),
+], ids=["detached", "exact", "ulysses", "topk", "asked", "topk-turns", "topk-layer-major", "topk-turns-asked"])
 def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
     from ds_longstraw.topology import resolve_layout
 
-    assert resolve_layout(_layout_specs(combines), LongstrawConfig(cp_size=2, **settings)) == expected
+    assert resolve_layout(_FakeAdapter(combines), LongstrawConfig(cp_size=2, **settings)) == expected
 
 
 def test_zigzag_refused_where_it_does_not_run():
@@ -92,7 +96,7 @@ def test_zigzag_refused_where_it_does_not_run():
 
     config = LongstrawConfig(cp_size=2, cp_layout="zigzag", cp_attention="ulysses")
     with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*cp_attention 'ulysses'"):
-        resolve_layout(_layout_specs(["lse"]), config)
+        resolve_layout(_FakeAdapter(["lse"]), config)
 
 
 @pytest.mark.parametrize("length,size,layout", [(23, 2, "zigzag"), (46, 3, "zigzag"), (5, 4, "zigzag"),

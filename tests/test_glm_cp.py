@@ -50,13 +50,16 @@ CASES = [
     # checks its formula; tests/test_cp_spread.py the spread)
     dict(name="uneven-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4, block=3,
          cp_replay="replicated"),
-    dict(name="uneven-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3),
+    # exact mode's prefix pass in turns on zigzag pieces (asked for: "auto" lays a selection family's prompt out
+    # contiguously where its prefix pass takes the turns, topology.resolve_layout)
+    dict(name="uneven-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
+         layout="zigzag"),
     # the same group on contiguous shards 23/23, 16/15/15, 12/12/11/11 (the layout before zigzag, kept for
-    # comparison)
+    # comparison; "auto" in exact mode here)
     dict(name="contiguous-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4,
          block=3, cp_replay="replicated", layout="contiguous"),
     dict(name="contiguous-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
-         layout="contiguous", worlds=(2, 3)),
+         worlds=(2, 3)),
     # 20 tokens: shards 10/10, 7/7/6, 5/5/5/5: fewer keys per rank than index_topk (8), more in all
     dict(name="shards-below-topk-exact", prompt_len=21, response_lens=[4, 3], mode="exact", chunk=3, page=2,
          block=2, seed=1),
@@ -84,8 +87,10 @@ CASES = [
          model=TIES, seed=1, record=True, cp_replay="replicated"),
     dict(name="ties-detached", prompt_len=50, response_lens=[6, 4], mode="detached", chunk=9, page=4, block=3,
          model=TIES, seed=1, record=True, worlds=(2,), cp_replay="replicated"),
-    dict(name="ties-contiguous-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4, block=3,
-         model=TIES, seed=1, record=True, worlds=(3,), layout="contiguous", cp_replay="replicated"),
+    dict(name="ties-layer-major-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4,
+         block=3, model=TIES, seed=1, record=True, worlds=(2, 4), cp_replay="replicated", prefix="layer_major"),
+    dict(name="ties-zigzag-exact", prompt_len=50, response_lens=[6, 4], mode="exact", chunk=9, page=4, block=3,
+         model=TIES, seed=1, record=True, worlds=(3,), layout="zigzag", cp_replay="replicated"),
     # exact mode's prefix pass layer-major (every rank at once; "auto" takes the turns for this model: its layer
     # inputs outweigh its pages), on both layouts, G = 1, a shared layer's selection recomputed from the full layer
     # below it, the host tier, and a KL reference
@@ -175,10 +180,12 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
 
 
 def _layout(case):
-    return case.get("layout", "zigzag")
+    """The layout a case runs: as asked, else "auto"'s: contiguous for exact mode's turns, zigzag otherwise."""
+    turns = case["mode"] == "exact" and case.get("prefix", "turns") == "turns"
+    return case.get("layout", "contiguous" if turns else "zigzag")
 
 
-@pytest.mark.parametrize("name", ["ties-exact", "ties-detached", "ties-contiguous-exact"])
+@pytest.mark.parametrize("name", ["ties-exact", "ties-detached", "ties-zigzag-exact", "ties-layer-major-exact"])
 def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, name):
     """Every selection of a full indexer layer, on every rank (capture: its shard; replay: every member, on every
     rank alike; exact mode's prefix pass: its shard again), equals the reference's canonical top-k over the whole
@@ -200,6 +207,7 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
     full_layers = [i for i, kind in enumerate(model.config.indexer_types) if kind == "full"]
     for rank, (own, result) in enumerate(zip(shard_pieces(length, world, _layout(case)), results[name])):
         covered = {"capture": set(), "prefix": set(), "replay": []}
+        captured = 0  # rows of selections made through the capture's exchange (the layer-major pass's too)
         member = -1
         for phase, layer, start, positions, valid in result["selections"]:
             if phase == "replay" and start == length and layer == full_layers[0]:
@@ -212,9 +220,14 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
                     covered["replay"].append((member, layer, start + row))
                 else:
                     covered[phase].add((layer, start + row))
+                    captured += phase == "capture"
         shard = {(layer, t) for layer in full_layers for lo, hi in own for t in range(lo, hi)}
         assert covered["capture"] == shard
-        assert covered["prefix"] == (shard if case["mode"] == "exact" else set())
+        # the turns recompute each selection in their segments' forward; the layer-major pass by the capture's
+        # exchange again, so each capture row is recorded twice
+        layer_major = case.get("prefix") == "layer_major"
+        assert covered["prefix"] == (shard if case["mode"] == "exact" and not layer_major else set())
+        assert captured == len(shard) * (2 if layer_major else 1)
         replayed = [(m, layer, length + t) for m, response in enumerate(group.response_ids) for layer in full_layers
                     for t in range(response.numel())]
         assert sorted(covered["replay"]) == sorted(replayed)
@@ -222,12 +235,13 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
 
 def test_prefix_pass_runs_as_asked(world_results):
     """Exact mode's prefix pass ran layer-major where a case asked for it, and in turns otherwise ("auto" for this
-    model); detached mode runs none."""
+    model); detached mode runs none; the layout is the one asked for, or "auto"'s (_layout)."""
     world, results = world_results
     for name, ranks in results.items():
         case = BY_NAME[name]
         expected = case.get("prefix", "turns") if case["mode"] == "exact" else None
         assert all(result["cp"]["prefix"] == expected for result in ranks), name
+        assert all(result["cp"]["layout"] == _layout(case) for result in ranks), name
 
 
 def test_low_precision_within_twice_plain_error(world_results):
