@@ -44,6 +44,10 @@ CASES = [
          block=3, seed=6),
     dict(name="glm-G5-detached", family=GLM, prompt_len=44, response_lens=[1, 4, 2, 3, 5], mode="detached",
          chunk=9, page=4, block=2, seed=7, worlds=(2, 4)),
+    # fewer keys than index_topk (8): each block's selection width (min(topk, position + 1)) differs between the
+    # rank replaying the member and those padding with a one-token dummy (G = 1, blocks of 2)
+    dict(name="glm-G1-short-exact", family=GLM, prompt_len=5, response_lens=[4], mode="exact", chunk=2, page=2,
+         block=2, seed=8, worlds=(2, 3)),
     # the same case replicated (the switch keeps today's schedule)
     dict(name="G3-detached-replicated", prompt_len=23, response_lens=[5, 3, 4], mode="detached", chunk=4, page=3,
          block=3, cp_replay="replicated"),

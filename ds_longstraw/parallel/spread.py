@@ -20,6 +20,7 @@ CP group, `replay_lockstep`), whose queries travel like real ones and whose resu
 """
 
 import torch
+import torch.nn.functional as F
 
 from ds_longstraw.kernels.attention import attention_delta
 
@@ -87,7 +88,15 @@ class SpreadSparsePagesAttention:
     def attend(self, layer, query, positions, valid):
         return selected_rows_attention(self, layer, query, positions, valid)
 
+    def _full_width(self, layer, positions, valid):
+        """The selection widened to topk columns (invalid slots): a block's width, min(topk, position + 1), differs
+        between ranks (a padded member of one token at position 0 on one, a real block on another), and the
+        gather's rows must be alike everywhere."""
+        extra = self.adapter.sparse_geometry(layer).topk - positions.shape[1]
+        return F.pad(positions, (0, extra)), F.pad(valid, (0, extra), value=False)
+
     def partials(self, layer, query, positions, valid):
+        positions, valid = self._full_width(layer, positions, valid)
         (*q_all, pos_all, valid_all), counts = self.cp.gather_tokens((*query, positions, valid), 0, layer,
                                                                      "spread_query")
         out, lse = self.pages.own_partial(layer, tuple(q_all), pos_all, valid_all)
@@ -97,6 +106,7 @@ class SpreadSparsePagesAttention:
 
     def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
         delta = attention_delta(out, d_out, d_lse)
+        positions, valid = self._full_width(layer, positions, valid)
         wire = (*query, positions, valid, lse, d_out.to(out.dtype), delta.to(lse.dtype))
         (*gathered, lse_all, d_out_all, delta_all), counts = self.cp.gather_tokens(wire, 0, layer, "spread_backward")
         q_all, (pos_all, valid_all) = tuple(gathered[: len(query)]), gathered[len(query):]
