@@ -244,6 +244,23 @@ def test_prefix_pass_runs_as_asked(world_results):
         assert all(result["cp"]["layout"] == _layout(case) for result in ranks), name
 
 
+def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results):
+    """The layer-major pass's retained layer inputs on each rank: every layer's over its own tokens (hidden x 8 B x
+    layers a token), what offload/plan.layer_inputs_bytes gives for the shape; the turns keep none."""
+    from ds_longstraw.model_shape import shape_from_config
+    from ds_longstraw.offload.plan import layer_inputs_bytes
+
+    world, results = world_results
+    config = tiny_glm_moe_dsa().config
+    shape = shape_from_config(FAMILY, config, 8)
+    case = BY_NAME["layer-major-exact"]
+    for own, result in zip(shard_pieces(case["prompt_len"] - 1, world, "zigzag"), results["layer-major-exact"]):
+        tokens = sum(hi - lo for lo, hi in own)
+        assert result["retained"]["layer_inputs"] == tokens * config.hidden_size * 8 * config.num_hidden_layers
+        assert result["retained"]["layer_inputs"] == layer_inputs_bytes(shape, tokens, 1)
+    assert all(result["retained"].get("layer_inputs", 0) == 0 for result in results["uneven-exact"])
+
+
 def test_low_precision_within_twice_plain_error(world_results):
     """bfloat16 CP gradients err against float64 (the same bfloat16 weights, cast up) by at most 2x what
     transformers' own bfloat16 computation errs by, as on one rank (tests/test_glm.py). Measured: 0.05-0.10 against
