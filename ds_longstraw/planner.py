@@ -248,7 +248,7 @@ def _render_cp_time(plan, gpu_tflops) -> list:
             "transaction's own retained bytes, offload/plan.layer_major_fits), keeping every "
             f"{plan.inputs_every}-th layer's input (longstraw.prefix_inputs_every {plan.inputs_every_asked}: auto "
             "takes the smallest k that fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
-            "(ds_longstraw/cp_time.py); communication and replay not included."]
+            "(ds_longstraw/cp_time.py); communication and replay not included.", *_layer_major_advice(plan, runs)]
 
 
 def _inputs_every(text):
@@ -263,6 +263,28 @@ def active_params(shape) -> float:
         moe = shape.moe
         dense -= moe.layers * moe.routed_params * (1 - moe.experts_per_token / moe.experts)
     return dense
+
+
+def _layer_major_advice(plan, runs) -> list:
+    """Where "auto" takes the turns but exact mode's layer-major pass fits these machines anyway (its added bytes
+    outweigh the ratio, not the budgets), the line that says so: its tier and longest prompt beside the turns'."""
+    if runs != "turns" or plan.cp_prefix != "auto":
+        return []
+
+    def exact(prefix):
+        return make_plan(plan.shape, plan.context, plan.group_size, "exact", plan.layout, plan.capture_chunk,
+                         plan.keep_attention, None, plan.cp_scan, prefix, plan.inputs_every_asked)
+
+    try:
+        alternative = exact("layer_major")
+    except ValueError:  # a family the layer-major pass does not run
+        return []
+    tier = recommended_tier(alternative)
+    if tier is None:
+        return []
+    return ["", f"The layer-major pass fits these machines too: \"cp_prefix\": \"layer_major\" runs exact mode on "
+            f"the {tier} tier (longest prompt {alternative.max_context[tier]:,} tokens, against "
+            f"{exact('turns').max_context[tier]:,} in turns)."]
 
 
 def _render_sparse_cp_time(plan, gpu_tflops) -> list:
@@ -290,7 +312,8 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
             f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
             "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "
             "last rank (2N - 1) / N^2 of the L^2 / 2. From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
-            "(ds_longstraw/cp_time.py); communication (the experts' all-to-all included) and replay not included."]
+            "(ds_longstraw/cp_time.py); communication (the experts' all-to-all included) and replay not included.",
+            *_layer_major_advice(plan, runs)]
 
 
 def _render_moe(plan) -> list:

@@ -468,6 +468,9 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     out = capsys.readouterr().out
     assert "| capture |" in out and "| exact prefix pass, turns |" in out and "layer-major" in out
     assert "39.3B active parameters a token" in out  # 743.4B less the embeddings and 248/256 of the routed experts
+    # "auto" takes the turns for GLM-5.2, but 1 TB hosts hold its layer inputs: the plan says so
+    assert "The layer-major pass fits these machines too: \"cp_prefix\": \"layer_major\" runs exact mode on the cpu" \
+        in out
     sparse = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048)
     pair = 2.2e-3 / (1024 * 16384) * 21
     per_token = (cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 16.8e-3 / 1024 * 78) * 65536
