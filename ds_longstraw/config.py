@@ -94,12 +94,12 @@ class LongstrawConfig(DeepSpeedConfigModel):
         reads the prompt, the model and the device type's total memory, so every rank of a job of one GPU type
         decides alike).
     cp_prefix: under context parallelism, how exact mode's prefix pass runs: "layer_major" (every rank at once,
-        layer by layer top to bottom, parallel/prefix_layers.py: each rank keeps every layer's input over its shard
-        from capture, on offload.tier, reported as retained "layer_inputs"), "turns" (the prompt's segments right to
-        left, one owner at a time while the others answer its requests, parallel/prefix.py: memory one chunk's
-        graph; the schedule before layer-major, kept for comparison) or "auto" (the default: layer_major where it
-        runs, that is for layers that combine by "lse" or "affine_scan", as qwen3_5's; turns otherwise, as for
-        glm_moe_dsa's global top-k).
+        layer by layer top to bottom, parallel/prefix_layers.py: each rank keeps layer inputs over its shard from
+        capture, every prefix_inputs_every-th, on offload.tier, reported as retained "layer_inputs"), "turns" (the
+        prompt's segments right to left, one owner at a time while the others answer its requests,
+        parallel/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
+        "auto" (the default: layer_major where what it adds per token is at most 1.5x the state the transaction
+        keeps anyway, offload/plan.layer_major_fits: Qwen3.6-27B; turns otherwise, as for GLM-5.2).
     prefix_inputs_every: exact mode's layer-major CP prefix pass only: capture keeps the input of every k-th layer
         (layers 0, k, 2k, ...), and the pass recomputes the others of a group of k layers from it, over the shard
         and with the layers' exchanges, into a pool of offload.tier that lives for the group: ceil(L / k) + k - 1

@@ -56,6 +56,10 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
         shape.layer_counts[spec.kind] = shape.layer_counts.get(spec.kind, 0) + 1
         shape.combine_counts[spec.combine] = shape.combine_counts.get(spec.combine, 0) + 1
         shape.select_layers += bool(spec.select)
+        if spec.select:
+            shape.selecting += (spec.layer,)
+        elif spec.combine == "topk_lse":
+            shape.reusing += (spec.layer,)
         labels = set()
         for stream in spec.streams:
             label = spec.stream_label(stream)

@@ -294,21 +294,22 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
                            plan.context, lay.cp, gpu_tflops, shape.index_width,
                            shape.attention_heads * shape.attention_head_dim * shape.select_topk)
     before, now = times["before"], times["now"]
-    tokens = plan.tokens_per_rank
-    inputs = layer_inputs_bytes(shape, tokens, 1)
+    tokens, every = plan.tokens_per_rank, plan.inputs_every
+    inputs = layer_inputs_bytes(shape, tokens, every) + recomputed_inputs_bytes(shape, tokens, every)
     runs = "layer_major" if layer_major_prefix(shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
-                                               plan.keep_attention, 1) else "turns"
+                                               plan.keep_attention, every) else "turns"
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
             "", "| phase | before: contiguous shards | now: zigzag | ratio | added memory per rank (now) |",
             "|---|---:|---:|---:|---|",
             f"| capture | {before.capture:,.0f} | {now.capture:,.0f} | {now.capture / before.capture:.2f} | none |",
             f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |",
             f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
-            f"| layer_inputs {_gib(inputs)} on the pages' tier (every layer's), "
+            f"| layer_inputs {_gib(inputs)} on the pages' tier, "
             f"{_gib(layer_major_workspace(shape, tokens))} held on the GPU across a layer |", "",
             f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
             f"layer-major where its added bytes per token are at most {LAYER_MAJOR_STATE_RATIO:g}x the "
-            "transaction's own retained bytes; this family keeps every layer's input). "
+            f"transaction's own retained bytes), keeping every {every}-th layer's input (longstraw.prefix_inputs_every "
+            f"{plan.inputs_every_asked}; a base that reuses a selection made in a group below keeps it too). "
             f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
             "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "
             "last rank (2N - 1) / N^2 of the L^2 / 2. From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "

@@ -72,6 +72,10 @@ class PrefixState:
         pass)."""
         return self.input_pool.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
+    def read_selection(self, layer):
+        """The selection (positions, valid) [T, topk] that base layer `layer` reuses, kept with its input."""
+        return decode_selection(self.input_pool.read(layer, SELECTION_STREAM))
+
     def begin_kept_attention(self, start, end):
         """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
         reads of a slower tier overlap the prefix pass's compute); result(): layer -> its kept tensors, each
@@ -270,15 +274,44 @@ def open_checkpoints(settings, slots, device, rank=0):
 
 
 INPUT_STREAM = "layer_input"
+SELECTION_STREAM = "selection_in"  # the top-k selection a group's base layer reuses (int32 positions, -1: none)
 
 
-def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0):
+def selection_bases(specs, every):
+    """The layers whose input the layer-major pass keeps (0, every, 2 every, ...) that reuse a selection ("topk_lse"
+    layers that select nothing) made by a layer whose input it does not keep: that selection is kept with their
+    input (the pass cannot remake it from the layer's input)."""
+    source, bases = None, []
+    for spec in specs:
+        if spec.layer % every == 0 and spec.combine == "topk_lse" and not spec.select and source is not None \
+                and source % every:
+            bases.append(spec.layer)
+        if spec.select:
+            source = spec.layer
+    return bases
+
+
+def encode_selection(positions, valid, width):
+    """(positions, valid) [T, K] -> int32 [T, width]: the position where valid, -1 elsewhere and beyond K."""
+    encoded = torch.where(valid, positions, torch.full_like(positions, -1)).to(torch.int32)
+    return torch.nn.functional.pad(encoded, (0, width - encoded.shape[1]), value=-1)
+
+
+def decode_selection(encoded):
+    valid = encoded >= 0
+    return torch.where(valid, encoded.long(), torch.zeros_like(encoded, dtype=torch.long)), valid
+
+
+def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0, selections=None):
     """The pool of every layer's input hidden states [tokens, hidden_size] (the layer-major prefix pass), on
-    offload.tier, its streams reserved."""
+    offload.tier, its streams reserved; selections: {layer: topk} of the bases that keep the selection they reuse
+    (selection_bases)."""
     pool = make_pool(settings.offload, settings.page_tokens, device, rank)
     try:
         for layer in layers:
             pool.reserve(layer, INPUT_STREAM, tokens, (hidden_size,), dtype)
+        for layer, topk in (selections or {}).items():
+            pool.reserve(layer, SELECTION_STREAM, tokens, (topk,), torch.int32)
     except BaseException:
         pool.release()
         raise
@@ -305,9 +338,11 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
             slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
             state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
         if keep_inputs:
-            saved = [spec.layer for spec in adapter.specs if spec.layer % settings.prefix_inputs_every == 0]
+            every = settings.prefix_inputs_every
+            saved = [spec.layer for spec in adapter.specs if spec.layer % every == 0]
+            bases = {layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
             state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype, saved, tokens,
-                                               adapter.device, rank)
+                                               adapter.device, rank, bases)
     except BaseException:
         state.release()
         raise

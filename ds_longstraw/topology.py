@@ -315,12 +315,7 @@ def _state_shape(adapter):
 
 def resolve_inputs_every(adapter, settings) -> int:
     """settings.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
-    (the same on every rank: a function of the model and settings); ValueError (before any work) for k > 1 where a
-    layer attends a top-k selection (a layer may reuse the selection of one below its group)."""
-    if uses_selection(adapter.specs) and settings.prefix_inputs_every not in ("auto", 1):
-        raise ValueError(f"'longstraw.prefix_inputs_every' = {settings.prefix_inputs_every}: the layer-major prefix "
-                         f"pass of {adapter.family}'s top-k selection layers keeps every layer's input; use 1 or "
-                         "'auto'")
+    (the same on every rank: a function of the model and settings)."""
     return inputs_every_for(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
                             settings.prefix_inputs_every)
 

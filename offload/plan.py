@@ -104,6 +104,8 @@ class ModelShape:
     delta_heads: int = 0  # gated delta rule value heads
     delta_head_dims: int = 0  # key + value head dims
     select_layers: int = 0  # layers that make a top-k selection (the others of their family reuse it)
+    selecting: tuple = ()  # those layers' indices
+    reusing: tuple = ()  # the layers that reuse the last selection made below them
     select_topk: int = 0  # rows a query attends under a top-k selection (0: no such layer)
     index_width: int = 0  # the selection's scorer: indexer heads x head dim
 
@@ -277,12 +279,9 @@ def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: b
 def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> int:
     """prefix_inputs_every as it runs: `every` itself, or for "auto" the smallest k (the fewest recomputed layers)
     whose added bytes fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then ceil(L / k) + k - 1
-    layers' inputs, about 2 sqrt(L)); 1 for a model whose layers attend a top-k selection. A function of the
-    model and settings alone: every rank decides alike."""
+    layers' inputs, about 2 sqrt(L)). A function of the model and settings alone: every rank decides alike."""
     if every != "auto":
         return every
-    if shape.select_layers:  # a layer attends the selection of one below it: every layer's input is kept
-        return 1
     layers = max(sum(shape.combine_counts.values()), 1)
     allowed = LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens, keep_attention)
     fitting = [k for k in range(1, layers + 1) if layer_major_added(shape, k) <= allowed]
@@ -312,9 +311,13 @@ def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "
 def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
     """The layer inputs over a rank's shard that capture keeps for the layer-major prefix pass (state.input_pool:
     hidden_size values per token and layer in the model's dtype): of layers 0, every, 2 every, ...
-    (prefix_inputs_every)."""
+    (prefix_inputs_every); and with each such base that reuses a selection made by a layer whose input is not kept,
+    that selection (select_topk int32 positions a token: state.selection_bases)."""
     layers = sum(shape.combine_counts.values())
-    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * -(-layers // every)
+    bases = [b for b in range(0, layers, every) if b in shape.reusing
+             and max((layer for layer in shape.selecting if layer < b), default=0) % every]
+    return tokens_per_rank * (shape.hidden_size * shape.dtype_bytes * -(-layers // every)
+                              + len(bases) * shape.select_topk * 4)
 
 
 def recomputed_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:

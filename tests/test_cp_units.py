@@ -201,13 +201,10 @@ def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
 
 
 def test_layer_major_refused_where_it_does_not_run():
-    from ds_longstraw.topology import resolve_inputs_every, resolve_prefix
+    from ds_longstraw.topology import resolve_prefix
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
     assert resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config) == "layer_major"
-    strided = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major", prefix_inputs_every=2)
-    with pytest.raises(ValueError, match="'longstraw.prefix_inputs_every' = 2: .*keeps every layer's input"):
-        resolve_inputs_every(_FakeAdapter(["topk_lse"]), strided)
     with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*no prefix_scan_layer"):
         resolve_prefix(_FakeAdapter(["affine_scan"], scan_pass=False), config)
     with pytest.raises(ValueError, match="cp_prefix"):

@@ -102,6 +102,13 @@ CASES = [
          prefix="layer_major", tier="cpu", seed=3, worlds=(2, 3)),
     dict(name="layer-major-shards-below-topk-exact", prompt_len=21, response_lens=[4, 3], mode="exact", chunk=3,
          page=2, block=2, prefix="layer_major", seed=1, worlds=(3, 4)),
+    # every 2nd / 3rd layer's input kept, the rest recomputed a group at a time (layers full, shared, full, shared:
+    # at k = 3 the base layer 3 reuses layer 2's selection, kept with its input; at k = 2 each group's shared layer
+    # reuses its base's, remade from the base's input)
+    dict(name="layer-major-inputs-every-2-exact", prompt_len=47, response_lens=[5, 3], mode="exact", chunk=5, page=4,
+         block=3, prefix="layer_major", inputs_every=2, seed=9, worlds=(2, 3)),
+    dict(name="layer-major-inputs-every-3-host-exact", prompt_len=40, response_lens=[4, 2, 3], mode="exact", chunk=6,
+         page=4, block=2, prefix="layer_major", inputs_every=3, tier="cpu", seed=10, worlds=(2, 4)),
     dict(name="layer-major-kl-exact", prompt_len=45, response_lens=[4, 6, 2], mode="exact", chunk=11, page=4,
          block=3, objective={"kl_coef": 0.3}, ref_seed=7, seed=5, prefix="layer_major", worlds=(2,)),
     # bfloat16: held to twice transformers' own bfloat16 error (see test_low_precision_within_twice_plain_error)
@@ -224,10 +231,12 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
         shard = {(layer, t) for layer in full_layers for lo, hi in own for t in range(lo, hi)}
         assert covered["capture"] == shard
         # the turns recompute each selection in their segments' forward; the layer-major pass by the capture's
-        # exchange again, so each capture row is recorded twice
+        # exchange again (in its backward walk, and in the recompute of a group's inputs), so each capture row is
+        # recorded two or more times, every time equal to the reference's
         layer_major = case.get("prefix") == "layer_major"
         assert covered["prefix"] == (shard if case["mode"] == "exact" and not layer_major else set())
-        assert captured == len(shard) * (2 if layer_major else 1)
+        repeats, rest = divmod(captured, len(shard))
+        assert rest == 0 and (repeats >= 2 if layer_major else repeats == 1)
         replayed = [(m, layer, length + t) for m, response in enumerate(group.response_ids) for layer in full_layers
                     for t in range(response.numel())]
         assert sorted(covered["replay"]) == sorted(replayed)
@@ -245,19 +254,39 @@ def test_prefix_pass_runs_as_asked(world_results):
 
 
 def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results):
-    """The layer-major pass's retained layer inputs on each rank: every layer's over its own tokens (hidden x 8 B x
-    layers a token), what offload/plan.layer_inputs_bytes gives for the shape; the turns keep none."""
+    """The layer-major pass's retained layer inputs on each rank: the kept layers' over its own tokens (hidden x 8 B
+    a token each; with prefix_inputs_every 3 also the selection layer 3 reuses from layer 2, index_topk int32 a
+    token), what offload/plan.layer_inputs_bytes gives for the shape; the turns keep none."""
     from ds_longstraw.model_shape import shape_from_config
     from ds_longstraw.offload.plan import layer_inputs_bytes
 
     world, results = world_results
     config = tiny_glm_moe_dsa().config
     shape = shape_from_config(FAMILY, config, 8)
-    case = BY_NAME["layer-major-exact"]
-    for own, result in zip(shard_pieces(case["prompt_len"] - 1, world, "zigzag"), results["layer-major-exact"]):
-        tokens = sum(hi - lo for lo, hi in own)
-        assert result["retained"]["layer_inputs"] == tokens * config.hidden_size * 8 * config.num_hidden_layers
-        assert result["retained"]["layer_inputs"] == layer_inputs_bytes(shape, tokens, 1)
+    kinds = config.indexer_types  # full, shared, full, shared
+
+    def kept_selections(every):
+        """Bases (0, every, ...) that reuse a selection made by a layer whose input is not kept."""
+        made, count = None, 0
+        for layer, kind in enumerate(kinds):
+            count += layer % every == 0 and kind == "shared" and made is not None and made % every != 0
+            made = layer if kind == "full" else made
+        return count
+
+    for name in ("layer-major-exact", "layer-major-inputs-every-2-exact", "layer-major-inputs-every-3-host-exact"):
+        if name not in results:
+            continue
+        case = BY_NAME[name]
+        for own, result in zip(shard_pieces(case["prompt_len"] - 1, world, "zigzag"), results[name]):
+            every = result["cp"]["inputs_every"]  # "auto"'s for layer-major-exact
+            assert every == case.get("inputs_every", every)
+            tokens = sum(hi - lo for lo, hi in own)
+            # kept layers' inputs (float64) + kept selections (index_topk int32 positions a token)
+            expected = tokens * (config.hidden_size * 8 * -(-len(kinds) // every)
+                                 + kept_selections(every) * config.index_topk * 4)
+            assert result["retained"]["layer_inputs"] == expected, name
+            assert result["retained"]["layer_inputs"] == layer_inputs_bytes(shape, tokens, every), name
+    assert kept_selections(3) == 1 and kept_selections(2) == 0  # the cases above keep one and none
     assert all(result["retained"].get("layer_inputs", 0) == 0 for result in results["uneven-exact"])
 
 

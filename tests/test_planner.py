@@ -537,9 +537,17 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     glm = shape_from_config(*load_config("glm-5.2"))
     glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
     assert make_plan(glm, 2 << 20, 8, "exact", glm_layout).retained["layer_inputs"] == 0
-    asked = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major")
-    assert asked.inputs_every == 1
-    assert asked.retained["layer_inputs"] == asked.tokens_per_rank * 6144 * 2 * 78
+    asked = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major", inputs_every=1)
+    assert asked.retained["layer_inputs"] == asked.tokens_per_rank * 6144 * 2 * 78  # every input: no selection kept
+    strided = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major", inputs_every=4)
+    # the bases 0, 4, 8, ... that reuse a selection made by a layer whose input is not kept keep that selection too
+    kinds = load_config("glm-5.2")[1].indexer_types
+    made, bases = None, 0
+    for layer, kind in enumerate(kinds):
+        bases += layer % 4 == 0 and kind == "shared" and made is not None and made % 4 != 0
+        made = layer if kind == "full" else made
+    assert bases > 0
+    assert strided.retained["layer_inputs"] == strided.tokens_per_rank * (6144 * 2 * 20 + bases * 2048 * 4)
     with pytest.raises(ValueError, match="cp_prefix must be"):
         make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="sideways")
 

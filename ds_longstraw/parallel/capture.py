@@ -23,7 +23,15 @@ prefix_keep_attention also its own tokens' merged attention output and LSE).
 import torch
 
 from ds_longstraw.offload.plan import holds_scan
-from ds_longstraw.state import INPUT_STREAM, ChunkBoundary, PrefixState, open_prefix_state
+from ds_longstraw.state import (
+    INPUT_STREAM,
+    SELECTION_STREAM,
+    ChunkBoundary,
+    PrefixState,
+    encode_selection,
+    open_prefix_state,
+    selection_bases,
+)
 
 from .cp_attention import capture_attention_layer
 from .cp_sparse import capture_sparse_layer
@@ -83,12 +91,17 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     largest = max(sum(hi - lo for lo, hi in own) for own in pieces)
     hold = any(spec.combine == "affine_scan" for spec in adapter.specs) and holds_scan_outputs(
         settings, adapter.scan_output_bytes(largest), adapter.device)
+    bases = ({layer: adapter.sparse_geometry(layer).topk
+              for layer in selection_bases(adapter.specs, settings.prefix_inputs_every)}
+             if state.input_pool is not None else {})
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
             index = spec.layer
             if state.input_pool is not None and index % settings.prefix_inputs_every == 0:
                 state.input_pool.append(index, INPUT_STREAM, hidden[0])
+                if index in bases:  # the selection this base reuses, made in a group below
+                    state.input_pool.append(index, SELECTION_STREAM, encode_selection(*selection, bases[index]))
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
                 mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,

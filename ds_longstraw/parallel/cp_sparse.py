@@ -358,7 +358,7 @@ def _cat(parts):
     return tuple(torch.cat(pieces) for pieces in zip(*parts))
 
 
-def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, selection=None, pad=0):
+def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, selection=None, pad=0, append=True):
     """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd), every rank at once.
 
     Pass A projects the shard chunk by chunk and appends its rows to this rank's pages. A layer that selects then
@@ -371,12 +371,14 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
 
     pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep, capture.py): `pad` projections
     after the shard's, `pad` output projections after its (results discarded), so the exchanges in between sit at
-    the same place in every rank's sequence of weight gathers."""
+    the same place in every rank's sequence of weight gathers. append False: the rows are on the pages already
+    (the layer-major prefix pass's recompute of a layer's output)."""
     layer, tokens, mine = spec.layer, normed_1TC.shape[1], pieces[cp.rank]
     selectors, queries, finishes = [], [], []
     for a, b, position in spans:
         selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], position)
-        append_rows(pool, spec, rows)
+        if append:
+            append_rows(pool, spec, rows)
         selectors.append(selector)
         queries.append(query)
         finishes.append(finish)

@@ -57,7 +57,7 @@ from .cp_attention import (
     shard_attention,
     streamed_key_grads,
 )
-from .cp_sparse import uses_selection
+from .cp_sparse import capture_sparse_layer, uses_selection
 from .groups import local_spans, visible_prefix
 from .prefix_sparse import Selections, sparse_layer_backward
 
@@ -79,9 +79,16 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
     # d(layer output) in the model's dtype, as autograd keeps a hidden state's gradient in the other passes
     d_hidden = torch.zeros(1, tokens, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     group = None  # the pool of the recomputed inputs of the layers above the current group's base
-    # "topk_lse" layers (every layer's input kept: prefix_inputs_every 1): the selections they attend
-    selections = Selections(adapter, state, spans, cp, pieces, lambda layer: partial(state.read_layer_input, layer),
-                            pad) if uses_selection(adapter.specs) else None
+    inputs = {}  # "group": the pool of the current group's recomputed inputs, for the selections' reads
+
+    def input_of(layer):
+        if layer % every == 0:
+            return partial(state.read_layer_input, layer)
+        return partial(_read_group, inputs["group"], layer)
+
+    # "topk_lse" layers: the selections they attend (a group's base keeps the one it reuses from below)
+    selections = Selections(adapter, state, spans, cp, pieces, input_of, every, pad) \
+        if uses_selection(adapter.specs) else None
     try:
         for spec in reversed(adapter.specs):
             layer = spec.layer
@@ -90,7 +97,9 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
                 read_input = partial(state.read_layer_input, layer)  # (a, b) -> [1, b - a, C] from the tier
             else:
                 if group is None:  # the group's top layer: its inputs recomputed from the base's, once
-                    group = recompute_inputs(adapter, state, base, layer, spans, cp, pieces, settings, pad)
+                    group = recompute_inputs(adapter, state, base, layer, spans, cp, pieces, settings, pad,
+                                             selections)
+                    inputs["group"] = group
                 read_input = partial(_read_group, group, layer)
             if spec.combine == "lse":
                 d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
@@ -103,9 +112,11 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
                                                      d_final_carry.get(layer), backward=backward, pad=pad)
             else:
                 raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
+            if selections is not None:
+                selections.done(layer)
             if group is not None and layer == base + 1:  # the group is done
                 group.release()
-                group = None
+                group = inputs["group"] = None
     finally:
         if group is not None:
             group.release()
@@ -121,18 +132,23 @@ def _read_group(group, layer, start, end):
     return group.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
 
-def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad=0):
+def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad=0, selections=None):
     """The inputs of layers base + 1 .. top over this rank's shard, recomputed without a graph from layer base's
     (capture's) by the layers' own forward, with the exchanges their combine needs (every rank recomputes the same
-    group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every)."""
+    group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every). selections: the
+    pass's prefix_sparse.Selections ("topk_lse" layers: a base that reuses a selection gets it there)."""
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, cp.rank)
     try:
         hidden = state.read_layer_input(base)
         for layer in range(base + 1, top + 1):
             pool.reserve(layer, INPUT_STREAM, hidden.shape[1], (adapter.hidden_size,), adapter.dtype)
+        # the selection the base reuses ("topk_lse" layers; None: it makes its own, or the family has none)
+        first = adapter.specs[base]
+        selection = selections.of(base) if first.combine == "topk_lse" and not first.select else None
         with torch.no_grad():
             for spec in adapter.specs[base:top]:
-                hidden = layer_forward(adapter, spec, state, hidden, spans, cp, pieces, settings.segment_tokens, pad)
+                hidden, selection = layer_forward(adapter, spec, state, hidden, spans, cp, pieces,
+                                                  settings.segment_tokens, pad, selection)
                 pool.append(spec.layer + 1, INPUT_STREAM, hidden[0])
         pool.flush()
     except BaseException:
@@ -141,10 +157,11 @@ def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad
     return pool
 
 
-def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pad=0):
-    """Layer `spec.layer`'s output over this rank's shard from its input, no graph, as the capture computes it but
-    reading what the capture kept: attention over the pages in place (or the kept attention), GDN from each chunk's
-    checkpointed carry (no exchange). pad: the capture's lockstep dummies."""
+def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pad=0, selection=None):
+    """(Layer `spec.layer`'s output over this rank's shard from its input, the last top-k selection), no graph, as
+    the capture computes it but reading what the capture kept: attention over the pages in place (or the kept
+    attention), GDN from each chunk's checkpointed carry (no exchange), a "topk_lse" layer by the capture's
+    exchanges (its own selection, or `selection`: the last one made). pad: the capture's lockstep dummies."""
     layer = spec.layer
     normed = adapter.mixer_input(layer, hidden_1TC)
     if spec.combine == "lse":
@@ -160,10 +177,14 @@ def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pa
         pad_output_calls(adapter, layer, dummy_out)
     elif spec.combine == "affine_scan":
         mixed = adapter.scan_layer_forward(layer, normed, spans, state, pad=pad)
+    elif spec.combine == "topk_lse":
+        out, selection = capture_sparse_layer(adapter, spec, normed, spans, cp, pieces, state.pool, selection, pad,
+                                              append=False)
+        mixed = [out]
     else:
         raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
     hidden = hidden_1TC + (torch.cat(mixed, 1) if mixed else torch.zeros_like(hidden_1TC))
-    return mlp_over_chunks(adapter, layer, hidden, [(a, b) for a, b, _ in spans], pad)
+    return mlp_over_chunks(adapter, layer, hidden, [(a, b) for a, b, _ in spans], pad), selection
 
 
 def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, chunk, backward=None,

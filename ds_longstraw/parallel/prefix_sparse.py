@@ -45,13 +45,15 @@ from .cp_sparse import (
 
 
 class Selections:
-    """The selections of the layer-major pass's "topk_lse" layers, walking the layers top to bottom: the one a layer
-    attends is its own (a selecting layer) or that of the selecting layer below it, computed the first time a layer
-    above needs it, from that layer's input (input_of(layer) -> read(a, b)), and dropped once that layer is done."""
+    """The selections of the layer-major pass's "topk_lse" layers, walking the layers top to bottom. The one a layer
+    attends is its own (a selecting layer) or that of the selecting layer below it: computed the first time a layer
+    above needs it, from that layer's input (input_of(layer) -> read(a, b)), and dropped once that layer is done;
+    where that layer lies below the group's base (prefix_inputs_every) and its input is not kept, the selection kept
+    with the base's input (state.read_selection)."""
 
-    def __init__(self, adapter, state, spans, cp, pieces, input_of, pad=0):
+    def __init__(self, adapter, state, spans, cp, pieces, input_of, every=1, pad=0):
         self.adapter, self.state, self.spans, self.cp, self.pieces = adapter, state, spans, cp, pieces
-        self.input_of, self.pad = input_of, pad
+        self.input_of, self.every, self.pad = input_of, every, pad
         self.specs = {spec.layer: spec for spec in adapter.specs}
         self.made = {}
 
@@ -63,13 +65,20 @@ class Selections:
         raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
 
     def of(self, layer):
-        source = self.source(layer)
+        source, base = self.source(layer), layer - layer % self.every
+        if source < base and source % self.every:  # made in a group below, from an input not kept: kept with the
+            # base's input (state.selection_bases)
+            if ("kept", base) not in self.made:
+                self.made[("kept", base)] = self.state.read_selection(base)
+            return self.made[("kept", base)]
         if source not in self.made:
             self.made[source] = self._select(self.specs[source])
         return self.made[source]
 
     def done(self, layer):
+        """Drop what no layer at or below `layer` needs any more."""
         self.made.pop(layer, None)
+        self.made.pop(("kept", layer), None)
 
     def _select(self, spec):
         adapter, layer = self.adapter, spec.layer
@@ -143,8 +152,6 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
         d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, injected, backward)
     for _ in range(pad):
         _input_side(adapter, layer, _zero(adapter), 0, None, backward)
-    if spec.select:
-        selections.done(layer)
     return d_x
 
 
