@@ -77,7 +77,7 @@ def count_tier_reads():
 
 
 def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", out=None, replay="replicated",
-             layout="auto", scan="one_pass", prefix="auto", every=1):
+             layout="auto", scan="one_pass", prefix="auto", every="auto"):
     from ds_longstraw import GRPOObjective, grpo_backward
     from ds_longstraw.arch import adapter_for
 
@@ -111,7 +111,7 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
 
 
 def _worker(rank, world, port, args, mode, attention, tier, out, replay="replicated", layout="auto",
-            scan="one_pass", prefix="auto", every=1):
+            scan="one_pass", prefix="auto", every="auto"):
     torch.set_num_threads(args.threads)
     count_tier_reads()
     try:
@@ -130,7 +130,7 @@ def _worker(rank, world, port, args, mode, attention, tier, out, replay="replica
 
 
 def run_world(args, mode, world, attention="lse", tier="none", replay="replicated", layout="auto", scan="one_pass",
-              prefix="auto", every=1):
+              prefix="auto", every="auto"):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -212,8 +212,8 @@ def main(argv=None):
                         "two_pass, comma-separated")
     parser.add_argument("--prefixes", default="auto", help="exact mode's CP prefix passes (cp_prefix) for CP > 1: "
                         "auto, layer_major, turns, comma-separated")
-    parser.add_argument("--inputs-every", default="1", help="layer-major prefix pass: keep every k-th layer's input "
-                        "(prefix_inputs_every), comma-separated")
+    parser.add_argument("--inputs-every", default="auto", help="layer-major prefix pass: keep every k-th layer's "
+                        "input (prefix_inputs_every: auto or k), comma-separated")
     parser.add_argument("--replay", default="replicated",
                         help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
@@ -229,14 +229,15 @@ def main(argv=None):
                 for attention in (["lse"] if world == 1 else args.attention.split(",")):
                     for replay in (["replicated"] if world == 1 else args.replay.split(",")):
                         prefixes = args.prefixes.split(",") if mode.startswith("exact") else ["auto"]
-                        everies = [int(k) for k in args.inputs_every.split(",")]
+                        everies = [k if k == "auto" else int(k) for k in args.inputs_every.split(",")]
                         for layout, scan, prefix, every in itertools.product(
-                                *(["auto"], ["one_pass"], ["auto"], [1]) if world == 1 else (
+                                *(["auto"], ["one_pass"], ["auto"], ["auto"]) if world == 1 else (
                                     args.layouts.split(","), args.scans.split(","), prefixes, everies)):
-                            if every > 1 and prefix == "turns":
+                            if every not in ("auto", 1) and prefix == "turns":
                                 continue  # the turns keep no layer inputs
                             ranks = run_world(args, mode, world, attention, tier, replay, layout, scan, prefix, every)
                             row = dict(summarise(world, mode, attention, ranks, tier), scan=scan if world > 1 else "-")
+                            every = (ranks[0]["cp"] or {}).get("inputs_every", 1)  # as it ran ("auto" resolved)
                             if row["prefix"] == "layer_major" and every > 1:
                                 row["prefix"] = f"layer_major, inputs every {every}"
                             rows.append(row)
