@@ -55,7 +55,6 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
     for spec in specs:
         shape.layer_counts[spec.kind] = shape.layer_counts.get(spec.kind, 0) + 1
         shape.combine_counts[spec.combine] = shape.combine_counts.get(spec.combine, 0) + 1
-        shape.select_layers += bool(spec.select)
         if spec.select:
             shape.selecting += (spec.layer,)
         elif spec.combine == "topk_lse":

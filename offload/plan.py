@@ -103,11 +103,14 @@ class ModelShape:
     attention_kv_heads: int = 0  # key/value heads of paged dense attention (0: none, e.g. absorbed MLA)
     delta_heads: int = 0  # gated delta rule value heads
     delta_head_dims: int = 0  # key + value head dims
-    select_layers: int = 0  # layers that make a top-k selection (the others of their family reuse it)
-    selecting: tuple = ()  # those layers' indices
+    selecting: tuple = ()  # the layers that make a top-k selection (the others of their family reuse it)
     reusing: tuple = ()  # the layers that reuse the last selection made below them
     select_topk: int = 0  # rows a query attends under a top-k selection (0: no such layer)
     index_width: int = 0  # the selection's scorer: indexer heads x head dim
+
+    @property
+    def select_layers(self) -> int:
+        return len(self.selecting)
 
     @property
     def bytes_per_token(self) -> int:
@@ -259,7 +262,8 @@ LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 # multiple of what the transaction keeps per rank and token anyway (pages, gradient pages, carry checkpoints, kept
 # attention): the longest prompt that fits then shrinks to at most 1 / (1 + 1.5) = 40% of what the turns allow, for
 # a prefix pass about cp_size times shorter. Qwen3.6-27B's inputs (64 layers x 5,120 values a token) are 4.4x the
-# state kept; kept every 8 layers (with the 7 recomputed ones of a group) they add 1.4x, which fits.
+# state kept; kept every 4th layer (with the 3 recomputed ones of a group), inputs and held gradients add at most
+# 1.5x, which fits ("auto"'s k).
 LAYER_MAJOR_STATE_RATIO = 1.5
 
 

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import Stager
-from ds_longstraw.state import append_rows
+from ds_longstraw.state import append_rows, decode_selection, encode_selection
 
 from .cp_attention import merge_in_order, page_runs
 from .groups import local_starts, local_to_prompt, prompt_to_local, visible_prefix
@@ -96,18 +96,7 @@ def sparse_clients(pieces, rank):
 def owned_positions(positions, valid, pieces, width):
     """The selection as the owner of `pieces` sees it: its own local indices (int32), -1 where the selected row is
     not its own or the slot is invalid, padded with -1 to `width` columns (the receiver's buffer size)."""
-    local, mine = prompt_to_local(positions, valid, pieces)
-    local = torch.where(mine, local, torch.full_like(local, -1)).to(torch.int32)
-    return F.pad(local, (0, width - local.shape[1]), value=-1)
-
-
-def _unpack(local):
-    """(positions int64, valid) from owned_positions' form."""
-    valid = local >= 0
-    return torch.where(valid, local.long(), torch.zeros_like(local, dtype=torch.long)), valid
-
-
-_own = prompt_to_local  # (local positions, valid) of the selected rows among a rank's pieces
+    return encode_selection(*prompt_to_local(positions, valid, pieces), width)
 
 
 def padded_candidates(best, tokens, width, geometry, device):
@@ -154,11 +143,11 @@ def key_stager(pool, specs, wrap=False):
     return Stager(pool, {spec.layer: spec.select for spec in specs if spec.select}, wrap=wrap)
 
 
-def _row_runs(stager, spec):
-    """This rank's rows of layer `spec.layer` in runs of consecutive pages (cp_attention.page_runs, CANDIDATE_BLOCK
-    tokens: a call per short page would cost more in finding each query's selected rows there than in the rows)."""
-    names = spec.row_names
-    for lo, hi, run in page_runs(stager.stream(spec.layer), names, CANDIDATE_BLOCK):
+def _runs(stager, layer, names, end=None):
+    """(lo, hi, {name: tokens}) of this rank's streams `names` of `layer` [0, end) in runs of consecutive pages
+    (cp_attention.page_runs, CANDIDATE_BLOCK tokens: a call per short page would cost more in merging candidates,
+    or in finding each query's selected rows there, than in the keys or rows themselves)."""
+    for lo, hi, run in page_runs(stager.stream(layer, 0, end), names, CANDIDATE_BLOCK):
         yield lo, hi, dict(zip(names, run))
 
 
@@ -170,10 +159,8 @@ def _has_rows(positions, valid, lo, hi):
 def streamed_candidates(stager, adapter, spec, selector, best=None, key_start=0, query_start=None, end=None):
     """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), at positions
     key_start ..), page by page; query_start None: every key is visible to every query (they precede them)."""
-    names = spec.select
-    for lo, _, run in page_runs(stager.stream(spec.layer, 0, end), names, CANDIDATE_BLOCK):
-        best = adapter.sparse_candidates(spec.layer, selector, dict(zip(names, run)), key_start + lo, query_start,
-                                         best)
+    for lo, _, pages in _runs(stager, spec.layer, spec.select, end):
+        best = adapter.sparse_candidates(spec.layer, selector, pages, key_start + lo, query_start, best)
     return best
 
 
@@ -183,7 +170,7 @@ def streamed_sparse_partial(stager, adapter, spec, query, positions, valid):
     geometry's); pages holding none are not computed on."""
     geometry = adapter.sparse_geometry(spec.layer)
     result = empty_partial(geometry, positions.shape[0], positions.device)
-    for lo, hi, pages in _row_runs(stager, spec):
+    for lo, hi, pages in _runs(stager, spec.layer, spec.row_names):
         if _has_rows(positions, valid, lo, hi):
             page = adapter.sparse_partial(spec.layer, query, pages, lo, positions, valid)
             result = merge_in_order([result, tuple(t.to(geometry.lse_dtype) for t in page)])
@@ -195,7 +182,7 @@ def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d
     `pool`, each page's d(rows) is added to its gradient pages as it is computed (streams that carry one)."""
     d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
     grads = {stream.name for stream in spec.streams if stream.grad}
-    for lo, hi, pages in _row_runs(stager, spec):
+    for lo, hi, pages in _runs(stager, spec.layer, spec.row_names):
         if not _has_rows(positions, valid, lo, hi):
             continue
         parts, d_rows = adapter.sparse_grads(spec.layer, query, pages, lo, positions, valid, lse, d_out, delta)
@@ -280,7 +267,7 @@ def _recv_query(cp, owner, adapter, spec, tokens):
     query = _recv_all(cp, geometry.query, tokens, owner, spec.layer, "sparse_query", adapter.device)
     local = cp.recv((tokens, geometry.topk), torch.int32, owner, spec.layer, "sparse_positions",
                     device=adapter.device)
-    return (query, *_unpack(local))
+    return (query, *decode_selection(local))
 
 
 def send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers, works=None):
@@ -373,7 +360,7 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
     after the shard's, `pad` output projections after its (results discarded), so the exchanges in between sit at
     the same place in every rank's sequence of weight gathers. append False: the rows are on the pages already
     (the layer-major prefix pass's recompute of a layer's output)."""
-    layer, tokens, mine = spec.layer, normed_1TC.shape[1], pieces[cp.rank]
+    layer = spec.layer
     selectors, queries, finishes = [], [], []
     for a, b, position in spans:
         selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], position)
@@ -388,18 +375,11 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
     keys, rows = key_stager(pool, [spec]), row_stager(pool, [spec])
     try:
         if spec.select:
-            selector = _cat(selectors) if selectors else None
-            best = exchange_candidates(cp, adapter, spec, keys, selector, pieces)
-            if tokens:
-                best = own_causal_candidates(keys, adapter, spec, selector, spans, mine, best)
-            selection = piece_selections(adapter, layer, best, mine, tokens)
+            selection = shard_selection(cp, adapter, spec, keys, _cat(selectors) if selectors else None, spans,
+                                        pieces)
         elif selection is None:
             raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
-        positions, valid = selection
-        out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
-        if tokens:  # this rank's own rows
-            own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, mine))
-            out, lse = merge_partials_as(adapter.sparse_geometry(layer), [(out, lse), own])
+        out, lse = shard_partial(cp, adapter, spec, rows, query, *selection, pieces)
     finally:
         keys.close()
         rows.close()
@@ -414,21 +394,48 @@ def _query_groups(client_pieces, server_pieces):
     return [(hi - lo, visible_prefix(server_pieces, lo)) for lo, hi in client_pieces]
 
 
+def exchange_all_at_once(cp, pieces, post, answer, collect):
+    """One exchange with every rank client and server at once: post(servers, works) sends this rank's requests to
+    the ranks holding keys its queries see (isend, into works), answer(client, works) serves each rank whose queries
+    see this rank's keys, collect(servers) receives the answers and returns the result; then every send is waited
+    for. Sends never block, so no rank waits for another's turn."""
+    works = []
+    servers = sparse_servers(pieces, cp.rank)
+    post(servers, works)
+    for client in sparse_clients(pieces, cp.rank):
+        answer(client, works)
+    result = collect(servers)
+    for work in works:
+        work.wait()
+    return result
+
+
 def exchange_candidates(cp, adapter, spec, stager, selector, pieces):
     """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
     see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
     (prompt positions; None on a rank without earlier keys elsewhere)."""
-    rank, works = cp.rank, []
-    servers = sparse_servers(pieces, rank)
-    send_selector(cp, selector, servers, works)
-    for j in sparse_clients(pieces, rank):
-        answer_candidates(cp, j, adapter, stager, spec, _query_groups(pieces[j], pieces[rank]), works)
-    tokens = sum(hi - lo for lo, hi in pieces[rank])
-    ends = {i: [end for _, end in _query_groups(pieces[rank], pieces[i])] for i in servers}
-    best = collect_candidates(cp, adapter, spec.layer, tokens, adapter.device, servers, ends, pieces)
-    for work in works:
-        work.wait()
-    return best
+    mine = pieces[cp.rank]
+    tokens = sum(hi - lo for lo, hi in mine)
+
+    def collect(servers):
+        ends = {i: [end for _, end in _query_groups(mine, pieces[i])] for i in servers}
+        return collect_candidates(cp, adapter, spec.layer, tokens, adapter.device, servers, ends, pieces)
+
+    return exchange_all_at_once(
+        cp, pieces, lambda servers, works: send_selector(cp, selector, servers, works),
+        lambda j, works: answer_candidates(cp, j, adapter, stager, spec, _query_groups(pieces[j], mine), works),
+        collect)
+
+
+def shard_selection(cp, adapter, spec, keys, selector, spans, pieces):
+    """The global selection (positions, valid) of this rank's shard at selecting layer `spec.layer` (no autograd):
+    the other ranks' candidates (exchange_candidates) merged with its own keys' (causal), piece by piece."""
+    mine = pieces[cp.rank]
+    tokens = sum(hi - lo for lo, hi in mine)
+    best = exchange_candidates(cp, adapter, spec, keys, selector, pieces)
+    if tokens:
+        best = own_causal_candidates(keys, adapter, spec, selector, spans, mine, best)
+    return piece_selections(adapter, spec.layer, best, mine, tokens)
 
 
 def own_causal_candidates(stager, adapter, spec, selector, spans, mine, best):
@@ -463,15 +470,22 @@ def piece_selections(adapter, layer, best, mine, tokens):
 def exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces):
     """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
     whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
-    rank, works = cp.rank, []
-    servers = sparse_servers(pieces, rank)
-    send_partial_requests(cp, adapter, spec.layer, query, positions, valid, pieces, servers, works)
-    for j in sparse_clients(pieces, rank):
-        answer_partial(cp, j, adapter, stager, spec, sum(hi - lo for lo, hi in pieces[j]), works)
-    result = collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers)
-    for work in works:
-        work.wait()
-    return result
+    return exchange_all_at_once(
+        cp, pieces,
+        lambda servers, works: send_partial_requests(cp, adapter, spec.layer, query, positions, valid, pieces,
+                                                     servers, works),
+        lambda j, works: answer_partial(cp, j, adapter, stager, spec, sum(hi - lo for lo, hi in pieces[j]), works),
+        lambda servers: collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers))
+
+
+def shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces):
+    """The merged (out, lse) of this rank's shard queries over every rank's selected rows (no autograd): the other
+    ranks' partials (exchange_partials), then its own rows'."""
+    out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
+    if query is not None:
+        own = streamed_sparse_partial(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]))
+        out, lse = merge_partials_as(adapter.sparse_geometry(spec.layer), [(out, lse), own])
+    return out, lse
 
 
 # -- replay and scoring: the same queries on every rank, candidates and partials all-gathered --------------------
@@ -525,13 +539,13 @@ class OwnRows:
 
     def partial(self, layer, query, positions, valid):
         """(out, lse) of the query over the selected rows among these pages."""
-        own = _own(positions, valid, self.pieces)
+        own = prompt_to_local(positions, valid, self.pieces)
         return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
 
     def grads(self, layer, query, positions, valid, lse, d_out, delta):
         """These pages' share of d(query) given the merged lse and delta; d(rows) stay here, on the gradient pages
         (exact)."""
-        own = _own(positions, valid, self.pieces)
+        own = prompt_to_local(positions, valid, self.pieces)
         return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
                                      self.pool if self.exact else None)
 

@@ -26,22 +26,17 @@ from ds_longstraw.kernels.attention import attention_delta
 
 from .cp_sparse import (
     _cat,
-    _own,
     answer_grads,
     collect_grads,
-    exchange_candidates,
-    exchange_partials,
+    exchange_all_at_once,
     key_stager,
-    merge_partials_as,
-    own_causal_candidates,
-    piece_selections,
     row_stager,
     send_grad_requests,
-    sparse_clients,
-    sparse_servers,
+    shard_partial,
+    shard_selection,
     streamed_sparse_grads,
-    streamed_sparse_partial,
 )
+from .groups import prompt_to_local
 
 
 class Selections:
@@ -87,17 +82,12 @@ class Selections:
             selectors = [adapter.sparse_project(layer, adapter.mixer_input(layer, read(a, b)), position)[0]
                          for a, b, position in self.spans]
             _pad_projections(adapter, layer, self.pad)
-            mine = self.pieces[self.cp.rank]
-            tokens = sum(hi - lo for lo, hi in mine)
-            selector = _cat(selectors) if selectors else None
             keys = key_stager(self.state.pool, [spec])
             try:
-                best = exchange_candidates(self.cp, adapter, spec, keys, selector, self.pieces)
-                if tokens:
-                    best = own_causal_candidates(keys, adapter, spec, selector, self.spans, mine, best)
+                return shard_selection(self.cp, adapter, spec, keys, _cat(selectors) if selectors else None,
+                                       self.spans, self.pieces)
             finally:
                 keys.close()
-            return piece_selections(adapter, layer, best, mine, tokens)
 
 
 def _zero(adapter):
@@ -115,7 +105,6 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
     layer's input of local tokens [a, b); selections: the pass's Selections); parameter gradients accumulate, and
     every rank's gradient pages of the layer get every prompt query's d(rows)."""
     layer, pool = spec.layer, state.pool
-    mine = pieces[cp.rank]
     positions, valid = selections.of(layer)
     rows = row_stager(pool, [spec])
     try:
@@ -126,10 +115,7 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
             _pad_projections(adapter, layer, pad)
             geometry = adapter.sparse_geometry(layer)
             query = _cat(queries) if queries else None
-            out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
-            if queries:
-                own = streamed_sparse_partial(rows, adapter, spec, query, *_own(positions, valid, mine))
-                out, lse = merge_partials_as(geometry, [(out, lse), own])
+            out, lse = shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces)
         # (1) the output side: d(out), and d(input) through the residual and the MLP
         d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
         d_out = torch.zeros(out.shape, dtype=geometry.lse_dtype, device=out.device)
@@ -180,18 +166,21 @@ def _input_side(adapter, layer, x_1TC, position, injected, backward):
 def _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out):
     """d(query) of this rank's shard: its own rows' share locally, every other owner's by the exchange (every rank
     client and server at once); each owner adds its rows' gradients to its gradient pages."""
-    layer, works = spec.layer, []
+    layer = spec.layer
     delta = attention_delta(out, d_out, None)
-    servers = sparse_servers(pieces, cp.rank)
-    if query is not None:
-        send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works)
-    for j in sparse_clients(pieces, cp.rank):
-        answer_grads(cp, j, adapter, rows, spec, sum(hi - lo for lo, hi in pieces[j]), works)
-    d_query = None
-    if query is not None:
-        d_query = streamed_sparse_grads(rows, adapter, spec, query, *_own(positions, valid, pieces[cp.rank]), lse,
-                                        d_out, delta, rows.pool)
-        d_query = collect_grads(cp, adapter, layer, query, servers, d_query)
-    for work in works:
-        work.wait()
-    return d_query or []
+
+    def post(servers, works):
+        if query is not None:
+            send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works)
+
+    def collect(servers):
+        if query is None:
+            return []
+        own = streamed_sparse_grads(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]),
+                                    lse, d_out, delta, rows.pool)
+        return collect_grads(cp, adapter, layer, query, servers, own)
+
+    return exchange_all_at_once(
+        cp, pieces, post,
+        lambda j, works: answer_grads(cp, j, adapter, rows, spec, sum(hi - lo for lo, hi in pieces[j]), works),
+        collect)
