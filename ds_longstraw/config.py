@@ -98,8 +98,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
         capture, every prefix_inputs_every-th, on offload.tier, reported as retained "layer_inputs"), "turns" (the
         prompt's segments right to left, one owner at a time while the others answer its requests,
         parallel/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
-        "auto" (the default: layer_major where what it adds per token is at most 1.5x the state the transaction
-        keeps anyway, offload/plan.layer_major_fits: Qwen3.6-27B; turns otherwise, as for GLM-5.2).
+        "auto" (the default: layer_major where the layer inputs it adds on the pages' tier are at most 1.5x the
+        state the transaction keeps there anyway and, on CUDA, what it holds across a layer over the largest
+        shard is at most a quarter of the CP group's smallest GPU; offload/plan.layer_major_fits: Qwen3.6-27B and
+        GLM-5.2 at their recipes' shapes; turns otherwise).
     prefix_inputs_every: exact mode's layer-major CP prefix pass only: capture keeps the input of every k-th layer
         (layers 0, k, 2k, ...), and the pass recomputes the others of a group of k layers from it, over the shard
         and with the layers' exchanges, into a pool of offload.tier that lives for the group: ceil(L / k) + k - 1

@@ -35,7 +35,9 @@ layer's parameters (its 4 benchmarked layers weigh 7.6 GiB in bf16 with the embe
            rank L^2 (2N - 1) / (2 N^2), zigzag L^2 / (2N)
   prefix   (exact) in turns, so the whole prompt's: 3 D x active x L + S' x layers x L + Q x selecting layers x L^2 / 2
            (the selection is recomputed, never differentiated: the indexer takes no gradient); layer-major, every
-           rank at once on its zigzag share: 3 D x active x T + S' x layers x T + Q x selecting layers x L^2 / (2N)
+           rank at once on its zigzag share: 3 D x active x T + S' x layers x T + Q x selecting layers x L^2 / (2N);
+           with prefix_inputs_every k, + (k - 1) / k of a rank's zigzag capture (the recompute of the other layers'
+           inputs runs the capture's layers again, their selections included)
 What it leaves out: communication (the exchanges overlap compute only in part; the experts' all-to-all), the
 replay, kernel efficiency at other shapes, and any other family (`predict` returns None without both attention
 and Gated DeltaNet layers, `predict_sparse` without selecting layers).
@@ -94,12 +96,13 @@ def predict(layers: int, attention_layers: int, scan_layers: int, context: int, 
 
 
 def predict_sparse(layers: int, select_layers: int, active_params: float, context: int, cp: int, gpu_tflops: float,
-                   select_width: int, sparse_width: int) -> dict:
+                   select_width: int, sparse_width: int, inputs_every: int = 1) -> dict:
     """{"before": PhaseSeconds (contiguous shards, prefix in turns), "now": PhaseSeconds (zigzag, prefix
     layer-major), "turns_prefix": seconds} per rank for a family whose `layers` attend a global top-k selection
     that `select_layers` of them make (None without any). active_params: the dense parameters a prompt token runs
     through (the routed experts at k of their count; no embeddings or head); select_width: indexer heads x head
-    dim; sparse_width: heads x (latent + rope) x rows a query."""
+    dim; sparse_width: heads x (latent + rope) x rows a query; inputs_every: the layer-major pass recomputes the
+    inputs of all but every inputs_every-th layer, (k - 1) / k of a capture more."""
     if not select_layers:
         return None
     scale = H200_TFLOPS / gpu_tflops
@@ -111,7 +114,9 @@ def predict_sparse(layers: int, select_layers: int, active_params: float, contex
     before = per_token + pair * context * context * (2 * cp - 1) / (2 * cp * cp)
     now = per_token + pair * context * context / (2 * cp)
     turns = 3 * dense * context + SPARSE_BACKWARD_S_PER_QUERY * width * context + pair * context * context / 2
-    layer_major = (3 * dense + SPARSE_BACKWARD_S_PER_QUERY * width) * tokens + pair * context * context / (2 * cp)
+    recompute = (inputs_every - 1) / inputs_every * now
+    layer_major = ((3 * dense + SPARSE_BACKWARD_S_PER_QUERY * width) * tokens + pair * context * context / (2 * cp)
+                   + recompute)
     return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
                                                                                        layer_major * scale),
             "turns_prefix": turns * scale}

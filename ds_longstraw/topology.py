@@ -49,7 +49,7 @@ class OneRank:
 
     size, rank = 1, 0
 
-    def check(self, adapter, settings, lockstep=None):
+    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
         """Nothing to check: every setting works on one rank."""
 
     def phase(self, name):
@@ -132,15 +132,17 @@ class ContextParallel:
         self.cp = cp
         self.size, self.rank = cp.size, cp.rank
 
-    def check(self, adapter, settings, lockstep=None):
+    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
         """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
-        wait timers and capture decisions start from zero (the group's report covers this call only)."""
+        wait timers and capture decisions start from zero (the group's report covers this call only).
+        prompt_tokens: the prompt's length where one prompt is known (the transaction's), which with the device's
+        memory bounds "cp_prefix": "auto" (resolve_prefix); each capture decides again for its own prompt."""
         self.settings = settings
         self.spread = settings.cp_replay == "spread"
         check_combines(adapter.specs, self.cp.size)
         self.cp.layout = resolve_layout(adapter, settings)
-        self.prefix_schedule = resolve_prefix(adapter, settings)
-        self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
+        self.device_memory = group_device_memory(adapter.device, self.cp)
+        self._resolve_prefix(adapter, settings, prompt_tokens)
         check_sparse(adapter.specs, settings, self.cp.size)
         if settings.cp_attention == "ulysses":
             heads, kv_heads, _ = adapter.attention_geometry()
@@ -150,11 +152,19 @@ class ContextParallel:
     def phase(self, name):
         return self.cp.phase(name)
 
+    def _resolve_prefix(self, adapter, settings, prompt_tokens):
+        """This prompt's prefix schedule and prefix_inputs_every (the same on every rank: a function of the model,
+        the settings, the prompt's length and the group's smallest device)."""
+        tokens = None if prompt_tokens is None else -(-max(prompt_tokens - 1, 0) // self.cp.size)
+        self.prefix_schedule = resolve_prefix(adapter, settings, tokens, self.device_memory)
+        self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
+
     def _resolved(self, settings):
         """settings with prefix_inputs_every as this transaction runs it (check's resolve_inputs_every)."""
         return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
 
     def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+        self._resolve_prefix(adapter, settings, prompt_ids.numel())
         return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
                                  keep_boundaries=keep_boundaries, pad=schedule.capture_pad,
                                  keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
@@ -264,7 +274,9 @@ def resolve_layout(adapter, settings) -> str:
     any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
     for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
     costs it more than the balanced capture saves (BENCHMARKS.md, "glm_moe_dsa under context parallelism": the
-    turns took 1.25x one process's prefix pass on zigzag shards, 0.78x on contiguous ones, at CP 2)."""
+    turns took 1.25x one process's prefix pass on zigzag shards, 0.78x on contiguous ones, at CP 2). The layout is
+    chosen before any prompt is seen (the engine pads its ranks' shards by it), so it asks the prefix rule on the
+    pages' tier alone: a prompt whose layer-major pass would not fit the device takes the turns on zigzag shards."""
     blockers = []
     if settings.cp_attention != "lse":
         blockers.append(f"cp_attention {settings.cp_attention!r}")
@@ -285,10 +297,11 @@ def resolve_layout(adapter, settings) -> str:
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
-def resolve_prefix(adapter, settings) -> str | None:
+def resolve_prefix(adapter, settings, tokens_per_rank=None, device_memory=None) -> str | None:
     """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
-    settings.cp_prefix ("auto": layer_major where it runs and its added bytes fit offload/plan.layer_major_fits);
-    ValueError (before any work) when layer_major is asked for where it does not run."""
+    settings.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
+    the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
+    device); ValueError (before any work) when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
     scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
@@ -303,9 +316,19 @@ def resolve_prefix(adapter, settings) -> str | None:
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
         fits = layer_major_fits(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
-                                settings.prefix_inputs_every)
+                                settings.prefix_inputs_every, tokens_per_rank, device_memory)
         return "layer_major" if fits else "turns"
     return settings.cp_prefix
+
+
+def group_device_memory(device, cp) -> int | None:
+    """The smallest total memory of the CP group's CUDA devices (every rank then decides "auto" alike); None off
+    CUDA, where the device's memory is the host's and nothing bounds the pass's held tensors."""
+    if device.type != "cuda":
+        return None
+    total = torch.tensor([torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN, group=cp.group)
+    return int(total)
 
 
 def _state_shape(adapter):

@@ -150,7 +150,7 @@ def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_
     topology = topology_for(cp_group, settings)
     if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
-    topology.check(adapter, settings, lockstep)
+    topology.check(adapter, settings, lockstep, prompt_tokens=group.prompt_ids.numel())
     ep = expert_parallel(model)
     check_expert_parallel(ep, settings, ep_group, cp_group)
     if ep is not None:

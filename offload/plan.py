@@ -244,7 +244,8 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
     exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
     ("layer_major_prefix")."""
     workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every):
+    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every, tokens_per_rank,
+                          gpu_memory):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
     if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
@@ -257,21 +258,33 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
-# "cp_prefix": "auto" runs the layer-major pass where what it adds per rank and token (the layer inputs kept from
-# capture and the group's recomputed ones, both on the pages' tier, and what it holds across a layer) is at most this
-# multiple of what the transaction keeps per rank and token anyway (pages, gradient pages, carry checkpoints, kept
-# attention): the longest prompt that fits then shrinks to at most 1 / (1 + 1.5) = 40% of what the turns allow, for
-# a prefix pass about cp_size times shorter. Qwen3.6-27B's inputs (64 layers x 5,120 values a token) are 4.4x the
-# state kept; kept every 4th layer (with the 3 recomputed ones of a group), inputs and held gradients add at most
-# 1.5x, which fits ("auto"'s k).
+# "cp_prefix": "auto" runs the layer-major pass where both memories it adds to hold:
+# - on the pages' tier (host or NVMe, where the longest prompt is decided), the layer inputs kept from capture and
+#   a group's recomputed ones are at most LAYER_MAJOR_STATE_RATIO times what the transaction keeps per rank and
+#   token anyway (pages, gradient pages, carry checkpoints, kept attention): the longest prompt that fits then
+#   shrinks to at most 1 / (1 + 1.5) = 40% of what the turns allow, for a prefix pass about cp_size times shorter;
+# - on the device, what the pass holds across one layer over the rank's shard (layer_major_workspace) takes at most
+#   LAYER_MAJOR_DEVICE_FRACTION of the device's memory, as "cp_scan": "auto" bounds the scan's held outputs (no
+#   bound off CUDA, where the device's memory is the host's). GLM-5.2's absorbed attention holds q, out and d(out)
+#   of 64 heads x 576 a token: 15 GiB a rank at 2M tokens on 32 GPUs, which fits a quarter of a 96 GB H20.
+# "prefix_inputs_every": "auto" takes the smallest k (the fewest recomputed layers) whose added bytes per token,
+# those held on the device included, fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest: Qwen3.6-27B's
+# inputs (64 layers x 5,120 values a token) are 4.4x its state kept, and k = 4 (16 kept + 3 recomputed) fits;
+# no k fits for GLM-5.2, whose fewest are at k = 13.
 LAYER_MAJOR_STATE_RATIO = 1.5
+LAYER_MAJOR_DEVICE_FRACTION = 0.25
+
+
+def layer_major_tier_bytes(shape: ModelShape, every: int) -> int:
+    """Bytes per rank and token the layer-major prefix pass adds on the pages' tier: the layer inputs kept every
+    `every` layers and a group's recomputed ones."""
+    return layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
 
 
 def layer_major_added(shape: ModelShape, every: int) -> int:
-    """Bytes per rank and token the layer-major prefix pass adds (layer inputs kept every `every` layers, a group's
-    recomputed ones, what it holds across a layer)."""
-    return (layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
-            + layer_major_workspace(shape, 1))
+    """Bytes per rank and token the layer-major prefix pass adds in all: on the pages' tier, and what it holds on
+    the device across a layer (what "auto" weighs to choose prefix_inputs_every)."""
+    return layer_major_tier_bytes(shape, every) + layer_major_workspace(shape, 1)
 
 
 def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: bool = False) -> float:
@@ -282,8 +295,9 @@ def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: b
 
 def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> int:
     """prefix_inputs_every as it runs: `every` itself, or for "auto" the smallest k (the fewest recomputed layers)
-    whose added bytes fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then ceil(L / k) + k - 1
-    layers' inputs, about 2 sqrt(L)). A function of the model and settings alone: every rank decides alike."""
+    whose added bytes (layer_major_added) fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then
+    ceil(L / k) + k - 1 layers' inputs, about 2 sqrt(L)). A function of the model and settings alone: every rank
+    decides alike."""
     if every != "auto":
         return every
     layers = max(sum(shape.combine_counts.values()), 1)
@@ -292,24 +306,32 @@ def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: boo
     return fitting[0] if fitting else min(range(1, layers + 1), key=lambda k: (layer_major_added(shape, k), k))
 
 
-def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> bool:
-    """Whether the layer-major prefix pass's added bytes per token at prefix_inputs_every `every` ("auto":
-    inputs_every_for) stay within LAYER_MAJOR_STATE_RATIO of the transaction's own retained bytes per token (the
-    "auto" rule; a function of the model and settings alone, so every rank decides alike)."""
+def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto",
+                     tokens_per_rank: int | None = None, device_memory: int | None = None) -> bool:
+    """The "auto" rule above: the added bytes per token on the pages' tier at prefix_inputs_every `every` ("auto":
+    inputs_every_for) within LAYER_MAJOR_STATE_RATIO of the transaction's own, and, where both the rank's captured
+    tokens and the device's memory are known, what the pass holds on the device within LAYER_MAJOR_DEVICE_FRACTION
+    of it. Without them the tier's rule alone decides (the CP layout, chosen before a prompt is seen, asks that).
+    A function of the model, the settings, the prompt's length and the device: every rank decides alike."""
     every = inputs_every_for(shape, segment_tokens, keep_attention, every)
-    return layer_major_added(shape, every) <= LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens,
+    tier = layer_major_tier_bytes(shape, every) <= LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens,
                                                                                            keep_attention)
+    if tokens_per_rank is None or device_memory is None:
+        return tier
+    return tier and layer_major_workspace(shape, tokens_per_rank) <= LAYER_MAJOR_DEVICE_FRACTION * device_memory
 
 
 def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
-                       keep_attention: bool = False, every="auto") -> bool:
+                       keep_attention: bool = False, every="auto", tokens_per_rank: int | None = None,
+                       device_memory: int | None = None) -> bool:
     """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
-    and under "auto" where its added bytes fit the rule above (topology.resolve_prefix decides the same)."""
+    and under "auto" where it fits the rule above (topology.resolve_prefix decides the same)."""
     if mode != "exact" or cp < 2 or cp_prefix == "turns":
         return False
     if not set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES):
         return False
-    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention, every)
+    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention, every,
+                                                          tokens_per_rank, device_memory)
 
 
 def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
@@ -359,8 +381,10 @@ def captured_tokens_per_rank(context: int, cp: int) -> int:
 
 
 def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int,
-                      keep_attention: bool = False, cp_prefix: str = "auto", inputs_every: int = 1) -> dict:
-    """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap)."""
+                      keep_attention: bool = False, cp_prefix: str = "auto", inputs_every: int = 1,
+                      gpu_memory: int | None = None) -> dict:
+    """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap).
+    gpu_memory: the device's memory, which bounds the layer-major pass under "auto" (layer_major_fits)."""
     tokens = captured_tokens_per_rank(context, cp)
     out = {key: per_token * tokens for key, per_token in shape.page_bytes_per_token.items()}
     out.update(shape.carry_bytes)
@@ -371,7 +395,8 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
     out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
-    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every)
+    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every, tokens,
+                                     gpu_memory)
     out["layer_inputs"] = layer_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
     # the group's recomputed inputs, on the pages' tier while the group runs
     out["recomputed_inputs"] = recomputed_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
@@ -451,7 +476,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
     plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention, cp_prefix,
-                                      inputs_every)
+                                      inputs_every, layout.gpu_memory)
     check_expert_layout(shape, layout)
     plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
     plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
@@ -589,7 +614,7 @@ def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=F
 
     def ok(context):
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix,
-                                     plan.inputs_every)
+                                     plan.inputs_every, layout.gpu_memory)
         tokens = captured_tokens_per_rank(context, layout.cp)
         workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
                                         layout.gpu_memory, plan.cp_prefix, keep_attention,

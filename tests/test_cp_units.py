@@ -160,44 +160,65 @@ def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
 
 
 def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
-    """"auto" takes the layer-major pass only where what it adds per token (the layer inputs kept every k layers, a
-    group's recomputed ones, what it holds across a layer) is at most 1.5x the state the transaction keeps anyway,
-    with prefix_inputs_every "auto" the smallest k for which it is: the tiny test model at 4-token chunks (its carry
-    checkpoints are large per token) does at k = 1, and at 4,096-token chunks does not at any k (3 layers: no k
-    saves anything); Qwen3.6-27B (64 layers x 5,120 values a token, 4.4x its state kept) does not at k = 1 but
-    does at k = 4 (16 kept + 3 recomputed layers' inputs); asked for, layer-major runs anyway."""
+    """"auto" takes the layer-major pass only where (1) the layer inputs it adds on the pages' tier (kept every k
+    layers, and a group's recomputed ones) are at most 1.5x the state the transaction keeps there anyway, and (2)
+    where a rank's captured tokens and the device's memory are known, what it holds on the device across a layer
+    takes at most a quarter of it; prefix_inputs_every "auto" is the smallest k whose added bytes, those held on
+    the device included, fit 1.5x, else the k that adds the fewest. Qwen3.6-27B (64 layers x 5,120 values a token,
+    4.4x its state kept) fails at k = 1 and passes at k = 4 (16 kept + 3 recomputed layers' inputs); GLM-5.2 at
+    k = 13 (no k fits with the held bytes; 13 adds the fewest) passes (1), and (2) at 2M tokens on 32 x 96 GB (15
+    GiB of absorbed q, out and d(out) a rank), but not on 48 GB devices; asked for, layer-major runs anyway."""
     from models import tiny_qwen3_5
 
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.model_shape import load_config, shape_from_config
-    from ds_longstraw.offload.plan import LAYER_MAJOR_STATE_RATIO, inputs_every_for, layer_major_fits
+    from ds_longstraw.offload.plan import (
+        LAYER_MAJOR_DEVICE_FRACTION,
+        LAYER_MAJOR_STATE_RATIO,
+        inputs_every_for,
+        layer_major_fits,
+        layer_major_workspace,
+    )
     from ds_longstraw.offload.plan import layer_major_prefix as plan_layer_major
     from ds_longstraw.topology import resolve_inputs_every, resolve_prefix
 
+    assert (LAYER_MAJOR_STATE_RATIO, LAYER_MAJOR_DEVICE_FRACTION) == (1.5, 0.25)
     adapter = adapter_for(tiny_qwen3_5(layers=3, layer_types=["linear_attention", "full_attention",
                                                               "linear_attention"]))
     shape = shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize)
-    assert LAYER_MAJOR_STATE_RATIO == 1.5
-    for chunk, expected in ((4, "layer_major"), (4096, "turns")):
-        config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=chunk)
-        assert resolve_prefix(adapter, config) == expected
-        assert layer_major_fits(shape, chunk) == (expected == "layer_major")
-    assert resolve_inputs_every(adapter, LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4)) == 1
-    config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4096, cp_prefix="layer_major")
-    assert resolve_prefix(adapter, config) == "layer_major"
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4)
+    assert resolve_prefix(adapter, config) == "layer_major" and layer_major_fits(shape, 4)
+    assert resolve_inputs_every(adapter, config) == 1
+    # the device's bound: what the pass holds over 1,000 tokens a rank against a quarter of the device
+    held = layer_major_workspace(shape, 1000)
+    assert resolve_prefix(adapter, config, 1000, 4 * held) == "layer_major"
+    assert resolve_prefix(adapter, config, 1000, 4 * held - 4) == "turns"
+    assert resolve_prefix(adapter, config, 1000, None) == "layer_major"  # off CUDA: no device bound
+    asked = LongstrawConfig(cp_size=2, prefix_grad="exact", capture_chunk=4, cp_prefix="layer_major")
+    assert resolve_prefix(adapter, asked, 1000, 1) == "layer_major"
 
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
     # the formula, written out: kept pages + gradient pages + the carry checkpoint per chunk start, against
-    # (ceil(64 / k) kept + k - 1 recomputed) layers' inputs of 5,120 bf16 values + the layer-major workspace
+    # (ceil(64 / k) kept + k - 1 recomputed) layers' inputs of 5,120 bf16 values, with (k) and without (tier) what
+    # the pass holds on the device: d(output), d(input); attention q, out, d(out), lse
     kept = 2 * 16 * 2 * 4 * 256 * 2 + qwen.carry_total / 4096
-    workspace = 2 * 5120 * 2 + 3 * 24 * 256 * 2 + 24 * 4  # d(output), d(input); attention q, out, d(out), lse
-    added = {k: 5120 * 2 * (-(-64 // k) + min(k, 64) - 1) + workspace for k in (1, 2, 3, 4)}
-    assert [added[k] <= 1.5 * kept for k in (1, 2, 3, 4)] == [False, False, False, True]
+    tier = {k: 5120 * 2 * (-(-64 // k) + min(k, 64) - 1) for k in (1, 2, 3, 4)}
+    held = 2 * 5120 * 2 + 3 * 24 * 256 * 2 + 24 * 4
+    assert [tier[k] + held <= 1.5 * kept for k in (1, 2, 3, 4)] == [False, False, False, True]
+    assert [tier[k] <= 1.5 * kept for k in (1, 2, 3, 4)] == [False, False, True, True]
     assert inputs_every_for(qwen, 4096) == 4 and not layer_major_fits(qwen, 4096, every=1)
     assert layer_major_fits(qwen, 4096) and plan_layer_major(qwen, 8, "exact")
     assert not plan_layer_major(qwen, 8, "exact", every=1)
     assert plan_layer_major(qwen, 8, "exact", "layer_major", every=1)
     assert not plan_layer_major(qwen, 8, "exact", "turns")
+
+    glm = shape_from_config(*load_config("glm-5.2"))
+    tokens = -(-2 * 2**20 // 32)
+    # d(output), d(input) [T, 6,144] and the absorbed attention's q, out, d(out) [T, 64 x 576] in bf16, lse float32
+    assert layer_major_workspace(glm, tokens) == tokens * (2 * 6144 * 2 + 3 * 64 * 576 * 2 + 64 * 4)
+    assert inputs_every_for(glm, 4096) == 13
+    assert plan_layer_major(glm, 32, "exact", tokens_per_rank=tokens, device_memory=96 * 10**9)
+    assert not plan_layer_major(glm, 32, "exact", tokens_per_rank=tokens, device_memory=48 * 10**9)
 
 
 def test_layer_major_refused_where_it_does_not_run():

@@ -100,8 +100,8 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
             assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
             assert all(hi > lo for lo, hi in pieces) and len(pieces) == (4 if layout == "zigzag" else 2)
             assert set(layouts) == {layout}
-    # the exact prefix pass: layer-major where asked for (glm3ep included), the turns where asked for and by "auto"
-    # for glm_moe_dsa (glm3exact); detached mode runs none
+    # the exact prefix pass: layer-major where asked for (glm3ep included), the turns where asked for (zero3kept,
+    # glm3exact); detached mode runs none
     prefix = None if name in ("zero3", "glm3") else "turns" if name in ("zero3kept", "glm3exact") else "layer_major"
     assert all(set(r["prefixes"]) == {prefix} for r in checks)
     if world == 4:

@@ -114,9 +114,15 @@ CASES = [
     # bfloat16: held to twice transformers' own bfloat16 error (see test_low_precision_within_twice_plain_error)
     dict(name="bfloat16-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
          dtype="bfloat16", low_precision=True, worlds=(2, 3)),
+    # "auto", the default: this model's layer inputs fit the pages' tier's ratio, and nothing bounds what the pass
+    # holds off CUDA, so it runs layer-major on zigzag shards (offload/plan.layer_major_fits)
+    dict(name="auto-exact", prompt_len=46, response_lens=[4, 3], mode="exact", chunk=5, page=4, block=3,
+         prefix="auto", seed=11, worlds=(2, 3)),
 ]
 for _case in CASES:
     _case["family"] = FAMILY
+    if _case["mode"] == "exact":  # the turns, asked for (kept for comparison), where a case names no schedule
+        _case.setdefault("prefix", "turns")
 BY_NAME = {case["name"]: case for case in CASES}
 OUT_DIRS = {}  # world size -> the directory its ranks wrote to (NVMe page files went under <dir>/nvme)
 
@@ -186,10 +192,16 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
         assert all(torch.equal(a, b) for a, b in zip(result["logprobs"], ranks[0]["logprobs"]))
 
 
+def _prefix(case):
+    """The prefix schedule a case runs: None in detached mode; "auto" is layer-major for this model."""
+    if case["mode"] != "exact":
+        return None
+    return "layer_major" if case["prefix"] == "auto" else case["prefix"]
+
+
 def _layout(case):
     """The layout a case runs: as asked, else "auto"'s: contiguous for exact mode's turns, zigzag otherwise."""
-    turns = case["mode"] == "exact" and case.get("prefix", "turns") == "turns"
-    return case.get("layout", "contiguous" if turns else "zigzag")
+    return case.get("layout", "contiguous" if _prefix(case) == "turns" else "zigzag")
 
 
 @pytest.mark.parametrize("name", ["ties-exact", "ties-detached", "ties-zigzag-exact", "ties-layer-major-exact"])
@@ -233,7 +245,7 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
         # the turns recompute each selection in their segments' forward; the layer-major pass by the capture's
         # exchange again (in its backward walk, and in the recompute of a group's inputs), so each capture row is
         # recorded two or more times, every time equal to the reference's
-        layer_major = case.get("prefix") == "layer_major"
+        layer_major = _prefix(case) == "layer_major"
         assert covered["prefix"] == (shard if case["mode"] == "exact" and not layer_major else set())
         repeats, rest = divmod(captured, len(shard))
         assert rest == 0 and (repeats >= 2 if layer_major else repeats == 1)
@@ -248,7 +260,7 @@ def test_prefix_pass_runs_as_asked(world_results):
     world, results = world_results
     for name, ranks in results.items():
         case = BY_NAME[name]
-        expected = case.get("prefix", "turns") if case["mode"] == "exact" else None
+        expected = _prefix(case)
         assert all(result["cp"]["prefix"] == expected for result in ranks), name
         assert all(result["cp"]["layout"] == _layout(case) for result in ranks), name
 
