@@ -191,4 +191,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    # main's return is the exit status (longstraw plan's 2 on a bad model, say), as the console script passes it on
+    raise SystemExit(main())

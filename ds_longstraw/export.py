@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 
 from .checkpoint_files import RunRecord, ZeroCheckpoint, load_record, resolve_tag
 from .modeling import as_dtype
+from .sizes import parse_bytes
 
 PEFT_PREFIX = "base_model.model."  # a peft model's names of its base model's tensors
 QLORA_MERGE = ("--merge is refused for a QLoRA run: its base weights exist only as 4-bit NF4 codes, so the merged "
@@ -68,16 +68,6 @@ class Exported:
     bytes: int
     files: int
     base: Optional[str] = None  # adapters: the base model directory
-
-
-def parse_size(size) -> int:
-    """Bytes of '5GB', '200MB', '64KB' (powers of 1000, as transformers and huggingface_hub count) or an int."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*", str(size).upper())
-    if not match:
-        raise ValueError(f"--max-shard-size {size!r}: expected bytes or a size such as 5GB, 500MB")
-    return int(float(match.group(1)) * {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)])
 
 
 def _meta_models(record: RunRecord, dtype):
@@ -280,7 +270,7 @@ def export_checkpoint(save_dir, out, tag="latest", dtype=None, merge=False, over
     out = os.path.abspath(os.fspath(out))
     if os.path.lexists(out) and not overwrite:
         raise ValueError(f"--out {out!r} exists: pass --overwrite to replace it")
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_bytes(max_shard_size, option="--max-shard-size")  # a bare number: bytes
     tag_dir = resolve_tag(save_dir, tag)
     record = load_record(tag_dir, run_config)
     lora = record.run.lora
@@ -335,7 +325,8 @@ def _parser():
                                                       "(default: the run's model.dtype)")
     parser.add_argument("--merge", action="store_true", help="LoRA: merge the adapters into full weights")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB)")
+    parser.add_argument("--max-shard-size", default="5GB",
+                        help="largest safetensors file: 5GB, 500MB, 2GiB or a number of bytes (default 5GB)")
     parser.add_argument("--config", default=None, help="a run config YAML describing the model, for checkpoints "
                                                        "saved without a run record (by a script of your own)")
     return parser

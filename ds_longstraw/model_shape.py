@@ -1,7 +1,8 @@
 """A model's shape for planning, read from its layer-state specs (arch/specs.py) and its config alone.
 
-The built-in names are the shape configs in configs/models/ (the one definition of each published shape); any
-transformers config.json of a family the architecture package knows works too. Parameters are counted on the meta
+The built-in names are the shape configs in configs/models/ (the one definition of each published shape, shipped in
+the package as ds_longstraw.configs: modeling.MODELS_DIR); any transformers config.json of a family the architecture
+package knows works too. Parameters are counted on the meta
 device (nothing allocated).
 """
 

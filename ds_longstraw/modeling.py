@@ -11,12 +11,16 @@ from the same seed (so a single-process reference builds the very same weights).
 """
 
 import os
-from pathlib import Path
+from importlib import resources
 
 import torch
 
 ZERO_INIT_ABOVE = 1 << 30  # parameters
-MODELS_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"  # the shape configs (one per shape)
+# configs/ of the checkout, which the package ships as ds_longstraw.configs (pyproject's package-dir mapping). Found
+# through the import system: the checkout's folder under an editable install, the installed copy from a wheel. pip
+# installs it on the file system, so this is a pathlib.Path that open() and OmegaConf.load take.
+CONFIGS_DIR = resources.files("ds_longstraw.configs")
+MODELS_DIR = CONFIGS_DIR / "models"  # the shape configs (one per shape)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}

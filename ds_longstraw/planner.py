@@ -18,7 +18,6 @@ specs (model_shape.py).
 
 import argparse
 import json
-import re
 import shutil
 import sys
 
@@ -26,6 +25,7 @@ from .config import parse_config
 from .cp_time import predict, predict_sparse
 from .model_shape import load_config, shape_from_config
 from .offload.plan import (
+    LAYER_MAJOR_DEVICE_FRACTION,
     LAYER_MAJOR_STATE_RATIO,
     TIERS,
     GiB,
@@ -39,25 +39,12 @@ from .offload.plan import (
     recomputed_inputs_bytes,
     rollout_figures,
 )
-
-_UNITS = {"": GiB, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from .sizes import parse_bytes, parse_tokens
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 96GB, 80GiB, 2TB, 512)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def parse_tokens(text: str) -> int:
-    """Token counts: 2097152, 2M (= 2 * 2**20), 128K, 4.5M."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", str(text))
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (examples: 2097152, 2M, 128K)")
-    scale = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2).lower()]
-    return int(float(match.group(1)) * scale)
+def _memory(text: str) -> int:
+    """--gpu-memory, --host-memory, --nvme-free, --weights: bytes (ds_longstraw.sizes), where a bare number is GiB."""
+    return parse_bytes(text, bare=GiB)
 
 
 def _parser():
@@ -72,11 +59,11 @@ def _parser():
                    help="expert-parallel size: routed experts sharded over EP ranks, outside ZeRO (with --cp > 1 it "
                         "must equal --cp)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: min(gpus, 8)")
-    p.add_argument("--gpu-memory", type=parse_size, default=None, help="per GPU (default: detected)")
-    p.add_argument("--host-memory", type=parse_size, default=None, help="per node (default: detected)")
+    p.add_argument("--gpu-memory", type=_memory, default=None, help="per GPU (default: detected)")
+    p.add_argument("--host-memory", type=_memory, default=None, help="per node (default: detected)")
     p.add_argument("--nvme-path", default=None, help="where page files would go (free space is detected)")
-    p.add_argument("--nvme-free", type=parse_size, default=None, help="free NVMe space per node")
-    p.add_argument("--weights", type=parse_size, default=None, help="weights per rank (default: ZeRO-3 estimate)")
+    p.add_argument("--nvme-free", type=_memory, default=None, help="free NVMe space per node")
+    p.add_argument("--weights", type=_memory, default=None, help="weights per rank (default: ZeRO-3 estimate)")
     p.add_argument("--weight-bytes", type=float, default=2.0, help="bytes per parameter for that estimate")
     p.add_argument("--reserve", type=float, default=0.10, help="GPU fraction kept for activations")
     p.add_argument("--host-fraction", type=float, default=0.80, help="host memory fraction the tier may use")
@@ -232,8 +219,7 @@ def _render_cp_time(plan, gpu_tflops) -> list:
     every = plan.inputs_every
     inputs = layer_inputs_bytes(plan.shape, tokens, every) + recomputed_inputs_bytes(plan.shape, tokens, every)
     held = layer_major_workspace(plan.shape, tokens)
-    runs = "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
-                                               plan.keep_attention, plan.inputs_every) else "turns"
+    runs = _prefix_runs(plan)
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
             "", "| phase | before: contiguous shards, two-pass GDN scan | now: zigzag, one pass | ratio "
             "| added memory per rank (now) |",
@@ -243,12 +229,26 @@ def _render_cp_time(plan, gpu_tflops) -> list:
             f"| exact prefix pass, turns | {before.prefix:,.0f} | {times['turns_prefix']:,.0f} | 1.00 | none |",
             f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
             f"| layer_inputs {_gib(inputs)} on the pages' tier, {_gib(held)} held on the GPU across a layer |", "",
-            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
-            f"layer-major where its added bytes per token are at most {LAYER_MAJOR_STATE_RATIO:g}x the "
-            "transaction's own retained bytes, offload/plan.layer_major_fits), keeping every "
+            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} ({_auto_rule(plan)}), keeping every "
             f"{plan.inputs_every}-th layer's input (longstraw.prefix_inputs_every {plan.inputs_every_asked}: auto "
             "takes the smallest k that fits). From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
             "(ds_longstraw/cp_time.py); communication and replay not included.", *_layer_major_advice(plan, runs)]
+
+
+def _prefix_runs(plan) -> str:
+    """How exact mode's CP prefix pass runs at this plan's prompt and GPU (offload/plan.layer_major_prefix)."""
+    lay = plan.layout
+    return "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
+                                               plan.keep_attention, plan.inputs_every, plan.tokens_per_rank,
+                                               lay.gpu_memory) else "turns"
+
+
+def _auto_rule(plan) -> str:
+    """The "auto" rule of the prefix schedule, in words (offload/plan.layer_major_fits)."""
+    return (f"longstraw.cp_prefix {plan.cp_prefix}: layer-major where the layer inputs it adds on the pages' tier "
+            f"are at most {LAYER_MAJOR_STATE_RATIO:g}x the transaction's own retained bytes and what it holds on the "
+            f"GPU across a layer at most {LAYER_MAJOR_DEVICE_FRACTION:g} of the GPU's memory, "
+            "offload/plan.layer_major_fits")
 
 
 def _inputs_every(text):
@@ -292,12 +292,11 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
     shape, lay = plan.shape, plan.layout
     times = predict_sparse(shape.combine_counts.get("topk_lse", 0), shape.select_layers, active_params(shape),
                            plan.context, lay.cp, gpu_tflops, shape.index_width,
-                           shape.attention_heads * shape.attention_head_dim * shape.select_topk)
+                           shape.attention_heads * shape.attention_head_dim * shape.select_topk, plan.inputs_every)
     before, now = times["before"], times["now"]
     tokens, every = plan.tokens_per_rank, plan.inputs_every
     inputs = layer_inputs_bytes(shape, tokens, every) + recomputed_inputs_bytes(shape, tokens, every)
-    runs = "layer_major" if layer_major_prefix(shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
-                                               plan.keep_attention, every) else "turns"
+    runs = _prefix_runs(plan)
     return ["", f"## Context parallelism: predicted seconds per rank ({gpu_tflops:g} dense bf16 TFLOPS per GPU)",
             "", "| phase | before: contiguous shards | now: zigzag | ratio | added memory per rank (now) |",
             "|---|---:|---:|---:|---|",
@@ -306,9 +305,8 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
             f"| exact prefix pass, layer-major | | {now.prefix:,.0f} | {now.prefix / before.prefix:.2f} "
             f"| layer_inputs {_gib(inputs)} on the pages' tier, "
             f"{_gib(layer_major_workspace(shape, tokens))} held on the GPU across a layer |", "",
-            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} (longstraw.cp_prefix {plan.cp_prefix}: "
-            f"layer-major where its added bytes per token are at most {LAYER_MAJOR_STATE_RATIO:g}x the "
-            f"transaction's own retained bytes), keeping every {every}-th layer's input (longstraw.prefix_inputs_every "
+            f"Exact mode here runs the prefix pass {runs.replace('_', '-')} ({_auto_rule(plan)}), keeping every "
+            f"{every}-th layer's input (longstraw.prefix_inputs_every "
             f"{plan.inputs_every_asked}; a base that reuses a selection made in a group below keeps it too). "
             f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
             "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "

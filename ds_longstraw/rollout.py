@@ -55,9 +55,8 @@ from .lockstep import PAD_TOKEN, Schedule
 from .memory import PhaseMeter, return_freed_host_memory
 from .offload import StagedPast
 from .parallel.experts import check_expert_parallel
+from .seeds import splitmix64
 from .topology import topology_for
-
-_MASK64 = (1 << 64) - 1
 
 
 @dataclass
@@ -506,17 +505,10 @@ def _sample(logits_V, temperature, top_p, uniform) -> int:
     return int(order_V[min(index, kept - 1)])
 
 
-def _splitmix64(value) -> int:
-    value = (value + 0x9E3779B97F4A7C15) & _MASK64
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return value ^ (value >> 31)
-
-
 def _generator(seed, sample):
     """Sample `sample`'s own CPU generator: its seed mixes (seed, sample) (SplitMix64), so seeds s and s + 1 share no
     sample's stream, and a sample's draws depend on neither the rank nor how many samples are drawn."""
-    return torch.Generator().manual_seed(_splitmix64(_splitmix64(seed) ^ sample) >> 1)
+    return torch.Generator().manual_seed(splitmix64(splitmix64(seed) ^ sample) >> 1)
 
 
 def _first_rank_token(topology, device):

@@ -57,6 +57,7 @@ from pydantic import Field, field_validator
 from .config import parse_block
 from .group import _as_ids
 from .offload.plan import decode_state_bytes
+from .seeds import splitmix64
 
 BLOCK = "rollout"
 _MASK62 = (1 << 62) - 1
@@ -131,17 +132,10 @@ def parse_rollout(block) -> RolloutConfig:
     return parse_block(RolloutConfig, block, BLOCK)
 
 
-def _splitmix64(value) -> int:
-    value = (value + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return value ^ (value >> 31)
-
-
 def sample_seed(seed, step, index) -> int:
     """generate's seed for prompt `index` of step `step` of a run seeded `seed` (SplitMix64 of the three: no two
     (step, index) pairs of a run share a seed in practice, and neighbouring runs share none either)."""
-    return _splitmix64(_splitmix64(_splitmix64(int(seed)) ^ int(step)) ^ int(index)) & _MASK62
+    return splitmix64(splitmix64(splitmix64(int(seed)) ^ int(step)) ^ int(index)) & _MASK62
 
 
 def as_prompts(prompts) -> list:

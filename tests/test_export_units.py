@@ -22,8 +22,9 @@ import torch
 from dist_scripts.launching import REPO, free_port
 from omegaconf import OmegaConf
 
-from ds_longstraw.export import export_checkpoint, main, parse_size
+from ds_longstraw.export import export_checkpoint, main
 from ds_longstraw.run_config import load_run_config
+from ds_longstraw.sizes import parse_bytes
 
 SHAPES = os.path.join(REPO, "configs", "models")
 
@@ -220,11 +221,14 @@ def test_command_line(ckpts, tmp_path, capsys):
         main([str(ckpts / "full"), "--out", str(tmp_path / "out")])
 
 
-def test_parse_size():
-    assert [parse_size(s) for s in ("5GB", "200MB", "64KB", "1.5gb", 1000, "12")] == [
+def test_max_shard_size_is_bytes(tmp_path):
+    """--max-shard-size reads ds_longstraw.sizes.parse_bytes with a bare number counting bytes; a bad size is a
+    ValueError naming the option, raised before the checkpoint is read (there is none here) or anything written."""
+    assert [parse_bytes(s, option="--max-shard-size") for s in ("5GB", "200MB", "64KB", "1.5gb", 1000, "12")] == [
         5 * 10**9, 200 * 10**6, 64000, 1.5 * 10**9, 1000, 12]
-    with pytest.raises(ValueError, match="--max-shard-size"):
-        parse_size("5 gigs")
+    with pytest.raises(ValueError, match="--max-shard-size '5 gigs' is not a size in bytes"):
+        export_checkpoint(tmp_path / "no-run", tmp_path / "out", max_shard_size="5 gigs")
+    assert not os.path.exists(tmp_path / "out")
 
 
 @pytest.mark.parametrize("overrides, words", [

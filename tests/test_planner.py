@@ -11,6 +11,7 @@ Equivalence chain:
   from its published shape. (The all-to-all formula against measured dispatch bytes: BENCHMARKS.md, bench_ep.py.)
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -21,7 +22,8 @@ from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.model_shape import load_config, shape_from_config
 from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank, rollout_figures
-from ds_longstraw.planner import main, parse_size, parse_tokens
+from ds_longstraw.planner import main
+from ds_longstraw.sizes import parse_bytes, parse_tokens
 from ds_longstraw.state import capture_prefix
 
 
@@ -177,11 +179,20 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert "neither a built-in shape" in capsys.readouterr().err
 
 
-def test_parsers():
+def test_parsers(capsys):
+    """The planner's sizes (ds_longstraw.sizes): memory in bytes with a bare number counting GiB, prompts in tokens
+    with K and M powers of 1024; a bad value is argparse's error naming the option and the value."""
     assert parse_tokens("2M") == 2_097_152 and parse_tokens("128K") == 131_072 and parse_tokens("4096") == 4096
-    assert parse_size("96GB") == 96_000_000_000 and parse_size("80GiB") == 80 * GiB and parse_size("2") == 2 * GiB
-    with pytest.raises(Exception, match="not a size"):
-        parse_size("lots")
+    assert parse_bytes("96GB", bare=GiB) == 96_000_000_000 and parse_bytes("80GiB", bare=GiB) == 80 * GiB
+    assert parse_bytes("2", bare=GiB) == 2 * GiB
+    with pytest.raises(ValueError, match="'lots' is not a size in bytes"):
+        parse_bytes("lots", bare=GiB)
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen3.6-27b", "--context", "1M", "--gpu-memory", "lots"])
+    assert "argument --gpu-memory: 'lots' is not a size in bytes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen3.6-27b", "--context", "2MB"])
+    assert "argument --context: '2MB' is not a token count" in capsys.readouterr().err
 
 
 def test_expert_shape_matches_a_real_model():
@@ -468,9 +479,14 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     out = capsys.readouterr().out
     assert "| capture |" in out and "| exact prefix pass, turns |" in out and "layer-major" in out
     assert "39.3B active parameters a token" in out  # 743.4B less the embeddings and 248/256 of the routed experts
-    # "auto" takes the turns for GLM-5.2, but 1 TB hosts hold its layer inputs: the plan says so
-    assert "The layer-major pass fits these machines too: \"cp_prefix\": \"layer_major\" runs exact mode on the cpu" \
-        in out
+    # "auto" runs GLM-5.2 layer-major here: its inputs fit the tier's ratio at k = 13, and the 15 GiB it holds on
+    # a 96 GB GPU a quarter of it; on 48 GB GPUs it takes the turns, and the plan says where layer-major fits anyway
+    assert "Exact mode here runs the prefix pass layer-major (longstraw.cp_prefix auto" in out
+    assert "keeping every 13-th layer's input" in out
+    assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--ep", "32", "--gpu-memory", "48GB",
+                 "--host-memory", "1TB"]) == 0
+    out = capsys.readouterr().out
+    assert "Exact mode here runs the prefix pass turns (longstraw.cp_prefix auto" in out
     sparse = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048)
     pair = 2.2e-3 / (1024 * 16384) * 21
     per_token = (cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 16.8e-3 / 1024 * 78) * 65536
@@ -479,6 +495,10 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     assert sparse["turns_prefix"] == sparse["before"].prefix
     assert sparse["now"].prefix == pytest.approx(
         (3 * cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 46.2e-3 / 1024 * 78) * 65536 + pair * 262144 ** 2 / 8, rel=1e-12)
+    strided = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048,
+                                     inputs_every=8)
+    # the recompute of 7 of every 8 layers' inputs: 7/8 of the zigzag capture again
+    assert strided["now"].prefix - sparse["now"].prefix == pytest.approx(7 / 8 * sparse["now"].capture, rel=1e-12)
     assert cp_time.predict_sparse(78, 0, 40e9, 262144, 4, 148.0, 1, 1) is None
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
     assert "--gpu-tflops 0.0" in capsys.readouterr().err
@@ -536,7 +556,12 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
         make_plan(shape, 2 << 20, 8, "exact", layout, inputs_every=0)
     glm = shape_from_config(*load_config("glm-5.2"))
     glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
-    assert make_plan(glm, 2 << 20, 8, "exact", glm_layout).retained["layer_inputs"] == 0
+    # "auto": layer-major keeping every 13th layer's input where what it holds fits a quarter of the GPU, not on 48 GB
+    glm_auto = make_plan(glm, 2 << 20, 8, "exact", glm_layout)
+    assert glm_auto.inputs_every == 13 and glm_auto.workspace["layer_major_prefix"] <= 0.25 * 96 * GiB
+    assert glm_auto.retained["layer_inputs"] >= glm_auto.tokens_per_rank * 6144 * 2 * 6  # layers 0, 13, ..., 65
+    small_gpus = dataclasses.replace(glm_layout, gpu_memory=48 * GiB)
+    assert make_plan(glm, 2 << 20, 8, "exact", small_gpus).retained["layer_inputs"] == 0
     asked = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major", inputs_every=1)
     assert asked.retained["layer_inputs"] == asked.tokens_per_rank * 6144 * 2 * 78  # every input: no selection kept
     strided = make_plan(glm, 2 << 20, 8, "exact", glm_layout, cp_prefix="layer_major", inputs_every=4)

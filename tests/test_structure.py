@@ -6,6 +6,8 @@
     on the engine: the planner's generic cost model takes a ModelShape, built elsewhere from the specs);
   - only ds_longstraw/arch/ (and kernels/) names a model family's modules, attributes or layer kinds: the
     transaction, the topologies, the state and the offload tiers read the adapter's layer-state specs;
+  - pyproject's package list names every folder of the package and its package-dir mapping is the one here (a
+    folder left out is missing from the wheel; test_packaging.py installs one);
   - the tree is clean under the ruff configuration in pyproject.toml (when ruff is installed).
 """
 
@@ -21,7 +23,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # installed package name -> folder in the checkout (pyproject's package-dir mapping)
-PACKAGES = {"ds_longstraw": "ds_longstraw", "ds_longstraw.offload": "offload", "ds_longstraw.kernels": "kernels"}
+PACKAGES = {"ds_longstraw": "ds_longstraw", "ds_longstraw.offload": "offload", "ds_longstraw.kernels": "kernels",
+            "ds_longstraw.configs": "configs", "ds_longstraw.launch": "launch"}
 
 
 def _modules():
@@ -101,6 +104,19 @@ def test_no_import_cycles():
     modules = _modules()
     assert "ds_longstraw.transaction" in modules and "ds_longstraw.offload.pages" in modules
     assert _cycles(_edges(modules)) == []
+
+
+def test_pyproject_ships_every_package():
+    """pyproject's explicit package list names every folder of the package that holds Python files, and its
+    package-dir mapping is the one above: a folder left out installs from a checkout (editable) but is missing from
+    the wheel (test_packaging.py builds one)."""
+    tomllib = pytest.importorskip("tomllib")
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as handle:
+        setuptools = tomllib.load(handle)["tool"]["setuptools"]
+    assert {"ds_longstraw": "ds_longstraw", **setuptools["package-dir"]} == PACKAGES
+    packages = {module if is_package else module.rpartition(".")[0]
+                for module, (_, is_package) in _modules().items()}
+    assert set(setuptools["packages"]) == packages
 
 
 def test_the_cycle_finder_finds_a_cycle():

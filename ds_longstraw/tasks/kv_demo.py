@@ -1,7 +1,8 @@
 """`bin/main --task kv` (`longstraw demo --task kv`): GRPO with rollouts inside training on the kv task, then a plot.
 
-It runs launch/train.py in this process as a one-rank DeepSpeed job (ZeRO-3 on CPU, gloo) with
-configs/run/kv_task.yaml: every step samples G answers per prompt from the policy, rewards them with
+It runs launch/train.py (ds_longstraw.launch.train) in this process as a one-rank DeepSpeed job (ZeRO-3 on CPU,
+gloo) with configs/run/kv_task.yaml, both as the package ships them, so that it runs from any directory and from an
+installed wheel: every step samples G answers per prompt from the policy, rewards them with
 ds_longstraw.tasks.kv:reward_partial and takes one optimizer step. Afterwards it prints the mean reward over the
 first and the last steps and writes reward and loss against step as a PNG (matplotlib).
 
@@ -15,8 +16,11 @@ import os
 import socket
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent.parent
-RUN_CONFIG = REPO / "configs" / "run" / "kv_task.yaml"
+from ..modeling import CONFIGS_DIR
+
+RUN_CONFIG = CONFIGS_DIR / "run" / "kv_task.yaml"
+# The run config's keys that name a file under configs/ (as a checkout's root sees it)
+SHIPPED_PATHS = ("deepspeed_config", "model.shape")
 
 
 def _free_port() -> int:
@@ -26,12 +30,26 @@ def _free_port() -> int:
 
 
 def _train_module():
-    import importlib.util
+    """launch/train.py, shipped in the package as ds_longstraw.launch.train."""
+    from ..launch import train as script
 
-    spec = importlib.util.spec_from_file_location("longstraw_train", REPO / "launch" / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return script
+
+
+def train_arguments(steps, metrics, overrides=()) -> list:
+    """launch/train.py's command line for the demo. kv_task.yaml names its DeepSpeed config and model shape by
+    their paths in a checkout (configs/...), which resolve only from the checkout's root: they are given again here
+    as the files the package ships, so that the demo runs from any directory."""
+    from omegaconf import OmegaConf
+
+    run = OmegaConf.load(RUN_CONFIG)
+    shipped = []
+    for key in SHIPPED_PATHS:
+        first, *rest = OmegaConf.select(run, key).split("/")
+        assert first == "configs" and rest, f"{RUN_CONFIG}: {key} is not a file under configs/"
+        shipped.append(f"{key}={CONFIGS_DIR.joinpath(*rest)}")
+    return ["--config", str(RUN_CONFIG), *shipped, f"train.max_steps={steps}", f"train.metrics={metrics}",
+            *overrides]
 
 
 def train(out_dir, steps, overrides=()) -> list:
@@ -42,8 +60,7 @@ def train(out_dir, steps, overrides=()) -> list:
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
                        ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(key, value)
-    _train_module().main(["--config", str(RUN_CONFIG), f"train.max_steps={steps}", f"train.metrics={metrics}",
-                          *overrides])
+    _train_module().main(train_arguments(steps, metrics, overrides))
     with open(metrics) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
