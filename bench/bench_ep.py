@@ -139,8 +139,8 @@ def rank_main(args):
 
     import ds_longstraw
     from ds_longstraw.arch.glm_moe_dsa_experts import moe_blocks
-    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak
-    from ds_longstraw.shapes import build_model
+    from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak
+    from ds_longstraw.models.shapes import build_model
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -209,8 +209,8 @@ def launch(args, ep_size):
 
 def planner_figures(ep_size, prompt):
     """The planner's MoE figures for this shape on 2 ranks, at 4 B per weight and activation (float32)."""
-    from ds_longstraw.model_shape import shape_from_config
-    from ds_longstraw.modeling import MODELS_DIR, load_shape
+    from ds_longstraw.models.model_shape import shape_from_config
+    from ds_longstraw.models.modeling import MODELS_DIR, load_shape
     from ds_longstraw.offload.plan import Layout, captured_tokens_per_rank, moe_figures
 
     shape = shape_from_config("small-glm", load_shape(MODELS_DIR / "small_glm_moe_dsa.yaml"), 4)
@@ -343,7 +343,7 @@ def main(argv=None):
         with open(args.json, "w") as handle:
             json.dump(raw, handle, indent=1)
     if args.write:
-        from ds_longstraw.bench import write_section
+        from ds_longstraw.tools.bench import write_section
 
         write_section(args.write, SECTION, text)
     return 0

@@ -37,11 +37,11 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
     import torch
 
     from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak
+    from ds_longstraw.grpo.transaction import grpo_backward
     from ds_longstraw.kernels import VOCAB_CHUNK
-    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak
+    from ds_longstraw.models.shapes import build_model, synthetic_group
     from ds_longstraw.objective import GRPOObjective
-    from ds_longstraw.shapes import build_model, synthetic_group
-    from ds_longstraw.transaction import grpo_backward
 
     require_host_peaks("bench_logprobs")
     CausalLMAdapter.logprobs_vocab_chunk = None if mode == "reference" else VOCAB_CHUNK
@@ -135,7 +135,7 @@ def main(argv=None):
     text = table(rows, command.strip())
     print(text)
     if args.out:
-        from ds_longstraw.bench import write_section
+        from ds_longstraw.tools.bench import write_section
 
         write_section(args.out, "logprobs" if args.head == "trained" else "logprobs-frozen-head", text)
 

@@ -144,8 +144,8 @@ def bench_host(total_bytes):
 def _peak_child(args):
     """One GRPO group in this (fresh) process; prints JSON with VmHWM and the retained bytes."""
     from ds_longstraw import GRPOGroup, grpo_backward
-    from ds_longstraw.memory import host_peak_bytes, require_host_peaks, reset_host_peak
-    from ds_longstraw.shapes import build_model
+    from ds_longstraw.grpo.memory import host_peak_bytes, require_host_peaks, reset_host_peak
+    from ds_longstraw.models.shapes import build_model
 
     require_host_peaks("bench_offload's peak run")  # reset_host_peak below raises where clear_refs is not writable
 

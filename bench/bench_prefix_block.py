@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from ds_longstraw.bench import run_fresh, write_section  # noqa: E402
+from ds_longstraw.tools.bench import run_fresh, write_section  # noqa: E402
 
 MIB = 2 ** 20
 

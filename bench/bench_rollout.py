@@ -39,7 +39,7 @@ def _prompt(tokens, vocab):
 def _measure(fn, phases):
     """(result, figures) of fn() in this process; `phases`: a callable -> the PhaseStats fn's calls recorded (their
     peaks are absolute VmHWM readings, each since its phase began)."""
-    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
+    from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
 
     return_freed_host_memory("cpu")
     before = host_current_bytes()
@@ -52,9 +52,9 @@ def _measure(fn, phases):
 
 
 def run_decode(prompt, samples, new_tokens):
-    from ds_longstraw.memory import require_host_peaks
-    from ds_longstraw.rollout import generate
-    from ds_longstraw.shapes import build_model
+    from ds_longstraw.grpo.memory import require_host_peaks
+    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.rollout.generate import generate
 
     require_host_peaks("bench_rollout")
     model = build_model("small")
@@ -71,11 +71,11 @@ def run_decode(prompt, samples, new_tokens):
 def run_step(prompt, samples, new_tokens, mode, reuse):
     import torch
 
-    from ds_longstraw.memory import require_host_peaks
+    from ds_longstraw.grpo.memory import require_host_peaks
+    from ds_longstraw.grpo.transaction import grpo_backward
+    from ds_longstraw.models.shapes import build_model
     from ds_longstraw.objective import GRPOObjective
-    from ds_longstraw.rollout import generate
-    from ds_longstraw.shapes import build_model
-    from ds_longstraw.transaction import grpo_backward
+    from ds_longstraw.rollout.generate import generate
 
     require_host_peaks("bench_rollout")
     model = build_model("small")
@@ -182,7 +182,7 @@ def main(argv=None):
     text = table(decode, step, command.strip())
     print(text)
     if args.out:
-        from ds_longstraw.bench import write_section
+        from ds_longstraw.tools.bench import write_section
 
         write_section(args.out, "rollout", text)
 

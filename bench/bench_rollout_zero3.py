@@ -52,9 +52,9 @@ def rank_main(args):
     from deepspeed import comm as dist
 
     import ds_longstraw
-    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
-    from ds_longstraw.rollout_step import engine_rollouts
-    from ds_longstraw.shapes import build_model
+    from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
+    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.rollout.step import engine_rollouts
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
@@ -165,7 +165,7 @@ def main(argv=None):
     text = report(args, rows, command.strip())
     print(text)
     if args.write:
-        from ds_longstraw.bench import write_section
+        from ds_longstraw.tools.bench import write_section
 
         write_section(args.write, SECTION, text)
     return 0

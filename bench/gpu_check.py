@@ -383,7 +383,7 @@ def _model(shape_overrides, device, dtype):
     import yaml  # the shape file is plain YAML; omegaconf (the launcher's reader) is not needed here
     from transformers import AutoModelForCausalLM
 
-    from ds_longstraw.modeling import config_from_shape
+    from ds_longstraw.models.modeling import config_from_shape
 
     with open(os.path.join(ROOT, "configs", "models", "qwen3_6_27b.yaml")) as handle:
         fields = {**yaml.safe_load(handle), **shape_overrides}
@@ -399,10 +399,10 @@ def grpo_section(report, device, dtype, sizes, deadline):
     first length also the torch fallback (kernels "reference") and the conventional full-sequence step."""
     import torch
 
-    from ds_longstraw.baselines import conventional
+    from ds_longstraw.grpo.transaction import grpo_backward
+    from ds_longstraw.models.shapes import synthetic_group
     from ds_longstraw.objective import GRPOObjective
-    from ds_longstraw.shapes import synthetic_group
-    from ds_longstraw.transaction import grpo_backward
+    from ds_longstraw.tools.baselines import conventional
 
     model = _model(sizes["shape"], device, dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

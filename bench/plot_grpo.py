@@ -1,4 +1,4 @@
-"""Plot the GRPO benchmark rows (JSON written by `python -m ds_longstraw.bench grid --out ...`).
+"""Plot the GRPO benchmark rows (JSON written by `python -m ds_longstraw.tools.bench grid --out ...`).
 
     python bench/plot_grpo.py bench/results/grpo-8k.json bench/results/grpo-32k.json --out bench/grpo.png
 """
@@ -11,7 +11,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ds_longstraw.bench import METHODS  # noqa: E402
+from ds_longstraw.tools.bench import METHODS  # noqa: E402
 
 
 def main():

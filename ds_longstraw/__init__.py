@@ -5,17 +5,17 @@ score reference log-probs without a graph, replay one response at a time with au
 and take one reduction and one optimizer step.
 """
 
-from .accelerator import settle as _settle_accelerator
+from ds_longstraw.accelerator import settle as _settle_accelerator
 
 _settle_accelerator()  # before deepspeed is imported below: where no device is visible, say "cpu" (no guess message)
 
-from .arch import shard_experts  # noqa: E402
-from .config import LongstrawConfig, parse_config  # noqa: E402
-from .engine import StepResult, initialize  # noqa: E402
-from .group import GRPOGroup  # noqa: E402
-from .objective import GRPOObjective  # noqa: E402
-from .rollout import Rollouts, generate  # noqa: E402
-from .transaction import GroupResult, grpo_backward  # noqa: E402
+from ds_longstraw.arch import shard_experts  # noqa: E402
+from ds_longstraw.config import LongstrawConfig, parse_config  # noqa: E402
+from ds_longstraw.engine.engine import StepResult, initialize  # noqa: E402
+from ds_longstraw.group import GRPOGroup  # noqa: E402
+from ds_longstraw.grpo.transaction import GroupResult, grpo_backward  # noqa: E402
+from ds_longstraw.objective import GRPOObjective  # noqa: E402
+from ds_longstraw.rollout.generate import Rollouts, generate  # noqa: E402
 
 __all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "Rollouts", "StepResult", "generate",
            "grpo_backward", "initialize", "parse_config", "shard_experts"]

@@ -94,10 +94,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
         reads the prompt, the model and the device type's total memory, so every rank of a job of one GPU type
         decides alike).
     cp_prefix: under context parallelism, how exact mode's prefix pass runs: "layer_major" (every rank at once,
-        layer by layer top to bottom, parallel/prefix_layers.py: each rank keeps layer inputs over its shard from
+        layer by layer top to bottom, grpo/cp/prefix_layers.py: each rank keeps layer inputs over its shard from
         capture, every prefix_inputs_every-th, on offload.tier, reported as retained "layer_inputs"), "turns" (the
         prompt's segments right to left, one owner at a time while the others answer its requests,
-        parallel/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
+        grpo/cp/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
         "auto" (the default: layer_major where the layer inputs it adds on the pages' tier are at most 1.5x the
         state the transaction keeps there anyway and, on CUDA, what it holds across a layer over the largest
         shard is at most a quarter of the CP group's smallest GPU; offload/plan.layer_major_fits: Qwen3.6-27B and
@@ -109,7 +109,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         (the default): the smallest k whose added bytes fit the cp_prefix "auto" rule, else the k that adds the
         fewest (offload/plan.inputs_every_for; `longstraw plan` shows the k it takes).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
-        m mod cp_size = r; queries travel to the pages' owners and partials back, parallel/spread.py; the default:
+        m mod cp_size = r; queries travel to the pages' owners and partials back, grpo/cp/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
         the same bits everywhere; the schedule before the spread, kept for comparison).
     ep_size: expert-parallel ranks a MoE layer's routed experts are sharded over (ds_longstraw.shard_experts); with

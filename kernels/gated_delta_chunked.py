@@ -241,7 +241,7 @@ class PreparedDeltaRule:
     (L [B, Hv, dk, dv], A [B, Hv, dk, dk]) in accumulation precision. Neither depends on the initial state (the
     backward's state recurrence is affine in dS and its coefficients are chunk-local), so every context-parallel
     rank can summarise its segments at once and a reverse scan of (L, A) across segments gives each its true D
-    (ds_longstraw.parallel.prefix_layers). The recurrence is `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X
+    (ds_longstraw.grpo.cp.prefix_layers). The recurrence is `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X
     from the identity (the transposed transition):
         dS_(i-1) = (decay_i I - R_i^T K_end_i) dS_i + Qd_i^T dO_i - R_i^T intra_i^T dO_i,
     about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/test_kernels.py."""

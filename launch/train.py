@@ -5,14 +5,14 @@
 
 Reads GRPO groups (a shared prompt, G responses, rewards) from JSONL, one optimizer step per `grpo_step` (each
 data-parallel rank brings `data.groups_per_rank` groups; DeepSpeed averages the ranks' gradients). With a
-`rollout:` block (ds_longstraw.rollout_step) each step samples its groups from the policy instead: the step's
+`rollout:` block (ds_longstraw.rollout.step) each step samples its groups from the policy instead: the step's
 prompts come from data.path (their responses unread) or from the `rollout.prompts` generator, and the rewards from
 `rollout.reward`; the step line then shows the mean reward, and train.samples (JSONL) records what rank 0 sampled.
 Rank 0 prints
 a short line per step (step, loss, grad norm, seconds, tokens/s, peak) and the checkpoint path at the end, and logs
 the full per-step metrics as JSONL (train.metrics). It saves DeepSpeed checkpoints (tags "step<N>", with the step in
 the client state, and the run record `longstraw export` reads), resumes from them (`train.resume=latest` or a tag),
-and with train.export_dir exports the last one. The run config is ds_longstraw.run_config.RunConfig (YAML + dotlist
+and with train.export_dir exports the last one. The run config is engine/run_config.py's RunConfig (YAML + dotlist
 overrides); the DeepSpeed JSON it names carries the "longstraw" block.
 """
 
@@ -29,7 +29,7 @@ import torch
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="run config YAML (ds_longstraw.run_config.RunConfig)")
+    parser.add_argument("--config", required=True, help="run config YAML (ds_longstraw.engine.run_config.RunConfig)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     parser.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. train.max_steps=5 optim.lr=1e-4")
     args = parser.parse_args(argv)
@@ -54,8 +54,8 @@ def _tokenizer(run):
 
 
 def _policy(run, ds_config):
-    from ds_longstraw.lora import apply_lora
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.lora import apply_lora
+    from ds_longstraw.models.modeling import build_model
 
     model = build_model(shape=run.model.shape, pretrained=run.model.pretrained, dtype=run.model.dtype,
                         seed=run.model.seed, ds_config=ds_config, zero_init=run.model.zero_init,
@@ -71,7 +71,7 @@ def _reference(run, ds_config):
     its own (no optimizer) so that under ZeRO-3 its weights are partitioned too."""
     import deepspeed
 
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     model = build_model(shape=run.model.shape, pretrained=run.model.pretrained, dtype=run.model.dtype,
                         seed=run.model.seed, ds_config=ds_config, zero_init=run.model.zero_init,
@@ -137,7 +137,7 @@ class _Groups:
     rollout = None
 
     def __init__(self, run, tokenizer):
-        from ds_longstraw.data import GroupSource
+        from ds_longstraw.tools.data import GroupSource
 
         self.data = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
         self.path = run.data.path
@@ -156,13 +156,13 @@ class _Prompts:
     def __init__(self, run, tokenizer):
         from omegaconf import OmegaConf
 
-        from ds_longstraw.rollout_step import parse_rollout
+        from ds_longstraw.rollout.step import parse_rollout
 
         self.rollout = parse_rollout(OmegaConf.to_container(run.rollout, resolve=True))
         self.generator = self.rollout.prompt_function()
         self.data = None
         if self.generator is None:
-            from ds_longstraw.data import GroupSource
+            from ds_longstraw.tools.data import GroupSource
 
             self.data = GroupSource(run.data.path, tokenizer=tokenizer, shuffle_seed=run.data.shuffle_seed)
             self.data.prompt(0)  # a record without a prompt fails here, before any work
@@ -240,15 +240,15 @@ def _init_distributed():
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     _settle_accelerator()
-    from ds_longstraw.console import hide_third_party_notices
+    from ds_longstraw.tools.console import hide_third_party_notices
 
     hide_third_party_notices()
-    from ds_longstraw.run_config import load_run_config
+    from ds_longstraw.engine.run_config import load_run_config
 
     run = load_run_config(args.config, args.overrides)
 
     # Everything that can be checked without a process group is checked first.
-    from ds_longstraw.engine_config import load_ds_config, read_block
+    from ds_longstraw.engine.config import load_ds_config, read_block
 
     ds_config = load_ds_config(run.deepspeed_config)
     read_block(ds_config, world_size=int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
@@ -266,7 +266,7 @@ def main(argv=None):
     from deepspeed import comm as dist
 
     import ds_longstraw
-    from ds_longstraw.checkpoint_files import save_record
+    from ds_longstraw.engine.checkpoint_files import save_record
     from ds_longstraw.kernels.dispatch import describe_paths
 
     _init_distributed()
@@ -298,7 +298,7 @@ def main(argv=None):
     if rank == 0:
         import psutil
 
-        from ds_longstraw.lora import trainable_summary
+        from ds_longstraw.models.lora import trainable_summary
 
         ready = time.time() - psutil.Process().create_time()
         counts = trainable_summary(engine.module)
@@ -360,7 +360,7 @@ def main(argv=None):
     if run.train.export_dir and rank == 0:
         # After the process group is gone: the export takes one process and may take a while for a big model,
         # longer than the other ranks should wait in a collective.
-        from ds_longstraw.export import describe, export_checkpoint
+        from ds_longstraw.engine.export import describe, export_checkpoint
 
         result = export_checkpoint(run.train.save_dir, run.train.export_dir, merge=run.train.export_merge,
                                    overwrite=bool(run.train.resume))

@@ -78,7 +78,7 @@ class MoEShape:
 @dataclass
 class ModelShape:
     """What the plan needs of a model: bytes by label (the keys of PrefixState.retained_bytes()), built from the
-    architecture's layer-state specs (ds_longstraw.model_shape)."""
+    architecture's layer-state specs (ds_longstraw.models.model_shape)."""
 
     name: str
     family: str
@@ -224,7 +224,7 @@ SCAN_HOLD_FRACTION = 0.25
 def holds_scan(cp_scan: str, held_bytes: int, device_memory: int | None) -> bool:
     """Whether the GDN capture holds its outputs (`held_bytes` for the largest shard) across the exchange:
     "one_pass", or "auto" where they fit SCAN_HOLD_FRACTION of the device's memory (always when there is no device
-    memory to bound them: off CUDA, or not known). The capture (parallel/capture.py) and the plan both ask this."""
+    memory to bound them: off CUDA, or not known). The capture (grpo/cp/capture.py) and the plan both ask this."""
     if cp_scan != "auto":
         return cp_scan == "one_pass"
     return device_memory is None or held_bytes <= SCAN_HOLD_FRACTION * device_memory
@@ -254,7 +254,7 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
     return workspace
 
 
-# The combines the layer-major prefix pass runs (ds_longstraw.topology.resolve_prefix says the same at run time)
+# The combines the layer-major prefix pass runs (ds_longstraw.grpo.topology.resolve_prefix says the same at run time)
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
@@ -354,7 +354,7 @@ def recomputed_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int 
 
 
 def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
-    """What the layer-major prefix pass holds on the device across one layer (parallel/prefix_layers.py): d(output)
+    """What the layer-major prefix pass holds on the device across one layer (grpo/cp/prefix_layers.py): d(output)
     and d(input) [T, C] in the model's dtype, and the largest layer kind's own: attention q, out and d(out)
     [T, H D] in the model's dtype with lse [T, H] in float32, or GDN d(o) and d(z) [T, Hv dv] (dv: half of
     the key + value head dims, as in the families here). An estimate of the larger tensors, not of every
@@ -556,7 +556,7 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
 
 
 def check_expert_layout(shape: ModelShape, layout: Layout):
-    """ValueError for an expert-parallel size the engine would refuse (engine_experts.py: EP groups of `ep`
+    """ValueError for an expert-parallel size the engine would refuse (engine/experts.py: EP groups of `ep`
     consecutive ranks, the CP group under context parallelism, an even split of every layer's experts)."""
     ep = layout.ep
     if ep < 1:

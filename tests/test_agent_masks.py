@@ -173,7 +173,7 @@ def test_masks_move_the_reference_gradient(model):
 
 @pytest.mark.parametrize("baseline", ["conventional", "per_member"])
 def test_baselines_train_only_masked_in_tokens(model, ref_model, baseline):
-    from ds_longstraw import baselines
+    from ds_longstraw.tools import baselines
 
     prompt_len, members, *_ = CASES["kl-seq-mean"]
     group = masked_group(prompt_len, members, seed=9)
@@ -298,7 +298,7 @@ def test_lists_of_booleans_are_masks_and_count_trained_tokens():
     assert GRPOGroup(P, R, rewards=[1.0, 0.0, 0.5]).mask(2).tolist() == [T, T, T]
 
 
-# ---- JSONL groups with masks (ds_longstraw.data) -----------------------------------------------------------------
+# ---- JSONL groups with masks (ds_longstraw.tools.data) ---------------------------------------------------------------
 
 class _WordTokenizer:
     """Stands in for a transformers tokenizer: one id per whitespace-separated word (the first letter's code), so
@@ -312,7 +312,7 @@ class _WordTokenizer:
 def _source(tmp_path, records, tokenizer=None):
     import json
 
-    from ds_longstraw.data import GroupSource
+    from ds_longstraw.tools.data import GroupSource
 
     path = tmp_path / "groups.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))

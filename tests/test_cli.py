@@ -1,4 +1,4 @@
-"""`python -m ds_longstraw.cli` exits with the subcommand's status, as the `longstraw` console script does.
+"""`python -m ds_longstraw.tools.cli` exits with the subcommand's status, as the `longstraw` console script does.
 
 A failing `plan` (an unknown model) returns 2 from main(); run as a module, that status must reach the shell, or a
 script that checks it (bin/main's `set -e`, a CI step) carries on after a failure.
@@ -12,8 +12,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ds_longstraw.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run([sys.executable, "-m", "ds_longstraw.tools.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
 
 
 def test_a_failing_subcommand_exits_nonzero():

@@ -11,9 +11,9 @@ import torch
 from models import tiny_qwen3_5
 
 import ds_longstraw
-from ds_longstraw.engine_config import near_miss_block_names, read_block
-from ds_longstraw.modeling import config_from_shape, parameter_count
-from ds_longstraw.run_config import load_run_config
+from ds_longstraw.engine.config import near_miss_block_names, read_block
+from ds_longstraw.engine.run_config import load_run_config
+from ds_longstraw.models.modeling import config_from_shape, parameter_count
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -136,7 +136,7 @@ def test_run_config_qlora_needs_adapters_and_a_checkpoint():
 
 
 def test_model_from_a_local_checkpoint_directory(tmp_path):
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     model = tiny_qwen3_5(torch.float32, seed=2)
     model.save_pretrained(tmp_path / "ckpt")
@@ -171,7 +171,7 @@ def test_model_shapes():
 def test_glm_5_2_shape_config_builds_its_transformers_config():
     """configs/models/glm_5_2.yaml is a real glm_moe_dsa config whose retained bytes per token match
     mission/NUMBERS.md: 78 x (512 + 64) x 2 B of latent + 21 x 128 x 2 B of indexer keys = 95,232 B."""
-    from ds_longstraw.modeling import config_from_shape
+    from ds_longstraw.models.modeling import config_from_shape
 
     config = config_from_shape("configs/models/glm_5_2.yaml")
     assert config.model_type == "glm_moe_dsa"

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from ds_longstraw.arch.specs import LayerState, Stream
+from ds_longstraw.grpo.cp.cp_attention import layer_stager, streamed_grads, streamed_partial
+from ds_longstraw.grpo.state import PrefixState
+from ds_longstraw.grpo.topology import _scale_injected_
 from ds_longstraw.kernels import partial_attention_reference
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import HostPagePool, PagePool
-from ds_longstraw.parallel.cp_attention import layer_stager, streamed_grads, streamed_partial
-from ds_longstraw.state import PrefixState
-from ds_longstraw.topology import _scale_injected_
 
 KV, D, H = 2, 8, 4
 SPECS = [LayerState(0, "attention", "kv", streams=(Stream("k", (KV, D), torch.float64),
@@ -149,7 +149,7 @@ def test_context_parallelism_refuses_a_combine_it_does_not_run():
     from transformers import GlmMoeDsaConfig
 
     from ds_longstraw.arch import specs_for_config
-    from ds_longstraw.topology import check_combines
+    from ds_longstraw.grpo.topology import check_combines
 
     check_combines(specs_for_config(tiny_qwen3_5_config(), torch.float64), 2)
     glm = specs_for_config(GlmMoeDsaConfig(num_hidden_layers=2, indexer_types=["full", "shared"]), torch.float64)

@@ -1,5 +1,5 @@
 """The CP replay spread ("cp_replay": "spread"): rank r replays and scores only the members m with m mod N = r,
-its attention reaching every rank's pages by queries out and partials back (parallel/spread.py), on 2, 3 and 4
+its attention reaching every rank's pages by queries out and partials back (grpo/cp/spread.py), on 2, 3 and 4
 gloo ranks, against single-process float64 references.
 
   qwen3_5   every rank == transformers cache continuation (detached) / full-sequence autograd (exact), as

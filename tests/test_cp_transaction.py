@@ -26,7 +26,7 @@ from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOObjective, grpo_backward
-from ds_longstraw.model_shape import shape_from_config
+from ds_longstraw.models.model_shape import shape_from_config
 from ds_longstraw.offload.plan import gdn_scan_outputs, layer_inputs_bytes
 from ds_longstraw.parallel import shard_pieces, visible_prefix
 from ds_longstraw.parallel.groups import local_spans

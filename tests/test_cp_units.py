@@ -27,10 +27,10 @@ from ds_longstraw.arch.qwen3_5_scan import (
     identity_summary,
 )
 from ds_longstraw.config import LongstrawConfig
+from ds_longstraw.grpo.cp.cp_attention import capture_move_bytes
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
 from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
 from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visible_prefix
-from ds_longstraw.parallel.cp_attention import capture_move_bytes
 
 
 @pytest.mark.parametrize("length,size", [(22, 3), (5, 4), (2, 4), (8, 2), (1, 1)])
@@ -86,13 +86,13 @@ def _layout_specs(combines):
     ({"prefix_grad": "exact", "cp_prefix": "turns", "cp_layout": "zigzag"}, ["topk_lse"], "zigzag"),
 ], ids=["detached", "exact", "ulysses", "topk", "asked", "topk-turns", "topk-layer-major", "topk-turns-asked"])
 def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
-    from ds_longstraw.topology import resolve_layout
+    from ds_longstraw.grpo.topology import resolve_layout
 
     assert resolve_layout(_FakeAdapter(combines), LongstrawConfig(cp_size=2, **settings)) == expected
 
 
 def test_zigzag_refused_where_it_does_not_run():
-    from ds_longstraw.topology import resolve_layout
+    from ds_longstraw.grpo.topology import resolve_layout
 
     config = LongstrawConfig(cp_size=2, cp_layout="zigzag", cp_attention="ulysses")
     with pytest.raises(ValueError, match="'longstraw.cp_layout' = 'zigzag'.*cp_attention 'ulysses'"):
@@ -153,7 +153,7 @@ class _FakeAdapter:
 ], ids=["asked", "ulysses", "none-combine", "no-scan-pass", "turns-asked"])
 def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
     """Where the combines rule layer-major out, "auto" takes the turns before weighing memory (the next test)."""
-    from ds_longstraw.topology import resolve_prefix
+    from ds_longstraw.grpo.topology import resolve_prefix
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", **settings)
     assert resolve_prefix(_FakeAdapter(combines, scan_pass), config) == expected
@@ -171,7 +171,8 @@ def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
     from models import tiny_qwen3_5
 
     from ds_longstraw.arch import adapter_for
-    from ds_longstraw.model_shape import load_config, shape_from_config
+    from ds_longstraw.grpo.topology import resolve_inputs_every, resolve_prefix
+    from ds_longstraw.models.model_shape import load_config, shape_from_config
     from ds_longstraw.offload.plan import (
         LAYER_MAJOR_DEVICE_FRACTION,
         LAYER_MAJOR_STATE_RATIO,
@@ -180,7 +181,6 @@ def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
         layer_major_workspace,
     )
     from ds_longstraw.offload.plan import layer_major_prefix as plan_layer_major
-    from ds_longstraw.topology import resolve_inputs_every, resolve_prefix
 
     assert (LAYER_MAJOR_STATE_RATIO, LAYER_MAJOR_DEVICE_FRACTION) == (1.5, 0.25)
     adapter = adapter_for(tiny_qwen3_5(layers=3, layer_types=["linear_attention", "full_attention",
@@ -222,7 +222,7 @@ def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
 
 
 def test_layer_major_refused_where_it_does_not_run():
-    from ds_longstraw.topology import resolve_prefix
+    from ds_longstraw.grpo.topology import resolve_prefix
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
     assert resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config) == "layer_major"
@@ -369,8 +369,8 @@ def test_cp_size_and_group_are_checked_at_the_door():
 def test_auto_scan_holds_outputs_where_they_fit():
     """"cp_scan": "auto" holds the GDN outputs off CUDA, and on CUDA where they take at most SCAN_HOLD_FRACTION of
     the device (the same rule as the planner's scan_holds); explicit settings are obeyed."""
+    from ds_longstraw.grpo.cp.capture import holds_scan_outputs
     from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
-    from ds_longstraw.parallel.capture import holds_scan_outputs
 
     cpu, cuda, gib = torch.device("cpu"), torch.device("cuda"), 1 << 30
     auto = LongstrawConfig(cp_size=2)

@@ -36,7 +36,7 @@ import os
 import pytest
 from dist_scripts.launching import REPO, finish, free_port, start
 
-from ds_longstraw.engine_config import read_block
+from ds_longstraw.engine.config import read_block
 
 TOL = 1e-5
 SCRIPT = os.path.join(REPO, "tests", "dist_scripts", "engine_cp_checks.py")

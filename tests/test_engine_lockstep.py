@@ -1,4 +1,4 @@
-"""Lockstep (ds_longstraw/lockstep.py), single process: what makes ZeRO-3 data parallelism with different groups
+"""Lockstep (ds_longstraw/grpo/lockstep.py), single process: what makes ZeRO-3 data parallelism with different groups
 per rank possible, checked without a launcher.
 
   module calls:  two groups of different shapes, each padded to their common shape, make the SAME sequence of
@@ -19,7 +19,7 @@ from grads import grads_of, relative_l2
 from models import float64_model, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, parse_config
-from ds_longstraw.lockstep import GroupShape, Lockstep, dummy_group, merge, shape_of
+from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, dummy_group, merge, shape_of
 
 BLOCK = {"capture_chunk": 8, "replay_block": 3, "page_tokens": 4}
 

@@ -53,7 +53,7 @@ got = {name: logits(AutoModelForCausalLM.from_pretrained(paths[name], dtype=torc
        for name in ("full", "full_sharded", "lora_merged")}
 base = AutoModelForCausalLM.from_pretrained(paths["base"], dtype=torch.float32)
 got["lora"] = logits(PeftModel.from_pretrained(base, paths["lora"]))
-# QLoRA's base loaded 4-bit as training loaded it (ds_longstraw.modeling.four_bit_config at float32); bitsandbytes'
+# QLoRA's base loaded 4-bit as training loaded it (models/modeling.py's four_bit_config, float32); bitsandbytes'
 # CPU inference layout (bf16 block scales, on AVX512-BF16 CPUs) is off, as it was in training.
 four_bit = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
                               bnb_4bit_compute_dtype=torch.float32, bnb_4bit_quant_storage=torch.float32)
@@ -84,7 +84,7 @@ def runs(tmp_path_factory):
     (tmp / "ds.json").write_text(json.dumps(ds))
     subprocess.run([sys.executable, os.path.join(REPO, "launch", "make_toy_groups.py"), str(tmp / "groups.jsonl"),
                     "--groups", "4", "--prompt-tokens", "40", "--response-tokens", "7"], check=True)
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     # the LoRA run's base: a checkpoint directory with a tokenizer, as a user's pretrained model comes
     build_model(shape=SHAPE, dtype="float32", seed=3).save_pretrained(tmp / "base")
@@ -100,7 +100,7 @@ def runs(tmp_path_factory):
                     log)
         finish([job], timeout=300, logs=[log])
 
-    from ds_longstraw.export import export_checkpoint
+    from ds_longstraw.engine.export import export_checkpoint
 
     export_checkpoint(tmp / "ckpt_full", tmp / "full_sharded", max_shard_size="100KB")
     export_checkpoint(tmp / "ckpt_lora", tmp / "lora_adapter")
@@ -122,8 +122,8 @@ def _logits(model):
 def _trained(runs, name):
     """(the trained engine module's logits, the starting weights' logits): the dumped parameters in the model the
     run built."""
-    from ds_longstraw.lora import apply_lora
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.lora import apply_lora
+    from ds_longstraw.models.modeling import build_model
 
     if name == "full":
         model = build_model(shape=SHAPE, dtype="float32", seed=0)
@@ -171,7 +171,7 @@ def test_lora_adapter_over_its_base_gives_the_trained_logits(runs, loaded, run):
 
 
 def test_merge_of_a_qlora_run_is_refused(runs, tmp_path):
-    from ds_longstraw.export import export_checkpoint
+    from ds_longstraw.engine.export import export_checkpoint
 
     with pytest.raises(ValueError, match="refused for a QLoRA run"):
         export_checkpoint(runs / "ckpt_qlora", tmp_path / "merged", merge=True)

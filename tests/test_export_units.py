@@ -22,8 +22,8 @@ import torch
 from dist_scripts.launching import REPO, free_port
 from omegaconf import OmegaConf
 
-from ds_longstraw.export import export_checkpoint, main
-from ds_longstraw.run_config import load_run_config
+from ds_longstraw.engine.export import export_checkpoint, main
+from ds_longstraw.engine.run_config import load_run_config
 from ds_longstraw.sizes import parse_bytes
 
 SHAPES = os.path.join(REPO, "configs", "models")
@@ -87,8 +87,8 @@ def test_moe_experts_are_written_per_expert_and_load_back(ckpts, tmp_path):
 
 
 def _trained_lora(ckpts):
-    from ds_longstraw.lora import apply_lora
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.lora import apply_lora
+    from ds_longstraw.models.modeling import build_model
 
     model = apply_lora(build_model(shape=os.path.join(SHAPES, "tiny_qwen3_5.yaml"), seed=0), r=4, alpha=32, seed=0)
     model.load_state_dict(torch.load(ckpts / "lora.pt"))
@@ -183,7 +183,7 @@ def test_existing_out_is_refused_unless_overwrite(ckpts, tmp_path):
 
 
 def test_a_failure_part_way_leaves_no_files(ckpts, tmp_path, monkeypatch):
-    import ds_longstraw.export as export
+    import ds_longstraw.engine.export as export
 
     def fail(*args):
         raise RuntimeError("disk full")

@@ -169,7 +169,7 @@ def test_lora_policy_with_adapters_disabled_as_reference(mode):
     """A peft LoRA policy on the family's default targets (LORA_TARGETS: kv_b_proj among them, which the absorbed
     attention reads by calling it on the identity), kl_coef > 0 against the same model with its adapters disabled:
     the adapters' gradients equal transformers' (relative L2 <= 1e-8; measured ~1e-15), kv_b_proj's included."""
-    from ds_longstraw.lora import apply_lora
+    from ds_longstraw.models.lora import apply_lora
 
     policy = apply_lora(tiny_glm_moe_dsa(), r=2, alpha=4, seed=0)
     with torch.no_grad():  # peft starts B at zero, where A gets no gradient: make every adapter matter

@@ -33,11 +33,11 @@ from ds_longstraw import GRPOObjective
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.arch import glm_moe_dsa_attention as dsa
 from ds_longstraw.config import parse_config
+from ds_longstraw.grpo.cp.cp_sparse import selected_rows_attention
+from ds_longstraw.grpo.topology import ContextParallel
 from ds_longstraw.kernels import merge_partials
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.parallel import shard_pieces
-from ds_longstraw.parallel.cp_sparse import selected_rows_attention
-from ds_longstraw.topology import ContextParallel
 
 TOL = 1e-8
 WORLDS = [2, 3, 4]
@@ -269,7 +269,7 @@ def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results
     """The layer-major pass's retained layer inputs on each rank: the kept layers' over its own tokens (hidden x 8 B
     a token each; with prefix_inputs_every 3 also the selection layer 3 reuses from layer 2, index_topk int32 a
     token), what offload/plan.layer_inputs_bytes gives for the shape; the turns keep none."""
-    from ds_longstraw.model_shape import shape_from_config
+    from ds_longstraw.models.model_shape import shape_from_config
     from ds_longstraw.offload.plan import layer_inputs_bytes
 
     world, results = world_results

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ds_longstraw import GRPOObjective, grpo_backward
-from ds_longstraw.modeling import MODELS_DIR, build_model
-from ds_longstraw.rollout_step import rollout_groups
+from ds_longstraw.models.modeling import MODELS_DIR, build_model
+from ds_longstraw.rollout.step import rollout_groups
 from ds_longstraw.tasks import kv
 
 SIZES = dict(prompt_tokens=32, records=2, keys=8, values=4, fillers=8)

@@ -3,7 +3,7 @@
 
   train:   2 GRPO steps (detached, AdamW) from JSONL groups, checkpoint per step; the final weights == a
            single-process reference: the same tiny model from the same shape config and seed, and per step the
-           mean over the two ranks' groups (the same JSONL rows, ds_longstraw.data order) of grpo_backward's
+           mean over the two ranks' groups (the same JSONL rows, ds_longstraw.tools.data order) of grpo_backward's
            gradients, then the AdamW step.
   qlora:   LoRA over NF4 4-bit base weights from a checkpoint (lora.qlora, kl_coef > 0: the reference is the base
            with adapters disabled), 2 steps; a second job resumes its step-1 checkpoint (which carries
@@ -71,7 +71,7 @@ def runs(tmp_path_factory):
     finish([resume], timeout=300, logs=[log])
 
     # QLoRA: a 4-bit base loaded from a checkpoint; straight 2 steps, then step 2 again from the step-1 checkpoint
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     build_model(shape=SHAPE, dtype="float32", seed=0).save_pretrained(tmp / "base")
     qlora = {"lora.enabled": "true", "lora.qlora": "true", "lora.r": 4, "model.shape": "null",
@@ -104,10 +104,10 @@ def one_thread():
 
 def _reference(tmp, replicas=2, block=BLOCK):
     """Single process: per step, the mean over `replicas` data replicas of grpo_backward's gradients of their
-    groups (ds_longstraw.data order), then the AdamW step."""
+    groups (ds_longstraw.tools.data order), then the AdamW step."""
     from ds_longstraw import grpo_backward
-    from ds_longstraw.data import GroupSource
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
+    from ds_longstraw.tools.data import GroupSource
 
     model = build_model(shape=SHAPE, dtype="float32", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
@@ -134,7 +134,7 @@ def _lines(path):
 
 
 def test_training_takes_the_reference_steps(runs, one_thread):
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     start_weights = dict(build_model(shape=SHAPE, dtype="float32", seed=0).named_parameters())
     got = torch.load(runs / "train.pt")
@@ -151,7 +151,7 @@ def test_training_takes_the_reference_steps(runs, one_thread):
 def test_context_parallel_training_takes_the_reference_steps(runs, one_thread):
     """cp_size 2 on 2 ranks: one data replica whose two ranks share each step's group (the prompt sharded over
     them), exact mode: the same steps as single-process exact grpo_backward on that group."""
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     start_weights = dict(build_model(shape=SHAPE, dtype="float32", seed=0).named_parameters())
     got = torch.load(runs / "cp.pt")

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ds_longstraw.data import GroupSource
+from ds_longstraw.tools.data import GroupSource
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

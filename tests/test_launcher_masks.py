@@ -5,7 +5,7 @@ trajectories whose responses hold masked tool spans ("response_masks" in token-i
   with no trained token; one whole group with none (its rank contributes a zero gradient to that step's average).
   Ranks bring groups of different shapes, so ZeRO-3's lockstep pads members and blocks.
   Chain: final weights after 2 AdamW steps == a single process that, per step, averages over the two ranks' groups
-  (the same JSONL rows, ds_longstraw.data order) the gradients of grpo_backward with the masks, then steps;
+  (the same JSONL rows, ds_longstraw.tools.data order) the gradients of grpo_backward with the masks, then steps;
   and != the same reference with the masks dropped (the launcher path must carry them to the loss).
 Tolerance against the reference: float32, relative 1e-5 on the update, as tests/test_launcher.py (AdamW eps 1.0 so
 the update stays close to linear in the gradient; measured 2.5e-6). Dropping the masks moves the update by 0.8
@@ -87,10 +87,10 @@ def one_thread():
 
 def _reference(tmp, drop_masks=False, replicas=2):
     """Single process: per step, the mean over the data replicas of grpo_backward's gradients of their groups
-    (ds_longstraw.data order), then the AdamW step."""
+    (ds_longstraw.tools.data order), then the AdamW step."""
     from ds_longstraw import GRPOGroup, grpo_backward
-    from ds_longstraw.data import GroupSource
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
+    from ds_longstraw.tools.data import GroupSource
 
     model = build_model(shape=SHAPE, dtype="float32", seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], eps=OPTIM["eps"],
@@ -114,7 +114,7 @@ def _reference(tmp, drop_masks=False, replicas=2):
 
 
 def test_masked_training_takes_the_reference_steps(run, one_thread):
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     start_weights = {n: p.detach() for n, p in build_model(shape=SHAPE, dtype="float32", seed=0).named_parameters()}
     got = torch.load(run / "masks.pt")

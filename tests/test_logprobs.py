@@ -23,10 +23,10 @@ from peft import LoraConfig, get_peft_model
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.arch.base import CausalLMAdapter
 from ds_longstraw.group import GRPOGroup
+from ds_longstraw.grpo.transaction import grpo_backward
 from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
 from ds_longstraw.kernels import logprobs as logprobs_module
 from ds_longstraw.objective import GRPOObjective
-from ds_longstraw.transaction import grpo_backward
 
 # float64: the chunked and full computations differ only in summation order (per-chunk sums and rescaling):
 # measured differences are a few 1e-16; 1e-12 leaves room for larger T and V without hiding a wrong term.

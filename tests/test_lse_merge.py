@@ -8,13 +8,13 @@ partial is empty (lse = -inf) or when a query sees no key in any shard.
 import pytest
 import torch
 
+from ds_longstraw.grpo.cp.cp_attention import merge_in_order
 from ds_longstraw.kernels import (
     merge_partials,
     merge_partials_reference,
     partial_attention,
     partial_attention_reference,
 )
-from ds_longstraw.parallel.cp_attention import merge_in_order
 
 NEG_INF = float("-inf")
 

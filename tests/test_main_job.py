@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ds_longstraw.cli import EXACT_ONLY, _retained_rows, summary_line
+from ds_longstraw.tools.cli import EXACT_ONLY, _retained_rows, summary_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOISE = re.compile(r"warn|Failed to initialize NumPy|Setting accelerator|deprecated", re.IGNORECASE)
@@ -69,7 +69,7 @@ def test_retained_rows_by_mode():
 FILTERS = r"""
 import logging, sys, warnings
 warnings.simplefilter("default")  # every warning shown once, unless a filter installed after this says otherwise
-from ds_longstraw.console import hide_third_party_notices
+from ds_longstraw.tools.console import hide_third_party_notices
 hide_third_party_notices()
 logging.basicConfig(stream=sys.stdout, format="%(name)s: %(message)s")
 warnings.showwarning = lambda message, category, *args, **kwargs: print(f"{category.__name__}: {message}")
@@ -78,7 +78,7 @@ def emit(module, category, message):
          {"__name__": module})
 emit("torch.distributed.c10d_logger", FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated.")
 emit("transformers.modeling_utils", FutureWarning, "`is_gradient_checkpointing` is deprecated")
-emit("ds_longstraw.engine", FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated.")
+emit("ds_longstraw.engine.engine", FutureWarning, "`torch.distributed.all_gather_into_tensor` is deprecated.")
 logging.getLogger("transformers.integrations.hub_kernels").warning(
     "`causal_conv1d_fn` is falling back to its reference PyTorch implementation because ...")
 logging.getLogger("transformers.integrations.hub_kernels").warning("another transformers message")

@@ -18,8 +18,7 @@ import torch
 from models import tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, memory
-from ds_longstraw.bench import run_fresh, run_one
-from ds_longstraw.memory import (
+from ds_longstraw.grpo.memory import (
     CLEAR_REFS,
     HOST_PEAK_ENV,
     HostPeakUnavailable,
@@ -29,6 +28,7 @@ from ds_longstraw.memory import (
     reset_host_peak,
     return_freed_host_memory,
 )
+from ds_longstraw.tools.bench import run_fresh, run_one
 
 MIB = 2**20
 

@@ -157,7 +157,7 @@ def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypat
     store's files go with the state."""
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.config import parse_config
-    from ds_longstraw.state import CarryCheckpoints, PooledCarryCheckpoints, capture_prefix
+    from ds_longstraw.grpo.state import CarryCheckpoints, PooledCarryCheckpoints, capture_prefix
 
     adapter = adapter_for(model)
     prompt = _group().prompt_ids

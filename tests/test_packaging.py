@@ -74,7 +74,7 @@ def _under(path, folder) -> bool:
 
 def test_imports_come_from_the_install(install):
     code = ("import json, ds_longstraw, ds_longstraw.configs, ds_longstraw.kernels, ds_longstraw.offload, "
-            "ds_longstraw.launch, ds_longstraw.tasks; from ds_longstraw.modeling import MODELS_DIR; "
+            "ds_longstraw.launch, ds_longstraw.tasks; from ds_longstraw.models.modeling import MODELS_DIR; "
             "print(json.dumps([m.__file__ for m in (ds_longstraw, ds_longstraw.configs, ds_longstraw.kernels, "
             "ds_longstraw.offload, ds_longstraw.launch, ds_longstraw.tasks)] + [str(MODELS_DIR)]))")
     result = _run(install, "-c", code)
@@ -110,10 +110,10 @@ def test_demo(install):
 def test_kv_task_reads_the_installed_files(install):
     code = """
 import json
-from ds_longstraw.engine_config import load_ds_config
-from ds_longstraw.modeling import config_from_shape
-from ds_longstraw.rollout_step import parse_rollout
-from ds_longstraw.run_config import load_run_config
+from ds_longstraw.engine.config import load_ds_config
+from ds_longstraw.models.modeling import config_from_shape
+from ds_longstraw.rollout.step import parse_rollout
+from ds_longstraw.engine.run_config import load_run_config
 from ds_longstraw.tasks import kv_demo
 
 script = kv_demo._train_module()

@@ -20,11 +20,11 @@ from models import float64_model, tiny_qwen3_5, tiny_qwen3_5_config
 
 from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
-from ds_longstraw.model_shape import load_config, shape_from_config
+from ds_longstraw.grpo.state import capture_prefix
+from ds_longstraw.models.model_shape import load_config, shape_from_config
 from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank, rollout_figures
-from ds_longstraw.planner import main
 from ds_longstraw.sizes import parse_bytes, parse_tokens
-from ds_longstraw.state import capture_prefix
+from ds_longstraw.tools.planner import main
 
 
 def _tiny_shape(dtype, layers=4):
@@ -319,7 +319,7 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
 PEAK = r"""
 import sys, torch
 from ds_longstraw.kernels import chunk_gated_delta_rule
-from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak
+from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak
 torch.set_num_threads(1)
 tokens, heads, dim, grad = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "backward"
 gen = torch.Generator().manual_seed(0)
@@ -367,7 +367,7 @@ def test_rollout_state_matches_what_generate_allocates(family, monkeypatch):
     sample runs to max_new_tokens): the samples' response-row buffers generate allocates (rollout._new_buffer) are
     G x new tokens x the page streams' bytes per token, and the carry the first decode step receives is G copies of
     the prompt's per-sequence carry; both to the byte."""
-    import ds_longstraw.rollout as rollout
+    import ds_longstraw.rollout.generate as rollout
     from ds_longstraw import generate
 
     if family == "qwen3_5":
@@ -442,12 +442,12 @@ def test_cli_sizes_rollouts(capsys):
 
 
 def test_cp_time_prediction_follows_its_stated_model(capsys):
-    """ds_longstraw/cp_time.py: the fit passes through BENCHMARKS.md's two H200 points; at CP 2 the zigzag layout's
+    """tools/cp_time.py: the fit passes through BENCHMARKS.md's two H200 points; at CP 2 the zigzag layout's
     attention share is 1/2 against contiguous shards' 3/4; the turns' prefix pass costs one GPU's pass, the
     layer-major one 3x a rank's zigzag share plus the GDN adjoint summaries; for a family that selects, the
     selection's pairs are L^2 (2N - 1) / 2N^2 on the last contiguous rank against L^2 / 2N on zigzag ones, and the
     Triton figures give its per-pair and per-query costs; the CLI prints both tables."""
-    from ds_longstraw import cp_time
+    from ds_longstraw.tools import cp_time
 
     fit = [4 * cp_time.LINEAR_S_PER_TOKEN_LAYER * n + cp_time.ATTENTION_S_PER_L2 * n * n for n in (65536, 262144)]
     assert fit == pytest.approx([0.97, 5.12], rel=1e-12)

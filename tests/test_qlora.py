@@ -20,8 +20,8 @@ from grads import grads_of, relative_l2
 from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
-from ds_longstraw.lora import apply_lora
-from ds_longstraw.modeling import build_model
+from ds_longstraw.models.lora import apply_lora
+from ds_longstraw.models.modeling import build_model
 
 TOL = 1e-8
 CONFIG = {"capture_chunk": 7, "page_tokens": 5, "replay_block": 4}  # divides neither prompt nor responses

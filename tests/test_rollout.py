@@ -19,10 +19,10 @@ from cp_scripts.rollout_ranks import case_model, case_prompt, case_rollouts, run
 from glm_models import glm_reference, tiny_glm_moe_dsa
 from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 
-import ds_longstraw.rollout as rollout
+import ds_longstraw.rollout.generate as rollout
 from ds_longstraw import GRPOObjective, Rollouts, generate, grpo_backward
 from ds_longstraw.config import parse_config
-from ds_longstraw.lockstep import GroupShape, Lockstep, shape_of
+from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, shape_of
 
 TOL = 1e-8
 # prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
@@ -353,7 +353,7 @@ def test_bad_arguments_are_refused_by_name(models, arguments, name):
 def test_lockstep_arguments_are_refused_by_name(models):
     """dp_group and a precomputed lockstep are two ways to say one thing; an idle slot's lockstep decodes no prompt
     (decode_idle_slot runs it). Both refused before any collective."""
-    from ds_longstraw.decode_lockstep import DecodeLockstep
+    from ds_longstraw.rollout.decode_lockstep import DecodeLockstep
 
     with pytest.raises(ValueError, match="dp_group or lockstep"):
         generate(models["qwen3_5"], [1, 2, 3], 1, 2, dp_group=object(), lockstep=Lockstep(
@@ -375,8 +375,8 @@ def generate_peak(prompt_tokens, samples, new_tokens):
     """In this process: the figures of one generate call on the small shape (to be run in a fresh process)."""
     import time
 
-    from ds_longstraw.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
-    from ds_longstraw.shapes import build_model
+    from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
+    from ds_longstraw.models.shapes import build_model
 
     model = build_model("small")
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
@@ -459,7 +459,7 @@ def _nvme_engine(monkeypatch):
 
 def _counted_captures(monkeypatch):
     """Counts the policy captures (topology.capture on one rank)."""
-    from ds_longstraw.topology import OneRank
+    from ds_longstraw.grpo.topology import OneRank
 
     calls, capture = [], OneRank.capture
 

@@ -1,4 +1,4 @@
-"""Rollouts inside training (ds_longstraw.rollout_step): the `rollout:` block, its reward import path, and the
+"""Rollouts inside training (ds_longstraw.rollout.step): the `rollout:` block, its reward import path, and the
 engine path that samples, rewards and trains in one grpo_step.
 
   config:   every bad block fails in parse_rollout (and so at engine.grpo_step and load_run_config, before any
@@ -26,13 +26,13 @@ import torch
 from models import tiny_qwen3_5
 
 from ds_longstraw import generate
-from ds_longstraw.rollout_step import (
+from ds_longstraw.engine.run_config import load_run_config
+from ds_longstraw.rollout.step import (
     load_callable,
     parse_rollout,
     rollout_groups,
     sample_seed,
 )
-from ds_longstraw.run_config import load_run_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CALLS = []
@@ -168,7 +168,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
     import deepspeed
     import ds_longstraw
     from ds_longstraw import GRPOObjective, grpo_backward
-    from ds_longstraw.rollout_step import rollout_groups
+    from ds_longstraw.rollout.step import rollout_groups
     from models import tiny_qwen3_5
 
     block = {"enabled": True, "capture_chunk": 5, "page_tokens": 4, "replay_block": 3}
@@ -301,7 +301,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     at that step's seeds, their mean gradient, AdamW) to relative 1e-5 in float32."""
     from dist_scripts.launching import finish, free_port, start
 
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
     from ds_longstraw.tasks import kv
 
     with open(os.path.join(REPO, "configs", "deepspeed", "zero3_cpu.json")) as handle:
@@ -366,9 +366,9 @@ def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
     rows, a step's logits; the planner's samples figure is checked against a real generate in tests/test_planner.py."""
     from ds_longstraw import parse_config
     from ds_longstraw.arch import adapter_for
-    from ds_longstraw.model_shape import shape_from_config
+    from ds_longstraw.models.model_shape import shape_from_config
     from ds_longstraw.offload.plan import Layout, make_plan, retained_per_rank, rollout_figures
-    from ds_longstraw.rollout_step import decoding_bytes
+    from ds_longstraw.rollout.step import decoding_bytes
 
     model = tiny_qwen3_5()
     prompts = [torch.zeros(40, dtype=torch.long), torch.zeros(57, dtype=torch.long)]

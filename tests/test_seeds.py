@@ -7,8 +7,8 @@ A change here changes every rollout's samples, hence the pinned values.
 
 import pytest
 
-from ds_longstraw.rollout import _generator
-from ds_longstraw.rollout_step import sample_seed
+from ds_longstraw.rollout.generate import _generator
+from ds_longstraw.rollout.step import sample_seed
 from ds_longstraw.seeds import MASK64, splitmix64
 
 GOLDEN = 0x9E3779B97F4A7C15

@@ -2,6 +2,8 @@
 
   - no import cycle anywhere in ds_longstraw (function-level imports included): the module graph of every
     `import` / `from ... import` statement, offload/ and kernels/ under their installed names, has no cycle;
+  - the rooms are layered (LAYERS): no module imports one of a higher layer (the root's door, ds_longstraw's
+    __init__, imports every room; the root's plain modules - config, group, objective, seeds, sizes - none);
   - offload/ and kernels/ import nothing of ds_longstraw outside themselves (pages, tiers and kernels do not depend
     on the engine: the planner's generic cost model takes a ModelShape, built elsewhere from the specs);
   - only ds_longstraw/arch/ (and kernels/) names a model family's modules, attributes or layer kinds: the
@@ -102,7 +104,7 @@ def _cycles(edges):
 
 def test_no_import_cycles():
     modules = _modules()
-    assert "ds_longstraw.transaction" in modules and "ds_longstraw.offload.pages" in modules
+    assert "ds_longstraw.grpo.transaction" in modules and "ds_longstraw.offload.pages" in modules
     assert _cycles(_edges(modules)) == []
 
 
@@ -117,6 +119,58 @@ def test_pyproject_ships_every_package():
     packages = {module if is_package else module.rpartition(".")[0]
                 for module, (_, is_package) in _modules().items()}
     assert set(setuptools["packages"]) == packages
+
+
+# The rooms, lowest first: a module may import its own layer and those below, never one above (a module belongs to
+# its longest prefix here). The root's plain modules are the base every room may read; its __init__ (the user's
+# door) sits above every room, with the launcher's script; the command line above all.
+LAYERS = [
+    ("base", ["ds_longstraw.accelerator", "ds_longstraw.config", "ds_longstraw.group", "ds_longstraw.objective",
+              "ds_longstraw.seeds", "ds_longstraw.sizes", "ds_longstraw.configs"]),
+    ("kernels and offload", ["ds_longstraw.kernels", "ds_longstraw.offload"]),
+    ("parallel", ["ds_longstraw.parallel"]),
+    ("arch", ["ds_longstraw.arch"]),
+    ("models", ["ds_longstraw.models"]),
+    ("grpo", ["ds_longstraw.grpo"]),
+    ("rollout", ["ds_longstraw.rollout"]),
+    ("engine", ["ds_longstraw.engine"]),
+    ("tools", ["ds_longstraw.tools", "ds_longstraw.tasks"]),
+    ("door, and the launcher's script that runs through it", ["ds_longstraw", "ds_longstraw.launch"]),
+    ("command line, and the demo that runs the launcher's script", ["ds_longstraw.tools.cli",
+                                                                    "ds_longstraw.tasks.kv_demo"]),
+]
+
+
+def _layer_of(module):
+    """The index in LAYERS of the room `module` lives in (the longest matching prefix)."""
+    best = None
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if module == prefix or module.startswith(prefix + "."):
+                if best is None or len(prefix) > best[1]:
+                    best = (index, len(prefix))
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[0]
+
+
+def _upward(edges):
+    """'a -> b' for every import that runs up the layers."""
+    return sorted(f"{module} -> {target}" for module, targets in edges.items() for target in targets
+                  if _layer_of(target) > _layer_of(module))
+
+
+def test_imports_never_run_up_the_layers():
+    edges = _edges(_modules())
+    assert _upward(edges) == []
+    # every room is used from above, none is an island the layering says nothing about
+    assert {_layer_of(module) for module in edges} == set(range(len(LAYERS)))
+
+
+def test_the_layering_check_finds_an_upward_import():
+    """A deliberate violation: parallel/ importing the transaction (what it did before the rooms)."""
+    edges = {"ds_longstraw.parallel.groups": {"ds_longstraw.grpo.state"}, "ds_longstraw.grpo.state": set(),
+             "ds_longstraw.arch.base": {"ds_longstraw.kernels.dispatch"}}
+    assert _upward(edges) == ["ds_longstraw.parallel.groups -> ds_longstraw.grpo.state"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

@@ -161,7 +161,7 @@ def test_lower_precision_within_twice_plain_error(mode, dtype, plain_factor):
 @pytest.mark.parametrize("baseline", ["conventional", "per_member"])
 def test_baselines_take_the_exact_gradient(model, baseline):
     """Both baselines are full-graph computations: their gradients are the exact ones."""
-    from ds_longstraw import baselines
+    from ds_longstraw.tools import baselines
 
     group = _group(21, [4, 2, 5], seed=9)
     objective = GRPOObjective(kl_coef=0.2)

@@ -1,6 +1,6 @@
 """Attention of a batch of decode steps: G sequences, one new token each, that share the prompt's keys.
 
-The G samples of one prompt (ds_longstraw.rollout) all sit at the same position when they decode a step (they start
+The G samples of one prompt (rollout/generate.py) all sit at the same position when they decode a step (they start
 together; a finished one leaves the batch), so their queries meet the prompt's keys as one block of G queries that
 each see every prompt key: one partial per prompt page segment (or the remote partial under context parallelism),
 read once for the whole batch. Each sample's own keys (its response so far and this step's) are its alone: a

@@ -362,7 +362,7 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         out.hidden = hidden
         return out
 
-    # -- a decode step of G samples at once (ds_longstraw.rollout) ----------------------------------------------
+    # -- a decode step of G samples at once (ds_longstraw.rollout.generate) --------------------------------------------
     def decode_step(self, ids_G, position, carry, past, own, remote_attention=None):
         """One token of each of G sequences at the same `position` that share the prompt's rows (arch/decode.py).
 

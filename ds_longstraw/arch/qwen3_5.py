@@ -197,7 +197,7 @@ class Qwen35Adapter(CausalLMAdapter):
         (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed. With
         both, remote(q_HTD, known=(out, lse)) passes the merged result through and adds the remote keys' share of
         the gradients in backward. remote_keys: instead of remote (which is then None), the other ranks' keys as a
-        request that runs while the local keys are attended (the prefix pass's turns, parallel/prefix.RemoteKeys),
+        request that runs while the local keys are attended (the prefix pass's turns, grpo/cp/prefix.RemoteKeys),
         forward and backward, merged inside attention_with_past."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]
@@ -215,7 +215,7 @@ class Qwen35Adapter(CausalLMAdapter):
 
     # -- one layer, piece by piece (the layer-major capture under context parallelism) ---------------------
     # A decoder layer is hidden + mixer(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major schedule
-    # (ds_longstraw.parallel.capture) runs the mixer over a whole shard with the exchanges its combine needs, so it
+    # (ds_longstraw.grpo.cp.capture) runs the mixer over a whole shard with the exchanges its combine needs, so it
     # asks for the pieces: mixer_input, the mixer by its combine ("lse": attention_project / attention_finish;
     # "affine_scan": capture_scan_layer), and mlp_residual.
     def mixer_input(self, index, hidden_1TC):
@@ -332,7 +332,7 @@ class Qwen35Adapter(CausalLMAdapter):
         out.hidden = hidden
         return out
 
-    # -- a decode step of G samples at once (ds_longstraw.rollout) ----------------------------------------------
+    # -- a decode step of G samples at once (ds_longstraw.rollout.generate) --------------------------------------------
     def decode_step(self, ids_G, position, carry, past, own, remote_attention=None):
         """One token of each of G sequences at the same `position` that share the prompt's state (arch/decode.py).
 

@@ -1,7 +1,7 @@
 """qwen3_5's Gated DeltaNet across context-parallel ranks: segment transitions, an exclusive combine, conv tails.
 
 The family-specific half of the "affine_scan" combine (arch/specs.py): the context-parallel capture
-(ds_longstraw.parallel.capture) calls the adapter's capture_scan_layer, which lands here with the CP group's
+(ds_longstraw.grpo.cp.capture) calls the adapter's capture_scan_layer, which lands here with the CP group's
 exchanges (cp.all_gather) as its only view of the other ranks.
 
 Legend: Hv value heads, dk/dv key/value head dims; state S [1, Hv, dk, dv]; a transition summary [1, Hv, dk, dv + dk]
@@ -35,7 +35,7 @@ shorter than k-1 make the tail span several of them).
 Segments: a rank owns one or more pieces of the prompt (parallel/groups.py, shard_pieces: contiguous or zigzag);
 every piece is a segment of the scan, and the scan folds all ranks' segments in PROMPT order.
 
-Capture schedule per GDN layer (layer-major, see ds_longstraw/parallel/capture.py):
+Capture schedule per GDN layer (layer-major, see ds_longstraw/grpo/cp/capture.py):
 (1) all-gather the pieces' tail contributions -> each piece's incoming tail;
 (2) one pass over this rank's chunks: projections, convolution, the delta rule from [0 | I] (the plain rule for a
     piece at the prompt start: its outputs), keeping [o(0) | q~] per chunk (exact mode: the summary at each
@@ -142,8 +142,8 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     spans: this rank's chunks [(a, b, position)] in local order (groups.local_spans); pieces: every rank's pieces
     (groups.shard_pieces). Returns (output [1, T, C], (final state, final conv tail) of the whole prompt).
     boundaries: None, or the exact-mode ChunkBoundary list of this rank, whose carries get this layer's
-    (state, tail) at each chunk start, kept in `checkpoints` (ds_longstraw.state's checkpoint store).
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see parallel/capture.py); an empty
+    (state, tail) at each chunk start, kept in `checkpoints` (ds_longstraw.grpo.state's checkpoint store).
+    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see grpo/cp/capture.py); an empty
     piece also makes a dummy call in place of its conv-tail projection.
     """
     width = module.conv_kernel_size - 1

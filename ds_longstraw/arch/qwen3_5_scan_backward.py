@@ -1,6 +1,6 @@
 """qwen3_5's Gated DeltaNet in the layer-major exact prefix pass: every context-parallel rank's backward at once.
 
-The family half of the "affine_scan" combine in ds_longstraw.parallel.prefix_layers (the capture's half is
+The family half of the "affine_scan" combine in ds_longstraw.grpo.cp.prefix_layers (the capture's half is
 qwen3_5_scan.py). The pass walks the layers top to bottom on all ranks together; at this layer each rank holds
 d(layer output) for its own tokens and the layer's input over its shard (saved at capture), and must produce
 d(layer input), the parameter gradients of its tokens, and nothing else across ranks but two small exchanges.

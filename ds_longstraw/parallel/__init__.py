@@ -1,19 +1,12 @@
-"""Context parallelism: explicit process groups, attention across ranks' pages, the prefix pass in turns.
+"""Process groups and the prompt's layout over them; expert-parallel dispatch.
 
-groups.py        CPContext (the CP process group, its layout of the prompt, traffic counters), as_cp_context
-cp_attention.py  (out, lse) partials across ranks: capture (pages or queries travel), replay (all-gather), grads
-cp_sparse.py     the "topk_lse" combine: a global top-k selection from every rank's candidates, the selected rows'
-                 partials computed where the rows live, merged by log-sum-exp
-ulysses.py       the capture's head/sequence all-to-all alternative for attention
-capture.py       layer-major capture of a sharded prompt (each layer's combine from its spec)
-prefix.py        exact mode's prefix pass, ranks in turn, remote pages served by their owners
-spread.py        the replay spread over the CP group (each rank its own members: queries out, partials back)
-experts.py       expert parallelism: routed (token, expert) pairs to the experts' owners by all-to-all and back
-The transaction runs over these through ../topology.py (ContextParallel); a family's own cross-rank math (the
-Gated DeltaNet state scan) lives with its adapter in ../arch/.
+groups.py   CPContext (the CP process group, its layout of the prompt, traffic counters), as_cp_context, the
+            shards and the local-order helpers
+experts.py  expert parallelism: routed (token, expert) pairs to the experts' owners by all-to-all and back
+Nothing here imports the transaction: ../grpo/cp/ runs the context-parallel schedule over these.
 """
 
-from .groups import (
+from ds_longstraw.parallel.groups import (
     CP_LAYOUTS,
     CPContext,
     as_cp_context,

@@ -16,7 +16,7 @@ import os
 import socket
 from pathlib import Path
 
-from ..modeling import CONFIGS_DIR
+from ds_longstraw.models.modeling import CONFIGS_DIR
 
 RUN_CONFIG = CONFIGS_DIR / "run" / "kv_task.yaml"
 # The run config's keys that name a file under configs/ (as a checkout's root sees it)
@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 def _train_module():
     """launch/train.py, shipped in the package as ds_longstraw.launch.train."""
-    from ..launch import train as script
+    from ds_longstraw.launch import train as script
 
     return script
 

@@ -67,7 +67,7 @@ from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward  # noqa: E402
-from ds_longstraw.transaction import score_reference  # noqa: E402
+from ds_longstraw.grpo.transaction import score_reference  # noqa: E402
 
 
 def block(mode, tier="none"):
@@ -250,8 +250,8 @@ def check_ep_export(out_dir):
     and transformers loads it."""
     from transformers import AutoModelForCausalLM
 
-    from ds_longstraw.export import export_checkpoint
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.engine.export import export_checkpoint
+    from ds_longstraw.models.modeling import build_model
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     shape = os.path.join(repo, "configs", "models", "tiny_glm_moe_dsa.yaml")  # 4 routed experts: 2 per rank
@@ -326,7 +326,7 @@ def check_lora(out_dir):
 
 def check_qlora(out_dir):
     """As check_lora on an NF4 base loaded from a checkpoint (bitsandbytes 4-bit codes stored as float32)."""
-    from ds_longstraw.modeling import build_model
+    from ds_longstraw.models.modeling import build_model
 
     base_dir = os.path.join(out_dir, "qlora_base")
     if dist.get_rank() == 0:
@@ -338,7 +338,7 @@ def check_qlora(out_dir):
 def adapter_step(load_base):
     """exact, peft LoRA over `load_base()` (adapters made non-zero), kl_coef 0.1, a different group per rank; the
     ZeRO-3 step against the single-process step on the mean gradient, frozen weights, reference log-probs."""
-    from ds_longstraw.lora import apply_lora
+    from ds_longstraw.models.lora import apply_lora
 
     base = load_base()
     base_copy = load_base()  # (a deepcopy of a 4-bit model would share its quantization state)
@@ -384,7 +384,7 @@ def adapter_step(load_base):
 
 
 def check_zero2(out_dir):
-    from ds_longstraw.engine import _fill_missing_grads
+    from ds_longstraw.engine.engine import _fill_missing_grads
 
     rank = dist.get_rank()
     model = tiny_qwen3_5(torch.float32, seed=7)
@@ -433,8 +433,8 @@ def rollout_steps(model, ep_size, steps, vocab):
     the weights:
     rollout_groups of every rank's prompts at that step's seeds (rank 1's prompt indices after rank 0's), each
     group's gradient weighted as the engine averages (1/len per rank, 1/2 over ranks), one SGD step."""
-    from ds_longstraw import rollout as rollout_module
-    from ds_longstraw.rollout_step import rollout_groups
+    from ds_longstraw.rollout.generate import generate as rollout_module
+    from ds_longstraw.rollout.step import rollout_groups
 
     rank = dist.get_rank()
     reference = copy.deepcopy(model)

@@ -163,7 +163,7 @@ def check_rollout(out_dir):
     from engine_checks import ROLLOUT
 
     from ds_longstraw import GRPOObjective
-    from ds_longstraw.rollout_step import rollout_groups
+    from ds_longstraw.rollout.step import rollout_groups
 
     model = tiny_qwen3_5(torch.float32, seed=9)
     reference = copy.deepcopy(model)

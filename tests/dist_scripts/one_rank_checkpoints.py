@@ -32,10 +32,10 @@ def main(out, port):
     import deepspeed
 
     import ds_longstraw
-    from ds_longstraw.checkpoint_files import save_record
-    from ds_longstraw.lora import apply_lora
-    from ds_longstraw.modeling import build_model
-    from ds_longstraw.run_config import load_run_config
+    from ds_longstraw.engine.checkpoint_files import save_record
+    from ds_longstraw.engine.run_config import load_run_config
+    from ds_longstraw.models.lora import apply_lora
+    from ds_longstraw.models.modeling import build_model
 
     with open(os.path.join(REPO, "configs", "deepspeed", "zero3_cpu.json")) as handle:
         ds = json.load(handle)

@@ -1,0 +1,354 @@
+"""`ds_longstraw.initialize`: `deepspeed.initialize` whose engine also runs GRPO groups as transactions.
+
+    engine, optimizer, _, scheduler = ds_longstraw.initialize(model=model, optimizer=opt, config="ds.json")
+    result = engine.grpo_step(group)          # capture, score, replay, (prefix), ONE reduction, ONE step
+
+What grpo_step is:
+  - every rank runs `grpo_backward` on its own group(s) inside `engine.coalesce_grad_reduction()`, routing each
+    backward (each member's loss share, and in exact mode the prefix pass's surrogate) through
+    `engine.backward(loss, scale_wrt_gas=False)`; gradients stay local on the parameters until the block exits,
+    which issues ONE reduction over the data-parallel ranks; then ONE `engine.step()`.
+    (FACTS.md: this path matched a single backward of the summed loss under ZeRO-3; per-member backward with
+    gradient_accumulation_steps=1 took a wrong step.)
+  - under ZeRO-3 the adapters call the model's submodules directly, so DeepSpeed's module hooks gather each
+    submodule's partitioned weights when it runs (capture, scoring, replay, prefix pass) and release them after.
+    Those gathers are collectives: ranks agree on a common transaction shape first and pad their own work up to
+    it with dummy work of zero gradient (lockstep.py), so ranks may bring groups of any shapes and counts.
+  - data parallel: rank r brings its own group(s) with loss L_r (each group's loss normalised within the group by
+    the objective's loss_agg; several groups on one rank are averaged). DeepSpeed averages gradients over ranks,
+    so the step follows the gradient of mean_r L_r: every rank's group weighs the same, whatever its token count.
+  - context parallelism ("longstraw": {"cp_size": N}): consecutive ranks [k N, (k+1) N) form CP group k, built by
+    `initialize`, inside data-parallel replica k; the N ranks of a replica bring the same group(s) (checked) and
+    shard each prompt (parallel/). DeepSpeed sees all D x N ranks as data parallel (weights partitioned over all
+    of them) and no explicit CP all-reduce runs: each CP rank back-propagates the whole replay and N x its own
+    exact-mode prefix share (topology.py, ContextParallel), so a replica's N ranks sum to N g_replica and DeepSpeed's
+    average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
+    per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
+    mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix.py).
+What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
+capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
+responses are sampled from the policy (rollout/step.py); with one rollout prompt per rank the step trains on the
+rollout's own capture (one prefill per on-policy step; the result's groups say extras["capture_reused"]).
+"""
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import deepspeed
+import torch
+from deepspeed import comm as dist
+from deepspeed.runtime.engine import DeepSpeedEngine
+
+from ds_longstraw.arch import adapter_for, zero3_leaf_modules
+from ds_longstraw.config import LongstrawConfig
+from ds_longstraw.engine.config import load_ds_config, read_block
+from ds_longstraw.engine.experts import ExpertSlices, build_ep_groups, check_engine_settings, without_expert_params
+from ds_longstraw.group import GRPOGroup
+from ds_longstraw.grpo.lockstep import Lockstep, common_shapes, dummy_group, shape_of
+from ds_longstraw.grpo.topology import resolve_layout
+from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
+from ds_longstraw.objective import GRPOObjective, ScaledObjective
+
+
+@dataclass
+class StepResult:
+    loss: float  # this rank's loss: the mean of its groups' losses
+    mean_loss: float  # the loss whose gradient the step followed: mean over data-parallel ranks
+    groups: list  # GroupResult per group of this rank
+    global_step: int  # engine.global_steps after the step
+    lr: float | None
+    grad_norm: float | None  # global gradient norm DeepSpeed measured (None where it did not)
+    seconds: float
+    tokens: int  # prompt + response tokens of this rank's groups
+    skipped: bool = False  # the optimizer skipped the step (fp16 overflow)
+    extras: dict = field(default_factory=dict)
+
+
+def _float_or_none(value):
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        value = value.item()
+    return float(value)
+
+
+def _zero3_param(param) -> bool:
+    return hasattr(param, "ds_id") and hasattr(param, "ds_status")
+
+
+class LongstrawEngineMixin:
+    """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
+
+    longstraw_config: LongstrawConfig
+    longstraw_cp = None  # parallel.CPContext of this rank's CP group (cp_size > 1), built by initialize
+    longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
+
+    def grpo_step(self, group, objective=None, ref_model=None, rollout=None) -> StepResult:
+        """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
+
+        ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
+        DeepSpeed engine; under ZeRO-3 give a ZeRO-3 engine so its weights are partitioned too). A peft policy's
+        reference is itself with its adapters disabled.
+        rollout: a `rollout:` block (rollout/step.py); `group` is then this rank's prompt (1-D ids) or list of
+        prompts, and the groups are sampled from the policy and rewarded first (result.extras: the rewards).
+        """
+        if not self.longstraw_config.enabled:
+            raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
+        extras, captures = {}, None
+        if rollout is not None:
+            from ds_longstraw.rollout.step import engine_rollouts
+
+            group, extras, captures = engine_rollouts(self, group, rollout)
+        try:
+            return self._grpo_step(group, objective, ref_model, extras, captures)
+        finally:  # a kept capture the step did not take (an error before its transaction): its pages go
+            for kept in captures or ():
+                if kept is not None:
+                    kept.release()
+
+    def _grpo_step(self, group, objective, ref_model, extras, captures):
+        groups = [group] if isinstance(group, GRPOGroup) else list(group)
+        if not groups:
+            raise ValueError("grpo_step needs at least one group on every rank")
+        adapter = adapter_for(self.module)
+        for index, item in enumerate(groups):
+            if not isinstance(item, GRPOGroup):
+                raise ValueError(f"grpo_step: group {index} is a {type(item).__name__}, not a GRPOGroup")
+            item.check_vocab(adapter.vocab_size)  # fail before any collective, not halfway through one
+        if isinstance(ref_model, DeepSpeedEngine):
+            ref_model = ref_model.module
+        settings = self.longstraw_config
+        start = time.perf_counter()
+        if self.longstraw_cp is not None:
+            _check_same_groups(groups, self.longstraw_cp)
+        plan = self._lockstep_plan(groups)
+        skipped_before = getattr(self, "skipped_steps", 0)
+        results: list[GroupResult] = []
+        objective = objective or GRPOObjective()
+
+        def backward(loss):
+            self.backward(loss, scale_wrt_gas=False)
+
+        experts = self.longstraw_experts
+        with self.coalesce_grad_reduction():
+            for slot, (item, lockstep, scale) in enumerate(plan):
+                # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
+                # back-propagates injected gradients that already carry it.
+                weighted = objective if scale == 1.0 else ScaledObjective(objective, scale)
+                result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
+                                       cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep,
+                                       ep_group=None if experts is None else experts.ep.group,
+                                       capture=captures[slot] if captures and slot < len(captures) else None)
+                if scale != 0.0:  # not a dummy group
+                    result.loss /= scale
+                    results.append(result)
+            _fill_missing_grads(self)
+        if experts is not None:
+            experts.reduce_()
+        self.step()
+        if experts is not None:
+            lrs = self.get_lr() if self.optimizer is not None else None
+            experts.step(_float_or_none(lrs[0]) if lrs else None)
+        loss = sum(r.loss for r in results) / len(results)
+        mean_loss = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        dist.all_reduce(mean_loss, group=self.data_parallel_group)
+        mean_loss = float(mean_loss.item()) / dist.get_world_size(group=self.data_parallel_group)
+        lrs = self.get_lr() if self.optimizer is not None else None
+        return StepResult(loss=loss, mean_loss=mean_loss, groups=results, global_step=self.global_steps,
+                          lr=_float_or_none(lrs[0]) if lrs else None,
+                          grad_norm=_float_or_none(self.get_global_grad_norm()),
+                          seconds=time.perf_counter() - start,
+                          tokens=sum(g.prompt_ids.numel() + g.response_tokens for g in groups),
+                          skipped=getattr(self, "skipped_steps", 0) != skipped_before, extras=extras)
+
+    def _lockstep_plan(self, groups):
+        """[(group, Lockstep or None, loss scale)]: this rank's groups (scale 1/len), padded under ZeRO-3 with
+        data parallelism to the slots and shapes every rank runs, dummy groups (scale 0) filling missing slots."""
+        settings = self.longstraw_config
+        scale = 1.0 / len(groups)
+        collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
+        if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
+            return [(group, None, scale) for group in groups]
+        cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
+        if cp is not None:
+            cp.layout = resolve_layout(adapter_for(self.module), settings)
+        shapes = [shape_of(group, settings, cp) for group in groups]
+        plan = []
+        for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):
+            if slot < len(groups):
+                plan.append((groups[slot], Lockstep(shapes[slot], common, settings), scale))
+            else:
+                dummy = dummy_group()
+                plan.append((dummy, Lockstep(shape_of(dummy, settings, cp), common, settings), 0.0))
+        return plan
+
+
+    # -- checkpoints: the engine's, plus the expert slices it does not see (engine/experts.py) ---------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                      **kwargs)
+        if self.longstraw_experts is not None:
+            self.longstraw_experts.save(save_dir, tag if tag is not None else f"global_step{self.global_steps}")
+        return out
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
+        if self.longstraw_experts is not None and out[0] is not None:
+            if tag is None:
+                with open(os.path.join(load_dir, "latest")) as handle:
+                    tag = handle.read().strip()
+            self.longstraw_experts.load(load_dir, tag)
+        return out
+
+
+def _check_same_groups(groups, cp):
+    """Every rank of a CP group must bring the same group(s) (the prompt is sharded, not the groups): a cheap
+    fingerprint is all-gathered over the CP group, so a mismatch fails here rather than as wrong gradients."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for group in groups:
+        for tensor in [group.prompt_ids, *group.response_ids]:
+            digest.update(str(tensor.numel()).encode())
+            digest.update(tensor.detach().cpu().to(torch.int64).numpy().tobytes())
+        for values in (group.rewards, group.advantages, *(group.old_logprobs or []),
+                       *(getattr(group, "response_masks", None) or [])):
+            if values is not None:
+                digest.update(torch.as_tensor(values).detach().cpu().to(torch.float64).numpy().tobytes())
+    gathered = [None] * cp.size
+    torch.distributed.all_gather_object(gathered, digest.hexdigest(), group=cp.group)
+    if len(set(gathered)) != 1:
+        raise ValueError("grpo_step with cp_size > 1: the ranks of a context-parallel group (consecutive ranks) "
+                         "must bring the same group(s); they differ")
+
+
+def build_cp_groups(cp_size):
+    """Consecutive ranks [k N, (k+1) N) form CP group k (inside data-parallel replica k). Every rank creates every
+    group (torch.distributed.new_group is collective); returns this rank's parallel.CPContext."""
+    from ds_longstraw.parallel.groups import CPContext
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if world % cp_size:
+        raise ValueError(f"'longstraw.cp_size' = {cp_size} does not divide the world size {world}")
+    mine = None
+    for start in range(0, world, cp_size):
+        group = torch.distributed.new_group(list(range(start, start + cp_size)))
+        if start <= rank < start + cp_size:
+            mine = group
+    return CPContext(mine)
+
+
+def _fill_missing_grads(engine):
+    """Give a zero gradient to a trainable parameter that some ranks left without one: DeepSpeed's one reduction
+    walks the parameters that HAVE a gradient (in buckets), and ranks that walk different sets issue mismatched
+    collectives. One small all-reduce per step finds such parameters. Under ZeRO-3 lockstep already makes every
+    rank call every module the same way; this serves stages 1 and 2, where a rank's model path may skip a part."""
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    if not params:
+        return
+    counts = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32, device=engine.device)
+    dist.all_reduce(counts, group=engine.data_parallel_group)
+    world = dist.get_world_size(group=engine.data_parallel_group)
+    needed = [p for p, count in zip(params, counts.tolist()) if 0 < count < world]
+    if not needed:
+        return
+    zero3 = [p for p in needed if _zero3_param(p)]
+    with deepspeed.zero.GatheredParameters(zero3, enabled=bool(zero3)):  # same list on every rank: a collective
+        for p in needed:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+
+_ENGINE_CLASSES: dict = {}
+
+
+def _with_grpo_step(engine):
+    base = type(engine)
+    if not isinstance(engine, LongstrawEngineMixin):
+        if base not in _ENGINE_CLASSES:
+            _ENGINE_CLASSES[base] = type(f"Longstraw{base.__name__}", (LongstrawEngineMixin, base),
+                                         {"__module__": __name__, "__doc__": base.__doc__})
+        engine.__class__ = _ENGINE_CLASSES[base]
+    return engine
+
+
+def _config_of(args, kwargs):
+    for key in ("config", "config_params"):
+        if kwargs.get(key) is not None:
+            return kwargs[key], key
+    for name in ("deepspeed_config", "deepscale_config"):
+        if getattr(args, name, None) is not None:
+            return getattr(args, name), None
+    raise ValueError("ds_longstraw.initialize needs a DeepSpeed config: config=<dict or JSON path> "
+                     "(or args.deepspeed_config)")
+
+
+def _zero_stage(ds_config) -> int:
+    zero = ds_config.get("zero_optimization") or {}
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+def _world_size():
+    import os
+
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    size = os.environ.get("WORLD_SIZE")
+    return int(size) if size and size.isdigit() else None
+
+
+def initialize(args=None, model=None, **kwargs):
+    """A drop-in for `deepspeed.initialize` (same keyword arguments, same 4-tuple back).
+
+    Before any work (no process group, no partitioning) it reads and validates the config's "longstraw" block
+    (ValueError naming the key; a near-miss block name such as "long_straw" is an error too) and checks that the
+    model has an architecture adapter. The engine returned is the engine DeepSpeed built, with `grpo_step` added and
+    the validated block at `engine.longstraw_config`.
+    """
+    config, key = _config_of(args, kwargs)
+    ds_config = load_ds_config(config)
+    settings = read_block(ds_config, world_size=_world_size())
+    if model is None:
+        raise ValueError("ds_longstraw.initialize requires a model")
+    if settings.enabled:
+        adapter_for(model)  # an unsupported architecture fails here, not at the first step
+        check_engine_settings(ds_config, settings)
+    parallel = settings.enabled and (settings.cp_size > 1 or settings.ep_size > 1)
+    if parallel:
+        deepspeed.init_distributed()  # the CP / EP groups are built before the engine: sharding comes first
+    cp = build_cp_groups(settings.cp_size) if settings.enabled and settings.cp_size > 1 else None
+    experts = None
+    if settings.enabled and settings.ep_size > 1:
+        # The expert slices leave ZeRO's sight (engine/experts.py); the MoE block is then no ZeRO-3 leaf: its
+        # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
+        ep_group, expert_dp = build_ep_groups(settings.ep_size, None if cp is None else cp.group)
+        experts = ExpertSlices(model, ep_group, expert_dp, torch.distributed.get_world_size())
+        _drop_replaced(kwargs, experts.replaced)
+    leaves = zero3_leaf_modules(model) if experts is None else []
+    if leaves and _zero_stage(ds_config) == 3:  # before the engine sets its hooks
+        deepspeed.utils.set_z3_leaf_modules(model, leaves)
+    if key is not None:
+        kwargs[key] = ds_config  # DeepSpeed accepts str paths only; a pathlib.Path works here too
+    client_optimizer = kwargs.get("optimizer")
+    engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
+    engine = _with_grpo_step(engine)
+    engine.longstraw_config = settings
+    engine.longstraw_cp = cp
+    if experts is not None:
+        experts.world = dist.get_world_size(group=engine.data_parallel_group)
+        experts.make_optimizer(client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None,
+                               ds_config)
+        engine.longstraw_experts = experts
+    return engine, optimizer, loader, scheduler
+
+
+def _drop_replaced(kwargs, replaced):
+    """The whole expert tensors that sharding replaced leave the client optimizer and model_parameters (built
+    before initialize, they may hold them); the slices get their own optimizer."""
+    optimizer = kwargs.get("optimizer")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) not in replaced]
+    if kwargs.get("model_parameters") is not None:
+        kwargs["model_parameters"] = without_expert_params(kwargs["model_parameters"], replaced)

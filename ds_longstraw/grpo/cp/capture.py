@@ -1,0 +1,136 @@
+"""Capture of a prompt sharded over context-parallel ranks: layer-major, one exchange per layer.
+
+Rank r owns pieces of prompt[:-1] (`groups.shard_pieces`: one contiguous shard, or under the zigzag layout segments
+r and 2N-1-r of 2N), kept in prompt order as its local tokens. Layer l+1's input on rank r depends on layer l's
+output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture
+walks the layers in order and, per layer, all ranks exchange what crosses the rank boundaries before anyone moves
+on, as the layer's spec says (arch/specs.py, `combine`):
+  "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in prompt order (the
+                 family's own math; qwen3_5: arch/qwen3_5_scan.py);
+  "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (cp_attention.py:
+                 in turns for contiguous shards, all ranks at once in a ring for zigzag ones), or, with
+                 cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
+  "topk_lse"     this rank's rows go onto its own pages; its queries' global top-k selection gathers the earlier
+                 ranks' candidates and the selected rows' partials come back from their owners (cp_sparse.py); a
+                 layer that selects nothing reuses the last selection.
+Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
+what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's pages of all
+paged layers for the target models). Every rank keeps the pages of its own tokens only, the prompt's final carry
+(the same, bit for bit, on every rank) and, in exact mode, the carries at its own chunk starts (with
+prefix_keep_attention also its own tokens' merged attention output and LSE).
+"""
+
+import torch
+
+from ds_longstraw.grpo.cp.cp_attention import capture_attention_layer
+from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer
+from ds_longstraw.grpo.cp.ulysses import ulysses_attention_layer
+from ds_longstraw.grpo.state import (
+    INPUT_STREAM,
+    SELECTION_STREAM,
+    ChunkBoundary,
+    PrefixState,
+    encode_selection,
+    open_prefix_state,
+    selection_bases,
+)
+from ds_longstraw.offload.plan import holds_scan
+from ds_longstraw.parallel.groups import contiguous_bounds, local_spans, local_tokens
+
+
+def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, pad=0,
+                      keep_inputs=False) -> PrefixState:
+    """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
+
+    pad: extra one-token chunks of dummy module calls per layer (ZeRO-3 lockstep, ../lockstep.py): at every place
+    where a layer calls a submodule once per chunk, this rank makes `pad` more calls on a zero token (outputs
+    discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
+    order, with the context-parallel exchanges at the same places in between.
+    keep_inputs: also keep the inputs over the shard of every settings.prefix_inputs_every-th layer (exact mode's
+    layer-major prefix pass, prefix_layers.py)."""
+    ids_all = prompt_ids[:-1]
+    pieces = cp.pieces(ids_all.numel())
+    mine = pieces[cp.rank]
+    ids = local_tokens(ids_all, mine)
+    tokens = ids.numel()
+    # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
+    # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
+    # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
+    state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=ids_all.numel(),
+                              offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
+                              keep_inputs=keep_inputs)
+    try:
+        _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad)
+    except BaseException:
+        state.release()  # page files of a host/NVMe tier go on error as on success
+        raise
+    return state
+
+
+def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
+    """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
+    `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
+    the device when device_total is None; off CUDA nothing bounds them)."""
+    if settings.cp_scan == "auto" and device.type == "cuda" and device_total is None:
+        device_total = torch.cuda.get_device_properties(device).total_memory
+    return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
+
+
+def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
+    """Fill `state` (its pages, boundaries and final carry) layer by layer."""
+    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
+    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
+    spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
+    pairs = [(a, b) for a, b, _ in spans]
+    bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses needs them)
+    boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
+    final_carry = {}
+    selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
+    # decided from the largest shard, so every rank decides alike (the module calls differ between the two)
+    largest = max(sum(hi - lo for lo, hi in own) for own in pieces)
+    hold = any(spec.combine == "affine_scan" for spec in adapter.specs) and holds_scan_outputs(
+        settings, adapter.scan_output_bytes(largest), adapter.device)
+    bases = ({layer: adapter.sparse_geometry(layer).topk
+              for layer in selection_bases(adapter.specs, settings.prefix_inputs_every)}
+             if state.input_pool is not None else {})
+    with torch.no_grad():
+        hidden = adapter.embed(ids)
+        for spec in adapter.specs:
+            index = spec.layer
+            if state.input_pool is not None and index % settings.prefix_inputs_every == 0:
+                state.input_pool.append(index, INPUT_STREAM, hidden[0])
+                if index in bases:  # the selection this base reuses, made in a group below
+                    state.input_pool.append(index, SELECTION_STREAM, encode_selection(*selection, bases[index]))
+            normed = adapter.mixer_input(index, hidden)
+            if spec.combine == "affine_scan":
+                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,
+                                                                       pad=pad, checkpoints=checkpoints,
+                                                                       hold=hold)
+            elif spec.combine == "lse" and settings.cp_attention == "ulysses":
+                mixed = ulysses_attention_layer(adapter, spec, normed, spans, cp, bounds, pool, chunk, pad=pad,
+                                                kept_pool=kept_pool)
+            elif spec.combine == "lse":
+                mixed = capture_attention_layer(adapter, spec, normed, spans, cp, pieces, pool, chunk, pad=pad,
+                                                kept_pool=kept_pool)
+            elif spec.combine == "topk_lse":
+                mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, cp, pieces, pool, selection,
+                                                        pad=pad)
+            else:
+                raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
+            del normed
+            hidden = mlp_over_chunks(adapter, index, hidden + mixed, pairs, pad)
+            del mixed
+            if progress is not None:
+                progress(index)
+    state.flush()  # the last partial pages too: after capture every page is on its tier
+    state.carry, state.boundaries = final_carry, boundaries or []
+
+
+def mlp_over_chunks(adapter, layer, hidden_1TC, pairs, pad=0):
+    """hidden + mlp(post_norm(hidden)) of `layer` over a shard, chunk by chunk (pairs: [(a, b)]), then `pad`
+    one-token dummy calls (ZeRO-3 lockstep)."""
+    outs = [adapter.mlp_residual(layer, hidden_1TC[:, a:b]) for a, b in pairs]
+    dummy = hidden_1TC.new_zeros(1, 1, hidden_1TC.shape[-1])
+    for _ in range(pad):
+        adapter.mlp_residual(layer, dummy)
+    return torch.cat(outs, 1) if outs else hidden_1TC

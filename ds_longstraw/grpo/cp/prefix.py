@@ -1,0 +1,399 @@
+"""Exact mode's reverse pass over a prompt sharded over context-parallel ranks.
+
+The single-process prefix pass (prefix_pass.py) walks the capture chunks last to first; a chunk's backward needs
+the complete gradients of its outputs (its page rows, its end carry), which later tokens produce. Across ranks
+the same order holds over the layout's SEGMENTS (groups.shard_pieces: one per rank for contiguous shards, two per
+rank for zigzag ones): a segment's chunks can run only once every later segment has run (they add dK/dV to its
+pages, and the next segment produces d(carry at its start) = d(carry at this one's end)). So segments take TURNS,
+last to first (wall time about that of the single-process pass; memory stays one shard per rank):
+
+  turn s   the owner of segment s runs prefix_backward over that piece's chunks. Its own earlier pages (an
+           earlier piece of its own included) are local autograd leaves; the other ranks' earlier pages are reached
+           by `RemotePages`: its chunk queries go to every rank holding keys before the piece, whose partial
+           (out, lse) over the prefix of its pages the piece sees comes back (forward); backward sends (q, dout,
+           lse, delta), the page owner adds dK/dV to ITS gradient pages and returns its dq share. Those ranks run
+           `serve` until the owner says DONE.
+           Then the owner hands d(carry at the piece's start) to the owner of the previous segment (kept if that
+           is itself), where it is d(carry at that segment's end).
+           With prefix_keep_attention the owner kept its tokens' merged (out, lse) in capture: its forward sends no
+           request at all (KnownPagesFunction), only the backward ones.
+
+Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
+are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks segment s has on
+any replica, lockstep.GroupShape.segments); the owner runs its real chunks and pads with zero-gradient one-token
+iterations, every other rank runs only such zero iterations, and a rank whose pages the owner reads answers each
+request from inside the mirrored layer
+(`PageServer`): the point-to-point exchanges then sit at the same place in every rank's sequence of weight
+gathers, forward and backward.
+
+The last segment's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
+Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries]. A "topk_lse"
+layer's requests (cp_sparse.py) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
+rows' partial; their payloads are cp_sparse's request_* / answer_*.
+"""
+
+import torch
+
+from ds_longstraw.grpo.cp.cp_attention import (
+    _acc,
+    attention_delta,
+    layer_stager,
+    merge_in_order,
+    remote_pages_attention,
+    streamed_grads,
+    streamed_partial,
+)
+from ds_longstraw.grpo.cp.cp_sparse import (
+    OwnRows,
+    answer_candidates,
+    answer_grads,
+    answer_partial,
+    empty_partial,
+    merge_partials_as,
+    request_candidates,
+    request_grads,
+    request_partials,
+    selected_rows_attention,
+    uses_selection,
+)
+from ds_longstraw.grpo.lockstep import ceil_div, zero_prefix_iteration
+from ds_longstraw.grpo.prefix_pass import prefix_backward
+from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order, visible_prefix
+
+FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
+
+
+class RemotePages:
+    """remote_attention of the owner in its turn: (layer, q_HTD) -> (out, lse) over the other ranks' earlier pages;
+    for a "topk_lse" layer candidates(layer, selector) and attend(layer, query, positions, valid) (the adapter's
+    `remote`: the keys before position `start`, where the turn's piece begins). servers: the ranks that hold keys
+    before the turn's piece (each answers over the prefix of its pages the piece sees). earlier: None, or (a
+    "topk_lse" family on a layout where a rank owns several pieces) cp_sparse.OwnRows over this rank's own earlier
+    pieces, which the selection reaches like the other ranks' rows: the adapter's past must be contiguous in
+    positions up to the segment, so it starts at the turn's piece."""
+
+    def __init__(self, cp, pieces, servers, adapter=None, start=0, earlier=None):
+        self.cp, self.pieces, self.servers, self.adapter = cp, pieces, servers, adapter
+        self.end, self.earlier = start, earlier
+        self.visible = {i: visible_prefix(pieces[i], start) for i in servers}
+
+    def __call__(self, layer, q_HTD, known=None):
+        return remote_pages_attention(self, layer, q_HTD, known)
+
+    def _header(self, op, layer, queries, device):
+        header = torch.tensor([op, layer, queries], dtype=torch.int64, device=device)
+        for i in self.servers:
+            self.cp.send(header, i)
+
+    def forward(self, layer, q_HTD):
+        keys = self.keys(layer)
+        keys.post_forward(q_HTD)
+        return keys.collect_forward()
+
+    def backward(self, layer, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
+        keys = self.keys(layer)
+        keys.post_backward(q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT)
+        return keys.collect_backward()
+
+    def keys(self, layer):
+        """The other ranks' earlier keys of `layer` as a request in two halves (RemoteKeys), so that the owner
+        attends its own key sets while the page owners work (kernels/attention.attention_with_past's remote)."""
+        return RemoteKeys(self, layer)
+
+    # -- "topk_lse" layers (cp_sparse.py): the global selection's candidates, then the selected rows' partial ----
+    def candidates(self, layer, selector):
+        self._header(SELECT, layer, selector[0].shape[0], selector[0].device)
+        best = request_candidates(self.cp, self.adapter, layer, selector, self.pieces, self.servers, self.visible.get)
+        if self.earlier is not None:
+            width = min(self.adapter.sparse_geometry(layer).topk, self.earlier.tokens)
+            scores, positions = self.earlier.candidates(layer, selector, width)
+            best = self.adapter.merge_candidates(best, (scores, positions.long()), interleaved=True)
+        return best
+
+    def attend(self, layer, query, positions, valid):
+        return selected_rows_attention(self, layer, query, positions, valid)
+
+    def partials(self, layer, query, positions, valid):
+        self._header(FORWARD, layer, positions.shape[0], positions.device)
+        result = request_partials(self.cp, self.adapter, layer, query, positions, valid, self.pieces, self.servers)
+        if self.earlier is not None:
+            own = self.earlier.partial(layer, query, positions, valid)
+            result = merge_partials_as(self.adapter.sparse_geometry(layer), [result, own])
+        return result
+
+    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+        delta = attention_delta(out, d_out, d_lse)
+        self._header(BACKWARD, layer, positions.shape[0], positions.device)
+        d_query = request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.pieces,
+                                self.servers)
+        if self.earlier is not None:
+            for total, part in zip(d_query, self.earlier.grads(layer, query, positions, valid, lse, d_out, delta)):
+                total += part.to(total.dtype)
+        return d_query
+
+    def close(self, device):
+        self._header(DONE, -1, 0, device)
+        if self.earlier is not None:
+            self.earlier.close()
+
+
+class RemoteKeys:
+    """One attention layer's keys on the other ranks, for the owner in its turn: post_* sends a request to every
+    server (they compute while the owner goes on), collect_* receives and combines their answers.
+      forward   header, q out; (out, lse) back, merged in server order
+      backward  header, q, dout, (lse, delta) out (the MERGED result's, the ring-attention form); dq shares back,
+                summed; each server adds its keys' dK/dV to its gradient pages."""
+
+    def __init__(self, pages, layer):
+        self.pages, self.layer = pages, layer
+
+    def post_forward(self, q_HTD):
+        pages = self.pages
+        pages._header(FORWARD, self.layer, q_HTD.shape[1], q_HTD.device)
+        for i in pages.servers:
+            pages.cp.send(q_HTD, i)
+        self.q = q_HTD
+
+    def collect_forward(self):
+        cp, q_HTD, acc = self.pages.cp, self.q, _acc(self.q.dtype)
+        partials = [(q_HTD.new_zeros(q_HTD.shape),
+                     torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
+        for i in self.pages.servers:
+            out = cp.recv(q_HTD.shape, q_HTD.dtype, i, self.layer, "prefix_out", device=q_HTD.device)
+            lse = cp.recv(q_HTD.shape[:2], acc, i, self.layer, "prefix_lse", device=q_HTD.device)
+            partials.append((out, lse))
+        del self.q
+        return merge_in_order(partials)
+
+    def post_backward(self, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
+        pages, acc = self.pages, _acc(q_HTD.dtype)
+        delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
+        pages._header(BACKWARD, self.layer, q_HTD.shape[1], q_HTD.device)
+        for i in pages.servers:
+            pages.cp.send(q_HTD, i)
+            pages.cp.send(dout_HTD.to(q_HTD.dtype), i)
+            pages.cp.send(torch.stack([lse_HT.to(acc), delta_HT.to(acc)]), i)
+        self.shape, self.dtype, self.device = q_HTD.shape, acc, q_HTD.device
+
+    def collect_backward(self):
+        cp = self.pages.cp
+        dq = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        for i in self.pages.servers:
+            dq += cp.recv(self.shape, self.dtype, i, self.layer, "prefix_dq", device=self.device)
+        return dq
+
+
+def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
+    """Answer one request of `owner` (its header already read) against this rank's pages [0, end) (None: all;
+    the keys the owner's piece sees), streamed from its tier page by page through `stager` (dK/dV go to the
+    gradient pages page by page)."""
+    spec = adapter.specs[layer]
+    if spec.combine == "topk_lse":  # the selection's requests (cp_sparse.py)
+        answer = {SELECT: answer_candidates, FORWARD: answer_partial, BACKWARD: answer_grads}.get(op)
+        if answer is None:
+            raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+        if op == SELECT:  # every key of [0, end) precedes the owner's piece
+            return answer_candidates(cp, owner, adapter, stager, spec, [(tq, end)])
+        return answer(cp, owner, adapter, stager, spec, tq)
+    heads, _, dim = adapter.attention_geometry()
+    dtype, device = adapter.dtype, adapter.device
+    acc = _acc(dtype)
+    scale = adapter.attention_scale(layer)
+    q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
+    if op == FORWARD:
+        out, lse = streamed_partial(stager, spec, q, scale, end=end, query_chunk=chunk)
+        cp.send(out, owner)
+        cp.send(lse.to(acc), owner)
+    elif op == BACKWARD:
+        dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=device)
+        lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=device)
+        dq = streamed_grads(stager, spec, q, lse, dout, delta, scale, stager.pool, end=end)
+        cp.send(dq, owner)
+    else:
+        raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+
+
+def _read_header(cp, owner, device):
+    return tuple(int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header", device=device))
+
+
+def serve(cp, owner, adapter, pool, chunk, end=None):
+    """Answer `owner`'s requests against this rank's pages [0, end) until it says DONE."""
+    stager = layer_stager(pool, adapter.specs)
+    try:
+        while True:
+            op, layer, tq = _read_header(cp, owner, adapter.device)
+            if op == DONE:
+                return
+            _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end)
+    finally:
+        stager.close()
+
+
+class PageServer:
+    """A rank's pages answering `owner` from inside a mirrored chunk (ZeRO-3 lockstep, see cp_prefix_backward):
+    called as remote_attention at each attention layer of a one-token dummy forward, it answers the owner's
+    FORWARD request of that layer, and the backward of its (empty) partial answers the owner's BACKWARD request.
+    A "topk_lse" layer's dummy asks it for candidates (the owner's SELECT is answered there; the dummy gets none)
+    and attends through it (FORWARD, then BACKWARD in the backward of its empty partial), at the places where the
+    owner's layer makes those requests.
+    A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
+
+    end = 0  # the mirrored dummy iteration is one token at position 0: no keys on other ranks precede it
+
+    def __init__(self, cp, owner, adapter, pool, chunk, kept=False, visible=None):
+        self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk
+        self.stager = layer_stager(pool, adapter.specs)  # closed by close()
+        self.kept = kept  # the owner's attention was kept from capture: it sends no FORWARD request
+        self.visible = visible  # this rank's pages [0, visible) are what the owner's piece sees (None: all)
+
+    def answer(self, expected_op, expected_layer):
+        op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
+        if (op, layer) != (expected_op, expected_layer):
+            raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
+                               f"{self.owner}, got {(op, layer)}: the ranks' prefix-pass module calls diverged")
+        if op != DONE:
+            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq, self.visible)
+
+    def close(self):
+        self.stager.close()
+
+    def __call__(self, layer, q_HTD, known=None):
+        assert known is None, "a mirrored iteration keeps no attention of its own"
+        return _AnswerOwner.apply(q_HTD, self, layer)
+
+    # -- "topk_lse" layers --------------------------------------------------------------------------------------
+    def candidates(self, layer, selector):
+        self.answer(SELECT, layer)
+        return None  # the dummy selects among its own key only
+
+    def attend(self, layer, query, positions, valid):
+        return _AnswerOwnerSparse.apply(self, layer, *query)
+
+
+class _AnswerOwner(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_HTD, server, layer):
+        if not server.kept:
+            server.answer(FORWARD, layer)
+        ctx.server, ctx.layer = server, layer
+        empty = torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+        return q_HTD.new_zeros(q_HTD.shape), empty  # an empty partial: the dummy's own output is unchanged
+
+    @staticmethod
+    def backward(ctx, dout_HTD, dlse_HT):
+        ctx.server.answer(BACKWARD, ctx.layer)
+        return None, None, None
+
+
+class _AnswerOwnerSparse(torch.autograd.Function):
+    """The "topk_lse" form of _AnswerOwner: forward answers the owner's FORWARD request and returns an empty
+    partial for the dummy's query (no rows: out 0, lse -inf); backward answers its BACKWARD request."""
+
+    @staticmethod
+    def forward(ctx, server, layer, *query):
+        server.answer(FORWARD, layer)
+        ctx.server, ctx.layer, ctx.count = server, layer, len(query)
+        geometry = server.adapter.sparse_geometry(layer)
+        out, lse = empty_partial(geometry, query[0].shape[0], query[0].device)
+        return out.to(geometry.out[1]), lse  # as the owner's merged partial comes (cp_sparse.merge_partials_as)
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        ctx.server.answer(BACKWARD, ctx.layer)
+        return (None, None, *([None] * ctx.count))
+
+
+def _carry_shapes(state):
+    """layer -> [(shape, dtype) of each carry part], from the final carry every rank holds."""
+    return {layer: [(t.shape, t.dtype) for t in parts] for layer, parts in state.carry.items()}
+
+
+def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, turn_iterations=None,
+                       recompute=False):
+    """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
+
+    ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
+    (used by the owner of the last segment); chunk: the capture segment (settings.segment_tokens: the shards'
+    chunking, and queries per partial on the serving side).
+    Turns walk the CP segments (every rank's pieces, groups.shard_pieces) last to first: one per rank for
+    contiguous shards, two per rank for zigzag ones (a rank's own earlier piece is local past to its later one).
+    Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
+
+    turn_iterations: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) per
+    segment in prompt order the number of prefix iterations every rank makes in its turn: the owner runs its real
+    chunks and pads with zero iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them
+    with a one-token zero iteration, and a rank whose pages the owner reads answers the owner's requests from
+    inside its mirror (PageServer), at the same layer of the same module sequence.
+
+    recompute: each layer recomputed in backward, real segments and zero iterations alike (settings.recompute_layers:
+    only where no layer's forward makes a remote exchange)."""
+    pieces = cp.pieces(state.length)
+    selects = uses_selection(adapter.specs)
+    order = segments_in_order(pieces)
+    mine = pieces[cp.rank]
+    shapes = _carry_shapes(state)
+    filled = [s for s, (_, _, lo, hi) in enumerate(order) if hi > lo]
+    d_carry, handoffs = d_final_carry, []  # d(carry) at the end of the segment in turn; sends still in flight
+    for s in reversed(range(len(order))):
+        owner, index, lo, hi = order[s]
+        iterations = None if turn_iterations is None else turn_iterations[s]
+        if hi == lo and iterations is None:
+            continue
+        later = [t for t in filled if t > s]
+        earlier = [t for t in filled if t < s]
+        servers = [j for j in range(cp.size) if j != owner and visible_prefix(pieces[j], lo) > 0] if hi > lo else []
+        if cp.rank != owner:
+            visible = visible_prefix(mine, lo)
+            if iterations is not None:
+                _mirror_turn(adapter, state, cp, owner, ceil_div(hi - lo, chunk), chunk, iterations,
+                             cp.rank in servers, backward, recompute, visible)
+            elif cp.rank in servers:
+                serve(cp, owner, adapter, state.pool, chunk, end=visible)
+            continue
+        if hi > lo and later and order[later[0]][0] != cp.rank:  # the next segment's owner hands d(carry) over
+            d_carry = {layer: tuple(cp.recv(shape, dtype, order[later[0]][0], layer, "prefix_d_carry",
+                                            device=adapter.device) for shape, dtype in parts)
+                       for layer, parts in shapes.items()}
+        turn = [b for b in state.boundaries if piece_index(mine, b.position) == index] if hi > lo else []
+        if turn:
+            # a "topk_lse" family's past is its turn's piece only; its own earlier pieces are reached like the
+            # other ranks' rows (RemotePages' `earlier`)
+            past_start = local_starts(mine)[index] if selects else 0
+            own_earlier = OwnRows(state.pool, adapter, mine[:index], exact=True) if selects and past_start else None
+            remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
+            d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
+                                      remote_attention=remote if servers or own_earlier else None, recompute=recompute,
+                                      boundaries=turn, past_start=past_start)
+            remote.close(adapter.device)
+        for _ in range((iterations or 0) - len(turn)):  # pad this turn to the common count
+            zero_prefix_iteration(adapter, backward, recompute=recompute)
+        if turn and earlier and order[earlier[-1]][0] != cp.rank:  # hand d(carry at this piece's start) over
+            handoffs += [cp.isend(_carry_part(d_carry.get(layer), part, shape, dtype, adapter.device),
+                                  order[earlier[-1]][0])
+                         for layer, parts in shapes.items() for part, (shape, dtype) in enumerate(parts)]
+    for work in handoffs:
+        work.wait()
+
+
+def _carry_part(grads, part, shape, dtype, device):
+    """Part `part` of a layer's d(carry) as sent (zeros where the piece starts at the prompt start: no carry)."""
+    return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
+
+
+def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, recompute, visible):
+    """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
+    mirror the owner's `real` chunks answer its requests (against this rank's pages [0, visible)) when this rank
+    serves it, then its DONE is read."""
+    server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None,
+                        visible=visible) if serving else None
+    try:
+        for _ in range(real):
+            zero_prefix_iteration(adapter, backward, server, recompute)
+        if serving:  # the owner says DONE after its real chunks, before its padding
+            server.answer(DONE, -1)
+    finally:
+        if server is not None:
+            server.close()
+    for _ in range(iterations - real):
+        zero_prefix_iteration(adapter, backward, recompute=recompute)

@@ -1,0 +1,185 @@
+"""The layer-major prefix pass (prefix_layers.py) at a layer that attends a global top-k selection ("topk_lse").
+
+At such a layer every rank holds d(layer output) for its own tokens and the layer's input over its shard, and
+produces d(layer input), all ranks at once, as the capture runs the layer (cp_sparse.capture_sparse_layer):
+  selection  the layer's selection, recomputed without a graph: a selecting layer's from its own input (the
+             capture's candidate exchange, every rank client and server); a layer that reuses one takes the
+             selection of the selecting layer below it, computed once on the way down (`Selections`) and kept
+             until that layer is passed. The indexer takes no gradient, so nothing of it is differentiated.
+  forward    the queries and the merged (out, lse) over every rank's selected rows (the capture's exchange).
+  output     chunk by chunk with autograd from the leaf out: y = mlp_residual(x + finish(out)): d(out), and
+             d(input) through the residual and the MLP (the absorbed W_UV recomputed with its graph).
+  backward   every rank's queries at once: the rows of this rank locally, the others' at their owners, which add
+             d(rows) to their gradient pages and send the d(query) shares back (delta = rowsum(d_out * out), the
+             ring-attention form; the output's lse takes no gradient).
+  input      once every rank's pages hold every contribution (replay's and every prompt query's), each chunk
+             back-propagates its projections (the query and its rows) with autograd: d(input).
+Nothing of the prompt's graph outlives one chunk of one layer. Held across the layer, beside d(output) and
+d(input): the shard's queries, out and d(out) [T, H, R(+E)] with lse [T, H] and the selection [T, K].
+Under ZeRO-3 (lockstep) each per-chunk loop is padded with one-token zero iterations (the capture's `pad`).
+"""
+
+import torch
+
+from ds_longstraw.arch.base import grad_leaf, grad_of, inject_gradients
+from ds_longstraw.grpo.cp.cp_sparse import (
+    _cat,
+    answer_grads,
+    collect_grads,
+    exchange_all_at_once,
+    key_stager,
+    row_stager,
+    send_grad_requests,
+    shard_partial,
+    shard_selection,
+    streamed_sparse_grads,
+)
+from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.parallel.groups import prompt_to_local
+
+
+class Selections:
+    """The selections of the layer-major pass's "topk_lse" layers, walking the layers top to bottom. The one a layer
+    attends is its own (a selecting layer) or that of the selecting layer below it: computed the first time a layer
+    above needs it, from that layer's input (input_of(layer) -> read(a, b)), and dropped once that layer is done;
+    where that layer lies below the group's base (prefix_inputs_every) and its input is not kept, the selection kept
+    with the base's input (state.read_selection)."""
+
+    def __init__(self, adapter, state, spans, cp, pieces, input_of, every=1, pad=0):
+        self.adapter, self.state, self.spans, self.cp, self.pieces = adapter, state, spans, cp, pieces
+        self.input_of, self.every, self.pad = input_of, every, pad
+        self.specs = {spec.layer: spec for spec in adapter.specs}
+        self.made = {}
+
+    def source(self, layer):
+        """The selecting layer whose selection `layer` attends."""
+        for below in range(layer, -1, -1):
+            if self.specs[below].select:
+                return below
+        raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
+
+    def of(self, layer):
+        source, base = self.source(layer), layer - layer % self.every
+        if source < base and source % self.every:  # made in a group below, from an input not kept: kept with the
+            # base's input (state.selection_bases)
+            if ("kept", base) not in self.made:
+                self.made[("kept", base)] = self.state.read_selection(base)
+            return self.made[("kept", base)]
+        if source not in self.made:
+            self.made[source] = self._select(self.specs[source])
+        return self.made[source]
+
+    def done(self, layer):
+        """Drop what no layer at or below `layer` needs any more."""
+        self.made.pop(layer, None)
+        self.made.pop(("kept", layer), None)
+
+    def _select(self, spec):
+        adapter, layer = self.adapter, spec.layer
+        read = self.input_of(layer)
+        with torch.no_grad():
+            selectors = [adapter.sparse_project(layer, adapter.mixer_input(layer, read(a, b)), position)[0]
+                         for a, b, position in self.spans]
+            _pad_projections(adapter, layer, self.pad)
+            keys = key_stager(self.state.pool, [spec])
+            try:
+                return shard_selection(self.cp, adapter, spec, keys, _cat(selectors) if selectors else None,
+                                       self.spans, self.pieces)
+            finally:
+                keys.close()
+
+
+def _zero(adapter):
+    return torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
+
+
+def _pad_projections(adapter, layer, pad):
+    for _ in range(pad):
+        adapter.sparse_project(layer, adapter.mixer_input(layer, _zero(adapter)), 0)
+
+
+def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, selections, backward=None,
+                          pad=0):
+    """d(layer input) [1, T, C] of "topk_lse" layer `spec.layer` over this rank's shard (read_input(a, b): the
+    layer's input of local tokens [a, b); selections: the pass's Selections); parameter gradients accumulate, and
+    every rank's gradient pages of the layer get every prompt query's d(rows)."""
+    layer, pool = spec.layer, state.pool
+    positions, valid = selections.of(layer)
+    rows = row_stager(pool, [spec])
+    try:
+        # (0) the shard's queries and their merged attention over every rank's selected rows
+        with torch.no_grad():
+            queries = [adapter.sparse_project(layer, adapter.mixer_input(layer, read_input(a, b)), position)[1]
+                       for a, b, position in spans]
+            _pad_projections(adapter, layer, pad)
+            geometry = adapter.sparse_geometry(layer)
+            query = _cat(queries) if queries else None
+            out, lse = shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces)
+        # (1) the output side: d(out), and d(input) through the residual and the MLP
+        d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
+        d_out = torch.zeros(out.shape, dtype=geometry.lse_dtype, device=out.device)
+        for a, b, position in spans:
+            d_part, d_x[:, a:b] = _output_side(adapter, layer, read_input(a, b), position, out[a:b], dy_1TC[:, a:b],
+                                               backward)
+            d_out[a:b] = d_part
+        for _ in range(pad):
+            _output_side(adapter, layer, _zero(adapter), 0, out.new_zeros((1, *out.shape[1:])), _zero(adapter),
+                         backward)
+        # (2) the attention's backward, every rank's queries at once: d(query) here, d(rows) at their owners
+        d_query = _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out)
+    finally:
+        rows.close()
+    del out, d_out
+    # (3) the input side: the query and the rows of each chunk with their complete gradients
+    for a, b, position in spans:
+        grads = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
+        injected = [d[a:b] for d in d_query] + grads
+        d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, injected, backward)
+    for _ in range(pad):
+        _input_side(adapter, layer, _zero(adapter), 0, None, backward)
+    return d_x
+
+
+def _output_side(adapter, layer, x_1TC, position, out, dy_1TC, backward):
+    """(d out, d x) of y = mlp_residual(x + finish(out)) given d y, the output's map (absorbed W_UV) recomputed
+    here with its graph."""
+    x, out = grad_leaf(x_1TC), grad_leaf(out)
+    with torch.enable_grad():
+        _, _, finish, _ = adapter.sparse_project(layer, adapter.mixer_input(layer, x), position)
+        y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, finish))
+        inject_gradients([y], [dy_1TC], backward)
+    return grad_of(out), grad_of(x)
+
+
+def _input_side(adapter, layer, x_1TC, position, injected, backward):
+    """d x of the chunk's query and rows given their gradients (None: a lockstep zero iteration); the indexer's
+    outputs take none, as the model defines it."""
+    x = grad_leaf(x_1TC)
+    with torch.enable_grad():
+        _, query, _, rows = adapter.sparse_project(layer, adapter.mixer_input(layer, x), position)
+        roots = [*query, *rows]
+        inject_gradients(roots, (injected or []) + [None] * (len(roots) - len(injected or [])), backward)
+    return grad_of(x)
+
+
+def _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out):
+    """d(query) of this rank's shard: its own rows' share locally, every other owner's by the exchange (every rank
+    client and server at once); each owner adds its rows' gradients to its gradient pages."""
+    layer = spec.layer
+    delta = attention_delta(out, d_out, None)
+
+    def post(servers, works):
+        if query is not None:
+            send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works)
+
+    def collect(servers):
+        if query is None:
+            return []
+        own = streamed_sparse_grads(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]),
+                                    lse, d_out, delta, rows.pool)
+        return collect_grads(cp, adapter, layer, query, servers, own)
+
+    return exchange_all_at_once(
+        cp, pieces, post,
+        lambda j, works: answer_grads(cp, j, adapter, rows, spec, sum(hi - lo for lo, hi in pieces[j]), works),
+        collect)

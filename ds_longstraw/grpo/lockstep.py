@@ -1,0 +1,261 @@
+"""Lockstep: the same module calls on every data-parallel rank, whatever group each rank brings.
+
+Under ZeRO-3 every call of a submodule all-gathers its partitioned weights (forward) and every backward through
+it gathers them again: these are collectives over the data-parallel ranks, so every rank must call the same
+submodules in the same order. A transaction's calls depend on its group only through its *shape*:
+
+    capture chunks c = ceil((len(prompt) - 1) / segment)   (segment: capture_chunk, capped by prefix_block in
+                                                            exact mode; also the reference capture, and exact
+                                                            mode's prefix pass: one forward + backward per chunk)
+    members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block)
+
+(one `forward_segment` walks every layer whatever its token count). Ranks agree on the common shape (the
+element-wise maximum; `common_shapes`) and each pads its own transaction up to it with dummy work of the same
+structure, whose results are thrown away and whose gradients are exactly zero:
+
+  - capture: extra no-grad forwards of one token (outputs discarded);
+  - replay: a member with fewer blocks is extended past its end with dummy tokens. Causality keeps the real
+    tokens' log-probs unchanged, and the dummy log-probs are sliced off before the loss, so their backward
+    carries zeros; the graph has the structure of a longer response, so the backward gathers match too;
+  - members: dummy members (dummy tokens from the real captured state, loss 0 * sum(log p)) with the common
+    block counts, backward like a real member;
+  - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
+A rank with fewer groups (grpo_step with lists) runs dummy groups (`dummy_group`) whose loss is scaled by zero.
+
+The padding costs compute (one-token segments) and the weight gathers the other ranks do anyway: ranks would
+wait for the slowest one regardless. Not needed (and not used) without ZeRO-3 or with one data-parallel rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from ds_longstraw.grpo.prefix_pass import segment_roots
+from ds_longstraw.parallel.groups import segments_in_order  # prompt order: the order the prefix pass's turns index
+
+PAD_TOKEN = 0
+
+
+def ceil_div(a, b):
+    """Pieces of at most b that a items make (a segment count, a block count)."""
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    chunks: int  # capture chunks
+    blocks: tuple  # replay blocks per member
+    segments: tuple = ()  # context parallelism: the capture chunks of each CP segment, in prompt order
+
+    def encode(self) -> list:
+        return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments]
+
+    @staticmethod
+    def decode(code) -> "GroupShape":
+        members = code[1]
+        blocks = tuple(code[2:2 + members])
+        rest = code[2 + members:]
+        return GroupShape(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
+
+
+def replayed_members(group, settings, cp=None) -> list:
+    """The members this rank replays: all of them, or (context parallelism with "cp_replay": "spread") its share."""
+    if cp is not None and settings.cp_replay == "spread":
+        return list(range(cp.rank, group.size, cp.size))
+    return list(range(group.size))
+
+
+def capture_chunks(prompt_length, settings, cp=None) -> int:
+    """The capture chunks of a prompt of `prompt_length` ids (its last id is not captured: replay or decoding feeds
+    it). cp: None, or this rank's parallel.CPContext: then the chunks of this rank's shard of the prompt
+    (context-parallel capture calls the submodules once per chunk of its own shard, see grpo/cp/capture.py)."""
+    tokens = prompt_length - 1
+    if cp is None:
+        return ceil_div(tokens, settings.segment_tokens)
+    # chunks never straddle two of a rank's pieces (parallel/groups.local_spans)
+    return sum(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
+
+
+def segment_chunks(prompt_length, settings, cp) -> tuple:
+    """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
+    the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix.py)."""
+    return tuple(ceil_div(hi - lo, settings.segment_tokens)
+                 for _, _, lo, hi in segments_in_order(cp.pieces(prompt_length - 1)))
+
+
+def shape_of(group, settings, cp=None) -> GroupShape:
+    """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
+    segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
+    return GroupShape(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
+                      blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
+                                   for m in replayed_members(group, settings, cp)),
+                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), settings, cp))
+
+
+def merge(shapes) -> GroupShape:
+    """The element-wise maximum of group shapes (missing members count as 0 blocks)."""
+    members = max(len(s.blocks) for s in shapes)
+    return GroupShape(chunks=max(s.chunks for s in shapes),
+                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes)
+                                   for m in range(members)),
+                      segments=tuple(max(column) for column in zip(*(s.segments for s in shapes))))
+
+
+def common_shapes(local_shapes, group=None) -> list:
+    """All-gather every rank's list of group shapes over `group` (a torch process group: the data-parallel ranks)
+    and return, per group slot, the common shape (slots: the most groups any rank has)."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size(group=group)
+    dist.all_gather_object(gathered, [s.encode() for s in local_shapes], group=group)
+    slots = max(len(ranks_shapes) for ranks_shapes in gathered)
+    out = []
+    for slot in range(slots):
+        shapes = [GroupShape.decode(code) for ranks_shapes in gathered
+                  if slot < len(ranks_shapes) for code in [ranks_shapes[slot]]]
+        out.append(merge(shapes))
+    return out
+
+
+def padded_to_common(group, settings, cp, process_group, kind=None):
+    """A Lockstep (or `kind`) padding this rank's transaction of `group` to the common shape of the ranks of
+    `process_group` (collective over them); cp: this rank's CPContext or None (shape_of)."""
+    local = shape_of(group, settings, cp)
+    return (kind or Lockstep)(local, common_shapes([local], process_group)[0], settings)
+
+
+def dummy_group():
+    """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's shape;
+    the engine scales its loss by zero)."""
+    from ds_longstraw.group import GRPOGroup
+
+    return GRPOGroup(prompt_ids=torch.full((2,), PAD_TOKEN), response_ids=[torch.full((1,), PAD_TOKEN)],
+                     advantages=[0.0])
+
+
+class Schedule:
+    """The transaction's schedule as this rank runs it: the plain one, with no padding (one data-parallel rank, or
+    no ZeRO-3). `Lockstep` wraps the same points with padding; the transaction and the topologies call these points
+    whichever they were given, and never ask which."""
+
+    capture_pad = 0  # extra capture chunks of dummy calls
+    idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
+    capture_padded_to = None  # decoding: the chunks every rank's capture of the slot calls (None: not padded)
+    # context parallelism: the prefix iterations every rank makes in each turn, by segment in prompt order (None:
+    # no mirroring)
+    prefix_iterations = None
+
+    def pad_capture(self, adapter):
+        """After a one-rank capture: the extra chunks' calls."""
+
+    def pad_prefix(self, adapter, backward=None):
+        """After a one-rank prefix pass: the extra iterations."""
+
+    def pad_member(self, member, inputs, targets):
+        return inputs, targets
+
+    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+        """After the group's members: the members other ranks have and this one lacks."""
+
+    # -- decoding (rollout.generate; decode_lockstep.DecodeLockstep pads it) --------------------------------------
+    def sample_slots(self, num_samples) -> int:
+        """How many samples a one-at-a-time decode walks: this rank's own."""
+        return num_samples
+
+    def keeps_decoding(self, running, device) -> bool:
+        """After a decode step: whether to take another, given whether this rank still has a sample running."""
+        return running
+
+
+class Lockstep(Schedule):
+    """How one rank pads one group's transaction up to the common shape (see the module docstring)."""
+
+    def __init__(self, local: GroupShape, common: GroupShape, settings):
+        if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(
+                b > c for b, c in zip(local.blocks, common.blocks)):
+            raise ValueError(f"lockstep: local shape {local} exceeds the common shape {common}")
+        self.local, self.common, self.settings = local, common, settings
+
+    @property
+    def capture_pad(self) -> int:
+        return self.common.chunks - self.local.chunks
+
+    @property
+    def prefix_iterations(self) -> tuple:
+        """Per CP segment (prompt order), the iterations of its turn: the most chunks that segment has on any
+        replica."""
+        return self.common.segments
+
+    # -- capture and prefix ------------------------------------------------------------------------------
+    def pad_capture(self, adapter):
+        """Extra no-grad forwards (the reference capture, the policy capture)."""
+        ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+        with torch.no_grad():
+            for _ in range(self.capture_pad):
+                adapter.forward_segment(ids, 0, {}, {})
+
+    def pad_prefix(self, adapter, backward=None):
+        """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
+        for _ in range(self.capture_pad):
+            zero_prefix_iteration(adapter, backward, recompute=self.settings.recompute_layers)
+
+    # -- replay ------------------------------------------------------------------------------------------
+    def _padded_length(self, member, length):
+        blocks = self.common.blocks[member]
+        return max(length, (blocks - 1) * self.settings.replay_block + 1)
+
+    def pad_member(self, member, inputs, targets):
+        """Extend a member's replay inputs/targets past its end so it has the common number of blocks; the
+        caller slices the log-probs back to the real length."""
+        extra = self._padded_length(member, inputs.numel()) - inputs.numel()
+        if extra == 0:
+            return inputs, targets
+        pad = torch.full((extra,), PAD_TOKEN, dtype=inputs.dtype, device=inputs.device)
+        return torch.cat([inputs, pad]), torch.cat([targets, pad.to(targets.device)])
+
+    def dummy_members(self):
+        """(member slot, inputs, targets) of the members this rank lacks."""
+        for member in range(len(self.local.blocks), len(self.common.blocks)):
+            length = self._padded_length(member, 1)
+            ids = torch.full((length,), PAD_TOKEN, dtype=torch.long)
+            yield member, ids, ids
+
+    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+        """Replay the dummy members (replay: replay_member's signature minus the adapter) and, with grad,
+        back-propagate 0 * sum(log p) like a member's loss share."""
+        for _, inputs, targets in self.dummy_members():
+            with torch.enable_grad() if with_grad else torch.no_grad():
+                logp = replay(adapter, leaves, start, inputs, targets, self.settings.replay_block)
+                if with_grad and logp.requires_grad:
+                    zero = logp.sum() * 0.0
+                    zero.backward() if backward is None else backward(zero)
+            del logp
+
+
+class ReplayLockstep(Lockstep):
+    """Padding of the replay only (member slots and blocks), for ranks whose replays exchange with each other but
+    whose capture and prefix pass already pair up (a spread CP replay without ZeRO-3)."""
+
+    capture_pad = 0
+    prefix_iterations = None
+
+    def pad_capture(self, adapter):
+        pass
+
+    def pad_prefix(self, adapter, backward=None):
+        pass
+
+
+def zero_prefix_iteration(adapter, backward=None, remote_attention=None, recompute=False):
+    """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (every layer's
+    end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
+    chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves
+    its requests through it);
+    recompute: each layer recomputed in backward, as the real segments are (settings.recompute_layers)."""
+    ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+    with torch.enable_grad():
+        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, checkpoint_layers=recompute)
+        live = [o for o in segment_roots(adapter.specs, out) if o.requires_grad]
+        if live:
+            surrogate = sum((o * 0.0).sum() for o in live)
+            surrogate.backward() if backward is None else backward(surrogate)

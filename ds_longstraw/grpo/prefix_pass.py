@@ -1,0 +1,140 @@
+"""Exact mode's reverse pass over the prompt's capture chunks.
+
+After every member has replayed, the gradient pages hold d(loss)/d(rows) of every prompt token that replay read,
+and the carry leaves hold d(loss)/d(final carry). Walking the chunks last to first, chunk c is recomputed WITH
+autograd from its checkpointed boundary carry and the pages before it; the accumulated gradients of its outputs
+(its rows of every stream that carries a gradient, its end carry) are injected; backward adds parameter gradients, adds
+the gradients that land on earlier pages to their gradient pages, and yields d(boundary state), carried to chunk c-1.
+The live graph is one chunk; every prompt token's contribution is counted once, as in full-sequence autograd.
+Earlier pages are staged one layer at a time from the pool's tier (forward ascending, the backward re-stages
+descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
+"""
+
+import time
+from contextlib import closing
+
+import torch
+
+from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.memory import return_freed_host_memory
+from ds_longstraw.offload import StagedPast, Stager, staged_saves
+
+
+def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
+                    recompute=True, timings=None, boundaries=None, past_start=0):
+    """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
+    its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
+    one piece's); past_start: the first local token of the pages a segment sees as its past (a context-parallel
+    turn of a family whose past must be contiguous in positions: its piece's start; remote_attention the rest);
+    d_final_carry: layer -> d(its carry) after the prefix. Returns d(carry) at the start of the
+    captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
+
+    backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
+    one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
+    to each output is exactly the injected grad. recompute: recompute each layer in backward (one layer's graph
+    alive instead of the segment's); settings.recompute_layers says where that is allowed. timings: a dict that
+    gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
+    `recompute`, the backward includes the layers' recompute)."""
+    stager = Stager(state.pool, stream_names(adapter.specs))
+    boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
+    try:
+        with closing(_segments_ahead(state, boundaries)) as segments:
+            return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
+                                   recompute, {} if timings is None else timings, segments, past_start)
+    finally:
+        stager.close()
+
+
+def _segments_ahead(state, boundaries):
+    """(boundary, the carry checkpointed there, the attention kept from capture or None) of each segment, the
+    next segment's reads issued before this one's are collected, so a slower tier's reads overlap the segment's
+    compute. Closing the generator completes and drops reads still in flight (an error half-way)."""
+    in_flight = []  # reads issued and not yet collected
+    try:
+        ahead = None
+        for index, boundary in enumerate(boundaries):
+            current = ahead or _begin_segment(state, boundary, in_flight)
+            ahead = None
+            if index + 1 < len(boundaries):
+                ahead = _begin_segment(state, boundaries[index + 1], in_flight)
+            carry, kept = (read.result() for read in current)
+            for read in current:
+                in_flight.remove(read)
+            yield boundary, carry, kept
+    finally:
+        for read in in_flight:
+            read.release()
+
+
+def _begin_segment(state, boundary, in_flight):
+    """Issue the reads of one segment's checkpointed carry and kept attention (each recorded in in_flight)."""
+    carry = state.begin_carry(boundary)
+    in_flight.append(carry)
+    kept = state.begin_kept_attention(boundary.start, boundary.end)
+    in_flight.append(kept)
+    return carry, kept
+
+
+def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
+                    timings, segments, past_start=0):
+    """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
+    pool = state.pool
+    timings.setdefault("forward", 0.0)
+    timings.setdefault("backward", 0.0)
+    d_carry = d_final_carry
+    for boundary, checkpointed, kept in segments:
+        start, end = boundary.start, boundary.end
+        # the prompt start has no checkpoint: zeros there, nothing to carry further back
+        carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
+                 for layer, parts in checkpointed.items()}
+        past = StagedPast(stager, past_start, start, with_grad=True)
+        with torch.enable_grad(), staged_saves(stager):
+            started = time.perf_counter()
+            position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
+            out = adapter.forward_segment(ids[start:end], position, carry, past,
+                                          remote_attention, checkpoint_layers=recompute,
+                                          known_attention=kept)
+            outputs = segment_roots(adapter.specs, out)
+            grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end))]
+            # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
+            live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            forwarded = time.perf_counter()
+            timings["forward"] += forwarded - started
+            if live and backward is None:
+                torch.autograd.backward([o for o, _ in live], [g for _, g in live])
+            elif live:
+                backward(sum((o * g.detach()).sum() for o, g in live))
+            timings["backward"] += time.perf_counter() - forwarded
+        d_carry = {layer: tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in parts)
+                   for layer, parts in carry.items()}
+        del out, outputs, grads, live, kept, checkpointed
+        return_freed_host_memory(adapter.device)
+        if progress is not None:
+            progress(end - start)
+    return d_carry
+
+
+def segment_roots(specs, out):
+    """The outputs of a segment that later tokens read, in a fixed order: each layer's end carry, then its rows of
+    every stream that carries a gradient."""
+    outputs = []
+    for spec in specs:
+        if spec.carry:
+            outputs += list(out.carry[spec.layer])
+        for stream, rows in zip(spec.streams, out.rows.get(spec.layer, ())):
+            if stream.grad:
+                outputs.append(rows)
+    return outputs
+
+
+def _injected(specs, d_carry, pool, start, end):
+    """The accumulated gradients of segment_roots' outputs: d(end carry) from the later segment (or replay), and
+    the gradient pages of the segment's rows."""
+    grads = []
+    for spec in specs:
+        if spec.carry:
+            grads += list(d_carry[spec.layer])
+        for stream in spec.streams:
+            if stream.grad:
+                grads.append(pool.read_grad(spec.layer, stream.name, start, end))
+    return grads

@@ -1,0 +1,136 @@
+"""Replay of one group member from captured prompt state, in blocks, with or without autograd.
+
+A member's replay input is [prompt[-1], response[:-1]] at positions len(prompt)-1 onward, and its targets are
+the response tokens: every response token's log-prob (the first one too) comes out of the replay. Blocks of
+`replay_block` tokens carry each layer's carry forward and append their rows to the past of later blocks, so
+attention score memory is bounded by one block while the member's graph spans the whole response.
+
+The prompt's pages reach attention through a StagedPast (ds_longstraw.offload): each block's forward stages
+one layer's pages at a time from the pool's tier, and the graph keeps handles instead of staged copies
+(re-staged in backward), so with a host or NVMe tier no more than a few layers of pages are on the device.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.lockstep import Schedule
+from ds_longstraw.grpo.memory import return_freed_host_memory
+from ds_longstraw.offload import StagedPast, Stager, staged_saves
+
+
+@dataclass
+class PrefixLeaves:
+    """The captured state as seen by replay: constants (detached mode) or leaves whose gradients are collected
+    onto gradient pages (exact mode)."""
+
+    carry: dict  # layer -> tuple of tensors
+    past: dict  # layer -> list of row tuples: a StagedPast, or a plain dict (context parallelism: no local pages)
+    stager: object = None  # the StagedPast's stager, closed by release()
+
+    def release(self):
+        """Drop every staged layer (in-flight reads complete first)."""
+        if self.stager is not None:
+            self.stager.close()
+
+
+def prefix_leaves(adapter, state, requires_grad):
+    """Replay's view of the captured state. requires_grad (exact mode): the carry tensors are leaves, and the
+    pages' gradients go to the pool's gradient pages as each block's backward produces them."""
+    # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
+    stager = Stager(state.pool, stream_names(adapter.specs), wrap=True)
+    past = StagedPast(stager, 0, state.length, with_grad=requires_grad)
+    return PrefixLeaves(carry=carry_leaves(state.carry, requires_grad), past=past, stager=stager)
+
+
+def carry_leaves(carry, requires_grad):
+    """The carry as replay's inputs: detached, and leaves collecting d(loss)/d(carry) when requires_grad."""
+    return {layer: tuple(t.detach().requires_grad_(requires_grad) for t in parts) for layer, parts in carry.items()}
+
+
+def replay_member(adapter, leaves, start, inputs, targets, block, remote_attention=None):
+    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on).
+
+    remote_attention: None, or the context-parallel attention over every rank's prompt pages (then
+    `leaves.past` holds no prompt pages; see ds_longstraw.parallel)."""
+    carry = dict(leaves.carry)
+    staged = isinstance(leaves.past, StagedPast)
+    past = leaves.past.fresh() if staged else {layer: list(segments) for layer, segments in leaves.past.items()}
+    logps = []
+    with staged_saves(past.stager) if staged else nullcontext():
+        for offset in range(0, inputs.numel(), block):
+            end = min(inputs.numel(), offset + block)
+            out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past, remote_attention)
+            carry = dict(out.carry)
+            for layer, rows in out.rows.items():
+                if staged:
+                    past.append(layer, rows)
+                else:
+                    past[layer].append(rows)
+            logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
+    return torch.cat(logps)
+
+
+def member_inputs(group, member):
+    response = group.response_ids[member]
+    inputs = torch.cat([group.prompt_ids[-1:], response[:-1]])
+    return inputs, response
+
+
+def replay_group(adapter, leaves, start, group, objective, advantages, ref_logprobs, block, *, backward=None,
+                 schedule=None, remote_attention=None, members=None):
+    """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
+
+    backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
+    schedule: a lockstep.Schedule; under ZeRO-3 a Lockstep, which pads this rank's module calls to the other ranks'
+    (dummy tokens and members; results unchanged); members: the members to replay (default all; a spread CP
+    replay: this rank's share), whose positions in the list are the schedule's member slots.
+    Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64).
+    """
+    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
+
+    schedule = schedule or Schedule()
+    logprobs, loss = [], 0.0
+    for slot, member in enumerate(range(group.size) if members is None else members):
+        inputs, targets = member_inputs(group, member)
+        real = targets.numel()
+        inputs, targets = schedule.pad_member(slot, inputs, targets)
+        with torch.enable_grad():
+            logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
+            ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
+            share = objective.member_loss(group, member, logp, advantages, ref)
+            if share.requires_grad:
+                share.backward() if backward is None else backward(share)
+        loss += float(share.detach())
+        logprobs.append(logp.detach().double().cpu())
+        del logp, share
+        return_freed_host_memory(adapter.device)
+    schedule.replay_dummy_members(adapter, leaves, start, replay, backward)
+    return loss, logprobs
+
+
+def final_carry_grads(leaves):
+    """d(loss)/d(carry after the prefix), accumulated over the members (zeros where none)."""
+    return {layer: tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in parts)
+            for layer, parts in leaves.carry.items()}
+
+
+def score_group(adapter, leaves, start, group, block, *, schedule=None, remote_attention=None, members=None):
+    """Log-probs of the members' responses (default all; members: as replay_group's) WITHOUT a graph (reference
+    scoring), float64 on the CPU."""
+    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
+
+    schedule = schedule or Schedule()
+    scores = []
+    with torch.no_grad():
+        for slot, member in enumerate(range(group.size) if members is None else members):
+            inputs, targets = member_inputs(group, member)
+            real = targets.numel()
+            inputs, targets = schedule.pad_member(slot, inputs, targets)
+            scores.append(replay(adapter, leaves, start, inputs, targets, block)[:real].double().cpu())
+        schedule.replay_dummy_members(adapter, leaves, start, replay, with_grad=False)
+    return scores

@@ -1,0 +1,389 @@
+"""The retained state of a captured prompt, and the capture that fills it.
+
+Capture runs prompt[:-1] through the model chunk by chunk WITHOUT autograd and keeps only what later tokens
+read, as the adapter's layer-state specs (arch/specs.py) declare: each layer's per-token streams on owned pages,
+each layer's per-sequence carry. In exact mode it also checkpoints the carry at every chunk start (on the pages'
+tier), so the prefix pass can recompute one chunk at a time, and with prefix_keep_attention keeps each layer's
+`kept` streams (its attention output and log-sum-exp) so that recompute skips the prompt's attention.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.lockstep import ceil_div
+from ds_longstraw.grpo.memory import return_freed_host_memory
+from ds_longstraw.offload import PagePool, StagedPast, Stager, make_pool
+from ds_longstraw.offload.pages import ReadyRead
+
+
+@dataclass
+class ChunkBoundary:
+    start: int
+    end: int
+    carry: dict  # layer -> its carry at `start` (views or checkpoint slots; absent at the prompt start)
+    position: int | None = None  # the prompt position of local token `start` (None: the state's offset + start)
+
+
+@dataclass
+class PrefixState:
+    length: int  # captured tokens: len(prompt) - 1
+    pool: PagePool  # the streams of every paged layer
+    specs: list  # the adapter's layer-state specs (arch/specs.py)
+    carry: dict = field(default_factory=dict)  # layer -> its carry (tuple of tensors) after the prefix
+    boundaries: list = field(default_factory=list)  # exact mode only
+    offset: int = 0  # prompt position of this rank's first captured token (context parallelism; else 0)
+    # exact mode with prefix_keep_attention: the pool of every layer's kept streams (`pool`, or a pool of
+    # offload.kept_attention_tier); None when the attention is not kept
+    kept_pool: PagePool | None = None
+    # exact mode: the store of the carry checkpoints (CarryCheckpoints on the device, PooledCarryCheckpoints on
+    # offload.tier); None in detached mode
+    checkpoints: "CarryCheckpoints | PooledCarryCheckpoints | None" = None
+    # exact mode's layer-major prefix pass under context parallelism (grpo/cp/prefix_layers.py): every layer's
+    # input hidden states over this rank's shard, on a pool of offload.tier (stream INPUT_STREAM); None otherwise
+    input_pool: PagePool | None = None
+
+    def retained_bytes(self) -> dict:
+        """Bytes kept for later tokens, by the specs' labels, plus exact mode's carry checkpoints and kept
+        attention ("carry_checkpoints", "kept_attention_pages")."""
+        out = {}
+        by_stream = self.pool.bytes_by_stream()
+        for spec in self.specs:
+            for stream in spec.streams:
+                label = spec.stream_label(stream)
+                out[label] = out.get(label, 0) + by_stream.get((spec.layer, stream.name), 0)
+            if spec.carry:
+                carried = sum(t.numel() * t.element_size() for t in self.carry.get(spec.layer, ()))
+                out[spec.label] = out.get(spec.label, 0) + carried
+        out["carry_checkpoints"] = 0 if self.checkpoints is None else self.checkpoints.nbytes()
+        kept = 0
+        if self.kept_pool is not None:
+            kept_by_stream = self.kept_pool.bytes_by_stream()
+            kept = sum(kept_by_stream.get((spec.layer, s.name), 0) for spec in self.specs for s in spec.kept)
+        out["kept_attention_pages"] = kept
+        if self.input_pool is not None:
+            out["layer_inputs"] = sum(self.input_pool.bytes_by_stream().values())
+        return out
+
+    def read_layer_input(self, layer, start=0, end=None):
+        """Layer `layer`'s input hidden states over captured tokens [start, end), [1, T, C] (the layer-major prefix
+        pass)."""
+        return self.input_pool.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
+
+    def read_selection(self, layer):
+        """The selection (positions, valid) [T, topk] that base layer `layer` reuses, kept with its input."""
+        return decode_selection(self.input_pool.read(layer, SELECTION_STREAM))
+
+    def begin_kept_attention(self, start, end):
+        """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
+        reads of a slower tier overlap the prefix pass's compute); result(): layer -> its kept tensors, each
+        head-major ([H, T, ...]), or None when none was kept."""
+        if self.kept_pool is None:
+            return ReadyRead(None)
+        kept = {spec.layer: spec.kept for spec in self.specs if spec.kept}
+        tickets = {(layer, s.name): self.kept_pool.begin_read(layer, s.name, start, end)
+                   for layer, streams in kept.items() for s in streams}
+        return PendingReads(tickets, lambda got: {
+            layer: tuple(got[(layer, s.name)].transpose(0, 1).contiguous() for s in streams)
+            for layer, streams in kept.items()})
+
+    def begin_carry(self, boundary, layers=None):
+        """Issue the read of the carry checkpointed at `boundary` (one of self.boundaries), of every layer or of
+        `layers` only; result(): layer -> its carry, absent for a layer that starts from zeros there (the prompt
+        start)."""
+        return self.checkpoints.begin_load(boundary, layers)
+
+    def flush(self):
+        """Write back what capture left in partial pages: afterwards every page is on its tier."""
+        self.pool.flush()
+        if self.kept_pool is not None and self.kept_pool is not self.pool:
+            self.kept_pool.flush()
+        if self.checkpoints is not None:
+            self.checkpoints.flush()
+        if self.input_pool is not None:
+            self.input_pool.flush()
+
+    def release(self):
+        """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
+        if self.kept_pool is not None and self.kept_pool is not self.pool:
+            self.kept_pool.release()
+        if self.checkpoints is not None:
+            self.checkpoints.release()
+        if self.input_pool is not None:
+            self.input_pool.release()
+        self.pool.release()
+        self.carry.clear()
+        self.boundaries.clear()
+
+
+class PendingReads:
+    """Reads issued together: tickets by key. result() waits for every one and hands {key: tensor} to `assemble`;
+    release() completes and drops the reads not collected (an error before result())."""
+
+    def __init__(self, tickets, assemble):
+        self.tickets, self.assemble = tickets, assemble
+
+    def result(self):
+        try:
+            return self.assemble({key: ticket.result() for key, ticket in self.tickets.items()})
+        finally:
+            self.release()
+
+    def release(self):
+        for ticket in self.tickets.values():
+            ticket.release()
+
+
+def open_kept_pool(adapter, settings, pool, length, rank=0):
+    """The pool that keeps `length` tokens of every layer's `kept` streams (exact mode's prefix_keep_attention):
+    `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
+    own = settings.offload.kept_attention_pool()
+    # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
+    kept_pool = pool if own is None else make_pool(own, settings.segment_tokens, adapter.device, rank)
+    try:
+        for spec in adapter.specs:
+            for stream in spec.kept:
+                kept_pool.reserve(spec.layer, stream.name, length, stream.shape, stream.dtype)
+    except BaseException:
+        if kept_pool is not pool:
+            kept_pool.release()
+        raise
+    return kept_pool
+
+
+def keep_segment_attention(kept_pool, spec, result):
+    """Append one segment's kept tensors of layer `spec.layer` (head-major [H, T, ...], as attention returns
+    them) as the next tokens of its kept streams."""
+    for stream, tensor in zip(spec.kept, result):
+        kept_pool.append(spec.layer, stream.name, tensor.transpose(0, 1))
+
+
+def append_rows(pool, spec, rows):
+    """Append one segment's rows of layer `spec.layer` (token-major, in the order of spec.streams)."""
+    for stream, tensor in zip(spec.streams, rows):
+        pool.append(spec.layer, stream.name, tensor)
+
+
+def _detached_carry(carry):
+    return {layer: tuple(t.detach() for t in parts) for layer, parts in carry.items()}
+
+
+class _CheckpointStore:
+    def save(self, index, carry):
+        """Checkpoint the carry (layer -> tuple of tensors) at the start of segment `index`; returns what the
+        segment's boundary holds (layer -> views into the store, or slots of the pool)."""
+        return {layer: self.save_layer(index, layer, parts) for layer, parts in carry.items()}
+
+
+class CarryCheckpoints(_CheckpointStore):
+    """Exact mode's carry checkpoints on the compute device, one slot per segment start, in storage allocated
+    once per layer (offload.tier "none").
+
+    Why not one small tensor per checkpoint: allocated between a segment's large temporaries, hundreds of live
+    16 KB tensors pin the allocator's heap, and what the temporaries free is never returned (measured at 32K
+    tokens, 256-token segments: 141 MiB of resident memory held by 15 MiB of checkpoints)."""
+
+    def __init__(self, slots):
+        self.slots = slots
+        self._store = {}  # layer -> tuple of [slots, ...] tensors, one per carry part
+        self._saved_bytes = 0  # of the checkpoints written (slots of the prompt start stay unused)
+
+    def save_layer(self, index, layer, parts):
+        if layer not in self._store:  # shapes are known once the layer has run
+            self._store[layer] = tuple(t.new_empty((self.slots, *t.shape)) for t in parts)
+        stores = self._store[layer]
+        for store, tensor in zip(stores, parts):
+            store[index].copy_(tensor)
+            self._saved_bytes += tensor.numel() * tensor.element_size()
+        return tuple(store[index] for store in stores)
+
+    def flush(self):
+        """Nothing to write back: the store is on the device."""
+
+    def begin_load(self, boundary, layers=None):
+        # views into the store: complete at once
+        return ReadyRead({layer: parts for layer, parts in boundary.carry.items() if layers is None or layer in layers})
+
+    def nbytes(self) -> int:
+        return self._saved_bytes
+
+    def release(self):
+        self._store.clear()
+
+
+class PooledCarryCheckpoints(_CheckpointStore):
+    """Exact mode's carry checkpoints on a page pool of offload.tier (host memory, or NVMe files through async
+    I/O), one checkpoint a page: written once by capture, read once by the prefix pass, a segment ahead of use.
+
+    Each is the model's whole carry (about 150 MB at Qwen3.6-27B width): kept on the device, the 64 segments of a
+    256K-token shard would hold 9.6 GB. A layer's checkpoints are the consecutive slots of its streams (one per
+    carry part), from its first checkpointed segment on (segment 0, or 1 where the prompt starts from zeros)."""
+
+    PREFIX = "carry_checkpoint_"
+
+    def __init__(self, pool, slots):
+        self.pool, self.slots = pool, slots
+        self._first = {}  # layer -> its first checkpointed segment
+        self._next = {}  # layer -> the segment whose checkpoint it writes next
+        self._parts = {}  # layer -> number of carry parts
+
+    def _name(self, part):
+        return f"{self.PREFIX}{part}"
+
+    def save_layer(self, index, layer, parts):
+        """Append segment `index`'s carry of `layer`; returns the slot it went to (what boundaries hold)."""
+        if layer not in self._first:  # shapes are known once the layer has run
+            for part, tensor in enumerate(parts):
+                self.pool.reserve(layer, self._name(part), self.slots - index, tuple(tensor.shape), tensor.dtype)
+            self._first[layer] = self._next[layer] = index
+            self._parts[layer] = len(parts)
+        if index != self._next[layer]:
+            raise RuntimeError(f"layer {layer}: carry checkpoint of segment {index} written out of order "
+                               f"(expected {self._next[layer]})")
+        for part, tensor in enumerate(parts):
+            self.pool.append(layer, self._name(part), tensor.unsqueeze(0))
+        self._next[layer] = index + 1
+        return index - self._first[layer]
+
+    def flush(self):
+        self.pool.flush()
+
+    def begin_load(self, boundary, layers=None):
+        slots = {layer: slot for layer, slot in boundary.carry.items()  # layer -> its slot
+                 if layers is None or layer in layers}
+        tickets = {(layer, part): self.pool.begin_read(layer, self._name(part), slot, slot + 1)
+                   for layer, slot in slots.items() for part in range(self._parts[layer])}
+        return PendingReads(tickets, lambda got: {
+            layer: tuple(got[(layer, part)][0] for part in range(self._parts[layer])) for layer in slots})
+
+    def nbytes(self) -> int:
+        return sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name.startswith(self.PREFIX))
+
+    def release(self):
+        self.pool.release()
+
+
+def open_checkpoints(settings, slots, device, rank=0):
+    """The store of exact mode's carry checkpoints: on the device (offload.tier "none") or on a pool of the
+    pages' tier with one checkpoint a page."""
+    if settings.offload.tier == "none":
+        return CarryCheckpoints(slots)
+    return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
+
+
+INPUT_STREAM = "layer_input"
+SELECTION_STREAM = "selection_in"  # the top-k selection a group's base layer reuses (int32 positions, -1: none)
+
+
+def selection_bases(specs, every):
+    """The layers whose input the layer-major pass keeps (0, every, 2 every, ...) that reuse a selection ("topk_lse"
+    layers that select nothing) made by a layer whose input it does not keep: that selection is kept with their
+    input (the pass cannot remake it from the layer's input)."""
+    source, bases = None, []
+    for spec in specs:
+        if spec.layer % every == 0 and spec.combine == "topk_lse" and not spec.select and source is not None \
+                and source % every:
+            bases.append(spec.layer)
+        if spec.select:
+            source = spec.layer
+    return bases
+
+
+def encode_selection(positions, valid, width):
+    """(positions, valid) [T, K] -> int32 [T, width]: the position where valid, -1 elsewhere and beyond K."""
+    encoded = torch.where(valid, positions, torch.full_like(positions, -1)).to(torch.int32)
+    return torch.nn.functional.pad(encoded, (0, width - encoded.shape[1]), value=-1)
+
+
+def decode_selection(encoded):
+    valid = encoded >= 0
+    return torch.where(valid, encoded.long(), torch.zeros_like(encoded, dtype=torch.long)), valid
+
+
+def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0, selections=None):
+    """The pool of every layer's input hidden states [tokens, hidden_size] (the layer-major prefix pass), on
+    offload.tier, its streams reserved; selections: {layer: topk} of the bases that keep the selection they reuse
+    (selection_bases)."""
+    pool = make_pool(settings.offload, settings.page_tokens, device, rank)
+    try:
+        for layer in layers:
+            pool.reserve(layer, INPUT_STREAM, tokens, (hidden_size,), dtype)
+        for layer, topk in (selections or {}).items():
+            pool.reserve(layer, SELECTION_STREAM, tokens, (topk,), torch.int32)
+    except BaseException:
+        pool.release()
+        raise
+    return pool
+
+
+def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0,
+                      chunks=None, keep_inputs=False) -> PrefixState:
+    """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
+    `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
+    pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, in exact mode
+    (keep_boundaries), the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
+    keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass). What was opened is released
+    again on error."""
+    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
+    state = PrefixState(length=tokens if length is None else length, pool=pool, specs=adapter.specs, offset=offset)
+    try:
+        for spec in adapter.specs:
+            for stream in spec.streams:
+                pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
+        if keep_boundaries and settings.prefix_keep_attention:
+            state.kept_pool = open_kept_pool(adapter, settings, pool, tokens, rank)
+        if keep_boundaries:
+            slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
+            state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
+        if keep_inputs:
+            every = settings.prefix_inputs_every
+            saved = [spec.layer for spec in adapter.specs if spec.layer % every == 0]
+            bases = {layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
+            state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype, saved, tokens,
+                                               adapter.device, rank, bases)
+    except BaseException:
+        state.release()
+        raise
+    return state
+
+
+def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:
+    """Capture prompt_ids[:-1] under no_grad into a PrefixState (one rank, token-major: chunk by chunk through
+    every layer)."""
+    ids = prompt_ids[:-1]
+    length = ids.numel()
+    # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
+    # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
+    state = open_prefix_state(adapter, settings, length, keep_boundaries, rank)
+    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
+    paged = [spec for spec in adapter.specs if spec.streams]
+    names = stream_names(adapter.specs)
+    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
+    try:
+        carry = {}
+        stager = Stager(pool, names)
+        with torch.no_grad():
+            for index, start in enumerate(range(0, length, chunk)):
+                end = min(length, start + chunk)
+                if keep_boundaries:
+                    saved = checkpoints.save(index, carry) if carry else {}
+                    state.boundaries.append(ChunkBoundary(start, end, saved))
+                past = StagedPast(stager, 0, start)
+                out = adapter.forward_segment(ids[start:end], start, carry, past)
+                carry = _detached_carry(out.carry)
+                for spec in paged:
+                    append_rows(pool, spec, out.rows[spec.layer])
+                    if kept_pool is not None and spec.kept:
+                        keep_segment_attention(kept_pool, spec, out.attention[spec.layer])
+                del out, past
+                return_freed_host_memory(adapter.device)
+                if progress is not None:
+                    progress(end - start)
+        stager.close()
+        state.flush()
+    except BaseException:
+        state.release()  # page files are removed on error as on success
+        raise
+    state.carry = carry
+    return state

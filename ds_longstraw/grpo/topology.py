@@ -1,0 +1,407 @@
+"""Where the prompt lives and what crosses ranks: the two topologies the transaction (transaction.py) runs over.
+
+The transaction is written once; it asks its topology for each phase's placement and exchanges:
+
+                 OneRank (no exchange)                    ContextParallel (the prompt sharded over a CP group)
+  capture        token-major: chunk by chunk through      layer-major: per layer, the shard with the exchange its
+                 every layer (state.capture_prefix)       spec's combine needs (grpo/cp/capture.py)
+  replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
+                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (grpo/cp/cp_attention.py;
+                                                          a global top-k's candidates first: grpo/cp/cp_sparse.py)
+  prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (grpo/cp/prefix.py)
+  reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
+                                                          caller's backward reduces (the DeepSpeed engine)
+
+The schedule (lockstep.Schedule; under ZeRO-3 a lockstep.Lockstep) says how many dummy calls pad each phase; each
+topology puts them where its own loops are.
+"""
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ds_longstraw.grpo.cp.capture import cp_capture_prefix
+from ds_longstraw.grpo.cp.cp_attention import PagesAttention
+from ds_longstraw.grpo.cp.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
+from ds_longstraw.grpo.cp.prefix import cp_prefix_backward
+from ds_longstraw.grpo.cp.prefix_layers import layer_major_prefix_backward
+from ds_longstraw.grpo.cp.spread import gather_members, spread
+from ds_longstraw.grpo.cp.ulysses import check_heads
+from ds_longstraw.grpo.lockstep import ReplayLockstep, padded_to_common, replayed_members
+from ds_longstraw.grpo.prefix_pass import prefix_backward
+from ds_longstraw.grpo.replay import PrefixLeaves, carry_leaves, prefix_leaves
+from ds_longstraw.grpo.state import capture_prefix
+from ds_longstraw.models.model_shape import shape_from_config
+from ds_longstraw.offload.plan import inputs_every_for, layer_major_fits
+from ds_longstraw.parallel.experts import is_expert_param
+from ds_longstraw.parallel.groups import as_cp_context, local_tokens
+
+
+@dataclass
+class ReplayView:
+    leaves: PrefixLeaves
+    remote_attention: object = None  # None, or (layer, q_HTD, known=None) -> (out, lse) over other ranks' pages
+
+
+class OneRank:
+    """The whole prompt on this rank; nothing is exchanged."""
+
+    size, rank = 1, 0
+
+    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
+        """Nothing to check: every setting works on one rank."""
+
+    def phase(self, name):
+        return nullcontext()
+
+    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+        state = capture_prefix(adapter, prompt_ids, settings, keep_boundaries, progress=progress)
+        schedule.pad_capture(adapter)
+        return state
+
+    def replay_view(self, adapter, state, requires_grad):
+        return ReplayView(prefix_leaves(adapter, state, requires_grad))
+
+    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
+               timings=None):
+        prefix_backward(adapter, state, prompt_ids[:-1], d_final, progress=progress, backward=backward,
+                        recompute=settings.recompute_layers, timings=timings)
+        schedule.pad_prefix(adapter, backward)
+
+    def begin_gradients(self, model, caller_reduces):
+        """What .grad holds before the group, kept out of this topology's reduction; None: no reduction here."""
+        return None
+
+    def after_replay(self, model, caller_reduces):
+        """Replay's gradients are complete: nothing to rescale."""
+
+    def replay_members(self, group) -> list:
+        """The members this rank replays and scores: all of them."""
+        return list(range(group.size))
+
+    def replay_lockstep(self, group, settings):
+        """A schedule the replay needs although the caller gave none: none here."""
+        return None
+
+    def member_weight(self, caller_reduces) -> float:
+        return 1.0
+
+    def collect_members(self, values, members, count) -> list:
+        """Per-member values of every member from those this rank replayed: all of them, here."""
+        return list(values)
+
+    def collect_loss(self, loss) -> float:
+        return loss
+
+    def collect_final_carry_grads(self, d_final) -> dict:
+        return d_final
+
+    def report(self, state, group) -> dict:
+        return {}
+
+
+class ContextParallel:
+    """The prompt's tokens sharded over a context-parallel group (every rank calls the transaction with the same
+    group, config and CP group).
+
+    replay   "cp_replay": "replicated": every rank replays every member, identically: its attention layers reach
+             the prompt pages of all ranks through all-gathered (out, lse) partials, so logits, losses and replay's
+             gradients are the same on every rank. Exact mode: d(rows) of each rank's pages go to its own gradient
+             pages, d(final carry) is on all ranks.
+             "spread": rank r replays its own members (m mod N = r; grpo/cp/spread.py): queries travel to the
+             pages' owners and partials back; the members' losses, log-probs and d(final carry) are then summed or
+             gathered over the CP group, and replay's gradients are each rank's own members' (no 1/N below).
+    prefix   (exact) a turn per segment of the layout (cp_layout: zigzag, two per rank; contiguous, one), last first;
+             the parameter gradients it produces differ per rank (each covers its own tokens)
+    reduce   ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
+             is the group's gradient, and the same bits land on every rank even where replicated kernels are not
+             bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart. What .grad held
+             before the call is kept apart from the reduction and added back.
+
+    With a caller's `backward` (the DeepSpeed engine) there is no CP all-reduce here: the caller's own gradient
+    reduction (DeepSpeed's, over every rank of the job) does the summing. Each rank back-propagates the whole
+    replay (member loss shares as given) and N x its own prefix-pass share (exact mode: the injected gradients
+    d(final carry) and the gradient pages are scaled by N before the prefix pass; the pass is linear in them).
+    Summed over the N CP ranks that is N x the group's gradient; averaged over all D x N ranks of D data-parallel
+    replicas (what DeepSpeed does with no mpu) it is (1/D) sum over replicas of each replica's group gradient: the
+    data-parallel average.
+    """
+
+    def __init__(self, cp):
+        self.cp = cp
+        self.size, self.rank = cp.size, cp.rank
+
+    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
+        """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
+        wait timers and capture decisions start from zero (the group's report covers this call only).
+        prompt_tokens: the prompt's length where one prompt is known (the transaction's), which with the device's
+        memory bounds "cp_prefix": "auto" (resolve_prefix); each capture decides again for its own prompt."""
+        self.settings = settings
+        self.spread = settings.cp_replay == "spread"
+        check_combines(adapter.specs, self.cp.size)
+        self.cp.layout = resolve_layout(adapter, settings)
+        self.device_memory = group_device_memory(adapter.device, self.cp)
+        self._resolve_prefix(adapter, settings, prompt_tokens)
+        check_sparse(adapter.specs, settings, self.cp.size)
+        if settings.cp_attention == "ulysses":
+            heads, kv_heads, _ = adapter.attention_geometry()
+            check_heads(heads, kv_heads, self.cp.size)
+        self.cp.reset()
+
+    def phase(self, name):
+        return self.cp.phase(name)
+
+    def _resolve_prefix(self, adapter, settings, prompt_tokens):
+        """This prompt's prefix schedule and prefix_inputs_every (the same on every rank: a function of the model,
+        the settings, the prompt's length and the group's smallest device)."""
+        tokens = None if prompt_tokens is None else -(-max(prompt_tokens - 1, 0) // self.cp.size)
+        self.prefix_schedule = resolve_prefix(adapter, settings, tokens, self.device_memory)
+        self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
+
+    def _resolved(self, settings):
+        """settings with prefix_inputs_every as this transaction runs it (check's resolve_inputs_every)."""
+        return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
+
+    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+        self._resolve_prefix(adapter, settings, prompt_ids.numel())
+        return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
+                                 keep_boundaries=keep_boundaries, pad=schedule.capture_pad,
+                                 keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
+
+    def replay_view(self, adapter, state, requires_grad):
+        # No local prompt pages in the past: every rank's pages, this one's included, are reached through
+        # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
+        if uses_selection(adapter.specs):
+            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=requires_grad)
+        else:
+            pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
+        if self.spread:  # each rank its own members: queries travel to the pages (grpo/cp/spread.py)
+            pages = spread(pages)
+        leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
+                              past={layer: [] for layer in adapter.paged_layers}, stager=pages.stager)
+        return ReplayView(leaves, pages)
+
+    # -- who replays which member ("cp_replay") --------------------------------------------------------------
+    def replay_members(self, group) -> list:
+        return replayed_members(group, self.settings, self.cp)
+
+    def replay_lockstep(self, group, settings):
+        """Spread members make the ranks' replays exchange with each other, so ranks with fewer members or blocks
+        pad them (capture and the prefix pass pair up already)."""
+        if not self.spread:
+            return None
+        return padded_to_common(group, settings, self.cp, self.cp.group, ReplayLockstep)
+
+    def member_weight(self, caller_reduces) -> float:
+        """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical
+        copies; the prefix pass's shares are scaled alike, _scale_injected_): spread members weigh N."""
+        return float(self.size) if self.spread and caller_reduces else 1.0
+
+    def collect_members(self, values, members, count) -> list:
+        return gather_members(self.cp, values, members, count) if self.spread else list(values)
+
+    def collect_loss(self, loss) -> float:
+        if not self.spread:
+            return loss
+        total = torch.tensor([loss], dtype=torch.float64)
+        torch.distributed.all_reduce(total, group=self.cp.group)
+        return float(total)
+
+    def collect_final_carry_grads(self, d_final) -> dict:
+        """d(final carry) summed over the members of every rank (spread: each rank has its own members')."""
+        if self.spread:
+            for parts in d_final.values():
+                for part in parts:
+                    self.cp.all_reduce_(part, -1, "replay_d_carry")
+        return d_final
+
+    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
+               timings=None):
+        if backward is not None and self.cp.size != 1 and not self.spread:
+            # (spread members already weigh N, member_weight: what they injected is N x already)
+            _scale_injected_(state, d_final, self.cp.size)
+        shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
+        if self.prefix_schedule == "layer_major":
+            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, self._resolved(settings),
+                                        backward=backward,
+                                        pad=schedule.capture_pad)
+        else:
+            cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
+                               turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
+
+    def begin_gradients(self, model, caller_reduces):
+        """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
+        return None if caller_reduces else _take_grads(model)
+
+    def after_replay(self, model, caller_reduces):
+        if not caller_reduces and not self.spread:
+            _scale_grads_(model, 1.0 / self.cp.size)  # the same on every rank: count them once in the sum
+
+    def reduce(self, model, before):
+        """.grad <- before + the CP sum of what accumulated since begin_gradients."""
+        _reduce_and_restore(model, before, self.cp)
+
+    def report(self, state, group) -> dict:
+        pieces = self.cp.pieces(state.length)[self.cp.rank]
+        replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
+        return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
+                           prefix=self.prefix_schedule, inputs_every=self.inputs_every, replayed_tokens=replayed,
+                           replayed_members=self.replay_members(group))}
+
+
+# How a layer's work crosses context-parallel ranks (arch/specs.py), as grpo/cp/capture.py runs it.
+CP_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
+
+
+def check_combines(specs, cp_size):
+    """ValueError (before any work) when a layer combines across ranks in a way the CP schedule does not run."""
+    missing = sorted({spec.combine for spec in specs} - set(CP_COMBINES))
+    if missing:
+        layers = [spec.layer for spec in specs if spec.combine in missing]
+        raise ValueError(f"'longstraw.cp_size' = {cp_size}: layers {layers} combine across ranks by {missing}, "
+                         f"which context parallelism does not run yet (it runs {list(CP_COMBINES)}); use cp_size 1")
+
+
+# Where the zigzag layout runs: the capture's ring exchange serves "lse" layers, the scan folds any pieces in prompt
+# order, the global top-k's candidates merge in canonical order wherever their positions lie, and exact mode's
+# prefix pass takes a turn per piece; Ulysses' all-to-all assumes contiguous shards.
+ZIGZAG_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
+
+
+def resolve_layout(adapter, settings) -> str:
+    """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
+    any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
+    for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
+    costs it more than the balanced capture saves (BENCHMARKS.md, "glm_moe_dsa under context parallelism": the
+    turns took 1.25x one process's prefix pass on zigzag shards, 0.78x on contiguous ones, at CP 2). The layout is
+    chosen before any prompt is seen (the engine pads its ranks' shards by it), so it asks the prefix rule on the
+    pages' tier alone: a prompt whose layer-major pass would not fit the device takes the turns on zigzag shards."""
+    blockers = []
+    if settings.cp_attention != "lse":
+        blockers.append(f"cp_attention {settings.cp_attention!r}")
+    combines = sorted({spec.combine for spec in adapter.specs} - set(ZIGZAG_COMBINES))
+    if combines:
+        blockers.append(f"layers that combine by {combines}")
+    if settings.cp_layout == "zigzag" and blockers:
+        raise ValueError(f"'longstraw.cp_layout' = 'zigzag' does not run with {'; '.join(blockers)}: use 'auto' or "
+                         "'contiguous'")
+    if settings.cp_layout == "auto":
+        if blockers or (uses_selection(adapter.specs) and resolve_prefix(adapter, settings) == "turns"):
+            return "contiguous"
+        return "zigzag"
+    return settings.cp_layout
+
+
+# The combines the layer-major prefix pass runs (grpo/cp/prefix_layers.py)
+LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
+
+
+def resolve_prefix(adapter, settings, tokens_per_rank=None, device_memory=None) -> str | None:
+    """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
+    settings.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
+    the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
+    device); ValueError (before any work) when layer_major is asked for where it does not run."""
+    combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
+    scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
+    blockers = ([f"layers that combine by {combines}"] if combines else []) + (
+        [f"{adapter.family} (no prefix_scan_layer)"] if scan and not hasattr(adapter, "prefix_scan_layer") else [])
+    if settings.cp_prefix == "layer_major" and blockers:
+        raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
+                         "or 'turns'")
+    if settings.prefix_grad != "exact":
+        return None  # detached mode runs no prefix pass
+    if settings.cp_prefix == "auto":
+        if blockers:
+            return "turns"
+        # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
+        fits = layer_major_fits(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
+                                settings.prefix_inputs_every, tokens_per_rank, device_memory)
+        return "layer_major" if fits else "turns"
+    return settings.cp_prefix
+
+
+def group_device_memory(device, cp) -> int | None:
+    """The smallest total memory of the CP group's CUDA devices (every rank then decides "auto" alike); None off
+    CUDA, where the device's memory is the host's and nothing bounds the pass's held tensors."""
+    if device.type != "cuda":
+        return None
+    total = torch.tensor([torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN, group=cp.group)
+    return int(total)
+
+
+def _state_shape(adapter):
+    """The planner's view of the adapter's model (per-token state only: no parameter count)."""
+    return shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
+
+
+def resolve_inputs_every(adapter, settings) -> int:
+    """settings.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
+    (the same on every rank: a function of the model and settings)."""
+    return inputs_every_for(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
+                            settings.prefix_inputs_every)
+
+
+def topology_for(cp_group, settings):
+    """OneRank, or ContextParallel over `cp_group` (validated against settings.cp_size at the door)."""
+    cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
+    return OneRank() if cp is None else ContextParallel(cp)
+
+
+def _take_grads(model):
+    """Detach the current .grad of every trainable parameter (to be added back after the reduction)."""
+    taken = {}
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            taken[name] = param.grad
+            param.grad = None
+    return taken
+
+
+def _scale_grads_(model, factor):
+    for param in model.parameters():
+        if param.requires_grad and param.grad is not None:
+            param.grad.mul_(factor)
+
+
+def _reduce_and_restore(model, taken, cp):
+    """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce. A
+    parameter that no rank gave a gradient (a part no loss path reaches, say a gradient-free indexer) keeps none,
+    as on one rank, so an optimizer leaves it alone: each parameter's has-a-gradient flag (0 or 1, exact in any
+    float dtype) rides at the end of the same all-reduce, and its sum says whether any rank had one."""
+    params = [(name, p) for name, p in model.named_parameters() if p.requires_grad and not is_expert_param(p)]
+    for name, param in model.named_parameters():  # complete already: every CP rank's pairs were sent to them
+        if param.requires_grad and is_expert_param(param) and taken.get(name) is not None:
+            param.grad = taken[name] if param.grad is None else taken[name] + param.grad
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in params]
+    flags = [torch.ones(1) if p.grad is not None else torch.zeros(1) for _, p in params]
+    parts = [g.reshape(-1).to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
+    flat = torch.cat(parts + [f.to(parts[0].device) for f in flags])
+    cp.all_reduce_(flat, -1, "param_grads")
+    offset, counts = 0, flat[flat.numel() - len(params):].tolist()
+    for (name, param), grad, count in zip(params, grads, counts):
+        size = grad.numel()
+        before = taken.get(name)
+        if count == 0:  # no rank had a gradient: none, as on one rank
+            param.grad = before
+        else:
+            reduced = flat[offset:offset + size].view_as(grad).to(param.dtype)
+            param.grad = reduced if before is None else before + reduced
+        offset += size
+
+
+def _scale_injected_(state, d_final, factor):
+    """Exact mode under a caller's reduction: scale what the prefix pass injects (d final carry, gradient pages).
+    Only the streams whose spec says they carry a gradient are touched: a kept-attention stream sharing the pool
+    gets no gradient pages (nor, on the NVMe tier, files of zeros)."""
+    for layer, parts in list(d_final.items()):
+        d_final[layer] = tuple(part * factor for part in parts)
+    pool = state.pool
+    for spec in state.specs:
+        for stream in spec.streams:
+            if stream.grad:
+                grad = pool.read_grad(spec.layer, stream.name)
+                pool.add_grad(spec.layer, stream.name, 0, grad * (factor - 1))

@@ -1,0 +1,213 @@
+"""grpo_backward: one GRPO group as a transaction, written once for every architecture and topology.
+
+    capture-ref  (kl_coef > 0) capture the reference policy's prompt state without autograd
+    score-ref    reference log-probs of every member without a graph; then free that state
+    capture      the policy's prompt state without autograd (exact mode: plus chunk-boundary checkpoints)
+    replay       for each member: replay [prompt[-1], response[:-1]] with autograd, backward its loss share,
+                 drop the graph (exact mode: d(state) accumulates on gradient pages)
+    prefix       (exact mode) reverse pass over the capture chunks
+    reduce       (context parallelism without a caller's reduction) one all-reduce of .grad over the CP group
+What each layer keeps comes from the adapter's layer-state specs (arch/specs.py); where the prompt lives and what
+crosses ranks from the topology (topology.py); how this rank pads its calls under ZeRO-3 from the schedule
+(lockstep.py). Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
+"""
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from ds_longstraw.arch import adapter_for, expert_parallel
+from ds_longstraw.config import parse_config
+from ds_longstraw.group import GRPOGroup
+from ds_longstraw.grpo.lockstep import Schedule, padded_to_common
+from ds_longstraw.grpo.memory import PhaseMeter
+from ds_longstraw.grpo.replay import final_carry_grads, replay_group, score_group
+from ds_longstraw.grpo.topology import OneRank, topology_for
+from ds_longstraw.kernels.dispatch import kernel_mode
+from ds_longstraw.objective import GRPOObjective, ScaledObjective
+from ds_longstraw.parallel.experts import check_expert_parallel
+
+
+@dataclass
+class GroupResult:
+    loss: float
+    logprobs: list  # per member, detached, float64 on CPU
+    ref_logprobs: list | None
+    advantages: torch.Tensor
+    phases: dict  # name -> PhaseStats(seconds, peak_bytes)
+    retained_bytes: dict  # by layer type
+    grad_page_bytes: int = 0
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return max((p.peak_bytes for p in self.phases.values()), default=0)
+
+    @property
+    def seconds(self) -> float:
+        return sum(p.seconds for p in self.phases.values())
+
+
+@contextmanager
+def _reference_policy(model, ref_model):
+    """The reference: a separate model, or the same peft model with its adapters disabled (no weight copy)."""
+    if ref_model is not None:
+        yield ref_model
+    elif hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            yield model
+    else:
+        raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
+
+
+def _progress_bar(enabled, total, desc):
+    if not enabled:
+        return nullcontext(None)
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
+
+
+def _capture(adapter, group, settings, keep_boundaries, desc, topology, schedule):
+    with _progress_bar(settings.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
+        return topology.capture(adapter, group.prompt_ids, settings, keep_boundaries, schedule,
+                                progress=None if bar is None else bar.update)
+
+
+def score_reference(ref_model, group, settings, topology=None, schedule=None):
+    """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
+    topology, schedule = topology or OneRank(), schedule or Schedule()
+    adapter = adapter_for(ref_model)
+    members = topology.replay_members(group)
+    state = _capture(adapter, group, settings, False, "capture (reference)", topology, schedule)
+    try:
+        view = topology.replay_view(adapter, state, requires_grad=False)
+        try:
+            scores = score_group(adapter, view.leaves, state.length, group, settings.replay_block,
+                                 schedule=schedule, remote_attention=view.remote_attention, members=members)
+            return topology.collect_members(scores, members, group.size)
+        finally:
+            view.leaves.release()
+    finally:
+        state.release()  # page files of a host/NVMe tier go on error as on success
+
+
+def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
+                  backward=None, lockstep=None, capture=None) -> GroupResult:
+    """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
+
+    config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
+    a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
+    cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks over
+    which the prompt is sharded (every rank calls with the same group; topology.py says what crosses ranks).
+    backward: callable run on every scalar that is back-propagated (each member's loss share; in exact mode the
+    prefix pass's surrogate sum(output * injected grad), whose gradient is exactly the injected one). Default
+    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward (and then
+    reduces: under context parallelism no reduction happens here).
+    lockstep: None, or a lockstep.Lockstep that pads this rank's module calls to those of the other data-parallel
+    ranks (ZeRO-3 gathers weights with collectives; the DeepSpeed engine sets it). Results are unchanged.
+    ep_group: with "ep_size" > 1, the process group the model's routed experts are sharded over (shard_experts):
+    the CP group under context parallelism, or ranks that each bring their own group. Routed pairs travel to
+    their experts' owners (parallel/experts.py); an owner's expert gradients then sum the EP group's tokens (each
+    rank's other gradients are its own group's, as without EP). The EP ranks pad their calls to a common shape
+    (lockstep.py) unless a lockstep is given.
+    capture: None, or the Rollouts of generate(..., keep_capture=True) on this group's prompt with these weights
+    and this config: the policy capture is skipped and that captured state is used (rollout/generate.py); it is taken
+    from the Rollouts and released when this call returns or raises (refused: ValueError, released too). Under a
+    lockstep that pads this rank's capture (or with sharded experts) only a capture padded alike is taken: one
+    generate made under a decode lockstep (rollout/generate.py, KeptCapture.check); every rank must then reuse its
+    capture alike (engine.grpo_step with one rollout prompt per rank does). The result's extras say "capture_reused".
+    """
+    settings = parse_config(config)
+    with kernel_mode(settings.kernels):
+        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
+                            capture)
+
+
+def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, capture=None):
+    try:
+        if not isinstance(group, GRPOGroup):
+            raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
+    except ValueError:
+        if capture is not None:
+            capture.release()
+        raise
+    # released if it won't fit (another prompt, weights, config, or capture padding than this transaction's)
+    reused = None if capture is None else capture.take_capture(model, group, settings, lockstep)
+    try:
+        return _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
+                                reused)
+    finally:
+        if reused is not None:
+            reused.release()  # page files of a host/NVMe tier go on error as on success (twice is harmless)
+
+
+def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, reused):
+    objective = objective or GRPOObjective()
+    adapter = adapter_for(model)
+    group.check_vocab(adapter.vocab_size)
+    topology = topology_for(cp_group, settings)
+    if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
+        raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
+    topology.check(adapter, settings, lockstep, prompt_tokens=group.prompt_ids.numel())
+    ep = expert_parallel(model)
+    check_expert_parallel(ep, settings, ep_group, cp_group)
+    if ep is not None:
+        ep.reset()
+        # the dispatches are collectives over the EP group: its ranks pad to a common shape, whatever they bring
+        lockstep = lockstep or padded_to_common(group, settings, getattr(topology, "cp", None), ep.group)
+    schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
+    members = topology.replay_members(group)
+    weight = topology.member_weight(backward is not None)
+    if weight != 1.0:
+        objective = ScaledObjective(objective, weight)
+    exact = settings.prefix_grad == "exact"
+    caller_reduces = backward is not None
+    meter = PhaseMeter(adapter.device)
+    advantages = objective.advantages(group)
+
+    ref_logprobs = None
+    if objective.kl_coef > 0:
+        with meter.phase("reference"), topology.phase("reference"), _reference_policy(model, ref_model) as reference:
+            ref_logprobs = score_reference(reference, group, settings, topology, schedule)
+
+    if reused is None:
+        with meter.phase("capture"), topology.phase("capture"):
+            state = _capture(adapter, group, settings, exact, "capture", topology, schedule)
+    else:
+        state = reused  # generate's capture (keep_capture): same prompt, weights and config
+    prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
+    try:
+        retained = state.retained_bytes()
+        before = topology.begin_gradients(model, caller_reduces)
+        with meter.phase("replay"), topology.phase("replay"):
+            view = topology.replay_view(adapter, state, requires_grad=exact)
+            loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
+                                          ref_logprobs, settings.replay_block, backward=backward, schedule=schedule,
+                                          remote_attention=view.remote_attention, members=members)
+            view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
+            loss = topology.collect_loss(loss / weight)
+            logprobs = topology.collect_members(logprobs, members, group.size)
+        topology.after_replay(model, caller_reduces)
+
+        if exact:
+            with meter.phase("prefix"), topology.phase("prefix"):
+                d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
+                with _progress_bar(settings.progress and topology.size == 1, state.length, "prefix pass") as bar:
+                    topology.prefix(adapter, state, group.prompt_ids, d_final, settings, schedule, backward=backward,
+                                    progress=None if bar is None else bar.update, timings=prefix_seconds)
+        grad_page_bytes = state.pool.grad_bytes()
+        del view
+        if before is not None:  # the topology reduces here (context parallelism without a caller's reduction)
+            with meter.phase("reduce"), topology.phase("reduce"):
+                topology.reduce(model, before)
+    finally:
+        state.release()  # page files of a host/NVMe tier go on error as on success
+    extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
+    extras["capture_reused"] = reused is not None
+    extras.update(topology.report(state, group))
+    if ep is not None:
+        extras["ep"] = ep.report()
+    return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras)

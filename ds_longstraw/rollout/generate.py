@@ -1,0 +1,526 @@
+"""generate: rollouts of one prompt, decoded from the state the transaction's capture keeps.
+
+    capture   the prompt[:-1] once, without autograd, onto pages (the topology's capture: one rank, or the prompt
+              sharded over a context-parallel group; the config block's tiers)
+    decode    step t of every sample in one forward (adapter.decode_step, arch/decode.py): feed prompt[-1], then
+              each sample's sampled token, through the topology's replay view of the captured state (the prompt's
+              pages, staged a layer at a time and read once per step for the whole batch; under context
+              parallelism every rank's pages through all-gathered (out, lse) partials). Each sample keeps only its
+              own carry (recurrent layers) and its own response rows (paged layers); the prompt state is read,
+              never copied or changed, so every sample starts from the same captured state. A sample that draws
+              eos leaves the batch. batched=False (or an adapter without decode_step) decodes the samples one
+              after another through the segment forward: the plain reference.
+    lockstep  (ranks whose module calls are collectives: ZeRO-3 data-parallel ranks, sharded experts) captures and
+              decode steps padded to every rank's, so each rank brings its own prompts, samples and eos
+              (decode_lockstep.py)
+    release   the pages go (on error as on success), unless the caller keeps the capture for training
+              (keep_capture=True): then Rollouts holds it until grpo_backward(..., capture=rollouts) takes it (and
+              releases it when that call returns or raises), or until Rollouts.release() / the end of a `with` block
+
+What it is: ancestral sampling at `temperature` with nucleus (top-p) truncation, or greedy argmax at temperature 0.
+What it is not: a serving engine (no continuous batching across prompts, no speculative decoding; one token per
+sample per forward).
+
+Reusing the capture for training (the on-policy step): generate(..., keep_capture=True) captures with the training
+config as given (exact mode: with the checkpoints at segment starts the prefix pass needs, as the transaction's own
+capture), and records a fingerprint of the trainable weights (each one's version counter: any in-place change, an
+optimizer step or a load, bumps it). grpo_backward(model, rollouts.group(rewards), ..., capture=rollouts) then skips
+its policy capture; it refuses (ValueError) a capture whose weights, prompt, model or capture-relevant settings
+differ from the call's. Under context parallelism every rank keeps (and reuses) its own shard.
+
+Sampling is reproducible across topologies and devices: the distribution of a step is moved to the CPU in float64,
+and sample g draws its step-t uniform from its own CPU torch.Generator (seeded from (seed, g)), by inverse CDF over
+the tokens sorted by probability (ties: lower id first). Ranks of a context-parallel group compute the same logits
+(the replicated replay's property); the token of the group's first rank is taken by every rank all the same, so
+the ranks' calls cannot drift apart even where a uniform lands on a rounding boundary.
+
+Legend: V vocabulary, G samples still in the batch; rows are token-major [T, ...] per stream of a paged layer, as
+the adapter returns them; the batched path keeps each layer's rows position-major [max_new_tokens, G, ...].
+"""
+
+import math
+import secrets
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ds_longstraw.arch import adapter_for, expert_parallel
+from ds_longstraw.config import parse_config
+from ds_longstraw.group import GRPOGroup, _as_ids
+from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
+from ds_longstraw.grpo.memory import PhaseMeter, return_freed_host_memory
+from ds_longstraw.grpo.topology import topology_for
+from ds_longstraw.kernels.dispatch import kernel_mode
+from ds_longstraw.offload import StagedPast
+from ds_longstraw.parallel.experts import check_expert_parallel
+from ds_longstraw.rollout.decode_lockstep import decode_locksteps
+from ds_longstraw.seeds import splitmix64
+
+
+@dataclass
+class Rollouts:
+    """G samples of one prompt. response_ids: G 1-D LongTensors (each ends with an eos id where one was sampled);
+    logprobs: G float64 tensors, each sampled token's log-prob under the model at temperature 1 (no top-p
+    truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs; finished: whether each
+    sample ended with eos (else it stopped at max_new_tokens); seed: the seed that reproduces the samples (drawn
+    at random when none was given); phases: name -> memory.PhaseStats of "capture" and "decode"."""
+
+    prompt_ids: torch.Tensor
+    response_ids: list
+    logprobs: list
+    finished: list
+    seed: int
+    phases: dict = field(default_factory=dict)
+    capture: "KeptCapture | None" = None  # keep_capture=True: the captured prompt state, until taken or released
+
+    @property
+    def size(self) -> int:
+        return len(self.response_ids)
+
+    def group(self, rewards) -> GRPOGroup:
+        """The GRPO group of these samples with `rewards` [G], the sampled log-probs as its old log-probs."""
+        return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs))
+
+    def release(self):
+        """Drop the kept capture (its pages and page files), if any is still held; safe to call twice."""
+        if self.capture is not None:
+            self.capture.release()
+            self.capture = None
+
+    def take_capture(self, model, group, settings, lockstep=None):
+        """The kept capture's PrefixState for a transaction on `group` under `settings` and `lockstep` (what
+        grpo_backward's `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the
+        state and must release it; on a refusal (ValueError: weights changed since generate, another model, prompt,
+        config or capture padding) it is released here."""
+        kept, self.capture = self.capture, None
+        if kept is None:
+            raise ValueError("capture: these Rollouts hold no kept capture (generate(..., keep_capture=True) keeps "
+                             "one; a transaction or release() took it)")
+        try:
+            kept.check(model, group, settings, lockstep)
+        except BaseException:
+            kept.release()
+            raise
+        return kept.take()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+# Settings that change only how the replay runs, not what capture keeps: a kept capture serves any value of them.
+_REPLAY_ONLY = ("replay_block", "cp_replay", "progress", "prefix_recompute")
+
+
+def weights_fingerprint(model) -> tuple:
+    """The trainable parameters' version counters (and storage addresses): any in-place change (an optimizer step,
+    a load) or a new tensor assigned to .data changes it. Under ZeRO-3 the partition (ds_tensor) is what the
+    optimizer writes, so its counter is the one read."""
+    out = []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            tensor = getattr(param, "ds_tensor", param)
+            out.append((name, tensor._version, tensor.data_ptr()))
+    return tuple(out)
+
+
+class KeptCapture:
+    """A prompt's captured state kept by generate for the training step: the PrefixState, the settings it was
+    captured under, the model and its weights' fingerprint. Page files of a host/NVMe tier go with release(), or
+    when this object is garbage collected. padded_to: the capture chunks its capture was padded to under a decode
+    lockstep (decode_lockstep.py), None without one."""
+
+    def __init__(self, state, settings, model, prompt_ids, padded_to=None):
+        self.settings, self.prompt_ids, self.padded_to = settings, prompt_ids, padded_to
+        self.model, self.fingerprint = weakref.ref(model), weights_fingerprint(model)
+        self._holder = [state]
+        self._finalizer = weakref.finalize(self, _release_held, self._holder)
+
+    def check(self, model, group, settings, lockstep=None):
+        """ValueError when this capture cannot stand for the capture a transaction of `group` under `settings`
+        would make, padded by `lockstep` (lockstep.Lockstep or None): skipping the transaction's capture skips its
+        padding calls too, so every rank must skip alike. That holds where the capture needs no padding, or was
+        padded under a decode lockstep to the same chunks as the transaction's."""
+        if lockstep is None and expert_parallel(model) is not None:
+            raise ValueError("capture: a kept capture is reused with sharded experts only under a lockstep "
+                             "(engine.grpo_step's); train without capture=")
+        if lockstep is not None and lockstep.capture_pad and self.padded_to != lockstep.common.chunks:
+            raise ValueError(f"capture: this rank's capture is padded to {lockstep.common.chunks} chunks in the "
+                             f"transaction, but the kept capture was padded to {self.padded_to} (None: no decode "
+                             "lockstep) and the other ranks' capture calls would not pair up; train without "
+                             "capture=, or generate under the same data-parallel group")
+        if self.model() is not model:
+            raise ValueError("capture: it was captured with another model than the one being trained")
+        if weights_fingerprint(model) != self.fingerprint:
+            raise ValueError("capture: the trainable weights changed since generate (an optimizer step?); the "
+                             "captured state is stale: train with a fresh capture (no capture=)")
+        if not torch.equal(group.prompt_ids.cpu(), self.prompt_ids):
+            raise ValueError("capture: the group's prompt is not the prompt that was captured")
+        mine = self.settings.model_dump(exclude=set(_REPLAY_ONLY))
+        theirs = settings.model_dump(exclude=set(_REPLAY_ONLY))
+        differ = sorted(key for key in mine if mine[key] != theirs.get(key))
+        if differ:
+            raise ValueError(f"capture: 'longstraw' keys {differ} differ between generate's config and the training "
+                             f"call's ({[mine[k] for k in differ]} vs {[theirs.get(k) for k in differ]}); a kept "
+                             "capture is reused only under the config it was captured with")
+
+    def take(self):
+        """The PrefixState, now the caller's to release."""
+        state = self._holder.pop()
+        self._finalizer.detach()
+        return state
+
+    def release(self):
+        self._finalizer()  # at most once: releases the state if still held
+
+
+def _release_held(holder):
+    while holder:
+        holder.pop().release()
+
+
+def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
+             seed=None, config=None, cp_group=None, dp_group=None, keep_capture=False, batched=True,
+             lockstep=None) -> Rollouts:
+    """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
+
+    The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
+    apply as in the transaction) and every sample is decoded from those same pages, one token per forward, samples
+    one after another (module docstring). temperature: 0 is greedy (argmax, lowest id among ties), else the logits
+    are divided by it; top_p: nucleus sampling, the smallest set of most probable tokens whose probability reaches
+    top_p (1.0: the whole vocabulary); eos_token_id: an id or a list of ids that end a sample (kept as its last
+    token); seed: reproduces the samples on any topology (None: a random seed, reported in Rollouts.seed).
+    cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks the
+    prompt is sharded over, with the config's cp_size; every rank calls with the same arguments and gets the same
+    samples (decoded on every rank, as the replicated replay does, whatever "cp_replay" says).
+    dp_group: None, or the ranks whose module calls are collectives (ZeRO-3's data-parallel ranks): every rank of it
+    calls generate together, each with its own prompt, samples and eos, and the calls are padded to the same ones
+    (decode_lockstep.py). A model with sharded experts (shard_experts) decodes in lockstep over its expert-parallel
+    group when dp_group is None. lockstep: one prompt slot's decode_lockstep.DecodeLockstep, computed by the caller
+    for several prompts at once (rollout/step.py), instead of dp_group.
+    keep_capture: keep the captured state in Rollouts.capture for grpo_backward(..., capture=rollouts) (module
+    docstring), captured under the config as given (exact mode: with the prefix pass's checkpoints); release it
+    with Rollouts.release() or a `with` block when not training on it.
+    batched: decode the samples' steps as one batch (the adapter's decode_step: qwen3_5 and glm_moe_dsa); False
+    decodes them one after another (the plain reference; the same tokens and log-probs up to rounding).
+    """
+    prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
+    settings = parse_config(config)
+    adapter = adapter_for(model)
+    if int(prompt_ids.max()) >= adapter.vocab_size:
+        raise ValueError(f"prompt_ids holds token id {int(prompt_ids.max())} >= vocab size {adapter.vocab_size}")
+    bad = [token for token in eos if token >= adapter.vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
+    if lockstep is not None and dp_group is not None:
+        raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
+    capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture)
+    if lockstep is None:
+        lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, capture_settings, topology, dp_group)[0]
+    elif lockstep.idle:
+        raise ValueError("generate: this lockstep is an idle slot's (decode_idle_slot runs it)")
+    choose = _first_rank_token(topology, adapter.device)
+    seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
+    return _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens,
+                     temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
+
+
+def decode_idle_slot(model, lockstep, max_new_tokens, *, config=None, cp_group=None, keep_capture=False,
+                     batched=True):
+    """A prompt slot this rank has no prompt for (lockstep.idle): the dummy prompt's capture and ghost decode steps
+    that pad its calls to the other ranks' (decode_lockstep.py); nothing is sampled or kept. keep_capture and
+    batched: as the other ranks' generate calls of the slot (they decide the capture's settings and the steps)."""
+    from ds_longstraw.rollout.decode_lockstep import IDLE_PROMPT
+
+    adapter = adapter_for(model)
+    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
+    _generate(model, adapter, topology, capture_settings, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
+              lambda tokens: list(tokens), False, batched, lockstep)
+
+
+def _decode_setup(model, adapter, settings, cp_group, keep_capture):
+    """(the settings the prompt is captured under, the topology) of a generate call, checked before any work."""
+    # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
+    # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
+    capture_settings = settings if keep_capture else settings.model_copy(update={"prefix_grad": "detached"})
+    # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
+    decode_settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
+    topology = topology_for(cp_group, decode_settings)
+    topology.check(adapter, decode_settings)
+    ep = expert_parallel(model)
+    check_expert_parallel(ep, settings, None if ep is None else ep.group, cp_group)
+    return capture_settings, topology
+
+
+def decode_schedules(model, prompts, num_samples, *, config=None, cp_group=None, dp_group=None,
+                     keep_capture=False) -> list:
+    """Per prompt slot, the schedule this rank's generate (or decode_idle_slot, past its last prompt) runs under
+    for its `prompts` (1-D ids), with generate's arguments of the same names (decode_lockstep_for; collective over
+    dp_group, or the model's expert-parallel group)."""
+    adapter = adapter_for(model)
+    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
+    return decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group)
+
+
+def decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group) -> list:
+    """Per prompt slot, the schedule this rank decodes under: decode_lockstep.decode_locksteps over dp_group (or,
+    without one, over the model's expert-parallel group), or plain Schedules when neither is given (collective
+    over that group)."""
+    ep = expert_parallel(model)
+    group = dp_group if dp_group is not None else None if ep is None else ep.group
+    if group is None or dist.get_world_size(group=group) == 1:
+        return [Schedule() for _ in prompts]
+    return decode_locksteps(prompts, num_samples, capture_settings, getattr(topology, "cp", None), group)
+
+
+def _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens, temperature,
+              top_p, eos, seed, choose, keep_capture, batched, schedule):
+    """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
+    keep_boundaries = capture_settings.prefix_grad == "exact"
+    meter = PhaseMeter(adapter.device)
+    responses, logprobs, finished = [], [], []
+    kept = None
+    with torch.no_grad(), kernel_mode(capture_settings.kernels):
+        with meter.phase("capture"), topology.phase("capture"):
+            state = topology.capture(adapter, prompt_ids, capture_settings, keep_boundaries, schedule)
+        try:
+            with meter.phase("decode"), topology.phase("decode"):
+                view = topology.replay_view(adapter, state, requires_grad=False)
+                try:
+                    decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
+                    samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, max_new_tokens,
+                                     temperature, top_p, eos, seed, choose, schedule)
+                    for ids, logps, ended in samples:
+                        responses.append(ids)
+                        logprobs.append(logps)
+                        finished.append(ended)
+                finally:
+                    view.leaves.release()
+            if keep_capture:
+                kept = KeptCapture(state, capture_settings, model, prompt_ids, schedule.capture_padded_to)
+        finally:
+            if kept is None:
+                state.release()  # page files of a host/NVMe tier go on error as on success
+    return Rollouts(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, finished=finished, seed=seed,
+                    phases=meter.phases, capture=kept)
+
+
+def _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed):
+    """ValueError naming the argument; returns (prompt ids as a CPU LongTensor, eos ids as a tuple)."""
+    prompt_ids = _as_ids("prompt_ids", prompt_ids).cpu()
+    if prompt_ids.numel() < 2:
+        raise ValueError(f"prompt_ids needs at least 2 tokens, got {prompt_ids.numel()}")
+    for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+            math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be None or an integer >= 0, got {seed!r}")
+    eos = () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+    if any(isinstance(token, bool) or not isinstance(token, int) or token < 0 for token in eos):
+        raise ValueError(f"eos_token_id must be None, a token id or a list of token ids, got {eos_token_id!r}")
+    return prompt_ids, eos
+
+
+class _ResponseRows:
+    """One sample's own rows of every paged layer, token-major, in buffers that double when full: appending a token
+    costs O(1) amortised, and attention sees the response as one segment after the prompt's pages (a list of
+    one-token segments would make every attention call merge one partial per generated token)."""
+
+    def __init__(self):
+        self.buffers, self.length = {}, 0
+
+    def append(self, rows):
+        """rows: layer -> tuple of one token's rows [1, ...] per stream."""
+        for layer, parts in rows.items():
+            buffers = self.buffers.get(layer)
+            if buffers is None or buffers[0].shape[0] == self.length:
+                capacity = max(16, 2 * self.length)
+                grown = tuple(_new_buffer(part, capacity) for part in parts)
+                if buffers is not None:
+                    for new, old in zip(grown, buffers):
+                        new[: self.length] = old[: self.length]
+                self.buffers[layer] = buffers = grown
+            for buffer, part in zip(buffers, parts):
+                buffer[self.length: self.length + part.shape[0]] = part
+        self.length += 1
+
+    def past(self, leaves):
+        """The past a decode step attends: the prompt's pages (or none: context parallelism reaches them remotely),
+        then this sample's rows."""
+        if isinstance(leaves.past, StagedPast):
+            past = leaves.past.fresh()
+            for layer, buffers in self.buffers.items():
+                past.append(layer, tuple(buffer[: self.length] for buffer in buffers))
+            return past
+        past = {layer: list(segments) for layer, segments in leaves.past.items()}
+        for layer, buffers in self.buffers.items():
+            past[layer].append(tuple(buffer[: self.length] for buffer in buffers))
+        return past
+
+
+def _new_buffer(part, capacity):
+    """Room for `capacity` rows like `part`'s (uninitialised: only the rows written are ever read; tests poison it)."""
+    return part.new_empty((capacity, *part.shape[1:]))
+
+
+def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
+                 schedule):
+    """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample.
+    Under a lockstep the sample slots other ranks have and this one lacks are decoded as ghosts."""
+    samples = []
+    for sample in range(schedule.sample_slots(num_samples)):
+        if sample < num_samples:
+            samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
+                                   _generator(seed, sample), choose, schedule))
+        else:
+            _ghost_steps(adapter, view, start, max_new_tokens, False, schedule)
+        return_freed_host_memory(adapter.device)
+    return samples
+
+
+def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
+                  schedule):
+    """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
+    all the samples still running; a sample that draws eos leaves the batch (its carry and rows are dropped).
+    Each sample draws from its own generator in the same order as _decode, so the tokens are the sequential
+    path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
+    Returns [(ids, log-probs, ended)] per sample."""
+    generators = [_generator(seed, sample) for sample in range(num_samples)]
+    active = list(range(num_samples))  # the samples in the batch, in batch order
+    ids, logps, ended = [[] for _ in active], [[] for _ in active], [False] * num_samples
+    # every sample starts from the prompt's carry: its own copy, [G, ...]
+    carry = {layer: tuple(t.expand(num_samples, *t.shape[1:]).clone() for t in parts)
+             for layer, parts in view.leaves.carry.items()}
+    rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
+    tokens = first.view(1).expand(num_samples)
+    for step in range(max_new_tokens):
+        if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
+            _ghost_steps(adapter, view, start, max_new_tokens - step, True, schedule)
+            break
+        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
+        out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
+        carry = dict(out.carry)
+        for layer, parts in out.rows.items():
+            if layer not in rows:
+                rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new_tokens) for part in parts)
+            for buffer, part in zip(rows[layer], parts):
+                buffer[step] = part
+        logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
+        del out, past, own
+        return_freed_host_memory(adapter.device)  # a step's scattered small temporaries (G times one sample's)
+        drawn = []
+        for row, sample in enumerate(active):
+            uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generators[sample],
+                                                                    dtype=torch.float64))
+            drawn.append(_sample(logits_GV[row], temperature, top_p, uniform))
+        chosen_G, keep = [], []
+        for row, (sample, chosen) in enumerate(zip(active, choose(drawn))):  # the step's tokens in one exchange
+            logps[sample].append(torch.log_softmax(logits_GV[row], dim=-1)[chosen])
+            ids[sample].append(chosen)
+            if chosen in eos:
+                ended[sample] = True
+            else:
+                keep.append(row)
+                chosen_G.append(chosen)
+        if len(keep) < len(active):  # finished samples leave the batch
+            index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
+            carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}
+            rows = {layer: tuple(b.index_select(1, index) for b in buffers) for layer, buffers in rows.items()}
+            active = [active[row] for row in keep]
+        if not schedule.keeps_decoding(bool(active), adapter.device):
+            break
+        tokens = torch.tensor(chosen_G)
+    return [(torch.tensor(ids[g], dtype=torch.long), torch.stack(logps[g]), ended[g]) for g in range(num_samples)]
+
+
+def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose, schedule):
+    """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos). Under a
+    lockstep the steps after its eos that other ranks still take are ghost steps."""
+    carry, rows = dict(view.leaves.carry), _ResponseRows()
+    token, ids, logps = first.view(1), [], []
+    for step in range(max_new_tokens):
+        if ids and ids[-1] in eos:  # it stopped while another rank decodes
+            _ghost_steps(adapter, view, start, max_new_tokens - step, False, schedule)
+            break
+        out = adapter.forward_segment(token, start + step, carry, rows.past(view.leaves), view.remote_attention)
+        carry = dict(out.carry)
+        rows.append(out.rows)
+        logits_V = adapter.lm_head(adapter.body.norm(out.hidden))[0, -1].double().cpu()
+        # greedy draws nothing; a sample draws one uniform per step from its own stream
+        uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
+        chosen = choose([_sample(logits_V, temperature, top_p, uniform)])[0]
+        logps.append(torch.log_softmax(logits_V, dim=-1)[chosen])
+        ids.append(chosen)
+        if not schedule.keeps_decoding(chosen not in eos, adapter.device):
+            break
+        token = torch.tensor([chosen])
+    return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
+
+
+def _ghost_steps(adapter, view, start, steps, batched, schedule):
+    """At most `steps` ghost steps, until no rank of the schedule has a sample running (decode_lockstep.py)."""
+    for _ in range(steps):
+        _ghost_step(adapter, view, start, batched)
+        if not schedule.keeps_decoding(False, adapter.device):
+            return
+
+
+def _ghost_step(adapter, view, start, batched):
+    """A decode step whose result is thrown away (decode_lockstep.py): one dummy token decoded from the prompt's
+    state, as a first step, through the forward the real steps take (decode_step batched, else the segment
+    forward) and the head, so it calls the same submodules as a real step."""
+    token = torch.full((1,), PAD_TOKEN, dtype=torch.long)
+    carry = dict(view.leaves.carry)
+    if batched:
+        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        out = adapter.decode_step(token, start, carry, past, {}, view.remote_attention)
+    else:
+        out = adapter.forward_segment(token, start, carry, _ResponseRows().past(view.leaves), view.remote_attention)
+    adapter.lm_head(adapter.body.norm(out.hidden))
+
+
+def _sample(logits_V, temperature, top_p, uniform) -> int:
+    """A token id from float64 CPU logits: argmax at temperature 0, else the token where `uniform` (in [0, 1)) falls
+    in the cumulative probability of the nucleus (the most probable tokens, ties lower id first, until their
+    probability reaches top_p), renormalised."""
+    if temperature == 0:
+        return int(torch.argmax(logits_V))
+    probs_V = torch.softmax(logits_V / temperature, dim=-1)
+    sorted_V, order_V = torch.sort(probs_V, descending=True, stable=True)
+    cumulative_V = torch.cumsum(sorted_V, dim=0)
+    # keep a token while the mass before it is below top_p: the first token always stays
+    kept = max(1, int(((cumulative_V - sorted_V) < top_p).sum()))
+    target = torch.tensor(uniform, dtype=torch.float64) * cumulative_V[kept - 1]
+    index = int(torch.searchsorted(cumulative_V[:kept], target, right=True))
+    return int(order_V[min(index, kept - 1)])
+
+
+def _generator(seed, sample):
+    """Sample `sample`'s own CPU generator: its seed mixes (seed, sample) (SplitMix64), so seeds s and s + 1 share no
+    sample's stream, and a sample's draws depend on neither the rank nor how many samples are drawn."""
+    return torch.Generator().manual_seed(splitmix64(splitmix64(seed) ^ sample) >> 1)
+
+
+def _first_rank_token(topology, device):
+    """tokens (a list of ints) -> the tokens (or drawn seed) every rank of the topology takes: its own on one rank,
+    the CP group's first rank's under context parallelism (one int64 all-gather per call: a decode step's tokens
+    of every sample together)."""
+    cp = getattr(topology, "cp", None)
+    if cp is None:
+        return lambda tokens: list(tokens)
+
+    def choose(tokens):
+        first = cp.all_gather(torch.tensor(tokens, dtype=torch.int64, device=device), op="rollout_token")[0]
+        return [int(token) for token in first.tolist()]
+
+    return choose

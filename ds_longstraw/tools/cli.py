@@ -1,0 +1,195 @@
+"""The `longstraw` command.
+
+    longstraw demo   one GRPO step on the embedded default (a small random qwen3_5 model, a 64K-token synthetic
+                     prompt, G = 4 responses; --model glm: a small random glm_moe_dsa, 8K tokens) with per-phase
+                     figures and the conventional baseline beside it; --task kv: GRPO with rollouts inside
+                     training on the built-in kv task, reward per step and a plot (ds_longstraw/tasks/kv_demo.py)
+    longstraw plan   the tier planner (retained bytes per rank, what fits where)
+    longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
+    longstraw export a training checkpoint as a transformers model or peft adapter directory
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+
+import psutil
+
+MiB = 2**20
+
+
+def _fmt(value):
+    return f"{value / MiB:,.1f} MiB"
+
+
+# --model -> (shape, default prompt tokens). GLM's DSA selection and sparse attention run as plain torch on CPU:
+# its default prompt is shorter so the demo (and its conventional baseline) stays within minutes.
+MODELS = {"qwen": ("small", 65536), "glm": ("small-glm", 8192)}
+
+
+def _demo_parser(parser):
+    parser.add_argument("--task", choices=["grpo", "kv"], default="grpo",
+                        help="grpo: one GRPO step on synthetic groups (the default); kv: train on the kv task with "
+                             "rollouts inside training (configs/run/kv_task.yaml), print rewards, plot them")
+    parser.add_argument("--steps", type=int, default=150, help="--task kv: optimizer steps (default 150)")
+    parser.add_argument("--plot", default="bench/kv_task.png", help="--task kv: the PNG to write")
+    parser.add_argument("--out", default="runs/kv_task", help="--task kv: where the metrics go")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen",
+                        help="qwen: small qwen3_5 (Gated DeltaNet + attention); "
+                             "glm: small glm_moe_dsa (MLA + DSA + MoE)")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 65536; 8192 for glm)")
+    parser.add_argument("--group", type=int, default=4, help="G, responses in the group (default 4)")
+    parser.add_argument("--response", type=int, default=256, help="longest response (default 256 tokens)")
+    parser.add_argument("--mode", choices=["detached", "exact"], default="detached")
+    parser.add_argument("--shape", default=None, help="a named shape of models/shapes.py (default: --model's)")
+    parser.add_argument("--chunk", type=int, default=4096, help="capture_chunk")
+    parser.add_argument("--baseline", choices=["auto", "measure", "estimate", "skip"], default="auto",
+                        help="conventional baseline: measure it in a fresh process, estimate it from two small "
+                             "measured runs, or (auto) measure only when the estimate fits in half the free memory")
+
+
+@contextlib.contextmanager
+def _threads_for_children(threads):
+    """Fresh baseline processes run with this process's intra-op threads, so that their wall time compares with
+    the demo's (the benchmark's fresh processes take one thread unless told otherwise)."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
+
+
+def _linear(xs, ys, x):
+    slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
+    return ys[1] + slope * (x - xs[1])
+
+
+def _conventional_figures(args, threads):
+    """The conventional baseline's step peak and wall time at the demo's prompt: measured in a fresh process, or
+    (too big, or --baseline estimate) extrapolated linearly from two measured smaller prompts."""
+    from ds_longstraw.tools.bench import run_fresh
+
+    if args.baseline == "skip":
+        return None
+    with _threads_for_children(threads):
+        small = sorted({min(args.prompt, 2048), min(args.prompt, 4096)})
+        if args.baseline != "measure" and len(small) == 1:  # the prompt is small: the measurement is the baseline
+            print(f"\nconventional baseline: measuring at {args.prompt:,} prompt tokens in a fresh process ...")
+            return {"label": "measured in a fresh process", "estimated": False,
+                    **run_fresh("conventional", args.prompt, args.group, args.response, shape=args.shape)}
+        if args.baseline != "measure":
+            print(f"\nconventional baseline: measuring at {small[0]:,} and {small[1]:,} prompt tokens "
+                  "(fresh processes) ...")
+            runs = [run_fresh("conventional", n, args.group, args.response, shape=args.shape) for n in small]
+            peak = _linear(small, [r["step_peak_bytes"] for r in runs], args.prompt)
+            fits = peak < 0.5 * psutil.virtual_memory().available
+            if args.baseline == "estimate" or not fits:
+                why = "" if fits else "; a measurement would not fit in half of this machine's free memory"
+                return {"label": f"ESTIMATE, a linear fit of runs measured at {small[0]:,} and {small[1]:,} "
+                                 f"tokens{why}", "estimated": True, "step_peak_bytes": peak,
+                        "seconds": _linear(small, [r["seconds"] for r in runs], args.prompt)}
+        print(f"conventional baseline: measuring at {args.prompt:,} prompt tokens in a fresh process ...")
+        row = run_fresh("conventional", args.prompt, args.group, args.response, shape=args.shape)
+    return {"label": "measured in a fresh process", "estimated": False, **row}
+
+
+# Exact mode's extra retained state (zero, and not part of the method, in detached mode)
+EXACT_ONLY = ("carry_checkpoints", "kept_attention_pages")
+
+
+def _retained_rows(row, mode):
+    rows = [(kind, size) for kind, size in row["retained_bytes"].items()
+            if kind not in EXACT_ONLY or (mode == "exact" and size)]
+    if mode == "exact":
+        rows.append(("gradient_pages", row["grad_page_bytes"]))
+    return rows
+
+
+def summary_line(row, conv, args) -> str:
+    """The verdict: ds_longstraw against the conventional baseline, as ratios (below 1: ds_longstraw smaller)."""
+    head = f"ds_longstraw vs conventional, prompt {args.prompt:,} tokens, G = {args.group}"
+    if conv is None:
+        return f"{head}: conventional baseline skipped (--baseline skip)"
+    tag = " (conventional estimated)" if conv["estimated"] else ""
+    return (f"{head}: step peak {row['step_peak_bytes'] / conv['step_peak_bytes']:.2f}x "
+            f"({_fmt(row['step_peak_bytes'])} vs {_fmt(conv['step_peak_bytes'])}), "
+            f"time {row['seconds'] / conv['seconds']:.2f}x ({row['seconds']:.1f} s vs {conv['seconds']:.1f} s)"
+            f"{tag}")
+
+
+def demo(args):
+    if args.task == "kv":
+        from ds_longstraw.tasks.kv_demo import run
+
+        return run(args)
+    import torch
+
+    from ds_longstraw.kernels.dispatch import describe_paths, reset_paths_taken
+    from ds_longstraw.tools.bench import run_one
+
+    shape, prompt = MODELS[args.model]
+    args.shape = args.shape or shape
+    args.prompt = args.prompt or prompt
+    threads = torch.get_num_threads()
+    print(f"ds_longstraw demo: {args.shape} model (random weights), prompt {args.prompt:,} tokens, "
+          f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.mode}, "
+          f"{threads} threads")
+    reset_paths_taken()
+    row = run_one(f"longstraw-{args.mode}", args.prompt, args.group, args.response, args.shape, args.chunk,
+                  progress=True)
+    print(f"\nGRPO step done: loss {row['loss']:.6f}, wall {row['seconds']:.1f} s")
+    print(f"  {describe_paths()}")
+    print(f"\n  {'phase':<10} {'seconds':>8}   {'peak':>12}   (process high-water mark)")
+    for name, phase in row["phases"].items():
+        print(f"  {name:<10} {phase['seconds']:8.2f}   {_fmt(phase['peak_bytes']):>12}")
+    print(f"  step peak above the pre-step resident set: {_fmt(row['step_peak_bytes'])}")
+    print("\nretained prompt state by layer type:")
+    rows = _retained_rows(row, args.mode)
+    width = max(len(kind) for kind, _ in rows)
+    for kind, size in rows:
+        print(f"  {kind:<{width}}  {_fmt(size):>12}")
+    conv = _conventional_figures(args, threads)
+    if conv is not None:
+        print(f"\nconventional baseline: {conv['label']}")
+        print(f"  step peak {_fmt(conv['step_peak_bytes'])}, wall {conv['seconds']:.1f} s"
+              + (" (estimated)" if conv["estimated"] else ""))
+    print("\n" + summary_line(row, conv, args))
+
+
+def main(argv=None):
+    from ds_longstraw.tools.console import hide_third_party_notices
+
+    hide_third_party_notices()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plan":
+        from ds_longstraw.tools import planner
+
+        return planner.main(argv[1:])
+    if argv and argv[0] == "bench":
+        from ds_longstraw.tools.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    if argv and argv[0] == "export":
+        from ds_longstraw.engine.export import main as export_main
+
+        return export_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _demo_parser(sub.add_parser("demo", help="one GRPO step on the embedded default"))
+    sub.add_parser("plan", help="tier planner (longstraw plan --help)")
+    sub.add_parser("bench", help="benchmarks (longstraw bench --help)")
+    sub.add_parser("export", help="checkpoint -> transformers / peft directory (longstraw export --help)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        demo(args)
+
+
+if __name__ == "__main__":
+    # main's return is the exit status (longstraw plan's 2 on a bad model, say), as the console script passes it on
+    raise SystemExit(main())
