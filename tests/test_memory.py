@@ -17,7 +17,8 @@ import pytest
 import torch
 from models import tiny_qwen3_5
 
-from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, memory
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
+from ds_longstraw.grpo import memory
 from ds_longstraw.grpo.memory import (
     CLEAR_REFS,
     HOST_PEAK_ENV,
