@@ -144,7 +144,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         return self
 
     @property
-    def recompute_layers(self) -> bool:
+    def prefix_recompute_runs(self) -> bool:
         """Whether the prefix pass recomputes each layer in backward (prefix_recompute) here: a recomputed layer runs
         its forward twice, so that forward must make no remote exchange: one rank, or the attention kept from
         capture (no rank then sends a forward request). It depends on settings alone, the same on every rank, as

@@ -42,31 +42,28 @@ def parse_bytes(value, bare: int = 1, option: str | None = None) -> int:
     """Bytes of '96GB', '80GiB', '500MB', '2TB', '64KB' (units as in the module docstring); a number without a
     unit counts `bare` bytes each (1: bytes; GiB: '80' is 80 GiB). An int is a byte count already and is returned
     as it is. `option` (say '--max-shard-size') goes into the error's message."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value < 0:
-            raise SizeError(f"{_named(option)}{value!r}: a size in bytes cannot be negative")
-        return value
-    parts = _split(value)
-    if parts is None or (parts[1] and parts[1] not in BYTE_UNITS):
-        raise SizeError(f"{_named(option)}{value!r} is not a size in bytes (examples: 96GB, 80GiB, 500MB, 2TB; "
-                        "B, KB, MB, GB, TB count powers of 1000, KiB, MiB, GiB, TiB powers of 1024; a bare number "
-                        f"counts {_BARE_NAMES.get(bare, f'{bare:,} bytes')})")
-    number, unit = parts
-    return int(number * (BYTE_UNITS[unit] if unit else bare))
+    return _parse(value, BYTE_UNITS, bare, option, "a size in bytes",
+                  "examples: 96GB, 80GiB, 500MB, 2TB; B, KB, MB, GB, TB count powers of 1000, KiB, MiB, GiB, TiB "
+                  f"powers of 1024; a bare number counts {_BARE_NAMES.get(bare, f'{bare:,} bytes')}")
 
 
 def parse_tokens(value, option: str | None = None) -> int:
     """Tokens of '2097152', '2M' (2 * 2**20), '128K', '4.5M'; an int is returned as it is."""
+    return _parse(value, TOKEN_UNITS, 1, option, "a token count",
+                  "examples: 2097152, 2M, 128K; K, M, G = 2**10, 2**20, 2**30 tokens")
+
+
+def _parse(value, units, bare, option, what, help_text) -> int:
+    """A number with one of `units` (or none: `bare` each), rounded down; an int as it is (not negative)."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
-            raise SizeError(f"{_named(option)}{value!r}: a token count cannot be negative")
+            raise SizeError(f"{_named(option)}{value!r}: {what} cannot be negative")
         return value
     parts = _split(value)
-    if parts is None or (parts[1] and parts[1] not in TOKEN_UNITS):
-        raise SizeError(f"{_named(option)}{value!r} is not a token count (examples: 2097152, 2M, 128K; "
-                        "K, M, G = 2**10, 2**20, 2**30 tokens)")
+    if parts is None or (parts[1] and parts[1] not in units):
+        raise SizeError(f"{_named(option)}{value!r} is not {what} ({help_text})")
     number, unit = parts
-    return int(number * (TOKEN_UNITS[unit] if unit else 1))
+    return int(number * (units[unit] if unit else bare))
 
 
 def _named(option):

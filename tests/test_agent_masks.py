@@ -22,6 +22,7 @@ import torch
 from grads import grads_of, relative_l2
 from masked_loss import masked_group, masked_grpo_loss
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 
@@ -53,17 +54,11 @@ def _config(mode, chunk, page, block, tier, tmp_path):
 
 
 def _reference(model, group, objective_kwargs, logprob_fn, ref_model=None):
-    def run():
-        logps = logprob_fn(model, group.prompt_ids, group.response_ids)
-        ref = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
-        loss = masked_grpo_loss(group, logps, ref, **objective_kwargs)
-        loss.backward()
-        return float(loss.detach()), [lp.detach() for lp in logps]
+    def loss_fn(group, logps, ref):
+        return masked_grpo_loss(group, logps, ref, **objective_kwargs)
 
-    return grads_of(model, run)
+    grads, (loss, logps, _) = reference_step(model, group, loss_fn, logprob_fn, ref_model)
+    return grads, (loss, logps)
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,15 @@ association order of float64 sums, ~1e-10; dropped masks move the gradient by ~0
 CP 2 and CP 3 run in one launch of 3 forked ranks (tests/cp_scripts/masks.py).
 """
 
+import functools
+
 import pytest
 import torch
 from cp_scripts.masks import CP_SIZES, MODEL, case_group, run_masks
-from grads import grads_of, relative_l2
+from grads import relative_l2
 from masked_loss import masked_grpo_loss
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
 
 TOL = 1e-8
 
@@ -54,18 +57,9 @@ def references():
         fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
         ref_model = tiny_qwen3_5(seed=case["ref_seed"], **MODEL) if "ref_seed" in case else None
 
-        def run():
-            logps = fn(model, group.prompt_ids, group.response_ids)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = [lp.detach() for lp in fn(ref_model, group.prompt_ids, group.response_ids)]
-            loss = masked_grpo_loss(group, logps, ref, **case.get("objective", {}))
-            loss.backward()
-            return float(loss.detach()), [lp.detach() for lp in logps]
-
+        loss_fn = functools.partial(masked_grpo_loss, **case.get("objective", {}))
         with float64_model():
-            grads, (loss, logps) = grads_of(model, run)
+            grads, (loss, logps, _) = reference_step(model, group, loss_fn, fn, ref_model)
         out[case["name"]] = (grads, loss, logps)
     return out
 

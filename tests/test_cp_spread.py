@@ -23,6 +23,7 @@ from cp_scripts.harness import make_group, run_cp
 from glm_models import glm_reference, tiny_glm_moe_dsa
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
 
 from ds_longstraw import GRPOObjective, grpo_backward
 
@@ -88,18 +89,8 @@ def references():
         ref_model = tiny_qwen3_5(seed=case["ref_seed"]) if "ref_seed" in case else None
         fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
 
-        def run():
-            logps = fn(model, group.prompt_ids, group.response_ids)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = [lp.detach() for lp in fn(ref_model, group.prompt_ids, group.response_ids)]
-            loss = objective.group_loss(group, logps, ref)
-            loss.backward()
-            return float(loss.detach()), [lp.detach() for lp in logps]
-
         with float64_model():
-            grads, (loss, logps) = grads_of(model, run)
+            grads, (loss, logps, _) = reference_step(model, group, objective.group_loss, fn, ref_model)
         out[case["name"]] = (grads, loss, logps)
     return out
 

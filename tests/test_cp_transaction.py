@@ -24,6 +24,7 @@ import torch
 from cp_scripts.harness import make_group, run_cp
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
 
 from ds_longstraw import GRPOObjective, grpo_backward
 from ds_longstraw.models.model_shape import shape_from_config
@@ -170,18 +171,8 @@ def references():
         fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
         ref_model = tiny_qwen3_5(seed=case["ref_seed"], **MODEL) if "ref_seed" in case else None
 
-        def run():
-            logps = fn(model, group.prompt_ids, group.response_ids)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = [lp.detach() for lp in fn(ref_model, group.prompt_ids, group.response_ids)]
-            loss = objective.group_loss(group, logps, ref)
-            loss.backward()
-            return float(loss.detach()), [lp.detach() for lp in logps], ref
-
         with float64_model():
-            grads, (loss, logps, ref) = grads_of(model, run)
+            grads, (loss, logps, ref) = reference_step(model, group, objective.group_loss, fn, ref_model)
         out[case["name"]] = (grads, loss, logps, ref)
     return out
 

@@ -26,6 +26,7 @@ import torch
 from glm_models import VOCAB, boundary_ties, glm_reference, reference_selections, tiny_glm_moe_dsa
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, full_sequence_logprobs
+from reference import reference_step
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 from ds_longstraw.arch import adapter_for
@@ -61,18 +62,7 @@ def _run(model, group, objective, mode, settings, **kwargs):
 
 def _reference(model, group, objective, mode, ref_model=None):
     logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
-
-    def run():
-        logps = logprob_fn(model, group.prompt_ids, group.response_ids)
-        ref = None
-        if objective.kl_coef > 0:
-            with torch.no_grad():
-                ref = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
-        loss = objective.group_loss(group, logps, ref)
-        loss.backward()
-        return float(loss.detach()), [lp.detach() for lp in logps], ref
-
-    return grads_of(model, run)
+    return reference_step(model, group, objective.group_loss, logprob_fn, ref_model if objective.kl_coef > 0 else None)
 
 
 def _assert_matches(model, group, objective, mode, settings, ref_model=None, **kwargs):

@@ -28,6 +28,7 @@ from cp_scripts.harness import make_group, run_cp
 from glm_models import boundary_ties, glm_reference, reference_selections, tiny_glm_moe_dsa
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, full_sequence_logprobs
+from reference import reference_step
 
 from ds_longstraw import GRPOObjective
 from ds_longstraw.arch import adapter_for
@@ -151,18 +152,8 @@ def references():
         fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
         ref_model = tiny_glm_moe_dsa(seed=case["ref_seed"]) if "ref_seed" in case else None
 
-        def run():
-            logps = fn(model, group.prompt_ids, group.response_ids)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = [lp.detach() for lp in fn(ref_model, group.prompt_ids, group.response_ids)]
-            loss = objective.group_loss(group, logps, ref)
-            loss.backward()
-            return float(loss.detach()), [lp.detach() for lp in logps], ref
-
         with glm_reference():
-            grads, (loss, logps, ref) = grads_of(model, run)
+            grads, (loss, logps, ref) = reference_step(model, group, objective.group_loss, fn, ref_model)
         out[case["name"]] = (grads, loss, logps, ref)
     return out
 

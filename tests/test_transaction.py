@@ -14,6 +14,7 @@ import pytest
 import torch
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 
@@ -46,17 +47,9 @@ def _run(model, group, objective, mode, chunk, page, block, **kwargs):
 
 
 def _reference(model, group, objective, logprob_fn, ref_model=None):
-    def run():
-        logps = logprob_fn(model, group.prompt_ids, group.response_ids)
-        ref = None
-        if objective.kl_coef > 0:
-            with torch.no_grad():
-                ref = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
-        loss = objective.group_loss(group, logps, ref)
-        loss.backward()
-        return float(loss.detach()), [lp.detach() for lp in logps]
-
-    return grads_of(model, run)
+    grads, (loss, logps, _) = reference_step(model, group, objective.group_loss, logprob_fn,
+                                             ref_model if objective.kl_coef > 0 else None)
+    return grads, (loss, logps)
 
 
 @pytest.fixture(scope="module")

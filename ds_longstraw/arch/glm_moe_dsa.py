@@ -326,7 +326,7 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                                                         list(past.get(index, [])), selection, remote)
         return (self.mlp_residual(index, hidden + mixed), *selection, *rows)
 
-    def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,
+    def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
                         known_attention=None):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
@@ -334,7 +334,7 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         [, indexer key]) token-major that precede this segment, in position order up to start-1 (the prompt's
         pages, earlier replay blocks) from position 0, or from remote_attention.end; remote_attention: None, or
         (context parallelism) the earlier keys on other ranks (attention_forward's `remote`);
-        checkpoint_layers: keep only each layer's input for backward and recompute the layer there (re-entrant, as
+        prefix_recompute: keep only each layer's input for backward and recompute the layer there (re-entrant, as
         the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights again; the caller sees to it that no layer's
         forward then makes a remote exchange). known_attention (prefix_keep_attention) is not supported for this
         family yet."""
@@ -346,7 +346,7 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         past = past if past is not None else {}
         positions = valid = None  # the last full indexer layer's selection
         for index, layer in enumerate(self.layers[: len(self.specs)]):
-            if checkpoint_layers and torch.is_grad_enabled():
+            if prefix_recompute and torch.is_grad_enabled():
                 # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
                 # gathers the weights again for it); the prompt pages inside `past` get their gradients from that
                 # inner backward, like the parameters.

@@ -287,7 +287,7 @@ class Qwen35Adapter(CausalLMAdapter):
                 remote_keys=remote_keys)
         return self.mlp_residual(index, residual + mixed), first, second, attention
 
-    def forward_segment(self, ids, start, carry, past, remote_attention=None, checkpoint_layers=False,
+    def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
                         known_attention=None):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
@@ -296,9 +296,9 @@ class Qwen35Adapter(CausalLMAdapter):
         remote_attention: None, or a callable (layer, q_HTD, known=None) -> (out_HTD, lse_HT) over earlier keys that
         live on other context-parallel ranks (ds_longstraw.parallel); given `known` (a layer of known_attention),
         it returns that merged result and adds the remote share of the gradients in backward;
-        checkpoint_layers: keep only each layer's input for backward and recompute the layer there (the exact-mode
+        prefix_recompute: keep only each layer's input for backward and recompute the layer there (the exact-mode
         prefix pass holds a whole capture chunk's graph otherwise); the caller sees to it that a layer's forward
-        makes no remote exchange then (LongstrawConfig.recompute_layers);
+        makes no remote exchange then (LongstrawConfig.prefix_recompute_runs);
         known_attention: layer -> (out_HTD, lse_HT) of this segment's attention kept from capture (exact mode's
         prefix pass with prefix_keep_attention): those layers skip the attention itself (ds_longstraw.kernels).
         The result's `attention` holds every attention layer's (out_HTD, lse_HT).
@@ -308,7 +308,7 @@ class Qwen35Adapter(CausalLMAdapter):
         out = SegmentOutput(hidden=None)
         known_attention = known_attention or {}
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
-            if checkpoint_layers and torch.is_grad_enabled():
+            if prefix_recompute and torch.is_grad_enabled():
                 # The re-entrant form: its backward recomputes the layer and back-propagates through it at once,
                 # so ZeRO-3 gathers the layer's weights for the recompute and keeps them through its backward
                 # (the non-re-entrant form would unpack tensors saved from weights ZeRO-3 has released since).

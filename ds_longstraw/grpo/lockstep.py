@@ -197,7 +197,7 @@ class Lockstep(Schedule):
     def pad_prefix(self, adapter, backward=None):
         """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
         for _ in range(self.capture_pad):
-            zero_prefix_iteration(adapter, backward, recompute=self.settings.recompute_layers)
+            zero_prefix_iteration(adapter, backward, prefix_recompute=self.settings.prefix_recompute_runs)
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member, length):
@@ -246,15 +246,15 @@ class ReplayLockstep(Lockstep):
         pass
 
 
-def zero_prefix_iteration(adapter, backward=None, remote_attention=None, recompute=False):
+def zero_prefix_iteration(adapter, backward=None, remote_attention=None, prefix_recompute=False):
     """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (every layer's
     end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
     chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves
     its requests through it);
-    recompute: each layer recomputed in backward, as the real segments are (settings.recompute_layers)."""
+    prefix_recompute: each layer recomputed in backward, as the real segments are (settings.prefix_recompute_runs)."""
     ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     with torch.enable_grad():
-        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, checkpoint_layers=recompute)
+        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, prefix_recompute=prefix_recompute)
         live = [o for o in segment_roots(adapter.specs, out) if o.requires_grad]
         if live:
             surrogate = sum((o * 0.0).sum() for o in live)

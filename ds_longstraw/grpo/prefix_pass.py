@@ -21,7 +21,7 @@ from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
 
 def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
-                    recompute=True, timings=None, boundaries=None, past_start=0):
+                    prefix_recompute=True, timings=None, boundaries=None, past_start=0):
     """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
     its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
     one piece's); past_start: the first local token of the pages a segment sees as its past (a context-parallel
@@ -31,16 +31,16 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
 
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
-    to each output is exactly the injected grad. recompute: recompute each layer in backward (one layer's graph
-    alive instead of the segment's); settings.recompute_layers says where that is allowed. timings: a dict that
+    to each output is exactly the injected grad. prefix_recompute: recompute each layer in backward (one layer's graph
+    alive instead of the segment's); settings.prefix_recompute_runs says where that is allowed. timings: a dict that
     gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
-    `recompute`, the backward includes the layers' recompute)."""
+    `prefix_recompute`, the backward includes the layers' recompute)."""
     stager = Stager(state.pool, stream_names(adapter.specs))
     boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
             return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                                   recompute, {} if timings is None else timings, segments, past_start)
+                                   prefix_recompute, {} if timings is None else timings, segments, past_start)
     finally:
         stager.close()
 
@@ -75,7 +75,7 @@ def _begin_segment(state, boundary, in_flight):
     return carry, kept
 
 
-def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, recompute,
+def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, prefix_recompute,
                     timings, segments, past_start=0):
     """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
     pool = state.pool
@@ -92,7 +92,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
             out = adapter.forward_segment(ids[start:end], position, carry, past,
-                                          remote_attention, checkpoint_layers=recompute,
+                                          remote_attention, prefix_recompute=prefix_recompute,
                                           known_attention=kept)
             outputs = segment_roots(adapter.specs, out)
             grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end))]

@@ -66,7 +66,7 @@ class OneRank:
     def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
                timings=None):
         prefix_backward(adapter, state, prompt_ids[:-1], d_final, progress=progress, backward=backward,
-                        recompute=settings.recompute_layers, timings=timings)
+                        prefix_recompute=settings.prefix_recompute_runs, timings=timings)
         schedule.pad_prefix(adapter, backward)
 
     def begin_gradients(self, model, caller_reduces):
@@ -228,7 +228,8 @@ class ContextParallel:
                                         pad=schedule.capture_pad)
         else:
             cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
-                               turn_iterations=schedule.prefix_iterations, recompute=settings.recompute_layers)
+                               turn_iterations=schedule.prefix_iterations,
+                               prefix_recompute=settings.prefix_recompute_runs)
 
     def begin_gradients(self, model, caller_reduces):
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""

@@ -18,7 +18,6 @@ runs under glm_reference() instead of float64_model(); with record, every select
 """
 
 import os
-import socket
 import sys
 import traceback
 from contextlib import contextmanager
@@ -34,11 +33,7 @@ for path in (TESTS, ROOT):
     if path not in sys.path:
         sys.path.insert(0, path)
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dist_scripts.launching import free_port  # noqa: E402  (one port finder for every launch; TESTS is on the path)
 
 
 def make_group(prompt_len, response_lens, seed=0, **extra):

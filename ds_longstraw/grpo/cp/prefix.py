@@ -310,7 +310,7 @@ def _carry_shapes(state):
 
 
 def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, turn_iterations=None,
-                       recompute=False):
+                       prefix_recompute=False):
     """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
@@ -326,8 +326,8 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
     with a one-token zero iteration, and a rank whose pages the owner reads answers the owner's requests from
     inside its mirror (PageServer), at the same layer of the same module sequence.
 
-    recompute: each layer recomputed in backward, real segments and zero iterations alike (settings.recompute_layers:
-    only where no layer's forward makes a remote exchange)."""
+    prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
+    (settings.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
     pieces = cp.pieces(state.length)
     selects = uses_selection(adapter.specs)
     order = segments_in_order(pieces)
@@ -347,7 +347,7 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
             visible = visible_prefix(mine, lo)
             if iterations is not None:
                 _mirror_turn(adapter, state, cp, owner, ceil_div(hi - lo, chunk), chunk, iterations,
-                             cp.rank in servers, backward, recompute, visible)
+                             cp.rank in servers, backward, prefix_recompute, visible)
             elif cp.rank in servers:
                 serve(cp, owner, adapter, state.pool, chunk, end=visible)
             continue
@@ -363,11 +363,11 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
             own_earlier = OwnRows(state.pool, adapter, mine[:index], exact=True) if selects and past_start else None
             remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
             d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
-                                      remote_attention=remote if servers or own_earlier else None, recompute=recompute,
-                                      boundaries=turn, past_start=past_start)
+                                      remote_attention=remote if servers or own_earlier else None,
+                                      prefix_recompute=prefix_recompute, boundaries=turn, past_start=past_start)
             remote.close(adapter.device)
         for _ in range((iterations or 0) - len(turn)):  # pad this turn to the common count
-            zero_prefix_iteration(adapter, backward, recompute=recompute)
+            zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)
         if turn and earlier and order[earlier[-1]][0] != cp.rank:  # hand d(carry at this piece's start) over
             handoffs += [cp.isend(_carry_part(d_carry.get(layer), part, shape, dtype, adapter.device),
                                   order[earlier[-1]][0])
@@ -381,7 +381,7 @@ def _carry_part(grads, part, shape, dtype, device):
     return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
 
 
-def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, recompute, visible):
+def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, prefix_recompute, visible):
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's `real` chunks answer its requests (against this rank's pages [0, visible)) when this rank
     serves it, then its DONE is read."""
@@ -389,11 +389,11 @@ def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, ba
                         visible=visible) if serving else None
     try:
         for _ in range(real):
-            zero_prefix_iteration(adapter, backward, server, recompute)
+            zero_prefix_iteration(adapter, backward, server, prefix_recompute)
         if serving:  # the owner says DONE after its real chunks, before its padding
             server.answer(DONE, -1)
     finally:
         if server is not None:
             server.close()
     for _ in range(iterations - real):
-        zero_prefix_iteration(adapter, backward, recompute=recompute)
+        zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)
