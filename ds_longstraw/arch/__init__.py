@@ -1,47 +1,56 @@
 """Architecture adapters: one per model family, chosen from the model's config.
 
-Each family module declares what its layers retain (`state_specs(config, dtype)`, specs.py) from a config alone;
-a family with an adapter also runs its layers for the transaction.
+Each family module declares what its layers retain (`state_specs(config, dtype)`, specs.py) from a config alone,
+runs its layers for the transaction through its adapter, and ends with its registry entry (family.Family): the one
+place the rest of the package learns what a family has.
 """
 
 from . import glm_moe_dsa, qwen3_5
+from .family import Family
 from .glm_moe_dsa import GlmMoeDsaAdapter
 from .qwen3_5 import Qwen35Adapter
 
-# model_type -> adapter. qwen3_5_text is the text-only config of Qwen3_5ForCausalLM.
-ADAPTERS = {"qwen3_5": Qwen35Adapter, "qwen3_5_text": Qwen35Adapter, "glm_moe_dsa": GlmMoeDsaAdapter}
-# model_type -> state_specs(config, dtype): every family the planner can size
-STATE_SPECS = {"qwen3_5": qwen3_5.state_specs, "qwen3_5_text": qwen3_5.state_specs,
-               "glm_moe_dsa": glm_moe_dsa.state_specs}
+# model_type -> its family (qwen3_5_text is the text-only config of Qwen3_5ForCausalLM)
+FAMILIES: dict[str, Family] = {t: family for family in (qwen3_5.FAMILY, glm_moe_dsa.FAMILY)
+                               for t in family.model_types}
+
+__all__ = ["FAMILIES", "Family", "GlmMoeDsaAdapter", "Qwen35Adapter", "adapter_for", "config_fields",
+           "expert_parallel", "expert_shape", "kernel_dims", "lora_targets", "shard_experts", "specs_for_config",
+           "unregister_expert_slices", "zero3_leaf_modules"]
 
 
-FAMILIES = {"qwen3_5": qwen3_5, "qwen3_5_text": qwen3_5, "glm_moe_dsa": glm_moe_dsa}  # model_type -> module
+def _model_type(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft wrapper, or the model
+    return getattr(getattr(base, "config", None), "model_type", None)
+
+
+def _family_of(model) -> Family | None:
+    return FAMILIES.get(_model_type(model))
 
 
 def lora_targets(model_type) -> list | None:
     """The family's default LoRA target modules (None: it declares none)."""
     family = FAMILIES.get(model_type)
-    return list(family.LORA_TARGETS) if family is not None and hasattr(family, "LORA_TARGETS") else None
+    return None if family is None or family.lora_targets is None else list(family.lora_targets)
 
 
 def zero3_leaf_modules(model) -> list:
     """Module classes of `model` that ZeRO-3 should gather whole, as its family declares (none by default)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    family = FAMILIES.get(getattr(getattr(base, "config", None), "model_type", None))
-    return family.zero3_leaf_modules(model) if family is not None and hasattr(family, "zero3_leaf_modules") else []
+    family = _family_of(model)
+    return [] if family is None or family.zero3_leaf_modules is None else family.zero3_leaf_modules(model)
 
 
 def config_fields(model_type, fields) -> dict:
     """A shape config's fields with the family's shorthands expanded (say qwen3_5's full_attention_interval)."""
     family = FAMILIES.get(model_type)
-    return family.config_fields(fields) if family is not None and hasattr(family, "config_fields") else dict(fields)
+    return dict(fields) if family is None or family.config_fields is None else family.config_fields(fields)
 
 
 def expert_shape(config) -> dict | None:
     """The routed experts of a model of `config` as the planner sizes them (offload/plan.MoEShape's fields), or
     None where its family has no routed experts."""
     family = FAMILIES.get(getattr(config, "model_type", None))
-    return family.expert_shape(config) if family is not None and hasattr(family, "expert_shape") else None
+    return None if family is None or family.expert_shape is None else family.expert_shape(config)
 
 
 def kernel_dims(config) -> dict:
@@ -49,28 +58,22 @@ def kernel_dims(config) -> dict:
     attention_heads, attention_head_dim, attention_kv_heads, delta_heads, delta_head_dims), as the model's family
     declares them."""
     family = FAMILIES.get(getattr(config, "model_type", None))
-    return family.kernel_dims(config) if family is not None and hasattr(family, "kernel_dims") else {}
+    return {} if family is None else family.kernel_dims(config)
 
 
 def adapter_for(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type not in ADAPTERS:
-        raise ValueError(f"unsupported architecture {model_type!r}; supported: {sorted(ADAPTERS)}")
-    return ADAPTERS[model_type](model)
+    family = _family_of(model)
+    if family is None:
+        raise ValueError(f"unsupported architecture {_model_type(model)!r}; supported: {sorted(FAMILIES)}")
+    return family.adapter(model)
 
 
 def specs_for_config(config, dtype) -> list:
     """The layer-state specs of a model of `config` computing in `dtype` (no weights needed)."""
     model_type = getattr(config, "model_type", None)
-    if model_type not in STATE_SPECS:
-        raise ValueError(f"model_type {model_type!r}: the planner knows {sorted(STATE_SPECS)}")
-    return STATE_SPECS[model_type](config, dtype)
-
-
-def _family_of(model):
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return FAMILIES.get(getattr(getattr(base, "config", None), "model_type", None))
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type {model_type!r}: the planner knows {sorted(FAMILIES)}")
+    return FAMILIES[model_type].state_specs(config, dtype)
 
 
 def shard_experts(model, ep_group, gather=None) -> range:
@@ -78,7 +81,7 @@ def shard_experts(model, ep_group, gather=None) -> range:
     [r n/E, (r+1) n/E)); returns that range. ValueError when E does not divide n or the model has no routed
     experts."""
     family = _family_of(model)
-    if family is None or not hasattr(family, "shard_experts"):
+    if family is None or family.shard_experts is None:
         raise ValueError("shard_experts: the model has no routed experts (no MoE layer)")
     return family.shard_experts(model, ep_group, gather)
 
@@ -86,9 +89,12 @@ def shard_experts(model, ep_group, gather=None) -> range:
 def expert_parallel(model):
     """The parallel.experts.ExpertParallel the model's experts are sharded with, or None."""
     family = _family_of(model)
-    return family.expert_parallel(model) if family is not None and hasattr(family, "expert_parallel") else None
+    return None if family is None or family.expert_parallel is None else family.expert_parallel(model)
 
 
 def unregister_expert_slices(model) -> dict:
     """{qualified name: slice} of the sharded experts, taken out of the module's registered parameters."""
-    return _family_of(model).unregister_slices(model)
+    family = _family_of(model)
+    if family is None or family.unregister_slices is None:
+        raise ValueError("unregister_expert_slices: the model has no routed experts (no MoE layer)")
+    return family.unregister_slices(model)

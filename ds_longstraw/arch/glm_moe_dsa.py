@@ -31,8 +31,9 @@ from ds_longstraw.kernels import merge_partials
 
 from . import glm_moe_dsa_attention as dsa
 from .base import CausalLMAdapter, SegmentOutput
+from .family import Family
 from .glm_moe_dsa_attention import score_dtype
-from .glm_moe_dsa_experts import (  # noqa: F401 (the family's EP entry points)
+from .glm_moe_dsa_experts import (
     expert_parallel,
     moe_forward,
     shard_experts,
@@ -463,3 +464,9 @@ def _past_start(index, past, start, remote):
         raise ValueError(f"glm_moe_dsa layer {index}: the past covers {covered} positions from {first}, the segment "
                          f"starts at {start}")
     return first
+
+
+FAMILY = Family(name="glm_moe_dsa", model_types=("glm_moe_dsa",), adapter=GlmMoeDsaAdapter,
+                state_specs=state_specs, kernel_dims=kernel_dims, lora_targets=tuple(LORA_TARGETS),
+                zero3_leaf_modules=zero3_leaf_modules, expert_shape=expert_shape, shard_experts=shard_experts,
+                expert_parallel=expert_parallel, unregister_slices=unregister_slices)

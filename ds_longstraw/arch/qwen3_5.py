@@ -23,6 +23,7 @@ from ds_longstraw.kernels.dispatch import record
 
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
+from .family import Family
 from .qwen3_5_scan import capture_gdn_layer, forward_replaced
 from .qwen3_5_scan_backward import forward_gdn_layer, prefix_gdn_layer
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
@@ -362,3 +363,8 @@ class Qwen35Adapter(CausalLMAdapter):
             hidden = self.mlp_residual(index, hidden + mixed)
         out.hidden = hidden
         return out
+
+
+FAMILY = Family(name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"), adapter=Qwen35Adapter,
+                state_specs=state_specs, kernel_dims=kernel_dims, config_fields=config_fields,
+                lora_targets=tuple(LORA_TARGETS))

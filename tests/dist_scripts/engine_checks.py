@@ -433,7 +433,7 @@ def rollout_steps(model, ep_size, steps, vocab):
     the weights:
     rollout_groups of every rank's prompts at that step's seeds (rank 1's prompt indices after rank 0's), each
     group's gradient weighted as the engine averages (1/len per rank, 1/2 over ranks), one SGD step."""
-    from ds_longstraw.rollout.generate import generate as rollout_module
+    from ds_longstraw.rollout import generate as rollout_module
     from ds_longstraw.rollout.step import rollout_groups
 
     rank = dist.get_rank()
