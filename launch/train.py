@@ -281,12 +281,9 @@ def main(argv=None):
                                               model_parameters=trainable if optimizer is None else None,
                                               config=ds_config)
     reference = _reference(run, ds_config) if objective.kl_coef > 0 and not run.lora.enabled else None
-    dp_group = engine.data_parallel_group
     # DeepSpeed's data-parallel group is every rank; with cp_size N the N consecutive ranks of a context-parallel
-    # group are one data replica and must bring the same groups.
-    cp_size = engine.longstraw_config.cp_size
-    dp_rank = dist.get_rank(group=dp_group) // cp_size
-    dp_world = dist.get_world_size(group=dp_group) // cp_size
+    # group are one data replica and must bring the same groups (parallel/layout.py).
+    dp_rank, dp_world = engine.longstraw_layout.replica, engine.longstraw_layout.replicas
 
     start = 0
     if run.train.resume:

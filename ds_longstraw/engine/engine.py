@@ -43,12 +43,13 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ds_longstraw.arch import adapter_for, zero3_leaf_modules
 from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.engine.config import load_ds_config, read_block
-from ds_longstraw.engine.experts import ExpertSlices, build_ep_groups, check_engine_settings, without_expert_params
+from ds_longstraw.engine.experts import ExpertSlices, check_engine_settings, without_expert_params
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Lockstep, common_shapes, dummy_group, shape_of
 from ds_longstraw.grpo.topology import resolve_layout
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
 from ds_longstraw.objective import GRPOObjective, ScaledObjective
+from ds_longstraw.parallel.layout import ParallelLayout, build_layout
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LongstrawEngineMixin:
     """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
 
     longstraw_config: LongstrawConfig
-    longstraw_cp = None  # parallel.CPContext of this rank's CP group (cp_size > 1), built by initialize
+    longstraw_layout = None  # parallel.layout.ParallelLayout: the job's groups and this rank's place, by initialize
     longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
     def grpo_step(self, group, objective=None, ref_model=None, rollout=None) -> StepResult:
@@ -120,8 +121,9 @@ class LongstrawEngineMixin:
             ref_model = ref_model.module
         settings = self.longstraw_config
         start = time.perf_counter()
-        if self.longstraw_cp is not None:
-            _check_same_groups(groups, self.longstraw_cp)
+        cp = self.longstraw_layout.cp
+        if cp is not None:
+            _check_same_groups(groups, cp)
         plan = self._lockstep_plan(groups)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
@@ -137,7 +139,7 @@ class LongstrawEngineMixin:
                 # back-propagates injected gradients that already carry it.
                 weighted = objective if scale == 1.0 else ScaledObjective(objective, scale)
                 result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
-                                       cp_group=self.longstraw_cp, backward=backward, lockstep=lockstep,
+                                       cp_group=cp, backward=backward, lockstep=lockstep,
                                        ep_group=None if experts is None else experts.ep.group,
                                        capture=captures[slot] if captures and slot < len(captures) else None)
                 if scale != 0.0:  # not a dummy group
@@ -170,7 +172,7 @@ class LongstrawEngineMixin:
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, scale) for group in groups]
-        cp = self.longstraw_cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
+        cp = self.longstraw_layout.cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
         if cp is not None:
             cp.layout = resolve_layout(adapter_for(self.module), settings)
         shapes = [shape_of(group, settings, cp) for group in groups]
@@ -221,22 +223,6 @@ def _check_same_groups(groups, cp):
     if len(set(gathered)) != 1:
         raise ValueError("grpo_step with cp_size > 1: the ranks of a context-parallel group (consecutive ranks) "
                          "must bring the same group(s); they differ")
-
-
-def build_cp_groups(cp_size):
-    """Consecutive ranks [k N, (k+1) N) form CP group k (inside data-parallel replica k). Every rank creates every
-    group (torch.distributed.new_group is collective); returns this rank's parallel.CPContext."""
-    from ds_longstraw.parallel.groups import CPContext
-
-    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
-    if world % cp_size:
-        raise ValueError(f"'longstraw.cp_size' = {cp_size} does not divide the world size {world}")
-    mine = None
-    for start in range(0, world, cp_size):
-        group = torch.distributed.new_group(list(range(start, start + cp_size)))
-        if start <= rank < start + cp_size:
-            mine = group
-    return CPContext(mine)
 
 
 def _fill_missing_grads(engine):
@@ -316,14 +302,14 @@ def initialize(args=None, model=None, **kwargs):
         check_engine_settings(ds_config, settings)
     parallel = settings.enabled and (settings.cp_size > 1 or settings.ep_size > 1)
     if parallel:
-        deepspeed.init_distributed()  # the CP / EP groups are built before the engine: sharding comes first
-    cp = build_cp_groups(settings.cp_size) if settings.enabled and settings.cp_size > 1 else None
+        deepspeed.init_distributed()
+    # the CP and EP groups (parallel/layout.py), made before the engine: sharding comes first
+    layout = build_layout(settings.cp_size, settings.ep_size) if parallel else None
     experts = None
-    if settings.enabled and settings.ep_size > 1:
+    if parallel and settings.ep_size > 1:
         # The expert slices leave ZeRO's sight (engine/experts.py); the MoE block is then no ZeRO-3 leaf: its
         # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
-        ep_group, expert_dp = build_ep_groups(settings.ep_size, None if cp is None else cp.group)
-        experts = ExpertSlices(model, ep_group, expert_dp, torch.distributed.get_world_size())
+        experts = ExpertSlices(model, layout.ep_group, layout.expert_dp_group, layout.world)
         _drop_replaced(kwargs, experts.replaced)
     leaves = zero3_leaf_modules(model) if experts is None else []
     if leaves and _zero_stage(ds_config) == 3:  # before the engine sets its hooks
@@ -334,7 +320,7 @@ def initialize(args=None, model=None, **kwargs):
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
     engine = _with_grpo_step(engine)
     engine.longstraw_config = settings
-    engine.longstraw_cp = cp
+    engine.longstraw_layout = layout or ParallelLayout(dist.get_world_size(), dist.get_rank())
     if experts is not None:
         experts.world = dist.get_world_size(group=engine.data_parallel_group)
         experts.make_optimizer(client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None,

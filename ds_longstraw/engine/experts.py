@@ -31,25 +31,6 @@ import torch.distributed as dist
 from ds_longstraw.arch import expert_parallel, shard_experts, unregister_expert_slices
 
 
-def build_ep_groups(ep_size, cp_group=None):
-    """(this rank's EP group, its expert-data-parallel group). Under context parallelism the EP group is the CP
-    group. Every rank creates every group (new_group is collective)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world % ep_size:
-        raise ValueError(f"'longstraw.ep_size' = {ep_size} does not divide the world size {world}")
-    ep_group = cp_group
-    for start in range(0, world, ep_size):
-        group = dist.new_group(list(range(start, start + ep_size)))
-        if cp_group is None and start <= rank < start + ep_size:
-            ep_group = group
-    expert_dp = None
-    for offset in range(ep_size):
-        group = dist.new_group(list(range(offset, world, ep_size)))
-        if rank % ep_size == offset:
-            expert_dp = group
-    return ep_group, expert_dp
-
-
 def _gathered(params):
     """A model built under zero.Init holds partitioned experts: gather one block's (a collective, the same on every
     rank) while shard_experts slices them."""

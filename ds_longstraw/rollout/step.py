@@ -292,8 +292,7 @@ def engine_rollouts(engine, prompts, rollout):
             raise ValueError(f"prompts[{i}] holds token id {int(prompt_ids.max())} >= vocab size {vocab}")
     start = time.perf_counter()
     dp_group = engine.data_parallel_group
-    cp_size = engine.longstraw_config.cp_size
-    replica = dist.get_rank(group=dp_group) // cp_size
+    layout = engine.longstraw_layout
     # The ranks' module calls are collectives under ZeRO-3 and with sharded experts: they decode in lockstep.
     lockstep = ((engine.zero_optimization_stage() == 3 or engine.longstraw_experts is not None)
                 and dist.get_world_size(group=dp_group) > 1)
@@ -304,7 +303,7 @@ def engine_rollouts(engine, prompts, rollout):
     counts = [None] * dist.get_world_size(group=dp_group)  # every rank's prompts (a CP group's ranks: the same)
     torch.distributed.all_gather_object(counts, len(prompts), group=dp_group)
     keep = all(count == 1 for count in counts)
-    first_index = sum(counts[r * cp_size] for r in range(replica))  # the replicas before this one
+    first_index = sum(counts[r * layout.cp_size] for r in range(layout.replica))  # the replicas before this one
     weights = resolve_zero3_weights(engine, prompts, rollout, dp_group)
     was_training = engine.module.training
     engine.module.eval()
@@ -312,7 +311,7 @@ def engine_rollouts(engine, prompts, rollout):
         with decoding_weights(engine, weights):
             sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
                                       first_index=first_index, config=engine.longstraw_config,
-                                      cp_group=engine.longstraw_cp, dp_group=dp_group if lockstep else None,
+                                      cp_group=layout.cp, dp_group=dp_group if lockstep else None,
                                       keep_capture=keep)
     finally:
         engine.module.train(was_training)
