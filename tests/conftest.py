@@ -48,3 +48,24 @@ def no_shared_memory_left_behind():
             os.remove(path)
         except OSError:
             pass
+
+
+# Tests that start several ranks (forked gloo processes, or the real `deepspeed` launcher) are the suite's cost: a
+# file whose source starts them is marked slow as a whole, so `pytest -m "not slow"` is the single-process suite.
+_STARTS_RANKS = ("run_cp(", "run_masks(", "fork_ranks(", "mp.get_context(", "init_process_group(", "start([",
+                 "launching import REPO, finish, free_port, start", "from cp_scripts.")
+_starts_ranks = {}
+
+
+def _file_starts_ranks(path) -> bool:
+    if path not in _starts_ranks:
+        with open(path) as handle:
+            source = handle.read()
+        _starts_ranks[path] = any(marker in source for marker in _STARTS_RANKS)
+    return _starts_ranks[path]
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _file_starts_ranks(str(item.path)):
+            item.add_marker(pytest.mark.slow)
