@@ -9,7 +9,7 @@
 #   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--budget SECONDS] [--sections a,b,...]
 #
 # --dry-run: on a CPU machine, toy sizes, the tests only collected (CI runs them): proves the script end to end
-# (tests/test_gpu_check.py). On a machine without the project's packages (an offline GPU machine), wheels in .whl/
+# (tests/unit/test_gpu_check.py). On a machine without the project's packages (an offline GPU machine), wheels in .whl/
 # (transformers, deepspeed, fla-core, ...: FACTS.md) and the project itself are installed into /tmp/longstraw_site.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +43,7 @@ if [ "$dry" = 0 ] && ! $python -c "import ds_longstraw.kernels, deepspeed" 2>/de
   rm -rf build ds_longstraw.egg-info
 fi
 
-tests=(tests/test_cuda_paths.py tests/test_logprobs.py)
+tests=(tests/unit/test_cuda_paths.py tests/unit/test_logprobs.py)
 for file in tests/test_triton_*.py; do [ -e "$file" ] && tests+=("$file"); done
 # GPU_CHECK_TESTS="a.py b.py": only those test files (a rerun after a fix)
 [ -n "${GPU_CHECK_TESTS:-}" ] && read -r -a tests <<<"$GPU_CHECK_TESTS"

@@ -244,7 +244,7 @@ class PreparedDeltaRule:
     (ds_longstraw.grpo.cp.prefix_layers). The recurrence is `_ChunkedDeltaRule.backward`'s, run on [dS | X] with X
     from the identity (the transposed transition):
         dS_(i-1) = (decay_i I - R_i^T K_end_i) dS_i + Qd_i^T dO_i - R_i^T intra_i^T dO_i,
-    about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/test_kernels.py."""
+    about (dv + dk) / dv of that loop. Checked against autograd of the token loop in tests/unit/test_kernels.py."""
 
     def __init__(self, query, key, value, g, beta, use_qk_l2norm_in_kernel=False, chunk_size=64):
         if query.shape[1] == 0:

@@ -180,7 +180,7 @@ def delta_rule_floats(head_dims: int, backward: bool, chunk: int = DELTA_CHUNK) 
     chunk's per-token rows (a multiple of s), its [c, c] matrices (of c) and its per-chunk states
     (dk dv / c <= s^2 / 4c), forward alone or forward + backward. The multiples are fitted as upper bounds to
     fresh-process peaks of the project's kernel at (dk = dv = 128, c = 64), (64, 64) and (64, 32): 1.1x to 1.3x
-    above them, as a peak moves by about 5% from run to run; tests/test_planner.py measures a shape again. fla's
+    above them, as a peak moves by about 5% from run to run; tests/unit/test_planner.py measures a shape again. fla's
     kernel (CUDA) keeps less: this counts the kernel every device has."""
     s = head_dims
     if backward:

@@ -50,22 +50,16 @@ def no_shared_memory_left_behind():
             pass
 
 
-# Tests that start several ranks (forked gloo processes, or the real `deepspeed` launcher) are the suite's cost: a
-# file whose source starts them is marked slow as a whole, so `pytest -m "not slow"` is the single-process suite.
-_STARTS_RANKS = ("run_cp(", "run_masks(", "fork_ranks(", "mp.get_context(", "init_process_group(", "start([",
-                 "launching import REPO, finish, free_port, start", "from cp_scripts.")
-_starts_ranks = {}
-
-
-def _file_starts_ranks(path) -> bool:
-    if path not in _starts_ranks:
-        with open(path) as handle:
-            source = handle.read()
-        _starts_ranks[path] = any(marker in source for marker in _STARTS_RANKS)
-    return _starts_ranks[path]
+# Tests live in folders by kind; each folder is a marker, and the two whose tests start several ranks (forked gloo
+# processes, or the real `deepspeed` launcher), the suite's cost, are slow as well: `pytest -m "not slow"` is the
+# single-process suite, `pytest tests/unit` the fast one.
+KINDS = {"unit": False, "equivalence": False, "distributed": True, "launcher": True}  # folder -> slow
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _file_starts_ranks(str(item.path)):
-            item.add_marker(pytest.mark.slow)
+        kind = item.path.parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))
+            if KINDS[kind]:
+                item.add_marker(pytest.mark.slow)

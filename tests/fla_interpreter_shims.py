@@ -1,5 +1,5 @@
 """Runs flash-linear-attention's chunk gated delta rule under the Triton interpreter (CPU tensors), for
-tests/test_fla_interpreter.py, in a subprocess of its own.
+tests/unit/test_fla_interpreter.py, in a subprocess of its own.
 
 Run as `TRITON_INTERPRET=1 PYTHONPATH=<folder with fla> python fla_interpreter_shims.py INPUTS OUTPUTS`: INPUTS is a
 torch.save'd dict: "cases" (dicts of float32 inputs, cotangents and flags) and "dqkwg" (keyword arguments of fla's
@@ -82,7 +82,7 @@ def install() -> None:
 
 
 def run_case(case: dict) -> dict:
-    """fla's forward and backward on one case (keys as written by tests/test_fla_interpreter.py)."""
+    """fla's forward and backward on one case (keys as written by tests/unit/test_fla_interpreter.py)."""
     import torch
 
     from ds_longstraw.kernels.fla_delta import chunk_gated_delta_rule_fla

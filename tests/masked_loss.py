@@ -1,5 +1,5 @@
-"""The masked GRPO loss written out plainly, for the tests of response masks (tests/test_agent_masks.py,
-tests/test_cp_masks.py, tests/test_launcher_masks.py): independent of ds_longstraw.objective, which selects the trained
+"""The masked GRPO loss written out plainly, for the tests of response masks (tests/equivalence/test_agent_masks.py,
+test_cp_masks.py, test_launcher_masks.py): independent of ds_longstraw.objective, which selects the trained
 tokens; here the mask multiplies the token losses."""
 
 import torch

@@ -85,7 +85,7 @@ def float64_model(delta_rule="token_loop"):
     loose tolerance. The norms are swapped for the same formula in max(float32, input) precision, and the delta
     rule for the token-by-token recurrence (an implementation independent of the chunked kernel under test), or
     with delta_rule="transformers" for transformers' own torch fallbacks run in float64 (transformers_in_float64;
-    the chunked one is ~5x faster than the token loop at 5K tokens; tests/test_kernels_reference.py holds the
+    the chunked one is ~5x faster than the token loop at 5K tokens; tests/unit/test_kernels_reference.py holds the
     project's kernels to them).
     """
     if delta_rule not in ("token_loop", "transformers"):

@@ -28,7 +28,7 @@ into a query's canonical candidates (scores, positions) and `merge_candidates` m
 order, so the ranks' candidates merged in rank order give exactly the one-rank top-k; `dsa_select(..., offset,
 prior)` finishes a selection from the candidates of the keys before `offset`. `page_partial` is the attention over
 the selected rows that lie in one page, (o_lat, lse), and `page_grads` that page's share of the gradients given the
-merged (o_lat, lse) (tests/test_glm_cp.py holds both, merged over ranks and pages, to the plain references).
+merged (o_lat, lse) (tests/distributed/test_glm_cp.py holds both, merged over ranks and pages, to the plain references).
 
 Fast paths: where `kernels.dispatch.fast_path(q, "triton")` says so (a CUDA tensor, mode "auto") and the kernels
 take the inputs (float32 / bfloat16 / float16), `dsa_select` and `extend_candidates` score in Triton and keep the

@@ -18,7 +18,7 @@ from the initial state [0 | I] ends in [B | P]. Segment 1 then segment 2 compose
 so rank r's true initial state is the fold of ranks 0..r-1's summaries in order (an exclusive scan); the fold of
 all ranks' summaries is the prompt's final state, which replay needs. The summaries are all-gathered (N small
 tensors per GDN layer) and every rank folds them itself, in the same order, so every rank holds the same final
-state bit for bit. `tests/test_cp_units.py` checks the affine form and the fold against the plain recurrence.
+state bit for bit. `tests/unit/test_cp_units.py` checks the affine form and the fold against the plain recurrence.
 
 Output with an unknown initial state, in the same pass. The delta rule is linear in (S_0, v) together, so a
 token's output is o_t = o_t(S_0 = 0) + q~_t S_0, where q~_t [dk] (the query as it reads the segment's initial state

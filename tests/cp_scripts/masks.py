@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from .harness import fork_ranks, nvme_dir
 
-# As tests/test_cp_transaction.py: attention layers before GDN layers, so prompt attention feeds later state.
+# As test_cp_transaction.py: attention layers before GDN layers, so prompt attention feeds later state.
 MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
                                     "linear_attention"])
 CP_SIZES = (2, 3)

@@ -1,4 +1,4 @@
-"""Rank script of tests/test_engine.py, started by the real launcher, on one node (`deepspeed --num_gpus 2
+"""Rank script of tests/launcher/test_engine.py, started by the real launcher, on one node (`deepspeed --num_gpus 2
 engine_checks.py --out D`) or, as the test does, as a 2-node job of one rank per node (two launcher invocations
 with a hostfile, --no_ssh and --node_rank 0/1, master on 127.0.0.1).
 
@@ -423,7 +423,7 @@ def check_zero2(out_dir):
 
 # Rollouts in lockstep: eos ends samples early, so the ranks' decode steps differ (the ghost steps pad them).
 ROLLOUT = {"source": "internal", "num_samples": 3, "max_new_tokens": 6, "temperature": 1.0,
-           "reward": "test_rollout_step:mod3_reward", "eos_token_id": list(range(0, 97, 4)), "seed": 5}
+           "reward": "rewards:mod3_reward", "eos_token_id": list(range(0, 97, 4)), "seed": 5}
 
 
 def rollout_steps(model, ep_size, steps, vocab):

@@ -1,4 +1,4 @@
-"""Rank script of tests/test_engine_cp.py: `deepspeed --num_gpus W engine_cp_checks.py --out D` with W = 2 (one
+"""Rank script of tests/launcher/test_engine_cp.py: `deepspeed --num_gpus W engine_cp_checks.py --out D` with W = 2 (one
 data-parallel replica of CP 2) or W = 4 (2 replicas x CP 2; consecutive ranks form a CP group).
 
 Every rank runs every check (they are collective) and writes D/engine_cp_rank<r>.json: check -> numbers (or the

@@ -43,7 +43,7 @@ def test_kernel_mode_is_restored_after_an_error():
     (9, "3.7.1", False), (9, "3.9.0", False), (9, "3.3.1", False), (8, "3.6.0", False), (10, "3.6.0", False)])
 def test_fla_refuses_its_dqkwg_step_on_hopper_with_triton_3_4_to_3_7_1(major, version, refused):
     """Where fla's Triton `chunk_bwd_dqkwg` is refused, and so the project's torch step is taken (fla_dqkwg.py; the
-    step itself is proven against fla's kernel under the Triton interpreter, tests/test_fla_interpreter.py)."""
+    step itself is proven against fla's kernel under the Triton interpreter, tests/unit/test_fla_interpreter.py)."""
     assert refused_by_fla(major, version) is refused
 
 
@@ -53,7 +53,7 @@ def test_cpu_tensors_never_ask_for_the_torch_dqkwg_step():
 
 def test_every_dispatch_records_the_path_it_took(monkeypatch):
     """A fast path never replaces its reference silently: each kernel call records its path (kernels/dispatch.py),
-    and the launcher prints them after the first step (tests/test_launcher.py)."""
+    and the launcher prints them after the first step (tests/launcher/test_launcher.py)."""
     from ds_longstraw.arch import glm_moe_dsa_attention as dsa
     from ds_longstraw.kernels import chunked_logprobs
     from ds_longstraw.kernels.dispatch import describe_paths, paths_taken, reset_paths_taken

@@ -21,7 +21,7 @@ import pytest
 
 from ds_longstraw.tools.cli import EXACT_ONLY, _retained_rows, summary_line
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOISE = re.compile(r"warn|Failed to initialize NumPy|Setting accelerator|deprecated", re.IGNORECASE)
 
 

@@ -15,7 +15,7 @@ from ds_longstraw.engine.config import near_miss_block_names, read_block
 from ds_longstraw.engine.run_config import load_run_config
 from ds_longstraw.models.modeling import config_from_shape, parameter_count
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _ds(**block):

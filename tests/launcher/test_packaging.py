@@ -26,7 +26,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Left out of the copy that is built: version control, environments, caches and earlier outputs
 NOT_BUILT = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.egg-info", "build", "runs", ".pytest_cache",
                                    ".ruff_cache", ".fla_interp", ".whl")

@@ -10,7 +10,7 @@ import torch
 
 from ds_longstraw.tools.data import GroupSource
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _write(tmp_path, records):

@@ -1,5 +1,5 @@
 """GLM-5.2 (glm_moe_dsa) with the prompt sharded over 2, 3 and 4 gloo ranks, against the single-process float64
-references of tests/test_glm.py (transformers' own model under glm_reference(): float64, canonical top-k).
+references of tests/equivalence/test_glm.py (transformers' own model under glm_reference(): float64, canonical top-k).
 
 Equivalence chains:
   CP grpo_backward(detached), every rank == transformers prefill-then-continue (no-grad prefill of prompt[:-1] into
@@ -48,7 +48,7 @@ FAMILY = "glm_moe_dsa"
 CASES = [
     # prompt[:-1] = 46 tokens on the zigzag layout ("auto"): 2N segments of 12/12/11/11 (CP 2), 8/8/8/8/7/7,
     # 6/6/6/6/6/6/5/5; chunks of 5 and pages of 4 divide none (the replicated replay: test_traffic_accounting
-    # checks its formula; tests/test_cp_spread.py the spread)
+    # checks its formula; tests/distributed/test_cp_spread.py the spread)
     dict(name="uneven-detached", prompt_len=47, response_lens=[5, 3, 4], mode="detached", chunk=5, page=4, block=3,
          cp_replay="replicated"),
     # exact mode's prefix pass in turns on zigzag pieces (asked for: "auto" lays a selection family's prompt out
@@ -295,7 +295,7 @@ def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results
 
 def test_low_precision_within_twice_plain_error(world_results):
     """bfloat16 CP gradients err against float64 (the same bfloat16 weights, cast up) by at most 2x what
-    transformers' own bfloat16 computation errs by, as on one rank (tests/test_glm.py). Measured: 0.05-0.10 against
+    transformers' own bfloat16 computation errs by, as on one rank (test_glm.py). Measured: 0.05-0.10 against
     transformers' 0.30, and 0.03 for the single-process transaction: in bfloat16 the discrete top-k flips where
     scores lie closer than the rounding of the hidden states, on any split of the work."""
     world, results = world_results
@@ -412,7 +412,7 @@ def test_tiered_pages_leave_no_files(world_results):
 ], ids=["ulysses", "keep-attention"])
 def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(settings, match):
     """Refused before any work (the topology's check, which the transaction calls first), naming the setting.
-    (ZeRO-3 lockstep runs: tests/test_engine_cp.py, checks glm3 and glm3exact.)"""
+    (ZeRO-3 lockstep runs: tests/launcher/test_engine_cp.py, checks glm3 and glm3exact.)"""
     topology = ContextParallel(types.SimpleNamespace(size=2, rank=0))
     adapter = adapter_for(tiny_glm_moe_dsa())
     with pytest.raises(ValueError, match=match):

@@ -23,7 +23,7 @@ import tokenize
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # installed package name -> folder in the checkout (pyproject's package-dir mapping)
 PACKAGES = {"ds_longstraw": "ds_longstraw", "ds_longstraw.offload": "offload", "ds_longstraw.kernels": "kernels",
             "ds_longstraw.configs": "configs", "ds_longstraw.launch": "launch"}

@@ -10,7 +10,7 @@ engine path that samples, rewards and trains in one grpo_step.
             those rewards (responses, rewards and old log-probs equal); another step samples other responses
   engine:   one-rank ZeRO-3 engine.grpo_step(prompts, rollout=block), SGD, in a fresh process == single-process
             rollout_groups at step 0 (the same samples and rewards) + grpo_backward + the same SGD step: the
-            parameter update to relative 1e-5 in float32 (the tolerance of tests/test_engine.py: only summation
+            parameter update to relative 1e-5 in float32 (the tolerance of tests/launcher/test_engine.py: only summation
             order differs), and extras' mean reward equals the reference's; with two prompts each is captured again
             for training, with one the step trains on the rollout's capture (no capture phase)
 """
@@ -24,6 +24,7 @@ import textwrap
 import pytest
 import torch
 from models import tiny_qwen3_5
+from rewards import mod3_reward  # noqa: F401 (named as f'{__name__}:mod3_reward')
 
 from ds_longstraw import generate
 from ds_longstraw.engine.run_config import load_run_config
@@ -34,16 +35,12 @@ from ds_longstraw.rollout.step import (
     sample_seed,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CALLS = []
 
 
 def recording_reward(prompt_ids, response_ids):
     CALLS.append((prompt_ids.clone(), response_ids.clone()))
-    return float(response_ids[0] % 3)
-
-
-def mod3_reward(prompt_ids, response_ids):
     return float(response_ids[0] % 3)
 
 
@@ -173,7 +170,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
 
     block = {"enabled": True, "capture_chunk": 5, "page_tokens": 4, "replay_block": 3}
     rollout = {"source": "internal", "num_samples": 4, "max_new_tokens": 3, "temperature": 1.0,
-               "reward": "test_rollout_step:mod3_reward", "seed": 11}
+               "reward": "rewards:mod3_reward", "seed": 11}
     prompts = [torch.tensor([9, 3, 0, 12, 1, 9, 4, 0, 13, 1, 2, 4, 0]), torch.tensor([5, 0, 20, 1, 7, 2, 5, 0])]
     lr = 0.05
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -289,7 +286,7 @@ def test_train_prompts_per_step_from_the_generator_and_from_jsonl(tmp_path):
 KV_RUN = os.path.join(REPO, "configs", "run", "kv_task.yaml")
 KV_SHAPE = os.path.join(REPO, "configs", "models", "kv_qwen3_5.yaml")
 KV_BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
-# eps 1: Adam would turn float32 rounding in near-zero gradients into full-size steps (as tests/test_launcher.py)
+# eps 1: Adam would turn float32 rounding in near-zero gradients into full-size steps (as test_launcher.py)
 KV_OPTIM = {"lr": 3e-3, "eps": 1.0, "weight_decay": 0.01}
 
 
@@ -363,7 +360,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
 def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
     """rollout_step.decoding_bytes (what "auto" sets beside the whole weights) == the planner's figures for the same
     prompt and rollout: the prompt's pages (tier none; else two staged layers of the largest), the samples' carry and
-    rows, a step's logits; the planner's samples figure is checked against a real generate in tests/test_planner.py."""
+    rows, a step's logits; the planner's samples figure is checked against a real generate in test_planner.py."""
     from ds_longstraw import parse_config
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.models.model_shape import shape_from_config

@@ -9,7 +9,7 @@ Equivalence chains (float64 model, float64_model() making transformers compute i
   constant per sequence) is kept whole on every rank
   bytes received per attention layer in replay == (N-1)(H D + H) x 8 forward + 2 (N-1)/N H D x 8 backward per
   replayed token (float64)
-Tolerance: relative L2 <= 1e-8 over all parameter gradients (as tests/test_transaction.py). CP changes only the
+Tolerance: relative L2 <= 1e-8 over all parameter gradients (as test_transaction.py). CP changes only the
 association order of float64 sums (LSE merges over shards, the [B | P] state fold): measured ~1e-10 here, while a
 wrong path (a lost dq share, a missing state gradient across a rank boundary, a shifted conv tail) shows at 1e-3.
 
@@ -43,7 +43,7 @@ MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linea
 CASES = [
     # prompt[:-1] = 22 tokens; qwen3_5 takes the zigzag layout ("auto") in both modes: 2N segments of 6/6/5/5 (CP 2),
     # 4/4/4/4/3/3 (CP 3), 3/3/3/3/3/3/2/2 (CP 4), rank r holding segments r and 2N-1-r; chunks of 4 and pages of 3
-    # divide neither (the replicated replay: test_traffic_accounting checks its formula; tests/test_cp_spread.py
+    # divide neither (the replicated replay: test_traffic_accounting checks its formula; test_cp_spread.py
     # the spread)
     dict(name="uneven-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3, block=3,
          cp_replay="replicated"),

@@ -6,8 +6,8 @@ Equivalence chains (float64 model, float64_model()):
   CP grpo_backward(exact, masks), every rank    == masked loss of full-sequence autograd log-probs
   every rank's gradients are bitwise identical; loss and every response token's log-prob equal the reference's
   nothing trained: loss 0 and every gradient exactly 0 on every rank
-Tolerance: relative L2 <= 1e-8 over all parameter gradients, as tests/test_cp_transaction.py (CP changes only the
-association order of float64 sums, ~1e-10; dropped masks move the gradient by ~0.5, tests/test_agent_masks.py).
+Tolerance: relative L2 <= 1e-8 over all parameter gradients, as test_cp_transaction.py (CP changes only the
+association order of float64 sums, ~1e-10; dropped masks move the gradient by ~0.5, test_agent_masks.py).
 CP 2 and CP 3 run in one launch of 3 forked ranks (tests/cp_scripts/masks.py).
 """
 

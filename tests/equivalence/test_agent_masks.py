@@ -9,10 +9,10 @@ independent route from the objective's selection of trained tokens):
   result.logprobs                == the reference's log-probs of EVERY response token, trained or not
   masks all True                 == no masks
   masks all False                == loss 0, every gradient exactly 0 (no 0/0)
-Tolerance: relative L2 <= 1e-8 over all parameter gradients, as tests/test_transaction.py (same float64 functions
+Tolerance: relative L2 <= 1e-8 over all parameter gradients, as test_transaction.py (same float64 functions
 in a different order leave ~1e-11; dropping the masks moves the gradient by 0.5 and shifting them by one token by
 0.7, measured on "spans-start-middle-end"; test_masks_move_the_reference_gradient asserts > 1e-2).
-Context parallelism: tests/test_cp_masks.py; the launcher: tests/test_launcher_masks.py.
+Context parallelism: tests/distributed/test_cp_masks.py; the launcher: tests/launcher/test_launcher_masks.py.
 """
 
 import math

@@ -1,6 +1,6 @@
 """Expert parallelism for GLM-5.2's MoE (ds_longstraw.shard_experts, "ep_size", parallel/experts.py) on 2 and 4
 gloo ranks, against single-process float64 grpo_backward on the unsharded model (itself proven against
-transformers' own model in tests/test_glm.py), under glm_reference() (float64 router and norms, canonical top-k).
+transformers' own model in test_glm.py), under glm_reference() (float64 router and norms, canonical top-k).
 
   EP on the CP group   (layout "cp": one prompt sharded over the ranks, ep_size = cp_size): every rank's
                         gradients equal the unsharded model's, the experts' for the rank's slice

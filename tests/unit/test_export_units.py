@@ -8,7 +8,7 @@
   errors:   a missing tag, no 'latest', a checkpoint of another model (names and shapes named), no run record
             (--config describes the model instead), an existing --out (refused; --overwrite replaces), --merge of a
             full fine-tune or of a QLoRA run; a failure part-way leaves neither --out nor a temporary directory.
-The 2-rank launcher runs and their exports loaded without ds_longstraw are tests/test_export.py (slow).
+The 2-rank launcher runs and their exports loaded without ds_longstraw are tests/launcher/test_export.py (slow).
 """
 
 import json

@@ -9,7 +9,7 @@ function in float64 in different orders. bitsandbytes' CPU matmul returns garbag
 ~1e-309), so in float64 the 4-bit layers multiply by their dequantized weight (what matmul_4bit computes, minus
 the fused kernel; float64_four_bit). With bitsandbytes' own float32 kernels the same chain holds to float32
 rounding (relative 1e-4; measured 7e-7). Measured in float64: 1e-10, and detached mode on the same case 0.69.
-The ZeRO-3 engine path (2 ranks, the real launcher) is tests/test_engine.py::qlora.
+The ZeRO-3 engine path (2 ranks, the real launcher) is tests/launcher/test_engine.py::qlora.
 """
 
 from contextlib import contextmanager

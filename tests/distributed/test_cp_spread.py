@@ -3,10 +3,10 @@ its attention reaching every rank's pages by queries out and partials back (grpo
 gloo ranks, against single-process float64 references.
 
   qwen3_5   every rank == transformers cache continuation (detached) / full-sequence autograd (exact), as
-            tests/test_cp_transaction.py, for G = 1 (fewer members than ranks: the others replay dummies), 2, 3
+            test_cp_transaction.py, for G = 1 (fewer members than ranks: the others replay dummies), 2, 3
             and 5 (more members than ranks, uneven shares), the host and NVMe tiers, KL to a separate reference
   glm_moe_dsa  every rank == single-process grpo_backward (itself equal to transformers' float64 model within
-            1e-15, tests/test_glm.py): the global top-k's candidates and the selected rows' partials travel to each
+            1e-15, test_glm.py): the global top-k's candidates and the selected rows' partials travel to each
             query's owner
 Also: each rank replayed exactly its share (GroupResult.extras["cp"]["replayed_members"]) and every rank's
 gradients are bitwise identical (one all-reduce). (Bytes moved and CPU seconds, spread vs replicated: BENCHMARKS.md.)

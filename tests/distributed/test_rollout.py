@@ -364,9 +364,9 @@ def test_lockstep_arguments_are_refused_by_name(models):
 
 
 # -- memory: decoding G samples costs what one costs ------------------------------------------------------------------
-# Each configuration runs in a fresh process (tests/test_memory.py's method): the small shape, float32, one thread,
+# Each configuration runs in a fresh process (tests/unit/test_memory.py's method): the small shape, float32, one thread,
 # MALLOC_MMAP_THRESHOLD_ so freed memory is handed back; the figure is the kernel's high-water mark (VmHWM) over
-# the generate call minus the resident set before it. `python tests/test_rollout.py --peak PROMPT SAMPLES NEW`
+# the generate call minus the resident set before it. `python test_rollout.py --peak PROMPT SAMPLES NEW`
 # prints one configuration's figures as JSON (BENCHMARKS.md "Rollouts").
 PEAK_PROMPT, PEAK_NEW = 16384, 32
 
@@ -400,7 +400,9 @@ def fresh_generate_peak(prompt_tokens, samples, new_tokens):
     import subprocess
     import sys
 
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helpers' folder (models.py)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, __file__, "--peak", str(prompt_tokens), str(samples), str(new_tokens)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -423,7 +425,7 @@ if __name__ == "__main__":
     import sys
 
     if len(sys.argv) != 5 or sys.argv[1] != "--peak":
-        raise SystemExit("usage: python tests/test_rollout.py --peak PROMPT_TOKENS SAMPLES NEW_TOKENS")
+        raise SystemExit("usage: python tests/distributed/test_rollout.py --peak PROMPT_TOKENS SAMPLES NEW_TOKENS")
     torch.set_num_threads(1)
     print(json.dumps(generate_peak(*(int(value) for value in sys.argv[2:]))))
 

@@ -7,7 +7,7 @@ trajectories whose responses hold masked tool spans ("response_masks" in token-i
   Chain: final weights after 2 AdamW steps == a single process that, per step, averages over the two ranks' groups
   (the same JSONL rows, ds_longstraw.tools.data order) the gradients of grpo_backward with the masks, then steps;
   and != the same reference with the masks dropped (the launcher path must carry them to the loss).
-Tolerance against the reference: float32, relative 1e-5 on the update, as tests/test_launcher.py (AdamW eps 1.0 so
+Tolerance against the reference: float32, relative 1e-5 on the update, as test_launcher.py (AdamW eps 1.0 so
 the update stays close to linear in the gradient; measured 2.5e-6). Dropping the masks moves the update by 0.8
 relative (asserted > 1e-2, far outside the tolerance).
 """

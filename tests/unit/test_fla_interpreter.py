@@ -37,10 +37,10 @@ from ds_longstraw.kernels.gated_delta_chunked import chunk_gated_delta_rule
 
 pytestmark = pytest.mark.triton
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FLA_VERSION = "0.6.0"
 FLA_DIR = ROOT / ".fla_interp" / f"fla-core-{FLA_VERSION}"  # the package, outside the venv (module docstring)
-RUNNER = Path(__file__).resolve().parent / "fla_interpreter_shims.py"
+RUNNER = Path(__file__).resolve().parents[1] / "fla_interpreter_shims.py"
 F64 = dict(dtype=torch.float64)
 ATOL = 5e-6  # float32 against float64 (module docstring)
 RATIO, FLOOR = 2.0, 2.5e-7  # fla's error <= RATIO x the project's float32 error + FLOOR (module docstring)

@@ -1,5 +1,5 @@
 """launch/train.py under the real `deepspeed` launcher (2 CPU ranks, ZeRO-3): training and checkpoint resume.
-(The multi-node path is tests/test_engine.py's 2-node job.)
+(The multi-node path is tests/launcher/test_engine.py's 2-node job.)
 
   train:   2 GRPO steps (detached, AdamW) from JSONL groups, checkpoint per step; the final weights == a
            single-process reference: the same tiny model from the same shape config and seed, and per step the
