@@ -37,7 +37,8 @@ USE_FUSED = True
 # BENCHMARKS.md), and where dK/dV go to gradient pages (sinks) 2,048-key calls would leave flash mostly idle. Flash
 # computes grouped heads' dK/dV per query head before summing them, so one call holds 2 x (H + K) x keys x D
 # numbers: 448 MiB at 16,384 keys of that shape (24 query and 4 KV heads of 256, bf16), which the planner counts;
-# on the H200 flash's time per key at 8,192 keys was within 1.3x of its time at 262,144. On CPU the call length
+# on the H200 flash's time per key changed by about 1.3x between 8,192 and 262,144 keys (BENCHMARKS.md, "Partial
+# attention: a 1,024-token replay block over a prompt's keys"). On CPU the call length
 # does not matter (a 32K-key sink backward took the same time with 2,048- to 32,768-key calls), so the sinks keep
 # key_block there.
 LIBRARY_KEY_BLOCK = 16384

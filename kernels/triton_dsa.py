@@ -19,9 +19,10 @@ bits flipped; -0.0 is made +0.0 first so that the zeros tie) in the high 32 bits
 low 32. Every key is distinct, so topk's order is total and equals the stable descending sort the torch code uses
 (`merge_candidates`): the same set and order, ties included, whenever the scores are equal. What it is not:
 bit-identical scores. The torch path sums the heads in another order, so two keys whose scores differ by a
-rounding error may swap between the paths (exact ties, the relu's zeros and repeated keys, stay exact). Measured
-on an H200 (T 1024, 16K keys, I 32, D 128, k 2048, random bfloat16): the same selected set as the torch path, the
-order of a few near-tied positions swapped; 2.2 ms against the torch path's 13.5 ms.
+rounding error may swap between the paths (exact ties, the relu's zeros and repeated keys, stay exact). On an
+H200 (T 1024, 16K keys, I 32, D 128, k 2048, random bfloat16) it selected the same set as the torch path, with the
+order of a few near-tied positions swapped; its time beside the torch path's: BENCHMARKS.md, "The Triton kernels
+on the H200 (bf16)".
 
 Gradient-free, as the model defines the selection (the indexer's weights get no gradient from the LM loss).
 Memory: a query block's scores [Tq, W] float32 and its int64 keys (with one temporary as large), Tq * W at most

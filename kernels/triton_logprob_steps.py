@@ -5,9 +5,9 @@ targets_T, and the running state max_T, sum_T, target_T in the accumulation dtyp
 
 Why: the chunked path's matmuls run in cuBLAS, but the torch steps between them pass over each [T, c] chunk
 several times in float32 (a cast, the max, the shift, exp, the sum, the gather; in backward the shift, exp, the
-scale, the scatter and a cast back). On the H200 those passes took about 10 ms of the 26.6 ms the chunked path
-needed at 248K ids (BENCHMARKS.md). Here each step reads the chunk in its own dtype once (twice where p is written)
-and computes in the state's dtype:
+scale, the scatter and a cast back). On the H200 those passes were a large share of the chunked path's time at
+248K ids (BENCHMARKS.md, "Log-probs of a 1,024-token block over a 248,320-id vocabulary"). Here each step reads
+the chunk in its own dtype once (twice where p is written) and computes in the state's dtype:
     forward_step   folds the chunk into (max, sum, target logit) in place, returns exp(old max - new max) and,
                    with want_p, p = exp(z - new max) in the inputs' dtype (a frozen head's direction)
     backward_step  dz = dlogp * (onehot(target) - exp(z - lse)), written over z in the inputs' dtype

@@ -28,7 +28,8 @@ rounding, below the bfloat16 rounding of the returned gradients).
 The risk to measure: the atomic traffic. Every (token tile, vocabulary tile) program adds BLOCK_T x C to d(hidden)
 and BLOCK_V x C to d(weight), so one backward makes T x C x (V / BLOCK_V) + V x C x (T / BLOCK_T) float32 atomic
 adds: 3.0e10 at T 1,024, C 5,120, V 248,320 with the CUDA tiles below, against about 4 matmuls' worth of tensor-core
-work (the torch chunked path's 26.6 ms on the H200, of which about 10 ms are elementwise passes over [T, c]). If
+work (the torch chunked path on the H200, a large share of whose time is elementwise passes over [T, c]:
+BENCHMARKS.md, "Log-probs of a 1,024-token block over a 248,320-id vocabulary"). If
 the GPU check shows the atomics dominate, the likelier win is cuBLAS for the chunk matmuls with one fused Triton
 pass for the elementwise work (online softmax and target in forward; dz in place in backward).
 

@@ -287,10 +287,10 @@ def _block_d(d):
 
 
 # (BLOCK_M, BLOCK_N, warps, stages) by row width (head dim x bytes per element / 2: float32 rows count double),
-# measured on an H200 in bfloat16 (H=16 K=2 D=256 and H=32 K=8 D=128, Tq=2048, Tk=16384, 256-token pages; the best
-# of 6-7 candidates each): forward 293 / 239 TFLOP/s. Width 512 (float32 D=256) takes the small tiles that fit.
-# Against torch's flash kernels on the same keys (Tk=32768): forward 1.07x / 1.39x flash's time, backward (dq and
-# dK/dV into pages, scores recomputed in both kernels) 1.7x / 1.2x; hence attention.py tries flash first.
+# the best of 6-7 candidates each on an H200 in bfloat16 (H=16 K=2 D=256 and H=32 K=8 D=128, Tq=2048, Tk=16384,
+# 256-token pages). Width 512 (float32 D=256) takes the small tiles that fit. Against torch's flash kernels on the
+# same keys these tiles are slower, in backward most (BENCHMARKS.md, "The Triton kernels on the H200 (bf16)");
+# hence attention.py tries flash first.
 _FORWARD_TILES = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (128, 64, 8, 2), 512: (32, 32, 8, 1)}
 _BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2), 512: (32, 32, 8, 1)}
 

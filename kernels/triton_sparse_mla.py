@@ -25,8 +25,8 @@ positions) and a second, key-major pass that recomputes every probability again.
 order: d(latent rows) and d(rope rows) may differ between runs in the last bits of float32 (they are cast once to
 the pieces' dtype after the sum); d_q_lat, d_q_rope, o_lat and lse are deterministic.
 
-Measured on an H200 (T 1024, H 64, R 512, E 64, K 2048 of 16K rows, bfloat16): forward 16.8 ms, forward and
-backward 46.2 ms, against the torch path's 56.3 ms and 191.3 ms (no tuning yet beyond the block sizes below).
+Its times on an H200 against the torch path's: BENCHMARKS.md, "The Triton kernels on the H200 (bf16)" (no tuning
+yet beyond the block sizes below).
 
 What it is not: a kernel for float64 (the torch path serves it), nor for inputs of mixed dtypes (q_lat, q_rope and
 every piece share one dtype; `supported` says which calls it takes).
