@@ -33,7 +33,7 @@ from ds_longstraw.grpo.prefix_pass import prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, carry_leaves, prefix_leaves
 from ds_longstraw.grpo.state import capture_prefix
 from ds_longstraw.models.model_shape import shape_from_config
-from ds_longstraw.offload.plan import inputs_every_for, layer_major_fits
+from ds_longstraw.offload.plan import captured_tokens_per_rank, inputs_every_for, layer_major_fits
 from ds_longstraw.parallel.experts import is_expert_param
 from ds_longstraw.parallel.groups import as_cp_context, local_tokens
 
@@ -155,7 +155,7 @@ class ContextParallel:
     def _resolve_prefix(self, adapter, settings, prompt_tokens):
         """This prompt's prefix schedule and prefix_inputs_every (the same on every rank: a function of the model,
         the settings, the prompt's length and the group's smallest device)."""
-        tokens = None if prompt_tokens is None else -(-max(prompt_tokens - 1, 0) // self.cp.size)
+        tokens = None if prompt_tokens is None else captured_tokens_per_rank(prompt_tokens, self.cp.size)
         self.prefix_schedule = resolve_prefix(adapter, settings, tokens, self.device_memory)
         self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
 
