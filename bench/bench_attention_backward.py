@@ -2,7 +2,7 @@
 
 One query segment of the exact-mode prefix pass (256 queries, the small model's 4 query / 2 KV heads of 32 dims)
 over a long run of earlier keys: the fused CPU flash forward, its fused backward, and the blockwise torch
-backward (kernels.attention's fallback, at a few key blocks). CPU seconds per call, the best of --repeat.
+backward (kernels/attention/partial.py's fallback, at a few key blocks). CPU seconds per call, the best of --repeat.
 
     python bench/bench_attention_backward.py [--queries 256] [--keys 32768] [--repeat 3]
 """
@@ -40,7 +40,7 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    from ds_longstraw.kernels import attention
+    from ds_longstraw.kernels.attention import partial as attention
 
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(args.heads, args.queries, args.dim, generator=gen)
@@ -55,7 +55,7 @@ def main(argv=None):
                                             args.repeat))]
     for block in (512, 2048):
         rows.append((f"blockwise backward, key block {block}", _cpu_seconds(
-            lambda: attention._blockwise_backward(q, k, v, out, lse, dout, None, scale, None, block, True),
+            lambda block=block: attention._blockwise_backward(q, k, v, out, lse, dout, None, scale, None, block, True),
             args.repeat)))
     forward = rows[0][1]
     print(f"`python bench/bench_attention_backward.py {' '.join(argv or sys.argv[1:])}`".replace(" `", "`")

@@ -288,7 +288,7 @@ def print_balance(rows):
             ref = base["phases"].get(phase, 0.0) if base else 0.0
             cells += [f"{seconds:.2f}", f"{seconds / ref:.2f}" if ref else "-"]
 
-        def busy_wait(phase):
+        def busy_wait(phase, r=r):
             if r["cp"] == 1:
                 return "-"
             return ", ".join(f"{p.get(phase, 0.0) - w.get(phase, 0.0):.2f} / {w.get(phase, 0.0):.2f}"
@@ -314,7 +314,7 @@ def plot_balance(rows, path):
     height = [0.5 + 0.45 * sum(r["cp"] for r in runs) for _, runs in panels]
     fig, axes = plt.subplots(len(panels), 1, figsize=(11, 0.6 + sum(height)), squeeze=False,
                              gridspec_kw={"height_ratios": height})
-    for ax, (phase, runs) in zip(axes[:, 0], panels):
+    for ax, (phase, runs) in zip(axes[:, 0], panels, strict=True):
         single = {(r["tier"], r["mode"]): r["phases"].get(phase, 0.0) for r in rows
                   if r["cp"] == 1 and (phase == "capture" or r["mode"].startswith("exact"))}
         labels, y = [], 0
@@ -327,7 +327,7 @@ def plot_balance(rows, path):
                 schedule = r["scan"] if r["prefix"] == "-" else f"{r['scan']}, {r['prefix']}"
                 labels.append(f"{r['mode']}, {r['layout']}, {schedule}: rank {rank}")
                 y += 1
-        for index, ((tier, mode), seconds) in enumerate(sorted(single.items())):
+        for index, ((_tier, mode), seconds) in enumerate(sorted(single.items())):
             ax.axvline(seconds, color="gray", linestyle=("--", ":")[index % 2], linewidth=1,
                        label=f"one process, {mode}: {seconds:.2f} s")
         ax.set_yticks(range(len(labels)), labels, fontsize=8)

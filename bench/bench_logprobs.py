@@ -1,7 +1,7 @@
 """Replay's peak memory with vocabulary-chunked log-probs against full [block, vocab] logits, side by side.
 
     python bench/bench_logprobs.py [--vocabs 8192,65536,248320] [--prompt 1024] [--group 2] [--response 1024]
-                                   [--head trained|frozen] [--out BENCHMARKS.md]
+                                   [--head trained|frozen] [--entropy] [--out BENCHMARKS.md]
 
 One detached grpo_backward of the "small" shape (hidden 128) with its vocabulary set to each size, every
 configuration in a fresh process (so no peak hides in another's). "chunked" is the default log-prob path
@@ -13,6 +13,10 @@ them, the same in both paths) are not.
 
 --head frozen: the LM head's weight has no gradient (a LoRA run, or any run that trains the body only); then the
 chunked forward also computes d log p / d hidden and its backward recomputes no logits.
+
+--entropy: the step with an entropy bonus (GRPOObjective(entropy_coef=0.01)) beside the step without it, both on the
+chunked path (the entropy from the same chunked pass: ds_longstraw.kernels.chunked_logprobs_entropy), and the
+entropy through full logits ("reference-entropy").
 """
 
 import argparse
@@ -31,6 +35,8 @@ MODES = ("chunked", "reference")
 # With a frozen head, also the chunked path without the forward's d(hidden) direction (its backward recomputes
 # the logits, as with a trained head): the side-by-side figure for what the direction saves.
 FROZEN_MODES = MODES + ("recompute",)
+ENTROPY_MODES = ("chunked", "chunked-entropy", "reference-entropy")
+ENTROPY_COEF = 0.01
 
 
 def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_block=1024, seed=0):
@@ -44,9 +50,10 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
     from ds_longstraw.objective import GRPOObjective
 
     require_host_peaks("bench_logprobs")
-    CausalLMAdapter.logprobs_vocab_chunk = None if mode == "reference" else VOCAB_CHUNK
+    CausalLMAdapter.logprobs_vocab_chunk = None if mode.startswith("reference") else VOCAB_CHUNK
+    objective = GRPOObjective(entropy_coef=ENTROPY_COEF if mode.endswith("-entropy") else 0.0)
     if mode == "recompute":
-        from ds_longstraw.kernels import logprobs
+        from ds_longstraw.kernels.logprobs import chunked as logprobs
 
         logprobs._frozen_head = lambda *tensors: False
     model = build_model("small", dtype=torch.float32, seed=seed, vocab_size=vocab)
@@ -56,7 +63,7 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
     before = host_current_bytes()
     reset_host_peak()
     start, cpu_start = time.perf_counter(), time.process_time()
-    result = grpo_backward(model, group, GRPOObjective(), config=config)
+    result = grpo_backward(model, group, objective, config=config)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {"vocab": vocab, "mode": mode, "prompt": prompt, "group": group_size, "response": response,
@@ -108,6 +115,26 @@ def table(rows, command):
     return "\n".join(lines)
 
 
+def entropy_table(rows, command):
+    first = rows[0]
+    lines = [f"Command: `{command}`", "",
+             f"Small shape (hidden 128, 8 layers), detached, prompt {first['prompt']}, G = {first['group']}, "
+             f"responses of {first['response'] // 2}..{first['response']} tokens, replay_block "
+             f"{first['replay_block']}, LM head trained; entropy_coef {ENTROPY_COEF}. Peaks exclude the resident "
+             "memory before the step. One thread, fresh process per cell.", "",
+             "| vocab | step peak, no entropy (MiB) | step peak, entropy chunked (MiB) | peak ratio | "
+             "step peak, entropy through full logits (MiB) | CPU, no entropy (s) | CPU, entropy chunked (s) | "
+             "CPU ratio |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    by = {(r["vocab"], r["mode"]): r for r in rows}
+    for vocab in sorted({r["vocab"] for r in rows}):
+        plain, ent, full = (by[(vocab, m)] for m in ENTROPY_MODES)
+        lines.append(f"| {vocab:,} | {plain['step_peak_bytes'] / MIB:,.0f} | {ent['step_peak_bytes'] / MIB:,.0f} | "
+                     f"{ent['step_peak_bytes'] / plain['step_peak_bytes']:.2f} | "
+                     f"{full['step_peak_bytes'] / MIB:,.0f} | {plain['cpu_seconds']:.1f} | {ent['cpu_seconds']:.1f} | "
+                     f"{ent['cpu_seconds'] / plain['cpu_seconds']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python bench/bench_logprobs.py")
     parser.add_argument("--vocabs", default="8192,65536,248320")
@@ -116,9 +143,10 @@ def main(argv=None):
     parser.add_argument("--response", type=int, default=1024)
     parser.add_argument("--head", choices=("trained", "frozen"), default="trained",
                         help="whether the LM head's weight takes a gradient")
+    parser.add_argument("--entropy", action="store_true", help="the step with an entropy bonus beside it without")
     parser.add_argument("--out", default=None, help="append or refresh the table's section in this markdown file")
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=FROZEN_MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=FROZEN_MODES + ENTROPY_MODES[1:], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     vocabs = [int(v) for v in args.vocabs.split(",")]
     if args.one:
@@ -126,18 +154,20 @@ def main(argv=None):
         return
     rows = []
     for vocab in vocabs:
-        for mode in MODES if args.head == "trained" else FROZEN_MODES:
+        for mode in ENTROPY_MODES if args.entropy else MODES if args.head == "trained" else FROZEN_MODES:
             row = run_fresh(vocab, mode, args)
             print(f"vocab {vocab} {mode}: step peak {row['step_peak_bytes'] / MIB:,.0f} MiB, replay peak "
                   f"{row['replay_peak_bytes'] / MIB:,.0f} MiB, {row['cpu_seconds']:.1f} s CPU", flush=True)
             rows.append(row)
     command = "python bench/bench_logprobs.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = table(rows, command.strip())
+    text = (entropy_table if args.entropy else table)(rows, command.strip())
     print(text)
     if args.out:
         from ds_longstraw.tools.bench import write_section
 
-        write_section(args.out, "logprobs" if args.head == "trained" else "logprobs-frozen-head", text)
+        section = "logprobs-entropy" if args.entropy else "logprobs" if args.head == "trained" else \
+            "logprobs-frozen-head"
+        write_section(args.out, section, text)
 
 
 if __name__ == "__main__":

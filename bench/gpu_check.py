@@ -123,8 +123,9 @@ def attention_section(report, clock, device, dtype, sizes):
     import torch
     import torch.nn.functional as F
 
-    from ds_longstraw.kernels import attention, partial_attention
-    from ds_longstraw.kernels import triton_paged_attention as paged
+    from ds_longstraw.kernels import partial_attention
+    from ds_longstraw.kernels.attention import partial as attention
+    from ds_longstraw.kernels.attention import triton_paged as paged
     from ds_longstraw.kernels.dispatch import kernel_mode
 
     heads, kv_heads, head_dim, tq = sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["tq"]
@@ -206,7 +207,7 @@ def cudnn_probe(report, clock, q, k, v, dout, flash_out, flash_lse, scale, flops
     candidate if SDPA's pace comes from cuDNN (not dispatched). Two rows: K/V heads grouped as the pages hold them,
     and expanded to one per query head (the way round, should the entry refuse groups). Each records its time
     (forward + autograd backward), how its output and lse compare with the flash path's on the same tensors
-    (unmasked), and whether its backward entry called directly (as the lse-gradient fold of cuda_attention.py
+    (unmasked), and whether its backward entry called directly (as the lse-gradient fold of attention/flash.py
     would call it, with out' in place of out) gives autograd's dq; or the error where the entry refuses."""
     import torch
 
@@ -292,9 +293,9 @@ def logprobs_section(report, clock, device, dtype, sizes):
     import torch
 
     from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
-    from ds_longstraw.kernels import logprobs as logprobs_module
-    from ds_longstraw.kernels import triton_logprobs as triton_lp
     from ds_longstraw.kernels.dispatch import fast_path
+    from ds_longstraw.kernels.logprobs import chunked as logprobs_module
+    from ds_longstraw.kernels.logprobs import triton_fused as triton_lp
 
     tokens, hidden, vocab = sizes["tokens"], sizes["hidden"], sizes["vocab"]
     gen = torch.Generator(device=device).manual_seed(0)
@@ -328,9 +329,9 @@ def triton_section(report, clock, device, dtype, sizes):
     partial attention over a page table (forward + backward into gradient pages)."""
     import torch
 
-    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
+    from ds_longstraw.kernels import dsa, sparse_latent_attention
+    from ds_longstraw.kernels.attention.triton_paged import paged_partial_attention
     from ds_longstraw.kernels.dispatch import kernel_mode
-    from ds_longstraw.kernels.triton_paged_attention import paged_partial_attention
 
     gen = torch.Generator(device=device).manual_seed(0)
 
@@ -351,7 +352,7 @@ def triton_section(report, clock, device, dtype, sizes):
         dsa.dsa_select(q, w, keys, n - t, k, 0.1)
 
     def sparse_mla():
-        out = dsa.sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
+        out = sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
         torch.autograd.grad(out, [q_lat, q_rope, *lat, *ropes], d_out)
 
     p_heads, p_kv, p_dim, p_tq, p_tk, page = (sizes[key] for key in (

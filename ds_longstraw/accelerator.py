@@ -17,6 +17,7 @@ Used before anything imports deepspeed (so it imports neither deepspeed nor the 
 import importlib.util
 import os
 import sys
+from collections.abc import MutableMapping
 
 # Plug-in packages DeepSpeed's probe imports (deepspeed/accelerator/real_accelerator.py, 0.19.8): present means
 # "let DeepSpeed decide".
@@ -36,7 +37,7 @@ def device_visible() -> bool:
     return any(importlib.util.find_spec(name) is not None for name in PLUGINS)
 
 
-def settle(environ=os.environ):
+def settle(environ: MutableMapping[str, str] = os.environ) -> str | None:
     """Set DS_ACCELERATOR=cpu in `environ` when it is unset and no device is visible; returns its value."""
     if "DS_ACCELERATOR" not in environ and not device_visible():
         environ["DS_ACCELERATOR"] = "cpu"

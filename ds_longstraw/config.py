@@ -8,12 +8,13 @@ Example (inside the DeepSpeed config)::
 Unknown keys and bad values raise ValueError naming the key, before any work starts.
 """
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, TypeVar
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 BLOCK_NAME = "longstraw"
+_Block = TypeVar("_Block", bound=BaseModel)
 
 
 class AioConfig(DeepSpeedConfigModel):
@@ -34,14 +35,14 @@ class OffloadConfig(DeepSpeedConfigModel):
     a slower tier than the K/V pages' costs little."""
 
     tier: Literal["none", "cpu", "nvme"] = "none"
-    kept_attention_tier: Optional[Literal["none", "cpu", "nvme"]] = None
+    kept_attention_tier: Literal["none", "cpu", "nvme"] | None = None
     nvme_path: str | None = None
     host_memory_budget_gb: float | None = Field(None, gt=0)
     staging_depth: int = Field(1, ge=1)
     aio: AioConfig = Field(default_factory=AioConfig)
 
     @model_validator(mode="after")
-    def _nvme_needs_a_path(self):
+    def _nvme_needs_a_path(self) -> "OffloadConfig":
         # Whether the directory exists and is writable is checked when the pool is made (offload/nvme_pool.py).
         if self.tier == "nvme" and not self.nvme_path:
             raise ValueError("nvme_path must name a directory when tier = 'nvme'")
@@ -119,7 +120,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     enabled: bool = True
     prefix_grad: Literal["detached", "exact"] = "detached"
     capture_chunk: int = Field(4096, gt=0)
-    prefix_block: Optional[int] = Field(None, gt=0)
+    prefix_block: int | None = Field(None, gt=0)
     prefix_recompute: bool = True
     prefix_keep_attention: bool = False
     replay_block: int = Field(1024, gt=0)
@@ -137,7 +138,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     kernels: Literal["auto", "reference"] = "auto"
 
     @model_validator(mode="after")
-    def _ep_over_the_cp_group(self):
+    def _ep_over_the_cp_group(self) -> "LongstrawConfig":
         if self.ep_size > 1 and self.cp_size > 1 and self.ep_size != self.cp_size:
             raise ValueError(f"'{BLOCK_NAME}.ep_size' = {self.ep_size} with 'cp_size' = {self.cp_size}: under context "
                              "parallelism the experts are sharded over the CP group (set ep_size = cp_size)")
@@ -177,7 +178,7 @@ def describe_errors(error: ValidationError, block: str) -> str:
     return "; ".join(parts)
 
 
-def parse_block(model, value, block: str, noun: str = "block"):
+def parse_block(model: type[_Block], value: _Block | dict[str, Any], block: str, noun: str = "block") -> _Block:
     """A dict (the JSON / YAML block) or an instance of `model` -> a validated instance (ValueError naming the key
     otherwise)."""
     if isinstance(value, model):
@@ -190,6 +191,6 @@ def parse_block(model, value, block: str, noun: str = "block"):
         raise ValueError(f"invalid '{block}' {noun}: {describe_errors(error, block)}") from None
 
 
-def parse_config(config) -> LongstrawConfig:
+def parse_config(config: LongstrawConfig | dict[str, Any] | None) -> LongstrawConfig:
     """Turn a dict (the JSON block), a LongstrawConfig or None into a validated LongstrawConfig."""
     return LongstrawConfig() if config is None else parse_block(LongstrawConfig, config, BLOCK_NAME, "config")

@@ -1,11 +1,12 @@
 """One GRPO group: a shared prompt, G responses, their rewards (or advantages), and which response tokens train."""
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 
-def _as_ids(name, ids):
+def _as_ids(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
         try:
             ids = torch.as_tensor(ids)
@@ -20,7 +21,7 @@ def _as_ids(name, ids):
     return ids.long()
 
 
-def _as_vector(name, values, count):
+def _as_vector(name: str, values: torch.Tensor | Sequence[float], count: int) -> torch.Tensor:
     values = torch.as_tensor(values, dtype=torch.float64).flatten()
     if values.numel() != count:
         raise ValueError(f"{name} has {values.numel()} entries but there are {count} responses")
@@ -29,7 +30,7 @@ def _as_vector(name, values, count):
     return values
 
 
-def _as_masks(masks, responses):
+def _as_masks(masks: Iterable[torch.Tensor | Sequence[bool]], responses: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One boolean tensor per response, as long as it; True marks a token the policy wrote (it trains)."""
     if isinstance(masks, torch.Tensor):
         raise ValueError("response_masks must be a list of 1-D boolean tensors (one per response), got one tensor")
@@ -37,7 +38,7 @@ def _as_masks(masks, responses):
     if len(masks) != len(responses):
         raise ValueError(f"response_masks has {len(masks)} entries but there are {len(responses)} responses")
     checked = []
-    for i, (mask, response) in enumerate(zip(masks, responses)):
+    for i, (mask, response) in enumerate(zip(masks, responses, strict=True)):
         if not isinstance(mask, torch.Tensor):
             try:
                 mask = torch.as_tensor(mask)
@@ -60,7 +61,9 @@ def _as_masks(masks, responses):
 class GRPOGroup:
     """prompt_ids: 1-D LongTensor (at least 2 tokens); response_ids: list of G non-empty 1-D LongTensors;
     rewards [G] (advantages are computed from them) or advantages [G]; old_logprobs: optional list of G 1-D
-    tensors, one log-prob per response token, from the policy that sampled the responses.
+    tensors, one log-prob per response token, from the policy that sampled the responses (the policy before this
+    step's updates); sampling_logprobs: the same from the rollout engine that sampled them, where that engine is not
+    this model's (a vLLM server, say): what GRPOObjective's rollout_correction weighs the mismatch with.
 
     response_masks: optional list of G 1-D boolean tensors, each as long as its response: True where the token is
     the policy's own (it counts in the loss), False where it is context only, e.g. a tool's output in an agent
@@ -74,8 +77,9 @@ class GRPOGroup:
     advantages: torch.Tensor | None = None
     old_logprobs: list | None = None
     response_masks: list | None = None
+    sampling_logprobs: list | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.prompt_ids = _as_ids("prompt_ids", self.prompt_ids)
         if self.prompt_ids.numel() < 2:
             raise ValueError(f"prompt_ids needs at least 2 tokens, got {self.prompt_ids.numel()}")
@@ -98,19 +102,24 @@ class GRPOGroup:
         if self.response_masks is not None:
             self.response_masks = _as_masks(self.response_masks, self.response_ids)
         if self.old_logprobs is not None:
-            if len(self.old_logprobs) != self.size:
-                raise ValueError(f"old_logprobs has {len(self.old_logprobs)} entries "
-                                 f"but there are {self.size} responses")
-            checked = []
-            for i, (old, response) in enumerate(zip(self.old_logprobs, self.response_ids)):
-                old = torch.as_tensor(old, dtype=torch.float64).flatten()
-                if old.numel() != response.numel():
-                    raise ValueError(f"old_logprobs[{i}] has {old.numel()} entries, "
-                                     f"response_ids[{i}] has {response.numel()} tokens")
-                if not torch.isfinite(old[self.mask(i)]).all():
-                    raise ValueError(f"old_logprobs[{i}] holds NaN or inf at a trained token")
-                checked.append(old)
-            self.old_logprobs = checked
+            self.old_logprobs = self._as_logprobs("old_logprobs", self.old_logprobs)
+        if self.sampling_logprobs is not None:
+            self.sampling_logprobs = self._as_logprobs("sampling_logprobs", self.sampling_logprobs)
+
+    def _as_logprobs(self, name: str, values: list) -> list:
+        """One float64 log-prob per response token and member, finite at every trained token."""
+        if len(values) != self.size:
+            raise ValueError(f"{name} has {len(values)} entries but there are {self.size} responses")
+        checked = []
+        for i, (value, response) in enumerate(zip(values, self.response_ids, strict=True)):
+            value = torch.as_tensor(value, dtype=torch.float64).flatten()
+            if value.numel() != response.numel():
+                raise ValueError(f"{name}[{i}] has {value.numel()} entries, "
+                                 f"response_ids[{i}] has {response.numel()} tokens")
+            if not torch.isfinite(value[self.mask(i)]).all():
+                raise ValueError(f"{name}[{i}] holds NaN or inf at a trained token")
+            checked.append(value)
+        return checked
 
     @property
     def size(self) -> int:
@@ -135,7 +144,7 @@ class GRPOGroup:
             return self.response_ids[member].numel()
         return int(self.response_masks[member].sum())
 
-    def check_vocab(self, vocab_size: int):
+    def check_vocab(self, vocab_size: int) -> None:
         """Called by the transaction once the model is known: ids must index its embedding."""
         for name, ids in [("prompt_ids", self.prompt_ids)] + [(f"response_ids[{i}]", r)
                                                               for i, r in enumerate(self.response_ids)]:

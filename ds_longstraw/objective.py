@@ -1,118 +1,312 @@
-"""The GRPO objective, written so that one group's loss is a sum of per-member shares.
+"""The GRPO objective, written so that a step's loss is a sum of per-member shares.
 
-That decomposition is what lets the transaction replay and back-propagate one response at a time: the
-gradient of the group loss is the sum of the gradients of the shares.
+That decomposition is what lets the transaction replay and back-propagate one response at a time: the gradient of
+the step's loss is the sum of the gradients of the shares. Each share is (a member's summed token losses) x (a
+weight that only counts: tokens and members of the loss's scope), so every option below keeps it.
+
+docs/objectives.md maps each setting onto verl's and TRL's.
 """
 
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+if TYPE_CHECKING:
+    from ds_longstraw.group import GRPOGroup
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_SCOPES = ("group", "rank", "step")
+POLICY_LOSSES = ("clip", "cispo")
+RATIO_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+EMPTY_MEMBERS = ("count", "skip")
+GROUP_OF_ONE = ("zero", "reward")
+
+# verl's low_var_kl (its kl_penalty "low_var_kl", which its "k3" names too) clamps ref - logp to +-20 before the
+# estimator and the estimate to +-10.
+LOW_VAR_KL_DELTA, LOW_VAR_KL_BOUND = 20.0, 10.0
+
+
+@dataclass(frozen=True)
+class LossScope:
+    """What a step's loss is normalised over: the trained tokens and the members counted by the members' mean,
+    summed over the groups (and ranks) of the scope, and a weight on every share (the engine: the number of
+    data-parallel replicas, whose gradients DeepSpeed averages where the loss wants their sum)."""
+
+    tokens: int
+    members: int
+    weight: float = 1.0
+
+    def __add__(self, other: LossScope) -> LossScope:
+        return LossScope(self.tokens + other.tokens, self.members + other.members, self.weight)
 
 
 @dataclass
 class GRPOObjective:
-    """Clipped-ratio GRPO policy loss with an optional k3 KL penalty to a reference policy.
+    """The GRPO policy loss, its penalties and its normalisation; every formula below is per trained token t of
+    member i (tokens the group's response_masks mark True; masked-out tokens add nothing and their old, reference
+    and sampling log-probs are never read).
 
-    What it is:
-      - advantages A_i = (r_i - mean(r)) / (std_unbiased(r) + 1e-6) over the group (no division when
-        scale_rewards is False; G = 1 gives A = 0 when scaled, as std is undefined); given advantages are used as is;
-      - ratio_t = exp(logp_t - old_t); pg_t = -min(ratio_t * A_i, clamp(ratio_t, 1 - clip_low, 1 + clip_high) * A_i);
-      - kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (the k3 estimator), added as kl_coef * kl_t;
-      - "token-mean": sum of all trained token losses of the group / the group's trained tokens;
-        "seq-mean-token-mean": mean over members of each member's token mean over its trained tokens.
-    Trained tokens are those the group's response_masks mark True (every token when it has none); masked-out
-    tokens add no loss term, and their old and reference log-probs are never read. Under "seq-mean-token-mean" a
-    member with no trained token has no token mean and is left out of the mean over members (it is not counted
-    as a 0): counting it would shrink every other member's weight by how many members happen to be all tool
-    output, a scale that says nothing about the policy. A group with no trained token at all has loss 0 and zero
-    gradients (each share is 0 * its log-probs, still connected to the graph, so every backward runs alike).
-    What it is not: no entropy bonus, no dual-clip, no length penalty; when old log-probs are not given the old
-    policy is the current one (ratio 1 in value, gradient flows through logp only).
+    Advantages (unless the group gives them): A_i = (r_i - mean r) / (std_unbiased r + advantage_eps), without the
+      division when scale_rewards is False. A group of one has no std: group_of_one "zero" gives A = 0, "reward"
+      gives r / (1 + advantage_eps) (verl: mean 0, std 1), or r unscaled.
+    Ratio: log w_t = logp_t - old_t (old: the group's old_logprobs, else the current policy, detached: ratio 1,
+      gradient through logp). ratio_level "sequence" (GSPO) replaces every token's log w by the member's mean
+      over its trained tokens (the gradient flows through all of them).
+    Policy term:
+      "clip"  pg_t = -min(w_t A_i, clamp(w_t, 1 - clip_low, 1 + clip_high) A_i); with clip_ratio_c (dual clip,
+              A_i < 0 only) pg_t = min(pg_t, -A_i clip_ratio_c)
+      "cispo" pg_t = -sg(min(w_t, cispo_ratio_max)) A_i logp_t (sg: no gradient through the weight)
+    Rollout correction (rollout_correction, from the group's sampling_logprobs s: what the rollout engine
+      sampled with): rho_t = exp(old_t - s_t) per token, or rho = exp(sum_t (old_t - s_t)) per member for the
+      "sequence_" modes; "_truncate" caps rho at rollout_correction_max (and floors it at rollout_correction_min),
+      "_mask" sets rho = 0 outside [rollout_correction_min, rollout_correction_max]; pg_t *= rho (no gradient).
+    KL penalty (kl_coef > 0), d_t = ref_t - logp_t: "k1" -d_t, "k2" d_t^2 / 2, "k3" exp(d_t) - d_t - 1,
+      "low_var_kl" verl's k3: of d clamped to [-20, 20], then clamped to [-10, 10]; kl_ratio_weighted multiplies
+      it by w_t (TRL's use_bias_correction_kl); added as kl_coef kl_t.
+    Entropy bonus (entropy_coef > 0): - entropy_coef H_t, H_t the policy's entropy at the token's position,
+      computed over the vocabulary in chunks (no [tokens, vocab] tensor in forward or backward).
+    Token loss l_t = pg_t + kl_coef kl_t - entropy_coef H_t; the loss is sum_i sum_t l_t c_i with
+      "token-mean"               c_i = 1 / N
+      "seq-mean-token-mean"      c_i = 1 / (M n_i)
+      "seq-mean-token-sum-norm"  c_i = 1 / (M norm_length)   (Dr. GRPO: a constant in place of n_i)
+    where n_i is member i's trained tokens, and N, M the trained tokens and counted members of the loss_scope:
+      "group"  each group alone (the engine then weighs its groups equally),
+      "rank"   every group this rank trains in the step,
+      "step"   every group of the step on every data-parallel rank (one all-reduce of two counts before replay);
+    the default: verl's token-mean and TRL's default loss ("dapo") divide by the step's trained tokens over all
+    groups and ranks, and TRL's "grpo" and "dr_grpo" by its sequences, which is what "step" does.
+    empty_members "count" counts a member with no trained token in M (it adds 0, as in TRL and verl); "skip"
+    leaves it out of M. A scope with no trained token has loss 0 and zero gradients.
     """
 
     clip_low: float = 0.2
     clip_high: float = 0.2
+    clip_ratio_c: float | None = None
+    policy_loss: str = "clip"
+    cispo_ratio_max: float = 5.0
+    ratio_level: str = "token"
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_ratio_weighted: bool = False
+    entropy_coef: float = 0.0
     loss_agg: str = "token-mean"
+    norm_length: int | None = None
+    loss_scope: str = "step"
+    empty_members: str = "count"
     scale_rewards: bool = True
+    advantage_eps: float = 1e-6
+    group_of_one: str = "zero"
+    rollout_correction: str | None = None
+    rollout_correction_min: float | None = None
+    rollout_correction_max: float | None = 3.0
 
-    def __post_init__(self):
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
-        for name in ("clip_low", "clip_high", "kl_coef"):
-            value = getattr(self, name)
-            if not (value >= 0 and value == value and value != float("inf")):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    def __post_init__(self) -> None:
+        for name, allowed in (("loss_agg", LOSS_AGGS), ("loss_scope", LOSS_SCOPES), ("policy_loss", POLICY_LOSSES),
+                              ("ratio_level", RATIO_LEVELS), ("kl_estimator", KL_ESTIMATORS),
+                              ("empty_members", EMPTY_MEMBERS), ("group_of_one", GROUP_OF_ONE)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.rollout_correction is not None and self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout_correction must be None or one of {ROLLOUT_CORRECTIONS}, "
+                             f"got {self.rollout_correction!r}")
+        for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "advantage_eps"):
+            _check_number(name, getattr(self, name))
+        for name in ("clip_ratio_c", "rollout_correction_min", "rollout_correction_max"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name))
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (it bounds the loss above the clipped ratio), "
+                             f"got {self.clip_ratio_c!r}")
+        _check_number("cispo_ratio_max", self.cispo_ratio_max)
+        if self.cispo_ratio_max <= 0:
+            raise ValueError(f"cispo_ratio_max must be > 0, got {self.cispo_ratio_max!r}")
+        if self.clip_ratio_c is not None and self.policy_loss != "clip":
+            raise ValueError("clip_ratio_c applies to policy_loss 'clip' only")
+        if self.loss_agg == "seq-mean-token-sum-norm":
+            if not isinstance(self.norm_length, int) or isinstance(self.norm_length, bool) or self.norm_length < 1:
+                raise ValueError(f"loss_agg 'seq-mean-token-sum-norm' needs norm_length, a positive integer (the "
+                                 f"constant each member's token sum is divided by), got {self.norm_length!r}")
+        elif self.norm_length is not None:
+            raise ValueError(f"norm_length is the constant of loss_agg 'seq-mean-token-sum-norm'; "
+                             f"loss_agg is {self.loss_agg!r}")
+        low, high = self.rollout_correction_min, self.rollout_correction_max
+        if self.rollout_correction is not None and low is None and high is None:
+            raise ValueError("rollout_correction needs rollout_correction_max or rollout_correction_min")
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"rollout_correction_min {low!r} > rollout_correction_max {high!r}")
 
-    def advantages(self, group) -> torch.Tensor:
+    # -- what the transaction must provide ------------------------------------------------------------------------
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coef > 0
+
+    def check_group(self, group: GRPOGroup) -> None:
+        """Fail before any work when the group lacks what the options read."""
+        if self.rollout_correction is not None and group.sampling_logprobs is None:
+            raise ValueError(f"rollout_correction {self.rollout_correction!r} needs the group's sampling_logprobs")
+
+    # -- advantages ---------------------------------------------------------------------------------------------
+    def advantages(self, group: GRPOGroup) -> torch.Tensor:
         if group.advantages is not None:
             return group.advantages.clone()
         rewards = group.rewards
+        if rewards.numel() < 2:
+            if self.group_of_one == "zero":
+                return torch.zeros_like(rewards)
+            return rewards / (1.0 + self.advantage_eps) if self.scale_rewards else rewards.clone()
         centered = rewards - rewards.mean()
         if not self.scale_rewards:
             return centered
-        if rewards.numel() < 2:
-            return torch.zeros_like(rewards)
-        return centered / (rewards.std(unbiased=True) + 1e-6)
+        return centered / (rewards.std(unbiased=True) + self.advantage_eps)
 
-    def member_weight(self, group, member: int) -> float:
-        """Factor that turns member `member`'s summed trained-token losses into its share of the group loss
-        (0 for a member with no trained token: no 0/0)."""
+    # -- normalisation ----------------------------------------------------------------------------------------
+    def counted_members(self, group: GRPOGroup) -> int:
+        if self.empty_members == "count":
+            return group.size
+        return sum(1 for i in range(group.size) if group.trained_tokens(i) > 0)
+
+    def scope_of(self, groups: Iterable[GRPOGroup], weight: float = 1.0) -> LossScope:
+        """The LossScope of these groups (summed counts; `weight` on every share)."""
+        groups = list(groups)
+        return LossScope(tokens=sum(g.trained_tokens() for g in groups),
+                         members=sum(self.counted_members(g) for g in groups), weight=weight)
+
+    def member_weight(self, group: GRPOGroup, member: int, scope: LossScope | None = None) -> float:
+        """c_i: what turns member `member`'s summed token losses into its share of the loss (0 for a member with no
+        trained token: no 0/0). scope None: the group alone."""
+        scope = self.scope_of([group]) if scope is None else scope
         tokens = group.trained_tokens(member)
         if tokens == 0:
             return 0.0
         if self.loss_agg == "token-mean":
-            return 1.0 / group.trained_tokens()
-        members = sum(1 for i in range(group.size) if group.trained_tokens(i) > 0)
-        return 1.0 / (members * tokens)
+            return scope.weight / scope.tokens
+        if self.loss_agg == "seq-mean-token-mean":
+            return scope.weight / (scope.members * tokens)
+        return scope.weight / (scope.members * self.norm_length)
 
-    def token_losses(self, logp, advantage, old_logp=None, ref_logp=None):
-        """Per-token loss of one member (logp differentiable; old/ref are constants)."""
+    # -- token losses -----------------------------------------------------------------------------------------
+    def token_losses(self, logp: torch.Tensor, advantage: float, old_logp: torch.Tensor | None = None,
+                     ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                     sampling_logp: torch.Tensor | None = None) -> torch.Tensor:
+        """l_t of one member's trained tokens (logp and entropy differentiable; old, ref and sampling constants)."""
         old = logp.detach() if old_logp is None else old_logp.to(logp)
-        ratio = torch.exp(logp - old)
-        clipped = torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)
-        loss = -torch.minimum(ratio * advantage, clipped * advantage)
+        log_w = logp - old
+        if self.ratio_level == "sequence":
+            log_w = (log_w.mean() if log_w.numel() else log_w.sum()).expand_as(logp)
+        ratio = torch.exp(log_w)
+        if self.policy_loss == "cispo":
+            loss = -torch.clamp(ratio, max=self.cispo_ratio_max).detach() * advantage * logp
+        else:
+            clipped = torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)
+            loss = -torch.minimum(ratio * advantage, clipped * advantage)
+            if self.clip_ratio_c is not None and advantage < 0:
+                loss = torch.clamp(loss, max=-advantage * self.clip_ratio_c)
+        if self.rollout_correction is not None:
+            if sampling_logp is None:
+                raise ValueError(f"rollout_correction {self.rollout_correction!r} needs sampling log-probs")
+            loss = loss * self._rollout_weight(old.detach(), sampling_logp.to(logp))
         if self.kl_coef > 0:
             if ref_logp is None:
                 raise ValueError("kl_coef > 0 needs reference log-probs")
-            delta = ref_logp.to(logp) - logp
-            loss = loss + self.kl_coef * (torch.exp(delta) - delta - 1.0)
+            kl = self._kl(ref_logp.to(logp) - logp)
+            loss = loss + self.kl_coef * (kl * ratio if self.kl_ratio_weighted else kl)
+        if self.entropy_coef > 0:
+            if entropy is None:
+                raise ValueError("entropy_coef > 0 needs the policy's entropies")
+            loss = loss - self.entropy_coef * entropy.to(logp)
         return loss
 
-    def member_loss(self, group, member, logp, advantages, ref_logp=None):
-        """Member `member`'s share of the group loss from its log-probs of every response token (logp; ref_logp
-        likewise). Masked-out tokens are dropped before the token losses, so nothing at those positions (a NaN
-        old log-prob, say) reaches the value or the gradient; their logp entries get a zero gradient."""
+    def _kl(self, delta: torch.Tensor) -> torch.Tensor:
+        if self.kl_estimator == "k1":
+            return -delta
+        if self.kl_estimator == "k2":
+            return 0.5 * delta * delta
+        if self.kl_estimator == "low_var_kl":
+            delta = torch.clamp(delta, -LOW_VAR_KL_DELTA, LOW_VAR_KL_DELTA)
+            return torch.clamp(torch.exp(delta) - delta - 1.0, -LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
+        return torch.exp(delta) - delta - 1.0
+
+    def _rollout_weight(self, old: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
+        """rho: per token, or one per member broadcast over its tokens; a constant."""
+        diff = old - sampling
+        if self.rollout_correction.startswith("sequence"):
+            diff = diff.sum().expand_as(old)
+        rho = torch.exp(diff)
+        low = -math.inf if self.rollout_correction_min is None else self.rollout_correction_min
+        high = math.inf if self.rollout_correction_max is None else self.rollout_correction_max
+        if self.rollout_correction.endswith("truncate"):
+            return torch.clamp(rho, min=low, max=high)
+        return torch.where((rho < low) | (rho > high), torch.zeros_like(rho), rho)
+
+    # -- a member's share, a group's loss -------------------------------------------------------------------------
+    def member_loss(self, group: GRPOGroup, member: int, logp: torch.Tensor, advantages: torch.Tensor,
+                    ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                    scope: LossScope | None = None) -> torch.Tensor:
+        """Member `member`'s share of the loss from its log-probs of every response token (logp; ref_logp and
+        entropy likewise). Masked-out tokens are dropped before the token losses, so nothing at those positions (a
+        NaN old log-prob, say) reaches the value or the gradient; their logp entries get a zero gradient."""
         old = None if group.old_logprobs is None else group.old_logprobs[member]
+        sampling = None if group.sampling_logprobs is None else group.sampling_logprobs[member]
         if group.response_masks is not None:
             mask = group.response_masks[member]
             logp = logp[mask.to(logp.device)]
-            old = None if old is None else old[mask.to(old.device)]
-            ref_logp = None if ref_logp is None else ref_logp[mask.to(ref_logp.device)]
-        tokens = self.token_losses(logp, float(advantages[member]), old, ref_logp)
-        return tokens.sum() * self.member_weight(group, member)
+            old, ref_logp, entropy, sampling = (None if x is None else x[mask.to(x.device)]
+                                                for x in (old, ref_logp, entropy, sampling))
+        tokens = self.token_losses(logp, float(advantages[member]), old, ref_logp, entropy, sampling)
+        return tokens.sum() * self.member_weight(group, member, scope)
 
-    def group_loss(self, group, logps, ref_logps=None):
-        """The whole group's loss from all members' log-probs (used by baselines and tests)."""
+    def group_loss(self, group: GRPOGroup, logps: Sequence[torch.Tensor],
+                   ref_logps: Sequence[torch.Tensor] | None = None,
+                   entropies: Sequence[torch.Tensor] | None = None, scope: LossScope | None = None) -> torch.Tensor:
+        """The group's loss (its shares in `scope`, default the group alone) from all members' log-probs (used by
+        baselines and tests)."""
         advantages = self.advantages(group)
         total = 0.0
         for i, logp in enumerate(logps):
-            total = total + self.member_loss(group, i, logp, advantages, None if ref_logps is None else ref_logps[i])
+            total = total + self.member_loss(group, i, logp, advantages, None if ref_logps is None else ref_logps[i],
+                                             None if entropies is None else entropies[i], scope)
         return total
 
 
-class ScaledObjective:
-    """An objective whose member loss shares are multiplied by `weight`; everything else is delegated. (The engine
-    weighs several groups on one rank; a spread CP replay under the engine counts its members cp_size times, as the
-    replicated replay does.)"""
+def _check_number(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 <= value < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
-    def __init__(self, objective, weight):
+
+class ScaledObjective:
+    """An objective whose member loss shares are multiplied by `weight`; everything else is delegated. (A spread
+    CP replay counts its members cp_size times, as the replicated replay does.)"""
+
+    def __init__(self, objective: GRPOObjective | ScopedObjective, weight: float) -> None:
         self.objective, self.weight = objective, weight
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.objective, name)
 
-    def member_loss(self, *args, **kwargs):
+    def member_loss(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.objective.member_loss(*args, **kwargs) * self.weight
+
+
+class ScopedObjective:
+    """An objective whose shares are normalised over `scope` (the transaction binds it once per group)."""
+
+    def __init__(self, objective: GRPOObjective, scope: LossScope) -> None:
+        self.objective, self.scope = objective, scope
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.objective, name)
+
+    def member_loss(self, group: GRPOGroup, member: int, logp: torch.Tensor, advantages: torch.Tensor,
+                    ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
+        return self.objective.member_loss(group, member, logp, advantages, ref_logp, entropy, self.scope)

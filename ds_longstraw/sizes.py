@@ -14,6 +14,7 @@ SizeError, a ValueError that names the value (and the option, where the caller g
 
 import argparse
 import re
+from collections.abc import Mapping
 from fractions import Fraction
 
 KB, MB, GB, TB = 10**3, 10**6, 10**9, 10**12
@@ -32,13 +33,13 @@ class SizeError(ValueError, argparse.ArgumentTypeError):
     message after the option's name instead of its own "invalid value" line."""
 
 
-def _split(text):
+def _split(text: object) -> tuple[Fraction, str] | None:
     """(number, lower-case unit) of a string such as '1.5 GiB'; None when it is not a number and a word."""
     match = _NUMBER_UNIT.fullmatch(str(text))
     return (Fraction(match.group(1)), match.group(2).lower()) if match else None
 
 
-def parse_bytes(value, bare: int = 1, option: str | None = None) -> int:
+def parse_bytes(value: int | str, bare: int = 1, option: str | None = None) -> int:
     """Bytes of '96GB', '80GiB', '500MB', '2TB', '64KB' (units as in the module docstring); a number without a
     unit counts `bare` bytes each (1: bytes; GiB: '80' is 80 GiB). An int is a byte count already and is returned
     as it is. `option` (say '--max-shard-size') goes into the error's message."""
@@ -47,13 +48,14 @@ def parse_bytes(value, bare: int = 1, option: str | None = None) -> int:
                   f"powers of 1024; a bare number counts {_BARE_NAMES.get(bare, f'{bare:,} bytes')}")
 
 
-def parse_tokens(value, option: str | None = None) -> int:
+def parse_tokens(value: int | str, option: str | None = None) -> int:
     """Tokens of '2097152', '2M' (2 * 2**20), '128K', '4.5M'; an int is returned as it is."""
     return _parse(value, TOKEN_UNITS, 1, option, "a token count",
                   "examples: 2097152, 2M, 128K; K, M, G = 2**10, 2**20, 2**30 tokens")
 
 
-def _parse(value, units, bare, option, what, help_text) -> int:
+def _parse(value: int | str, units: Mapping[str, int], bare: int, option: str | None, what: str,
+           help_text: str) -> int:
     """A number with one of `units` (or none: `bare` each), rounded down; an int as it is (not negative)."""
     if isinstance(value, int) and not isinstance(value, bool):
         if value < 0:
@@ -66,5 +68,5 @@ def _parse(value, units, bare, option, what, help_text) -> int:
     return int(number * (units[unit] if unit else bare))
 
 
-def _named(option):
+def _named(option: str | None) -> str:
     return f"{option} " if option else ""

@@ -11,7 +11,7 @@ import fine on a CPU machine and then fail on CPU tensors.
 
 import importlib.util
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 MODES = ("auto", "reference")
 _mode = "auto"
@@ -39,7 +39,7 @@ def kernel_mode(mode: str):
         set_mode(previous)
 
 
-@lru_cache(maxsize=None)
+@cache
 def available(module: str) -> bool:
     """Whether `module` can be imported (checked once, without importing it)."""
     try:

@@ -121,7 +121,7 @@ def _log_file(path, resume):
 def _sample_records(step, result, tokenizer):
     """train.samples: one record per group rank 0 sampled at `step` (its prompt's length and last ids, each
     response's ids, text where a tokenizer is known, reward and whether it ended with eos)."""
-    for index, (group, finished) in enumerate(zip(result.extras["groups"], result.extras["finished"])):
+    for index, (group, finished) in enumerate(zip(result.extras["groups"], result.extras["finished"], strict=True)):
         responses = [ids.tolist() for ids in group.response_ids]
         record = {"step": step, "group": index, "prompt_tokens": group.prompt_ids.numel(),
                   "prompt_tail": group.prompt_ids[-16:].tolist(), "response_ids": responses,

@@ -16,6 +16,7 @@ import ctypes
 import threading
 import weakref
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -23,7 +24,8 @@ from .alignment import aligned_empty, round_up
 
 
 class BufferCache:
-    def __init__(self, alignment: int, alloc=None, free=None, max_cached_bytes: int = 64 << 20):
+    def __init__(self, alignment: int, alloc: Callable[[int], torch.Tensor] | None = None,
+                 free: Callable[[torch.Tensor], None] | None = None, max_cached_bytes: int = 64 << 20) -> None:
         self.alignment = alignment
         self._alloc = alloc  # nbytes -> page-aligned uint8 tensor (locked), or None for pageable aligned memory
         self._free = free
@@ -39,7 +41,7 @@ class BufferCache:
         self._lent = set()  # ids of in-use bases handed out by lend()
         self._closed = False
 
-    def take(self, nbytes: int):
+    def take(self, nbytes: int) -> torch.Tensor:
         nbytes = max(round_up(nbytes, self.alignment), self.alignment)
         with self._lock:
             if self._closed:
@@ -59,12 +61,12 @@ class BufferCache:
                 self._drain()
         return base
 
-    def give(self, base):
+    def give(self, base: torch.Tensor) -> None:
         with self._lock:
             self._give(id(base))
             self._drain()
 
-    def lend(self, nbytes: int):
+    def lend(self, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of at least `nbytes` whose block returns to the cache once no tensor views it."""
         base = self.take(nbytes)
         block = (ctypes.c_uint8 * base.numel()).from_address(base.data_ptr())
@@ -74,7 +76,7 @@ class BufferCache:
         weakref.finalize(loan.untyped_storage(), self._returned, id(base))
         return loan
 
-    def _returned(self, key):
+    def _returned(self, key: int) -> None:
         self._returns.append(key)
         if self._closed and self._lock.acquire(blocking=False):  # nobody else will take the queue in any more
             try:
@@ -82,11 +84,11 @@ class BufferCache:
             finally:
                 self._lock.release()
 
-    def _drain(self):
+    def _drain(self) -> None:
         while self._returns:
             self._give(self._returns.popleft())
 
-    def _give(self, key):  # with the lock held
+    def _give(self, key: int) -> None:  # with the lock held
         base = self._in_use.pop(key, None)
         self._lent.discard(key)
         if base is None:
@@ -103,7 +105,7 @@ class BufferCache:
             self._drain()
             return sum(b.numel() for b in self._cached) + sum(b.numel() for b in self._in_use.values())
 
-    def close(self):
+    def close(self) -> None:
         """Free every cached buffer and every buffer taken but not lent (their transfers have been drained by the
         owner); lent blocks still viewed are freed when their last view goes."""
         with self._lock:
@@ -115,6 +117,6 @@ class BufferCache:
             self._cached.clear()
             self._drain()
 
-    def _release(self, base):
+    def _release(self, base: torch.Tensor) -> None:
         if self._free is not None:
             self._free(base)

@@ -9,22 +9,23 @@ issues reads one layer ahead, but on CUDA the copy itself runs when issued).
 
 import torch
 
+from .page_table import PageEntry
 from .pinning import host_empty, host_zeros
 from .states import PageState, advance
-from .tiered import ReadTicket, TieredPagePool
+from .tiered import ReadTicket, StreamInfo, TieredPagePool
 
 
 class HostPagePool(TieredPagePool):
     tier = "cpu"
 
-    def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1,
-                 host_budget_bytes: int | None = None):
+    def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
+                 staging_depth: int = 1, host_budget_bytes: int | None = None) -> None:
         super().__init__(page_tokens, device, rank, staging_depth)
         self.host_budget_bytes = host_budget_bytes
         self._arenas: dict[tuple, torch.Tensor] = {}
         self.pinned = True  # all arenas pinned so far
 
-    def _create_stream(self, info, kind):
+    def _create_stream(self, info: StreamInfo, kind: str) -> None:
         nbytes = info.tokens * info.token_bytes
         if self.host_budget_bytes is not None and self.host_bytes() + nbytes > self.host_budget_bytes:
             raise ValueError(
@@ -39,7 +40,7 @@ class HostPagePool(TieredPagePool):
     def host_bytes(self) -> int:
         return sum(a.numel() * a.element_size() for a in self._arenas.values())
 
-    def _write_state(self, info, start, values_cpu):
+    def _write_state(self, info: StreamInfo, start: int, values_cpu: torch.Tensor) -> None:
         arena = self._arenas[(info.layer, info.name, "state")]
         end = start + values_cpu.shape[0]
         arena[start:end].copy_(values_cpu)
@@ -51,17 +52,17 @@ class HostPagePool(TieredPagePool):
                 self._seal(entry)
 
     @staticmethod
-    def _seal(entry):
+    def _seal(entry: PageEntry) -> None:
         advance(entry, PageState.IN_FLIGHT)
         advance(entry, PageState.RESIDENT)  # the host copy above was synchronous
 
-    def _read(self, info, kind, start, end):
+    def _read(self, info: StreamInfo, kind: str, start: int, end: int) -> ReadTicket:
         arena = self._arenas[(info.layer, info.name, kind)]
         out = torch.empty((end - start, *info.shape), dtype=info.dtype, device=self.device)
         out.copy_(arena[start:end])
         return ReadTicket(f"tokens [{start}, {end}) of ({info.layer}, {info.name!r}, {kind}) from host", lambda: out)
 
-    def _accumulate_grad(self, info, start, grad_cpu):
+    def _accumulate_grad(self, info: StreamInfo, start: int, grad_cpu: torch.Tensor) -> None:
         arena = self._arenas[(info.layer, info.name, "grad")]
         end = start + grad_cpu.shape[0]
         for entry in self.table.lookup(info.layer, info.name, start, end, "grad"):
@@ -71,10 +72,10 @@ class HostPagePool(TieredPagePool):
             entry.filled = entry.end - entry.start
             self._seal(entry)
 
-    def _flush(self):
+    def _flush(self) -> None:
         for entry in self.table.all_entries():
             if entry.state is PageState.FILLING:
                 self._seal(entry)
 
-    def _free(self):
+    def _free(self) -> None:
         self._arenas.clear()

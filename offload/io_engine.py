@@ -27,6 +27,8 @@ it needs no read-back: a failed or short write raises in `wait()`.
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -35,7 +37,7 @@ from .alignment import aligned_empty
 _AIO_MODULE = None
 
 
-def load_aio():
+def load_aio() -> ModuleType:
     """DeepSpeed's async_io op, built on first use (JIT, ~3 minutes, cached in ~/.cache/torch_extensions).
 
     Raises RuntimeError saying why when it cannot be built here (no libaio headers, no compiler).
@@ -59,7 +61,7 @@ class PageFileError(OSError):
     """A page file could not be written or read back intact; the message names the file."""
 
 
-def _check_buffer(buffer, alignment, what):
+def _check_buffer(buffer: torch.Tensor, alignment: int, what: str) -> None:
     if buffer.device.type != "cpu" or buffer.dtype != torch.uint8 or not buffer.is_contiguous():
         raise AssertionError(f"{what}: I/O buffers are contiguous uint8 CPU tensors, got {buffer.dtype} "
                              f"on {buffer.device}")
@@ -68,14 +70,14 @@ def _check_buffer(buffer, alignment, what):
                              f"to {alignment} B")
 
 
-def _file_size(path):
+def _file_size(path: str) -> int:
     try:
         return os.stat(path).st_size
     except FileNotFoundError:
         raise PageFileError(f"page file {path} is missing") from None
 
 
-def check_readable(path, offset, nbytes):
+def check_readable(path: str, offset: int, nbytes: int) -> None:
     """Raise PageFileError unless bytes [offset, offset + nbytes) exist in `path` (a truncated page file)."""
     size = _file_size(path)
     if offset + nbytes > size:
@@ -86,7 +88,7 @@ def check_readable(path, offset, nbytes):
 class _Engine:
     kind = "?"
 
-    def __init__(self, alignment):
+    def __init__(self, alignment: int) -> None:
         self.alignment = alignment
         self._pending = 0
 
@@ -94,7 +96,7 @@ class _Engine:
     def pending(self) -> int:
         return self._pending
 
-    def _check(self, buffer, path, offset, what):
+    def _check(self, buffer: torch.Tensor, path: str, offset: int, what: str) -> None:
         _check_buffer(buffer, self.alignment, f"{what} {path}")
         if offset % self.alignment:
             raise AssertionError(f"{what} {path}: offset {offset} not aligned to {self.alignment} B")
@@ -105,27 +107,27 @@ class AioEngine(_Engine):
 
     kind = "aio"
 
-    def __init__(self, aio_module, aio_config, alignment):
+    def __init__(self, aio_module: ModuleType, aio_config: Any, alignment: int) -> None:
         super().__init__(alignment)
         self._handle = aio_module.aio_handle(aio_config.block_size, aio_config.queue_depth, aio_config.single_submit,
                                              aio_config.overlap_events, aio_config.intra_op_parallelism)
         self._writes = []  # (buffer, path, offset) submitted since the last wait: verified after it
 
-    def submit_read(self, buffer, path, offset):
+    def submit_read(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         self._check(buffer, path, offset, "read")
         check_readable(path, offset, buffer.numel())  # the op asserts (aborts) on a read past the end
         if self._handle.async_pread(buffer, path, offset) != 0:
             raise PageFileError(f"could not open page file {path} for reading")
         self._pending += 1
 
-    def submit_write(self, buffer, path, offset):
+    def submit_write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         self._check(buffer, path, offset, "write")
         if self._handle.async_pwrite(buffer, path, offset) != 0:
             raise PageFileError(f"could not open page file {path} for writing")
         self._pending += 1
         self._writes.append((buffer, path, offset))
 
-    def wait(self):
+    def wait(self) -> None:
         if self._pending == 0:  # the op asserts (aborts) on a wait with nothing pending
             return
         self._handle.wait()
@@ -134,7 +136,7 @@ class AioEngine(_Engine):
         if writes:
             self._verify_writes(writes)
 
-    def _verify_writes(self, writes):
+    def _verify_writes(self, writes: list[tuple[torch.Tensor, str, int]]) -> None:
         """Read back the last `alignment` bytes of each completed write and compare them with what was written
         (the op reports no per-request result: see the module docstring). Raises PageFileError naming the file."""
         tail = self.alignment
@@ -162,7 +164,7 @@ class AioEngine(_Engine):
                                     f"{offset + buffer.numel()}) read back different (a file-size limit, a full disk "
                                     f"or an I/O error refused or cut short the write)")
 
-    def close(self):
+    def close(self) -> None:
         # The handle's destructor asserts (aborts) when transfers are still pending: drain first.
         self.wait()
         self._handle = None
@@ -173,13 +175,13 @@ class BufferedEngine(_Engine):
 
     kind = "buffered"
 
-    def __init__(self, alignment):
+    def __init__(self, alignment: int) -> None:
         super().__init__(alignment)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="longstraw-io")
         self._futures = []
 
     @staticmethod
-    def _transfer(read, buffer, path, offset):
+    def _transfer(read: bool, buffer: torch.Tensor, path: str, offset: int) -> None:
         """Move the whole buffer; every call's byte count is checked (a short transfer is continued, and one
         that moves nothing, or raises, fails naming the file and the byte it stopped at)."""
         view = memoryview(buffer.numpy())
@@ -203,20 +205,20 @@ class BufferedEngine(_Engine):
         finally:
             os.close(fd)
 
-    def _submit(self, read, buffer, path, offset):
+    def _submit(self, read: bool, buffer: torch.Tensor, path: str, offset: int) -> None:
         self._futures.append((path, self._pool.submit(self._transfer, read, buffer, path, offset)))
         self._pending += 1
 
-    def submit_read(self, buffer, path, offset):
+    def submit_read(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         self._check(buffer, path, offset, "read")
         check_readable(path, offset, buffer.numel())
         self._submit(True, buffer, path, offset)
 
-    def submit_write(self, buffer, path, offset):
+    def submit_write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         self._check(buffer, path, offset, "write")
         self._submit(False, buffer, path, offset)
 
-    def wait(self):
+    def wait(self) -> None:
         futures, self._futures = self._futures, []
         self._pending = 0
         first = None
@@ -230,5 +232,5 @@ class BufferedEngine(_Engine):
         if first is not None:
             raise first
 
-    def close(self):
+    def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -26,25 +26,28 @@ import re
 import shutil
 import uuid
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from .alignment import io_alignment, memory_lock_unlimited, probe_direct_io, round_up
 from .buffers import BufferCache
 from .io_engine import AioEngine, BufferedEngine, PageFileError, load_aio
+from .page_table import PageEntry
 from .pinning import locked_allocator
 from .states import PageState, advance
-from .tiered import ReadTicket, TieredPagePool
+from .tiered import ReadTicket, StreamInfo, TieredPagePool
 
 _WRITE_QUEUE_BYTES = 32 << 20  # sealed pages in flight before the writer waits (bounds write buffers)
 
 
-def _crc(buffer) -> int:
+def _crc(buffer: torch.Tensor) -> int:
     return zlib.crc32(buffer.numpy()) if buffer.numel() else 0
 
 
 class _Stream:
-    def __init__(self, info, slot_bytes, page_bytes):
+    def __init__(self, info: StreamInfo, slot_bytes: int, page_bytes: int) -> None:
         self.info = info
         self.slot_bytes = slot_bytes
         self.page_bytes = page_bytes
@@ -55,12 +58,12 @@ class _Stream:
 class _Resources:
     """Everything the finalizer must clean up, kept apart from the pool so the finalizer does not pin it."""
 
-    def __init__(self, directory):
+    def __init__(self, directory: str) -> None:
         self.directory = directory
         self.engines = []
         self.buffers = None
 
-    def close(self):
+    def close(self) -> None:
         errors = []
         for engine in self.engines:  # no transfer may still use a buffer when the buffers are freed
             try:
@@ -79,7 +82,7 @@ class _Resources:
             raise errors[0]
 
 
-def _check_nvme_path(nvme_path):
+def _check_nvme_path(nvme_path: str | None) -> None:
     if not nvme_path:
         raise ValueError("offload.nvme_path must name a directory when offload.tier = 'nvme'")
     if not os.path.exists(nvme_path):
@@ -91,8 +94,9 @@ def _check_nvme_path(nvme_path):
 class NvmePagePool(TieredPagePool):
     tier = "nvme"
 
-    def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1, *, nvme_path: str,
-                 aio_config, host_budget_bytes: int | None = None, direct_io: bool | None = None):
+    def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
+                 staging_depth: int = 1, *, nvme_path: str, aio_config: Any, host_budget_bytes: int | None = None,
+                 direct_io: bool | None = None) -> None:
         _check_nvme_path(nvme_path)
         directory = os.path.join(nvme_path, f"longstraw-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
@@ -107,7 +111,8 @@ class NvmePagePool(TieredPagePool):
             self._resources.close()
             raise
 
-    def _setup(self, directory, aio_config, host_budget_bytes, direct_io):
+    def _setup(self, directory: str, aio_config: Any, host_budget_bytes: int | None,
+               direct_io: bool | None) -> None:
         self.directory = directory
         self.aio_config = aio_config
         try:
@@ -138,11 +143,11 @@ class NvmePagePool(TieredPagePool):
         self._in_flight_bytes = 0
         self._error = None
 
-    def _within_budget(self, nbytes):
+    def _within_budget(self, nbytes: int) -> int:
         """nbytes, capped at half the host budget (at least 1 MiB) when there is one."""
         return nbytes if self._host_budget is None else min(nbytes, max(self._host_budget // 2, 1 << 20))
 
-    def _cache_bound(self, read_bytes):
+    def _cache_bound(self, read_bytes: int) -> int:
         """Free buffers kept for reuse: the write queue's worth, or two of the largest reads (a walk releases one
         layer as it issues the next), within the host budget."""
         return self._within_budget(max(_WRITE_QUEUE_BYTES, 2 * read_bytes))
@@ -151,24 +156,24 @@ class NvmePagePool(TieredPagePool):
     def engine_kind(self) -> str:
         return self._writer.kind
 
-    def _finalize_state(self):
+    def _finalize_state(self) -> _Resources:
         return self._resources
 
     @staticmethod
-    def _finalize(resources):
+    def _finalize(resources: _Resources) -> None:
         try:
             resources.close()
         except Exception:
             pass  # at exit or in garbage collection there is no one to report to; the files are gone either way
 
-    def _new_engine(self):
+    def _new_engine(self) -> AioEngine | BufferedEngine:
         engine = (AioEngine(self._aio, self.aio_config, self.alignment) if self._aio is not None
                   else BufferedEngine(self.alignment))
         self._resources.engines.append(engine)
         return engine
 
     # -- streams -----------------------------------------------------------------------------------------
-    def _create_stream(self, info, kind):
+    def _create_stream(self, info: StreamInfo, kind: str) -> None:
         key = (info.layer, info.name)
         stream = self._nvme_streams.get(key)
         if stream is None:
@@ -197,7 +202,7 @@ class NvmePagePool(TieredPagePool):
         return self._buffers.bytes_held() if not self._released else 0
 
     # -- writes ------------------------------------------------------------------------------------------
-    def _write_state(self, info, start, values_cpu):
+    def _write_state(self, info: StreamInfo, start: int, values_cpu: torch.Tensor) -> None:
         self._check_usable()
         stream = self._nvme_streams[(info.layer, info.name)]
         rows = values_cpu.view(torch.uint8).reshape(values_cpu.shape[0], info.token_bytes)
@@ -222,7 +227,7 @@ class NvmePagePool(TieredPagePool):
                 tail, stream.tail = stream.tail, None
                 self._seal(stream, "state", entry, tail)
 
-    def _seal(self, stream, kind, entry, buffer):
+    def _seal(self, stream: _Stream, kind: str, entry: PageEntry, buffer: torch.Tensor) -> None:
         """Checksum a filled page and submit its write; the buffer comes back when the write queue drains."""
         filled = entry.filled * stream.info.token_bytes
         buffer[filled: stream.slot_bytes].zero_()  # deterministic padding
@@ -234,14 +239,14 @@ class NvmePagePool(TieredPagePool):
         if self._in_flight_bytes >= self._write_queue_bytes:
             self._drain_writes()
 
-    def _submit_write(self, buffer, path, offset):
+    def _submit_write(self, buffer: torch.Tensor, path: str, offset: int) -> None:
         try:
             self._writer.submit_write(buffer, path, offset)
         except Exception as error:  # the file could not be opened: its pages are incomplete
             self._error = error
             raise
 
-    def _drain_writes(self):
+    def _drain_writes(self) -> None:
         in_flight, self._in_flight, self._in_flight_bytes = self._in_flight, [], 0
         try:
             self._writer.wait()
@@ -255,7 +260,7 @@ class NvmePagePool(TieredPagePool):
                 advance(entry, PageState.RESIDENT)
                 self._buffers.give(buffer)
 
-    def _flush(self):
+    def _flush(self) -> None:
         self._check_usable()
         for stream in self._nvme_streams.values():
             if stream.tail is not None:
@@ -266,7 +271,8 @@ class NvmePagePool(TieredPagePool):
         self._drain_writes()
 
     # -- reads -------------------------------------------------------------------------------------------
-    def _fetch(self, stream, kind, entries, lend=False):
+    def _fetch(self, stream: _Stream, kind: str, entries: list[PageEntry],
+               lend: bool = False) -> tuple[torch.Tensor, Callable[[], None]]:
         """Start reading `entries` (consecutive pages) into one landing buffer; returns (buffer, finish).
 
         finish() waits, verifies every page read from the file, and returns nothing; it always gives the
@@ -283,7 +289,7 @@ class NvmePagePool(TieredPagePool):
         path = stream.paths[kind]
         run = []  # consecutive resident pages: one request
 
-        def submit_run():
+        def submit_run() -> None:
             if run:
                 first = run[0][0]
                 engine.submit_read(landing[first * slot: (run[-1][0] + 1) * slot], path, run[0][1].index * slot)
@@ -310,7 +316,7 @@ class NvmePagePool(TieredPagePool):
                 self._buffers.give(landing)
             raise
 
-        def finish():
+        def finish() -> None:
             self._finish_reader(engine)
             for row, entry in enumerate(entries):
                 if entry.state is not PageState.RESIDENT:
@@ -324,7 +330,7 @@ class NvmePagePool(TieredPagePool):
 
         return landing, finish
 
-    def _finish_reader(self, engine):
+    def _finish_reader(self, engine: AioEngine | BufferedEngine) -> None:
         try:
             engine.wait()
         except Exception as error:
@@ -333,13 +339,13 @@ class NvmePagePool(TieredPagePool):
         finally:
             self._idle_readers.append(engine)
 
-    def _typed_pages(self, stream, landing, count):
+    def _typed_pages(self, stream: _Stream, landing: torch.Tensor, count: int) -> torch.Tensor:
         """The landing buffer's pages as [count * page_tokens, *shape] (a view when pages need no padding)."""
         info = stream.info
         rows = landing[: count * stream.slot_bytes].view(count, stream.slot_bytes)[:, : stream.page_bytes]
         return rows.view(info.dtype).reshape(count * self.page_tokens, *info.shape)
 
-    def _read(self, info, kind, start, end):
+    def _read(self, info: StreamInfo, kind: str, start: int, end: int) -> ReadTicket:
         self._check_usable()
         stream = self._nvme_streams[(info.layer, info.name)]
         entries = self.table.lookup(info.layer, info.name, start, end, kind)
@@ -350,7 +356,7 @@ class NvmePagePool(TieredPagePool):
         landing, finish = self._fetch(stream, kind, entries, lend=lend)
         first = entries[0].start
 
-        def result():
+        def result() -> torch.Tensor:
             try:
                 self._check_open()  # a read issued before release() and collected after it is a bug
                 finish()
@@ -367,7 +373,7 @@ class NvmePagePool(TieredPagePool):
         return ReadTicket(f"tokens [{start}, {end}) of ({info.layer}, {info.name!r}, {kind}) from "
                           f"{stream.paths[kind]}", result)
 
-    def _load_page(self, stream, kind, entry):
+    def _load_page(self, stream: _Stream, kind: str, entry: PageEntry) -> torch.Tensor:
         """One resident page, read synchronously into a buffer the caller owns (re-opening a flushed page)."""
         landing, finish = self._fetch(stream, kind, [entry])
         try:
@@ -378,7 +384,7 @@ class NvmePagePool(TieredPagePool):
         return landing
 
     # -- gradient pages ----------------------------------------------------------------------------------
-    def _accumulate_grad(self, info, start, grad_cpu):
+    def _accumulate_grad(self, info: StreamInfo, start: int, grad_cpu: torch.Tensor) -> None:
         self._check_usable()
         stream = self._nvme_streams[(info.layer, info.name)]
         end = start + grad_cpu.shape[0]
@@ -414,12 +420,12 @@ class NvmePagePool(TieredPagePool):
             self._buffers.give(landing)
 
     # -- teardown ----------------------------------------------------------------------------------------
-    def _check_usable(self):
+    def _check_usable(self) -> None:
         if self._error is not None:
             raise PageFileError(f"the NVMe page pool in {self.directory} is unusable after an earlier error: "
                                 f"{self._error}")
 
-    def _free(self):
+    def _free(self) -> None:
         try:
             if self._in_flight:
                 try:

@@ -5,6 +5,7 @@ tiers index by (stream, page index). A stream is one retained tensor of one laye
 "state" (the captured values) or "grad" (exact mode's accumulated d(loss)/d(state), same shape).
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from .states import PageState, advance
@@ -25,7 +26,7 @@ class PageEntry:
     filled: int = 0  # tokens written so far, counted from `start`
     checksum: int | None = None  # of the filled bytes, set when the page is sealed (tiers that verify reads)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (f"page {self.index} of layer {self.layer} {self.name!r} ({self.kind}) tokens [{self.start}, "
                 f"{self.end}) on rank {self.rank}: {self.state.value}")
 
@@ -39,14 +40,14 @@ class StreamPages:
 class PageTable:
     """Pages of every stream of one rank, created at `add_stream` (all FREE) and looked up by token range."""
 
-    def __init__(self, page_tokens: int, rank: int = 0):
+    def __init__(self, page_tokens: int, rank: int = 0) -> None:
         if page_tokens <= 0:
             raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
         self.page_tokens = page_tokens
         self.rank = rank
         self._streams: dict[tuple, StreamPages] = {}
 
-    def add_stream(self, layer: int, name: str, kind: str, tokens: int):
+    def add_stream(self, layer: int, name: str, kind: str, tokens: int) -> None:
         if kind not in KINDS:
             raise ValueError(f"page kind must be one of {KINDS}, got {kind!r}")
         key = (layer, name, kind)
@@ -57,13 +58,13 @@ class PageTable:
                              min(tokens, (i + 1) * self.page_tokens)) for i in range(count)]
         self._streams[key] = StreamPages(tokens, entries)
 
-    def has_stream(self, layer, name, kind="state") -> bool:
+    def has_stream(self, layer: int, name: str, kind: str = "state") -> bool:
         return (layer, name, kind) in self._streams
 
-    def entries(self, layer, name, kind="state") -> list:
+    def entries(self, layer: int, name: str, kind: str = "state") -> list:
         return self._stream(layer, name, kind).entries
 
-    def lookup(self, layer, name, start, end, kind="state") -> list:
+    def lookup(self, layer: int, name: str, start: int, end: int, kind: str = "state") -> list:
         """The pages that hold tokens [start, end) of a stream, in token order (empty for an empty range)."""
         stream = self._stream(layer, name, kind)
         if not (0 <= start <= end <= stream.tokens):
@@ -73,7 +74,7 @@ class PageTable:
             return []
         return stream.entries[start // self.page_tokens: -(-end // self.page_tokens)]
 
-    def all_entries(self):
+    def all_entries(self) -> Iterator[PageEntry]:
         for stream in self._streams.values():
             yield from stream.entries
 
@@ -84,13 +85,13 @@ class PageTable:
             counts[entry.state] = counts.get(entry.state, 0) + 1
         return counts
 
-    def release_all(self):
+    def release_all(self) -> None:
         """Mark every page RELEASED; the caller has drained all I/O (an IN_FLIGHT page here is a bug)."""
         for entry in self.all_entries():
             if entry.state is not PageState.RELEASED:
                 advance(entry, PageState.RELEASED)
 
-    def _stream(self, layer, name, kind):
+    def _stream(self, layer: int, name: str, kind: str) -> StreamPages:
         try:
             return self._streams[(layer, name, kind)]
         except KeyError:

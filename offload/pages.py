@@ -15,11 +15,14 @@ length / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says wheth
 (host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 
 class _Stream:
-    def __init__(self, tokens, shape, dtype, device):
+    def __init__(self, tokens: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
         self.capacity = tokens
         self.length = 0
         self.data = torch.empty((tokens, *shape), dtype=dtype, device=device)
@@ -29,17 +32,18 @@ class _Stream:
 class ReadyRead:
     """A read that is complete when issued (the device tier's reads are views)."""
 
-    def __init__(self, tensor):
+    def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
 
-    def result(self):
+    def result(self) -> torch.Tensor:
         return self._tensor
 
-    def release(self):
+    def release(self) -> None:
         self._tensor = None
 
 
-def init_pool_basics(pool, page_tokens, device, rank, staging_depth):
+def init_pool_basics(pool: Any, page_tokens: int, device: torch.device | str | None, rank: int,
+                     staging_depth: int) -> None:
     """What every tier's pool holds: page size (checked), compute device, owning rank, staging depth."""
     if page_tokens <= 0:
         raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
@@ -55,19 +59,20 @@ class PagePool:
     tier = "device"
     copies_on_read = False
 
-    def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1):
+    def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
+                 staging_depth: int = 1) -> None:
         init_pool_basics(self, page_tokens, device, rank, staging_depth)
         self._streams: dict[tuple[int, str], _Stream] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------------------
-    def reserve(self, layer: int, name: str, tokens: int, shape, dtype):
+    def reserve(self, layer: int, name: str, tokens: int, shape: Sequence[int], dtype: torch.dtype) -> None:
         """Declare a stream of `tokens` tokens, each a tensor of `shape`; pages are filled by `append`."""
         key = (layer, name)
         if key in self._streams:
             raise ValueError(f"stream {key} is already reserved")
         self._streams[key] = _Stream(tokens, tuple(shape), dtype, self.device)
 
-    def streams(self):
+    def streams(self) -> list[tuple[int, str]]:
         return list(self._streams)
 
     def length(self, layer: int, name: str) -> int:
@@ -83,7 +88,7 @@ class PagePool:
         return {key: s.data.numel() * s.data.element_size() for key, s in self._streams.items()}
 
     # -- data ------------------------------------------------------------------------------------------
-    def append(self, layer: int, name: str, values):
+    def append(self, layer: int, name: str, values: torch.Tensor) -> None:
         """Write the next tokens of a stream (token-major tensor)."""
         stream = self._stream(layer, name)
         end = stream.length + values.shape[0]
@@ -92,7 +97,7 @@ class PagePool:
         stream.data[stream.length:end].copy_(values)
         stream.length = end
 
-    def read(self, layer: int, name: str, start: int = 0, end: int | None = None):
+    def read(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) of a stream, on the compute device (a view for the device tier)."""
         stream = self._stream(layer, name)
         end = stream.length if end is None else end
@@ -100,37 +105,38 @@ class PagePool:
             raise ValueError(f"range [{start}, {end}) outside stream {(layer, name)} of {stream.length} tokens")
         return stream.data[start:end]
 
-    def begin_read(self, layer: int, name: str, start: int = 0, end: int | None = None, kind: str = "state"):
+    def begin_read(self, layer: int, name: str, start: int = 0, end: int | None = None,
+                   kind: str = "state") -> ReadyRead:
         """Issue a read of tokens [start, end); `.result()` is the tensor (here at once: a view)."""
         if kind == "grad":
             return ReadyRead(self.read_grad(layer, name, start, end))
         return ReadyRead(self.read(layer, name, start, end))
 
-    def flush(self):
+    def flush(self) -> None:
         """Nothing to write back: device pages are resident as soon as they are appended."""
 
     def host_bytes(self) -> int:
         return 0 if self.device.type != "cpu" else self.state_bytes() + self.grad_bytes()
 
-    def add_grad(self, layer: int, name: str, start: int, grad):
+    def add_grad(self, layer: int, name: str, start: int, grad: torch.Tensor) -> None:
         """Accumulate d(loss)/d(tokens [start, start + len(grad))) on the stream's gradient pages."""
         stream = self._stream(layer, name)
         if stream.grad is None:
             stream.grad = torch.zeros_like(stream.data)
         stream.grad[start:start + grad.shape[0]].add_(grad.to(stream.grad.dtype))
 
-    def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None):
+    def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         stream = self._stream(layer, name)
         end = stream.length if end is None else end
         if stream.grad is None:
             return torch.zeros_like(stream.data[start:end])
         return stream.grad[start:end]
 
-    def release(self):
+    def release(self) -> None:
         """Free every page (state and gradient)."""
         self._streams.clear()
 
-    def _stream(self, layer, name):
+    def _stream(self, layer: int, name: str) -> _Stream:
         try:
             return self._streams[(layer, name)]
         except KeyError:

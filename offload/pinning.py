@@ -7,6 +7,7 @@ only taken when this process may lock the bytes (alignment.can_lock_memory); oth
 """
 
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,7 +18,7 @@ def _native_backend() -> bool:
     return os.environ.get("DS_PIN_MEMORY_BACKEND", "torch").strip().lower() == "native"
 
 
-def host_empty(shape, dtype) -> tuple[torch.Tensor, bool]:
+def host_empty(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """An uninitialised host tensor and whether it is pinned (page-locked)."""
     shape = tuple(shape)
     numel = 1
@@ -41,7 +42,7 @@ def host_empty(shape, dtype) -> tuple[torch.Tensor, bool]:
     return tensor, bool(accelerator.is_pinned(tensor))
 
 
-def host_zeros(shape, dtype) -> tuple[torch.Tensor, bool]:
+def host_zeros(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     tensor, pinned = host_empty(shape, dtype)
     tensor.zero_()
     return tensor, pinned
@@ -50,7 +51,7 @@ def host_zeros(shape, dtype) -> tuple[torch.Tensor, bool]:
 _PIN_HANDLE = None
 
 
-def locked_allocator():
+def locked_allocator() -> tuple[Callable[[int], torch.Tensor], Callable[[torch.Tensor], None]]:
     """(alloc, free) of page-aligned, page-locked uint8 buffers from DeepSpeed's pin_memory op, the allocator the
     aio op recognises (it transfers such buffers without a bounce copy). Only for processes that may lock
     without limit (alignment.memory_lock_unlimited): the op aborts the process when mlock fails."""
@@ -61,10 +62,10 @@ def locked_allocator():
         _PIN_HANDLE = PinMemoryBuilder().load(verbose=False).pin_handle()
     handle, example = _PIN_HANDLE, torch.empty(0, dtype=torch.uint8)
 
-    def alloc(nbytes):
+    def alloc(nbytes: int) -> torch.Tensor:
         return handle.new_cpu_locked_tensor(nbytes, example)
 
-    def free(buffer):
+    def free(buffer: torch.Tensor) -> None:
         handle.free_cpu_locked_tensor_by_ptr(buffer.data_ptr())
 
     return alloc, free

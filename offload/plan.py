@@ -15,7 +15,7 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
   workspace      the kernels' scratch, the largest of (they never run at once):                 GPU
                  log-probs   a replay block's vocabulary chunk of float32 logits, probabilities and their
-                             gradient, plus d(hidden) in float32 (kernels/logprobs.py)
+                             gradient, plus d(hidden) in float32 (kernels/logprobs/chunked.py)
                  attention   flash's float32 dq accumulator and lse over a capture chunk's queries, and
                              the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
                  delta rule  the chunk kernel's float32 scratch: the capture's forward over a capture chunk,
@@ -171,7 +171,7 @@ class Plan:
 REPLAY_BLOCK = 1024
 VOCAB_CHUNK = 8192
 LIBRARY_KEY_BLOCK = 16384
-# The gated delta rule's chunk (kernels/gated_delta_chunked.chunk_gated_delta_rule's chunk_size).
+# The gated delta rule's chunk (kernels/gated_delta/chunked.chunk_gated_delta_rule's chunk_size).
 DELTA_CHUNK = 64
 
 
@@ -293,7 +293,8 @@ def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: b
             + (shape.kept_bytes_per_token if keep_attention else 0))
 
 
-def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto") -> int:
+def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False,
+                     every: int | str = "auto") -> int:
     """prefix_inputs_every as it runs: `every` itself, or for "auto" the smallest k (the fewest recomputed layers)
     whose added bytes (layer_major_added) fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then
     ceil(L / k) + k - 1 layers' inputs, about 2 sqrt(L)). A function of the model and settings alone: every rank
@@ -306,7 +307,7 @@ def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: boo
     return fitting[0] if fitting else min(range(1, layers + 1), key=lambda k: (layer_major_added(shape, k), k))
 
 
-def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every="auto",
+def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every: int | str = "auto",
                      tokens_per_rank: int | None = None, device_memory: int | None = None) -> bool:
     """The "auto" rule above: the added bytes per token on the pages' tier at prefix_inputs_every `every` ("auto":
     inputs_every_for) within LAYER_MAJOR_STATE_RATIO of the transaction's own, and, where both the rank's captured
@@ -322,7 +323,7 @@ def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: boo
 
 
 def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
-                       keep_attention: bool = False, every="auto", tokens_per_rank: int | None = None,
+                       keep_attention: bool = False, every: int | str = "auto", tokens_per_rank: int | None = None,
                        device_memory: int | None = None) -> bool:
     """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
     and under "auto" where it fits the rule above (topology.resolve_prefix decides the same)."""
@@ -406,7 +407,8 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
 _WHERE = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
 
 
-def _needs(shape, tokens, retained, tier, depth, kept_tier=None, workspace=0):
+def _needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
+           kept_tier: str | None = None, workspace: int = 0) -> dict[str, int]:
     needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
     needs["gpu"] += workspace
     if kept_tier not in (None, tier):  # kept attention outputs on a tier of their own
@@ -414,7 +416,8 @@ def _needs(shape, tokens, retained, tier, depth, kept_tier=None, workspace=0):
     return needs
 
 
-def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
+def _page_needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
+                kept_tier: str | None) -> dict[str, int]:
     # state and gradient pages, and the layer-major prefix pass's layer inputs (on the pages' tier)
     pages = (sum(v for k, v in retained.items() if k.endswith("_pages")) + retained.get("layer_inputs", 0)
              + retained.get("recomputed_inputs", 0))
@@ -437,14 +440,14 @@ def _page_needs(shape, tokens, retained, tier, depth, kept_tier):
             "nvme": pages + checkpoints}
 
 
-def _fits(needs, plan):
+def _fits(needs: dict[str, int], plan: Plan) -> bool:
     for key, budget in (("gpu", plan.gpu_budget), ("host", plan.host_budget), ("nvme", plan.nvme_budget)):
         if needs[key] and budget is not None and needs[key] > budget:
             return False
     return True
 
 
-def _depth_for(tier):
+def _depth_for(tier: str) -> int:
     # Host copies are fast next to a layer's compute: one layer ahead hides them. NVMe reads are slower and
     # burstier: two ahead where it fits.
     return {"none": 1, "cpu": 1, "nvme": 2}[tier]
@@ -452,7 +455,7 @@ def _depth_for(tier):
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every="auto") -> Plan:
+              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -555,7 +558,7 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     return out
 
 
-def check_expert_layout(shape: ModelShape, layout: Layout):
+def check_expert_layout(shape: ModelShape, layout: Layout) -> None:
     """ValueError for an expert-parallel size the engine would refuse (engine/experts.py: EP groups of `ep`
     consecutive ranks, the CP group under context parallelism, an even split of every layer's experts)."""
     ep = layout.ep
@@ -606,13 +609,13 @@ def moe_figures(shape: ModelShape, layout: Layout, tokens_per_rank: int, capture
     return out
 
 
-def _max_context(shape, mode, layout, chunk, plan, tier, depth, keep_attention=False, kept_tier=None,
-                 limit=1 << 40):
+def _max_context(shape: ModelShape, mode: str, layout: Layout, chunk: int, plan: Plan, tier: str, depth: int,
+                 keep_attention: bool = False, kept_tier: str | None = None, limit: int = 1 << 40) -> int | None:
     """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
     if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
         return None
 
-    def ok(context):
+    def ok(context: int) -> bool:
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix,
                                      plan.inputs_every, layout.gpu_memory)
         tokens = captured_tokens_per_rank(context, layout.cp)

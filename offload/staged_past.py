@@ -18,10 +18,18 @@ each segment also goes through `_PagesWithGrad`, an identity whose backward hand
 instead of accumulating it on a leaf.
 """
 
-from collections.abc import Mapping
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .pages import PagePool
+    from .stager import Stager
+    from .tiered import TieredPagePool
 
 
 class _PagesWithGrad(torch.autograd.Function):
@@ -29,13 +37,14 @@ class _PagesWithGrad(torch.autograd.Function):
     took the pair's `grad_sink` sends nothing here)."""
 
     @staticmethod
-    def forward(ctx, anchor, pages, sink):
+    def forward(ctx: Any, anchor: torch.Tensor, pages: torch.Tensor,
+                sink: Callable[[torch.Tensor], None]) -> torch.Tensor:
         ctx.sink = sink
         ctx.set_materialize_grads(False)  # no zero page-sized gradient when the kernel used the sink
         return pages
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor | None) -> tuple[None, None, None]:
         if grad is not None:
             ctx.sink(grad)
         return None, None, None
@@ -46,22 +55,25 @@ class PagesPair(tuple):
     kernels.attention_with_past's sinks) adds the pages' gradient to the gradient pages one key block at a time
     instead of returning the pair's whole dK/dV through autograd."""
 
-    def __new__(cls, pair, grad_sink):
+    def __new__(cls, pair: Iterable[torch.Tensor],
+                grad_sink: Callable[[int, torch.Tensor, torch.Tensor], None]) -> PagesPair:
         self = super().__new__(cls, pair)
         self.grad_sink = grad_sink
         return self
 
 
-def _block_sink(pool, layer, names, start):
-    def sink(offset, dk_KTD, dv_KTD):
-        for name, grad in zip(names, (dk_KTD, dv_KTD)):
+def _block_sink(pool: PagePool | TieredPagePool, layer: int, names: Sequence[str],
+                start: int) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    def sink(offset: int, dk_KTD: torch.Tensor, dv_KTD: torch.Tensor) -> None:
+        for name, grad in zip(names, (dk_KTD, dv_KTD), strict=True):
             pool.add_grad(layer, name, start + offset, grad.transpose(0, 1))
 
     return sink
 
 
-def _grad_sink(pool, layer, name, start):
-    def sink(grad):
+def _grad_sink(pool: PagePool | TieredPagePool, layer: int, name: str,
+               start: int) -> Callable[[torch.Tensor], None]:
+    def sink(grad: torch.Tensor) -> None:
         pool.add_grad(layer, name, start, grad)
 
     return sink
@@ -74,7 +86,7 @@ class StagedPast(Mapping):
     gradient pages. `fresh()` gives an independent copy of the appended segments (one per replayed member).
     """
 
-    def __init__(self, stager, start, end, with_grad=False):
+    def __init__(self, stager: Stager, start: int, end: int, with_grad: bool = False) -> None:
         self.stager = stager
         self.start, self.end = start, end
         self.with_grad = with_grad
@@ -82,7 +94,7 @@ class StagedPast(Mapping):
         # Pages are constants of the graph; the anchor is the one input that makes _PagesWithGrad differentiable.
         self._anchor = torch.zeros((), requires_grad=True) if with_grad else None
 
-    def __getitem__(self, layer):
+    def __getitem__(self, layer: int) -> list[Sequence[torch.Tensor]]:
         later = self._later[layer]  # KeyError for layers without pages, as a dict would
         names = self.stager.names[layer]
         pages = self.stager.get(layer, self.start, self.end)
@@ -90,20 +102,20 @@ class StagedPast(Mapping):
         if self.with_grad and self.end > self.start:
             pool = self.stager.pool
             pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
-                         for name, tensor in zip(names, pair))
+                         for name, tensor in zip(names, pair, strict=True))
             pair = PagesPair(pair, _block_sink(pool, layer, names, self.start))
         return [pair, *later]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[int]:
         return iter(self._later)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._later)
 
-    def append(self, layer, segment):
+    def append(self, layer: int, segment: Sequence[torch.Tensor]) -> None:
         self._later[layer].append(segment)
 
-    def fresh(self):
+    def fresh(self) -> StagedPast:
         copy = StagedPast.__new__(StagedPast)
         copy.__dict__.update(self.__dict__)
         copy._later = {layer: [] for layer in self._later}
@@ -113,13 +125,13 @@ class StagedPast(Mapping):
 class _Handle:
     __slots__ = ("key", "name", "size", "stride", "offset")
 
-    def __init__(self, key, name, tensor):
+    def __init__(self, key: tuple[int, int, int], name: str, tensor: torch.Tensor) -> None:
         self.key, self.name = key, name
         self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
 
 
 @contextmanager
-def staged_saves(stager):
+def staged_saves(stager: Stager) -> Iterator[None]:
     """While active, autograd saves staged pages as handles and re-stages them in backward (see module doc).
 
     Only the forward needs to run inside: the hooks are bound to the saved tensors when they are packed.
@@ -128,11 +140,11 @@ def staged_saves(stager):
         yield
         return
 
-    def pack(tensor):
+    def pack(tensor: torch.Tensor) -> torch.Tensor | _Handle:
         owner = stager.owner_of(tensor)
         return tensor if owner is None else _Handle(*owner, tensor)
 
-    def unpack(saved):
+    def unpack(saved: torch.Tensor | _Handle) -> torch.Tensor:
         if not isinstance(saved, _Handle):
             return saved
         layer, start, end = saved.key

@@ -13,17 +13,27 @@ not ask for (the next capture chunk asks for a longer one) is released unused.
 For the device tier reads are views and nothing moves, but the same code runs.
 """
 
+from __future__ import annotations
+
 import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .pages import PagePool, ReadyRead
+    from .tiered import ReadTicket, TieredPagePool
 
 
 class _Staged:
-    def __init__(self, tickets):
+    def __init__(self, tickets: dict[str, ReadTicket | ReadyRead]) -> None:
         self.tickets = tickets  # name -> ReadTicket
 
-    def result(self):
+    def result(self) -> dict[str, torch.Tensor]:
         return {name: ticket.result() for name, ticket in self.tickets.items()}
 
-    def release(self):
+    def release(self) -> None:
         for ticket in self.tickets.values():
             ticket.release()
 
@@ -32,7 +42,8 @@ class Stager:
     """layers: a mapping layer -> the names of its streams (layers may differ), or a list of layers that all
     stage the streams `names`."""
 
-    def __init__(self, pool, layers, names=None, depth=None, wrap=False):
+    def __init__(self, pool: PagePool | TieredPagePool, layers: dict[int, Iterable[str]] | Iterable[int],
+                 names: Iterable[str] | None = None, depth: int | None = None, wrap: bool = False) -> None:
         self.pool = pool
         if isinstance(layers, dict):
             self.names = {layer: tuple(streams) for layer, streams in layers.items()}
@@ -54,14 +65,14 @@ class Stager:
         self.reads = 0  # reads issued (tests and the benchmark count them)
         self.peak_staged = 0
 
-    def _move_to(self, layer):
+    def _move_to(self, layer: int) -> int:
         position = self._position[layer]
         if self._last is not None and position != self._last:
             self._direction = self._walk_direction(self._last, position)
         self._last = position
         return position
 
-    def get(self, layer, start, end) -> dict:
+    def get(self, layer: int, start: int, end: int) -> dict:
         """{name: tokens [start, end) of `layer`} on the compute device; valid until the walk moves on."""
         key = (layer, start, end)
         position = self._move_to(layer)
@@ -82,7 +93,8 @@ class Stager:
                 self._owned[ptr] = (weakref.ref(tensor), key, name)
         return staged
 
-    def stream(self, layer, start=0, end=None):
+    def stream(self, layer: int, start: int = 0,
+               end: int | None = None) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
         """Tokens [start, end) of `layer` page by page (end None: the stream's length): yields (lo, hi, {name:
         tensor}) for each page-aligned piece. The next piece's read is issued before this one is handed out, and
         after the layer's last piece the first piece of the next layer of the walk, so the tier's reads overlap the
@@ -103,7 +115,7 @@ class Stager:
             finally:
                 current.release()
 
-    def _pieces(self, layer, start, end):
+    def _pieces(self, layer: int, start: int, end: int | None) -> Iterator[tuple[int, int]]:
         end = self.pool.length(layer, self.names[layer][0]) if end is None else end
         page = self.pool.page_tokens
         lo = start
@@ -112,7 +124,7 @@ class Stager:
             yield lo, hi
             lo = hi
 
-    def _next_piece(self, layer, position, hi, end):
+    def _next_piece(self, layer: int, position: int, hi: int, end: int | None) -> tuple[int, int, int] | None:
         """The piece after [.., hi) of `layer`: its next page, or the first page of the walk's next layer."""
         following = next(self._pieces(layer, hi, end), None)
         if following is not None:
@@ -123,7 +135,7 @@ class Stager:
         first = next(self._pieces(ahead[0], 0, None), None)
         return None if first is None else (ahead[0], *first)
 
-    def owner_of(self, tensor):
+    def owner_of(self, tensor: torch.Tensor) -> tuple[tuple[int, int, int], str] | None:
         """(key, name) when `tensor` shares storage with a live staged copy, else None.
 
         Storage addresses are reused after a free, so a match counts only while the staged tensor is alive
@@ -138,7 +150,7 @@ class Stager:
             return None
         return key, name
 
-    def close(self):
+    def close(self) -> None:
         """Release every staged layer (in-flight reads are completed first)."""
         for staged in self._window.values():
             staged.release()
@@ -149,7 +161,7 @@ class Stager:
         self._owned.clear()
         self._last = None
 
-    def _walk_direction(self, last, position):
+    def _walk_direction(self, last: int, position: int) -> int:
         """+1 or -1. A step to a neighbour gives the direction; a jump restarts a walk: forward from the first
         layer, backward from the last (replay's next block, capture's next chunk, a backward after a forward)."""
         count = len(self.layers)
@@ -164,11 +176,11 @@ class Stager:
             return -1
         return 1 if step > 0 else -1
 
-    def _issue(self, layer, start, end):
+    def _issue(self, layer: int, start: int, end: int) -> _Staged:
         self.reads += 1
         return _Staged({name: self.pool.begin_read(layer, name, start, end) for name in self.names[layer]})
 
-    def _ahead(self, position):
+    def _ahead(self, position: int) -> list[int]:
         count = len(self.layers)
         out = []
         for step in range(1, self.depth + 1):

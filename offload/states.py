@@ -19,6 +19,7 @@ wrong move is a bug in this package, never a user error.
 """
 
 from enum import Enum
+from typing import Any
 
 
 class PageState(Enum):
@@ -47,7 +48,7 @@ STAGING_TRANSITIONS = {
 }
 
 
-def advance(item, new: PageState, transitions=PAGE_TRANSITIONS):
+def advance(item: Any, new: PageState, transitions: dict[PageState, set[PageState]] = PAGE_TRANSITIONS) -> None:
     """Move `item.state` to `new`; raise AssertionError (naming the item) on a move the table forbids."""
     old = item.state
     if new not in transitions[old]:

@@ -10,7 +10,9 @@ dtype, exactly as the device tier does, so every tier yields the same numbers.
 """
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,14 +51,14 @@ class ReadTicket:
     freed under a running transfer).
     """
 
-    def __init__(self, description, finish):
+    def __init__(self, description: str, finish: Callable[[], torch.Tensor]) -> None:
         self.description = description
         self.state = PageState.FREE
         advance(self, PageState.IN_FLIGHT, STAGING_TRANSITIONS)
         self._finish = finish
         self._tensor = None
 
-    def result(self):
+    def result(self) -> torch.Tensor:
         if self.state is PageState.IN_FLIGHT:
             if self._finish is None:
                 raise AssertionError(f"result() again after a failed read: {self!r}")
@@ -67,7 +69,7 @@ class ReadTicket:
             raise AssertionError(f"result() of a released read: {self!r}")
         return self._tensor
 
-    def release(self):
+    def release(self) -> None:
         if self.state is PageState.IN_FLIGHT and self._finish is not None:
             try:
                 self.result()  # complete the transfer before its buffers are reused
@@ -77,7 +79,7 @@ class ReadTicket:
             advance(self, PageState.RELEASED, STAGING_TRANSITIONS)
         self._tensor = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"read of {self.description}: {self.state.value}"
 
 
@@ -87,7 +89,8 @@ class TieredPagePool:
     tier = "?"
     copies_on_read = True
 
-    def __init__(self, page_tokens: int, device=None, rank: int = 0, staging_depth: int = 1):
+    def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
+                 staging_depth: int = 1) -> None:
         init_pool_basics(self, page_tokens, device, rank, staging_depth)
         self.table = PageTable(page_tokens, rank)
         self._streams: dict[tuple[int, str], StreamInfo] = {}
@@ -96,37 +99,37 @@ class TieredPagePool:
         self._finalizer = weakref.finalize(self, type(self)._finalize, self._finalize_state())
 
     # -- subclass hooks ----------------------------------------------------------------------------------
-    def _finalize_state(self):
+    def _finalize_state(self) -> object:
         """An object (not the pool) that `_finalize` can clean up from; the default has nothing to clean."""
         return None
 
     @staticmethod
-    def _finalize(state):
+    def _finalize(state: Any) -> None:
         pass
 
-    def _create_stream(self, info: StreamInfo, kind: str):
+    def _create_stream(self, info: StreamInfo, kind: str) -> None:
         raise NotImplementedError
 
-    def _write_state(self, info: StreamInfo, start: int, values_cpu: torch.Tensor):
+    def _write_state(self, info: StreamInfo, start: int, values_cpu: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _read(self, info: StreamInfo, kind: str, start: int, end: int) -> ReadTicket:
         raise NotImplementedError
 
-    def _accumulate_grad(self, info: StreamInfo, start: int, grad_cpu: torch.Tensor):
+    def _accumulate_grad(self, info: StreamInfo, start: int, grad_cpu: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _flush(self):
+    def _flush(self) -> None:
         raise NotImplementedError
 
-    def _free(self):
+    def _free(self) -> None:
         raise NotImplementedError
 
     def host_bytes(self) -> int:
         raise NotImplementedError
 
     # -- bookkeeping -------------------------------------------------------------------------------------
-    def reserve(self, layer: int, name: str, tokens: int, shape, dtype):
+    def reserve(self, layer: int, name: str, tokens: int, shape: Sequence[int], dtype: torch.dtype) -> None:
         """Declare a stream of `tokens` tokens, each a tensor of `shape`; pages are filled by `append`."""
         self._check_open()
         key = (layer, name)
@@ -137,7 +140,7 @@ class TieredPagePool:
         self.table.add_stream(layer, name, "state", tokens)
         self._streams[key] = info
 
-    def streams(self):
+    def streams(self) -> list[tuple[int, str]]:
         return list(self._streams)
 
     def length(self, layer: int, name: str) -> int:
@@ -154,7 +157,7 @@ class TieredPagePool:
         return {key: s.tokens * s.token_bytes for key, s in self._streams.items()}
 
     # -- data ------------------------------------------------------------------------------------------
-    def append(self, layer: int, name: str, values):
+    def append(self, layer: int, name: str, values: torch.Tensor) -> None:
         """Write the next tokens of a stream (token-major tensor on any device)."""
         self._check_open()
         info = self._stream(layer, name)
@@ -168,7 +171,8 @@ class TieredPagePool:
             self._write_state(info, info.length, values.detach().to("cpu", info.dtype).contiguous())
         info.length = end
 
-    def begin_read(self, layer: int, name: str, start: int = 0, end: int | None = None, kind: str = "state"):
+    def begin_read(self, layer: int, name: str, start: int = 0, end: int | None = None,
+                   kind: str = "state") -> ReadTicket:
         """Issue a read of tokens [start, end) to the compute device; `.result()` waits and returns the copy."""
         self._check_open()
         info = self._stream(layer, name)
@@ -183,11 +187,11 @@ class TieredPagePool:
             return ReadTicket(f"empty range of {(layer, name)}", lambda: empty)
         return self._read(info, kind, start, end)
 
-    def read(self, layer: int, name: str, start: int = 0, end: int | None = None):
+    def read(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Tokens [start, end) of a stream: a fresh tensor on the compute device."""
         return self.begin_read(layer, name, start, end).result()
 
-    def add_grad(self, layer: int, name: str, start: int, grad):
+    def add_grad(self, layer: int, name: str, start: int, grad: torch.Tensor) -> None:
         """Accumulate d(loss)/d(tokens [start, start + len(grad))) on the stream's gradient pages."""
         self._check_open()
         info = self._stream(layer, name)
@@ -201,15 +205,15 @@ class TieredPagePool:
             # .to(dtype) first, on the gradient's own device: the device tier rounds there too.
             self._accumulate_grad(info, start, grad.detach().to(info.dtype).to("cpu").contiguous())
 
-    def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None):
+    def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.begin_read(layer, name, start, end, kind="grad").result()
 
-    def flush(self):
+    def flush(self) -> None:
         """Seal partly filled pages and wait until every page is resident on its tier."""
         self._check_open()
         self._flush()
 
-    def release(self):
+    def release(self) -> None:
         """Free every page (state and gradient) and its storage; safe to call twice."""
         if self._released:
             return
@@ -220,11 +224,11 @@ class TieredPagePool:
             self.table.release_all()
             self._finalizer()
 
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self._released:
             raise AssertionError(f"{self.tier} page pool of rank {self.rank} used after release()")
 
-    def _stream(self, layer, name) -> StreamInfo:
+    def _stream(self, layer: int, name: str) -> StreamInfo:
         try:
             return self._streams[(layer, name)]
         except KeyError:

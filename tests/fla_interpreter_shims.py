@@ -3,11 +3,11 @@ tests/unit/test_fla_interpreter.py, in a subprocess of its own.
 
 Run as `TRITON_INTERPRET=1 PYTHONPATH=<folder with fla> python fla_interpreter_shims.py INPUTS OUTPUTS`: INPUTS is a
 torch.save'd dict: "cases" (dicts of float32 inputs, cotangents and flags) and "dqkwg" (keyword arguments of fla's
-`chunk_bwd_dqkwg`). For each case the project's CUDA glue `kernels/fla_delta.chunk_gated_delta_rule_fla` calls fla,
-twice: as installed, and with the project's torch `chunk_bwd_dqkwg` (kernels/fla_dqkwg.py) registered and taken,
-as where fla refuses its own. OUTPUTS receives the output, the final state and the gradients of every input (the
-initial state's included) under those cotangents, for both; and for each "dqkwg" entry, fla's Triton step and the
-torch one on the same arguments.
+`chunk_bwd_dqkwg`). For each case the project's CUDA glue `kernels/gated_delta/fla_bridge.chunk_gated_delta_rule_fla`
+calls fla, twice: as installed, and with the project's torch `chunk_bwd_dqkwg` (kernels/gated_delta/fla_dqkwg.py)
+registered and taken, as where fla refuses its own. OUTPUTS receives the output, the final state and the gradients of
+every input (the initial state's included) under those cotangents, for both; and for each "dqkwg" entry, fla's
+Triton step and the torch one on the same arguments.
 
 Never import this module into the test process: fla must not be importable there (transformers' qwen3_5 then
 sends CPU tensors to fla), and the shims below change Triton for the whole process.
@@ -85,7 +85,7 @@ def run_case(case: dict) -> dict:
     """fla's forward and backward on one case (keys as written by tests/unit/test_fla_interpreter.py)."""
     import torch
 
-    from ds_longstraw.kernels.fla_delta import chunk_gated_delta_rule_fla
+    from ds_longstraw.kernels.gated_delta.fla_bridge import chunk_gated_delta_rule_fla
 
     names = ["q", "k", "v", "g", "beta"] + (["h0"] if case["h0"] is not None else [])
     inputs = {name: case[name].clone().requires_grad_() for name in names}
@@ -93,15 +93,16 @@ def run_case(case: dict) -> dict:
                                             inputs.get("h0"), output_final_state=True,
                                             use_qk_l2norm_in_kernel=case["l2norm"])
     grads = torch.autograd.grad([out, final], list(inputs.values()), [case["d_out"], case["d_final"]])
-    return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d for name, d in zip(names, grads)}}
+    return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d
+                                                             for name, d in zip(names, grads, strict=True)}}
 
 
 def run_case_with_torch_dqkwg(case: dict) -> tuple[dict, int]:
-    """run_case with the project's torch `chunk_bwd_dqkwg` (kernels/fla_dqkwg.py) registered with fla and taken on
-    every call, as on a machine where fla refuses its Triton build; and how many calls it served (as the
-    dispatch's record counts them). The default registration is restored after."""
+    """run_case with the project's torch `chunk_bwd_dqkwg` (kernels/gated_delta/fla_dqkwg.py) registered with fla
+    and taken on every call, as on a machine where fla refuses its Triton build; and how many calls it served (as
+    the dispatch's record counts them). The default registration is restored after."""
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
-    from ds_longstraw.kernels.fla_dqkwg import register_backend, serves
+    from ds_longstraw.kernels.gated_delta.fla_dqkwg import register_backend, serves
 
     served = []
 
@@ -125,7 +126,7 @@ def run_dqkwg(inputs: dict) -> tuple[tuple, tuple]:
 
     from fla.ops.common import chunk_o
 
-    from ds_longstraw.kernels.fla_dqkwg import chunk_bwd_dqkwg_torch
+    from ds_longstraw.kernels.gated_delta.fla_dqkwg import chunk_bwd_dqkwg_torch
 
     fla_kernel = inspect.unwrap(chunk_o.chunk_bwd_dqkwg)  # past fla's backend dispatch
     return fla_kernel(**inputs), chunk_bwd_dqkwg_torch(**inputs)

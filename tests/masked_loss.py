@@ -27,9 +27,10 @@ def masked_group(prompt_len, members, seed=0, **extra):
 
 
 def masked_grpo_loss(group, logps, ref_logps, clip_low=0.2, clip_high=0.2, kl_coef=0.0, loss_agg="token-mean",
-                     scale_rewards=True):
+                     scale_rewards=True, empty_members="count"):
     """The masked GRPO loss, written out plainly: token losses multiplied by the mask, token-mean over the group's
-    trained tokens or the mean over members that train at least one token of their trained-token means."""
+    trained tokens or the mean over members of their trained-token means (a member with no trained token counts as
+    a 0 in that mean, or, with empty_members "skip", is left out of it)."""
     if group.advantages is not None:
         advantages = group.advantages
     else:
@@ -52,5 +53,6 @@ def masked_grpo_loss(group, logps, ref_logps, clip_low=0.2, clip_high=0.2, kl_co
         counts.append(int(keep.sum()))
     if loss_agg == "token-mean":
         return sum(sums) / sum(counts) if sum(counts) else sum(sums) * 0.0
-    trained = [(s, n) for s, n in zip(sums, counts) if n]
-    return sum(s / n for s, n in trained) / len(trained) if trained else sum(sums) * 0.0
+    trained = [(s, n) for s, n in zip(sums, counts, strict=True) if n]
+    members = len(sums) if empty_members == "count" else len(trained)
+    return sum(s / n for s, n in trained) / members if trained else sum(sums) * 0.0

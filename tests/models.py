@@ -129,18 +129,27 @@ def member_logprobs(logits_TV, targets):
     return torch.log_softmax(logits_TV.to(acc), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
-def full_sequence_logprobs(model, prompt, responses):
-    """Reference for exact mode: each member as one prompt+response forward with autograd (no cache)."""
+def member_entropies(logits_TV):
+    """The softmax's entropy at each position, by torch.distributions (an implementation not the project's)."""
+    acc = torch.float64 if logits_TV.dtype == torch.float64 else torch.float32
+    return torch.distributions.Categorical(logits=logits_TV.to(acc)).entropy()
+
+
+def full_sequence_logprobs(model, prompt, responses, entropies=None):
+    """Reference for exact mode: each member as one prompt+response forward with autograd (no cache). entropies: a
+    list that receives each member's entropies (differentiable) alongside."""
     logps = []
     for response in responses:
         logits = model(torch.cat([prompt, response]).unsqueeze(0), use_cache=False).logits[0]
         logps.append(member_logprobs(logits[prompt.numel() - 1:-1], response))
+        if entropies is not None:
+            entropies.append(member_entropies(logits[prompt.numel() - 1:-1]))
     return logps
 
 
-def cache_continuation_logprobs(model, prompt, responses):
+def cache_continuation_logprobs(model, prompt, responses, entropies=None):
     """Reference for detached mode: a no-grad prefill of prompt[:-1] into a transformers cache, then each member
-    continues from a copy of it with autograd on [prompt[-1], response[:-1]]."""
+    continues from a copy of it with autograd on [prompt[-1], response[:-1]] (entropies: as full_sequence_logprobs)."""
     import copy
 
     from transformers import DynamicCache
@@ -154,4 +163,6 @@ def cache_continuation_logprobs(model, prompt, responses):
         ids = torch.cat([prompt[-1:], response[:-1]]).unsqueeze(0)
         logits = model(ids, past_key_values=member_cache, use_cache=True).logits[0]
         logps.append(member_logprobs(logits, response))
+        if entropies is not None:
+            entropies.append(member_entropies(logits))
     return logps

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ds_longstraw.kernels import VOCAB_CHUNK, chunked_logprobs
+from ds_longstraw.kernels import VOCAB_CHUNK, chunked_logprobs, chunked_logprobs_entropy
 from ds_longstraw.kernels.dispatch import record
 
 
@@ -25,7 +25,7 @@ def inject_gradients(outputs, grads, backward=None):
     backward: None (torch.autograd.backward), or a callable taking one scalar (DeepSpeed's engine.backward): it
     gets sum((output * grad).sum()), whose gradient with respect to each output is exactly its grad."""
     live = [(o, torch.zeros_like(o) if g is None else g.to(o.dtype))
-            for o, g in zip(outputs, grads) if o is not None and o.requires_grad]
+            for o, g in zip(outputs, grads, strict=True) if o is not None and o.requires_grad]
     if not live:
         return
     if backward is None:
@@ -81,8 +81,9 @@ class CausalLMAdapter:
     # `CausalLMAdapter.logprobs_vocab_chunk = None` (adapters are made per call).
     logprobs_vocab_chunk = VOCAB_CHUNK
 
-    def logprobs(self, hidden_1TC, targets):
-        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64).
+    def logprobs(self, hidden_1TC, targets, with_entropy=False):
+        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64);
+        with_entropy: (log p(targets), the softmax's entropy at each token), for an entropy bonus.
 
         With a plain nn.Linear LM head the vocabulary is walked in chunks (forward and backward), so no [T, V]
         logits exist: at Qwen3.6's 248,320-token vocabulary those are about 1 GB per 1,024 tokens in float32, and
@@ -96,12 +97,13 @@ class CausalLMAdapter:
             record("log-probs", "full_logits")
             logits = self.lm_head(normed_1TC)[0]
             acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            logp = torch.log_softmax(logits.to(acc), dim=-1)
-            return logp.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
-        return head_logprobs(self.lm_head, normed_1TC[0], targets, self.logprobs_vocab_chunk)
+            logp_TV = torch.log_softmax(logits.to(acc), dim=-1)
+            logp = logp_TV.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
+            return (logp, -(logp_TV.exp() * logp_TV).sum(dim=-1)) if with_entropy else logp
+        return head_logprobs(self.lm_head, normed_1TC[0], targets, self.logprobs_vocab_chunk, with_entropy)
 
 
-def head_logprobs(head, hidden_TC, targets_T, vocab_chunk):
+def head_logprobs(head, hidden_TC, targets_T, vocab_chunk, with_entropy=False):
     """chunked_logprobs through a plain nn.Linear head, run AS the head's module call: the call's hooks are what
     ZeRO-3 gathers a partitioned weight in (pre-forward) and gathers it again in backward (a hook on the call's
     output, before this backward reads the saved weight), releasing it after the gradient has been accumulated (a
@@ -109,8 +111,10 @@ def head_logprobs(head, hidden_TC, targets_T, vocab_chunk):
     the call is a plain function call. Each block makes one call, as the plain path does, so ZeRO-3's call order
     matches on every rank."""
 
+    kernel = chunked_logprobs_entropy if with_entropy else chunked_logprobs
+
     def chunked_forward(hidden_TC, targets_T):
-        return chunked_logprobs(hidden_TC, head.weight, targets_T, head.bias, vocab_chunk)
+        return kernel(hidden_TC, head.weight, targets_T, head.bias, vocab_chunk)
 
     head.forward = chunked_forward  # an instance attribute: nn.Module.__call__ runs it between the hooks
     try:

@@ -7,7 +7,7 @@ gradient pages; a "shared" indexer layer reuses the selection of the last full l
 MLP blocks retain nothing. Nothing per head is materialised for the prompt, in any phase.
 
 How a segment runs (`GlmMoeDsaAdapter.forward_segment`): per layer the indexer scores every earlier position from
-the indexer keys and keeps a canonical top-k (glm_moe_dsa_attention.dsa_select: score descending, then position
+the indexer keys and keeps a canonical top-k (kernels/dsa: dsa_select, score descending, then position
 ascending); absorbed MLA attends over the selected latent rows only (sparse_latent_attention), which equals the
 model's expanded attention over its index mask; the decoder layer's own `mlp` (router and experts, or the dense
 MLP) follows.
@@ -27,12 +27,11 @@ import torch
 import torch.utils.checkpoint
 from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
 
-from ds_longstraw.kernels import merge_partials
+from ds_longstraw.kernels import dsa, merge_partials, sparse_mla
+from ds_longstraw.kernels.dsa import score_dtype
 
-from . import glm_moe_dsa_attention as dsa
 from .base import CausalLMAdapter, SegmentOutput
 from .family import Family
-from .glm_moe_dsa_attention import score_dtype
 from .glm_moe_dsa_experts import (
     expert_parallel,
     moe_forward,
@@ -223,10 +222,10 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         latents = [piece[0] for piece in past] + [latent]
         ropes = [piece[1] for piece in past] + [k_rope]
         if remote is None:
-            o_lat = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
+            o_lat = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
         else:
-            o_lat, lse = dsa.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling,
-                                                     offset=offset, with_lse=True)
+            o_lat, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling,
+                                                            offset=offset, with_lse=True)
             remote_out, remote_lse = remote.attend(index, (q_lat, q_rope), *selection)
             o_lat, _ = merge_partials(o_lat, lse, remote_out, remote_lse.to(lse.dtype))
         out = torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, h_1TC.shape[1], -1)
@@ -309,13 +308,15 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
     def sparse_partial(self, index, query, pages, page_start, positions, valid):
         """(o_lat, lse) of the query over its selected rows within one page (positions page_start ..)."""
         module = self.layers[index].self_attn
-        return dsa.page_partial(*query, pages[LATENT], pages[ROPE_KEY], page_start, positions, valid, module.scaling)
+        return sparse_mla.page_partial(*query, pages[LATENT], pages[ROPE_KEY], page_start, positions, valid,
+                                       module.scaling)
 
     def sparse_grads(self, index, query, pages, page_start, positions, valid, lse, d_out, delta):
         """One page's share of the gradients given the merged lse and delta: (d query, {stream: d rows})."""
         module = self.layers[index].self_attn
-        d_q_lat, d_q_rope, d_latent, d_rope = dsa.page_grads(*query, pages[LATENT], pages[ROPE_KEY], page_start,
-                                                             positions, valid, lse, d_out, delta, module.scaling)
+        d_q_lat, d_q_rope, d_latent, d_rope = sparse_mla.page_grads(*query, pages[LATENT], pages[ROPE_KEY],
+                                                                    page_start, positions, valid, lse, d_out, delta,
+                                                                    module.scaling)
         return (d_q_lat, d_q_rope), {LATENT: d_latent, ROPE_KEY: d_rope}
 
     # -- the segment -------------------------------------------------------------------------------------
@@ -446,7 +447,7 @@ def _decode_attention(q_lat, q_rope, shared, first, own_lat, own_rope, selection
     out = torch.einsum("ghs,sgr->ghr", probs, own_lat.to(acc))
     start = first
     for piece in shared:
-        part, part_lse = dsa.page_partial(q_lat, q_rope, piece[0], piece[1], start, positions, valid, scale)
+        part, part_lse = sparse_mla.page_partial(q_lat, q_rope, piece[0], piece[1], start, positions, valid, scale)
         out, lse = merge_partials(out, lse, part.to(acc), part_lse.to(acc))
         start += piece[0].shape[0]
     if remote is not None:

@@ -99,6 +99,9 @@ def _delta_rule(query, key, value, g, beta, state):
 
 class Qwen35Adapter(CausalLMAdapter):
     family = "qwen3_5"
+    # its "affine_scan" layers run in the layer-major CP prefix pass (prefix_scan_layer, scan_layer_forward): what
+    # a family with such layers declares (grpo/topology.resolve_prefix)
+    layer_major_scan = True
 
     def __init__(self, model):
         self.model = model
@@ -147,7 +150,7 @@ class Qwen35Adapter(CausalLMAdapter):
         """The delta rule's output [1, T, Hv, dv], the output gate z, the end state and the end conv tail of the
         layer input h_1TC from (state, tail) (None: the prompt start), before the gated norm and out projection."""
         query, key, value, g, beta, z, new_tail = self.gdn_inputs(module, h_1TC, tail)
-        # The chunked rule keeps only its inputs for backward (kernels/gated_delta_chunked.py): its intermediates
+        # The chunked rule keeps only its inputs for backward (kernels/gated_delta/chunked.py): its intermediates
         # are ~10x their size, and the exact-mode prefix pass holds a whole segment's graph.
         out, new_state = _delta_rule(query, key, value, g, beta, state)
         return out, z, new_state, new_tail
@@ -251,23 +254,24 @@ class Qwen35Adapter(CausalLMAdapter):
         module = next(self.layers[i].linear_attn for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
         return tokens * module.num_v_heads * (module.head_k_dim + module.head_v_dim) * self.dtype.itemsize
 
-    def capture_scan_layer(self, index, normed_1TC, spans, cp, pieces, boundaries, pad=0, checkpoints=None,
-                           hold=True):
+    # chunks: the schedule's chunks of this rank's shard (grpo/lockstep.ShardChunks): `spans` [(a, b, position)],
+    # then dummies() after each per-chunk loop (ZeRO-3 lockstep: one zero token each, results discarded)
+    def capture_scan_layer(self, index, normed_1TC, chunks, cp, pieces, boundaries, checkpoints=None, hold=True):
         """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
-        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, spans, cp, pieces, boundaries,
-                                 index, pad=pad, checkpoints=checkpoints, hold=hold)
+        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, chunks, cp, pieces, boundaries,
+                                 index, checkpoints=checkpoints, hold=hold)
 
-    def prefix_scan_layer(self, index, read_input, dy_1TC, state, spans, cp, pieces, d_final, backward=None, pad=0):
+    def prefix_scan_layer(self, index, read_input, dy_1TC, state, chunks, cp, pieces, d_final, backward=None):
         """One Gated DeltaNet layer of the layer-major exact prefix pass under context parallelism: d(layer input)
         over this rank's shard (qwen3_5_scan_backward.py); read_input(a, b): the layer's input of local tokens
         [a, b)."""
-        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, read_input, dy_1TC, state, spans, cp,
-                                pieces, d_final, backward=backward, pad=pad)
+        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, read_input, dy_1TC, state, chunks, cp,
+                                pieces, d_final, backward=backward)
 
-    def scan_layer_forward(self, index, normed_1TC, spans, state, pad=0):
+    def scan_layer_forward(self, index, normed_1TC, chunks, state):
         """One Gated DeltaNet layer's mixer output per chunk of this rank's shard, each from its checkpointed carry
         (the layer-major prefix pass's recompute of a layer input, qwen3_5_scan_backward.py)."""
-        return forward_gdn_layer(self, self.layers[index].linear_attn, index, normed_1TC, spans, state, pad=pad)
+        return forward_gdn_layer(self, self.layers[index].linear_attn, index, normed_1TC, chunks, state)
 
     # -- the segment -------------------------------------------------------------------------------------
     def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):
@@ -279,8 +283,9 @@ class Qwen35Adapter(CausalLMAdapter):
             state, tail = carry.get(index, (None, None))
             mixed, first, second = self.gdn_forward(layer.linear_attn, h, state, tail)
         else:
-            # a remote that takes its requests in two halves (the prefix pass's turns) overlaps the local attention
-            keys = getattr(remote_attention, "keys", None)
+            # a remote that takes its requests in two halves (the prefix pass's turns: its `keys`, which every
+            # remote attention declares, None for the others) overlaps the local attention
+            keys = None if remote_attention is None else remote_attention.keys
             remote_keys = None if keys is None else keys(index)
             remote = None if remote_attention is None or remote_keys is not None else partial(remote_attention, index)
             mixed, first, second, attention = self.attention_forward(
@@ -296,7 +301,8 @@ class Qwen35Adapter(CausalLMAdapter):
         past: layer -> list of (K, V) token-major segments that precede this one (prompt pages, earlier blocks);
         remote_attention: None, or a callable (layer, q_HTD, known=None) -> (out_HTD, lse_HT) over earlier keys that
         live on other context-parallel ranks (ds_longstraw.parallel); given `known` (a layer of known_attention),
-        it returns that merged result and adds the remote share of the gradients in backward;
+        it returns that merged result and adds the remote share of the gradients in backward; its `keys` is None,
+        or layer -> the request in two halves (grpo/interfaces.RemoteAttention);
         prefix_recompute: keep only each layer's input for backward and recompute the layer there (the exact-mode
         prefix pass holds a whole capture chunk's graph otherwise); the caller sees to it that a layer's forward
         makes no remote exchange then (LongstrawConfig.prefix_recompute_runs);

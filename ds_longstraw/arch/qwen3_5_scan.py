@@ -7,7 +7,7 @@ exchanges (cp.all_gather) as its only view of the other ranks.
 Legend: Hv value heads, dk/dv key/value head dims; state S [1, Hv, dk, dv]; a transition summary [1, Hv, dk, dv + dk]
 holds [B | P]; conv tail [1, conv_dim, k-1] (the last k-1 tokens of the pre-convolution projection).
 
-Derivation. The delta rule per token (kernels/gated_delta.py) is
+Derivation. The delta rule per token (kernels/gated_delta/reference.py) is
     S <- exp(g_t) S;   S <- S + beta_t k_t (v_t - S^T k_t)^T
 that is  S_t = A_t S_{t-1} + beta_t k_t v_t^T  with  A_t = exp(g_t) (I - beta_t k_t k_t^T)  (dk x dk per head).
 Over a segment of T tokens, S_end = P S_0 + B with P = A_T ... A_1 and B = S_end(S_0 = 0): the end state is affine
@@ -112,7 +112,7 @@ def apply_summary(summary, state, dv):
 def fold_states(summaries, sizes, dv):
     """Fold segment summaries in order (empty segments skipped); None when every segment is empty."""
     state = None
-    for summary, size in zip(summaries, sizes):
+    for summary, size in zip(summaries, sizes, strict=True):
         if size:
             state = apply_summary(summary, state, dv)
     return state
@@ -121,7 +121,7 @@ def fold_states(summaries, sizes, dv):
 def fold_tails(parts, counts, width):
     """The conv tail after segments whose last counts[j] pre-conv tokens are right-aligned in parts[j]."""
     tail = torch.zeros_like(parts[0])
-    for part, count in zip(parts, counts):
+    for part, count in zip(parts, counts, strict=True):
         if count:
             tail = torch.cat([tail, part[:, :, width - count:]], dim=-1)[:, :, -width:]
     return tail
@@ -131,7 +131,7 @@ def _stacked(tensors):
     return torch.stack(tensors).contiguous()
 
 
-def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries, layer, pad=0, checkpoints=None,
+def capture_gdn_layer(adapter, module, normed_1TC, chunks, cp, pieces, boundaries, layer, checkpoints=None,
                       hold=True):
     """One GDN layer of the layer-major capture on this rank's shard (no autograd).
 
@@ -143,25 +143,27 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     (groups.shard_pieces). Returns (output [1, T, C], (final state, final conv tail) of the whole prompt).
     boundaries: None, or the exact-mode ChunkBoundary list of this rank, whose carries get this layer's
     (state, tail) at each chunk start, kept in `checkpoints` (ds_longstraw.grpo.state's checkpoint store).
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see grpo/cp/capture.py); an empty
-    piece also makes a dummy call in place of its conv-tail projection.
+    chunks: the schedule's chunks (grpo/lockstep.ShardChunks): the real ones (`spans`), then a one-token dummy call
+    for each of its dummies() after each per-chunk loop (ZeRO-3 lockstep; see grpo/cp/capture.py); where it pads
+    (`padded`), an empty piece also makes a dummy call in place of its conv-tail projection.
     """
     width = module.conv_kernel_size - 1
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
     mine, order = pieces[cp.rank], segments_in_order(pieces)
     starts = local_starts(mine)
+    spans = chunks.spans
     owners = [piece_index(mine, position) for _, _, position in spans]  # each chunk's piece
     dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
 
     # (1) conv tails across segment boundaries
     parts = []
-    for (lo, hi), a in zip(mine, starts):
+    for (lo, hi), a in zip(mine, starts[:-1], strict=True):
         count = min(hi - lo, width)
         part = normed_1TC.new_zeros(1, module.conv_dim, width)
         if count:
             b = a + hi - lo
             part[:, :, width - count:] = module.in_proj_qkv(normed_1TC[:, b - count:b]).transpose(1, 2)
-        elif pad:
+        elif chunks.padded:
             module.in_proj_qkv(dummy)
         parts.append(part)
     gathered = cp.all_gather(_stacked(parts), layer, "gdn_tail")
@@ -177,7 +179,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     states = [None] * len(mine)  # the plain pieces' running state
     tails = list(tails_in)
     held, chunk_starts = [], []  # per chunk: the delta rule's output; (summary or state, tail) at its start
-    for (a, b, _), k in zip(spans, owners):
+    for (a, b, _), k in zip(spans, owners, strict=True):
         chunk_starts.append((states[k] if plain[k] else summaries[k], tails[k]))
 
         def inputs(a=a, b=b, tail=tails[k]):
@@ -191,7 +193,7 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
             out, summaries[k] = extend_with_outputs(summaries[k], query, key, value, g, beta)
         held.append(out if hold else None)
         del out
-    for _ in range(pad):
+    for _ in chunks.dummies():
         _call_module(module, lambda: adapter.gdn_inputs(module, dummy, None, with_gate=False))
     cp.note_held("gdn_scan_outputs", sum(out.numel() * out.element_size() for out in held if out is not None))
     for k, state in enumerate(states):
@@ -207,13 +209,13 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
     final_state = fold_states(folded, sizes, dv)
 
     if not hold:
-        return _second_pass(adapter, module, normed_1TC, spans, owners, initial, tails_in, boundaries, checkpoints,
-                            layer, pad, dummy), (final_state, tail_final)
+        return _second_pass(adapter, module, normed_1TC, chunks, owners, initial, tails_in, boundaries, checkpoints,
+                            layer, dummy), (final_state, tail_final)
 
     # (4) the outputs' initial-state term, then the layer's output chunk by chunk
     outs = []
     # (every rank makes the same module calls in the same order: the gate and the finish of every chunk here)
-    for index, ((a, b, _), k, out, (start, tail)) in enumerate(zip(spans, owners, held, chunk_starts)):
+    for index, ((a, b, _), k, out, (start, tail)) in enumerate(zip(spans, owners, held, chunk_starts, strict=True)):
         if not plain[k]:
             start = apply_summary(start, initial[k], dv) if initial[k] is not None else None
             out = _corrected(out, initial[k], dv)
@@ -221,23 +223,22 @@ def capture_gdn_layer(adapter, module, normed_1TC, spans, cp, pieces, boundaries
         if boundaries is not None and start is not None:
             boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (start, tail))
         outs.append(adapter.gdn_finish(module, out, z))
-    for _ in range(pad):
+    for _ in chunks.dummies():
         adapter.gdn_finish(module, dummy.new_zeros(1, 1, heads, dv), adapter.gdn_gate(module, dummy))
     output = torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
     return output, (final_state, tail_final)
 
 
-def _second_pass(adapter, module, normed_1TC, spans, owners, initial, tails_in, boundaries, checkpoints, layer, pad,
-                 dummy):
+def _second_pass(adapter, module, normed_1TC, chunks, owners, initial, tails_in, boundaries, checkpoints, layer, dummy):
     """"two_pass": the layer chunk by chunk from each piece's true initial state and tail (the single-process code
     path), checkpointing each chunk start's carry (exact mode). owners: each chunk's piece."""
     states, tails, outs = list(initial), list(tails_in), []
-    for index, ((a, b, _), k) in enumerate(zip(spans, owners)):
+    for index, ((a, b, _), k) in enumerate(zip(chunks.spans, owners, strict=True)):
         if boundaries is not None and states[k] is not None:
             boundaries[index].carry[layer] = checkpoints.save_layer(index, layer, (states[k], tails[k]))
         out, states[k], tails[k] = adapter.gdn_forward(module, normed_1TC[:, a:b], states[k], tails[k])
         outs.append(out)
-    for _ in range(pad):
+    for _ in chunks.dummies():
         adapter.gdn_forward(module, dummy, None, None)
     return torch.cat(outs, 1) if outs else torch.zeros_like(normed_1TC)
 

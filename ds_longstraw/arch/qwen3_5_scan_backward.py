@@ -8,7 +8,7 @@ d(layer input), the parameter gradients of its tokens, and nothing else across r
 What crosses ranks backward, and why it is cheap:
   state  the backward of the delta rule's state recurrence is affine in the gradient D of a segment's end state:
          d(start state) = A D + L, where L (from the segment's output gradients) and A (the transposed transition)
-         do not depend on the forward state (kernels/gated_delta_chunked.PreparedDeltaRule.state_adjoint). Each rank
+         do not depend on the forward state (kernels/gated_delta/chunked.PreparedDeltaRule.state_adjoint). Each rank
          summarises its pieces, the summaries are all-gathered, and every rank folds them from the prompt's end
          (D of the last segment: replay's gradient of the prompt's final state) to get its pieces' true D. Each
          piece then runs its own backward from its D, chunk by chunk, last chunk first.
@@ -21,7 +21,7 @@ Per rank that is about its share of the layer's backward: the layer's forward re
 once, the input side with the delta rule once) plus the summary's recurrence over [dS | X], (dv + dk) / dv of
 the backward's own state loop.
 
-Steps per GDN layer (pad: ZeRO-3 lockstep dummies after each per-chunk loop, as the capture makes):
+Steps per GDN layer (the schedule's dummy chunks after each per-chunk loop: ZeRO-3 lockstep, as the capture makes):
 (0, 1) per chunk: the delta rule's inputs and output from its checkpointed carry without a graph; then with
     autograd y = mlp_residual(x + finish(o, z)) with o and z as leaves: d(o), d(z), a d(x) part; and the chunk's
     (L, A), composed into its piece's, so that no input of the delta rule outlives its chunk;
@@ -35,7 +35,7 @@ Held across the layer: d(o) and d(z) over the shard.
 
 import torch
 
-from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule
+from ds_longstraw.kernels.gated_delta import PreparedDeltaRule
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
 from .base import grad_leaf, grad_of, inject_gradients
@@ -53,13 +53,13 @@ def _core(adapter, module, h_1TC, state, tail):
         return tuple(module(h_1TC))
 
 
-def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, cp, pieces, d_final, backward=None,
-                     pad=0):
+def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, chunks, cp, pieces, d_final, backward=None):
     """d(layer input) [1, T, C] of GDN layer `layer` over this rank's shard (see the module docstring); parameter
     gradients accumulate. read_input(a, b): the layer's input [1, b - a, C] of local tokens [a, b) (capture's);
-    dy_1TC: d(layer output); spans: this rank's chunks [(a, b, position)] in local order, one per
-    state.boundaries entry; d_final: replay's (d state, d tail) of the prompt's final carry of this layer, or
-    None."""
+    dy_1TC: d(layer output); chunks: the schedule's chunks (grpo/lockstep.ShardChunks): `spans`, this rank's
+    chunks [(a, b, position)] in local order, one per state.boundaries entry, then dummies() after each per-chunk
+    loop; d_final: replay's (d state, d tail) of the prompt's final carry of this layer, or None."""
+    spans = chunks.spans
     width = module.conv_kernel_size - 1
     heads, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
     mine, order = pieces[cp.rank], segments_in_order(pieces)
@@ -76,7 +76,7 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
     # into its piece's (d start = A_1 (A_2 D + L_2) + L_1), so no input of the delta rule outlives its chunk
     d_outs, d_gates = [], []
     summaries = [identity_summary(heads, dk, dv, acc, device) for _ in mine]
-    for (a, b, _), (start_state, start_tail), k in zip(spans, carries, owners):
+    for (a, b, _), (start_state, start_tail), k in zip(spans, carries, owners, strict=True):
         x = read_input(a, b)
         rule, out, z = _forward_no_graph(adapter, module, layer, x, start_state, start_tail)
         d_out, d_gate, d_part = _output_side(adapter, module, layer, x, out, z, dy_1TC[:, a:b], backward)
@@ -87,7 +87,7 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
             bias, product = rule.state_adjoint(d_out)
             summaries[k] = _compose(summaries[k], bias.to(acc), product.to(acc), dv)
         del rule, out, z
-    for _ in range(pad):  # the calls of a real chunk, in its order
+    for _ in chunks.dummies():  # the calls of a real chunk, in its order
         _, out, z = _forward_no_graph(adapter, module, layer, zero, None, None)
         _output_side(adapter, module, layer, zero, out, z, zero, backward)
 
@@ -114,7 +114,7 @@ def prefix_gdn_layer(adapter, module, layer, read_input, dy_1TC, state, spans, c
             d_x[:, a:b] += d_part
         d_tail_starts.append(torch.zeros(1, module.conv_dim, width, dtype=adapter.dtype, device=device)
                              if d_tail is None else d_tail.to(adapter.dtype))
-    for _ in range(pad):
+    for _ in chunks.dummies():
         _input_side(adapter, module, layer, zero, (None, None), None, backward)
 
     # (4) the conv tails: fold the pieces' d(start tail) from the prompt's end; each piece's share of it goes
@@ -163,16 +163,16 @@ def _compose(summary, bias, product, dv):
     return torch.cat([earlier_product @ bias + earlier_bias, earlier_product @ product], -1)
 
 
-def forward_gdn_layer(adapter, module, layer, normed_1TC, spans, state, pad=0):
+def forward_gdn_layer(adapter, module, layer, normed_1TC, chunks, state):
     """The layer's mixer output of each chunk [a, b) of the shard (no graph), from the chunk's checkpointed carry:
     the rank's own work alone, no exchange (the carries at every chunk start were kept by capture)."""
     outs = []
     with torch.no_grad():
-        for (a, b, _), boundary in zip(spans, state.boundaries):
+        for (a, b, _), boundary in zip(chunks.spans, state.boundaries, strict=True):
             start_state, start_tail = _carry(state, boundary, layer)
             outs.append(adapter.gdn_forward(module, normed_1TC[:, a:b], start_state, start_tail)[0])
         zero = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
-        for _ in range(pad):
+        for _ in chunks.dummies():
             adapter.gdn_forward(module, zero, None, None)
     return outs
 

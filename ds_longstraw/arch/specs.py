@@ -32,27 +32,28 @@ COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
 @dataclass(frozen=True)
-class Stream:
+class _Tensor:
     name: str
-    shape: tuple  # per token
-    dtype: torch.dtype
-    grad: bool = True  # exact mode: d(stream) accumulates on gradient pages
-    label: str = ""  # what its bytes are reported as, when not its layer's label
-
-    @property
-    def bytes_per_token(self) -> int:
-        return _nbytes(self.shape, self.dtype)
-
-
-@dataclass(frozen=True)
-class Carry:
-    name: str
-    shape: tuple  # per sequence
+    shape: tuple  # of one item: a token for a Stream, a sequence for a Carry
     dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one item."""
         return _nbytes(self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class Stream(_Tensor):
+    grad: bool = True  # exact mode: d(stream) accumulates on gradient pages
+    label: str = ""  # what its bytes are reported as, when not its layer's label
+
+    bytes_per_token = _Tensor.nbytes
+
+
+@dataclass(frozen=True)
+class Carry(_Tensor):
+    pass
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import glob
 import io
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -54,7 +54,7 @@ def save_record(tag_dir, run, model, tokenizer=None):
 class RunRecord:
     run: Any  # RunConfig
     model_config: Any  # transformers PretrainedConfig of the (base) model
-    tokenizer_dir: Optional[str]  # a directory AutoTokenizer loads, or None
+    tokenizer_dir: str | None  # a directory AutoTokenizer loads, or None
     source: str  # where the record came from (for messages)
 
 

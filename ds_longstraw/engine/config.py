@@ -14,11 +14,12 @@ DeepSpeed settings that the GRPO step depends on are checked here too, each erro
 import difflib
 import json
 import os
+from typing import Any
 
 from ds_longstraw.config import BLOCK_NAME, LongstrawConfig, parse_config
 
 
-def load_ds_config(config) -> dict:
+def load_ds_config(config: dict[str, Any] | str | os.PathLike[str]) -> dict:
     """A DeepSpeed config as a dict: a dict, a path to a JSON (or hjson) file, or DeepSpeed's base64 form."""
     if isinstance(config, dict):
         return config
@@ -59,7 +60,7 @@ def near_miss_block_names(ds_config: dict) -> list:
     return misses
 
 
-def _implied_accumulation(ds_config, world_size):
+def _implied_accumulation(ds_config: dict[str, Any], world_size: int | None) -> tuple[Any, str | None]:
     """gradient_accumulation_steps as DeepSpeed will see it (None where it cannot be known yet)."""
     gas = ds_config.get("gradient_accumulation_steps", "auto")
     if gas not in ("auto", None):

@@ -31,9 +31,13 @@ responses are sampled from the policy (rollout/step.py); with one rollout prompt
 rollout's own capture (one prefill per on-policy step; the result's groups say extras["capture_reused"]).
 """
 
+from __future__ import annotations
+
 import os
 import time
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import deepspeed
 import torch
@@ -48,14 +52,26 @@ from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Lockstep, common_shapes, dummy_group, shape_of
 from ds_longstraw.grpo.topology import resolve_layout
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
-from ds_longstraw.objective import GRPOObjective, ScaledObjective
+from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective
 from ds_longstraw.parallel.layout import ParallelLayout, build_layout
+
+if TYPE_CHECKING:
+    import argparse
+
+    from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
+    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.rollout.generate import Rollouts
+    from ds_longstraw.rollout.step import RolloutConfig
 
 
 @dataclass
 class StepResult:
-    loss: float  # this rank's loss: the mean of its groups' losses
-    mean_loss: float  # the loss whose gradient the step followed: mean over data-parallel ranks
+    # this rank's loss: the mean of its groups' losses (objective.loss_scope "group"), their loss ("rank"), or their
+    # part of the step's loss ("step")
+    loss: float
+    mean_loss: float  # the loss whose gradient the step followed, over every data-parallel rank
     groups: list  # GroupResult per group of this rank
     global_step: int  # engine.global_steps after the step
     lr: float | None
@@ -66,7 +82,7 @@ class StepResult:
     extras: dict = field(default_factory=dict)
 
 
-def _float_or_none(value):
+def _float_or_none(value: float | torch.Tensor | None) -> float | None:
     if value is None:
         return None
     if isinstance(value, torch.Tensor):
@@ -74,7 +90,7 @@ def _float_or_none(value):
     return float(value)
 
 
-def _zero3_param(param) -> bool:
+def _zero3_param(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id") and hasattr(param, "ds_status")
 
 
@@ -85,7 +101,11 @@ class LongstrawEngineMixin:
     longstraw_layout = None  # parallel.layout.ParallelLayout: the job's groups and this rank's place, by initialize
     longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
-    def grpo_step(self, group, objective=None, ref_model=None, rollout=None) -> StepResult:
+    def grpo_step(self, group: GRPOGroup | Sequence[GRPOGroup] | torch.Tensor | Sequence[int]
+                  | Sequence[torch.Tensor | Sequence[int]],
+                  objective: GRPOObjective | None = None,
+                  ref_model: torch.nn.Module | DeepSpeedEngine | None = None,
+                  rollout: RolloutConfig | dict[str, Any] | None = None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
 
         ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
@@ -108,7 +128,9 @@ class LongstrawEngineMixin:
                 if kept is not None:
                     kept.release()
 
-    def _grpo_step(self, group, objective, ref_model, extras, captures):
+    def _grpo_step(self, group: GRPOGroup | Sequence[GRPOGroup], objective: GRPOObjective | None,
+                   ref_model: torch.nn.Module | DeepSpeedEngine | None, extras: dict[str, Any],
+                   captures: list[Rollouts | None] | None) -> StepResult:
         groups = [group] if isinstance(group, GRPOGroup) else list(group)
         if not groups:
             raise ValueError("grpo_step needs at least one group on every rank")
@@ -124,26 +146,29 @@ class LongstrawEngineMixin:
         cp = self.longstraw_layout.cp
         if cp is not None:
             _check_same_groups(groups, cp)
+        objective = objective or GRPOObjective()
+        for item in groups:
+            objective.check_group(item)
         plan = self._lockstep_plan(groups)
+        scopes = self._loss_scopes(objective, groups)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
-        objective = objective or GRPOObjective()
 
-        def backward(loss):
+        def backward(loss: torch.Tensor) -> None:
             self.backward(loss, scale_wrt_gas=False)
 
         experts = self.longstraw_experts
         with self.coalesce_grad_reduction():
-            for slot, (item, lockstep, scale) in enumerate(plan):
-                # The weight goes on the loss shares, not on what is back-propagated: exact mode's prefix pass
-                # back-propagates injected gradients that already carry it.
-                weighted = objective if scale == 1.0 else ScaledObjective(objective, scale)
-                result = grpo_backward(self.module, item, weighted, config=settings, ref_model=ref_model,
-                                       cp_group=cp, backward=backward, lockstep=lockstep,
-                                       ep_group=None if experts is None else experts.ep.group,
-                                       capture=captures[slot] if captures and slot < len(captures) else None)
-                if scale != 0.0:  # not a dummy group
-                    result.loss /= scale
+            for slot, (item, lockstep, real) in enumerate(plan):
+                # The normaliser and weight go on the loss shares, not on what is back-propagated: exact mode's
+                # prefix pass back-propagates injected gradients that already carry them. A dummy group's are 0.
+                result = grpo_backward(self.module, item, objective if real else ScaledObjective(objective, 0.0),
+                                       config=settings, ref_model=ref_model, cp_group=cp, backward=backward,
+                                       lockstep=lockstep, ep_group=None if experts is None else experts.ep.group,
+                                       capture=captures[slot] if captures and slot < len(captures) else None,
+                                       loss_scope=scopes[slot] if real else None)
+                if real:
+                    result.loss /= scopes[slot].weight
                     results.append(result)
             _fill_missing_grads(self)
         if experts is not None:
@@ -152,10 +177,12 @@ class LongstrawEngineMixin:
         if experts is not None:
             lrs = self.get_lr() if self.optimizer is not None else None
             experts.step(_float_or_none(lrs[0]) if lrs else None)
-        loss = sum(r.loss for r in results) / len(results)
+        loss = sum(r.loss for r in results) / (len(results) if objective.loss_scope == "group" else 1)
         mean_loss = torch.tensor([loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(mean_loss, group=self.data_parallel_group)
-        mean_loss = float(mean_loss.item()) / dist.get_world_size(group=self.data_parallel_group)
+        # "step": the replicas' parts add up (each counted by its cp_size ranks); else the ranks' losses average
+        ranks = dist.get_world_size(group=self.data_parallel_group)
+        mean_loss = float(mean_loss.item()) / (self._cp_size() if objective.loss_scope == "step" else ranks)
         lrs = self.get_lr() if self.optimizer is not None else None
         return StepResult(loss=loss, mean_loss=mean_loss, groups=results, global_step=self.global_steps,
                           lr=_float_or_none(lrs[0]) if lrs else None,
@@ -164,14 +191,33 @@ class LongstrawEngineMixin:
                           tokens=sum(g.prompt_ids.numel() + g.response_tokens for g in groups),
                           skipped=getattr(self, "skipped_steps", 0) != skipped_before, extras=extras)
 
-    def _lockstep_plan(self, groups):
-        """[(group, Lockstep or None, loss scale)]: this rank's groups (scale 1/len), padded under ZeRO-3 with
-        data parallelism to the slots and shapes every rank runs, dummy groups (scale 0) filling missing slots."""
+    def _cp_size(self) -> int:
+        return 1 if self.longstraw_layout is None else self.longstraw_layout.cp_size
+
+    def _loss_scopes(self, objective: GRPOObjective, groups: list[GRPOGroup]) -> list[LossScope]:
+        """Each of this rank's groups' LossScope (objective.py): the group alone, weighed 1/len ("group"); this
+        rank's groups ("rank"); or every group of the step on every rank ("step": one all-reduce of two counts),
+        weighed by the number of data-parallel replicas, whose gradients DeepSpeed averages where the step's loss
+        wants their sum."""
+        if objective.loss_scope == "group":
+            return [objective.scope_of([g], weight=1.0 / len(groups)) for g in groups]
+        local = objective.scope_of(groups)
+        if objective.loss_scope == "rank":
+            return [local] * len(groups)
+        counts = torch.tensor([local.tokens, local.members], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts, group=self.data_parallel_group)
+        cp_size = self._cp_size()  # the CP ranks of a replica hold its groups alike: each counted cp_size times
+        tokens, members = (round(c / cp_size) for c in counts.tolist())
+        replicas = dist.get_world_size(group=self.data_parallel_group) // cp_size
+        return [LossScope(tokens, members, weight=float(replicas))] * len(groups)
+
+    def _lockstep_plan(self, groups: list[GRPOGroup]) -> list[tuple[GRPOGroup, Lockstep | None, bool]]:
+        """[(group, Lockstep or None, real)]: this rank's groups, padded under ZeRO-3 with data parallelism to the
+        slots and shapes every rank runs, dummy groups (not real: their loss weighs 0) filling missing slots."""
         settings = self.longstraw_config
-        scale = 1.0 / len(groups)
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
-            return [(group, None, scale) for group in groups]
+            return [(group, None, True) for group in groups]
         cp = self.longstraw_layout.cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
         if cp is not None:
             cp.layout = resolve_layout(adapter_for(self.module), settings)
@@ -179,22 +225,25 @@ class LongstrawEngineMixin:
         plan = []
         for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):
             if slot < len(groups):
-                plan.append((groups[slot], Lockstep(shapes[slot], common, settings), scale))
+                plan.append((groups[slot], Lockstep(shapes[slot], common, settings), True))
             else:
                 dummy = dummy_group()
-                plan.append((dummy, Lockstep(shape_of(dummy, settings, cp), common, settings), 0.0))
+                plan.append((dummy, Lockstep(shape_of(dummy, settings, cp), common, settings), False))
         return plan
 
 
     # -- checkpoints: the engine's, plus the expert slices it does not see (engine/experts.py) ---------------
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        **kwargs: Any) -> bool:
         out = super().save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                                       **kwargs)
         if self.longstraw_experts is not None:
             self.longstraw_experts.save(save_dir, tag if tag is not None else f"global_step{self.global_steps}")
         return out
 
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
         out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         if self.longstraw_experts is not None and out[0] is not None:
             if tag is None:
@@ -204,7 +253,12 @@ class LongstrawEngineMixin:
         return out
 
 
-def _check_same_groups(groups, cp):
+if TYPE_CHECKING:
+    class LongstrawEngine(LongstrawEngineMixin, DeepSpeedEngine):
+        """For type checkers: what `initialize` returns, the engine class DeepSpeed built with grpo_step added."""
+
+
+def _check_same_groups(groups: Sequence[GRPOGroup], cp: CPContext) -> None:
     """Every rank of a CP group must bring the same group(s) (the prompt is sharded, not the groups): a cheap
     fingerprint is all-gathered over the CP group, so a mismatch fails here rather than as wrong gradients."""
     import hashlib
@@ -225,7 +279,7 @@ def _check_same_groups(groups, cp):
                          "must bring the same group(s); they differ")
 
 
-def _fill_missing_grads(engine):
+def _fill_missing_grads(engine: DeepSpeedEngine) -> None:
     """Give a zero gradient to a trainable parameter that some ranks left without one: DeepSpeed's one reduction
     walks the parameters that HAVE a gradient (in buckets), and ranks that walk different sets issue mismatched
     collectives. One small all-reduce per step finds such parameters. Under ZeRO-3 lockstep already makes every
@@ -236,7 +290,7 @@ def _fill_missing_grads(engine):
     counts = torch.tensor([0 if p.grad is None else 1 for p in params], dtype=torch.int32, device=engine.device)
     dist.all_reduce(counts, group=engine.data_parallel_group)
     world = dist.get_world_size(group=engine.data_parallel_group)
-    needed = [p for p, count in zip(params, counts.tolist()) if 0 < count < world]
+    needed = [p for p, count in zip(params, counts.tolist(), strict=True) if 0 < count < world]
     if not needed:
         return
     zero3 = [p for p in needed if _zero3_param(p)]
@@ -249,7 +303,7 @@ def _fill_missing_grads(engine):
 _ENGINE_CLASSES: dict = {}
 
 
-def _with_grpo_step(engine):
+def _with_grpo_step(engine: DeepSpeedEngine) -> LongstrawEngine:
     base = type(engine)
     if not isinstance(engine, LongstrawEngineMixin):
         if base not in _ENGINE_CLASSES:
@@ -259,7 +313,8 @@ def _with_grpo_step(engine):
     return engine
 
 
-def _config_of(args, kwargs):
+def _config_of(args: argparse.Namespace | None,
+               kwargs: dict[str, Any]) -> tuple[dict[str, Any] | str | os.PathLike[str], str | None]:
     for key in ("config", "config_params"):
         if kwargs.get(key) is not None:
             return kwargs[key], key
@@ -270,12 +325,12 @@ def _config_of(args, kwargs):
                      "(or args.deepspeed_config)")
 
 
-def _zero_stage(ds_config) -> int:
+def _zero_stage(ds_config: dict[str, Any]) -> int:
     zero = ds_config.get("zero_optimization") or {}
     return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
 
 
-def _world_size():
+def _world_size() -> int | None:
     import os
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -284,7 +339,9 @@ def _world_size():
     return int(size) if size and size.isdigit() else None
 
 
-def initialize(args=None, model=None, **kwargs):
+def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | None = None,
+               **kwargs: Any) -> tuple[LongstrawEngine, torch.optim.Optimizer | DeepSpeedOptimizer | None,
+                                       DeepSpeedDataLoader | None, Any]:
     """A drop-in for `deepspeed.initialize` (same keyword arguments, same 4-tuple back).
 
     Before any work (no process group, no partitioning) it reads and validates the config's "longstraw" block
@@ -329,7 +386,7 @@ def initialize(args=None, model=None, **kwargs):
     return engine, optimizer, loader, scheduler
 
 
-def _drop_replaced(kwargs, replaced):
+def _drop_replaced(kwargs: dict[str, Any], replaced: Container[int]) -> None:
     """The whole expert tensors that sharding replaced leave the client optimizer and model_parameters (built
     before initialize, they may hold them); the slices get their own optimizer."""
     optimizer = kwargs.get("optimizer")

@@ -30,8 +30,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -67,7 +67,7 @@ class Exported:
     tensors: int
     bytes: int
     files: int
-    base: Optional[str] = None  # adapters: the base model directory
+    base: str | None = None  # adapters: the base model directory
 
 
 def _meta_models(record: RunRecord, dtype):

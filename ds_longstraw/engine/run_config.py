@@ -7,16 +7,18 @@ Relative paths in the YAML are taken relative to the current directory (run from
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ds_longstraw.objective import GRPOObjective
+
 
 @dataclass
 class ModelConfig:
-    shape: Optional[str] = None  # YAML shape config (random weights), e.g. configs/models/tiny_qwen3_5.yaml
-    pretrained: Optional[str] = None  # or a local checkpoint directory (from_pretrained)
+    shape: str | None = None  # YAML shape config (random weights), e.g. configs/models/tiny_qwen3_5.yaml
+    pretrained: str | None = None  # or a local checkpoint directory (from_pretrained)
     dtype: str = "float32"
     seed: int = 0
     zero_init: Any = "auto"  # partition while building (ZeRO-3): auto | true | false
@@ -29,7 +31,7 @@ class LoraSettings:
     r: int = 16
     alpha: float = 32.0
     dropout: float = 0.0
-    target_modules: Optional[List[str]] = None  # default: the family's projections (ds_longstraw.models.lora)
+    target_modules: list[str] | None = None  # default: the family's projections (ds_longstraw.models.lora)
     qlora: bool = False  # NF4 4-bit base weights (bitsandbytes; needs enabled and model.pretrained)
     seed: int = 0
 
@@ -37,19 +39,10 @@ class LoraSettings:
 @dataclass
 class DataConfig:
     # JSONL, one group per line (ds_longstraw.tools.data); with a rollout block, the prompts (unless rollout.prompts)
-    path: Optional[str] = None
-    tokenizer: Optional[str] = None  # local tokenizer directory for text records (default: model.pretrained)
-    shuffle_seed: Optional[int] = None
+    path: str | None = None
+    tokenizer: str | None = None  # local tokenizer directory for text records (default: model.pretrained)
+    shuffle_seed: int | None = None
     groups_per_rank: int = 1
-
-
-@dataclass
-class ObjectiveConfig:
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    kl_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    scale_rewards: bool = True
 
 
 @dataclass
@@ -57,23 +50,23 @@ class OptimConfig:
     # Used when the DeepSpeed config has no "optimizer" block (then torch.optim.AdamW over the trainable params).
     lr: float = 1e-5
     weight_decay: float = 0.0
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
 
 
 @dataclass
 class TrainConfig:
     max_steps: int = 1
-    save_dir: Optional[str] = None  # DeepSpeed checkpoints (tags "step<N>")
+    save_dir: str | None = None  # DeepSpeed checkpoints (tags "step<N>")
     save_every: int = 0  # 0: only at the end (when save_dir is set)
-    resume: Optional[str] = None  # "latest" or a tag such as step1 (from save_dir)
-    metrics: Optional[str] = None  # JSONL, one line per step (rank 0)
-    samples: Optional[str] = None  # with a rollout block: JSONL, one line per group rank 0 sampled (its responses)
-    dump_params: Optional[str] = None  # torch.save of the full (gathered) trainable parameters at the end
+    resume: str | None = None  # "latest" or a tag such as step1 (from save_dir)
+    metrics: str | None = None  # JSONL, one line per step (rank 0)
+    samples: str | None = None  # with a rollout block: JSONL, one line per group rank 0 sampled (its responses)
+    dump_params: str | None = None  # torch.save of the full (gathered) trainable parameters at the end
     # At the end, the last checkpoint exported as a transformers model (full fine-tune) or a peft adapter (LoRA)
     # directory, as `longstraw export` writes it (engine/export.py); needs save_dir. An existing directory is an
     # error at start, unless the run resumes (then the run's own earlier export is replaced).
-    export_dir: Optional[str] = None
+    export_dir: str | None = None
     export_merge: bool = False  # LoRA: export the adapters merged into full weights
     progress: bool = True
 
@@ -84,16 +77,21 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraSettings = field(default_factory=LoraSettings)
     data: DataConfig = field(default_factory=DataConfig)
-    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # every GRPOObjective field, checked by GRPOObjective itself (a bad value is refused naming its key)
+    objective: GRPOObjective = field(default_factory=GRPOObjective)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     # Rollouts inside training (ds_longstraw.rollout.step): each step samples the groups' responses from the policy
     # and rewards them, instead of reading groups from data.path. Validated by rollout_step.parse_rollout.
-    rollout: Optional[Dict[str, Any]] = None
+    rollout: dict[str, Any] | None = None
 
 
 def _check_choices(config):
-    """Settings that are each valid alone but not together."""
+    """Settings that are each valid alone but not together (and the objective's, which it checks itself)."""
+    try:
+        GRPOObjective(**OmegaConf.to_container(config.objective, resolve=True))
+    except ValueError as error:
+        raise ValueError(f"run config: objective.{error}") from None
     if config.rollout is not None:
         from ds_longstraw.rollout.step import parse_rollout
 

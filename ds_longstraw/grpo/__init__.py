@@ -1,7 +1,9 @@
 """The GRPO transaction: capture, score, replay, prefix pass, reduce, over a topology.
 
 transaction.py   grpo_backward: the transaction, written once over a topology
-topology.py      OneRank and ContextParallel: where the prompt lives, what each phase exchanges
+topology.py      Topology, OneRank and ContextParallel, build_topology: where the prompt lives, what each phase
+                 exchanges
+interfaces.py    what replay's attention reaches on other ranks (RemoteAttention, RemoteSelection)
 lockstep.py      Schedule and Lockstep: the padding calls that keep ranks' collectives paired (ZeRO-3, EP, CP)
 state.py         PrefixState: the captured prompt's pages, carry and checkpoints, and the one-rank capture
 replay.py        replay of one member at a time from the captured state, with autograd

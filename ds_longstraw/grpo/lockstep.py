@@ -20,6 +20,9 @@ structure, whose results are thrown away and whose gradients are exactly zero:
   - members: dummy members (dummy tokens from the real captured state, loss 0 * sum(log p)) with the common
     block counts, backward like a real member;
   - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
+Under context parallelism the layer-major capture and prefix pass call each submodule once per chunk of the rank's
+shard, layer by layer: every such loop walks `Schedule.chunks(spans)` (ShardChunks), this rank's real chunks and
+then the dummy ones (one zero token each) that bring it to the common chunk count.
 A rank with fewer groups (grpo_step with lists) runs dummy groups (`dummy_group`) whose loss is scaled by zero.
 
 The padding costs compute (one-token segments) and the weight gathers the other ranks do anyway: ranks would
@@ -98,7 +101,7 @@ def merge(shapes) -> GroupShape:
     return GroupShape(chunks=max(s.chunks for s in shapes),
                       blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes)
                                    for m in range(members)),
-                      segments=tuple(max(column) for column in zip(*(s.segments for s in shapes))))
+                      segments=tuple(max(column) for column in zip(*(s.segments for s in shapes), strict=True)))
 
 
 def common_shapes(local_shapes, group=None) -> list:
@@ -133,6 +136,51 @@ def dummy_group():
                      advantages=[0.0])
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One turn of a per-chunk loop of the layer-major CP schedule: a chunk of this rank's shard (local tokens
+    [a, b), prompt position `position` at a), or a lockstep dummy (one zero token at position 0: the module calls
+    of a chunk, its results discarded)."""
+
+    a: int
+    b: int
+    position: int
+    dummy: bool = False
+
+    def of(self, x_1TC):
+        """The chunk's tokens of a [1, T, C] tensor over the shard (a dummy's: one zero token)."""
+        return x_1TC.new_zeros(1, 1, x_1TC.shape[-1]) if self.dummy else x_1TC[:, self.a:self.b]
+
+
+DUMMY_CHUNK = Chunk(0, 1, 0, dummy=True)
+
+
+class ShardChunks:
+    """This rank's chunks of its shard as the per-chunk loops of the layer-major CP schedule walk them (grpo/cp/
+    capture.py, prefix_layers.py and a family's scan layers): iterating gives the real ones (`spans`: [(a, b, prompt
+    position of a)], local order, groups.local_spans), then the schedule's dummy ones (`dummies()`: under ZeRO-3 as
+    many as the most chunks any rank has exceed this rank's, so that every rank calls the same submodules in the
+    same order, with the CP exchanges at the same places in between; none otherwise)."""
+
+    def __init__(self, spans, pad=0):
+        self.spans, self._pad = list(spans), pad
+
+    def __iter__(self):
+        for a, b, position in self.spans:
+            yield Chunk(a, b, position)
+        yield from self.dummies()
+
+    def dummies(self):
+        """The dummy chunks after the real ones."""
+        for _ in range(self._pad):
+            yield DUMMY_CHUNK
+
+    @property
+    def padded(self) -> bool:
+        """Whether the schedule adds any dummy chunk (some rank calls more than this one)."""
+        return self._pad > 0
+
+
 class Schedule:
     """The transaction's schedule as this rank runs it: the plain one, with no padding (one data-parallel rank, or
     no ZeRO-3). `Lockstep` wraps the same points with padding; the transaction and the topologies call these points
@@ -144,6 +192,10 @@ class Schedule:
     # context parallelism: the prefix iterations every rank makes in each turn, by segment in prompt order (None:
     # no mirroring)
     prefix_iterations = None
+
+    def chunks(self, spans) -> ShardChunks:
+        """A context-parallel rank's chunks of its shard (spans), padded with capture_pad dummy ones."""
+        return ShardChunks(spans, self.capture_pad)
 
     def pad_capture(self, adapter):
         """After a one-rank capture: the extra chunks' calls."""
@@ -172,7 +224,7 @@ class Lockstep(Schedule):
 
     def __init__(self, local: GroupShape, common: GroupShape, settings):
         if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(
-                b > c for b, c in zip(local.blocks, common.blocks)):
+                b > c for b, c in zip(local.blocks, common.blocks, strict=False)):  # fewer members than common
             raise ValueError(f"lockstep: local shape {local} exceeds the common shape {common}")
         self.local, self.common, self.settings = local, common, settings
 

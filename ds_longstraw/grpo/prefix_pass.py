@@ -95,9 +95,9 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
                                           remote_attention, prefix_recompute=prefix_recompute,
                                           known_attention=kept)
             outputs = segment_roots(adapter.specs, out)
-            grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end))]
+            grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end), strict=True)]
             # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
-            live = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad]
+            live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
             forwarded = time.perf_counter()
             timings["forward"] += forwarded - started
             if live and backward is None:
@@ -121,7 +121,7 @@ def segment_roots(specs, out):
     for spec in specs:
         if spec.carry:
             outputs += list(out.carry[spec.layer])
-        for stream, rows in zip(spec.streams, out.rows.get(spec.layer, ())):
+        for stream, rows in zip(spec.streams, out.rows.get(spec.layer, ()), strict=True):
             if stream.grad:
                 outputs.append(rows)
     return outputs

@@ -10,15 +10,30 @@ one layer's pages at a time from the pool's tier, and the graph keeps handles in
 (re-staged in backward), so with a host or NVMe tier no more than a few layers of pages are on the device.
 """
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import Schedule
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
+
+
+class ResponsePast(dict):
+    """layer -> the row tuples a replayed member appends, and no prompt pages: the past of a replay whose prompt
+    pages are reached through the view's remote attention (context parallelism). StagedPast's twin: fresh() (one
+    per replayed member) and append()."""
+
+    def fresh(self) -> "ResponsePast":
+        return ResponsePast({layer: list(segments) for layer, segments in self.items()})
+
+    def append(self, layer, rows):
+        self[layer].append(rows)
 
 
 @dataclass
@@ -27,8 +42,11 @@ class PrefixLeaves:
     onto gradient pages (exact mode)."""
 
     carry: dict  # layer -> tuple of tensors
-    past: dict  # layer -> list of row tuples: a StagedPast, or a plain dict (context parallelism: no local pages)
-    stager: object = None  # the StagedPast's stager, closed by release()
+    past: StagedPast | ResponsePast  # layer -> list of row tuples (ResponsePast: context parallelism)
+    stager: object = None  # the stager of this rank's pages, closed by release()
+    # while a member's forward runs: autograd's saved-tensor hooks of a StagedPast (staged pages saved as handles,
+    # re-staged in backward), or none
+    saves: Callable[[], AbstractContextManager] = nullcontext
 
     def release(self):
         """Drop every staged layer (in-flight reads complete first)."""
@@ -42,7 +60,8 @@ def prefix_leaves(adapter, state, requires_grad):
     # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
     stager = Stager(state.pool, stream_names(adapter.specs), wrap=True)
     past = StagedPast(stager, 0, state.length, with_grad=requires_grad)
-    return PrefixLeaves(carry=carry_leaves(state.carry, requires_grad), past=past, stager=stager)
+    return PrefixLeaves(carry=carry_leaves(state.carry, requires_grad), past=past, stager=stager,
+                        saves=partial(staged_saves, stager))
 
 
 def carry_leaves(carry, requires_grad):
@@ -50,27 +69,30 @@ def carry_leaves(carry, requires_grad):
     return {layer: tuple(t.detach().requires_grad_(requires_grad) for t in parts) for layer, parts in carry.items()}
 
 
-def replay_member(adapter, leaves, start, inputs, targets, block, remote_attention=None):
-    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on).
+def replay_member(adapter, leaves: PrefixLeaves, start, inputs, targets, block,
+                  remote_attention: RemoteAttention | RemoteSelection | None = None, with_entropy: bool = False):
+    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on); with_entropy: (log-
+    probs, the policy's entropy at each position), for an entropy bonus.
 
     remote_attention: None, or the context-parallel attention over every rank's prompt pages (then
-    `leaves.past` holds no prompt pages; see ds_longstraw.parallel)."""
+    `leaves.past` holds no prompt pages; see interfaces.py)."""
     carry = dict(leaves.carry)
-    staged = isinstance(leaves.past, StagedPast)
-    past = leaves.past.fresh() if staged else {layer: list(segments) for layer, segments in leaves.past.items()}
-    logps = []
-    with staged_saves(past.stager) if staged else nullcontext():
+    past = leaves.past.fresh()
+    logps, entropies = [], []
+    with leaves.saves():
         for offset in range(0, inputs.numel(), block):
             end = min(inputs.numel(), offset + block)
             out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past, remote_attention)
             carry = dict(out.carry)
             for layer, rows in out.rows.items():
-                if staged:
-                    past.append(layer, rows)
-                else:
-                    past[layer].append(rows)
-            logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
-    return torch.cat(logps)
+                past.append(layer, rows)
+            if with_entropy:
+                logp, entropy = adapter.logprobs(out.hidden, targets[offset:end], with_entropy=True)
+                logps.append(logp)
+                entropies.append(entropy)
+            else:
+                logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
+    return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
 
 
 def member_inputs(group, member):
@@ -79,8 +101,9 @@ def member_inputs(group, member):
     return inputs, response
 
 
-def replay_group(adapter, leaves, start, group, objective, advantages, ref_logprobs, block, *, backward=None,
-                 schedule=None, remote_attention=None, members=None):
+def replay_group(adapter, leaves: PrefixLeaves, start, group, objective, advantages, ref_logprobs, block, *,
+                 backward: Callable | None = None, schedule: Schedule | None = None,
+                 remote_attention: RemoteAttention | RemoteSelection | None = None, members: list | None = None):
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
@@ -99,14 +122,20 @@ def replay_group(adapter, leaves, start, group, objective, advantages, ref_logpr
         real = targets.numel()
         inputs, targets = schedule.pad_member(slot, inputs, targets)
         with torch.enable_grad():
-            logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
+            entropy = None
+            if objective.needs_entropy:
+                logp, entropy = replay_member(adapter, leaves, start, inputs, targets, block, remote_attention,
+                                              with_entropy=True)
+                logp, entropy = logp[:real], entropy[:real]
+            else:
+                logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
             ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
-            share = objective.member_loss(group, member, logp, advantages, ref)
+            share = objective.member_loss(group, member, logp, advantages, ref, entropy)
             if share.requires_grad:
                 share.backward() if backward is None else backward(share)
         loss += float(share.detach())
         logprobs.append(logp.detach().double().cpu())
-        del logp, share
+        del logp, entropy, share
         return_freed_host_memory(adapter.device)
     schedule.replay_dummy_members(adapter, leaves, start, replay, backward)
     return loss, logprobs
@@ -118,7 +147,8 @@ def final_carry_grads(leaves):
             for layer, parts in leaves.carry.items()}
 
 
-def score_group(adapter, leaves, start, group, block, *, schedule=None, remote_attention=None, members=None):
+def score_group(adapter, leaves: PrefixLeaves, start, group, block, *, schedule: Schedule | None = None,
+                remote_attention: RemoteAttention | RemoteSelection | None = None, members: list | None = None):
     """Log-probs of the members' responses (default all; members: as replay_group's) WITHOUT a graph (reference
     scoring), float64 on the CPU."""
     def replay(adapter_, leaves_, start_, inputs, targets, block_):

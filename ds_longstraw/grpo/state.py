@@ -94,25 +94,20 @@ class PrefixState:
         start)."""
         return self.checkpoints.begin_load(boundary, layers)
 
+    def _other_pools(self) -> list:
+        """The pools besides the main one that this state holds (the kept-attention pool when it is its own)."""
+        kept = self.kept_pool if self.kept_pool is not self.pool else None
+        return [p for p in (kept, self.checkpoints, self.input_pool) if p is not None]
+
     def flush(self):
         """Write back what capture left in partial pages: afterwards every page is on its tier."""
-        self.pool.flush()
-        if self.kept_pool is not None and self.kept_pool is not self.pool:
-            self.kept_pool.flush()
-        if self.checkpoints is not None:
-            self.checkpoints.flush()
-        if self.input_pool is not None:
-            self.input_pool.flush()
+        for pool in [self.pool, *self._other_pools()]:
+            pool.flush()
 
     def release(self):
         """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
-        if self.kept_pool is not None and self.kept_pool is not self.pool:
-            self.kept_pool.release()
-        if self.checkpoints is not None:
-            self.checkpoints.release()
-        if self.input_pool is not None:
-            self.input_pool.release()
-        self.pool.release()
+        for pool in [*self._other_pools(), self.pool]:
+            pool.release()
         self.carry.clear()
         self.boundaries.clear()
 
@@ -155,13 +150,13 @@ def open_kept_pool(adapter, settings, pool, length, rank=0):
 def keep_segment_attention(kept_pool, spec, result):
     """Append one segment's kept tensors of layer `spec.layer` (head-major [H, T, ...], as attention returns
     them) as the next tokens of its kept streams."""
-    for stream, tensor in zip(spec.kept, result):
+    for stream, tensor in zip(spec.kept, result, strict=True):
         kept_pool.append(spec.layer, stream.name, tensor.transpose(0, 1))
 
 
 def append_rows(pool, spec, rows):
     """Append one segment's rows of layer `spec.layer` (token-major, in the order of spec.streams)."""
-    for stream, tensor in zip(spec.streams, rows):
+    for stream, tensor in zip(spec.streams, rows, strict=True):
         pool.append(spec.layer, stream.name, tensor)
 
 
@@ -193,7 +188,7 @@ class CarryCheckpoints(_CheckpointStore):
         if layer not in self._store:  # shapes are known once the layer has run
             self._store[layer] = tuple(t.new_empty((self.slots, *t.shape)) for t in parts)
         stores = self._store[layer]
-        for store, tensor in zip(stores, parts):
+        for store, tensor in zip(stores, parts, strict=True):
             store[index].copy_(tensor)
             self._saved_bytes += tensor.numel() * tensor.element_size()
         return tuple(store[index] for store in stores)

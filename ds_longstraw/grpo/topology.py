@@ -10,14 +10,22 @@ The transaction is written once; it asks its topology for each phase's placement
                                                           a global top-k's candidates first: grpo/cp/cp_sparse.py)
   prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (grpo/cp/prefix.py)
   reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
-                                                          caller's backward reduces (the DeepSpeed engine)
+                                                          caller reduces (caller_reduces: the DeepSpeed engine)
+
+`build_topology` makes a topology whole, at the door: it validates the settings against the model and the group
+(`check_topology`, pure: a ValueError naming the key before any work), resolves what the transaction runs (the CP
+layout, the prefix pass's schedule and prefix_inputs_every for the prompt's length, who reduces) and returns a
+ready object. The transaction calls it through `Topology` (below); what replay's attention reaches on other ranks
+is interfaces.py's.
 
 The schedule (lockstep.Schedule; under ZeRO-3 a lockstep.Lockstep) says how many dummy calls pad each phase; each
 topology puts them where its own loops are.
 """
 
-from contextlib import nullcontext
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -26,31 +34,77 @@ from ds_longstraw.grpo.cp.cp_attention import PagesAttention
 from ds_longstraw.grpo.cp.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
 from ds_longstraw.grpo.cp.prefix import cp_prefix_backward
 from ds_longstraw.grpo.cp.prefix_layers import layer_major_prefix_backward
-from ds_longstraw.grpo.cp.spread import gather_members, spread
+from ds_longstraw.grpo.cp.spread import SpreadPagesAttention, SpreadSparsePagesAttention, gather_members
 from ds_longstraw.grpo.cp.ulysses import check_heads
-from ds_longstraw.grpo.lockstep import ReplayLockstep, padded_to_common, replayed_members
+from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
+from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
 from ds_longstraw.grpo.prefix_pass import prefix_backward
-from ds_longstraw.grpo.replay import PrefixLeaves, carry_leaves, prefix_leaves
-from ds_longstraw.grpo.state import capture_prefix
+from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
+from ds_longstraw.grpo.state import PrefixState, capture_prefix
 from ds_longstraw.models.model_shape import shape_from_config
 from ds_longstraw.offload.plan import captured_tokens_per_rank, inputs_every_for, layer_major_fits
 from ds_longstraw.parallel.experts import is_expert_param
-from ds_longstraw.parallel.groups import as_cp_context, local_tokens
+from ds_longstraw.parallel.groups import CPContext, as_cp_context, local_tokens
 
 
 @dataclass
 class ReplayView:
     leaves: PrefixLeaves
-    remote_attention: object = None  # None, or (layer, q_HTD, known=None) -> (out, lse) over other ranks' pages
+    # None (the prompt's pages are local), or the attention over the pages of every rank (interfaces.py)
+    remote_attention: RemoteAttention | RemoteSelection | None = None
+
+
+class Topology(Protocol):
+    """What the transaction (transaction.py; generate's capture and decoding too) calls on a topology, phase by
+    phase. Made whole by build_topology: nothing is left to initialise."""
+
+    size: int  # ranks the prompt is spread over (1: OneRank)
+    rank: int
+    cp: CPContext | None  # the context-parallel group (None on one rank)
+    reduces: bool  # whether reduce() sums .grad over the ranks (False: one rank, or the caller reduces)
+
+    def phase(self, name: str) -> AbstractContextManager: ...
+
+    # -- capture and the replay's view of it ------------------------------------------------------------------
+    def capture(self, adapter, prompt_ids: torch.Tensor, settings, keep_boundaries: bool, schedule: Schedule,
+                progress: Callable | None = None) -> PrefixState: ...
+
+    def replay_view(self, adapter, state: PrefixState, requires_grad: bool) -> ReplayView: ...
+
+    # -- reference scoring and replay ------------------------------------------------------------------------
+    def replay_members(self, group) -> list[int]: ...
+
+    def replay_lockstep(self, group, settings) -> Schedule | None: ...
+
+    def member_weight(self) -> float: ...
+
+    def collect_members(self, values: list, members: list[int], count: int) -> list: ...
+
+    def collect_loss(self, loss: float) -> float: ...
+
+    def collect_final_carry_grads(self, d_final: dict) -> dict: ...
+
+    # -- exact mode's prefix pass -----------------------------------------------------------------------------
+    def prefix(self, adapter, state: PrefixState, prompt_ids: torch.Tensor, d_final: dict, settings,
+               schedule: Schedule, backward: Callable | None = None, progress: Callable | None = None,
+               timings: dict | None = None) -> None: ...
+
+    # -- the gradients ----------------------------------------------------------------------------------------
+    def begin_gradients(self, model) -> dict | None: ...
+
+    def after_replay(self, model) -> None: ...
+
+    def reduce(self, model, before: dict | None) -> None: ...
+
+    def report(self, state: PrefixState, group) -> dict: ...
 
 
 class OneRank:
     """The whole prompt on this rank; nothing is exchanged."""
 
     size, rank = 1, 0
-
-    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
-        """Nothing to check: every setting works on one rank."""
+    cp = None
+    reduces = False  # nothing to sum over
 
     def phase(self, name):
         return nullcontext()
@@ -69,12 +123,15 @@ class OneRank:
                         prefix_recompute=settings.prefix_recompute_runs, timings=timings)
         schedule.pad_prefix(adapter, backward)
 
-    def begin_gradients(self, model, caller_reduces):
-        """What .grad holds before the group, kept out of this topology's reduction; None: no reduction here."""
+    def begin_gradients(self, model):
+        """What .grad holds before the group, kept out of this topology's reduction: none here."""
         return None
 
-    def after_replay(self, model, caller_reduces):
+    def after_replay(self, model):
         """Replay's gradients are complete: nothing to rescale."""
+
+    def reduce(self, model, before):
+        """Nothing to sum over (reduces is False)."""
 
     def replay_members(self, group) -> list:
         """The members this rank replays and scores: all of them."""
@@ -84,7 +141,7 @@ class OneRank:
         """A schedule the replay needs although the caller gave none: none here."""
         return None
 
-    def member_weight(self, caller_reduces) -> float:
+    def member_weight(self) -> float:
         return 1.0
 
     def collect_members(self, values, members, count) -> list:
@@ -119,8 +176,8 @@ class ContextParallel:
              bit-reproducible (atomics in GPU embedding backward), so CP replicas never drift apart. What .grad held
              before the call is kept apart from the reduction and added back.
 
-    With a caller's `backward` (the DeepSpeed engine) there is no CP all-reduce here: the caller's own gradient
-    reduction (DeepSpeed's, over every rank of the job) does the summing. Each rank back-propagates the whole
+    When the caller reduces (caller_reduces: the DeepSpeed engine) there is no CP all-reduce here: the caller's own
+    gradient reduction (DeepSpeed's, over every rank of the job) does the summing. Each rank back-propagates the whole
     replay (member loss shares as given) and N x its own prefix-pass share (exact mode: the injected gradients
     d(final carry) and the gradient pages are scaled by N before the prefix pass; the pass is linear in them).
     Summed over the N CP ranks that is N x the group's gradient; averaged over all D x N ranks of D data-parallel
@@ -128,58 +185,47 @@ class ContextParallel:
     data-parallel average.
     """
 
-    def __init__(self, cp):
+    def __init__(self, cp, settings, *, prefix_schedule, inputs_every, caller_reduces=False, prompt_tokens=None):
+        """Made by build_topology, which resolves every argument (this constructor decides nothing).
+        prefix_schedule: exact mode's prefix pass ("layer_major", "turns"; None in detached mode) and inputs_every
+        its prefix_inputs_every, both for a prompt of prompt_tokens tokens (None: no prompt known: the capture
+        then refuses one); caller_reduces: the caller sums the gradients over the group (no reduce here)."""
         self.cp = cp
         self.size, self.rank = cp.size, cp.rank
-
-    def check(self, adapter, settings, lockstep=None, prompt_tokens=None):
-        """What the CP schedule does not run is refused here, before any work; then this group's traffic counters
-        wait timers and capture decisions start from zero (the group's report covers this call only).
-        prompt_tokens: the prompt's length where one prompt is known (the transaction's), which with the device's
-        memory bounds "cp_prefix": "auto" (resolve_prefix); each capture decides again for its own prompt."""
         self.settings = settings
         self.spread = settings.cp_replay == "spread"
-        check_combines(adapter.specs, self.cp.size)
-        self.cp.layout = resolve_layout(adapter, settings)
-        self.device_memory = group_device_memory(adapter.device, self.cp)
-        self._resolve_prefix(adapter, settings, prompt_tokens)
-        check_sparse(adapter.specs, settings, self.cp.size)
-        if settings.cp_attention == "ulysses":
-            heads, kv_heads, _ = adapter.attention_geometry()
-            check_heads(heads, kv_heads, self.cp.size)
-        self.cp.reset()
+        self.prefix_schedule, self.inputs_every = prefix_schedule, inputs_every
+        self.caller_reduces = caller_reduces
+        self.reduces = not caller_reduces
+        self.prompt_tokens = prompt_tokens
 
     def phase(self, name):
         return self.cp.phase(name)
 
-    def _resolve_prefix(self, adapter, settings, prompt_tokens):
-        """This prompt's prefix schedule and prefix_inputs_every (the same on every rank: a function of the model,
-        the settings, the prompt's length and the group's smallest device)."""
-        tokens = None if prompt_tokens is None else captured_tokens_per_rank(prompt_tokens, self.cp.size)
-        self.prefix_schedule = resolve_prefix(adapter, settings, tokens, self.device_memory)
-        self.inputs_every = resolve_inputs_every(adapter, settings) if self.prefix_schedule == "layer_major" else 1
-
     def _resolved(self, settings):
-        """settings with prefix_inputs_every as this transaction runs it (check's resolve_inputs_every)."""
+        """settings with prefix_inputs_every as this transaction runs it (build_topology's resolve_inputs_every)."""
         return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
 
     def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
-        self._resolve_prefix(adapter, settings, prompt_ids.numel())
+        if prompt_ids.numel() != self.prompt_tokens:  # the prefix schedule (what capture keeps) is this prompt's
+            raise ValueError(f"this context-parallel topology was built for a prompt of {self.prompt_tokens} tokens, "
+                             f"not {prompt_ids.numel()}: build_topology(..., prompt_tokens=) for each prompt")
         return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
-                                 keep_boundaries=keep_boundaries, pad=schedule.capture_pad,
+                                 keep_boundaries=keep_boundaries, schedule=schedule,
                                  keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
 
     def replay_view(self, adapter, state, requires_grad):
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
+        # Spread: each rank its own members, queries travel to the pages (grpo/cp/spread.py).
         if uses_selection(adapter.specs):
             pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=requires_grad)
+            pages = SpreadSparsePagesAttention(pages) if self.spread else pages
         else:
             pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
-        if self.spread:  # each rank its own members: queries travel to the pages (grpo/cp/spread.py)
-            pages = spread(pages)
+            pages = SpreadPagesAttention(pages) if self.spread else pages
         leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
-                              past={layer: [] for layer in adapter.paged_layers}, stager=pages.stager)
+                              past=ResponsePast({layer: [] for layer in adapter.paged_layers}), stager=pages.stager)
         return ReplayView(leaves, pages)
 
     # -- who replays which member ("cp_replay") --------------------------------------------------------------
@@ -193,10 +239,10 @@ class ContextParallel:
             return None
         return padded_to_common(group, settings, self.cp, self.cp.group, ReplayLockstep)
 
-    def member_weight(self, caller_reduces) -> float:
+    def member_weight(self) -> float:
         """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical
         copies; the prefix pass's shares are scaled alike, _scale_injected_): spread members weigh N."""
-        return float(self.size) if self.spread and caller_reduces else 1.0
+        return float(self.size) if self.spread and self.caller_reduces else 1.0
 
     def collect_members(self, values, members, count) -> list:
         return gather_members(self.cp, values, members, count) if self.spread else list(values)
@@ -218,25 +264,24 @@ class ContextParallel:
 
     def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
                timings=None):
-        if backward is not None and self.cp.size != 1 and not self.spread:
+        if self.caller_reduces and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
         shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
         if self.prefix_schedule == "layer_major":
             layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, self._resolved(settings),
-                                        backward=backward,
-                                        pad=schedule.capture_pad)
+                                        backward=backward, schedule=schedule)
         else:
             cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
                                turn_iterations=schedule.prefix_iterations,
                                prefix_recompute=settings.prefix_recompute_runs)
 
-    def begin_gradients(self, model, caller_reduces):
+    def begin_gradients(self, model):
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
-        return None if caller_reduces else _take_grads(model)
+        return _take_grads(model) if self.reduces else None
 
-    def after_replay(self, model, caller_reduces):
-        if not caller_reduces and not self.spread:
+    def after_replay(self, model):
+        if self.reduces and not self.spread:
             _scale_grads_(model, 1.0 / self.cp.size)  # the same on every rank: count them once in the sum
 
     def reduce(self, model, before):
@@ -305,8 +350,9 @@ def resolve_prefix(adapter, settings, tokens_per_rank=None, device_memory=None) 
     device); ValueError (before any work) when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
     scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
+    # a family with "affine_scan" layers declares whether it runs them layer-major (its layer_major_scan)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
-        [f"{adapter.family} (no prefix_scan_layer)"] if scan and not hasattr(adapter, "prefix_scan_layer") else [])
+        [f"{adapter.family} (no prefix_scan_layer)"] if scan and not adapter.layer_major_scan else [])
     if settings.cp_prefix == "layer_major" and blockers:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
@@ -344,10 +390,43 @@ def resolve_inputs_every(adapter, settings) -> int:
                             settings.prefix_inputs_every)
 
 
-def topology_for(cp_group, settings):
-    """OneRank, or ContextParallel over `cp_group` (validated against settings.cp_size at the door)."""
+def check_topology(adapter, settings, cp_size):
+    """ValueError, naming the key, for what the CP schedule does not run over `cp_size` ranks with this model and
+    these settings (pure: nothing runs, nothing is set). One rank runs every setting."""
+    if cp_size == 1:
+        return
+    check_combines(adapter.specs, cp_size)
+    resolve_layout(adapter, settings)
+    resolve_prefix(adapter, settings)  # its refusals do not depend on the prompt or the device
+    check_sparse(adapter.specs, settings, cp_size)
+    if settings.cp_attention == "ulysses":
+        heads, kv_heads, _ = adapter.attention_geometry()
+        check_heads(heads, kv_heads, cp_size)
+
+
+def build_topology(adapter, settings, cp_group=None, *, prompt_tokens=None, caller_reduces=False) -> Topology:
+    """The topology a transaction (or a generate call) runs over, whole: OneRank, or ContextParallel over
+    `cp_group` (a process group or a parallel.CPContext; validated against settings.cp_size).
+
+    Everything is checked first (as_cp_context, check_topology: a ValueError naming the key before any work), then
+    resolved once, the same on every rank: the group's layout (set on its CPContext), the prefix pass's schedule
+    and prefix_inputs_every for a prompt of `prompt_tokens` tokens (with the group's smallest device's memory:
+    "cp_prefix": "auto"; None: no prompt known, a capture is then refused), and who reduces the gradients
+    (caller_reduces: the caller sums them over the group itself, the DeepSpeed engine; else this topology's
+    reduce). The group's traffic counters, wait timers and capture decisions start from zero (its report covers
+    this call only). Collective over the CP group (the devices' memory)."""
     cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
-    return OneRank() if cp is None else ContextParallel(cp)
+    if cp is None:
+        return OneRank()
+    check_topology(adapter, settings, cp.size)
+    cp.layout = resolve_layout(adapter, settings)
+    device_memory = group_device_memory(adapter.device, cp)
+    tokens = None if prompt_tokens is None else captured_tokens_per_rank(prompt_tokens, cp.size)
+    prefix_schedule = resolve_prefix(adapter, settings, tokens, device_memory)
+    inputs_every = resolve_inputs_every(adapter, settings) if prefix_schedule == "layer_major" else 1
+    cp.reset()
+    return ContextParallel(cp, settings, prefix_schedule=prefix_schedule, inputs_every=inputs_every,
+                           caller_reduces=caller_reduces, prompt_tokens=prompt_tokens)
 
 
 def _take_grads(model):
@@ -383,7 +462,7 @@ def _reduce_and_restore(model, taken, cp):
     flat = torch.cat(parts + [f.to(parts[0].device) for f in flags])
     cp.all_reduce_(flat, -1, "param_grads")
     offset, counts = 0, flat[flat.numel() - len(params):].tolist()
-    for (name, param), grad, count in zip(params, grads, counts):
+    for (name, param), grad, count in zip(params, grads, counts, strict=True):
         size = grad.numel()
         before = taken.get(name)
         if count == 0:  # no rank had a gradient: none, as on one rank

@@ -6,7 +6,7 @@
     replay       for each member: replay [prompt[-1], response[:-1]] with autograd, backward its loss share,
                  drop the graph (exact mode: d(state) accumulates on gradient pages)
     prefix       (exact mode) reverse pass over the capture chunks
-    reduce       (context parallelism without a caller's reduction) one all-reduce of .grad over the CP group
+    reduce       (context parallelism unless the caller reduces) one all-reduce of .grad over the CP group
 What each layer keeps comes from the adapter's layer-state specs (arch/specs.py); where the prompt lives and what
 crosses ranks from the topology (topology.py); how this rank pads its calls under ZeRO-3 from the schedule
 (lockstep.py). Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
@@ -23,9 +23,9 @@ from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Schedule, padded_to_common
 from ds_longstraw.grpo.memory import PhaseMeter
 from ds_longstraw.grpo.replay import final_carry_grads, replay_group, score_group
-from ds_longstraw.grpo.topology import OneRank, topology_for
+from ds_longstraw.grpo.topology import OneRank, Topology, build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
-from ds_longstraw.objective import GRPOObjective, ScaledObjective
+from ds_longstraw.objective import GRPOObjective, ScaledObjective, ScopedObjective
 from ds_longstraw.parallel.experts import check_expert_parallel
 
 
@@ -69,13 +69,13 @@ def _progress_bar(enabled, total, desc):
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter, group, settings, keep_boundaries, desc, topology, schedule):
+def _capture(adapter, group, settings, keep_boundaries, desc, topology: Topology, schedule: Schedule):
     with _progress_bar(settings.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
         return topology.capture(adapter, group.prompt_ids, settings, keep_boundaries, schedule,
                                 progress=None if bar is None else bar.update)
 
 
-def score_reference(ref_model, group, settings, topology=None, schedule=None):
+def score_reference(ref_model, group, settings, topology: Topology | None = None, schedule: Schedule | None = None):
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
@@ -94,8 +94,11 @@ def score_reference(ref_model, group, settings, topology=None, schedule=None):
 
 
 def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
-                  backward=None, lockstep=None, capture=None) -> GroupResult:
+                  backward=None, caller_reduces=None, lockstep=None, capture=None, loss_scope=None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
+
+    objective: a GRPOObjective (default GRPOObjective()). loss_scope: the objective.LossScope the group's shares are
+    normalised over (the DeepSpeed engine passes the step's: its groups, or every rank's); default the group alone.
 
     config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
     a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
@@ -103,8 +106,10 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     which the prompt is sharded (every rank calls with the same group; topology.py says what crosses ranks).
     backward: callable run on every scalar that is back-propagated (each member's loss share; in exact mode the
     prefix pass's surrogate sum(output * injected grad), whose gradient is exactly the injected one). Default
-    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward (and then
-    reduces: under context parallelism no reduction happens here).
+    `loss.backward()`; the DeepSpeed engine passes its own engine.backward so ZeRO sees every backward.
+    caller_reduces: whether the caller sums the gradients over the ranks itself (the DeepSpeed engine: its own
+    reduction over every rank of the job), so that under context parallelism no reduction happens here
+    (topology.py, ContextParallel); None: True exactly when a `backward` is given (the engine's case).
     lockstep: None, or a lockstep.Lockstep that pads this rank's module calls to those of the other data-parallel
     ranks (ZeRO-3 gathers weights with collectives; the DeepSpeed engine sets it). Results are unchanged.
     ep_group: with "ep_size" > 1, the process group the model's routed experts are sharded over (shard_experts):
@@ -120,15 +125,19 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
     capture alike (engine.grpo_step with one rollout prompt per rank does). The result's extras say "capture_reused".
     """
     settings = parse_config(config)
+    caller_reduces = backward is not None if caller_reduces is None else bool(caller_reduces)
     with kernel_mode(settings.kernels):
-        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
-                            capture)
+        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward,
+                            caller_reduces, lockstep, capture, loss_scope)
 
 
-def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, capture=None):
+def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, caller_reduces,
+                 lockstep, capture=None, loss_scope=None):
     try:
         if not isinstance(group, GRPOGroup):
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
+        objective = objective or GRPOObjective()
+        objective.check_group(group)
     except ValueError:
         if capture is not None:
             capture.release()
@@ -136,39 +145,39 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
     # released if it won't fit (another prompt, weights, config, or capture padding than this transaction's)
     reused = None if capture is None else capture.take_capture(model, group, settings, lockstep)
     try:
-        return _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep,
-                                reused)
+        scoped = ScopedObjective(objective, loss_scope or objective.scope_of([group]))
+        return _run_transaction(model, group, scoped, settings, ref_model, cp_group, ep_group, backward,
+                                caller_reduces, lockstep, reused)
     finally:
         if reused is not None:
             reused.release()  # page files of a host/NVMe tier go on error as on success (twice is harmless)
 
 
-def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, lockstep, reused):
-    objective = objective or GRPOObjective()
+def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, caller_reduces,
+                     lockstep, reused):
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
-    topology = topology_for(cp_group, settings)
-    if objective.kl_coef > 0 and ref_model is None and not hasattr(model, "disable_adapter"):
+    if objective.needs_reference and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
-    topology.check(adapter, settings, lockstep, prompt_tokens=group.prompt_ids.numel())
+    topology = build_topology(adapter, settings, cp_group, prompt_tokens=group.prompt_ids.numel(),
+                              caller_reduces=caller_reduces)
     ep = expert_parallel(model)
     check_expert_parallel(ep, settings, ep_group, cp_group)
     if ep is not None:
         ep.reset()
         # the dispatches are collectives over the EP group: its ranks pad to a common shape, whatever they bring
-        lockstep = lockstep or padded_to_common(group, settings, getattr(topology, "cp", None), ep.group)
+        lockstep = lockstep or padded_to_common(group, settings, topology.cp, ep.group)
     schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
     members = topology.replay_members(group)
-    weight = topology.member_weight(backward is not None)
+    weight = topology.member_weight()
     if weight != 1.0:
         objective = ScaledObjective(objective, weight)
     exact = settings.prefix_grad == "exact"
-    caller_reduces = backward is not None
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
 
     ref_logprobs = None
-    if objective.kl_coef > 0:
+    if objective.needs_reference:
         with meter.phase("reference"), topology.phase("reference"), _reference_policy(model, ref_model) as reference:
             ref_logprobs = score_reference(reference, group, settings, topology, schedule)
 
@@ -180,7 +189,7 @@ def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_
     prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
     try:
         retained = state.retained_bytes()
-        before = topology.begin_gradients(model, caller_reduces)
+        before = topology.begin_gradients(model)
         with meter.phase("replay"), topology.phase("replay"):
             view = topology.replay_view(adapter, state, requires_grad=exact)
             loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
@@ -189,7 +198,7 @@ def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
             logprobs = topology.collect_members(logprobs, members, group.size)
-        topology.after_replay(model, caller_reduces)
+        topology.after_replay(model)
 
         if exact:
             with meter.phase("prefix"), topology.phase("prefix"):
@@ -199,7 +208,7 @@ def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_
                                     progress=None if bar is None else bar.update, timings=prefix_seconds)
         grad_page_bytes = state.pool.grad_bytes()
         del view
-        if before is not None:  # the topology reduces here (context parallelism without a caller's reduction)
+        if topology.reduces:  # context parallelism, unless the caller reduces
             with meter.phase("reduce"), topology.phase("reduce"):
                 topology.reduce(model, before)
     finally:

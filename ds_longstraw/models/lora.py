@@ -8,12 +8,21 @@ LoRA dropout must be 0 for the transaction: capture, replay and exact mode's pre
 than once and must see the same function each time.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 import torch
 
 from ds_longstraw.arch import lora_targets
 
+if TYPE_CHECKING:
+    from peft import PeftModel
 
-def apply_lora(model, r: int = 16, alpha: float = 32, dropout: float = 0.0, target_modules=None, seed=None):
+
+def apply_lora(model: torch.nn.Module, r: int = 16, alpha: float = 32, dropout: float = 0.0,
+               target_modules: Iterable[str] | None = None, seed: int | None = None) -> PeftModel:
     """Wrap `model` in a peft LoRA model; returns the PeftModel (only adapter parameters require grad).
 
     seed: when given, the adapter initialisation draws from this seed (so every rank builds the same adapters)."""
@@ -35,12 +44,12 @@ def apply_lora(model, r: int = 16, alpha: float = 32, dropout: float = 0.0, targ
     return get_peft_model(model, config)
 
 
-def adapter_parameter_names(model) -> list:
+def adapter_parameter_names(model: torch.nn.Module) -> list:
     """Names of the parameters that train (peft's adapters): everything with requires_grad."""
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
-def _count(p) -> int:
+def _count(p: torch.Tensor) -> int:
     """Parameters a tensor stands for: the full count under ZeRO-3 partitioning, and a 4-bit weight's unpacked
     count (bitsandbytes packs two codes a byte into a tensor of another shape; its quant_state has the real one)."""
     quant_state = getattr(p, "quant_state", None)
@@ -49,7 +58,7 @@ def _count(p) -> int:
     return p.ds_numel if hasattr(p, "ds_numel") else p.numel()
 
 
-def trainable_summary(model) -> dict:
+def trainable_summary(model: torch.nn.Module) -> dict:
     trainable = sum(_count(p) for p in model.parameters() if p.requires_grad)
     total = sum(_count(p) for p in model.parameters())
     return {"trainable_params": trainable, "total_params": total}

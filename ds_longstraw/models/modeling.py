@@ -10,10 +10,16 @@ checkpoints and for shapes above `ZERO_INIT_ABOVE` parameters; small random mode
 from the same seed (so a single-process reference builds the very same weights).
 """
 
+from __future__ import annotations
+
 import os
 from importlib import resources
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import BitsAndBytesConfig, PretrainedConfig, PreTrainedModel
 
 ZERO_INIT_ABOVE = 1 << 30  # parameters
 # configs/ of the checkout, which the package ships as ds_longstraw.configs (pyproject's package-dir mapping). Found
@@ -26,7 +32,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}
 
 
-def as_dtype(name) -> torch.dtype:
+def as_dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
     if name not in DTYPES:
@@ -34,7 +40,7 @@ def as_dtype(name) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_shape(shape) -> dict:
+def load_shape(shape: dict[str, Any] | str | os.PathLike[str]) -> dict:
     """A shape config as a plain dict (from a dict or a YAML path)."""
     if isinstance(shape, (str, os.PathLike)):
         from omegaconf import OmegaConf
@@ -45,7 +51,7 @@ def load_shape(shape) -> dict:
     return dict(shape)
 
 
-def config_from_shape(shape):
+def config_from_shape(shape: dict[str, Any] | str | os.PathLike[str]) -> PretrainedConfig:
     """transformers config for a shape config (dict or YAML path)."""
     from transformers import AutoConfig
 
@@ -60,7 +66,7 @@ def config_from_shape(shape):
     return AutoConfig.for_model(model_type, **fields)
 
 
-def parameter_count(config) -> int:
+def parameter_count(config: PretrainedConfig) -> int:
     """Parameters of a model built from `config`, counted on the meta device (nothing allocated)."""
     from transformers import AutoModelForCausalLM
 
@@ -69,12 +75,12 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def _zero3(ds_config) -> bool:
+def _zero3(ds_config: dict[str, Any] | None) -> bool:
     zero = (ds_config or {}).get("zero_optimization") or {}
     return isinstance(zero, dict) and zero.get("stage") == 3
 
 
-def four_bit_config(dtype):
+def four_bit_config(dtype: torch.dtype) -> BitsAndBytesConfig:
     """transformers' bitsandbytes config for NF4 base weights (QLoRA) computing in `dtype`.
 
     The packed 4-bit codes are stored in tensors of `dtype` (bnb_4bit_quant_storage): a DeepSpeed engine in bf16 or
@@ -90,7 +96,7 @@ def four_bit_config(dtype):
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=dtype)
 
 
-def four_bit_layers(model) -> list:
+def four_bit_layers(model: torch.nn.Module) -> list:
     """The model's bitsandbytes 4-bit linear layers (none where bitsandbytes is not installed)."""
     try:
         from bitsandbytes.nn import Linear4bit
@@ -99,7 +105,7 @@ def four_bit_layers(model) -> list:
     return [module for module in model.modules() if isinstance(module, Linear4bit)]
 
 
-def keep_four_bit_layout(model):
+def keep_four_bit_layout(model: torch.nn.Module) -> torch.nn.Module:
     """Stop bitsandbytes from repacking 4-bit weights for CPU inference.
 
     On CPUs with AVX512-BF16, bitsandbytes rewrites a Linear4bit's weight in place, on its first graph-free forward
@@ -112,7 +118,7 @@ def keep_four_bit_layout(model):
     return model
 
 
-def accept_saved_quant_state(model):
+def accept_saved_quant_state(model: torch.nn.Module) -> torch.nn.Module:
     """Let a 4-bit model load state dicts that it saved itself (DeepSpeed checkpoints of a QLoRA run).
 
     bitsandbytes writes each 4-bit weight's quantization state beside it (`<weight>.absmax`, `.quant_map`,
@@ -120,7 +126,8 @@ def accept_saved_quant_state(model):
     weights of a resumed run come from model.pretrained again; the saved block scales are compared with the
     loaded ones (a checkpoint of another base is an error naming the layer) and then dropped."""
     for module in four_bit_layers(model):
-        def take_quant_state(state_dict, prefix, *args, _module=module):
+        def take_quant_state(state_dict: dict[str, torch.Tensor], prefix: str, *args: Any,
+                             _module: torch.nn.Module = module) -> None:
             saved = {key: state_dict.pop(key) for key in [k for k in state_dict if k.startswith(prefix + "weight.")]}
             absmax = saved.get(prefix + "weight.absmax")
             ours = getattr(_module.weight, "quant_state", None)
@@ -133,8 +140,10 @@ def accept_saved_quant_state(model):
     return model
 
 
-def build_model(shape=None, pretrained=None, dtype="float32", seed=0, ds_config=None, zero_init="auto",
-                attn_implementation="sdpa", four_bit=False):
+def build_model(shape: dict[str, Any] | str | os.PathLike[str] | None = None,
+                pretrained: str | os.PathLike[str] | None = None, dtype: str | torch.dtype = "float32",
+                seed: int = 0, ds_config: dict[str, Any] | None = None, zero_init: bool | Literal["auto"] = "auto",
+                attn_implementation: str = "sdpa", four_bit: bool = False) -> PreTrainedModel:
     """The policy model (a transformers causal LM). Exactly one of `shape` (random weights from `seed`) and
     `pretrained` (a local checkpoint directory) must be given; ds_config: the DeepSpeed config dict (for ZeRO-3
     construction-time partitioning); four_bit: load the linear layers' weights as NF4 (QLoRA base; checkpoints

@@ -79,7 +79,7 @@ def local_to_prompt(local, pieces):
     ranges in order). Monotone: local order is prompt order."""
     starts = local_starts(pieces)
     local = local.long()
-    shift = torch.tensor([lo - start for (lo, _), start in zip(pieces, starts)], dtype=torch.long,
+    shift = torch.tensor([lo - start for (lo, _), start in zip(pieces, starts[:-1], strict=True)], dtype=torch.long,
                          device=local.device)
     which = torch.bucketize(local, torch.tensor(starts[1:-1], dtype=torch.long, device=local.device), right=True)
     return local + shift[which]
@@ -90,7 +90,7 @@ def prompt_to_local(positions, valid, pieces):
     the index is 0 elsewhere."""
     local = torch.zeros_like(positions, dtype=torch.long)
     mine = torch.zeros_like(valid)
-    for (lo, hi), start in zip(pieces, local_starts(pieces)):
+    for (lo, hi), start in zip(pieces, local_starts(pieces)[:-1], strict=True):
         inside = valid & (positions >= lo) & (positions < hi)
         local = torch.where(inside, positions - lo + start, local)
         mine |= inside
@@ -139,17 +139,17 @@ class Traffic:
         return sum(b for (p, _, _), b in self.received.items() if phase is None or p == phase)
 
     def by_layer(self, phase=None) -> dict:
-        out = defaultdict(int)
-        for (p, layer, _), b in self.received.items():
-            if phase is None or p == phase:
-                out[layer] += b
-        return dict(sorted(out.items()))
+        return self._by(1, phase)
 
     def by_op(self, phase=None) -> dict:
+        return self._by(2, phase)
+
+    def _by(self, part, phase) -> dict:
+        """Bytes received per value of one part of the (phase, layer, op) key, in that part's order."""
         out = defaultdict(int)
-        for (p, _, op), b in self.received.items():
-            if phase is None or p == phase:
-                out[op] += b
+        for key, b in self.received.items():
+            if phase is None or key[0] == phase:
+                out[key[part]] += b
         return dict(sorted(out.items()))
 
     def reset(self):
@@ -256,7 +256,7 @@ class CPContext:
             wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
             pad = [0, 0] * (wire.dim() - 1 - dim % wire.dim()) + [0, width - wire.shape[dim]]
             parts = self.all_gather(torch.nn.functional.pad(wire, pad), layer, op)
-            whole = torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts)], dim)
+            whole = torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts, strict=True)], dim)
             out.append(whole.bool() if tensor.dtype == torch.bool else whole)
         return tuple(out), counts
 

@@ -41,12 +41,12 @@ class ParallelLayout:
         return self.world // self.cp_size
 
     @property
-    def cp_group(self):
+    def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's CP process group, or None without context parallelism."""
         return None if self.cp is None else self.cp.group
 
 
-def check_sizes(world: int, cp_size: int, ep_size: int):
+def check_sizes(world: int, cp_size: int, ep_size: int) -> None:
     """ValueError naming the key when a size does not divide the world (before any group is made)."""
     for key, size in (("cp_size", cp_size), ("ep_size", ep_size)):
         if size < 1 or world % size:

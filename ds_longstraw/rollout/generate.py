@@ -38,10 +38,14 @@ Legend: V vocabulary, G samples still in the batch; rows are token-major [T, ...
 the adapter returns them; the batched path keeps each layer's rows position-major [max_new_tokens, G, ...].
 """
 
+from __future__ import annotations
+
 import math
 import secrets
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,12 +55,21 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.group import GRPOGroup, _as_ids
 from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
 from ds_longstraw.grpo.memory import PhaseMeter, return_freed_host_memory
-from ds_longstraw.grpo.topology import topology_for
+from ds_longstraw.grpo.topology import build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.offload import StagedPast
 from ds_longstraw.parallel.experts import check_expert_parallel
 from ds_longstraw.rollout.decode_lockstep import decode_locksteps
 from ds_longstraw.seeds import splitmix64
+
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.lockstep import Lockstep
+    from ds_longstraw.grpo.replay import PrefixLeaves
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.grpo.topology import ReplayView, Topology
+    from ds_longstraw.parallel.groups import CPContext
 
 
 @dataclass
@@ -73,23 +86,24 @@ class Rollouts:
     finished: list
     seed: int
     phases: dict = field(default_factory=dict)
-    capture: "KeptCapture | None" = None  # keep_capture=True: the captured prompt state, until taken or released
+    capture: KeptCapture | None = None  # keep_capture=True: the captured prompt state, until taken or released
 
     @property
     def size(self) -> int:
         return len(self.response_ids)
 
-    def group(self, rewards) -> GRPOGroup:
+    def group(self, rewards: torch.Tensor | Sequence[float]) -> GRPOGroup:
         """The GRPO group of these samples with `rewards` [G], the sampled log-probs as its old log-probs."""
         return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs))
 
-    def release(self):
+    def release(self) -> None:
         """Drop the kept capture (its pages and page files), if any is still held; safe to call twice."""
         if self.capture is not None:
             self.capture.release()
             self.capture = None
 
-    def take_capture(self, model, group, settings, lockstep=None):
+    def take_capture(self, model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+                     lockstep: Lockstep | None = None) -> PrefixState:
         """The kept capture's PrefixState for a transaction on `group` under `settings` and `lockstep` (what
         grpo_backward's `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the
         state and must release it; on a refusal (ValueError: weights changed since generate, another model, prompt,
@@ -105,10 +119,10 @@ class Rollouts:
             raise
         return kept.take()
 
-    def __enter__(self):
+    def __enter__(self) -> Rollouts:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -116,7 +130,7 @@ class Rollouts:
 _REPLAY_ONLY = ("replay_block", "cp_replay", "progress", "prefix_recompute")
 
 
-def weights_fingerprint(model) -> tuple:
+def weights_fingerprint(model: torch.nn.Module) -> tuple:
     """The trainable parameters' version counters (and storage addresses): any in-place change (an optimizer step,
     a load) or a new tensor assigned to .data changes it. Under ZeRO-3 the partition (ds_tensor) is what the
     optimizer writes, so its counter is the one read."""
@@ -134,13 +148,15 @@ class KeptCapture:
     when this object is garbage collected. padded_to: the capture chunks its capture was padded to under a decode
     lockstep (decode_lockstep.py), None without one."""
 
-    def __init__(self, state, settings, model, prompt_ids, padded_to=None):
+    def __init__(self, state: PrefixState, settings: LongstrawConfig, model: torch.nn.Module,
+                 prompt_ids: torch.Tensor, padded_to: int | None = None) -> None:
         self.settings, self.prompt_ids, self.padded_to = settings, prompt_ids, padded_to
         self.model, self.fingerprint = weakref.ref(model), weights_fingerprint(model)
         self._holder = [state]
         self._finalizer = weakref.finalize(self, _release_held, self._holder)
 
-    def check(self, model, group, settings, lockstep=None):
+    def check(self, model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+              lockstep: Lockstep | None = None) -> None:
         """ValueError when this capture cannot stand for the capture a transaction of `group` under `settings`
         would make, padded by `lockstep` (lockstep.Lockstep or None): skipping the transaction's capture skips its
         padding calls too, so every rank must skip alike. That holds where the capture needs no padding, or was
@@ -168,24 +184,27 @@ class KeptCapture:
                              f"call's ({[mine[k] for k in differ]} vs {[theirs.get(k) for k in differ]}); a kept "
                              "capture is reused only under the config it was captured with")
 
-    def take(self):
+    def take(self) -> PrefixState:
         """The PrefixState, now the caller's to release."""
         state = self._holder.pop()
         self._finalizer.detach()
         return state
 
-    def release(self):
+    def release(self) -> None:
         self._finalizer()  # at most once: releases the state if still held
 
 
-def _release_held(holder):
+def _release_held(holder: list[PrefixState]) -> None:
     while holder:
         holder.pop().release()
 
 
-def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0, top_p=1.0, eos_token_id=None,
-             seed=None, config=None, cp_group=None, dp_group=None, keep_capture=False, batched=True,
-             lockstep=None) -> Rollouts:
+def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], num_samples: int,
+             max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
+             eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
+             config: LongstrawConfig | dict[str, Any] | None = None,
+             cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
+             keep_capture: bool = False, batched: bool = True, lockstep: Schedule | None = None) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -218,7 +237,7 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
     if lockstep is not None and dp_group is not None:
         raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
-    capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture)
+    capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture, prompt_ids.numel())
     if lockstep is None:
         lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, capture_settings, topology, dp_group)[0]
     elif lockstep.idle:
@@ -229,35 +248,42 @@ def generate(model, prompt_ids, num_samples, max_new_tokens, *, temperature=1.0,
                      temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
 
 
-def decode_idle_slot(model, lockstep, max_new_tokens, *, config=None, cp_group=None, keep_capture=False,
-                     batched=True):
+def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens: int, *,
+                     config: LongstrawConfig | dict[str, Any] | None = None,
+                     cp_group: dist.ProcessGroup | CPContext | None = None, keep_capture: bool = False,
+                     batched: bool = True) -> None:
     """A prompt slot this rank has no prompt for (lockstep.idle): the dummy prompt's capture and ghost decode steps
     that pad its calls to the other ranks' (decode_lockstep.py); nothing is sampled or kept. keep_capture and
     batched: as the other ranks' generate calls of the slot (they decide the capture's settings and the steps)."""
     from ds_longstraw.rollout.decode_lockstep import IDLE_PROMPT
 
     adapter = adapter_for(model)
-    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
+    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture,
+                                               IDLE_PROMPT.numel())
     _generate(model, adapter, topology, capture_settings, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
               lambda tokens: list(tokens), False, batched, lockstep)
 
 
-def _decode_setup(model, adapter, settings, cp_group, keep_capture):
-    """(the settings the prompt is captured under, the topology) of a generate call, checked before any work."""
+def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, settings: LongstrawConfig,
+                  cp_group: dist.ProcessGroup | CPContext | None, keep_capture: bool,
+                  prompt_tokens: int | None = None) -> tuple[LongstrawConfig, Topology]:
+    """(the settings the prompt is captured under, the topology) of a generate call, checked before any work;
+    prompt_tokens: the length of the prompt it captures (None: it captures none)."""
     # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
     # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
     capture_settings = settings if keep_capture else settings.model_copy(update={"prefix_grad": "detached"})
     # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
     decode_settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
-    topology = topology_for(cp_group, decode_settings)
-    topology.check(adapter, decode_settings)
+    topology = build_topology(adapter, decode_settings, cp_group, prompt_tokens=prompt_tokens)
     ep = expert_parallel(model)
     check_expert_parallel(ep, settings, None if ep is None else ep.group, cp_group)
     return capture_settings, topology
 
 
-def decode_schedules(model, prompts, num_samples, *, config=None, cp_group=None, dp_group=None,
-                     keep_capture=False) -> list:
+def decode_schedules(model: torch.nn.Module, prompts: Sequence[torch.Tensor], num_samples: int, *,
+                     config: LongstrawConfig | dict[str, Any] | None = None,
+                     cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
+                     keep_capture: bool = False) -> list:
     """Per prompt slot, the schedule this rank's generate (or decode_idle_slot, past its last prompt) runs under
     for its `prompts` (1-D ids), with generate's arguments of the same names (decode_lockstep_for; collective over
     dp_group, or the model's expert-parallel group)."""
@@ -266,7 +292,9 @@ def decode_schedules(model, prompts, num_samples, *, config=None, cp_group=None,
     return decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group)
 
 
-def decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group) -> list:
+def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor], num_samples: int,
+                        capture_settings: LongstrawConfig, topology: Topology,
+                        dp_group: dist.ProcessGroup | None) -> list:
     """Per prompt slot, the schedule this rank decodes under: decode_lockstep.decode_locksteps over dp_group (or,
     without one, over the model's expert-parallel group), or plain Schedules when neither is given (collective
     over that group)."""
@@ -277,8 +305,11 @@ def decode_lockstep_for(model, prompts, num_samples, capture_settings, topology,
     return decode_locksteps(prompts, num_samples, capture_settings, getattr(topology, "cp", None), group)
 
 
-def _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens, temperature,
-              top_p, eos, seed, choose, keep_capture, batched, schedule):
+def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topology,
+              capture_settings: LongstrawConfig, prompt_ids: torch.Tensor, num_samples: int, max_new_tokens: int,
+              temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
+              choose: Callable[[list[int]], list[int]], keep_capture: bool, batched: bool,
+              schedule: Schedule) -> Rollouts:
     """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
     keep_boundaries = capture_settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
@@ -309,7 +340,9 @@ def _generate(model, adapter, topology, capture_settings, prompt_ids, num_sample
                     phases=meter.phases, capture=kept)
 
 
-def _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed):
+def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int, max_new_tokens: int,
+                     temperature: float, top_p: float, eos_token_id: int | Iterable[int] | None,
+                     seed: int | None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """ValueError naming the argument; returns (prompt ids as a CPU LongTensor, eos ids as a tuple)."""
     prompt_ids = _as_ids("prompt_ids", prompt_ids).cpu()
     if prompt_ids.numel() < 2:
@@ -335,10 +368,10 @@ class _ResponseRows:
     costs O(1) amortised, and attention sees the response as one segment after the prompt's pages (a list of
     one-token segments would make every attention call merge one partial per generated token)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.buffers, self.length = {}, 0
 
-    def append(self, rows):
+    def append(self, rows: dict[int, tuple[torch.Tensor, ...]]) -> None:
         """rows: layer -> tuple of one token's rows [1, ...] per stream."""
         for layer, parts in rows.items():
             buffers = self.buffers.get(layer)
@@ -346,14 +379,14 @@ class _ResponseRows:
                 capacity = max(16, 2 * self.length)
                 grown = tuple(_new_buffer(part, capacity) for part in parts)
                 if buffers is not None:
-                    for new, old in zip(grown, buffers):
+                    for new, old in zip(grown, buffers, strict=True):
                         new[: self.length] = old[: self.length]
                 self.buffers[layer] = buffers = grown
-            for buffer, part in zip(buffers, parts):
+            for buffer, part in zip(buffers, parts, strict=True):
                 buffer[self.length: self.length + part.shape[0]] = part
         self.length += 1
 
-    def past(self, leaves):
+    def past(self, leaves: PrefixLeaves) -> StagedPast | dict[int, list[tuple[torch.Tensor, ...]]]:
         """The past a decode step attends: the prompt's pages (or none: context parallelism reaches them remotely),
         then this sample's rows."""
         if isinstance(leaves.past, StagedPast):
@@ -367,13 +400,15 @@ class _ResponseRows:
         return past
 
 
-def _new_buffer(part, capacity):
+def _new_buffer(part: torch.Tensor, capacity: int) -> torch.Tensor:
     """Room for `capacity` rows like `part`'s (uninitialised: only the rows written are ever read; tests poison it)."""
     return part.new_empty((capacity, *part.shape[1:]))
 
 
-def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
-                 schedule):
+def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
+                 max_new_tokens: int, temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
+                 choose: Callable[[list[int]], list[int]],
+                 schedule: Schedule) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample.
     Under a lockstep the sample slots other ranks have and this one lacks are decoded as ghosts."""
     samples = []
@@ -387,8 +422,10 @@ def _decode_each(adapter, view, start, first, num_samples, max_new_tokens, tempe
     return samples
 
 
-def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temperature, top_p, eos, seed, choose,
-                  schedule):
+def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
+                  max_new_tokens: int, temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
+                  choose: Callable[[list[int]], list[int]],
+                  schedule: Schedule) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
     all the samples still running; a sample that draws eos leaves the batch (its carry and rows are dropped).
     Each sample draws from its own generator in the same order as _decode, so the tokens are the sequential
@@ -413,7 +450,7 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
         for layer, parts in out.rows.items():
             if layer not in rows:
                 rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new_tokens) for part in parts)
-            for buffer, part in zip(rows[layer], parts):
+            for buffer, part in zip(rows[layer], parts, strict=True):
                 buffer[step] = part
         logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
         del out, past, own
@@ -424,7 +461,8 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
                                                                     dtype=torch.float64))
             drawn.append(_sample(logits_GV[row], temperature, top_p, uniform))
         chosen_G, keep = [], []
-        for row, (sample, chosen) in enumerate(zip(active, choose(drawn))):  # the step's tokens in one exchange
+        # the step's tokens in one exchange
+        for row, (sample, chosen) in enumerate(zip(active, choose(drawn), strict=True)):
             logps[sample].append(torch.log_softmax(logits_GV[row], dim=-1)[chosen])
             ids[sample].append(chosen)
             if chosen in eos:
@@ -443,7 +481,9 @@ def _decode_batch(adapter, view, start, first, num_samples, max_new_tokens, temp
     return [(torch.tensor(ids[g], dtype=torch.long), torch.stack(logps[g]), ended[g]) for g in range(num_samples)]
 
 
-def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos, generator, choose, schedule):
+def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, max_new_tokens: int,
+            temperature: float, top_p: float, eos: tuple[int, ...], generator: torch.Generator,
+            choose: Callable[[list[int]], list[int]], schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos). Under a
     lockstep the steps after its eos that other ranks still take are ghost steps."""
     carry, rows = dict(view.leaves.carry), _ResponseRows()
@@ -467,7 +507,8 @@ def _decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos
     return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
 
 
-def _ghost_steps(adapter, view, start, steps, batched, schedule):
+def _ghost_steps(adapter: CausalLMAdapter, view: ReplayView, start: int, steps: int, batched: bool,
+                 schedule: Schedule) -> None:
     """At most `steps` ghost steps, until no rank of the schedule has a sample running (decode_lockstep.py)."""
     for _ in range(steps):
         _ghost_step(adapter, view, start, batched)
@@ -475,7 +516,7 @@ def _ghost_steps(adapter, view, start, steps, batched, schedule):
             return
 
 
-def _ghost_step(adapter, view, start, batched):
+def _ghost_step(adapter: CausalLMAdapter, view: ReplayView, start: int, batched: bool) -> None:
     """A decode step whose result is thrown away (decode_lockstep.py): one dummy token decoded from the prompt's
     state, as a first step, through the forward the real steps take (decode_step batched, else the segment
     forward) and the head, so it calls the same submodules as a real step."""
@@ -489,7 +530,7 @@ def _ghost_step(adapter, view, start, batched):
     adapter.lm_head(adapter.body.norm(out.hidden))
 
 
-def _sample(logits_V, temperature, top_p, uniform) -> int:
+def _sample(logits_V: torch.Tensor, temperature: float, top_p: float, uniform: float) -> int:
     """A token id from float64 CPU logits: argmax at temperature 0, else the token where `uniform` (in [0, 1)) falls
     in the cumulative probability of the nucleus (the most probable tokens, ties lower id first, until their
     probability reaches top_p), renormalised."""
@@ -505,13 +546,13 @@ def _sample(logits_V, temperature, top_p, uniform) -> int:
     return int(order_V[min(index, kept - 1)])
 
 
-def _generator(seed, sample):
+def _generator(seed: int, sample: int) -> torch.Generator:
     """Sample `sample`'s own CPU generator: its seed mixes (seed, sample) (SplitMix64), so seeds s and s + 1 share no
     sample's stream, and a sample's draws depend on neither the rank nor how many samples are drawn."""
     return torch.Generator().manual_seed(splitmix64(splitmix64(seed) ^ sample) >> 1)
 
 
-def _first_rank_token(topology, device):
+def _first_rank_token(topology: Topology, device: torch.device) -> Callable[[list[int]], list[int]]:
     """tokens (a list of ints) -> the tokens (or drawn seed) every rank of the topology takes: its own on one rank,
     the CP group's first rank's under context parallelism (one int64 all-gather per call: a decode step's tokens
     of every sample together)."""
@@ -519,7 +560,7 @@ def _first_rank_token(topology, device):
     if cp is None:
         return lambda tokens: list(tokens)
 
-    def choose(tokens):
+    def choose(tokens: list[int]) -> list[int]:
         first = cp.all_gather(torch.tensor(tokens, dtype=torch.int64, device=device), op="rollout_token")[0]
         return [int(token) for token in first.tolist()]
 

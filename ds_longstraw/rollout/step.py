@@ -43,12 +43,15 @@ The step's extras say which ran ("zero3_weights").
 Not here: asynchronous or off-policy rollouts.
 """
 
+from __future__ import annotations
+
 import importlib
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
@@ -59,11 +62,21 @@ from ds_longstraw.group import _as_ids
 from ds_longstraw.offload.plan import decode_state_bytes
 from ds_longstraw.seeds import splitmix64
 
+if TYPE_CHECKING:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from torch.distributed import ProcessGroup
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.group import GRPOGroup
+    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.rollout.generate import Rollouts
+
 BLOCK = "rollout"
 _MASK62 = (1 << 62) - 1
 
 
-def load_callable(path, key=f"{BLOCK}.reward"):
+def load_callable(path: str, key: str = f"{BLOCK}.reward") -> Callable[..., Any]:
     """The callable named by "package.module:function" (ValueError naming `key` when it does not import or is not
     callable)."""
     if not isinstance(path, str) or path.count(":") != 1 or not all(path.split(":")):
@@ -92,53 +105,53 @@ class RolloutConfig(DeepSpeedConfigModel):
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
     reward: str
-    eos_token_id: Optional[Union[int, list[int]]] = None
+    eos_token_id: int | list[int] | None = None
     seed: int = Field(0, ge=0)
     zero3_weights: Literal["auto", "per_call", "whole"] = "auto"
     zero3_whole_budget: float = Field(0.8, ge=0, le=1, allow_inf_nan=False)
-    prompts: Optional[str] = None
+    prompts: str | None = None
     prompt_args: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("reward")
     @classmethod
-    def _reward_imports(cls, value):
+    def _reward_imports(cls, value: str) -> str:
         load_callable(value, f"{BLOCK}.reward")
         return value
 
     @field_validator("prompts")
     @classmethod
-    def _prompts_import(cls, value):
+    def _prompts_import(cls, value: str | None) -> str | None:
         if value is not None:
             load_callable(value, f"{BLOCK}.prompts")
         return value
 
     @field_validator("eos_token_id")
     @classmethod
-    def _eos_ids(cls, value):
+    def _eos_ids(cls, value: int | list[int] | None) -> int | list[int] | None:
         ids = [value] if isinstance(value, int) else value or []
         if any(token < 0 for token in ids):
             raise ValueError(f"token ids must be >= 0, got {value!r}")
         return value
 
-    def reward_function(self):
+    def reward_function(self) -> Callable[[torch.Tensor, torch.Tensor], float | torch.Tensor]:
         return load_callable(self.reward, f"{BLOCK}.reward")
 
-    def prompt_function(self):
+    def prompt_function(self) -> Callable[..., torch.Tensor | Sequence[int]] | None:
         return None if self.prompts is None else load_callable(self.prompts, f"{BLOCK}.prompts")
 
 
-def parse_rollout(block) -> RolloutConfig:
+def parse_rollout(block: RolloutConfig | dict[str, Any]) -> RolloutConfig:
     """A dict (the YAML / JSON block) or a RolloutConfig -> a validated RolloutConfig (ValueError naming the key)."""
     return parse_block(RolloutConfig, block, BLOCK)
 
 
-def sample_seed(seed, step, index) -> int:
+def sample_seed(seed: int, step: int, index: int) -> int:
     """generate's seed for prompt `index` of step `step` of a run seeded `seed` (SplitMix64 of the three: no two
     (step, index) pairs of a run share a seed in practice, and neighbouring runs share none either)."""
     return splitmix64(splitmix64(splitmix64(int(seed)) ^ int(step)) ^ int(index)) & _MASK62
 
 
-def as_prompts(prompts) -> list:
+def as_prompts(prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]]) -> list:
     """One prompt (1-D ids) or a list of them -> a list of CPU LongTensors (ValueError naming the prompt)."""
     if isinstance(prompts, torch.Tensor) and prompts.dim() == 1:
         prompts = [prompts]
@@ -150,7 +163,8 @@ def as_prompts(prompts) -> list:
     return [_as_ids(f"prompts[{i}]", p).cpu() for i, p in enumerate(prompts)]
 
 
-def _reward(function, rollout, prompt_ids, response_ids) -> float:
+def _reward(function: Callable[[torch.Tensor, torch.Tensor], float | torch.Tensor], rollout: RolloutConfig,
+            prompt_ids: torch.Tensor, response_ids: torch.Tensor) -> float:
     value = function(prompt_ids, response_ids)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
@@ -159,7 +173,11 @@ def _reward(function, rollout, prompt_ids, response_ids) -> float:
     return float(value)
 
 
-def rollout_groups(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None) -> list:
+def rollout_groups(model: torch.nn.Module,
+                   prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
+                   rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
+                   config: LongstrawConfig | dict[str, Any] | None = None,
+                   cp_group: ProcessGroup | CPContext | None = None) -> list:
     """GRPOGroups of `prompts` (one or a list of 1-D ids) sampled from `model` as the `rollout` block says: for
     prompt j, `rollout.num_samples` samples seeded sample_seed(rollout.seed, step, first_index + j), rewarded by
     `rollout.reward`, their log-probs as old log-probs. config: the "longstraw" block (capture chunks, pages, tier);
@@ -168,8 +186,12 @@ def rollout_groups(model, prompts, rollout, *, step, first_index=0, config=None,
                                                    config=config, cp_group=cp_group)]
 
 
-def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None, cp_group=None, dp_group=None,
-                    keep_capture=False) -> list:
+def rollout_samples(model: torch.nn.Module,
+                    prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
+                    rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
+                    config: LongstrawConfig | dict[str, Any] | None = None,
+                    cp_group: ProcessGroup | CPContext | None = None, dp_group: ProcessGroup | None = None,
+                    keep_capture: bool = False) -> list:
     """[(GRPOGroup, Rollouts)] as `rollout_groups`; with keep_capture each Rollouts keeps its prompt's capture for
     grpo_backward(..., capture=) (the caller trains on it or releases it; on error here every kept one goes).
     dp_group: the ranks that decode in lockstep, each with its own prompts (generate's dp_group): a rank with fewer
@@ -202,7 +224,7 @@ def rollout_samples(model, prompts, rollout, *, step, first_index=0, config=None
     return sampled
 
 
-def free_device_bytes(device) -> int:
+def free_device_bytes(device: torch.device | str | int) -> int:
     """Memory this rank may still take: on CUDA the device's free memory plus what torch's allocator holds unused;
     on CPU the host's available memory over the node's ranks (LOCAL_WORLD_SIZE, set by the launcher)."""
     device = torch.device(device)
@@ -214,7 +236,8 @@ def free_device_bytes(device) -> int:
     return psutil.virtual_memory().available // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
-def decoding_bytes(adapter, prompts, rollout, settings) -> int:
+def decoding_bytes(adapter: CausalLMAdapter, prompts: Sequence[torch.Tensor], rollout: RolloutConfig,
+                   settings: LongstrawConfig) -> int:
     """What decoding this rank's prompts keeps on the device (module docstring): the longest prompt's pages (its
     CP shard) on the "none" tier, else two staged layers of them; every sample's carry and its response rows
     (allocated whole up front); a step's logits in the head's dtype and in float64."""
@@ -229,7 +252,8 @@ def decoding_bytes(adapter, prompts, rollout, settings) -> int:
     return pages + samples + logits
 
 
-def resolve_zero3_weights(engine, prompts, rollout, dp_group) -> str:
+def resolve_zero3_weights(engine: DeepSpeedEngine, prompts: Sequence[torch.Tensor], rollout: RolloutConfig,
+                          dp_group: ProcessGroup | None) -> str:
     """"per_call" or "whole" for this step's rollouts (collective over dp_group when `auto`): "whole" only where
     every rank has room for the weights beyond its ZeRO-3 share beside what decoding keeps (module docstring)."""
     if engine.zero_optimization_stage() != 3:
@@ -250,7 +274,7 @@ def resolve_zero3_weights(engine, prompts, rollout, dp_group) -> str:
 
 
 @contextmanager
-def decoding_weights(engine, how):
+def decoding_weights(engine: DeepSpeedEngine, how: str) -> Iterator[None]:
     """The engine's weights as the rollouts decode them (module docstring), `how` as resolve_zero3_weights says:
     "per_call" as ZeRO-3 serves them; "whole" every partitioned weight gathered once, and ZeRO-3's module hooks off
     until the block ends, when they go back on (on error too) and the weights are partitioned again."""
@@ -271,7 +295,10 @@ def decoding_weights(engine, how):
             offload._register_deepspeed_module(offload.module)
 
 
-def engine_rollouts(engine, prompts, rollout):
+def engine_rollouts(engine: DeepSpeedEngine,
+                    prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
+                    rollout: RolloutConfig | dict[str, Any]) -> tuple[list[GRPOGroup], dict[str, Any],
+                                                                      list[Rollouts | None]]:
     """(groups, extras, captures) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the
     engine's module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on
     resume), the prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group),

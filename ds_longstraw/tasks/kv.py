@@ -56,7 +56,7 @@ def prompt(seed, index, *, prompt_tokens=64, records=2, keys=8, values=4, filler
     # records at sorted random starts, 4 tokens apart at least: choose the gaps by placing records among slots
     slots = body - 4 * records
     starts = torch.sort(torch.randint(0, slots + 1, (records,), generator=gen)).values + 4 * torch.arange(records)
-    for start, key, value in zip(starts.tolist(), chosen.tolist(), answers.tolist()):
+    for start, key, value in zip(starts.tolist(), chosen.tolist(), answers.tolist(), strict=True):
         ids[start: start + 4] = torch.tensor([key, EQUALS, value, SEPARATOR])
     asked = int(torch.randint(0, records, (), generator=gen))
     return torch.cat([ids, torch.tensor([QUERY, int(chosen[asked]), EQUALS])])

@@ -114,7 +114,7 @@ def grid(prompts, groups, response, methods, skip, partial_path=None, prefix_blo
     configs = [(prompt, group_size, method) for prompt in prompts for group_size in groups for method in methods]
     runs = {config: [] for config in configs}
     total, done = len(configs) * repeat, 0
-    for round_ in range(repeat):
+    for _ in range(repeat):
         for config in configs:
             prompt, group_size, method = config
             done += 1
@@ -234,7 +234,7 @@ def plot_rows(rows, path):
 
     groups = sorted({r["group"] for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
-    for ax, g in zip(axes[0], groups):
+    for ax, g in zip(axes[0], groups, strict=True):
         for method in METHODS:
             pts = sorted((r["prompt"], r["step_peak_bytes"] / 2**20) for r in rows
                          if r["method"] == method and r["group"] == g and "skipped" not in r)

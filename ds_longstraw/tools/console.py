@@ -8,7 +8,7 @@ else of that library, and nothing of ds_longstraw, is hidden. Set LONGSTRAW_THIR
   transformers        "`causal_conv1d_fn` / `chunk_gated_delta_rule` is falling back to its reference PyTorch
                       implementation ... much slower": transformers' own Gated DeltaNet path. ds_longstraw's capture,
                       replay and prefix pass run the project's convolution and chunked delta rule instead
-                      (ds_longstraw/arch/, kernels/gated_delta_chunked.py); transformers' path is taken only by plain
+                      (ds_longstraw/arch/, kernels/gated_delta/chunked.py); transformers' path is taken only by plain
                       forwards (the conventional baseline, a model loaded from an export).
   transformers        FutureWarning "`is_gradient_checkpointing` is deprecated": peft calls the old name.
   bitsandbytes        "Failed to load CPU gemm_4bit_forward from kernels-community": an optional download-on-demand

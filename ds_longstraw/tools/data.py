@@ -5,7 +5,8 @@ A line is a JSON object with either token ids or text:
     {"prompt_ids": [..], "response_ids": [[..], [..]], "rewards": [1.0, 0.0]}
     {"prompt": "text", "responses": ["text", "text"], "advantages": [0.5, -0.5]}
 
-`rewards` or `advantages` (one per response); optional `old_logprobs` (per response, one per token). Text goes
+`rewards` or `advantages` (one per response); optional `old_logprobs` and `sampling_logprobs` (the rollout engine's,
+for GRPOObjective's rollout_correction), per response, one per token. Text goes
 through the model's tokenizer without special tokens (a chat template, if wanted, belongs in the text).
 
 Agent trajectories, whose responses hold tokens the environment wrote (tool outputs: context, not trained; see
@@ -153,7 +154,7 @@ class GroupSource:
     def group(self, index) -> GRPOGroup:
         number, record = self.records[index]
         unknown = set(record) - {"prompt_ids", "prompt", "response_ids", "responses", "response_masks", "rewards",
-                                 "advantages", "old_logprobs", "id", "meta"}
+                                 "advantages", "old_logprobs", "sampling_logprobs", "id", "meta"}
         if unknown:
             raise _record_error(self.path, number, f"unknown keys {sorted(unknown)}")
         try:
@@ -162,6 +163,7 @@ class GroupSource:
                              response_ids=[_id_tensor(r) for r in responses],
                              rewards=record.get("rewards"), advantages=record.get("advantages"),
                              old_logprobs=record.get("old_logprobs"),
+                             sampling_logprobs=record.get("sampling_logprobs"),
                              response_masks=None if masks is None else
                              [torch.tensor(m, dtype=torch.bool) for m in masks])
         except ValueError as error:

@@ -122,7 +122,8 @@ def _record_generate(world, ep_group, out_dir, rank):
                           **kwargs),
                  generate(full, shared, 3, 6, config=config, **kwargs))
     record = {name: {"ids": [x.tolist() for x in got.response_ids], "ref_ids": [x.tolist() for x in want.response_ids],
-                     "logprob_diff": max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs))}
+                     "logprob_diff": max(float((a - b).abs().max())
+                                         for a, b in zip(got.logprobs, want.logprobs, strict=True))}
               for name, (got, want) in out.items()}
     torch.save(record, os.path.join(out_dir, f"generate.rank{rank}.pt"))
 

@@ -11,7 +11,7 @@ dtype ("float64" default), optional model (tiny_qwen3_5 config overrides), optio
 worlds (the world sizes it runs on), optional expect_error (a ValueError is recorded instead of results),
 optional repeat (grpo_backward calls without zeroing .grad in between), optional tier ("cpu", or "nvme": page
 files under <out_dir>/nvme), optional keep (prefix_keep_attention) and kept_tier (offload.kept_attention_tier),
-optional cp_replay.
+optional cp_replay, optional objective_case (a name of tests/objective_cases.py: its group and objective).
 A GLM case (family "glm_moe_dsa") builds tests/glm_models.py's tiny_glm_moe_dsa (model: its config overrides) and
 runs under glm_reference() instead of float64_model(); with record, every selection a selecting layer makes
 (capture, replay, prefix pass) is saved as (phase, layer, first query position, positions, valid).
@@ -136,8 +136,13 @@ def _run_model_case(case, world, cp_group, out_dir, rank, build, float64_model, 
     ref_model = None
     if "ref_seed" in case:
         ref_model = build(dtype=dtype, seed=case["ref_seed"], **case.get("model", {}))
-    group = make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))
-    objective = GRPOObjective(**case.get("objective", {}))
+    if "objective_case" in case:  # tests/objective_cases.py: its group (masks, old and sampler log-probs), its settings
+        from objective_cases import CASES, objective_group
+
+        group, objective = objective_group(model), GRPOObjective(**CASES[case["objective_case"]][0])
+    else:
+        group = make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))
+        objective = GRPOObjective(**case.get("objective", {}))
     context = CPContext(cp_group, capture_move=case.get("capture_move", "auto"))
     model.zero_grad(set_to_none=True)
     path = os.path.join(out_dir, f"{case['name']}.rank{rank}.pt")

@@ -67,6 +67,10 @@ from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward  # noqa: E402
+
+# The references below weigh each group's own loss equally (the mean of the groups' gradients): the "group" scope.
+# The default "step" scope is proven against the peers' losses in tests/distributed/test_objective_dp.py.
+GROUP_MEAN = GRPOObjective(loss_scope="group")
 from ds_longstraw.grpo.transaction import score_reference  # noqa: E402
 
 
@@ -128,7 +132,7 @@ def check_same_step(out_dir):
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     losses, ref_losses = [], []
     for group in [make_group(10, 37, [5, 1, 9]), make_group(11, 23, [4, 6])]:
-        losses.append(engine.grpo_step(group).mean_loss)
+        losses.append(engine.grpo_step(group, GROUP_MEAN).mean_loss)
         reference.zero_grad(set_to_none=True)
         ref_losses.append(grpo_backward(reference, group, config=block("detached")).loss)
         ref_opt.step()
@@ -165,7 +169,7 @@ def check_average(out_dir, model=None, groups=None):
     groups = groups or {"A": make_group(20, 29, [3, 7]), "B": make_group(21, 19, [1, 2, 5]),
                         "C": make_group(22, 41, [6, 2])}
     mine = [groups["A"], groups["B"]] if rank == 0 else [groups["C"]]
-    result = engine.grpo_step(mine)
+    result = engine.grpo_step(mine, GROUP_MEAN)
     ref_loss = reference_sgd_step(reference, groups, AVERAGE_WEIGHTS, "exact")
     return {"rel": step_error(gathered(engine), reference, before), "mean_loss": result.mean_loss,
             "ref_mean_loss": ref_loss, "rank_groups": len(result.groups)}
@@ -216,7 +220,7 @@ def check_ep(out_dir):
                                          config=config)
     groups = {"A": make_group(30, 45, [3, 7], GLM_VOCAB), "B": make_group(31, 37, [1, 2, 5], GLM_VOCAB),
               "C": make_group(32, 53, [6, 2], GLM_VOCAB)}
-    result = engine.grpo_step([groups["A"], groups["B"]] if rank == 0 else [groups["C"]])
+    result = engine.grpo_step([groups["A"], groups["B"]] if rank == 0 else [groups["C"]], GROUP_MEAN)
     ref_loss = reference_sgd_step(reference, groups, AVERAGE_WEIGHTS, "exact")
     ref_after = as_engine_holds(engine, {n: p.detach() for n, p in reference.named_parameters()})
     experts = engine.longstraw_experts
@@ -260,7 +264,7 @@ def check_ep_export(out_dir):
     config["longstraw"]["ep_size"] = 2
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=config)
-    engine.grpo_step(make_group(36, 41, [3, 5], 128))
+    engine.grpo_step(make_group(36, 41, [3, 5], 128), GROUP_MEAN)
     ckpt = os.path.join(out_dir, "ckpt_ep_export")
     engine.save_checkpoint(ckpt, tag="step1")
     params = engine_params(engine)
@@ -300,13 +304,13 @@ def resumed_step_2(build, seeds, first, second, ckpt, ep_size=1):
         return ds_longstraw.initialize(model=model, optimizer=optimizer, config=config)[0]
 
     engine = engine_from(seeds[0])
-    engine.grpo_step(first)
+    engine.grpo_step(first, GROUP_MEAN)
     engine.save_checkpoint(ckpt, tag="step1", client_state={"step": 1})
-    straight = engine.grpo_step(second)
+    straight = engine.grpo_step(second, GROUP_MEAN)
     p = engine_params(engine)
     resumed = engine_from(seeds[1])
     path, client = resumed.load_checkpoint(ckpt, tag="step1")
-    again = resumed.grpo_step(second)
+    again = resumed.grpo_step(second, GROUP_MEAN)
     q = engine_params(resumed)
     return {"max_abs": max(float((p[n] - q[n]).abs().max()) for n in p), "same_names": sorted(p) == sorted(q),
             "loss": straight.mean_loss, "resumed_loss": again.mean_loss, "lr": straight.lr, "resumed_lr": again.lr,
@@ -348,12 +352,12 @@ def adapter_step(load_base):
     with torch.no_grad():  # peft starts lora_B at zero (adapters a no-op): make them matter
         for model in (policy, reference):
             gen = torch.Generator().manual_seed(6)
-            for name, p in model.named_parameters():
+            for p in model.parameters():
                 if p.requires_grad:
                     p.add_(torch.randn(p.shape, generator=gen) * 0.05)
     before = snapshot(policy)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    objective = GRPOObjective(kl_coef=0.1)
+    objective = GRPOObjective(kl_coef=0.1, loss_scope="group")
     groups = [make_group(40, 35, [3, 5]), make_group(41, 18, [6, 1, 4])]
     group = groups[dist.get_rank()]
     engine, *_ = ds_longstraw.initialize(model=policy, optimizer=torch.optim.SGD(trainable, lr=0.1),
@@ -375,8 +379,10 @@ def adapter_step(load_base):
     frozen_changed = [n for n in after if n not in trainable_names and not same_bits(after[n], before[n])]
     adapters_moved = sum(float((after[n] - before[n]).abs().max() > 0) for n in trainable_names)
     base_scores = score_reference(base_copy, group, ds_longstraw.parse_config(block("exact")))
-    ref_vs_base = max(float((a - b).abs().max()) for a, b in zip(result.groups[0].ref_logprobs, base_scores))
-    policy_vs_base = max(float((a - b).abs().max()) for a, b in zip(result.groups[0].logprobs, base_scores))
+    ref_vs_base = max(float((a - b).abs().max())
+                      for a, b in zip(result.groups[0].ref_logprobs, base_scores, strict=True))
+    policy_vs_base = max(float((a - b).abs().max())
+                         for a, b in zip(result.groups[0].logprobs, base_scores, strict=True))
     return {"rel": step_error({n: after[n] for n in trainable_names}, reference, before),
             "frozen_changed": frozen_changed, "adapters_moved": adapters_moved, "adapters": len(trainable_names),
             "all_adapters_are_lora": all("lora_" in n for n in trainable_names),
@@ -395,7 +401,7 @@ def check_zero2(out_dir):
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=config)
     groups = [make_group(50, 30, [2, 6]), make_group(51, 45, [5, 3, 1])]
-    engine.grpo_step(groups[rank])
+    engine.grpo_step(groups[rank], GROUP_MEAN)
     grads = {}
     for group in groups:
         reference.zero_grad(set_to_none=True)
@@ -474,7 +480,7 @@ def rollout_steps(model, ep_size, steps, vocab):
             # step 1: "auto" with no room granted (zero3_whole_budget 0) decodes per call; later steps: "auto"
             # finds room on this machine for the tiny model and gathers it whole
             rollout = dict(ROLLOUT, zero3_whole_budget=0.0) if step == 0 else ROLLOUT
-            result = engine.grpo_step(prompts[rank], GRPOObjective(), rollout=rollout)
+            result = engine.grpo_step(prompts[rank], GROUP_MEAN, rollout=rollout)
             out.setdefault("zero3_weights", []).append(result.extras["zero3_weights"])
             out["ghost_steps"].append(ghost_steps[0])
             out["decode_fetches"].append(fetches[0])
@@ -518,7 +524,7 @@ def check_rollout_lockstep(out_dir):
     want = ds_longstraw.generate(reference, prompt, 3 - rank, 6, **kwargs)
     out["each_ids"] = [ids.tolist() for ids in got.response_ids]
     out["each_ref_ids"] = [ids.tolist() for ids in want.response_ids]
-    out["each_logprob_diff"] = max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs))
+    out["each_logprob_diff"] = max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs, strict=True))
     return out
 
 
@@ -530,10 +536,68 @@ def check_rollout_ep(out_dir):
 
 
 
+def objective_group(seed, model, prompt_len, response_lens):
+    """A group with tool masks, old log-probs a step from the model's (ratios leave 1) and a sampler's off those."""
+    from models import full_sequence_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, 97, (n,), generator=gen) for n in response_lens]
+    masks = [torch.rand(n, generator=gen) > 0.25 for n in response_lens]
+    for mask in masks:
+        mask[0] = True
+    with torch.no_grad():
+        current = full_sequence_logprobs(model, prompt, responses)
+    old = [lp.double() + 0.3 * torch.randn(lp.numel(), generator=gen, dtype=torch.float64) for lp in current]
+    sampling = [o + 0.3 * torch.randn(o.numel(), generator=gen, dtype=torch.float64) for o in old]
+    return GRPOGroup(prompt, responses, rewards=torch.rand(len(responses), generator=gen).tolist(),
+                     old_logprobs=old, response_masks=masks, sampling_logprobs=sampling)
+
+
+def check_objective_step(out_dir):
+    """The default "step" scope over 2 data-parallel ranks (ZeRO-3, exact mode): rank 0 trains groups A and B, rank
+    1 group C, with different trained-token counts, clip-higher, an entropy bonus and a token-truncated rollout
+    correction. Reference: TRL's "dapo" loss (its default) on the three groups as one batch, whose normaliser is
+    every trained token of the step, through full-sequence autograd of the model, then SGD."""
+    from models import full_sequence_logprobs
+    from peer_losses import TRLLoss, trl_advantages, trl_rollout_ratio
+
+    rank = dist.get_rank()
+    model = tiny_qwen3_5(torch.float32, seed=2)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    groups = [objective_group(40, model, 27, [4, 9]), objective_group(41, model, 21, [2, 6, 3]),
+              objective_group(42, model, 33, [8, 5])]
+    objective = GRPOObjective(clip_high=0.28, entropy_coef=0.01, rollout_correction="token_truncate",
+                              advantage_eps=1e-4)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=ds_config("exact", tier="cpu"))
+    result = engine.grpo_step(groups[:2] if rank == 0 else groups[2:], objective)
+
+    logps, entropies = [], []
+    for group in groups:
+        logps += full_sequence_logprobs(reference, group.prompt_ids, group.response_ids, entropies)
+
+    def pad(rows):
+        return torch.stack([torch.cat([r.double(), r.new_zeros(9 - r.numel(), dtype=torch.float64)]) for r in rows])
+
+    mask = pad([g.mask(i).double() for g in groups for i in range(g.size)])
+    old, sampling = (pad([x for g in groups for x in getattr(g, name)]) for name in ("old_logprobs",
+                                                                                    "sampling_logprobs"))
+    trl = TRLLoss("dapo", epsilon_high=0.28, entropy_coef=0.01, vllm_importance_sampling_correction=True)
+    loss = trl(pad(logps), mask, torch.cat([trl_advantages(g.rewards) for g in groups]), old=old,
+               entropies=pad(entropies), importance_ratio=trl_rollout_ratio(old, sampling, mask, "token_truncate"))
+    loss.backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    return {"rel": step_error(engine_params(engine), reference, before), "mean_loss": result.mean_loss,
+            "ref_loss": float(loss.detach()), "trained_tokens": [g.trained_tokens() for g in groups]}
+
+
 CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": check_checkpoint,
           "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
           "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export,
-          "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep}
+          "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep,
+          "objective_step": check_objective_step}
 
 
 def run_checks(checks, file_prefix, **context):

@@ -62,7 +62,7 @@ from glm_models import tiny_glm_moe_dsa  # noqa: E402
 from models import tiny_qwen3_5  # noqa: E402
 
 import ds_longstraw  # noqa: E402
-from ds_longstraw import grpo_backward  # noqa: E402
+from ds_longstraw import GRPOObjective, grpo_backward  # noqa: E402
 
 CP = 2
 
@@ -129,7 +129,7 @@ def check(mode, stage, seed, family="qwen", **block_options):
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=ds_config(mode, stage, **block_options))
     mine, weights, groups = plan(vocab)
-    result = engine.grpo_step(mine)
+    result = engine.grpo_step(mine, GRPOObjective(loss_scope="group"))
     after = engine_params(engine) if stage == 3 else {n: p.detach().clone() for n, p in
                                                        engine.module.named_parameters()}
     before = as_engine_holds(engine, before)
@@ -162,7 +162,6 @@ def check_rollout(out_dir):
     average."""
     from engine_checks import ROLLOUT
 
-    from ds_longstraw import GRPOObjective
     from ds_longstraw.rollout.step import rollout_groups
 
     model = tiny_qwen3_5(torch.float32, seed=9)
@@ -177,7 +176,7 @@ def check_rollout(out_dir):
     for step, lengths in enumerate([[(30, 26), (41,)], [(26,), (41,)]]):
         gen = torch.Generator().manual_seed(70 + step)
         prompts = [[torch.randint(0, 97, (n,), generator=gen) for n in ls] for ls in lengths][:replicas]
-        result = engine.grpo_step(prompts[replica], GRPOObjective(), rollout=ROLLOUT)
+        result = engine.grpo_step(prompts[replica], GRPOObjective(loss_scope="group"), rollout=ROLLOUT)
         groups, weights, mine = {}, {}, []
         for r, replica_prompts in enumerate(prompts):
             first = sum(len(q) for q in prompts[:r])

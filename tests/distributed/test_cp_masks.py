@@ -74,7 +74,7 @@ def test_masked_cp_matches_reference(cp_results, references, name, cp_size):
         assert error <= TOL, f"rank {rank} of {cp_size}: relative L2 {error:.3e}"
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
         assert [lp.numel() for lp in result["logprobs"]] == [length for length, _ in BY_NAME[name]["members"]]
-        for mine, ref in zip(result["logprobs"], ref_logps):
+        for mine, ref in zip(result["logprobs"], ref_logps, strict=True):
             torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     for rank, result in enumerate(ranks[1:], start=1):
         assert result["grads"].keys() == ranks[0]["grads"].keys()

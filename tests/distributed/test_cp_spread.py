@@ -82,7 +82,8 @@ def references():
         if case.get("family") == GLM:
             model = tiny_glm_moe_dsa()
             with glm_reference():
-                grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=_config(case)))
+                grads, result = grads_of(model, lambda model=model, group=group, objective=objective, case=case:
+                                         grpo_backward(model, group, objective, config=_config(case)))
             out[case["name"]] = (grads, result.loss, result.logprobs)
             continue
         model = tiny_qwen3_5()
@@ -107,7 +108,7 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
         assert error <= TOL, f"rank {rank} of {world}: relative L2 {error:.3e}"
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
         assert len(result["logprobs"]) == len(ref_logps)
-        for mine, ref in zip(result["logprobs"], ref_logps):
+        for mine, ref in zip(result["logprobs"], ref_logps, strict=True):
             torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     for result in ranks[1:]:
         assert all(torch.equal(result["grads"][n], ranks[0]["grads"][n]) for n in ranks[0]["grads"])

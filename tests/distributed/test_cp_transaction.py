@@ -189,10 +189,10 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
         error = relative_l2(result["grads"], ref_grads)
         assert error <= TOL, f"rank {rank} of {world}: relative L2 {error:.3e}"
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-        for mine, ref in zip(result["logprobs"], ref_logps):
+        for mine, ref in zip(result["logprobs"], ref_logps, strict=True):
             torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
         if ref_ref_logps is not None:
-            for mine, ref in zip(result["ref_logprobs"], ref_ref_logps):
+            for mine, ref in zip(result["ref_logprobs"], ref_ref_logps, strict=True):
                 torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     for rank, result in enumerate(ranks[1:], start=1):
         assert result["grads"].keys() == ranks[0]["grads"].keys()
@@ -209,7 +209,7 @@ def test_retained_bytes_split_over_ranks(world_results, single_process_retained)
     length = BY_NAME["uneven-detached"]["prompt_len"] - 1
     for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
         ranks = results[name]
-        for own, result in zip(shard_pieces(length, world, layout), ranks):
+        for own, result in zip(shard_pieces(length, world, layout), ranks, strict=True):
             tokens = sum(hi - lo for lo, hi in own)
             assert result["retained"]["attention_kv_pages"] * length == single["attention_kv_pages"] * tokens
             assert result["retained"]["gdn_state"] == single["gdn_state"]
@@ -278,7 +278,7 @@ def test_planner_counts_the_scan_outputs_a_capture_holds(world_results):
     shape = shape_from_config("tiny", config.to_dict(), 8)
     length = BY_NAME["uneven-detached"]["prompt_len"] - 1
     for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
-        for own, result in zip(shard_pieces(length, world, layout), results[name]):
+        for own, result in zip(shard_pieces(length, world, layout), results[name], strict=True):
             tokens = sum(hi - lo for lo, hi in own)
             first = sum(hi - lo for lo, hi in own if lo == 0)  # tokens of a piece at the prompt start
             held = result["cp"]["held_bytes"]["gdn_scan_outputs"]
@@ -350,7 +350,7 @@ def test_kept_attention_skips_the_prefix_forward_exchanges(world_results):
     heads, dim = config.num_attention_heads, config.head_dim
     attention_layers = config.layer_types.count("full_attention")
     pieces = shard_pieces(BY_NAME["kept-exact"]["prompt_len"] - 1, world, "zigzag")
-    for own, kept, plain in zip(pieces, results["turns-kept-exact"], results["turns-exact"]):
+    for own, kept, plain in zip(pieces, results["turns-kept-exact"], results["turns-exact"], strict=True):
         tokens = sum(hi - lo for lo, hi in own)
         assert kept["retained"]["kept_attention_pages"] == tokens * attention_layers * (heads * dim + heads) * 8
         assert plain["retained"]["kept_attention_pages"] == 0
@@ -391,7 +391,7 @@ def test_layer_major_prefix_pass_traffic_and_inputs(world_results):
                    if visible_prefix(pieces[owner], position))
 
     for rank, (plain, kept, turns) in enumerate(zip(results["uneven-exact"], results["kept-exact"],
-                                                    results["turns-exact"])):
+                                                    results["turns-exact"], strict=True)):
         assert plain["cp"]["prefix"] == "layer_major" and turns["cp"]["prefix"] == "turns"
         tokens = sum(hi - lo for lo, hi in pieces[rank])
         assert plain["retained"]["layer_inputs"] == tokens * hidden * len(config.layer_types) * 8 \

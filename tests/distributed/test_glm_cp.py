@@ -20,7 +20,6 @@ process group.
 """
 
 import os
-import types
 
 import pytest
 import torch
@@ -32,12 +31,12 @@ from reference import reference_step
 
 from ds_longstraw import GRPOObjective
 from ds_longstraw.arch import adapter_for
-from ds_longstraw.arch import glm_moe_dsa_attention as dsa
 from ds_longstraw.config import parse_config
 from ds_longstraw.grpo.cp.cp_sparse import selected_rows_attention
-from ds_longstraw.grpo.topology import ContextParallel
-from ds_longstraw.kernels import merge_partials
+from ds_longstraw.grpo.topology import check_topology
+from ds_longstraw.kernels import dsa, merge_partials
 from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.kernels.sparse_mla import attention as sparse_mla
 from ds_longstraw.parallel import shard_pieces
 
 TOL = 1e-8
@@ -171,16 +170,16 @@ def test_gradients_loss_logprobs_match_reference(world_results, references, name
         assert set(result["grads"]) == set(ref_grads)
         assert not any(".indexer." in n for n in result["grads"]), "the indexer gets no gradient"
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-        for mine, ref in zip(result["logprobs"], ref_logps):
+        for mine, ref in zip(result["logprobs"], ref_logps, strict=True):
             torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
         if ref_ref_logps is not None:
-            for mine, ref in zip(result["ref_logprobs"], ref_ref_logps):
+            for mine, ref in zip(result["ref_logprobs"], ref_ref_logps, strict=True):
                 torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     for rank, result in enumerate(ranks[1:], start=1):
         assert all(torch.equal(result["grads"][n], ranks[0]["grads"][n]) for n in result["grads"]), \
             f"rank {rank} gradients differ from rank 0's"
         assert result["loss"] == ranks[0]["loss"]
-        assert all(torch.equal(a, b) for a, b in zip(result["logprobs"], ranks[0]["logprobs"]))
+        assert all(torch.equal(a, b) for a, b in zip(result["logprobs"], ranks[0]["logprobs"], strict=True))
 
 
 def _prefix(case):
@@ -215,7 +214,7 @@ def test_zero_score_ties_select_the_reference_sets_everywhere(world_results, nam
         assert boundary_ties(record) >= 10, "test setup: the tie-break must decide many selections"
     length = case["prompt_len"] - 1
     full_layers = [i for i, kind in enumerate(model.config.indexer_types) if kind == "full"]
-    for rank, (own, result) in enumerate(zip(shard_pieces(length, world, _layout(case)), results[name])):
+    for rank, (own, result) in enumerate(zip(shard_pieces(length, world, _layout(case)), results[name], strict=True)):
         covered = {"capture": set(), "prefix": set(), "replay": []}
         captured = 0  # rows of selections made through the capture's exchange (the layer-major pass's too)
         member = -1
@@ -280,7 +279,7 @@ def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results
         if name not in results:
             continue
         case = BY_NAME[name]
-        for own, result in zip(shard_pieces(case["prompt_len"] - 1, world, "zigzag"), results[name]):
+        for own, result in zip(shard_pieces(case["prompt_len"] - 1, world, "zigzag"), results[name], strict=True):
             every = result["cp"]["inputs_every"]  # "auto"'s for layer-major-exact
             assert every == case.get("inputs_every", every)
             tokens = sum(hi - lo for lo, hi in own)
@@ -330,7 +329,7 @@ def test_retained_bytes_split_over_ranks(world_results):
     per_token_index = full * config.index_head_dim * 8
     for name, layout in (("uneven-detached", "zigzag"), ("contiguous-detached", "contiguous")):
         pieces = shard_pieces(BY_NAME[name]["prompt_len"] - 1, world, layout)
-        for own, result in zip(pieces, results[name]):
+        for own, result in zip(pieces, results[name], strict=True):
             tokens = sum(hi - lo for lo, hi in own)
             assert result["retained"]["mla_latent_pages"] == tokens * per_token_latent
             assert result["retained"]["indexer_key_pages"] == tokens * per_token_index
@@ -411,12 +410,11 @@ def test_tiered_pages_leave_no_files(world_results):
     ({"prefix_grad": "exact", "prefix_keep_attention": True}, r"'longstraw.prefix_keep_attention' = True"),
 ], ids=["ulysses", "keep-attention"])
 def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(settings, match):
-    """Refused before any work (the topology's check, which the transaction calls first), naming the setting.
+    """Refused before any work (check_topology, which build_topology runs first), naming the setting.
     (ZeRO-3 lockstep runs: tests/launcher/test_engine_cp.py, checks glm3 and glm3exact.)"""
-    topology = ContextParallel(types.SimpleNamespace(size=2, rank=0))
     adapter = adapter_for(tiny_glm_moe_dsa())
     with pytest.raises(ValueError, match=match):
-        topology.check(adapter, parse_config({"cp_size": 2, **settings}))
+        check_topology(adapter, parse_config({"cp_size": 2, **settings}), 2)
 
 
 # -- the page-wise math against its plain references (single process) --------------------------------------------
@@ -430,7 +428,7 @@ class _RanksPages:
 
     def _pages(self):
         offset = 0
-        for rank, (lat, rope) in enumerate(zip(self.latents, self.ropes)):
+        for rank, (lat, rope) in enumerate(zip(self.latents, self.ropes, strict=True)):
             for lo in range(0, lat.shape[0], self.page):
                 yield rank, offset, lo, lat[lo:lo + self.page], rope[lo:lo + self.page]
             offset += lat.shape[0]
@@ -439,7 +437,7 @@ class _RanksPages:
         out = torch.zeros(query[0].shape, dtype=torch.float64)
         lse = torch.full(query[0].shape[:2], float("-inf"), dtype=torch.float64)
         for _, offset, lo, lat, rope in self._pages():
-            o, l_ = dsa.page_partial(*query, lat, rope, offset + lo, positions, valid, self.scale)
+            o, l_ = sparse_mla.page_partial(*query, lat, rope, offset + lo, positions, valid, self.scale)
             out, lse = merge_partials(out, lse, o, l_)
         return out, lse
 
@@ -447,8 +445,8 @@ class _RanksPages:
         delta = attention_delta(out, d_out, d_lse)
         d_query = [torch.zeros_like(q) for q in query]
         for rank, offset, lo, lat, rope in self._pages():
-            d_lat_q, d_rope_q, d_lat, d_rope = dsa.page_grads(*query, lat, rope, offset + lo, positions, valid, lse,
-                                                              d_out, delta, self.scale)
+            d_lat_q, d_rope_q, d_lat, d_rope = sparse_mla.page_grads(*query, lat, rope, offset + lo, positions, valid,
+                                                                     lse, d_out, delta, self.scale)
             d_query[0] += d_lat_q
             d_query[1] += d_rope_q
             self.d_rows[(rank, lo)] = (d_lat, d_rope)
@@ -499,23 +497,23 @@ def test_global_selection_and_partials_over_ranks_and_pages_equal_the_plain_refe
     d_lse = torch.randn(tokens, 2, generator=gen, dtype=torch.float64)
 
     # the plain reference: every selected row gathered at once, softmax, lse through logsumexp
-    rows_lat = dsa.gather_rows(latents, positions)
-    rows_rope = dsa.gather_rows(ropes, positions)
-    s = dsa._block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, torch.float64)
+    rows_lat = sparse_mla.gather_rows(latents, positions)
+    rows_rope = sparse_mla.gather_rows(ropes, positions)
+    s = sparse_mla._block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, torch.float64)
     ref_out = torch.einsum("thk,tkr->thr", torch.softmax(s, -1), rows_lat)
     ref_lse = torch.logsumexp(s, -1)
     inputs = [q_lat, q_rope, *latents, *ropes]
     ref_grads = torch.autograd.grad([ref_out, ref_lse], inputs, [d_out, d_lse], allow_unused=True)
 
     pages = _RanksPages([p.detach() for p in latents[:-1]], [p.detach() for p in ropes[:-1]], page, scale)
-    local_out, local_lse = dsa.sparse_latent_attention(q_lat, q_rope, latents[-1:], ropes[-1:], positions, valid,
-                                                       scale, offset=start, with_lse=True)
+    local_out, local_lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents[-1:], ropes[-1:], positions,
+                                                              valid, scale, offset=start, with_lse=True)
     remote_out, remote_lse = selected_rows_attention(pages, 0, (q_lat, q_rope), positions, valid)
     out, lse = merge_partials(local_out, local_lse, remote_out, remote_lse)
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-12)
     grads = torch.autograd.grad([out, lse], [q_lat, q_rope, latents[-1], ropes[-1]], [d_out, d_lse])
-    for mine, ref in zip(grads, [ref_grads[0], ref_grads[1], ref_grads[2 + len(ranks)], ref_grads[-1]]):
+    for mine, ref in zip(grads, [ref_grads[0], ref_grads[1], ref_grads[2 + len(ranks)], ref_grads[-1]], strict=True):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-12)
     for rank, n in enumerate(ranks):  # the earlier ranks' rows: their gradients, page by page
         for which, ref in enumerate((ref_grads[2 + rank], ref_grads[3 + len(ranks) + rank])):

@@ -10,7 +10,7 @@ What the sizes cross (4,999 captured tokens: the prompt's last token is replayed
   GDN chunks of 64: 78 whole chunks and a partial one of 7 tokens;
   pages of 1,000 tokens (5 pages, the last of 999) that capture chunks and prefix segments of 1,536 tokens
   straddle (segments start at 0, 1536, 3072, 4608);
-  attention key blocks of KEY_BLOCK = 2,048 (ds_longstraw.kernels.attention): the exact-mode backward walks a
+  attention key blocks of KEY_BLOCK = 2,048 (ds_longstraw.kernels.attention.reference): the exact-mode backward walks a
   segment's past pages (up to 4,608 keys) and the replay's (4,999) in key blocks; the one-rank test sees a
   full block go by. Under CP 2 each rank holds 2,500 / 2,499 keys, again more than one block.
 
@@ -38,8 +38,8 @@ from grads import grads_of, relative_l2
 from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 
 from ds_longstraw import GRPOObjective, grpo_backward
-from ds_longstraw.kernels import attention as attention_module
 from ds_longstraw.kernels.attention import KEY_BLOCK
+from ds_longstraw.kernels.attention import partial as attention_module
 from ds_longstraw.parallel import shard_bounds
 
 PROMPT, RESPONSES, SEED = 5000, [4, 3], 11
@@ -98,8 +98,8 @@ def _check(label, grads, loss, logps, reference, exact):
     error = relative_l2({n: g.double() for n, g in grads.items()}, grads64)
     assert error <= FACTOR * ref_error, f"{label}: {error:.2e} > {FACTOR} x {ref_error:.2e}"
 
-    ref_lp_error = max(float((a - b).abs().max()) for a, b in zip(ref_logps, logps64))
-    lp_error = max(float((a.double() - b).abs().max()) for a, b in zip(logps, logps64))
+    ref_lp_error = max(float((a - b).abs().max()) for a, b in zip(ref_logps, logps64, strict=True))
+    lp_error = max(float((a.double() - b).abs().max()) for a, b in zip(logps, logps64, strict=True))
     lp_ulp = _ulp(torch.cat(logps64))
     assert lp_error <= FACTOR * ref_lp_error + lp_ulp, (label, lp_error, ref_lp_error)
     assert abs(loss - loss64) <= FACTOR * abs(ref_loss - loss64) + _ulp([loss64]), (label, loss, ref_loss, loss64)

@@ -60,7 +60,7 @@ def _relative(a, b):
 def _assert_logprobs(model, family, prompt, result):
     with FAMILIES[family]["reference"](), torch.no_grad():
         reference = full_sequence_logprobs(model, prompt, result.response_ids)
-    for member, (got, want) in enumerate(zip(result.logprobs, reference)):
+    for member, (got, want) in enumerate(zip(result.logprobs, reference, strict=True)):
         assert got.dtype == torch.float64 and got.shape == want.shape
         error = _relative(got, want)
         assert error <= TOL, f"sample {member}: relative error {error:.3e}"
@@ -139,9 +139,9 @@ def test_batched_decode_equals_one_sample_at_a_time(models, family, sampling, ti
     assert batched.finished == each.finished
     if "eos_token_id" in sampling:
         assert len({ids.numel() for ids in each.response_ids}) > 1  # samples left the batch at different steps
-    for a, b in zip(batched.response_ids, each.response_ids):
+    for a, b in zip(batched.response_ids, each.response_ids, strict=True):
         assert torch.equal(a, b), (a.tolist(), b.tolist())
-    for a, b in zip(batched.logprobs, each.logprobs):
+    for a, b in zip(batched.logprobs, each.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     _assert_logprobs(model, family, prompt, batched)
 
@@ -180,11 +180,11 @@ def test_seed_reproduces_the_samples(models):
         drawn = generate(model, prompt, 2, 6, config=config)
         redrawn = generate(model, prompt, 2, 6, seed=drawn.seed, config=config)
     assert first.seed == 7
-    for a, b in zip(first.response_ids, again.response_ids):
+    for a, b in zip(first.response_ids, again.response_ids, strict=True):
         assert torch.equal(a, b)
-    assert all(not torch.equal(a, b) for a, b in zip(first.response_ids, other.response_ids))
+    assert all(not torch.equal(a, b) for a, b in zip(first.response_ids, other.response_ids, strict=True))
     assert len({tuple(ids.tolist()) for ids in first.response_ids}) == 3  # samples differ from each other
-    for a, b in zip(drawn.response_ids, redrawn.response_ids):
+    for a, b in zip(drawn.response_ids, redrawn.response_ids, strict=True):
         assert torch.equal(a, b)
 
 
@@ -195,7 +195,7 @@ def test_sampled_eos_ends_each_sample(models):
     with float64_model():
         result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, config=FAMILIES["qwen3_5"]["config"])
     assert any(result.finished)
-    for ids, ended, logps in zip(result.response_ids, result.finished, result.logprobs):
+    for ids, ended, logps in zip(result.response_ids, result.finished, result.logprobs, strict=True):
         inside = [int(t) in eos for t in ids[:-1]]
         assert not any(inside)
         assert ended == (int(ids[-1]) in eos)
@@ -211,9 +211,9 @@ def test_host_tier_equals_device_tier(models, family):
     with FAMILIES[family]["reference"]():
         device = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=config)
         host = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=dict(config, offload={"tier": "cpu"}))
-    for a, b in zip(device.response_ids, host.response_ids):
+    for a, b in zip(device.response_ids, host.response_ids, strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(device.logprobs, host.logprobs):
+    for a, b in zip(device.logprobs, host.logprobs, strict=True):
         assert _relative(b, a) <= TOL
 
 
@@ -230,7 +230,7 @@ def test_group_trains_on_the_samples(models):
         model.zero_grad(set_to_none=True)
     assert isinstance(result, Rollouts) and group.size == 3
     assert torch.equal(group.prompt_ids, prompt)
-    for old, replayed, sampled in zip(group.old_logprobs, trained.logprobs, result.logprobs):
+    for old, replayed, sampled in zip(group.old_logprobs, trained.logprobs, result.logprobs, strict=True):
         assert torch.equal(old, sampled)
         assert _relative(replayed, sampled) <= TOL
     assert result.phases["capture"].seconds > 0 and result.phases["decode"].seconds > 0
@@ -249,9 +249,9 @@ def test_training_config_and_peft_policy(models):
         trained = generate(model, prompt, 2, 5, seed=9, config=exact)
         lora = generate(policy, prompt, 2, 5, seed=9, config=FAMILIES["qwen3_5"]["config"])
     for other in (trained, lora):
-        for a, b in zip(plain.response_ids, other.response_ids):
+        for a, b in zip(plain.response_ids, other.response_ids, strict=True):
             assert torch.equal(a, b)
-        for a, b in zip(plain.logprobs, other.logprobs):
+        for a, b in zip(plain.logprobs, other.logprobs, strict=True):
             assert _relative(b, a) <= TOL
 
 
@@ -292,9 +292,9 @@ def test_cp2_equals_one_rank(cp_results, case):
         assert result["finished"] == reference.finished
         if "seed" in case["sampling"]:
             assert result["seed"] == reference.seed
-        for member, (got, want) in enumerate(zip(result["response_ids"], reference.response_ids)):
+        for member, (got, want) in enumerate(zip(result["response_ids"], reference.response_ids, strict=True)):
             assert torch.equal(got, want), f"rank {rank} sample {member}: {got.tolist()} != {want.tolist()}"
-        for member, (got, want) in enumerate(zip(result["logprobs"], reference.logprobs)):
+        for member, (got, want) in enumerate(zip(result["logprobs"], reference.logprobs, strict=True)):
             assert _relative(got, want) <= TOL, f"rank {rank} sample {member}"
     _assert_logprobs(case_model(case)[0], case["family"], case_prompt(case), reference)
     if "rewards" not in case:  # one exchange of the first rank's tokens per decode step for all the samples
@@ -501,7 +501,7 @@ def test_training_reuses_the_capture(models, family, mode, tier, tmp_path, monke
         model.zero_grad(set_to_none=True)
     assert relative_l2(grads, want_grads) <= REUSE_TOL
     assert result.loss == pytest.approx(want.loss, rel=REUSE_TOL)
-    for mine, theirs in zip(result.logprobs, want.logprobs):
+    for mine, theirs in zip(result.logprobs, want.logprobs, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=REUSE_TOL)
     if tier != "none":
         assert list(tmp_path.iterdir()) == []

@@ -87,7 +87,7 @@ def test_masked_transaction_matches_reference(model, ref_model, tmp_path, case, 
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     # every response token's log-prob comes back, the masked-out ones too
     assert [lp.numel() for lp in result.logprobs] == [length for length, _ in members]
-    for mine, ref in zip(result.logprobs, ref_logps):
+    for mine, ref in zip(result.logprobs, ref_logps, strict=True):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     if tier == "nvme":
         assert list(tmp_path.iterdir()) == [], "page files left behind"
@@ -103,10 +103,10 @@ def test_old_logprobs_outside_the_mask_are_ignored(model, mode):
     with float64_model(), torch.no_grad():
         current = cache_continuation_logprobs(model, base.prompt_ids, base.response_ids)
     old = [torch.where(m, lp + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5), float("nan"))
-           for lp, m in zip(current, base.response_masks)]
+           for lp, m in zip(current, base.response_masks, strict=True)]
     group = GRPOGroup(base.prompt_ids, base.response_ids, rewards=base.rewards, old_logprobs=old,
                       response_masks=base.response_masks)
-    ratios = torch.cat([torch.exp(c - o)[m] for c, o, m in zip(current, old, base.response_masks)])
+    ratios = torch.cat([torch.exp(c - o)[m] for c, o, m in zip(current, old, base.response_masks, strict=True)])
     assert ((ratios < 0.9) | (ratios > 1.1)).any(), "test setup: clipping must be active"
     kwargs = {"clip_low": 0.1, "clip_high": 0.1}
     reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
@@ -142,9 +142,9 @@ def test_all_true_masks_equal_no_masks(model):
     config = {"prefix_grad": "exact", "capture_chunk": 6, "page_tokens": 4, "replay_block": 4}
     for agg in ("token-mean", "seq-mean-token-mean"):
         with float64_model():
-            with_masks, a = grads_of(model, lambda: grpo_backward(model, masked, GRPOObjective(loss_agg=agg),
+            with_masks, a = grads_of(model, lambda agg=agg: grpo_backward(model, masked, GRPOObjective(loss_agg=agg),
                                                                   config=config))
-            without, b = grads_of(model, lambda: grpo_backward(model, plain, GRPOObjective(loss_agg=agg),
+            without, b = grads_of(model, lambda agg=agg: grpo_backward(model, plain, GRPOObjective(loss_agg=agg),
                                                                config=config))
         assert relative_l2(with_masks, without) <= 1e-12  # the same float64 operations on the same values
         assert a.loss == pytest.approx(b.loss, rel=1e-12)
@@ -186,9 +186,9 @@ def test_baselines_train_only_masked_in_tokens(model, ref_model, baseline):
 P = torch.tensor([3, 4, 5])
 
 
-def _hand_masked_loss(logps, olds, refs, masks, advs, clip_low, clip_high, kl, agg):
+def _hand_masked_loss(logps, olds, refs, masks, advs, clip_low, clip_high, kl, agg, empty="count"):
     member_sums, counts = [], []
-    for lp, old, ref, mask, adv in zip(logps, olds, refs, masks, advs):
+    for lp, old, ref, mask, adv in zip(logps, olds, refs, masks, advs, strict=True):
         total, count = 0.0, 0
         for t in range(len(lp)):
             if not mask[t]:
@@ -202,14 +202,15 @@ def _hand_masked_loss(logps, olds, refs, masks, advs, clip_low, clip_high, kl, a
         counts.append(count)
     if agg == "token-mean":
         return sum(member_sums) / sum(counts)
-    means = [s / c for s, c in zip(member_sums, counts) if c]
-    return sum(means) / len(means)
+    means = [s / c for s, c in zip(member_sums, counts, strict=True) if c]
+    return sum(means) / (len(counts) if empty == "count" else len(means))
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_masked_loss_matches_hand_arithmetic(agg):
-    """A member with no trained token: out of token-mean's count, and out of seq-mean-token-mean's member count
-    (the mean is over the 2 members that train, not 3)."""
+@pytest.mark.parametrize("agg,empty", [("token-mean", "count"), ("seq-mean-token-mean", "count"),
+                                       ("seq-mean-token-mean", "skip")])
+def test_masked_loss_matches_hand_arithmetic(agg, empty):
+    """A member with no trained token: out of token-mean's count; in seq-mean-token-mean's member count as a 0
+    ("count", TRL's and verl's: the mean over 3 members) or out of it ("skip": over the 2 that train)."""
     gen = torch.Generator().manual_seed(0)
     responses = [torch.tensor([1, 2, 3, 4]), torch.tensor([4, 8]), torch.tensor([5, 6, 7])]
     masks = [torch.tensor([True, False, False, True]), torch.tensor([False, False]), torch.tensor([False, True, True])]
@@ -217,15 +218,16 @@ def test_masked_loss_matches_hand_arithmetic(agg):
     olds = [lp + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5) for lp in logps]
     refs = [lp + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5) for lp in logps]
     group = GRPOGroup(P, responses, rewards=[0.3, 1.0, -0.2], old_logprobs=olds, response_masks=masks)
-    objective = GRPOObjective(clip_low=0.1, clip_high=0.3, kl_coef=0.05, loss_agg=agg)
+    objective = GRPOObjective(clip_low=0.1, clip_high=0.3, kl_coef=0.05, loss_agg=agg, empty_members=empty)
     advs = objective.advantages(group).tolist()
     expected = _hand_masked_loss([x.tolist() for x in logps], [x.tolist() for x in olds], [x.tolist() for x in refs],
-                                 [m.tolist() for m in masks], advs, 0.1, 0.3, 0.05, agg)
+                                 [m.tolist() for m in masks], advs, 0.1, 0.3, 0.05, agg, empty)
     assert float(objective.group_loss(group, logps, refs)) == pytest.approx(expected, rel=1e-12)
-    # seq-mean-token-mean excludes the all-False member: counting it as a 0 would give 2/3 of this
-    if agg == "seq-mean-token-mean":
-        counted_as_zero = expected * 2 / 3
-        assert float(objective.group_loss(group, logps, refs)) != pytest.approx(counted_as_zero, rel=1e-3)
+    if agg == "seq-mean-token-mean":  # the two conventions differ by 3/2 here
+        other = _hand_masked_loss([x.tolist() for x in logps], [x.tolist() for x in olds],
+                                  [x.tolist() for x in refs], [m.tolist() for m in masks], advs, 0.1, 0.3, 0.05, agg,
+                                  "skip" if empty == "count" else "count")
+        assert float(objective.group_loss(group, logps, refs)) != pytest.approx(other, rel=1e-3)
 
 
 def test_masked_out_tokens_get_zero_gradient():

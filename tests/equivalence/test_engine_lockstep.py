@@ -93,7 +93,7 @@ def test_padding_leaves_results_unchanged(mode):
             lockstep=Lockstep(shape_of(group, settings), common, settings)))
     assert relative_l2(padded_grads, plain_grads) < 1e-12
     assert padded.loss == pytest.approx(plain.loss, rel=1e-12)
-    for x, y in zip(padded.logprobs + padded.ref_logprobs, plain.logprobs + plain.ref_logprobs):
+    for x, y in zip(padded.logprobs + padded.ref_logprobs, plain.logprobs + plain.ref_logprobs, strict=True):
         assert x.shape == y.shape and torch.allclose(x, y, rtol=0, atol=1e-12)
 
 

@@ -30,8 +30,9 @@ from reference import reference_step
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
 from ds_longstraw.arch import adapter_for
-from ds_longstraw.arch import glm_moe_dsa_attention as dsa
 from ds_longstraw.arch.glm_moe_dsa import GlmMoeDsaAdapter
+from ds_longstraw.kernels.dsa import selection as dsa
+from ds_longstraw.kernels.sparse_mla import attention as sparse_mla
 
 TOL = 1e-8
 
@@ -75,10 +76,10 @@ def _assert_matches(model, group, objective, mode, settings, ref_model=None, **k
     assert set(grads) == set(ref_grads)
     assert not any(".indexer." in name for name in grads), "the indexer gets no gradient, as the model defines"
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-    for mine, ref in zip(result.logprobs, ref_logps):
+    for mine, ref in zip(result.logprobs, ref_logps, strict=True):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     if ref_ref is not None:
-        for mine, ref in zip(result.ref_logprobs, ref_ref):
+        for mine, ref in zip(result.ref_logprobs, ref_ref, strict=True):
             torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     return result
 
@@ -286,6 +287,7 @@ def test_selection_matches_the_plain_sort(monkeypatch, start, lengths):
 def test_sparse_latent_attention_matches_plain_autograd(monkeypatch):
     """Forward and backward walk query blocks of 3 (BLOCK_ELEMENTS) over pieces one of which is empty; the
     gradients of the queries and of every piece equal plain autograd through gathered rows (float64, ~1e-16)."""
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", 3 * 5 * (6 + 4))
     monkeypatch.setattr(dsa, "BLOCK_ELEMENTS", 3 * 5 * (6 + 4))
     gen = torch.Generator().manual_seed(0)
     lengths, tokens, heads, k = [9, 0, 6, 8], 8, 3, 5
@@ -300,13 +302,13 @@ def test_sparse_latent_attention_matches_plain_autograd(monkeypatch):
     d_out = torch.randn(tokens, heads, 6, generator=gen, dtype=torch.float64)
     inputs = [q_lat, q_rope, *latents, *ropes]
     results = []
-    for fn in (dsa.sparse_latent_attention, dsa.sparse_latent_attention_reference):
+    for fn in (sparse_mla.sparse_latent_attention, sparse_mla.sparse_latent_attention_reference):
         out = fn(q_lat, q_rope, latents, ropes, positions, valid, 0.7)
         grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True)
         results.append((out, grads))
     (out, grads), (ref_out, ref_grads) = results
     torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-13)
-    for grad, ref in zip(grads, ref_grads):
+    for grad, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, torch.zeros_like(grad) if ref is None else ref, rtol=0, atol=1e-13)
 
 

@@ -80,7 +80,7 @@ def test_tiers_match_tier_none(model, mode, tier, depth, tmp_path, monkeypatch):
     grads, result = _run(model, mode, _offload(tier, tmp_path, monkeypatch, depth))
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref.loss, rel=TOL, abs=TOL)
-    for mine, theirs in zip(result.logprobs, ref.logprobs):
+    for mine, theirs in zip(result.logprobs, ref.logprobs, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=TOL)
     assert result.retained_bytes == ref.retained_bytes
     assert result.grad_page_bytes == ref.grad_page_bytes
@@ -175,7 +175,7 @@ def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypat
         expected_bytes = on_device.retained_bytes()["carry_checkpoints"]
         assert on_tier.retained_bytes()["carry_checkpoints"] == expected_bytes > 0
         assert len(on_tier.boundaries) == len(on_device.boundaries) == 4  # 16 captured tokens, segments of 5
-        for mine, theirs in zip(on_tier.boundaries, on_device.boundaries):
+        for mine, theirs in zip(on_tier.boundaries, on_device.boundaries, strict=True):
             loaded, expected = on_tier.begin_carry(mine).result(), on_device.begin_carry(theirs).result()
             assert loaded.keys() == expected.keys()
             for layer, (state, tail) in expected.items():

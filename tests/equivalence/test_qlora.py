@@ -130,7 +130,7 @@ def test_four_bit_policy_gradients_equal_full_sequence_autograd(checkpoint):
     error = relative_l2(ours, expected)
     assert error <= TOL, error
     assert relative_l2(detached, expected) > 1e3 * TOL  # the modes differ on this case
-    for got, want in zip(result.ref_logprobs, ref_logps):  # the reference is the 4-bit base, adapters off
+    for got, want in zip(result.ref_logprobs, ref_logps, strict=True):  # the reference is the 4-bit base, adapters off
         assert torch.allclose(got, want, rtol=0, atol=1e-10)
 
 

@@ -69,7 +69,7 @@ def test_matches_reference(model, case, mode):
         grads, result = _run(model, group, objective, mode, chunk, page, block)
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
-    for mine, ref in zip(result.logprobs, ref_logps):
+    for mine, ref in zip(result.logprobs, ref_logps, strict=True):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
 
 
@@ -86,7 +86,7 @@ def test_kl_to_separate_reference_model(model, mode):
             expected_ref = reference_fn(ref_model, group.prompt_ids, group.response_ids)
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12)
-    for mine, ref in zip(result.ref_logprobs, expected_ref):
+    for mine, ref in zip(result.ref_logprobs, expected_ref, strict=True):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
     assert not any(p.grad is not None for p in ref_model.parameters()), "the reference model must get no gradient"
 
@@ -100,7 +100,7 @@ def test_given_old_logprobs_with_active_clipping(model, mode):
         current = cache_continuation_logprobs(model, base.prompt_ids, base.response_ids)
     old = [lp + (torch.rand(lp.shape, generator=gen, dtype=torch.float64) - 0.5) for lp in current]
     group = GRPOGroup(base.prompt_ids, base.response_ids, rewards=base.rewards, old_logprobs=old)
-    ratios = torch.cat([torch.exp(c - o) for c, o in zip(current, old)])
+    ratios = torch.cat([torch.exp(c - o) for c, o in zip(current, old, strict=True)])
     assert ((ratios < 0.9) | (ratios > 1.1)).any(), "test setup: clipping must be active"
     objective = GRPOObjective(clip_low=0.1, clip_high=0.1)
     reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
@@ -199,7 +199,7 @@ def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypat
     == exact(recomputed) to 1e-12 (the same float64 operations on the same values: 0 in practice). The prefix
     pass then computes no attention: the transaction runs as many attention forwards as detached mode does
     (capture + replay). The kept pages hold (H D + H) float64 values per captured token per attention layer."""
-    from ds_longstraw.kernels import attention as attention_module
+    from ds_longstraw.kernels.attention import partial as attention_module
 
     prompt_len, response_lens, chunk, page, block, objective_kwargs = CASES[case]
     group = _group(prompt_len, response_lens)

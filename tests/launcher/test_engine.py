@@ -81,6 +81,16 @@ def test_different_groups_per_rank_average(results):
     assert [r["rank_groups"] for r in _check(results, "average")] == [2, 1]
 
 
+def test_step_scope_equals_trl_over_two_ranks(results):
+    """The default normalisation ("step": every trained token of the step, over both ranks' groups) with an entropy
+    bonus and a rollout correction: the engine's update equals SGD on TRL's "dapo" loss of the three groups
+    (float32; TOL as the other checks)."""
+    for r in _check(results, "objective_step"):
+        assert r["rel"] < TOL, r
+        assert r["mean_loss"] == pytest.approx(r["ref_loss"], rel=1e-5)
+        assert len(set(r["trained_tokens"])) > 1
+
+
 def test_glm_under_zero3_with_moe_leaf_modules(results):
     for r in _check(results, "glm"):
         assert r["rel"] < TOL, r

@@ -32,6 +32,7 @@ gradient or wrong group weights would be off by far more.
 
 import json
 import os
+from itertools import pairwise
 
 import pytest
 from dist_scripts.launching import REPO, finish, free_port, start
@@ -93,11 +94,11 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
     # some tokens; both families take the zigzag layout (2 pieces a rank), but contiguous shards under Ulysses
     # capture (zero3exact) and for glm_moe_dsa's prefix pass in turns (glm3exact)
     layout = "contiguous" if name in ("zero3exact", "glm3exact") else "zigzag"
-    for lo_rank, hi_rank in zip(checks[0::2], checks[1::2]):
-        for mine, theirs, layouts in zip(lo_rank["shards"], hi_rank["shards"], zip(lo_rank["layouts"],
-                                                                                   hi_rank["layouts"])):
+    for lo_rank, hi_rank in zip(checks[0::2], checks[1::2], strict=True):
+        layouts_of_pair = zip(lo_rank["layouts"], hi_rank["layouts"], strict=True)
+        for mine, theirs, layouts in zip(lo_rank["shards"], hi_rank["shards"], layouts_of_pair, strict=True):
             pieces = sorted(_pieces(mine) + _pieces(theirs))
-            assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+            assert pieces[0][0] == 0 and all(a[1] == b[0] for a, b in pairwise(pieces))
             assert all(hi > lo for lo, hi in pieces) and len(pieces) == (4 if layout == "zigzag" else 2)
             assert set(layouts) == {layout}
     # the exact prefix pass: layer-major where asked for (glm3ep included), the turns where asked for (zero3kept,

@@ -39,7 +39,8 @@ def _overrides(tmp, name, **extra):
     items = {"deepspeed_config": tmp / "ds.json", "data.path": tmp / "groups.jsonl", "train.max_steps": 2,
              "train.save_dir": tmp / "ckpt", "train.save_every": 1, "train.metrics": tmp / f"{name}.jsonl",
              "train.dump_params": tmp / f"{name}.pt", "model.seed": 0,
-             **{f"optim.{k}": v for k, v in OPTIM.items()}, **extra}
+             # the reference weighs each replica's group alike: the "group" scope
+             "objective.loss_scope": "group", **{f"optim.{k}": v for k, v in OPTIM.items()}, **extra}
     return [f"{key}={value}" for key, value in items.items()]
 
 

@@ -67,6 +67,7 @@ def run(tmp_path_factory):
     overrides = {"deepspeed_config": tmp / "ds.json", "data.path": tmp / "groups.jsonl", "train.max_steps": STEPS,
                  "train.save_dir": tmp / "ckpt", "train.save_every": 0, "train.metrics": tmp / "masks.jsonl",
                  "train.dump_params": tmp / "masks.pt", "model.seed": 0,
+                 "objective.loss_scope": "group",  # the reference weighs each replica's group alike
                  **{f"optim.{k}": v for k, v in OPTIM.items()}}
     script = [os.path.join(REPO, "launch", "train.py"), "--config", RUN]
     log = str(tmp / "masks.log")

@@ -112,7 +112,7 @@ def test_groups_equal_generate_and_the_reward_sees_each_sample(model):
     CALLS.clear()
     groups = rollout_groups(model, prompts, GOOD, step=4, first_index=6, config=CONFIG)
     assert len(groups) == 2 and len(CALLS) == 2 * 3
-    for j, (prompt, group) in enumerate(zip(prompts, groups)):
+    for j, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
         want = generate(model, prompt, 3, 4, temperature=1.0, top_p=0.9, seed=sample_seed(5, 4, 6 + j),
                         config=CONFIG)
         assert torch.equal(group.prompt_ids, prompt)
@@ -123,7 +123,7 @@ def test_groups_equal_generate_and_the_reward_sees_each_sample(model):
             assert torch.equal(called_prompt, prompt) and torch.equal(called_response, want.response_ids[g])
         assert group.rewards.tolist() == [float(r[0] % 3) for r in want.response_ids]
     later = rollout_groups(model, prompts[:1], GOOD, step=5, first_index=6, config=CONFIG)
-    assert any(not torch.equal(a, b) for a, b in zip(later[0].response_ids, groups[0].response_ids))
+    assert any(not torch.equal(a, b) for a, b in zip(later[0].response_ids, groups[0].response_ids, strict=True))
 
 
 def test_a_reward_that_is_not_a_number_names_the_key(model):
@@ -184,7 +184,7 @@ ENGINE_SCRIPT = textwrap.dedent("""
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                                              config=config)
-        result = engine.grpo_step(prompts, GRPOObjective(), rollout=rollout)
+        result = engine.grpo_step(prompts, GRPOObjective(loss_scope="group"), rollout=rollout)
         groups = rollout_groups(reference, prompts, rollout, step=0, config=block)
         reference.zero_grad()
         losses = [grpo_backward(reference, g, GRPOObjective(), config=block).loss for g in groups]
@@ -306,6 +306,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     ds.update(gradient_clipping=0.0, longstraw=KV_BLOCK)
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     overrides = [f"deepspeed_config={tmp_path / 'ds.json'}", "train.max_steps=2", "data.groups_per_rank=1",
+                 "objective.loss_scope=group",  # the reference weighs each replica's group alike
                  f"train.metrics={tmp_path / 'metrics.jsonl'}", f"train.dump_params={tmp_path / 'final.pt'}",
                  f"train.samples={tmp_path / 'samples.jsonl'}",
                  *[f"optim.{k}={v}" for k, v in KV_OPTIM.items()]]
@@ -325,7 +326,7 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
     with open(KV_RUN) as handle:
         run = yaml.safe_load(handle)
     rollout, args = run["rollout"], run["rollout"]["prompt_args"]
-    objective = GRPOObjective(**run["objective"])
+    objective = GRPOObjective(**{**run["objective"], "loss_scope": "group"})
     torch.set_num_threads(1)
     model = build_model(shape=KV_SHAPE, dtype="float32", seed=0)
     start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}

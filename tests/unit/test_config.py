@@ -142,7 +142,7 @@ def test_model_from_a_local_checkpoint_directory(tmp_path):
     model.save_pretrained(tmp_path / "ckpt")
     loaded = build_model(pretrained=str(tmp_path / "ckpt"), dtype="float32")
     assert type(loaded) is type(model)
-    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters()):
+    for (name, a), (_, b) in zip(model.named_parameters(), loaded.named_parameters(), strict=True):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="not a local directory"):
         build_model(pretrained=str(tmp_path / "missing"))

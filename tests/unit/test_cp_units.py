@@ -15,6 +15,8 @@
 Tolerances: float64, different association orders of the same sums: ~1e-14; asserted at 1e-12.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visib
 def test_shard_bounds(length, size):
     bounds = shard_bounds(length, size)
     assert len(bounds) == size and bounds[0][0] == 0 and bounds[-1][1] == length
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(bounds))
     sizes = [hi - lo for lo, hi in bounds]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
@@ -118,7 +120,7 @@ def test_local_and_prompt_positions_invert_each_other(length, size, layout):
 def test_candidate_sets_merge_in_canonical_order_whatever_their_positions():
     """merge_candidate_sets of two canonical sets over interleaved positions (two zigzag ranks' pieces) == one
     stable sort of every score by (score descending, position ascending), in either order, ties included."""
-    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
+    from ds_longstraw.kernels import dsa
 
     gen = torch.Generator().manual_seed(0)
     scores = torch.randint(0, 3, (5, 12), generator=gen).double()  # many ties
@@ -136,12 +138,12 @@ def test_candidate_sets_merge_in_canonical_order_whatever_their_positions():
 
 
 class _FakeAdapter:
-    """What resolve_prefix reads of an adapter: its family, specs and whether it has the GDN layer's pass."""
+    """What resolve_prefix reads of an adapter: its family, specs and whether it runs its scan layers layer-major
+    (the GDN layer's pass)."""
 
     def __init__(self, combines, scan_pass=True):
         self.family, self.specs = "test", _layout_specs(combines)
-        if scan_pass:
-            self.prefix_scan_layer = lambda *args, **kwargs: None
+        self.layer_major_scan = scan_pass
 
 
 @pytest.mark.parametrize("settings,combines,scan_pass,expected", [
@@ -232,6 +234,43 @@ def test_layer_major_refused_where_it_does_not_run():
         LongstrawConfig(cp_prefix="sideways")
 
 
+def test_build_topology_refuses_before_any_work():
+    """build_topology validates first (check_topology): a refused setting raises, naming the key, before the group
+    is touched (this context has no process group: a collective, or setting its layout, would show); one rank
+    builds OneRank whatever the settings."""
+    from ds_longstraw.grpo.topology import OneRank, build_topology, check_topology
+    from ds_longstraw.parallel import CPContext
+
+    context = CPContext.__new__(CPContext)  # a 2-rank context, without a process group
+    context.size = 2
+    adapter = _FakeAdapter(["affine_scan"], scan_pass=False)
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
+    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'"):
+        check_topology(adapter, config, 2)
+    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'"):
+        build_topology(adapter, config, context, prompt_tokens=100)
+    assert not hasattr(context, "layout")
+    check_topology(adapter, config, 1)  # one rank runs every setting
+    assert isinstance(build_topology(adapter, LongstrawConfig(prefix_grad="exact", cp_prefix="layer_major")), OneRank)
+
+
+def test_schedule_chunks_pad_after_the_real_ones():
+    """The chunk loops of the layer-major CP schedule walk Schedule.chunks(spans): the real chunks, then (a Lockstep
+    under ZeRO-3) one dummy chunk of one zero token at position 0 per chunk the common shape has more."""
+    from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, Schedule
+
+    spans = [(0, 4, 10), (4, 6, 30)]
+    plain = Schedule().chunks(spans)
+    assert [(c.a, c.b, c.position, c.dummy) for c in plain] == [(0, 4, 10, False), (4, 6, 30, False)]
+    assert not plain.padded and list(plain.dummies()) == [] and plain.spans == spans
+    padded = Lockstep(GroupShape(2, (1,)), GroupShape(5, (1, 1)), LongstrawConfig()).chunks(spans)
+    walked = list(padded)
+    assert padded.padded and [c.dummy for c in walked] == [False, False, True, True, True]
+    hidden = torch.randn(1, 6, 3)
+    assert torch.equal(walked[1].of(hidden), hidden[:, 4:6])
+    assert walked[2].position == 0 and torch.equal(walked[2].of(hidden), torch.zeros(1, 1, 3))
+
+
 def _delta_inputs(gen, tokens, hk=2, hv=4, dk=8, dv=6):
     q = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)
@@ -279,7 +318,7 @@ def test_exclusive_fold_gives_each_segment_its_initial_state(cuts):
     gen = torch.Generator().manual_seed(1)
     q, k, v, g, beta = _delta_inputs(gen, cuts[-1])
     summaries, sizes = [], []
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in pairwise(cuts):
         summary = identity_summary(4, 8, 6, torch.float64, "cpu")
         if b > a:  # summaries are extended chunk by chunk in capture; two pieces here
             mid = (a + b) // 2

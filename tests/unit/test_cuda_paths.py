@@ -1,4 +1,4 @@
-"""The CUDA fast paths (kernels/cuda_attention.py, kernels/fla_delta.py) and how they are chosen.
+"""The CUDA fast paths (kernels/attention/flash.py, kernels/gated_delta/fla_bridge.py) and how they are chosen.
 
 On CPU (CI): the dispatch never hands CPU tensors to a CUDA path, the "kernels" key forces the reference, and the
 lse-gradient fold that lets flash's backward serve a merged attention is exact (proved with torch's fused CPU flash
@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from ds_longstraw.config import parse_config
-from ds_longstraw.kernels import attention, chunk_gated_delta_rule, partial_attention, partial_attention_reference
-from ds_longstraw.kernels.cuda_attention import flash_applies, fold_lse_grad
+from ds_longstraw.kernels import chunk_gated_delta_rule, partial_attention, partial_attention_reference
+from ds_longstraw.kernels.attention import partial as attention
+from ds_longstraw.kernels.attention.flash import flash_applies, fold_lse_grad
 from ds_longstraw.kernels.dispatch import current_mode, fast_path, kernel_mode
-from ds_longstraw.kernels.fla_dqkwg import dqkwg_refused, refused_by_fla
 from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
+from ds_longstraw.kernels.gated_delta.fla_dqkwg import dqkwg_refused, refused_by_fla
 
 F64 = dict(dtype=torch.float64)
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -54,8 +55,7 @@ def test_cpu_tensors_never_ask_for_the_torch_dqkwg_step():
 def test_every_dispatch_records_the_path_it_took(monkeypatch):
     """A fast path never replaces its reference silently: each kernel call records its path (kernels/dispatch.py),
     and the launcher prints them after the first step (tests/launcher/test_launcher.py)."""
-    from ds_longstraw.arch import glm_moe_dsa_attention as dsa
-    from ds_longstraw.kernels import chunked_logprobs
+    from ds_longstraw.kernels import chunked_logprobs, dsa
     from ds_longstraw.kernels.dispatch import describe_paths, paths_taken, reset_paths_taken
 
     gen = torch.Generator().manual_seed(0)
@@ -119,7 +119,7 @@ def test_folded_lse_gradient_through_a_flash_style_backward():
     fused = attention._fused_cpu_backward(q, k, v, folded, lse, dout, 0.25, None)
     blockwise = attention._blockwise_backward(q.double(), k.double(), v.double(), out.double(), lse.double(),
                                               dout.double(), dlse.double(), 0.25, None, 8, True)
-    for got, want in zip(fused, blockwise):
+    for got, want in zip(fused, blockwise, strict=True):
         torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
 
 
@@ -157,7 +157,7 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
     ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
     grads = torch.autograd.grad(objective, [qb, kb, vb])
     ref_grads = torch.autograd.grad(ref_objective, ref)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
 
 
@@ -167,7 +167,8 @@ def test_flash_serves_prompt_pages_in_library_key_blocks():
     """A prompt segment longer than LIBRARY_KEY_BLOCK on the flash path: with a sink (exact mode) the gradient
     pages get dK/dV in LIBRARY_KEY_BLOCK-key calls, without one (detached mode) dq comes from calls of that length;
     both against the float64 reference (bf16 tolerance as above)."""
-    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels import attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels.attention import partial as attention
 
     tk = attention.LIBRARY_KEY_BLOCK * 2 + 300
     q, k, v = _attention_case(8, 2, 32, tk, 64, seed=11)
@@ -182,9 +183,9 @@ def test_flash_serves_prompt_pages_in_library_key_blocks():
         qb = fast[0].clone().requires_grad_()
         received, lengths = [torch.zeros(2, tk, 64, **F64) for _ in range(2)], []
 
-        def sink(offset, dk, dv):
+        def sink(offset, dk, dv, lengths=lengths, received=received):
             lengths.append(dk.shape[1])
-            for into, grad in zip(received, (dk, dv)):
+            for into, grad in zip(received, (dk, dv), strict=True):
                 into[:, offset:offset + grad.shape[1]] += grad.double().cpu()
 
         out, _ = attention_with_past(qb, [(fast[1], fast[2])], fast[3], fast[4], 0.125,
@@ -214,7 +215,7 @@ def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
     gradient, the initial state's included. fla computes in tf32/bf16 matmuls: 2e-3 (float32), 6e-2 (bf16).
     On Hopper with Triton >= 3.4 and < 3.7.1 the backward takes the project's torch dqkwg step (fla_dqkwg.py)."""
     pytest.importorskip("fla")
-    from ds_longstraw.kernels.fla_delta import fla_applies
+    from ds_longstraw.kernels.gated_delta.fla_bridge import fla_applies
 
     gen = torch.Generator().manual_seed(3)
     b, t, hk, hv, dk, dv = 1, 200, 2, 4, 64, 64
@@ -244,6 +245,6 @@ def test_fla_delta_rule_matches_the_token_loop(dtype, atol):
     dout, dfinal = torch.randn(ref_out.shape, generator=gen, **F64), torch.randn(ref_final.shape, generator=gen, **F64)
     grads = torch.autograd.grad((out.double() * dout.cuda()).sum() + (final.double() * dfinal.cuda()).sum(), fast)
     ref_grads = torch.autograd.grad((ref_out * dout).sum() + (ref_final * dfinal).sum(), ref)
-    for got, want in zip(grads, ref_grads):
+    for got, want in zip(grads, ref_grads, strict=True):
         scale = want.abs().max().clamp_min(1.0)
         torch.testing.assert_close(got.double().cpu() / scale, want / scale, rtol=0, atol=atol)

@@ -1,5 +1,6 @@
-"""flash-linear-attention's chunk gated delta rule (`fla-core` 0.6.0, the CUDA fast path of kernels/fla_delta.py)
-run by the Triton interpreter on CPU, against the project's kernels: values, final state and every gradient.
+"""flash-linear-attention's chunk gated delta rule (`fla-core` 0.6.0, the CUDA fast path of
+kernels/gated_delta/fla_bridge.py) run by the Triton interpreter on CPU, against the project's kernels: values, final
+state and every gradient.
 
 fla is never importable in the test process (with fla importable, transformers' qwen3_5 sends CPU tensors to it):
 it is pip-installed (--no-deps, pinned) into .fla_interp/ (git-ignored) and run in a subprocess with that folder on
@@ -31,9 +32,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_longstraw.kernels.fla_dqkwg import SLICE_CHUNKS
-from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
-from ds_longstraw.kernels.gated_delta_chunked import chunk_gated_delta_rule
+from ds_longstraw.kernels.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from ds_longstraw.kernels.gated_delta.fla_dqkwg import SLICE_CHUNKS
 
 pytestmark = pytest.mark.triton
 
@@ -110,7 +110,8 @@ def _run_project(rule, case):
                       initial_state=inputs.get("h0"), output_final_state=True,
                       use_qk_l2norm_in_kernel=case["l2norm"])
     grads = torch.autograd.grad([out, final], list(inputs.values()), [case["d_out"], case["d_final"]])
-    return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d for name, d in zip(names, grads)}}
+    return {"out": out.detach(), "final": final.detach(), **{f"d_{name}": d
+                                                             for name, d in zip(names, grads, strict=True)}}
 
 
 def _dqkwg_arguments(batch, tokens, heads, dk, dv, with_w, state_v_first, seed):
@@ -159,8 +160,9 @@ def fla_results(tmp_path_factory):
                             text=True, timeout=600)
     assert result.returncode == 0, f"fla under the interpreter failed:\n{result.stdout[-3000:]}{result.stderr[-5000:]}"
     out = torch.load(outputs)
-    return {"cases": dict(zip(cases, zip(cases.values(), out["cases"], out["torch_dqkwg_cases"]))),
-            "dqkwg": dict(zip(steps, out["dqkwg"]))}
+    per_case = zip(cases.values(), out["cases"], out["torch_dqkwg_cases"], strict=True)
+    return {"cases": dict(zip(cases, per_case, strict=True)),
+            "dqkwg": dict(zip(steps, out["dqkwg"], strict=True))}
 
 
 def _scaled_error(got, want):
@@ -187,8 +189,8 @@ def test_fla_matches_the_token_loop_and_the_chunked_kernel(fla_results, name):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_fla_with_the_torch_dqkwg_step_matches_the_token_loop(fla_results, name):
-    """fla's whole backward with its refused step served by kernels/fla_dqkwg.py (as on Hopper with Triton 3.6):
-    the same bounds as fla's own, and the step did serve the backward (one call per backward)."""
+    """fla's whole backward with its refused step served by kernels/gated_delta/fla_dqkwg.py (as on Hopper with
+    Triton 3.6): the same bounds as fla's own, and the step did serve the backward (one call per backward)."""
     case, _, (fla, served) = fla_results["cases"][name]
     assert served == 1
     _check_against_the_loop(fla, case)
@@ -203,7 +205,7 @@ def test_torch_dqkwg_step_matches_fla_triton_step(fla_results, name):
     if name == "T1100-two-slices":
         assert -(-DQKWG_CASES[name][1] // 64) > SLICE_CHUNKS  # the case spans more than one slice
     assert len(fla) == len(torch_step) == 4
-    for label, got, want in zip(("dq", "dk", "dw", "dg"), torch_step, fla):
+    for label, got, want in zip(("dq", "dk", "dw", "dg"), torch_step, fla, strict=True):
         if want is None:
             assert got is None, f"{label}: fla returns none, the torch step returns one"
             continue
@@ -220,7 +222,7 @@ def test_the_torch_step_registers_only_where_fla_dispatches(disabled):
     fla_dir = _install_fla()
     env = dict(os.environ, TRITON_INTERPRET="1", FLA_DISABLE_BACKEND_DISPATCH="1" if disabled else "0",
                PYTHONPATH=os.pathsep.join(p for p in [str(fla_dir), os.environ.get("PYTHONPATH")] if p))
-    code = "from ds_longstraw.kernels.fla_dqkwg import register_backend; print(register_backend())"
+    code = "from ds_longstraw.kernels.gated_delta.fla_dqkwg import register_backend; print(register_backend())"
     result = subprocess.run([sys.executable, "-W", "ignore", "-c", code], env=env, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -64,7 +64,7 @@ def test_advantages():
 def _hand_loss(logps, olds, refs, advs, clip_low, clip_high, kl, agg):
     """Per-token arithmetic on Python floats, written independently of the tensor code."""
     member_sums, counts = [], []
-    for lp, old, ref, adv in zip(logps, olds, refs, advs):
+    for lp, old, ref, adv in zip(logps, olds, refs, advs, strict=True):
         total = 0.0
         for t in range(len(lp)):
             ratio = math.exp(lp[t] - old[t])
@@ -77,7 +77,7 @@ def _hand_loss(logps, olds, refs, advs, clip_low, clip_high, kl, agg):
         counts.append(len(lp))
     if agg == "token-mean":
         return sum(member_sums) / sum(counts)
-    return sum(s / c for s, c in zip(member_sums, counts)) / len(counts)
+    return sum(s / c for s, c in zip(member_sums, counts, strict=True)) / len(counts)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

@@ -4,6 +4,8 @@ Tolerance 1e-10 absolute in float64: both sides compute the same sums in differe
 softmax vs dense; chunked WY solve vs token loop), which leaves ~1e-14 relative on these sizes.
 """
 
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -17,14 +19,14 @@ from ds_longstraw.kernels import (
     partial_attention_reference,
     recurrent_gated_delta_rule,
 )
-from ds_longstraw.kernels.gated_delta_chunked import PreparedDeltaRule
+from ds_longstraw.kernels.gated_delta import PreparedDeltaRule
 
 F64 = dict(dtype=torch.float64)
 
 
 def _nan_poisoned_grad_check(outputs, inputs):
     grads = torch.autograd.grad(outputs, inputs, allow_unused=True)
-    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs, strict=True)]
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
@@ -44,7 +46,8 @@ def test_partial_attention_matches_dense(heads, kv_heads, tq, tk, causal_offset)
     seen = torch.isfinite(ref_lse)
     objective = (out * dout).sum() + (lse.masked_fill(~seen, 0) * dlse).sum()
     ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
-    for g, r in zip(_nan_poisoned_grad_check(objective, [q, k, v]), _nan_poisoned_grad_check(ref_objective, [q, k, v])):
+    got, want = _nan_poisoned_grad_check(objective, [q, k, v]), _nan_poisoned_grad_check(ref_objective, [q, k, v])
+    for g, r in zip(got, want, strict=True):
         assert torch.isfinite(g).all()
         torch.testing.assert_close(g, r, rtol=0, atol=1e-10)
 
@@ -53,7 +56,7 @@ def test_partial_attention_matches_dense(heads, kv_heads, tq, tk, causal_offset)
 @pytest.mark.parametrize("causal_offset", [None, 0])
 def test_fused_and_blockwise_paths_agree(monkeypatch, dtype, atol, causal_offset):
     """The fused CPU forward and the blockwise loop are two paths of one op: both against the dense reference."""
-    from ds_longstraw.kernels import attention
+    from ds_longstraw.kernels.attention import partial as attention
 
     gen = torch.Generator().manual_seed(4)
     q = torch.randn(6, 37, 16, generator=gen, dtype=dtype)
@@ -87,14 +90,14 @@ def test_merge_is_exact_split_of_attention():
     full_out, full_lse = partial_attention_reference(q, k, v, 0.3)
     cuts = [0, 0, 13, 13, 40, 40]  # empty shards at both ends and in the middle
     out, lse = None, None
-    for a, b in zip(cuts[:-1], cuts[1:]):
+    for a, b in pairwise(cuts):
         o, lse_part = partial_attention(q, k[:, a:b], v[:, a:b], 0.3)
         out, lse = (o, lse_part) if out is None else merge_partials(out, lse, o, lse_part)
     torch.testing.assert_close(out, full_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, full_lse, rtol=0, atol=1e-12)
     g = torch.autograd.grad(out.sum() + lse.sum(), [q, k, v])
     r = torch.autograd.grad(full_out.sum() + full_lse.sum(), [q, k, v])
-    for a, b in zip(g, r):
+    for a, b in zip(g, r, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -140,7 +143,7 @@ def test_chunked_delta_rule_matches_token_loop(rule, t, chunk, hk, hv, with_stat
     w_out, w_state = torch.randn(out.shape, generator=gen, **F64), torch.randn(state.shape, generator=gen, **F64)
     mine = torch.autograd.grad((out * w_out).sum() + (state * w_state).sum(), inputs)
     ref = torch.autograd.grad((ref_out * w_out).sum() + (ref_state * w_state).sum(), inputs)
-    for a, b in zip(mine, ref):
+    for a, b in zip(mine, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
 
 
@@ -185,7 +188,8 @@ def test_analytic_delta_rule_backward_with_some_inputs_frozen(wanted, final_stat
     """Only some inputs need a gradient, and the final state may be unused (no incoming gradient): the analytic
     backward returns the same gradients as plain autograd for those inputs and None for the rest."""
     names = ("q", "k", "v", "g", "beta", "s0")
-    inputs = [x.detach().requires_grad_(name in wanted) for name, x in zip(names, _delta_rule_inputs(37, 2, 4, 6))]
+    inputs = [x.detach().requires_grad_(name in wanted)
+              for name, x in zip(names, _delta_rule_inputs(37, 2, 4, 6), strict=True)]
     results = []
     for rule in (chunk_gated_delta_rule, chunk_gated_delta_rule_autograd):
         out, state = rule(*inputs[:5], chunk_size=16, initial_state=inputs[5], output_final_state=final_state,
@@ -193,7 +197,7 @@ def test_analytic_delta_rule_backward_with_some_inputs_frozen(wanted, final_stat
         loss = (out * torch.linspace(-1, 1, out.numel(), **F64).reshape(out.shape)).sum()
         loss = loss + (state.square().sum() if final_state else 0)
         results.append(torch.autograd.grad(loss, [x for x in inputs if x.requires_grad]))
-    for mine, ref in zip(*results):
+    for mine, ref in zip(*results, strict=True):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-10)
 
 
@@ -201,7 +205,7 @@ def test_analytic_delta_rule_backward_with_some_inputs_frozen(wanted, final_stat
 def test_attention_with_a_known_result_skips_the_forward(monkeypatch, segments):
     """attention_with_past(known=(out, lse)) returns the given result without computing attention, and its
     backward equals that of the call that computed it."""
-    from ds_longstraw.kernels import attention as attention_module
+    from ds_longstraw.kernels.attention import partial as attention_module
 
     gen = torch.Generator().manual_seed(len(segments))
     q = torch.randn(4, 7, 16, generator=gen, **F64).requires_grad_()
@@ -221,7 +225,7 @@ def test_attention_with_a_known_result_skips_the_forward(monkeypatch, segments):
     known_out, known_lse = attention_with_past(q, past, k_new, v_new, 0.25, known=(out.detach(), lse.detach()))
     assert calls == []
     assert torch.equal(known_out, out) and torch.equal(known_lse, lse)
-    for mine, ref in zip(grads(known_out, known_lse), expected):
+    for mine, ref in zip(grads(known_out, known_lse), expected, strict=True):
         torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
 
@@ -242,7 +246,8 @@ def test_delta_rule_keeps_bf16_state_in_float32(rule):
 def test_attention_with_past_matches_composed_reference(monkeypatch, fused, segments, with_lse_grad):
     """Merged forward + per-key-set backward with the merged (out, lse) == dense partials merged by autograd,
     for queries and for every key set's K/V (the pages' gradients in exact mode)."""
-    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels import attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels.attention import partial as attention
 
     monkeypatch.setattr(attention, "USE_FUSED", fused)
     gen = torch.Generator().manual_seed(len(segments) * 7 + sum(segments))
@@ -260,7 +265,7 @@ def test_attention_with_past_matches_composed_reference(monkeypatch, fused, segm
     wl = torch.randn(lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(lse.shape, **F64)
     mine = torch.autograd.grad((out * w).sum() + (lse * wl).sum(), inputs)
     ref = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), inputs)
-    for a, b in zip(mine, ref):
+    for a, b in zip(mine, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
@@ -270,7 +275,8 @@ def test_attention_with_past_sinks_take_page_gradients_block_by_block(monkeypatc
     """A past segment with a sink: its dK/dV arrive at the sink in key blocks (offsets 0, 8, 16, ... for key_block
     8 over 27 keys), summing to the autograd gradient of the composed reference; autograd gives the segment
     nothing, and the query and the other segments' gradients are unchanged."""
-    from ds_longstraw.kernels import attention, attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels import attention_with_past, attention_with_past_reference
+    from ds_longstraw.kernels.attention import partial as attention
 
     monkeypatch.setattr(attention, "USE_FUSED", fused)
     gen = torch.Generator().manual_seed(5)
@@ -296,7 +302,7 @@ def test_attention_with_past_sinks_take_page_gradients_block_by_block(monkeypatc
     ref = torch.autograd.grad((ref_out * w).sum() + (ref_lse * wl).sum(), others + list(past[0]))
     assert offsets == [(0, 8), (8, 8), (16, 8), (24, 3)]
     assert mine[-2] is None and mine[-1] is None  # the sinked segment's gradient went to the sink only
-    for a, b in zip(mine[:-2], ref[:-2]):
+    for a, b in zip(mine[:-2], ref[:-2], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
     torch.testing.assert_close(received["k"], ref[-2], rtol=0, atol=1e-10)
     torch.testing.assert_close(received["v"], ref[-1], rtol=0, atol=1e-10)
@@ -308,7 +314,7 @@ def test_constant_keys_take_dq_only_library_calls_of_bounded_length(monkeypatch,
     """Constant keys (detached mode's prompt pages) longer than LIBRARY_KEY_BLOCK: the backward makes one kernel
     call per LIBRARY_KEY_BLOCK keys (none of them sees the whole set, so no prompt-sized dK/dV exists), and the
     summed dq equals the dense float64 reference's."""
-    from ds_longstraw.kernels import attention
+    from ds_longstraw.kernels.attention import partial as attention
 
     monkeypatch.setattr(attention, "USE_FUSED", fused)
     monkeypatch.setattr(attention, "LIBRARY_KEY_BLOCK", 16)

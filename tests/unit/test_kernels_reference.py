@@ -1,6 +1,6 @@
 """The project's gated delta rule against transformers' own torch fallbacks for qwen3_5.
 
-Legend: B batch, T tokens, Hk/Hv key/value heads, dk/dv head dims (layouts as in kernels/gated_delta.py).
+Legend: B batch, T tokens, Hk/Hv key/value heads, dk/dv head dims (layouts as in kernels/gated_delta/reference.py).
 
 Under test: ds_longstraw.kernels.chunk_gated_delta_rule (the chunked rule with a hand-derived backward, which the
 layers run), chunk_gated_delta_rule_autograd and recurrent_gated_delta_rule. Reference: transformers 5.23's
@@ -56,6 +56,11 @@ RULES = {"chunk": (chunk_gated_delta_rule, "torch_chunk"),
 NAMES = ("out", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 
 
+def _names(case):
+    """What _run returns for `case`: no initial state, no gradient for it."""
+    return NAMES if case[2] else NAMES[:-1]
+
+
 def _case_id(t, heads, with_state):
     return f"T{t}-{heads}-{'state' if with_state else 'no_state'}"
 
@@ -64,7 +69,7 @@ CASES = [(t, heads, with_state) for t in LENGTHS for heads in HEADS for with_sta
 CASE_IDS = [_case_id(*case) for case in CASES]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _inputs(t, heads, with_state):
     """Inputs as the model makes them, rounded to float32 (the float64 runs see the same values), and the weights
     of the scalar whose gradients are compared: sum(out * w_out) + sum(final_state * w_state)."""
@@ -91,17 +96,17 @@ def _run(rule, t, heads, with_state, dtype):
     loss = (out.double() * w_out).sum() + (state.double() * w_state).sum()
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     # an input left without a gradient reads as NaN: it fails every comparison below
-    grads = [torch.full_like(x, float("nan")) if g is None else g for g, x in zip(grads, leaves.values())]
+    grads = [torch.full_like(x, float("nan")) if g is None else g for g, x in zip(grads, leaves.values(), strict=True)]
     return [out.detach().double(), state.detach().double()] + [g.double() for g in grads]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _transformers(name, case, dtype):
     return _run(TRANSFORMERS_F64[name] if dtype == torch.float64 else TRANSFORMERS[name], *case, dtype)
 
 
 def _errors(mine, ref):
-    return [float((a - b).abs().max() / max(float(b.abs().max()), 1.0)) for a, b in zip(mine, ref)]
+    return [float((a - b).abs().max() / max(float(b.abs().max()), 1.0)) for a, b in zip(mine, ref, strict=True)]
 
 
 def test_transformers_float64_copy_computes_in_float64():
@@ -120,7 +125,7 @@ def test_float64_equals_transformers(rule, case):
     mine = _run(RULES[rule][0], *case, torch.float64)
     for name in TRANSFORMERS:
         ref = _transformers(name, case, torch.float64)
-        for label, error in zip(NAMES, _errors(mine, ref)):
+        for label, error in zip(_names(case), _errors(mine, ref), strict=True):
             assert error <= FLOAT64_TOL, f"{rule} vs {name}: {label} differs by {error:.2e}"
 
 
@@ -132,6 +137,6 @@ def test_float32_within_transformers_float32_error(rule, case):
     plain = _errors(_transformers(name, case, torch.float32), ref)
     mine = _run(fn, *case, torch.float32)
     assert all(torch.isfinite(x).all() for x in mine)
-    for label, error, plain_error in zip(NAMES, _errors(mine, ref), plain):
+    for label, error, plain_error in zip(_names(case), _errors(mine, ref), plain, strict=True):
         assert error <= FLOAT32_FACTOR * plain_error + FLOAT32_FLOOR, \
             f"{rule}: {label} errs {error:.2e} against float64; transformers' {name} in float32 errs {plain_error:.2e}"

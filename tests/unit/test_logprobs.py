@@ -25,7 +25,7 @@ from ds_longstraw.arch.base import CausalLMAdapter
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.transaction import grpo_backward
 from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
-from ds_longstraw.kernels import logprobs as logprobs_module
+from ds_longstraw.kernels.logprobs import chunked as logprobs_module
 from ds_longstraw.objective import GRPOObjective
 
 # float64: the chunked and full computations differ only in summation order (per-chunk sums and rescaling):
@@ -80,7 +80,7 @@ def test_float64_values_and_gradients_match_full_log_softmax(case, bias):
     want, want_grads = _values_and_grads(logprobs_reference, hidden, weight, bias_v, targets, dlogp)
     assert got.dtype == torch.float64 and got.shape == (tokens,)
     torch.testing.assert_close(got, want, rtol=0, atol=TOL64)
-    for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads):
+    for name, g, w in zip(("hidden", "weight", "bias"), got_grads, want_grads, strict=True):
         if w is None:
             assert g is None, name
             continue
@@ -150,7 +150,7 @@ def test_large_logits_do_not_overflow():
     want, want_grads = _values_and_grads(logprobs_reference, hidden, weight, bias_v, targets, dlogp)
     # logp of order -1e4: float64 keeps ~1e-12 relative, so compare relative to the magnitude.
     torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-9)
-    for g, w in zip(got_grads, want_grads):
+    for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=TOL64)
 
 
@@ -164,7 +164,7 @@ def test_float32_within_twice_the_plain_error():
     plain, plain_grads = _values_and_grads(logprobs_reference, *low, targets, dlogp.float())
     assert chunked.dtype == torch.float32
     pairs = [("logp", chunked, plain, exact)] + list(zip(("hidden", "weight", "bias"), chunked_grads, plain_grads,
-                                                        exact_grads))
+                                                        exact_grads, strict=True))
     for name, c, p, e in pairs:
         c_err = (c.double() - e).abs().max().item()
         p_err = (p.double() - e).abs().max().item()
@@ -242,7 +242,7 @@ def test_grpo_backward_chunked_equals_plain(monkeypatch):
         out = grpo_backward(model, group, GRPOObjective(), config=config)
         results[chunk] = (out, {n: p.grad for n, p in model.named_parameters()})
     (got, got_grads), (want, want_grads) = results[10], results[None]
-    for a, b in zip(got.logprobs, want.logprobs):
+    for a, b in zip(got.logprobs, want.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL64)
     for name, g in want_grads.items():
         torch.testing.assert_close(got_grads[name], g, rtol=0, atol=TOL64, msg=lambda m, n=name: f"{n}: {m}")

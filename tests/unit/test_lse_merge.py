@@ -83,16 +83,16 @@ def test_merged_shards_equal_attention_over_all_keys(shard_sizes):
     torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-13)
     grads = torch.autograd.grad((out * weights).sum() + lse.sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref_out * weights).sum() + ref_lse.sum(), (q, k, v))
-    for mine, ref in zip(grads, ref_grads):
+    for mine, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-12)
 
 
 def test_merge_order_does_not_matter_beyond_rounding():
     gen = torch.Generator().manual_seed(3)
     outs, lses = _partials(gen, count=5)
-    forward = merge_in_order(list(zip(outs, lses)))
-    backward = merge_in_order(list(zip(outs[::-1], lses[::-1])))
+    forward = merge_in_order(list(zip(outs, lses, strict=True)))
+    backward = merge_in_order(list(zip(outs[::-1], lses[::-1], strict=True)))
     ref = merge_partials_reference(outs, lses)
-    for a, b, r in zip(forward, backward, ref):
+    for a, b, r in zip(forward, backward, ref, strict=True):
         torch.testing.assert_close(a, r, rtol=0, atol=1e-13)
         torch.testing.assert_close(b, r, rtol=0, atol=1e-13)

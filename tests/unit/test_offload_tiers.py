@@ -95,7 +95,7 @@ def test_state_round_trip(tier, case, tmp_path):
     data = {(layer, name): torch.randn((tokens, *shape), generator=gen).to(dtype)
             for layer in (3, 7) for name in ("k", "v")}
     pool = make_pool(tier, tmp_path, page)
-    for (layer, name), values in data.items():
+    for layer, name in data:
         pool.reserve(layer, name, tokens, shape, dtype)
     done = 0
     while done < tokens:  # random chunks, several streams interleaved, reads of partly filled pages between

@@ -1,5 +1,6 @@
-"""The Triton DSA kernels (kernels/triton_dsa.py, kernels/triton_sparse_mla.py) against the torch functions of
-ds_longstraw/arch/glm_moe_dsa_attention, under the Triton interpreter on CPU (tests/conftest.py) and compiled on CUDA.
+"""The Triton DSA kernels (kernels/dsa/triton_selection.py, kernels/sparse_mla/triton_attention.py) against the
+torch functions beside them (kernels/dsa/selection.py, kernels/sparse_mla/attention.py), under the Triton
+interpreter on CPU (tests/conftest.py) and compiled on CUDA.
 
 On CPU the wiring is exercised by forcing `fast_path` true (`triton_path` fixture): the public torch functions
 (`dsa_select`, `extend_candidates`, `sparse_latent_attention`, `page_partial`, `page_grads`) then call the kernels
@@ -26,8 +27,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from ds_longstraw.arch import glm_moe_dsa_attention as dsa
-from ds_longstraw.kernels import triton_dsa
+from ds_longstraw.kernels.dsa import selection as dsa
+from ds_longstraw.kernels.dsa import triton_selection as triton_dsa
+from ds_longstraw.kernels.sparse_mla import attention as sparse_mla
 
 pytestmark = pytest.mark.triton
 pytest.importorskip("triton")
@@ -36,17 +38,23 @@ F64 = dict(dtype=torch.float64)
 ATOL = 2e-5  # float32 vs float64 on these sizes (see the module docstring)
 
 
+def _force(patch, on):
+    """Every DSA call (selection and sparse attention alike) takes the Triton path where `on`, else the torch one."""
+    for module in (dsa, sparse_mla):
+        patch.setattr(module, "fast_path", lambda tensor, library=None: on)
+
+
 @pytest.fixture
 def triton_path(monkeypatch):
     """Every DSA call takes the Triton path, CPU tensors included (the interpreter runs the kernels)."""
-    monkeypatch.setattr(dsa, "fast_path", lambda tensor, library=None: True)
+    _force(monkeypatch, True)
 
 
 @contextmanager
 def torch_path():
     """Inside, every DSA call takes the torch path again (the fixture's patch is restored after)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(dsa, "fast_path", lambda tensor, library=None: False)
+        _force(patch, False)
         yield
 
 
@@ -134,7 +142,7 @@ def test_extend_candidates_page_by_page(monkeypatch, query_start):
     results = []
     for triton_on in (True, False):
         with monkeypatch.context() as patch:
-            patch.setattr(dsa, "fast_path", lambda tensor, library=None, on=triton_on: on)
+            _force(patch, triton_on)
             best, first = None, 0
             for page in keys:
                 best = dsa.extend_candidates(best, q, weights, page, first, query_start, 8, 0.5)
@@ -178,8 +186,8 @@ def _attention_inputs(lengths, tokens, heads, rank, rope, k, gen, offset=0):
 def _run_attention(q_lat, q_rope, latents, ropes, positions, valid, scale, offset, d_out, d_lse):
     inputs = [x.detach().clone().requires_grad_() for x in (q_lat, q_rope, *latents, *ropes)]
     n = len(latents)
-    out, lse = dsa.sparse_latent_attention(inputs[0], inputs[1], inputs[2:2 + n], inputs[2 + n:], positions, valid,
-                                           scale, offset=offset, with_lse=True)
+    out, lse = sparse_mla.sparse_latent_attention(inputs[0], inputs[1], inputs[2:2 + n], inputs[2 + n:], positions,
+                                                  valid, scale, offset=offset, with_lse=True)
     seen = torch.isfinite(lse)
     objective = (out * d_out.to(out.dtype)).sum() + (lse.masked_fill(~seen, 0) * d_lse.to(lse.dtype)).sum()
     grads = torch.autograd.grad(objective, inputs)
@@ -213,7 +221,7 @@ def test_sparse_latent_attention_matches_float64(triton_path, lengths, tokens, h
     torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=ATOL)
     torch.testing.assert_close(lse.double(), ref_lse, rtol=0, atol=ATOL)  # -inf where no valid slot, on both
     assert torch.isinf(lse[2]).all() and (out[2] == 0).all()
-    for grad, ref in zip(grads, ref_grads):
+    for grad, ref in zip(grads, ref_grads, strict=True):
         assert grad.dtype == torch.float32 and torch.isfinite(grad).all()
         torch.testing.assert_close(grad.double(), ref, rtol=0, atol=ATOL)
 
@@ -230,13 +238,13 @@ def test_page_partial_and_grads_match_float64(triton_path):
     d_out = torch.randn(tokens, heads, rank, generator=gen, **F64)
     delta = torch.randn(tokens, heads, generator=gen, **F64)
     args = (positions, valid)
-    mine_partial = dsa.page_partial(*_f32([q_lat, q_rope, page_lat, page_rope]), page_start, *args, 0.3)
-    mine_grads = dsa.page_grads(*_f32([q_lat, q_rope, page_lat, page_rope]), page_start, *args,
-                                *_f32([lse, d_out, delta]), 0.3)
+    mine_partial = sparse_mla.page_partial(*_f32([q_lat, q_rope, page_lat, page_rope]), page_start, *args, 0.3)
+    mine_grads = sparse_mla.page_grads(*_f32([q_lat, q_rope, page_lat, page_rope]), page_start, *args,
+                                       *_f32([lse, d_out, delta]), 0.3)
     with torch_path():
-        ref_partial = dsa.page_partial(q_lat, q_rope, page_lat, page_rope, page_start, *args, 0.3)
-        ref_grads = dsa.page_grads(q_lat, q_rope, page_lat, page_rope, page_start, *args, lse, d_out, delta, 0.3)
-    for mine, ref in zip((*mine_partial, *mine_grads), (*ref_partial, *ref_grads)):
+        ref_partial = sparse_mla.page_partial(q_lat, q_rope, page_lat, page_rope, page_start, *args, 0.3)
+        ref_grads = sparse_mla.page_grads(q_lat, q_rope, page_lat, page_rope, page_start, *args, lse, d_out, delta, 0.3)
+    for mine, ref in zip((*mine_partial, *mine_grads), (*ref_partial, *ref_grads), strict=True):
         assert mine.dtype == torch.float32 and mine.shape == ref.shape
         torch.testing.assert_close(mine.double(), ref, rtol=0, atol=ATOL)
 
@@ -258,7 +266,7 @@ def test_glm_segment_on_the_triton_path(monkeypatch):
     params = [p for p in model.parameters() if p.requires_grad]
     results = []
     for triton_on in (True, False):
-        monkeypatch.setattr(dsa, "fast_path", lambda tensor, library=None, on=triton_on: on)
+        _force(monkeypatch, triton_on)
         with torch.no_grad():
             captured = adapter.forward_segment(ids[:cut], 0, {}, {})
         past = {index: [tuple(r.clone().requires_grad_() for r in rows)] for index, rows in captured.rows.items()}
@@ -268,7 +276,7 @@ def test_glm_segment_on_the_triton_path(monkeypatch):
         results.append((out.hidden.detach(), [torch.zeros(()) if g is None else g for g in grads]))
     (hidden, grads), (ref_hidden, ref_grads) = results
     torch.testing.assert_close(hidden, ref_hidden, rtol=1e-4, atol=1e-5)
-    num = sum(float((g - r).pow(2).sum()) for g, r in zip(grads, ref_grads))
+    num = sum(float((g - r).pow(2).sum()) for g, r in zip(grads, ref_grads, strict=True))
     den = sum(float(r.pow(2).sum()) for r in ref_grads)
     assert (num / den) ** 0.5 <= 1e-4
 
@@ -304,7 +312,7 @@ def test_compiled_kernels_on_cuda(dtype):
         plain = _run_attention(*args)
     floor = 1e-5 if dtype == torch.float32 else 1e-3
     for got, ref, base in zip((mine[0], mine[1], *mine[2]), (exact[0], exact[1], *exact[2]),
-                              (plain[0], plain[1], *plain[2])):
+                              (plain[0], plain[1], *plain[2]), strict=True):
         seen = torch.isfinite(ref)
         if not seen.any():  # the empty piece's gradient
             continue

@@ -1,4 +1,4 @@
-"""The Triton per-chunk steps of the chunked log-probs (kernels/triton_logprob_steps.py) against the torch steps.
+"""The Triton per-chunk steps of the chunked log-probs (kernels/logprobs/triton_steps.py) against the torch steps.
 
 Equivalence chains:
   forward_step / backward_step (Triton) == forward_step_reference / backward_step_reference (torch) on one chunk:
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ds_longstraw.kernels import chunked_logprobs, logprobs_reference
-from ds_longstraw.kernels import logprobs as logprobs_module
+from ds_longstraw.kernels.logprobs import chunked as logprobs_module
 
 pytestmark = pytest.mark.triton
 
@@ -31,9 +31,9 @@ TOL64 = 1e-12
 
 
 def _steps():
-    from ds_longstraw.kernels import triton_logprob_steps
+    from ds_longstraw.kernels.logprobs import triton_steps
 
-    return triton_logprob_steps
+    return triton_steps
 
 
 def _chunk(tokens, cols, v0, targets_in_chunk, seed):
@@ -58,7 +58,7 @@ def test_forward_step_matches_the_torch_step(targets_in_chunk, first_chunk):
     mine, ref = [s.clone() for s in state], [s.clone() for s in state]
     p, rescale = _steps().forward_step(z.clone(), targets, 300, *mine, True)
     p_ref, rescale_ref = logprobs_module.forward_step_reference(z.clone(), targets, 300, *ref, True)
-    for got, want in zip([*mine, rescale, p], [*ref, rescale_ref, p_ref]):
+    for got, want in zip([*mine, rescale, p], [*ref, rescale_ref, p_ref], strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=TOL64)
     assert not torch.equal(mine[2], state[2]) if targets_in_chunk else torch.equal(mine[2], state[2])
     p_none, _ = _steps().forward_step(z.clone(), targets, 300, *[s.clone() for s in state], False)
@@ -114,7 +114,7 @@ def test_chunked_logprobs_with_triton_steps_match_full_log_softmax(triton_steps,
     want_grads = torch.autograd.grad((want * dlogp).sum(), wanted)
     assert triton_steps == {"forward": 3, "backward": 3 if head == "trained" else 0}
     torch.testing.assert_close(got, want, rtol=0, atol=TOL64)
-    for g, w in zip(got_grads, want_grads):
+    for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=TOL64)
 
 
@@ -128,7 +128,7 @@ def test_a_bias_gradient_keeps_the_torch_backward_step(triton_steps):
     got = torch.autograd.grad(chunked_logprobs(hidden, weight, targets, bias, vocab_chunk=16).sum(), (hidden, bias))
     want = torch.autograd.grad(logprobs_reference(hidden, weight, targets, bias).sum(), (hidden, bias))
     assert triton_steps == {"forward": 3, "backward": 0}
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=TOL64)
 
 
@@ -157,6 +157,6 @@ def test_compiled_steps_on_cuda(monkeypatch, dtype):
         exact = run(hidden, w64, False)
         low_h, low_w = hidden.to("cuda", dtype), weight.to("cuda", dtype).requires_grad_(not frozen)
         mine, plain = run(low_h, low_w, True), run(low_h, low_w, False)
-        for got, base, ref in zip(mine, plain, exact):
+        for got, base, ref in zip(mine, plain, exact, strict=True):
             err, plain_err = (got - ref).abs().max().item(), (base - ref).abs().max().item()
             assert err <= 2 * plain_err + 1e-5, (frozen, err, plain_err)

@@ -1,4 +1,4 @@
-"""The Triton log-probs kernels (ds_longstraw.kernels.triton_logprobs) against the float64 full log-softmax.
+"""The Triton log-probs kernels (ds_longstraw.kernels.logprobs.triton_fused) against the float64 full log-softmax.
 
 Equivalence chain: triton_logprobs (forward: online log-sum-exp per (token tile, vocabulary split), partials merged
 on the host; backward: logits recomputed per (token tile, vocabulary tile), float32 atomic sums) on float32 inputs
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ds_longstraw.kernels import logprobs_reference
-from ds_longstraw.kernels import triton_logprobs as tlp
+from ds_longstraw.kernels.logprobs import triton_fused as tlp
 
 pytestmark = pytest.mark.triton
 
@@ -78,7 +78,7 @@ def _exact(hidden, weight, bias, targets, dlogp):
 def _errors(got, want):
     """Max absolute errors {name: error} of (log p, grads) against the reference's."""
     names = ("logp", "hidden", "weight", "bias")
-    pairs = zip(names, [got[0], *got[1]], [want[0], *want[1]])
+    pairs = zip(names, [got[0], *got[1]], [want[0], *want[1]], strict=True)
     return {name: (g.double() - w).abs().max().item() for name, g, w in pairs if w is not None}
 
 
@@ -91,7 +91,7 @@ def test_values_and_gradients_match_float64_reference(with_bias):
     want = _exact(hidden, weight, bias, targets, dlogp)
     assert got[0].dtype == torch.float32 and got[0].shape == (T,)
     assert [g is None for g in got[1]] == [False, False, not with_bias]
-    for g, x in zip(got[1], (hidden, weight, bias)):
+    for g, x in zip(got[1], (hidden, weight, bias), strict=True):
         assert g is None or (g.dtype == x.dtype and torch.isfinite(g).all())
     errors = _errors(got, want)
     assert max(errors.values()) <= F32_ATOL, errors
@@ -106,7 +106,7 @@ def test_comparison_would_catch_a_wrong_kernel():
     got = _values_and_grads(tlp.triton_logprobs, hidden, weight, bias, targets, dlogp, vocab_chunk=CHUNK)
     want = _exact(hidden, weight, bias, targets, dlogp)
     assert max(_errors(got, want).values()) <= F32_ATOL
-    for name, g in zip(("logp", "hidden", "weight", "bias"), [got[0], *got[1]]):
+    for name, g in zip(("logp", "hidden", "weight", "bias"), [got[0], *got[1]], strict=True):
         assert g.abs().max().item() > 100 * F32_ATOL, name
     h64, w64, b64 = hidden.double(), weight.double(), bias.double()
     moved = targets.clone()
@@ -163,7 +163,7 @@ def test_default_tiles_strided_inputs_large_logits(monkeypatch):
     plain = _values_and_grads(logprobs_reference, hidden, weight, bias, targets, dlogp)
     assert all(torch.isfinite(x).all() for x in [got[0], *got[1]])
     errors, plain_errors = _errors(got, exact), _errors(plain, exact)
-    for name, x in zip(("logp", "hidden", "weight", "bias"), [exact[0], *exact[1]]):
+    for name, x in zip(("logp", "hidden", "weight", "bias"), [exact[0], *exact[1]], strict=True):
         floor = torch.finfo(torch.float32).eps * x.abs().max().item()
         assert errors[name] <= 2 * plain_errors[name] + floor, (name, errors[name], plain_errors[name])
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ds_longstraw.kernels import dispatch, partial_attention_reference
-from ds_longstraw.kernels import triton_paged_attention as paged
 from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.kernels.attention import triton_paged as paged
 
 pytestmark = pytest.mark.triton
 
@@ -257,7 +257,7 @@ def test_compiled_kernels_on_cuda(dtype, d, page):
     fast = run(q, k, v, public)
     same_precision = run(q, k, v, plain)
     named = table.long()
-    for name, f, p, e in zip(("out", "lse", "dq", "dk", "dv"), fast, same_precision, exact):
+    for name, f, p, e in zip(("out", "lse", "dq", "dk", "dv"), fast, same_precision, exact, strict=True):
         if name in ("dk", "dv"):
             f, p, e = f[named], p[named], e[named]
         assert torch.isfinite(f).all(), name
@@ -303,10 +303,10 @@ def _run_attention_with_past(q, prompt, earlier, new, dout, dlse, key_block=16):
 
 @kernels_run
 def test_attention_with_past_through_the_triton_kernels(monkeypatch):
-    """attention.py's CUDA route where flash does not apply: every key set (the prompt's with its sink, an earlier
-    block's, the block's own causal one) through segment_forward / segment_backward (the dispatch decision patched;
-    interpreter) == the CPU torch path on the same float32 inputs == float64."""
-    from ds_longstraw.kernels import attention
+    """kernels/attention/partial.py's CUDA route where flash does not apply: every key set (the prompt's with its
+    sink, an earlier block's, the block's own causal one) through segment_forward / segment_backward (the dispatch
+    decision patched; interpreter) == the CPU torch path on the same float32 inputs == float64."""
+    from ds_longstraw.kernels.attention import partial as attention
 
     gen = torch.Generator().manual_seed(17)
     case = _attention_with_past_case(gen, device=DEVICE)
@@ -322,7 +322,7 @@ def test_attention_with_past_through_the_triton_kernels(monkeypatch):
     triton_path = _run_attention_with_past(*case)
     assert len(calls) == 3  # prompt, earlier block, the block itself
     names = ("out", "lse", "dq", "dk earlier", "dv earlier", "dk new", "dv new", "dk prompt", "dv prompt")
-    for name, t, c, e in zip(names, triton_path, torch_path, exact):
+    for name, t, c, e in zip(names, triton_path, torch_path, exact, strict=True):
         torch.testing.assert_close(t.double(), e, **F32_TOL, msg=name)
         torch.testing.assert_close(c.double(), e, **F32_TOL, msg=name)
 
@@ -341,5 +341,5 @@ def test_attention_with_past_float32_on_cuda_takes_triton(monkeypatch):
     assert len(calls) == 3
     exact_case = [x.double() if torch.is_tensor(x) else tuple(t.double() for t in x) for x in case]
     exact = _run_attention_with_past(*exact_case, key_block=2048)  # float64: no Triton, no flash
-    for t, e in zip(fast, exact):
+    for t, e in zip(fast, exact, strict=True):
         torch.testing.assert_close(t.double(), e, **F32_TOL)

@@ -25,6 +25,7 @@ import torch
 from ds_longstraw.grpo.cp.cp_attention import capture_attention_layer
 from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer
 from ds_longstraw.grpo.cp.ulysses import ulysses_attention_layer
+from ds_longstraw.grpo.lockstep import Schedule, ShardChunks
 from ds_longstraw.grpo.state import (
     INPUT_STREAM,
     SELECTION_STREAM,
@@ -38,14 +39,14 @@ from ds_longstraw.offload.plan import holds_scan
 from ds_longstraw.parallel.groups import contiguous_bounds, local_spans, local_tokens
 
 
-def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, pad=0,
+def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, schedule=None,
                       keep_inputs=False) -> PrefixState:
     """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
 
-    pad: extra one-token chunks of dummy module calls per layer (ZeRO-3 lockstep, ../lockstep.py): at every place
-    where a layer calls a submodule once per chunk, this rank makes `pad` more calls on a zero token (outputs
-    discarded), so that every rank of the job, whatever its shard's chunk count, makes the same calls in the same
-    order, with the context-parallel exchanges at the same places in between.
+    schedule: the transaction's (../lockstep.py; None: no padding), whose chunks(spans) every per-chunk loop of a
+    layer walks: under ZeRO-3 a Lockstep adds dummy chunks (one zero token each, outputs discarded), so that every
+    rank of the job, whatever its shard's chunk count, makes the same calls in the same order, with the
+    context-parallel exchanges at the same places in between.
     keep_inputs: also keep the inputs over the shard of every settings.prefix_inputs_every-th layer (exact mode's
     layer-major prefix pass, prefix_layers.py)."""
     ids_all = prompt_ids[:-1]
@@ -60,7 +61,7 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
                               offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
                               keep_inputs=keep_inputs)
     try:
-        _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad)
+        _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, schedule or Schedule())
     except BaseException:
         state.release()  # page files of a host/NVMe tier go on error as on success
         raise
@@ -76,12 +77,12 @@ def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
     return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
-def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, pad):
+def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, schedule):
     """Fill `state` (its pages, boundaries and final carry) layer by layer."""
     pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
     spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
-    pairs = [(a, b) for a, b, _ in spans]
+    chunks = schedule.chunks(spans)  # the spans, then the lockstep's dummy chunks
     bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses needs them)
     boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
     final_carry = {}
@@ -103,22 +104,20 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
                     state.input_pool.append(index, SELECTION_STREAM, encode_selection(*selection, bases[index]))
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
-                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, spans, cp, pieces, boundaries,
-                                                                       pad=pad, checkpoints=checkpoints,
-                                                                       hold=hold)
+                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, chunks, cp, pieces, boundaries,
+                                                                       checkpoints=checkpoints, hold=hold)
             elif spec.combine == "lse" and settings.cp_attention == "ulysses":
-                mixed = ulysses_attention_layer(adapter, spec, normed, spans, cp, bounds, pool, chunk, pad=pad,
+                mixed = ulysses_attention_layer(adapter, spec, normed, chunks, cp, bounds, pool, chunk,
                                                 kept_pool=kept_pool)
             elif spec.combine == "lse":
-                mixed = capture_attention_layer(adapter, spec, normed, spans, cp, pieces, pool, chunk, pad=pad,
+                mixed = capture_attention_layer(adapter, spec, normed, chunks, cp, pieces, pool, chunk,
                                                 kept_pool=kept_pool)
             elif spec.combine == "topk_lse":
-                mixed, selection = capture_sparse_layer(adapter, spec, normed, spans, cp, pieces, pool, selection,
-                                                        pad=pad)
+                mixed, selection = capture_sparse_layer(adapter, spec, normed, chunks, cp, pieces, pool, selection)
             else:
                 raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
             del normed
-            hidden = mlp_over_chunks(adapter, index, hidden + mixed, pairs, pad)
+            hidden = mlp_over_chunks(adapter, index, hidden + mixed, chunks)
             del mixed
             if progress is not None:
                 progress(index)
@@ -126,11 +125,8 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     state.carry, state.boundaries = final_carry, boundaries or []
 
 
-def mlp_over_chunks(adapter, layer, hidden_1TC, pairs, pad=0):
-    """hidden + mlp(post_norm(hidden)) of `layer` over a shard, chunk by chunk (pairs: [(a, b)]), then `pad`
-    one-token dummy calls (ZeRO-3 lockstep)."""
-    outs = [adapter.mlp_residual(layer, hidden_1TC[:, a:b]) for a, b in pairs]
-    dummy = hidden_1TC.new_zeros(1, 1, hidden_1TC.shape[-1])
-    for _ in range(pad):
-        adapter.mlp_residual(layer, dummy)
+def mlp_over_chunks(adapter, layer, hidden_1TC, chunks: ShardChunks):
+    """hidden + mlp(post_norm(hidden)) of `layer` over a shard, chunk by chunk (the lockstep's dummy chunks' results
+    discarded)."""
+    outs = [adapter.mlp_residual(layer, chunk.of(hidden_1TC)) for chunk in chunks][:len(chunks.spans)]
     return torch.cat(outs, 1) if outs else hidden_1TC

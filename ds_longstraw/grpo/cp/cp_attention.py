@@ -29,6 +29,7 @@ delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards
 """
 
 import threading
+from itertools import pairwise
 
 import torch
 
@@ -109,7 +110,7 @@ def page_runs(stream, names, block):
             buffers = [pages[name].new_empty((max(block, n),) + pages[name].shape[1:]) for name in names]
         if tokens == 0:
             start = lo
-        for buffer, name in zip(buffers, names):
+        for buffer, name in zip(buffers, names, strict=True):
             buffer[tokens:tokens + n].copy_(pages[name])
         tokens += n
     if tokens:
@@ -158,7 +159,7 @@ def _pages_KTD(pool, spec, start=0, end=None):
 def add_page_grads(pool, spec, start, *grads_KTD):
     """Add head-major gradients of an attention layer's rows (dK, dV [K, T, D]) to its gradient pages from token
     `start` on (streams that carry no gradient are skipped)."""
-    for stream, grad in zip(spec.streams, grads_KTD):
+    for stream, grad in zip(spec.streams, grads_KTD, strict=True):
         if stream.grad:
             pool.add_grad(spec.layer, stream.name, start, grad.transpose(0, 1))
 
@@ -277,7 +278,7 @@ def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
         end = max(seen, default=0)
         incoming = [(p0, min(end, p0 + page)) for p0 in range(0, end, page)]  # src's pages, as its stager cuts them
 
-        def landing(index, shape=tuple(key.shape)):
+        def landing(index, shape=tuple(key.shape), incoming=incoming, src=src):
             p0, p1 = incoming[index]
             return cp.irecv((2, p1 - p0) + shape, key.dtype, src, layer, "capture_kv", q_HTD.device)
 
@@ -292,7 +293,7 @@ def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
                 if p1 - block_start < KEY_BLOCK and following is not None:
                     continue
                 kv = torch.cat(block, 1) if len(block) > 1 else block[0]
-                for k, (a, b) in enumerate(zip(starts, starts[1:])):
+                for k, (a, b) in enumerate(pairwise(starts)):
                     n = min(p1, seen[k]) - block_start
                     if b > a and n > 0:
                         piece = chunked_partial(q_HTD[:, a:b], kv[0, :n].transpose(0, 1),
@@ -329,24 +330,22 @@ class _RingSends(threading.Thread):
             raise self.error
 
 
-def capture_attention_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, chunk, pad=0, kept_pool=None):
+def capture_attention_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool, chunk, kept_pool=None):
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
-    Pass A computes q, gate, K, V chunk by chunk (spans: [(a, b, position)], groups.local_spans) and appends K/V to
-    this rank's pages; then shard_attention gives each chunk's merged (out, lse) over every rank's earlier keys,
-    and the output projection is applied.
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
+    Pass A computes q, gate, K, V chunk by chunk (chunks: lockstep.ShardChunks, the real chunks then the schedule's
+    dummies; see capture.py) and appends K/V to this rank's pages; then shard_attention gives each chunk's merged
+    (out, lse) over every rank's earlier keys, and the output projection is applied.
     kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
     layer = spec.layer
-    queries, gates = project_spans(adapter, spec, normed_1TC, spans, pool)
-    dummy_out = pad_qkv_calls(adapter, layer, normed_1TC, pad)
-    results = shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk)
+    queries, gates, dummies = project_chunks(adapter, spec, normed_1TC, chunks, pool)
+    results = shard_attention(adapter, spec, queries, chunks.spans, cp, pieces, pool, chunk)
     outs = []
-    for result, gate in zip(results, gates):
+    for result, gate in zip(results, gates, strict=True):
         if kept_pool is not None:
             keep_segment_attention(kept_pool, spec, result)
         outs.append(adapter.attention_finish(layer, result[0], gate))
-    pad_output_calls(adapter, layer, dummy_out)
+    finish_dummies(adapter, layer, dummies)
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 
@@ -371,7 +370,7 @@ def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
             remote_out, remote_lse = ring_remote_partial(cp, q_all, stager, spec, scale, pieces, chunk)
         del q_all
         return [_chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse)
-                for (a, b, _), q in zip(spans, queries)]
+                for (a, b, _), q in zip(spans, queries, strict=True)]
     finally:
         stager.close()
 
@@ -389,31 +388,26 @@ def _chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse)
     return merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
 
 
-def project_spans(adapter, spec, normed_1TC, spans, pool):
-    """Queries and rows of this rank's shard chunk by chunk (spans [(a, b, prompt position of a)]): the rows go onto
-    its own pages; returns the chunks' queries [H, T_c, D] and what attention_finish needs of each."""
-    queries, gates = [], []
-    for a, b, position in spans:
-        q, gate, rows = adapter.attention_project(spec.layer, normed_1TC[:, a:b], position)
-        append_rows(pool, spec, rows)
+def project_chunks(adapter, spec, normed_1TC, chunks, pool=None):
+    """Queries and rows of this rank's shard chunk by chunk (chunks: lockstep.ShardChunks): the rows of the real
+    chunks go onto its own pages (pool None: they are there already); returns the real chunks' queries [H, T_c, D],
+    what attention_finish needs of each, and the dummy chunks' (zero output, gate) for finish_dummies."""
+    queries, gates, dummies = [], [], []
+    for chunk in chunks:
+        q, gate, rows = adapter.attention_project(spec.layer, chunk.of(normed_1TC), chunk.position)
+        if chunk.dummy:
+            dummies.append((torch.zeros_like(q), gate))
+            continue
+        if pool is not None:
+            append_rows(pool, spec, rows)
         queries.append(q)
         gates.append(gate)
-    return queries, gates
+    return queries, gates, dummies
 
 
-def pad_qkv_calls(adapter, layer, like_1TC, pad):
-    """ZeRO-3 lockstep (capture.py): `pad` extra one-token projections, as a chunk loop makes; returns what
-    pad_output_calls needs to make the matching output projections (results discarded)."""
-    dummy = like_1TC.new_zeros(1, 1, like_1TC.shape[-1])
-    calls = []
-    for _ in range(pad):
-        q, gate, _ = adapter.attention_project(layer, dummy, 0)
-        calls.append((torch.zeros_like(q), gate))
-    return calls
-
-
-def pad_output_calls(adapter, layer, calls):
-    for out, gate in calls:
+def finish_dummies(adapter, layer, dummies):
+    """The dummy chunks' output projections (project_chunks' dummies; results discarded)."""
+    for out, gate in dummies:
         adapter.attention_finish(layer, out, gate)
 
 
@@ -472,7 +466,10 @@ class PagesAttention:
     """remote_attention for replay and scoring: (layer, q_HTD) -> (out, lse) over every rank's prompt pages.
 
     Every rank calls it with the same queries (the response is replayed on every rank). exact: dK/dV of each
-    rank's pages are added to its gradient pages."""
+    rank's pages are added to its gradient pages. (interfaces.RemoteAttention; its own pages' share:
+    interfaces.OwnPages.)"""
+
+    keys = None  # one request per layer (interfaces.RemoteAttention)
 
     def __init__(self, cp, pool, adapter, exact=False):
         self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
@@ -497,7 +494,7 @@ class PagesAttention:
         out, lse = self.own_partial(layer, q_HTD)
         outs = self.cp.all_gather(out, layer, "replay_out")
         lses = self.cp.all_gather(lse, layer, "replay_lse")
-        return merge_in_order(list(zip(outs, lses)))
+        return merge_in_order(list(zip(outs, lses, strict=True)))
 
     def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
         dq = self.own_grads(layer, q_HTD, lse, dout_HTD, attention_delta(out, dout_HTD, dlse_HT))

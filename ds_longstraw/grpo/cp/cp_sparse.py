@@ -43,6 +43,8 @@ Legend: T queries; positions / valid [T, K] a selection (absolute prompt positio
 positions [T, n]), canonical; a partial (out [T, ...], lse [T, ...]) as sparse_geometry's `out` says.
 """
 
+from itertools import pairwise
+
 import torch
 import torch.nn.functional as F
 
@@ -126,7 +128,7 @@ def merge_rank_candidates(adapter, scores, positions):
     """The ranks' candidates (padded: score -inf never counts; positions interleave on a zigzag layout), merged in
     rank order into the global top-k."""
     best = None
-    for part_scores, part_positions in zip(scores, positions):
+    for part_scores, part_positions in zip(scores, positions, strict=True):
         best = adapter.merge_candidates(best, (part_scores, part_positions.long()), interleaved=True)
     return best
 
@@ -147,7 +149,7 @@ def _runs(stager, layer, names, end=None):
     (cp_attention.page_runs, CANDIDATE_BLOCK tokens: a call per short page would cost more in merging candidates,
     or in finding each query's selected rows there, than in the keys or rows themselves)."""
     for lo, hi, run in page_runs(stager.stream(layer, 0, end), names, CANDIDATE_BLOCK):
-        yield lo, hi, dict(zip(names, run))
+        yield lo, hi, dict(zip(names, run, strict=True))
 
 
 # -- this rank's pages, page by page ------------------------------------------------------------------------------
@@ -185,7 +187,7 @@ def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d
         if not _has_rows(positions, valid, lo, hi):
             continue
         parts, d_rows = adapter.sparse_grads(spec.layer, query, pages, lo, positions, valid, lse, d_out, delta)
-        for total, part in zip(d_query, parts):
+        for total, part in zip(d_query, parts, strict=True):
             total += part
         if pool is not None:
             for name, grad in d_rows.items():
@@ -314,7 +316,7 @@ def collect_grads(cp, adapter, layer, query, servers, d_query=None):
         d_query = [torch.zeros(q.shape, dtype=acc, device=q.device) for q in query]
     tokens, device = query[0].shape[0], query[0].device
     for i in servers:
-        for total, (shape, _) in zip(d_query, geometry.query):
+        for total, (shape, _) in zip(d_query, geometry.query, strict=True):
             total += cp.recv((tokens, *shape), acc, i, layer, "sparse_dq", device=device)
     return d_query
 
@@ -341,10 +343,10 @@ def answer_grads(cp, owner, adapter, stager, spec, tokens, works=None):
 # -- capture ------------------------------------------------------------------------------------------------------
 def _cat(parts):
     """Tuples of per-chunk tensors -> one tuple of the shard's tensors."""
-    return tuple(torch.cat(pieces) for pieces in zip(*parts))
+    return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
 
 
-def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, selection=None, pad=0, append=True):
+def capture_sparse_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool, selection=None, append=True):
     """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd), every rank at once.
 
     Pass A projects the shard chunk by chunk and appends its rows to this rank's pages. A layer that selects then
@@ -355,21 +357,23 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
     merged by log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C],
     the selection it used: positions, valid [T, K]).
 
-    pad: extra one-token dummy calls after each per-chunk loop (ZeRO-3 lockstep, capture.py): `pad` projections
-    after the shard's, `pad` output projections after its (results discarded), so the exchanges in between sit at
-    the same place in every rank's sequence of weight gathers. append False: the rows are on the pages already
-    (the layer-major prefix pass's recompute of a layer's output)."""
+    chunks: lockstep.ShardChunks: the projections and the output projections walk the real chunks, then the
+    schedule's dummy ones (ZeRO-3 lockstep, capture.py; results discarded), so the exchanges in between sit at the
+    same place in every rank's sequence of weight gathers. append False: the rows are on the pages already (the
+    layer-major prefix pass's recompute of a layer's output)."""
     layer = spec.layer
-    selectors, queries, finishes = [], [], []
-    for a, b, position in spans:
-        selector, query, finish, rows = adapter.sparse_project(layer, normed_1TC[:, a:b], position)
+    spans = chunks.spans
+    selectors, queries, finishes, padded = [], [], [], []
+    for chunk in chunks:
+        selector, query, finish, rows = adapter.sparse_project(layer, chunk.of(normed_1TC), chunk.position)
+        if chunk.dummy:
+            padded.append((query, finish))
+            continue
         if append:
             append_rows(pool, spec, rows)
         selectors.append(selector)
         queries.append(query)
         finishes.append(finish)
-    dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])
-    padded = [adapter.sparse_project(layer, dummy, 0)[1:3] for _ in range(pad)]  # (query, finish) of each
     query = _cat(queries) if queries else None
     keys, rows = key_stager(pool, [spec]), row_stager(pool, [spec])
     try:
@@ -382,7 +386,8 @@ def capture_sparse_layer(adapter, spec, normed_1TC, spans, cp, pieces, pool, sel
     finally:
         keys.close()
         rows.close()
-    outs = [adapter.attention_finish(layer, out[a:b], finish) for (a, b, _), finish in zip(spans, finishes)]
+    outs = [adapter.attention_finish(layer, out[a:b], finish)
+            for (a, b, _), finish in zip(spans, finishes, strict=True)]
     for dummy_query, finish in padded:
         adapter.attention_finish(layer, torch.zeros_like(dummy_query[0]), finish)
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
@@ -458,7 +463,7 @@ def piece_selections(adapter, layer, best, mine, tokens):
     if not tokens:
         return adapter.sparse_selection(layer, None, 0, 0)
     starts, parts = local_starts(mine), []
-    for (lo, hi), a, b in zip(mine, starts, starts[1:]):
+    for (lo, _hi), (a, b) in zip(mine, pairwise(starts), strict=True):
         if b > a:
             parts.append(adapter.sparse_selection(layer, (best[0][a:b], best[1][a:b]), lo, b - a))
     width = max(positions.shape[1] for positions, _ in parts)
@@ -505,7 +510,7 @@ class _SelectedRows(torch.autograd.Function):
         positions, valid, out, lse, *query = ctx.saved_tensors
         d_out = torch.zeros_like(out) if d_out is None else d_out
         d_query = ctx.pages.partial_grads(ctx.layer, tuple(query), positions, valid, out, lse, d_out, d_lse)
-        return (None, None, None, None, *(d.to(q.dtype) for d, q in zip(d_query, query)))
+        return (None, None, None, None, *(d.to(q.dtype) for d, q in zip(d_query, query, strict=True)))
 
 
 def selected_rows_attention(pages, layer, query, positions, valid):
@@ -558,7 +563,8 @@ class SparsePagesAttention:
     included (positions [0, end)), for queries that every rank computes alike (the response is replayed on every
     rank). `candidates` all-gathers each rank's candidates and merges them; `attend` all-gathers the partials and
     merges them in rank order, so every rank gets the same bits; backward all-reduces d(query), and in exact mode
-    each rank adds its own rows' gradients to its gradient pages."""
+    each rank adds its own rows' gradients to its gradient pages. (interfaces.RemoteSelection; its own pages' share:
+    interfaces.OwnSparsePages.)"""
 
     def __init__(self, cp, pool, adapter, end, exact=False):
         self.cp, self.adapter, self.end = cp, adapter, end
@@ -592,13 +598,13 @@ class SparsePagesAttention:
         out, lse = self.own_partial(layer, query, positions, valid)
         outs = self.cp.all_gather(out, layer, "sparse_out")
         lses = self.cp.all_gather(lse, layer, "sparse_lse")
-        return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses)))
+        return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
     def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
         delta = attention_delta(out, d_out, d_lse)
         d_query = self.own_grads(layer, query, positions, valid, lse, d_out, delta)
         flat = self.cp.all_reduce_(torch.cat([d.reshape(-1) for d in d_query]), layer, "sparse_dq")
-        return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query)]
+        return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query, strict=True)]
 
     def close(self):
         self.own.close()

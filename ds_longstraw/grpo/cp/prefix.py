@@ -70,7 +70,8 @@ class RemotePages:
     before the turn's piece (each answers over the prefix of its pages the piece sees). earlier: None, or (a
     "topk_lse" family on a layout where a rank owns several pieces) cp_sparse.OwnRows over this rank's own earlier
     pieces, which the selection reaches like the other ranks' rows: the adapter's past must be contiguous in
-    positions up to the segment, so it starts at the turn's piece."""
+    positions up to the segment, so it starts at the turn's piece. (interfaces.RemoteAttention, whose `keys` it
+    offers, and interfaces.RemoteSelection.)"""
 
     def __init__(self, cp, pieces, servers, adapter=None, start=0, earlier=None):
         self.cp, self.pieces, self.servers, self.adapter = cp, pieces, servers, adapter
@@ -127,7 +128,8 @@ class RemotePages:
         d_query = request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.pieces,
                                 self.servers)
         if self.earlier is not None:
-            for total, part in zip(d_query, self.earlier.grads(layer, query, positions, valid, lse, d_out, delta)):
+            earlier = self.earlier.grads(layer, query, positions, valid, lse, d_out, delta)
+            for total, part in zip(d_query, earlier, strict=True):
                 total += part.to(total.dtype)
         return d_query
 
@@ -240,6 +242,7 @@ class PageServer:
     A request for another layer or op means the ranks' module calls have diverged: an error, not a hang later."""
 
     end = 0  # the mirrored dummy iteration is one token at position 0: no keys on other ranks precede it
+    keys = None  # one request per layer (interfaces.RemoteAttention)
 
     def __init__(self, cp, owner, adapter, pool, chunk, kept=False, visible=None):
         self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk

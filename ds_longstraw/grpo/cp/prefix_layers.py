@@ -34,7 +34,8 @@ d(input) [T, C] in the model's dtype; for attention the shard's q, out and d(out
 for GDN d(o) and d(z) [T, Hv dv]. The layer's input is read from the tier chunk by chunk.
 
 Under ZeRO-3 (lockstep) every rank makes the same module calls in the same order: each per-chunk loop is padded to
-the largest shard's chunk count with one-token zero iterations (the capture's `pad`).
+the largest shard's chunk count with one-token zero iterations (the capture's dummy chunks: the schedule's
+chunks(spans), lockstep.ShardChunks).
 """
 
 from functools import partial
@@ -47,31 +48,34 @@ from ds_longstraw.grpo.cp.cp_attention import (
     _acc,
     _pages_KTD,
     add_page_grads,
+    finish_dummies,
     layer_stager,
-    pad_output_calls,
-    pad_qkv_calls,
+    project_chunks,
     shard_attention,
     streamed_key_grads,
 )
 from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer, uses_selection
 from ds_longstraw.grpo.cp.prefix_sparse import Selections, sparse_layer_backward
+from ds_longstraw.grpo.lockstep import Schedule
 from ds_longstraw.grpo.state import INPUT_STREAM
 from ds_longstraw.kernels.attention import key_set_grads
 from ds_longstraw.offload import make_pool
 from ds_longstraw.parallel.groups import local_spans, visible_prefix
 
 
-def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings, backward=None, pad=0):
+def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings, backward=None, schedule=None):
     """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry) from
     replay; settings: the transaction's (segment_tokens: the capture's chunks; prefix_inputs_every: which layers'
     inputs capture kept; offload: the tier of the recomputed ones). Parameter gradients of this rank's tokens
-    accumulate into .grad; the caller reduces them. backward: as prefix_pass.prefix_backward's; pad: lockstep
-    iterations per chunk loop (lockstep.GroupShape's capture pad)."""
+    accumulate into .grad; the caller reduces them. backward: as prefix_pass.prefix_backward's; schedule: the
+    transaction's (None: no padding), whose chunks(spans) every per-chunk loop walks (the capture's dummy chunks
+    under a Lockstep)."""
     chunk, every = settings.segment_tokens, settings.prefix_inputs_every
     pieces = cp.pieces(state.length)
     spans = local_spans(pieces[cp.rank], chunk)
+    chunks = (schedule or Schedule()).chunks(spans)
     if [(a, b) for a, b, _ in spans] != [(b.start, b.end) for b in state.boundaries]:
         raise RuntimeError("layer-major prefix pass: the capture's chunks differ from this pass's")
     tokens = ids.numel()
@@ -86,7 +90,7 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
         return partial(_read_group, inputs["group"], layer)
 
     # "topk_lse" layers: the selections they attend (a group's base keeps the one it reuses from below)
-    selections = Selections(adapter, state, spans, cp, pieces, input_of, every, pad) \
+    selections = Selections(adapter, state, chunks, cp, pieces, input_of, every) \
         if uses_selection(adapter.specs) else None
     try:
         for spec in reversed(adapter.specs):
@@ -96,19 +100,18 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
                 read_input = partial(state.read_layer_input, layer)  # (a, b) -> [1, b - a, C] from the tier
             else:
                 if group is None:  # the group's top layer: its inputs recomputed from the base's, once
-                    group = recompute_inputs(adapter, state, base, layer, spans, cp, pieces, settings, pad,
-                                             selections)
+                    group = recompute_inputs(adapter, state, base, layer, chunks, cp, pieces, settings, selections)
                     inputs["group"] = group
                 read_input = partial(_read_group, group, layer)
             if spec.combine == "lse":
-                d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
-                                                    chunk, backward, pad)
+                d_hidden = attention_layer_backward(adapter, spec, state, read_input, d_hidden, chunks, cp, pieces,
+                                                    chunk, backward)
             elif spec.combine == "topk_lse":
-                d_hidden = sparse_layer_backward(adapter, spec, state, read_input, d_hidden, spans, cp, pieces,
-                                                 selections, backward, pad)
+                d_hidden = sparse_layer_backward(adapter, spec, state, read_input, d_hidden, chunks, cp, pieces,
+                                                 selections, backward)
             elif spec.combine == "affine_scan":
-                d_hidden = adapter.prefix_scan_layer(layer, read_input, d_hidden, state, spans, cp, pieces,
-                                                     d_final_carry.get(layer), backward=backward, pad=pad)
+                d_hidden = adapter.prefix_scan_layer(layer, read_input, d_hidden, state, chunks, cp, pieces,
+                                                     d_final_carry.get(layer), backward=backward)
             else:
                 raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
             if selections is not None:
@@ -122,7 +125,7 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
     for a, b, _ in spans:  # the embedding's share
         with torch.enable_grad():
             inject_gradients([adapter.embed(ids[a:b])], [d_hidden[:, a:b]], backward)
-    for _ in range(pad):
+    for _ in chunks.dummies():
         with torch.enable_grad():
             inject_gradients([adapter.embed(ids[:0].new_zeros(1))], [None], backward)
 
@@ -131,7 +134,7 @@ def _read_group(group, layer, start, end):
     return group.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
 
-def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad=0, selections=None):
+def recompute_inputs(adapter, state, base, top, chunks, cp, pieces, settings, selections=None):
     """The inputs of layers base + 1 .. top over this rank's shard, recomputed without a graph from layer base's
     (capture's) by the layers' own forward, with the exchanges their combine needs (every rank recomputes the same
     group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every). selections: the
@@ -146,8 +149,8 @@ def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad
         selection = selections.of(base) if first.combine == "topk_lse" and not first.select else None
         with torch.no_grad():
             for spec in adapter.specs[base:top]:
-                hidden, selection = layer_forward(adapter, spec, state, hidden, spans, cp, pieces,
-                                                  settings.segment_tokens, pad, selection)
+                hidden, selection = layer_forward(adapter, spec, state, hidden, chunks, cp, pieces,
+                                                  settings.segment_tokens, selection)
                 pool.append(spec.layer + 1, INPUT_STREAM, hidden[0])
         pool.flush()
     except BaseException:
@@ -156,42 +159,40 @@ def recompute_inputs(adapter, state, base, top, spans, cp, pieces, settings, pad
     return pool
 
 
-def layer_forward(adapter, spec, state, hidden_1TC, spans, cp, pieces, chunk, pad=0, selection=None):
+def layer_forward(adapter, spec, state, hidden_1TC, chunks, cp, pieces, chunk, selection=None):
     """(Layer `spec.layer`'s output over this rank's shard from its input, the last top-k selection), no graph, as
     the capture computes it but reading what the capture kept: attention over the pages in place (or the kept
     attention), GDN from each chunk's checkpointed carry (no exchange), a "topk_lse" layer by the capture's
-    exchanges (its own selection, or `selection`: the last one made). pad: the capture's lockstep dummies."""
+    exchanges (its own selection, or `selection`: the last one made). chunks: lockstep.ShardChunks (the capture's
+    dummy chunks too)."""
     layer = spec.layer
+    spans = chunks.spans
     normed = adapter.mixer_input(layer, hidden_1TC)
     if spec.combine == "lse":
-        queries, gates = [], []
-        for a, b, position in spans:
-            q, gate, _ = adapter.attention_project(layer, normed[:, a:b], position)
-            queries.append(q)
-            gates.append(gate)
-        dummy_out = pad_qkv_calls(adapter, layer, normed, pad)
+        queries, gates, dummies = project_chunks(adapter, spec, normed, chunks)
         results = _kept(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, state.pool,
                                                                 chunk)
-        mixed = [adapter.attention_finish(layer, out, gate) for (out, _), gate in zip(results, gates)]
-        pad_output_calls(adapter, layer, dummy_out)
+        mixed = [adapter.attention_finish(layer, out, gate) for (out, _), gate in zip(results, gates, strict=True)]
+        finish_dummies(adapter, layer, dummies)
     elif spec.combine == "affine_scan":
-        mixed = adapter.scan_layer_forward(layer, normed, spans, state, pad=pad)
+        mixed = adapter.scan_layer_forward(layer, normed, chunks, state)
     elif spec.combine == "topk_lse":
-        out, selection = capture_sparse_layer(adapter, spec, normed, spans, cp, pieces, state.pool, selection, pad,
+        out, selection = capture_sparse_layer(adapter, spec, normed, chunks, cp, pieces, state.pool, selection,
                                               append=False)
         mixed = [out]
     else:
         raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
     hidden = hidden_1TC + (torch.cat(mixed, 1) if mixed else torch.zeros_like(hidden_1TC))
-    return mlp_over_chunks(adapter, layer, hidden, [(a, b) for a, b, _ in spans], pad), selection
+    return mlp_over_chunks(adapter, layer, hidden, chunks), selection
 
 
-def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, chunk, backward=None,
-                             pad=0):
+def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, cp, pieces, chunk, backward=None):
     """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard (read_input(a, b): the
-    layer's input of local tokens [a, b)); parameter gradients accumulate, and every rank's gradient pages of the
-    layer get every prompt query's dK/dV."""
+    layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
+    schedule's dummy chunks); parameter gradients accumulate, and every rank's gradient pages of the layer get every
+    prompt query's dK/dV."""
     layer = spec.layer
+    spans = chunks.spans
     pool = state.pool
     zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     heads, _, dim = adapter.attention_geometry()
@@ -199,27 +200,27 @@ def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp
     with torch.no_grad():
         queries = [adapter.attention_project(layer, adapter.mixer_input(layer, read_input(a, b)), position)[0]
                    for a, b, position in spans]
-        for _ in range(pad):
+        for _ in chunks.dummies():
             adapter.attention_project(layer, adapter.mixer_input(layer, zero), 0)
         results = _kept(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, pool,
                                                                 chunk)
     # (1) the output side: d(out), and d(input) through the residual, the MLP and the output gate
     d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
     d_outs = []
-    for (a, b, position), (out, _) in zip(spans, results):
+    for (a, b, position), (out, _) in zip(spans, results, strict=True):
         d_out, d_part = _output_side(adapter, layer, read_input(a, b), position, out, dy_1TC[:, a:b], backward)
         d_outs.append(d_out)
         d_x[:, a:b] += d_part
-    for _ in range(pad):
+    for _ in chunks.dummies():
         _output_side(adapter, layer, zero, 0, zero.new_zeros(heads, 1, dim), zero, backward)
     # (2) the attention's backward, all ranks' queries at once: dq here, dK/dV onto the pages' owners
     dq = _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs)
     del results, d_outs, queries
     # (3) the input side: (q, K, V) of each chunk with their complete gradients
-    for (a, b, position), d_query in zip(spans, dq):
+    for (a, b, position), d_query in zip(spans, dq, strict=True):
         rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
         d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, (d_query, None, *rows), backward)
-    for _ in range(pad):
+    for _ in chunks.dummies():
         _input_side(adapter, layer, zero, 0, None, backward)
     return d_x
 
@@ -282,7 +283,7 @@ def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, re
 def _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs):
     """Each chunk's queries against this rank's own keys before them (causal on the chunk itself)."""
     dq = []
-    for (a, b, _), q, (out, lse), d_out in zip(spans, queries, results, d_outs):
+    for (a, b, _), q, (out, lse), d_out in zip(spans, queries, results, d_outs, strict=True):
         k_KTD, v_KTD = _pages_KTD(pool, spec, a, b)
         share, dk, dv = key_set_grads(q, k_KTD, v_KTD, out, lse, d_out, scale, causal_offset=0)
         add_page_grads(pool, spec, a, dk, dv)

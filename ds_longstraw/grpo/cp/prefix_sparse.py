@@ -16,7 +16,8 @@ produces d(layer input), all ranks at once, as the capture runs the layer (cp_sp
              back-propagates its projections (the query and its rows) with autograd: d(input).
 Nothing of the prompt's graph outlives one chunk of one layer. Held across the layer, beside d(output) and
 d(input): the shard's queries, out and d(out) [T, H, R(+E)] with lse [T, H] and the selection [T, K].
-Under ZeRO-3 (lockstep) each per-chunk loop is padded with one-token zero iterations (the capture's `pad`).
+Under ZeRO-3 (lockstep) each per-chunk loop is padded with one-token zero iterations (the capture's dummy chunks,
+lockstep.ShardChunks).
 """
 
 import torch
@@ -45,9 +46,10 @@ class Selections:
     where that layer lies below the group's base (prefix_inputs_every) and its input is not kept, the selection kept
     with the base's input (state.read_selection)."""
 
-    def __init__(self, adapter, state, spans, cp, pieces, input_of, every=1, pad=0):
-        self.adapter, self.state, self.spans, self.cp, self.pieces = adapter, state, spans, cp, pieces
-        self.input_of, self.every, self.pad = input_of, every, pad
+    def __init__(self, adapter, state, chunks, cp, pieces, input_of, every=1):
+        self.adapter, self.state, self.chunks, self.cp, self.pieces = adapter, state, chunks, cp, pieces
+        self.spans = chunks.spans
+        self.input_of, self.every = input_of, every
         self.specs = {spec.layer: spec for spec in adapter.specs}
         self.made = {}
 
@@ -80,7 +82,7 @@ class Selections:
         with torch.no_grad():
             selectors = [adapter.sparse_project(layer, adapter.mixer_input(layer, read(a, b)), position)[0]
                          for a, b, position in self.spans]
-            _pad_projections(adapter, layer, self.pad)
+            _pad_projections(adapter, layer, self.chunks)
             keys = key_stager(self.state.pool, [spec])
             try:
                 return shard_selection(self.cp, adapter, spec, keys, _cat(selectors) if selectors else None,
@@ -93,17 +95,19 @@ def _zero(adapter):
     return torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
 
 
-def _pad_projections(adapter, layer, pad):
-    for _ in range(pad):
+def _pad_projections(adapter, layer, chunks):
+    """The dummy chunks' projections (results discarded)."""
+    for _ in chunks.dummies():
         adapter.sparse_project(layer, adapter.mixer_input(layer, _zero(adapter)), 0)
 
 
-def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, pieces, selections, backward=None,
-                          pad=0):
+def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, cp, pieces, selections, backward=None):
     """d(layer input) [1, T, C] of "topk_lse" layer `spec.layer` over this rank's shard (read_input(a, b): the
-    layer's input of local tokens [a, b); selections: the pass's Selections); parameter gradients accumulate, and
-    every rank's gradient pages of the layer get every prompt query's d(rows)."""
+    layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
+    schedule's dummy chunks; selections: the pass's Selections); parameter gradients accumulate, and every rank's
+    gradient pages of the layer get every prompt query's d(rows)."""
     layer, pool = spec.layer, state.pool
+    spans = chunks.spans
     positions, valid = selections.of(layer)
     rows = row_stager(pool, [spec])
     try:
@@ -111,7 +115,7 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
         with torch.no_grad():
             queries = [adapter.sparse_project(layer, adapter.mixer_input(layer, read_input(a, b)), position)[1]
                        for a, b, position in spans]
-            _pad_projections(adapter, layer, pad)
+            _pad_projections(adapter, layer, chunks)
             geometry = adapter.sparse_geometry(layer)
             query = _cat(queries) if queries else None
             out, lse = shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces)
@@ -122,7 +126,7 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
             d_part, d_x[:, a:b] = _output_side(adapter, layer, read_input(a, b), position, out[a:b], dy_1TC[:, a:b],
                                                backward)
             d_out[a:b] = d_part
-        for _ in range(pad):
+        for _ in chunks.dummies():
             _output_side(adapter, layer, _zero(adapter), 0, out.new_zeros((1, *out.shape[1:])), _zero(adapter),
                          backward)
         # (2) the attention's backward, every rank's queries at once: d(query) here, d(rows) at their owners
@@ -135,7 +139,7 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, spans, cp, p
         grads = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
         injected = [d[a:b] for d in d_query] + grads
         d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, injected, backward)
-    for _ in range(pad):
+    for _ in chunks.dummies():
         _input_side(adapter, layer, _zero(adapter), 0, None, backward)
     return d_x
 

@@ -17,6 +17,9 @@ global top-k. Recurrent layers exchange nothing: every rank holds the prompt's f
 
 The ranks' calls must pair up: a rank with fewer members or blocks pads with dummy ones (lockstep.Lockstep over the
 CP group, `replay_lockstep`), whose queries travel like real ones and whose results are thrown away.
+SpreadPagesAttention wraps the replicated PagesAttention ("lse" layers), SpreadSparsePagesAttention the replicated
+SparsePagesAttention ("topk_lse"); which one is chosen where the replay view is made
+(topology.ContextParallel.replay_view; the interfaces they rely on: ../interfaces.py).
 """
 
 import torch
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 
 from ds_longstraw.grpo.cp.cp_attention import merge_in_order, remote_pages_attention
 from ds_longstraw.grpo.cp.cp_sparse import merge_partials_as, merge_rank_candidates, selected_rows_attention
+from ds_longstraw.grpo.interfaces import OwnPages, OwnSparsePages
 from ds_longstraw.kernels.attention import attention_delta
 
 
@@ -43,7 +47,9 @@ class SpreadPagesAttention:
     """remote_attention of "lse" layers when each rank replays its own members (see the module docstring);
     `pages` is the replicated schedule's PagesAttention, whose per-rank pieces it calls."""
 
-    def __init__(self, pages):
+    keys = None  # one request per layer (interfaces.RemoteAttention)
+
+    def __init__(self, pages: OwnPages):
         self.pages, self.cp = pages, pages.cp
         self.stager = pages.stager  # what the replay's leaves close
 
@@ -55,7 +61,7 @@ class SpreadPagesAttention:
         out, lse = self.pages.own_partial(layer, q_all)
         outs = self.cp.return_tokens(out, counts, 1, layer, "spread_out")
         lses = self.cp.return_tokens(lse, counts, 1, layer, "spread_lse")
-        return merge_in_order(list(zip(outs, lses)))
+        return merge_in_order(list(zip(outs, lses, strict=True)))
 
     def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
         delta = attention_delta(out, dout_HTD, dlse_HT)
@@ -72,7 +78,7 @@ class SpreadSparsePagesAttention:
     """remote_attention of "topk_lse" layers when each rank replays its own members; `pages` is the replicated
     schedule's SparsePagesAttention."""
 
-    def __init__(self, pages):
+    def __init__(self, pages: OwnSparsePages):
         self.pages, self.cp, self.adapter = pages, pages.cp, pages.adapter
         self.end = pages.end
         self.stager = pages.stager
@@ -101,7 +107,7 @@ class SpreadSparsePagesAttention:
         out, lse = self.pages.own_partial(layer, tuple(q_all), pos_all, valid_all)
         outs = self.cp.return_tokens(out, counts, 0, layer, "spread_out")
         lses = self.cp.return_tokens(lse, counts, 0, layer, "spread_lse")
-        return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses)))
+        return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
     def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
         delta = attention_delta(out, d_out, d_lse)
@@ -116,17 +122,11 @@ class SpreadSparsePagesAttention:
         self.pages.close()
 
 
-def spread(pages):
-    """The spread form of a replicated schedule's remote attention."""
-    kind = SpreadSparsePagesAttention if hasattr(pages, "own_candidates") else SpreadPagesAttention
-    return kind(pages)
-
-
 def gather_members(cp, values, members, count):
     """Per-member values (a list in `members` order) from every rank, as one list in member order (objects: the
     log-prob tensors each rank replayed)."""
     gathered = [None] * cp.size
-    torch.distributed.all_gather_object(gathered, list(zip(members, values)), group=cp.group)
+    torch.distributed.all_gather_object(gathered, list(zip(members, values, strict=True)), group=cp.group)
     ordered = [None] * count
     for pairs in gathered:
         for member, value in pairs:

@@ -20,7 +20,7 @@ prefix pass keep the LSE paths: their queries are few, and a head shard of them 
 import torch
 import torch.distributed as dist
 
-from ds_longstraw.grpo.cp.cp_attention import _acc, _pages_KTD, pad_output_calls, pad_qkv_calls, project_spans
+from ds_longstraw.grpo.cp.cp_attention import _acc, _pages_KTD, finish_dummies, project_chunks
 from ds_longstraw.grpo.state import keep_segment_attention
 from ds_longstraw.kernels import partial_attention
 
@@ -53,16 +53,15 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     cp.traffic.add(cp.phase_name, layer, op,
                    (sum(out_sizes) - out_sizes[cp.rank]) * recv.element_size())
     parts, offset = [], 0
-    for shape, count in zip(recv_shapes, out_sizes):
+    for shape, count in zip(recv_shapes, out_sizes, strict=True):
         parts.append(recv[offset:offset + count].view(shape))
         offset += count
     return parts
 
 
-def ulysses_attention_layer(adapter, spec, normed_1TC, spans, cp, bounds, pool, chunk, pad=0,
-                            kept_pool=None):
+def ulysses_attention_layer(adapter, spec, normed_1TC, chunks, cp, bounds, pool, chunk, kept_pool=None):
     """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
-    pad: extra one-token projections after each per-chunk loop (ZeRO-3 lockstep; see capture.py);
+    chunks: lockstep.ShardChunks (the real chunks, then the schedule's dummies; see capture.py);
     kept_pool: None, or the pool that keeps the attention's (out, lse) of this rank's tokens (exact mode's
     prefix_keep_attention): the LSE then makes the trip back too (one more all-to-all, H/N values per token)."""
     layer = spec.layer
@@ -72,8 +71,8 @@ def ulysses_attention_layer(adapter, spec, normed_1TC, spans, cp, bounds, pool, 
     size, scale = cp.size, adapter.attention_scale(layer)
     per_rank = heads // size
     sizes = [hi - lo for lo, hi in bounds]
-    queries, gates = project_spans(adapter, spec, normed_1TC, spans, pool)
-    padded = pad_qkv_calls(adapter, layer, normed_1TC, pad)
+    spans = chunks.spans
+    queries, gates, dummies = project_chunks(adapter, spec, normed_1TC, chunks, pool)
     dtype = normed_1TC.dtype
     q_HTD = torch.cat(queries, 1) if queries else normed_1TC.new_zeros(heads, 0, dim)
     k_KTD, v_KTD = _pages_KTD(pool, spec)
@@ -86,7 +85,7 @@ def ulysses_attention_layer(adapter, spec, normed_1TC, spans, cp, bounds, pool, 
     shapes = [((per_rank + 2 * (kv1 - kv0)) * n * dim,) for n in sizes]
     parts = _all_to_all(cp, send, shapes, dtype, layer, "ulysses_qkv")
     q_parts, k_parts, v_parts = [], [], []
-    for part, n in zip(parts, sizes):
+    for part, n in zip(parts, sizes, strict=True):
         q_len, kv_len = per_rank * n * dim, (kv1 - kv0) * n * dim
         q_parts.append(part[:q_len].view(per_rank, n, dim))
         k_parts.append(part[q_len:q_len + kv_len].view(kv1 - kv0, n, dim))
@@ -114,6 +113,7 @@ def ulysses_attention_layer(adapter, spec, normed_1TC, spans, cp, bounds, pool, 
         for a, b, _ in spans:
             keep_segment_attention(kept_pool, spec, (out_HTD[:, a:b], lse_HT[:, a:b]))
     del lses
-    results = [adapter.attention_finish(layer, out_HTD[:, a:b], gate) for (a, b, _), gate in zip(spans, gates)]
-    pad_output_calls(adapter, layer, padded)
+    results = [adapter.attention_finish(layer, out_HTD[:, a:b], gate)
+               for (a, b, _), gate in zip(spans, gates, strict=True)]
+    finish_dummies(adapter, layer, dummies)
     return torch.cat(results, 1) if results else normed_1TC.new_zeros(normed_1TC.shape)

@@ -5,7 +5,7 @@ up to its causal horizon), k the candidates kept. Layouts: q_TID [T, I, D]; weig
 pieces [N_s, D] (any row stride, unit column stride); scores_TW float32 [Tq, W]; candidates (scores [T, k] float32,
 positions [T, k] int64) in canonical order.
 
-What it is: the selection of ds_longstraw/arch/glm_moe_dsa_attention (`dsa_select`, `extend_candidates`), same
+What it is: the selection of selection.py (`dsa_select`, `extend_candidates`), same
 signatures, same result. `_scores_kernel` computes score(t, j) = sum_i w_i(t) * relu(scale * q_i(t) . k(j)) for a
 tile of (queries, keys), -inf where j > t (causal) or outside the keys, and writes it into the query block's score
 row at the key's column, piece by piece (no concatenated keys). Dot products take bfloat16 / float16 operands as
@@ -32,7 +32,7 @@ BLOCK_ELEMENTS.
 import torch
 import torch.nn.functional as F
 
-from .triton_common import pow2
+from ..triton_common import pow2
 
 try:
     import triton

@@ -1,17 +1,17 @@
 """The gated delta rule on CUDA through flash-linear-attention's chunk kernel (the `fla-core` package).
 
-Same signature and results (up to rounding) as the project's `gated_delta_chunked.chunk_gated_delta_rule`, which
+Same signature and results (up to rounding) as the project's `chunked.chunk_gated_delta_rule`, which
 `chunk_gated_delta_rule` there hands over to this one where `fla_applies` holds: mode "auto", CUDA tensors, fla
 importable, a dtype fla computes in (not float64: float64 checks stay on the project's kernel), head dims it tiles.
 fla takes the initial state and returns the final state in float32, and its backward returns the initial state's
 gradient: exactly what the transaction's carry needs (a prompt's chunks chain their states through it).
-Legend as gated_delta.py: q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay) and beta [B, T, Hv];
+Legend as reference.py: q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay) and beta [B, T, Hv];
 state [B, Hv, dk, dv].
 """
 
 import torch
 
-from .dispatch import fast_path
+from ..dispatch import fast_path
 from .fla_dqkwg import dqkwg_refused, ensure_registered
 
 # fla tiles the key and value head dims in blocks of at most 256 (Qwen3.6: 128 each).

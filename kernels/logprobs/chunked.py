@@ -27,7 +27,7 @@ is summed over chunks in that accumulation dtype.
 
 import torch
 
-from .dispatch import fast_path, record
+from ..dispatch import fast_path, record
 
 # Vocabulary ids per chunk. Measured on CPU (2 shared cores, float32, T = 1,024, C = 256, V = 65,536, forward +
 # backward of the log-probs alone, best of 3): 1,024 ids 7.9 s, 4,096 3.6 s, 8,192 3.0 s, 16,384 2.6 s, 32,768
@@ -46,7 +46,7 @@ def _acc(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# The Triton steps (triton_logprob_steps.py: each chunk's elementwise work in one pass) stand beside the torch steps
+# The Triton steps (triton_steps.py: each chunk's elementwise work in one pass) stand beside the torch steps
 # below with the same signatures. Not taken until a GPU check has timed them (bench/gpu_check.py's log-prob section):
 # set True to take them where the dispatch allows (CUDA, mode "auto", triton importable).
 USE_TRITON_STEPS = False
@@ -94,7 +94,7 @@ def _steps(hidden_TC, need_bias=False):
     gradient is asked for (d(bias) sums the float32 dz, which those round to the inputs' dtype), else the torch
     ones."""
     if USE_TRITON_STEPS and not need_bias and fast_path(hidden_TC, "triton"):
-        from . import triton_logprob_steps as steps  # imports triton: on first use only
+        from . import triton_steps as steps  # imports triton: on first use only
 
         return steps.forward_step, steps.backward_step
     return forward_step_reference, backward_step_reference
@@ -184,7 +184,7 @@ def _frozen_head(hidden_TC, weight_VC, bias_V):
 
 
 def check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk):
-    """ValueError naming what is wrong with a log-prob kernel's inputs (this one's and triton_logprobs')."""
+    """ValueError naming what is wrong with a log-prob kernel's inputs (this one's and triton_fused.py's)."""
     if vocab_chunk is None or vocab_chunk <= 0:
         raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
     if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:

@@ -7,7 +7,7 @@ N rows in all the pieces together, P pieces. Layouts:
     stride, unit column stride); out_THR [T, H, R]; lse_TH, delta_TH [T, H] float32;
     d_lat_NR, d_rope_NE [N, R] / [N, E] float32: the rows' gradients, by position.
 
-What it is: the same function as ds_longstraw/arch/glm_moe_dsa_attention's `sparse_latent_attention`
+What it is: the same function as attention.py's `sparse_latent_attention`
 (score = scale * (q_lat . c + q_rope . k_rope) over the valid selected rows, softmax, o_lat = P @ c), with its
 (o_lat, lse) and its gradients. One program per (query, block of heads) walks the query's K slots in blocks:
 it finds each slot's piece by a binary search over the pieces' first positions, and loads the row from that piece
@@ -33,13 +33,13 @@ every piece share one dtype; `supported` says which calls it takes).
 
 Four layers (STYLE.md 2): `_forward_kernel` / `_backward_kernel` -> host launchers `sparse_mla_forward` /
 `sparse_mla_grads` -> `_TritonSparseLatentAttention` -> `sparse_latent_attention` (and `page_partial`,
-`page_grads`), with the signatures of the torch functions in glm_moe_dsa_attention, which keep the checks and call
+`page_grads`), with the signatures of the torch functions in attention.py, which keep the checks and call
 here only where `kernels.dispatch.fast_path(q, "triton")` says so.
 """
 
 import torch
 
-from .triton_common import pow2
+from ..triton_common import pow2
 
 try:
     import triton
@@ -176,7 +176,7 @@ def _piece_tables(latents, ropes):
     non-empty pieces: each piece's first position and the element offset of its row 0 from the first piece's."""
     keep = [i for i, lat in enumerate(latents) if lat.shape[0] > 0]
     starts, position = [], 0
-    for i, lat in enumerate(latents):
+    for _i, lat in enumerate(latents):
         if lat.shape[0] > 0:
             starts.append(position)
         position += lat.shape[0]
@@ -292,20 +292,21 @@ class _TritonSparseLatentAttention(torch.autograd.Function):
         if row_grads:
             lengths = [piece.shape[0] for piece in pieces[:n]]
             rows = list(torch.split(d_lat, lengths)) + list(torch.split(d_rope, lengths))
-            d_pieces = [d.to(piece.dtype) if need else None for d, piece, need in zip(rows, pieces, needs[6:])]
+            d_pieces = [d.to(piece.dtype) if need else None
+                        for d, piece, need in zip(rows, pieces, needs[6:], strict=True)]
         return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
                 None, None, None, None, *d_pieces)
 
 
 def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale):
-    """(o_lat [T, H, R] in q_lat's dtype, lse [T, H] float32): glm_moe_dsa_attention's `_SparseLatentAttention`
+    """(o_lat [T, H, R] in q_lat's dtype, lse [T, H] float32): attention.py's `_SparseLatentAttention`
     in Triton, differentiable in q_lat, q_rope and every piece (positions count from the first piece's first row;
     the caller has checked the shapes and applied any offset)."""
     return _TritonSparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
 
 
 def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, scale):
-    """glm_moe_dsa_attention.page_partial in Triton: (o_lat [T, H, R], lse [T, H]), both float32, over the selected
+    """attention.page_partial in Triton: (o_lat [T, H, R], lse [T, H]), both float32, over the selected
     rows that lie in the page at positions page_start ..; (0, -inf) for a query with none there. No autograd."""
     inside = valid & (positions >= page_start) & (positions < page_start + latent_page.shape[0])
     with torch.no_grad():
@@ -314,7 +315,7 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
 
 
 def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, lse, d_out, delta, scale):
-    """glm_moe_dsa_attention.page_grads in Triton: (d_q_lat, d_q_rope, d_latent_page, d_rope_page), float32, the
+    """attention.page_grads in Triton: (d_q_lat, d_q_rope, d_latent_page, d_rope_page), float32, the
     page's share of the gradients given the merged lse and delta."""
     inside = valid & (positions >= page_start) & (positions < page_start + latent_page.shape[0])
     with torch.no_grad():

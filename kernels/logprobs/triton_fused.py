@@ -6,7 +6,7 @@ exp(z - max) per token (float32); lse_T, logp_T, dlogp_T float32.
 
     log p(t) = z[t] - lse,   lse = log sum_v exp(z[v]),   d log p(t) / d z[v] = 1[v = t] - exp(z[v] - lse)
 
-What it is: the computation of kernels/logprobs.py's `chunked_logprobs` (same signature, same numbers up to
+What it is: the computation of kernels/logprobs/chunked.py's `chunked_logprobs` (same signature, same numbers up to
 rounding) in the cut-cross-entropy layout:
     forward kernel   one program per (token tile, vocabulary split): walks its split tile by tile, each logits
                      tile [BLOCK_T, BLOCK_V] made by tl.dot over the channels (BLOCK_C at a time) in float32, keeps
@@ -41,11 +41,11 @@ and the largest float32 buffers are d(hidden) [T, C] and that chunk buffer.
 Precision: products in the inputs' dtype (bfloat16 / float16 on tensor cores; float32 at full "ieee" precision),
 sums and the softmax in float32; logits are not rounded to the inputs' dtype (the plain path rounds them), dz is,
 before the two gradient matmuls (as the plain path's backward). log p is float32. What it is not: a float64 path
-(tl.dot has none): `supported` says no, and the caller takes kernels/logprobs.py's torch paths.
+(tl.dot has none): `supported` says no, and the caller takes kernels/logprobs/chunked.py's torch paths.
 Targets must lie in [0, V); a token whose target does not gets log p = NaN.
 
 Four layers (STYLE.md 2): Triton kernels -> host launchers (`logprobs_forward_triton`, `logprobs_backward_triton`,
-the signatures of kernels/logprobs.py's `_forward` / `_backward`) -> `_TritonLogprobs` -> `triton_logprobs`, the
+the signatures of kernels/logprobs/chunked.py's `_forward` / `_backward`) -> `_TritonLogprobs` -> `triton_logprobs`, the
 public function; its torch references are `chunked_logprobs` and `logprobs_reference`. It runs the kernels on
 whatever device its tensors are on: the caller decides (kernels.dispatch.fast_path(hidden, "triton") and
 `supported`); CPU tensors reach Triton only in the tests, under the Triton interpreter.
@@ -53,8 +53,8 @@ whatever device its tensors are on: the caller decides (kernels.dispatch.fast_pa
 
 import torch
 
-from .logprobs import check_logprob_inputs
-from .triton_common import dot_precision
+from ..triton_common import dot_precision
+from .chunked import check_logprob_inputs
 
 try:
     import triton
@@ -210,7 +210,7 @@ def _merge_splits(max_ST, sum_ST):
 
 
 def logprobs_forward_triton(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
-    """(logp_T, lse_T) float32: the Triton forward, kernels/logprobs.py `_forward`'s signature and result."""
+    """(logp_T, lse_T) float32: the Triton forward, kernels/logprobs/chunked.py `_forward`'s signature and result."""
     tokens, channels = hidden_TC.shape
     vocab = weight_VC.shape[0]
     block_t, block_v, block_c, warps, stages = _tiles("forward")
@@ -236,7 +236,7 @@ def logprobs_forward_triton(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk
 
 def logprobs_backward_triton(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chunk, need):
     """Gradients of sum(dlogp * log p) w.r.t. (hidden, weight, bias) in their dtypes, None where not `need`ed:
-    the Triton backward, kernels/logprobs.py `_backward`'s signature and result."""
+    the Triton backward, kernels/logprobs/chunked.py `_backward`'s signature and result."""
     need_hidden, need_weight, need_bias = need
     need_bias = need_bias and bias_V is not None
     tokens, channels = hidden_TC.shape

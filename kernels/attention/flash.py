@@ -1,8 +1,8 @@
 """Partial attention with its log-sum-exp on CUDA, through torch's own flash-attention kernels.
 
-The fast path of `attention._forward` / `attention._backward` where `flash_applies` holds (mode "auto", CUDA
+The fast path of `partial._forward` / `partial._backward` where `flash_applies` holds (mode "auto", CUDA
 tensors in bfloat16 or float16, a head dim flash tiles, and a mask it expresses); elsewhere those take the fused
-CPU or the blockwise torch path. Layouts as attention.py (q_HTD [H, Tq, D], k_KTD / v_KTD [K, Tk, D], lse_HT); flash
+CPU or the blockwise torch path. Layouts as partial.py (q_HTD [H, Tq, D], k_KTD / v_KTD [K, Tk, D], lse_HT); flash
 reads token-major [T, heads, D] views of the same storage (its kernels take any row and head strides with a unit
 last stride), so no copy of the pages is made, and its varlen entry (one sequence) is used because its backward
 takes the sequence offsets that the dense entry keeps to itself. Grouped heads are native to flash.
@@ -20,7 +20,7 @@ whose rowsum with dout is exactly that (rows with dlse != 0 and dout = 0 cannot 
 
 import torch
 
-from .dispatch import fast_path
+from ..dispatch import fast_path
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 256

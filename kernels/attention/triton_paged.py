@@ -14,13 +14,13 @@ What it is: exact attention (no causal mask by default: prompt pages lie entirel
 kernels/lse.merge_partials combines with other key sets. A query that sees no key gets out = 0, lse = -inf.
 The forward is an online softmax with float32 accumulation that loads each key block straight from its pages (no
 gathered [Tk, D] copy). The backward takes the MERGED out and lse (delta = rowsum(dout * out) - dlse, as
-kernels/attention.blockwise_grads_from_delta), so this key set's share of the gradients is exact on its own:
+kernels/attention/reference.blockwise_grads_from_delta), so this key set's share of the gradients is exact on its own:
     dq kernel     one program per (query block, query head), walks the key blocks;
     dK/dV kernel  one program per (key block, kv head), walks the query heads of its group and the query blocks,
                   then adds its dK/dV rows to the gradient pages (read, add, write): each gradient row has one owner,
                   so no atomics and no [Tk, D] dense gradient alive. The table must not name a page twice.
 What it is not: a fused dq/dK/dV backward (scores are recomputed once per kernel), nor a kernel for the block's
-causal attention over itself (kernels/attention.py keeps that).
+causal attention over itself (kernels/attention/partial.py keeps that).
 
 Four layers (STYLE.md 2): Triton kernels -> host launchers (`paged_attention_forward_triton`,
 `paged_grads_from_delta_triton`) -> `_PagedPartialAttention` -> `paged_partial_attention`, the public function. The
@@ -33,9 +33,9 @@ outside the tests, which run the kernels under the Triton interpreter.
 
 import torch
 
-from .attention_reference import attention_delta, blockwise_grads_from_delta, partial_attention_reference
-from .dispatch import available, fast_path
-from .triton_common import dot_precision
+from ..dispatch import available, fast_path
+from ..triton_common import dot_precision
+from .reference import attention_delta, blockwise_grads_from_delta, partial_attention_reference
 
 try:
     import triton
@@ -290,7 +290,7 @@ def _block_d(d):
 # the best of 6-7 candidates each on an H200 in bfloat16 (H=16 K=2 D=256 and H=32 K=8 D=128, Tq=2048, Tk=16384,
 # 256-token pages). Width 512 (float32 D=256) takes the small tiles that fit. Against torch's flash kernels on the
 # same keys these tiles are slower, in backward most (BENCHMARKS.md, "The Triton kernels on the H200 (bf16)");
-# hence attention.py tries flash first.
+# hence partial.py tries flash first.
 _FORWARD_TILES = {64: (128, 64, 4, 3), 128: (128, 64, 4, 3), 256: (128, 64, 8, 2), 512: (32, 32, 8, 1)}
 _BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (128, 64, 8, 2), 256: (64, 64, 8, 2), 512: (32, 32, 8, 1)}
 
@@ -367,13 +367,13 @@ def paged_grads_from_delta_triton(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, l
     return dq_HTD
 
 
-# -- one contiguous key set as a single page (kernels/attention.py's CUDA path where flash does not apply) -------
+# -- one contiguous key set as a single page (kernels/attention/partial.py's CUDA path where flash does not apply)
 _TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_HEAD_DIM = 256  # larger heads would spill the [BLOCK, D] float32 accumulators out of registers
 
 
 def triton_applies(q_HTD, k_KTD) -> bool:
-    """Whether attention.py's `_forward` / `_backward` may run a key set [K, Tk, D] through these kernels: the
+    """Whether partial.py's `_forward` / `_backward` may run a key set [K, Tk, D] through these kernels: the
     dispatch's fast path (CUDA, mode "auto", triton importable), a dtype tl.dot takes, a head dim it tiles."""
     return (uses_triton(q_HTD) and q_HTD.dtype in _TRITON_DTYPES and k_KTD.dtype == q_HTD.dtype
             and q_HTD.shape[-1] <= _MAX_HEAD_DIM)

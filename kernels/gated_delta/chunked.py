@@ -19,9 +19,9 @@ head dims. Within a chunk, with cum = cumsum(g), D_ij = exp(cum_i - cum_j) (j <=
 import torch
 import torch.nn.functional as F
 
-from .dispatch import record
-from .fla_delta import chunk_gated_delta_rule_fla, fla_applies
-from .gated_delta import _acc_dtype
+from ..dispatch import record
+from .fla_bridge import chunk_gated_delta_rule_fla, fla_applies
+from .reference import _acc_dtype
 
 
 def _heads_first(x, heads, acc):
@@ -218,10 +218,10 @@ def chunk_gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_st
                            use_qk_l2norm_in_kernel=False, **kwargs):
     """Chunked gated delta rule (WY form within a chunk, state carried across chunks), with a backward that
     keeps only the inputs alive. Layouts and results as `recurrent_gated_delta_rule` (module docstring of
-    gated_delta.py) up to rounding; returns (out [B, T, Hv, dv] in the query's dtype, final state or None)."""
+    reference.py) up to rounding; returns (out [B, T, Hv, dv] in the query's dtype, final state or None)."""
     if query.shape[1] == 0:
         raise ValueError("the gated delta rule needs at least one token")
-    if fla_applies(query, value, initial_state):  # CUDA: flash-linear-attention's kernel (fla_delta.py)
+    if fla_applies(query, value, initial_state):  # CUDA: flash-linear-attention's kernel (fla_bridge.py)
         record("gated delta rule", "fla")
         return chunk_gated_delta_rule_fla(query, key, value, g, beta, initial_state, output_final_state,
                                           use_qk_l2norm_in_kernel)

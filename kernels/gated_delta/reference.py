@@ -5,7 +5,7 @@ q, k [B, T, Hk, dk]; v [B, T, Hv, dv]; g (log decay, <= 0) and beta [B, T, Hv]; 
 
 Per token:  S <- exp(g_t) S;  u_t = beta_t (v_t - S^T k_t);  S <- S + k_t u_t^T;  o_t = S^T (q_t / sqrt(dk)).
 
-`chunk_gated_delta_rule` (gated_delta_chunked.py) is the fast path the layers run: the chunked form below with a
+`chunk_gated_delta_rule` (chunked.py) is the fast path the layers run: the chunked form below with a
 hand-derived backward. All three keep float64 inputs in float64 (so gradients can be checked against float64
 autograd to 1e-8) and compute lower precisions in float32, as the recurrent state is kept in float32 for bf16
 models. Signatures match transformers' torch fallbacks, so any of them can stand in for them.
@@ -57,7 +57,7 @@ def chunk_gated_delta_rule_autograd(query, key, value, g, beta, chunk_size=64, i
                                     output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
     """Chunked form under plain autograd: within a chunk the delta-rule updates are solved as one unit-triangular
     system (WY form), across chunks the state is carried. Same results as the token loop up to rounding. The
-    reference of `gated_delta_chunked.chunk_gated_delta_rule`, which computes the same with a hand-derived
+    reference of `chunked.chunk_gated_delta_rule`, which computes the same with a hand-derived
     backward."""
     q, k, v, b, gg = _prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel)
     batch, heads, t, dk = k.shape
@@ -91,7 +91,8 @@ def chunk_gated_delta_rule_autograd(query, key, value, g, beta, chunk_size=64, i
     outs = []
     # unbind once: indexing chunk i inside the loop would make every step's backward scatter into a zeros tensor
     # of the whole sequence (quadratic in the number of chunks); unbind's backward is a single stack.
-    per_chunk = zip(*(x.unbind(2) for x in (new_values, state_reads, q_decayed, intra, chunk_decay, k_to_end)))
+    per_chunk = zip(*(x.unbind(2)
+                      for x in (new_values, state_reads, q_decayed, intra, chunk_decay, k_to_end)), strict=True)
     for values_i, reads_i, q_i, intra_i, decay_i, k_end_i in per_chunk:
         u = values_i - reads_i @ state
         outs.append(q_i @ state + intra_i @ u)

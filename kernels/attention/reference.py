@@ -1,6 +1,6 @@
 """The plain torch forms of partial attention and of its key-set gradients, shared by every fast path's tests and
-fallbacks (attention.py's blockwise path, triton_paged_attention.py's references). Layouts and masking as
-attention.py's docstring: q_HTD [H, Tq, D]; k_KTD, v_KTD [K, Tk, D]; lse_HT [H, Tq]; query i sees key j iff
+fallbacks (partial.py's blockwise path, triton_paged.py's references). Layouts and masking as
+partial.py's docstring: q_HTD [H, Tq, D]; k_KTD, v_KTD [K, Tk, D]; lse_HT [H, Tq]; query i sees key j iff
 j <= i + causal_offset (None: every key).
 """
 

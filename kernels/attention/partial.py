@@ -14,7 +14,10 @@ j <= i + causal_offset (0 for a block attending to itself). Queries that see no 
 
 import torch
 
-from .attention_reference import (
+from ..dispatch import fast_path, record
+from ..lse import merge_partials
+from .flash import flash_applies, flash_backward, flash_forward
+from .reference import (
     KEY_BLOCK,
     accumulation_dtype,
     attention_delta,
@@ -23,9 +26,6 @@ from .attention_reference import (
     grouped_heads,
     partial_attention_reference,
 )
-from .cuda_attention import flash_applies, flash_backward, flash_forward
-from .dispatch import fast_path, record
-from .lse import merge_partials
 
 # Forward through PyTorch's fused CPU flash kernel where it applies; the blockwise torch loop below is both the
 # fallback and the path the fused one is tested against (set False to force it).
@@ -100,18 +100,18 @@ def _blockwise_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
 
 
 def _triton_paged(q_HTD, k_KTD):
-    """The Triton kernels (triton_paged_attention.py) where they apply, else None. Checked after flash: they take
+    """The Triton kernels (triton_paged.py) where they apply, else None. Checked after flash: they take
     the CUDA cases flash does not (float32, any causal offset, an lse gradient flash cannot fold); CPU tensors
     never get here (the dispatch's fast_path is False for them, before triton is imported)."""
     if not fast_path(q_HTD, "triton"):
         return None
-    from . import triton_paged_attention  # imports triton: loaded on first use, on CUDA only
+    from . import triton_paged  # imports triton: loaded on first use, on CUDA only
 
-    return triton_paged_attention if triton_paged_attention.triton_applies(q_HTD, k_KTD) else None
+    return triton_paged if triton_paged.triton_applies(q_HTD, k_KTD) else None
 
 
 def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
-    if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (cuda_attention.py)
+    if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (flash.py)
         record("attention forward", "flash")
         return flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     paged = _triton_paged(q_HTD, k_KTD)
@@ -237,7 +237,7 @@ class _AttentionWithPast(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_HTD, scale, key_block, sinks, known, remote, *kv_sets):
-        pairs = list(zip(kv_sets[0::2], kv_sets[1::2]))  # the last pair is the block itself (causal)
+        pairs = list(zip(kv_sets[0::2], kv_sets[1::2], strict=True))  # the last pair is the block itself (causal)
         out, lse = None, None
         if known is not None:  # the result, computed before from the same inputs: only record what backward needs
             out, lse = (x.clone() for x in known)

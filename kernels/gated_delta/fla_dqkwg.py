@@ -24,11 +24,11 @@ Legend (fla's layout): q, k [B, T, H, K]; v, do, dv [B, T, HV, V]; w [B, T, HV, 
 h, dh [B, NT, HV, K, V] ([.., V, K] with state_v_first).
 """
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 
-from .dispatch import record
+from ..dispatch import record
 
 # fla's TileLang remedy registers at priority 5; a larger number is tried after it
 _PRIORITY = 6
@@ -130,7 +130,7 @@ def dqkwg_refused(device) -> bool:
     return _refused_on(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@lru_cache(maxsize=None)
+@cache
 def _refused_on(device_index: int) -> bool:
     import triton
 
@@ -192,7 +192,7 @@ def _default_accept(q, k, g, g_gamma, cu_seqlens) -> bool:
     return serves(g, g_gamma, cu_seqlens) and dqkwg_refused(q.device)
 
 
-@lru_cache(maxsize=None)
+@cache
 def ensure_registered() -> bool:
     """`register_backend()` once per process; whether the backend is in place."""
     return register_backend()

@@ -1,6 +1,6 @@
-"""The per-chunk elementwise steps of kernels/logprobs.py's chunked log-probs as one Triton pass each.
+"""The per-chunk elementwise steps of kernels/logprobs/chunked.py's chunked log-probs as one Triton pass each.
 
-Legend as logprobs.py: z_Tc one vocabulary chunk's logits (ids v0 .. v0 + c - 1, bias added) in the inputs' dtype,
+Legend as chunked.py: z_Tc one vocabulary chunk's logits (ids v0 .. v0 + c - 1, bias added) in the inputs' dtype,
 targets_T, and the running state max_T, sum_T, target_T in the accumulation dtype (float32; float64 for float64).
 
 Why: the chunked path's matmuls run in cuBLAS, but the torch steps between them pass over each [T, c] chunk
@@ -11,8 +11,8 @@ the chunk in its own dtype once (twice where p is written) and computes in the s
     forward_step   folds the chunk into (max, sum, target logit) in place, returns exp(old max - new max) and,
                    with want_p, p = exp(z - new max) in the inputs' dtype (a frozen head's direction)
     backward_step  dz = dlogp * (onehot(target) - exp(z - lse)), written over z in the inputs' dtype
-The torch steps of the same signatures (`logprobs.forward_step_reference`, `logprobs.backward_step_reference`) are
-the reference; logprobs.py takes these only where `logprobs.USE_TRITON_STEPS` and the dispatch allow.
+The torch steps of the same signatures (`chunked.forward_step_reference`, `chunked.backward_step_reference`) are
+the reference; chunked.py takes these only where `chunked.USE_TRITON_STEPS` and the dispatch allow.
 """
 
 import torch
@@ -20,7 +20,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # logprobs.py's torch steps serve every call
+except ImportError:  # chunked.py's torch steps serve every call
     triton = None
 
 # Tokens per program and columns per loaded tile: a [16, 1024] tile of float32 is 64 KiB, in registers across a

@@ -1,17 +1,9 @@
-"""DSA selection and sparse absorbed MLA over latent rows: the math of glm_moe_dsa's attention.
+"""Sparse absorbed MLA over selected latent rows, in torch (GLM's attention after the DSA selection).
 
-Legend: T queries of a segment, H query heads, I indexer heads, D indexer head dim, R kv_lora_rank (the latent),
-E qk_rope_head_dim, K the selected positions per query (min(index_topk, keys)). Keys and rows come as "pieces":
-what precedes and includes the segment, a list of token-major tensors in position order starting at position 0 (the
-prompt's pages, earlier replay blocks, the segment itself): latents [N_s, R], rope keys [N_s, E], indexer keys
-[N_s, D].
-
-Selection (DeepSeek Sparse Attention, as transformers' GlmMoeDsaIndexer defines it): for the query at absolute
-position t, score(t, j) = sum_i w_i(t) * relu(scale * q_i(t) . k(j)) over the keys j <= t, in max(float32, model
-dtype); the K best positions are kept. Ties are broken canonically, score descending then position ascending (a
-stable descending sort over positions in ascending order), so the selected set does not depend on how the keys are
-split into pieces or blocks. Positions a query cannot see score -inf and are never selected: a query with fewer
-than K visible keys sees all of them.
+Legend: T queries of a segment, H query heads, R kv_lora_rank (the latent), E qk_rope_head_dim, K the selected
+positions per query (min(index_topk, keys)). Rows come as "pieces": what precedes and includes the segment, a list
+of token-major tensors in position order starting at position 0 (the prompt's pages, earlier replay blocks, the
+segment itself): latents [N_s, R], rope keys [N_s, E].
 
 Attention (absorbed MLA): the query's no-RoPE part is mapped into the latent space through W_UK (q_lat [T, H, R]),
 so for each head score(t, j) = scale * (q_lat(t) . c(j) + q_rope(t) . k_rope(j)) over the selected j only,
@@ -20,193 +12,29 @@ Nothing per head is materialised for the keys: each query block gathers its sele
 
 `sparse_latent_attention` keeps memory bounded in backward too: it saves its inputs and its output (no gathered
 rows, no probabilities) and recomputes each query block's rows and probabilities in backward.
-`sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two,
-and `dsa_select` with `dsa_select_reference`.
+`sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two.
 
-Context parallelism (the keys split over ranks, each read page by page): `extend_candidates` merges one page of keys
-into a query's canonical candidates (scores, positions) and `merge_candidates` merges candidate sets in position
-order, so the ranks' candidates merged in rank order give exactly the one-rank top-k; `dsa_select(..., offset,
-prior)` finishes a selection from the candidates of the keys before `offset`. `page_partial` is the attention over
+Context parallelism (the rows split over ranks, each read page by page): `page_partial` is the attention over
 the selected rows that lie in one page, (o_lat, lse), and `page_grads` that page's share of the gradients given the
 merged (o_lat, lse) (tests/distributed/test_glm_cp.py holds both, merged over ranks and pages, to the plain references).
 
-Fast paths: where `kernels.dispatch.fast_path(q, "triton")` says so (a CUDA tensor, mode "auto") and the kernels
-take the inputs (float32 / bfloat16 / float16), `dsa_select` and `extend_candidates` score in Triton and keep the
-same canonical top-k (kernels/triton_dsa.py), and `sparse_latent_attention`, `page_partial` and `page_grads` run
-kernels/triton_sparse_mla.py; every other call (CPU tensors, float64) takes the torch code below, unchanged.
+Fast path: where `kernels.dispatch.fast_path(q, "triton")` says so (a CUDA tensor, mode "auto") and the kernels
+take the inputs (float32 / bfloat16 / float16), `sparse_latent_attention`, `page_partial` and `page_grads` run
+triton_attention.py; every other call (CPU tensors, float64) takes the torch code below, unchanged.
 """
 
 import torch
-import torch.nn.functional as F
 
-from ds_longstraw.kernels import triton_dsa, triton_sparse_mla
-from ds_longstraw.kernels.dispatch import fast_path, record
+from ..dispatch import fast_path, record
+from . import triton_attention
 
-# Elements of one query block's gathered rows [Tq, K, R + E] (or of its indexer scores [Tq, I, keys]): the unit
-# that bounds the transient memory of selection and attention. 2^24 elements are 64 MiB in float32.
+# Elements of one query block's gathered rows [Tq, K, R + E]: the unit that bounds the transient memory of the
+# attention. 2^24 elements are 64 MiB in float32.
 BLOCK_ELEMENTS = 1 << 24
-# Keys scored at once by the selection (a query block's scores are [Tq, I, KEY_BLOCK]).
-KEY_BLOCK = 4096
-
-
-def score_dtype(dtype):
-    """Selection scores are computed in max(float32, model dtype), as the model computes them in float32."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _query_block(per_query, tokens):
     return max(1, min(tokens, BLOCK_ELEMENTS // max(1, per_query)))
-
-
-# -- selection --------------------------------------------------------------------------------------------------
-def _index_scores(q_TID, weights_TI, keys_ND, scale):
-    """sum_i w_i relu(scale * q_i . k) for every (query, key): [T, N] (inputs already in the score dtype)."""
-    scores_TIN = torch.relu(torch.einsum("tid,nd->tin", q_TID, keys_ND) * scale)
-    return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
-
-
-def merge_candidates(best, part, k):
-    """The k best of two candidate sets (scores [T, n], positions [T, n]) in canonical order (score descending, then
-    position ascending). best is canonical; every position of `part` lies above every position of best, and part is
-    canonical or in position order: a stable descending sort of their concatenation keeps ties in position order.
-    A score of -inf marks no candidate (a key the query cannot see, or padding)."""
-    cat_scores = torch.cat([best[0], part[0]], dim=-1)
-    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
-    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
-
-
-def merge_candidate_sets(best, part, k):
-    """The k best of two canonical candidate sets over DISJOINT positions that may interleave (other ranks' zigzag
-    pieces), in canonical order: a sort by position, then a stable one by score descending, so ties keep position
-    order whatever the sets' order. Equal, bit for bit, to merge_candidates where part's positions lie above best's
-    (both give the one total order)."""
-    cat_scores = torch.cat([best[0], part[0].to(best[0].dtype)], dim=-1)
-    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
-    by_position = torch.sort(cat_pos, dim=-1, stable=True).indices
-    cat_scores, cat_pos = cat_scores.gather(-1, by_position), cat_pos.gather(-1, by_position)
-    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
-    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
-
-
-def no_candidates(tokens, dtype, device):
-    """The empty candidate set of `tokens` queries."""
-    return (torch.full((tokens, 0), float("-inf"), dtype=dtype, device=device),
-            torch.zeros((tokens, 0), dtype=torch.long, device=device))
-
-
-def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, topk, scale, key_block=None):
-    """Candidates of queries at positions query_start .. (None: after every key, so every key is visible) merged
-    with keys_ND [N, D] at positions key_start ..: the topk best of best and these keys, canonical (best: None or
-    canonical candidates, all below key_start). Keys a query cannot see score -inf. Gradient-free; memory per
-    query block its scores [Tq, I, key_block] and running best [Tq, topk + key_block]."""
-    key_block = key_block or KEY_BLOCK
-    tokens = q_TID.shape[0]
-    acc = score_dtype(q_TID.dtype)
-    device = q_TID.device
-    best = no_candidates(tokens, acc, device) if best is None else best
-    if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, [keys_ND]):
-        record("DSA selection", "triton")
-        part = triton_dsa.candidates(q_TID, weights_TI, [keys_ND], key_start, query_start, topk, scale)
-        return merge_candidates((best[0].to(acc), best[1]), part, topk)
-    record("DSA selection", "torch")
-    block = _query_block(q_TID.shape[1] * key_block, tokens)
-    out_scores, out_pos = [], []
-    with torch.no_grad():
-        for q0 in range(0, tokens, block):
-            q1 = min(tokens, q0 + block)
-            q = q_TID[q0:q1].to(acc)
-            w = weights_TI[q0:q1].to(acc)
-            mine = (best[0][q0:q1].to(acc), best[1][q0:q1])
-            for k0 in range(0, keys_ND.shape[0], key_block):
-                first = key_start + k0
-                if query_start is not None and first > query_start + q1 - 1:  # beyond every query's horizon
-                    break
-                keys = keys_ND[k0:k0 + key_block].to(acc)
-                positions = torch.arange(first, first + keys.shape[0], device=device).unsqueeze(0)
-                scores = _index_scores(q, w, keys, scale)
-                if query_start is not None:
-                    query_pos = torch.arange(query_start + q0, query_start + q1, device=device).unsqueeze(1)
-                    scores = scores.masked_fill(positions > query_pos, float("-inf"))
-                mine = merge_candidates(mine, (scores, positions), topk)
-            out_scores.append(mine[0])
-            out_pos.append(mine[1])
-    if not out_scores:
-        return best
-    # query blocks past which a key block lay beyond the horizon hold fewer candidates: pad with none (-inf)
-    width = max(scores.shape[1] for scores in out_scores)
-    return (torch.cat([F.pad(scores, (0, width - scores.shape[1]), value=float("-inf")) for scores in out_scores]),
-            torch.cat([F.pad(pos, (0, width - pos.shape[1])) for pos in out_pos]))
-
-
-def candidates_selection(best, width):
-    """(positions [T, width] int64, valid [T, width] bool) of canonical candidates: the first `width` of them
-    (missing ones and -inf scores invalid, position 0)."""
-    scores, positions = best[0][:, :width], best[1][:, :width]
-    tokens = scores.shape[0]
-    out_pos = torch.zeros(tokens, width, dtype=torch.long, device=positions.device)
-    out_valid = torch.zeros(tokens, width, dtype=torch.bool, device=positions.device)
-    valid = scores > float("-inf")
-    out_pos[:, : positions.shape[1]] = torch.where(valid, positions, torch.zeros_like(positions))
-    out_valid[:, : positions.shape[1]] = valid
-    return out_pos, out_valid
-
-
-def _key_pieces(keys, key_block, offset=0):
-    """(first position, key rows) of each piece of at most key_block rows, in position order from `offset`."""
-    for piece in keys:
-        for lo in range(0, piece.shape[0], key_block):
-            yield offset + lo, piece[lo:lo + key_block]
-        offset += piece.shape[0]
-
-
-def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offset=0, prior=None):
-    """The canonical top-k selection of queries at positions start .. start+T-1 over the keys at positions 0 ..
-    start+T-1: `keys`, a list of [N_s, D] pieces in position order from `offset` (the segment's own keys last), and,
-    where offset > 0, `prior`: the canonical candidates (scores, positions) over the keys before `offset`, which
-    precede the segment and so are visible to every query (context parallelism: the other ranks' keys, merged).
-
-    q_TID [T, I, D] and keys in any dtype (scored in score_dtype of q's dtype); weights_TI [T, I] the per-head
-    weights (the model's weights_proj output times I^-0.5); scale the indexer's softmax_scale.
-    Returns (positions [T, K] int64, valid [T, K] bool) with K = min(topk, start + T); where valid is False
-    the query sees fewer than K keys and the position (0) is to be ignored. Gradient-free, as the model defines
-    it. Memory: a query block's scores [Tq, I, key_block] and its running best [Tq, K + key_block].
-    """
-    key_block = key_block or KEY_BLOCK
-    total = offset + sum(piece.shape[0] for piece in keys)
-    tokens = q_TID.shape[0]
-    if total < start + tokens:
-        raise ValueError(f"dsa_select: {total} keys cannot cover queries up to position {start + tokens - 1}")
-    if offset and prior is None:
-        raise ValueError(f"dsa_select: the keys before position {offset} need their candidates (prior)")
-    if fast_path(q_TID, "triton") and triton_dsa.supported(q_TID, weights_TI, keys):
-        record("DSA selection", "triton")
-        best = triton_dsa.candidates(q_TID, weights_TI, keys, offset, start, topk, scale)
-        if prior is not None:
-            best = merge_candidates((prior[0].to(best[0].dtype), prior[1]), best, topk)
-        return candidates_selection(best, min(topk, total))
-    best = prior
-    with torch.no_grad():
-        for k0, piece in _key_pieces(keys, key_block, offset):
-            if k0 > start + tokens - 1:  # beyond the causal horizon of every query
-                break
-            best = extend_candidates(best, q_TID, weights_TI, piece, k0, start, topk, scale, key_block)
-    return candidates_selection(best, min(topk, total))
-
-
-def dsa_select_reference(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
-    """Plain version of dsa_select: the whole [T, N] score matrix, one stable sort."""
-    acc = score_dtype(q_TID.dtype)
-    keys_ND = torch.cat([piece.to(acc) for piece in keys])
-    total, tokens = keys_ND.shape[0], q_TID.shape[0]
-    k = min(topk, total)
-    with torch.no_grad():
-        scores = _index_scores(q_TID.to(acc), weights_TI.to(acc), keys_ND, scale)
-        visible = torch.arange(total).unsqueeze(0) <= torch.arange(start, start + tokens).unsqueeze(1)
-        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
-        valid = values[:, :k] > float("-inf")
-        return torch.where(valid, order[:, :k], torch.zeros_like(order[:, :k])), valid
 
 
 # -- gathering rows from pieces ---------------------------------------------------------------------------------
@@ -224,7 +52,7 @@ def gather_rows(pieces, positions):
     offsets, total = _offsets(pieces)
     flat = positions.reshape(-1)
     out = None
-    for offset, piece in zip(offsets, pieces):
+    for offset, piece in zip(offsets, pieces, strict=True):
         if piece.shape[0] == 0:
             continue
         inside = (flat >= offset) & (flat < offset + piece.shape[0])
@@ -239,7 +67,7 @@ def _gather_into(pieces, offsets, flat):
     blended in where it owns the position: a few dense index_selects (pieces are few: the prompt's pages, earlier
     blocks, the segment) instead of boolean-mask indexing, which was most of the attention's time."""
     out = None
-    for offset, piece in zip(offsets, pieces):
+    for offset, piece in zip(offsets, pieces, strict=True):
         if piece.shape[0] == 0:
             continue
         rows = piece.index_select(0, (flat - offset).clamp(0, piece.shape[0] - 1))
@@ -255,7 +83,7 @@ def _scatter_add(grads, offsets, flat, grad_rows):
     """Add the rows' gradients grad_rows [n, ...] at positions `flat` [n] into `grads` (one tensor per piece, None
     where no gradient is needed)."""
     owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
-    for index, (offset, grad) in enumerate(zip(offsets, grads)):
+    for index, (offset, grad) in enumerate(zip(offsets, grads, strict=True)):
         if grad is None or grad.shape[0] == 0:
             continue
         # every row is added at a clamped index, those of other pieces as exact zeros (no boolean-mask indexing)
@@ -323,7 +151,8 @@ class _SparseLatentAttention(torch.autograd.Function):
         d_q_rope = torch.zeros_like(q_rope, dtype=acc)
         # The pieces' gradients are dense (a piece is one tensor of autograd); the rows' gradients are added to them
         # block by block, so nothing [T, K, ...] lives longer than one query block.
-        d_pieces = [torch.zeros_like(piece, dtype=acc) if need else None for piece, need in zip(pieces, needs[6:])]
+        d_pieces = [torch.zeros_like(piece, dtype=acc) if need else None
+                    for piece, need in zip(pieces, needs[6:], strict=True)]
         d_latents, d_ropes = d_pieces[:n], d_pieces[n:]
         k = positions.shape[1]
         for q0 in range(0, tokens, ctx.block):
@@ -346,7 +175,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             d_rows_rope = torch.einsum("thk,the->tke", d_s, q_rope[q0:q1].to(acc))
             _scatter_add(d_latents, offsets, flat, d_rows_lat.reshape(-1, rank))
             _scatter_add(d_ropes, offsets, flat, d_rows_rope.reshape(-1, rope))
-        d_pieces = [None if d is None else d.to(piece.dtype) for d, piece in zip(d_pieces, pieces)]
+        d_pieces = [None if d is None else d.to(piece.dtype) for d, piece in zip(d_pieces, pieces, strict=True)]
         return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
                 None, None, None, None, *d_pieces)
 
@@ -360,7 +189,7 @@ def _check(q_lat, q_rope, latents, ropes, positions, valid):
     if positions.shape != valid.shape or positions.shape[0] != q_lat.shape[0]:
         raise ValueError(f"sparse_latent_attention: positions {tuple(positions.shape)} and valid "
                          f"{tuple(valid.shape)} must both be [T, K] with T = {q_lat.shape[0]}")
-    for lat, rope in zip(latents, ropes):
+    for lat, rope in zip(latents, ropes, strict=True):
         if lat.shape[0] != rope.shape[0]:
             raise ValueError("sparse_latent_attention: a latent piece and its rope-key piece differ in length")
 
@@ -380,9 +209,9 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
     if offset:
         valid = valid & (positions >= offset)
         positions = torch.where(valid, positions - offset, torch.zeros_like(positions))
-    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [*latents, *ropes]):
+    if fast_path(q_lat, "triton") and triton_attention.supported(q_lat, q_rope, [*latents, *ropes]):
         record("sparse MLA", "triton")
-        out, lse = triton_sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
+        out, lse = triton_attention.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
         return (out, lse) if with_lse else out
     record("sparse MLA", "torch")
     out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
@@ -442,10 +271,10 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
     restricted to the page, both in max(float32, dtype) (so that merging many pages rounds once, not per page); a
     query with no selected row there gets (0, -inf). LSE-merging the pages' partials gives the attention over all
     of them. No autograd (see page_grads)."""
-    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+    if fast_path(q_lat, "triton") and triton_attention.supported(q_lat, q_rope, [latent_page, rope_page]):
         record("sparse MLA pages", "triton")
-        return triton_sparse_mla.page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
-                                              scale)
+        return triton_attention.page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
+                                             scale)
     record("sparse MLA pages", "torch")
     tokens, heads, rank = q_lat.shape
     acc = _acc(q_lat.dtype)
@@ -468,10 +297,10 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     p = exp(s - lse) over the page's selected rows, d_s = p (d_out . row - delta) scale.
     Returns (d_q_lat [T, H, R], d_q_rope [T, H, E], d_latent_page [n, R], d_rope_page [n, E]), in max(float32,
     dtype); summing the first two over every page of every rank gives the queries' gradients."""
-    if fast_path(q_lat, "triton") and triton_sparse_mla.supported(q_lat, q_rope, [latent_page, rope_page]):
+    if fast_path(q_lat, "triton") and triton_attention.supported(q_lat, q_rope, [latent_page, rope_page]):
         record("sparse MLA page gradients", "triton")
-        return triton_sparse_mla.page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
-                                            lse, d_out, delta, scale)
+        return triton_attention.page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid,
+                                           lse, d_out, delta, scale)
     record("sparse MLA page gradients", "torch")
     acc = _acc(q_lat.dtype)
     d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)

@@ -1,0 +1,199 @@
+"""DSA selection: the canonical top-k of the DeepSeek Sparse Attention indexer, in torch (GLM's selection).
+
+Legend: T queries of a segment, I indexer heads, D indexer head dim, K the selected positions per query
+(min(index_topk, keys)). Keys come as "pieces": what precedes and includes the segment, a list of token-major
+tensors in position order starting at position 0 (the prompt's pages, earlier replay blocks, the segment itself):
+indexer keys [N_s, D].
+
+Selection (DeepSeek Sparse Attention, as transformers' GlmMoeDsaIndexer defines it): for the query at absolute
+position t, score(t, j) = sum_i w_i(t) * relu(scale * q_i(t) . k(j)) over the keys j <= t, in max(float32, model
+dtype); the K best positions are kept. Ties are broken canonically, score descending then position ascending (a
+stable descending sort over positions in ascending order), so the selected set does not depend on how the keys are
+split into pieces or blocks. Positions a query cannot see score -inf and are never selected: a query with fewer
+than K visible keys sees all of them.
+
+`dsa_select_reference` is the plain version of `dsa_select` with the same signature; tests compare the two.
+
+Context parallelism (the keys split over ranks, each read page by page): `extend_candidates` merges one page of keys
+into a query's canonical candidates (scores, positions) and `merge_candidates` merges candidate sets in position
+order, so the ranks' candidates merged in rank order give exactly the one-rank top-k; `dsa_select(..., offset,
+prior)` finishes a selection from the candidates of the keys before `offset` (tests/distributed/test_glm_cp.py holds
+it to the plain reference).
+
+Fast path: where `kernels.dispatch.fast_path(q, "triton")` says so (a CUDA tensor, mode "auto") and the kernel
+takes the inputs (float32 / bfloat16 / float16), `dsa_select` and `extend_candidates` score in Triton and keep the
+same canonical top-k (triton_selection.py); every other call (CPU tensors, float64) takes the torch code below,
+unchanged.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from ..dispatch import fast_path, record
+from . import triton_selection
+
+# Elements of one query block's indexer scores [Tq, I, keys]: the unit that bounds the transient memory of the
+# selection. 2^24 elements are 64 MiB in float32.
+BLOCK_ELEMENTS = 1 << 24
+# Keys scored at once by the selection (a query block's scores are [Tq, I, KEY_BLOCK]).
+KEY_BLOCK = 4096
+
+
+def score_dtype(dtype):
+    """Selection scores are computed in max(float32, model dtype), as the model computes them in float32."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _query_block(per_query, tokens):
+    return max(1, min(tokens, BLOCK_ELEMENTS // max(1, per_query)))
+
+
+# -- selection --------------------------------------------------------------------------------------------------
+def _index_scores(q_TID, weights_TI, keys_ND, scale):
+    """sum_i w_i relu(scale * q_i . k) for every (query, key): [T, N] (inputs already in the score dtype)."""
+    scores_TIN = torch.relu(torch.einsum("tid,nd->tin", q_TID, keys_ND) * scale)
+    return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
+
+
+def merge_candidates(best, part, k):
+    """The k best of two candidate sets (scores [T, n], positions [T, n]) in canonical order (score descending, then
+    position ascending). best is canonical; every position of `part` lies above every position of best, and part is
+    canonical or in position order: a stable descending sort of their concatenation keeps ties in position order.
+    A score of -inf marks no candidate (a key the query cannot see, or padding)."""
+    cat_scores = torch.cat([best[0], part[0]], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
+    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
+def merge_candidate_sets(best, part, k):
+    """The k best of two canonical candidate sets over DISJOINT positions that may interleave (other ranks' zigzag
+    pieces), in canonical order: a sort by position, then a stable one by score descending, so ties keep position
+    order whatever the sets' order. Equal, bit for bit, to merge_candidates where part's positions lie above best's
+    (both give the one total order)."""
+    cat_scores = torch.cat([best[0], part[0].to(best[0].dtype)], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
+    by_position = torch.sort(cat_pos, dim=-1, stable=True).indices
+    cat_scores, cat_pos = cat_scores.gather(-1, by_position), cat_pos.gather(-1, by_position)
+    order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
+def no_candidates(tokens, dtype, device):
+    """The empty candidate set of `tokens` queries."""
+    return (torch.full((tokens, 0), float("-inf"), dtype=dtype, device=device),
+            torch.zeros((tokens, 0), dtype=torch.long, device=device))
+
+
+def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, topk, scale, key_block=None):
+    """Candidates of queries at positions query_start .. (None: after every key, so every key is visible) merged
+    with keys_ND [N, D] at positions key_start ..: the topk best of best and these keys, canonical (best: None or
+    canonical candidates, all below key_start). Keys a query cannot see score -inf. Gradient-free; memory per
+    query block its scores [Tq, I, key_block] and running best [Tq, topk + key_block]."""
+    key_block = key_block or KEY_BLOCK
+    tokens = q_TID.shape[0]
+    acc = score_dtype(q_TID.dtype)
+    device = q_TID.device
+    best = no_candidates(tokens, acc, device) if best is None else best
+    if fast_path(q_TID, "triton") and triton_selection.supported(q_TID, weights_TI, [keys_ND]):
+        record("DSA selection", "triton")
+        part = triton_selection.candidates(q_TID, weights_TI, [keys_ND], key_start, query_start, topk, scale)
+        return merge_candidates((best[0].to(acc), best[1]), part, topk)
+    record("DSA selection", "torch")
+    block = _query_block(q_TID.shape[1] * key_block, tokens)
+    out_scores, out_pos = [], []
+    with torch.no_grad():
+        for q0 in range(0, tokens, block):
+            q1 = min(tokens, q0 + block)
+            q = q_TID[q0:q1].to(acc)
+            w = weights_TI[q0:q1].to(acc)
+            mine = (best[0][q0:q1].to(acc), best[1][q0:q1])
+            for k0 in range(0, keys_ND.shape[0], key_block):
+                first = key_start + k0
+                if query_start is not None and first > query_start + q1 - 1:  # beyond every query's horizon
+                    break
+                keys = keys_ND[k0:k0 + key_block].to(acc)
+                positions = torch.arange(first, first + keys.shape[0], device=device).unsqueeze(0)
+                scores = _index_scores(q, w, keys, scale)
+                if query_start is not None:
+                    query_pos = torch.arange(query_start + q0, query_start + q1, device=device).unsqueeze(1)
+                    scores = scores.masked_fill(positions > query_pos, float("-inf"))
+                mine = merge_candidates(mine, (scores, positions), topk)
+            out_scores.append(mine[0])
+            out_pos.append(mine[1])
+    if not out_scores:
+        return best
+    # query blocks past which a key block lay beyond the horizon hold fewer candidates: pad with none (-inf)
+    width = max(scores.shape[1] for scores in out_scores)
+    return (torch.cat([F.pad(scores, (0, width - scores.shape[1]), value=float("-inf")) for scores in out_scores]),
+            torch.cat([F.pad(pos, (0, width - pos.shape[1])) for pos in out_pos]))
+
+
+def candidates_selection(best, width):
+    """(positions [T, width] int64, valid [T, width] bool) of canonical candidates: the first `width` of them
+    (missing ones and -inf scores invalid, position 0)."""
+    scores, positions = best[0][:, :width], best[1][:, :width]
+    tokens = scores.shape[0]
+    out_pos = torch.zeros(tokens, width, dtype=torch.long, device=positions.device)
+    out_valid = torch.zeros(tokens, width, dtype=torch.bool, device=positions.device)
+    valid = scores > float("-inf")
+    out_pos[:, : positions.shape[1]] = torch.where(valid, positions, torch.zeros_like(positions))
+    out_valid[:, : positions.shape[1]] = valid
+    return out_pos, out_valid
+
+
+def _key_pieces(keys, key_block, offset=0):
+    """(first position, key rows) of each piece of at most key_block rows, in position order from `offset`."""
+    for piece in keys:
+        for lo in range(0, piece.shape[0], key_block):
+            yield offset + lo, piece[lo:lo + key_block]
+        offset += piece.shape[0]
+
+
+def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offset=0, prior=None):
+    """The canonical top-k selection of queries at positions start .. start+T-1 over the keys at positions 0 ..
+    start+T-1: `keys`, a list of [N_s, D] pieces in position order from `offset` (the segment's own keys last), and,
+    where offset > 0, `prior`: the canonical candidates (scores, positions) over the keys before `offset`, which
+    precede the segment and so are visible to every query (context parallelism: the other ranks' keys, merged).
+
+    q_TID [T, I, D] and keys in any dtype (scored in score_dtype of q's dtype); weights_TI [T, I] the per-head
+    weights (the model's weights_proj output times I^-0.5); scale the indexer's softmax_scale.
+    Returns (positions [T, K] int64, valid [T, K] bool) with K = min(topk, start + T); where valid is False
+    the query sees fewer than K keys and the position (0) is to be ignored. Gradient-free, as the model defines
+    it. Memory: a query block's scores [Tq, I, key_block] and its running best [Tq, K + key_block].
+    """
+    key_block = key_block or KEY_BLOCK
+    total = offset + sum(piece.shape[0] for piece in keys)
+    tokens = q_TID.shape[0]
+    if total < start + tokens:
+        raise ValueError(f"dsa_select: {total} keys cannot cover queries up to position {start + tokens - 1}")
+    if offset and prior is None:
+        raise ValueError(f"dsa_select: the keys before position {offset} need their candidates (prior)")
+    if fast_path(q_TID, "triton") and triton_selection.supported(q_TID, weights_TI, keys):
+        record("DSA selection", "triton")
+        best = triton_selection.candidates(q_TID, weights_TI, keys, offset, start, topk, scale)
+        if prior is not None:
+            best = merge_candidates((prior[0].to(best[0].dtype), prior[1]), best, topk)
+        return candidates_selection(best, min(topk, total))
+    best = prior
+    with torch.no_grad():
+        for k0, piece in _key_pieces(keys, key_block, offset):
+            if k0 > start + tokens - 1:  # beyond the causal horizon of every query
+                break
+            best = extend_candidates(best, q_TID, weights_TI, piece, k0, start, topk, scale, key_block)
+    return candidates_selection(best, min(topk, total))
+
+
+def dsa_select_reference(q_TID, weights_TI, keys, start, topk, scale, key_block=None):
+    """Plain version of dsa_select: the whole [T, N] score matrix, one stable sort."""
+    acc = score_dtype(q_TID.dtype)
+    keys_ND = torch.cat([piece.to(acc) for piece in keys])
+    total, tokens = keys_ND.shape[0], q_TID.shape[0]
+    k = min(topk, total)
+    with torch.no_grad():
+        scores = _index_scores(q_TID.to(acc), weights_TI.to(acc), keys_ND, scale)
+        visible = torch.arange(total).unsqueeze(0) <= torch.arange(start, start + tokens).unsqueeze(1)
+        scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+        values, order = torch.sort(scores, dim=-1, descending=True, stable=True)
+        valid = values[:, :k] > float("-inf")
+        return torch.where(valid, order[:, :k], torch.zeros_like(order[:, :k])), valid
