@@ -39,6 +39,13 @@ CASES = {
              loss_agg="seq-mean-token-mean"),
         lambda b: verl_loss(b.logps, b.mask, b.adv, b.old, clip_ratio_c=3.0, mode="seq-mean-token-mean", ref=b.ref,
                             kl_coef=0.05, kl_penalty="low_var_kl", entropies=b.entropies, entropy_coeff=0.02)),
+    # objective_group's ratios reach 1.79 on its negative-advantage members, under the 3.0 above: here the dual clip
+    # bites (3 tokens)
+    "verl-dual-clip-bites-low-var-kl-entropy": (
+        dict(clip_ratio_c=1.5, kl_coef=0.05, kl_estimator="low_var_kl", entropy_coef=0.02,
+             loss_agg="seq-mean-token-mean"),
+        lambda b: verl_loss(b.logps, b.mask, b.adv, b.old, clip_ratio_c=1.5, mode="seq-mean-token-mean", ref=b.ref,
+                            kl_coef=0.05, kl_penalty="low_var_kl", entropies=b.entropies, entropy_coeff=0.02)),
     "verl-k1-sum-norm": (
         dict(clip_ratio_c=3.0, kl_coef=0.05, kl_estimator="k1", loss_agg="seq-mean-token-sum-norm",
              norm_length=LENGTH),
@@ -64,15 +71,16 @@ class Batch:
         self.adv, self.trl_adv = objective.advantages(group), trl_advantages(group.rewards)
 
 
-def objective_group(model, seed=0):
+def objective_group(model, seed=0, context=float64_model):
     """Members with tool masks (one all masked), old log-probs a step away from the current policy (so ratios leave
-    1 and the clips bite), and a sampler's log-probs off from those."""
+    1 and the clips bite), and a sampler's log-probs off from those. context: the float64 reference settings the
+    current log-probs are computed under (float64_model for qwen3_5; tests/glm_models.py's glm_reference for GLM)."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, 97, (21,), generator=gen)
     responses = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 9, 4, 10)]
     masks = [torch.rand(r.numel(), generator=gen) > 0.25 for r in responses]
     masks[0][0], masks[2][:] = True, False
-    with torch.no_grad(), float64_model():
+    with torch.no_grad(), context():
         current = full_sequence_logprobs(model, prompt, responses)
     old = [lp.double() + 0.4 * torch.randn(lp.numel(), generator=gen, dtype=torch.float64) for lp in current]
     sampling = [o + 0.3 * torch.randn(o.numel(), generator=gen, dtype=torch.float64) for o in old]

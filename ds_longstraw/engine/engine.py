@@ -13,7 +13,7 @@ What grpo_step is:
   - under ZeRO-3 the adapters call the model's submodules directly, so DeepSpeed's module hooks gather each
     submodule's partitioned weights when it runs (capture, scoring, replay, prefix pass) and release them after.
     Those gathers are collectives: ranks agree on a common transaction shape first and pad their own work up to
-    it with dummy work of zero gradient (lockstep.py), so ranks may bring groups of any shapes and counts.
+    it with dummy work of zero gradient (lockstep.py), so ranks may bring groups of any sizes and counts.
   - data parallel: rank r brings its own group(s) with loss L_r (each group's loss normalised within the group by
     the objective's loss_agg; several groups on one rank are averaged). DeepSpeed averages gradients over ranks,
     so the step follows the gradient of mean_r L_r: every rank's group weighs the same, whatever its token count.
@@ -23,7 +23,7 @@ What grpo_step is:
     of them) and no explicit CP all-reduce runs: each CP rank back-propagates the whole replay and N x its own
     exact-mode prefix share (topology.py, ContextParallel), so a replica's N ranks sum to N g_replica and DeepSpeed's
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
-    per shard chunk count (lockstep.shape_of(..., cp)) so all D N ranks make the same submodule calls, and exact
+    per shard chunk count (lockstep.calls_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix.py).
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
 capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
@@ -49,7 +49,7 @@ from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.engine.config import load_ds_config, read_block
 from ds_longstraw.engine.experts import ExpertSlices, check_engine_settings, without_expert_params
 from ds_longstraw.group import GRPOGroup
-from ds_longstraw.grpo.lockstep import Lockstep, common_shapes, dummy_group, shape_of
+from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_group
 from ds_longstraw.grpo.topology import resolve_layout
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
 from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective
@@ -164,7 +164,8 @@ class LongstrawEngineMixin:
                 # prefix pass back-propagates injected gradients that already carry them. A dummy group's are 0.
                 result = grpo_backward(self.module, item, objective if real else ScaledObjective(objective, 0.0),
                                        config=settings, ref_model=ref_model, cp_group=cp, backward=backward,
-                                       lockstep=lockstep, ep_group=None if experts is None else experts.ep.group,
+                                       caller_reduces=True, lockstep=lockstep,
+                                       ep_group=None if experts is None else experts.ep.group,
                                        capture=captures[slot] if captures and slot < len(captures) else None,
                                        loss_scope=scopes[slot] if real else None)
                 if real:
@@ -213,7 +214,7 @@ class LongstrawEngineMixin:
 
     def _lockstep_plan(self, groups: list[GRPOGroup]) -> list[tuple[GRPOGroup, Lockstep | None, bool]]:
         """[(group, Lockstep or None, real)]: this rank's groups, padded under ZeRO-3 with data parallelism to the
-        slots and shapes every rank runs, dummy groups (not real: their loss weighs 0) filling missing slots."""
+        slots and calls every rank runs, dummy groups (not real: their loss weighs 0) filling missing slots."""
         settings = self.longstraw_config
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
@@ -221,14 +222,14 @@ class LongstrawEngineMixin:
         cp = self.longstraw_layout.cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
         if cp is not None:
             cp.layout = resolve_layout(adapter_for(self.module), settings)
-        shapes = [shape_of(group, settings, cp) for group in groups]
+        calls = [calls_of(group, settings, cp) for group in groups]
         plan = []
-        for slot, common in enumerate(common_shapes(shapes, group=self.data_parallel_group)):
+        for slot, common in enumerate(common_calls(calls, process_group=self.data_parallel_group)):
             if slot < len(groups):
-                plan.append((groups[slot], Lockstep(shapes[slot], common, settings), True))
+                plan.append((groups[slot], Lockstep(calls[slot], common, settings), True))
             else:
                 dummy = dummy_group()
-                plan.append((dummy, Lockstep(shape_of(dummy, settings, cp), common, settings), False))
+                plan.append((dummy, Lockstep(calls_of(dummy, settings, cp), common, settings), False))
         return plan
 
 

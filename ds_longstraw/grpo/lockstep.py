@@ -2,15 +2,16 @@
 
 Under ZeRO-3 every call of a submodule all-gathers its partitioned weights (forward) and every backward through
 it gathers them again: these are collectives over the data-parallel ranks, so every rank must call the same
-submodules in the same order. A transaction's calls depend on its group only through its *shape*:
+submodules in the same order. A transaction's calls depend on its group only through how many it makes of
+each kind (its *calls*):
 
     capture chunks c = ceil((len(prompt) - 1) / segment)   (segment: capture_chunk, capped by prefix_block in
                                                             exact mode; also the reference capture, and exact
                                                             mode's prefix pass: one forward + backward per chunk)
     members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block)
 
-(one `forward_segment` walks every layer whatever its token count). Ranks agree on the common shape (the
-element-wise maximum; `common_shapes`) and each pads its own transaction up to it with dummy work of the same
+(one `forward_segment` walks every layer whatever its token count). Ranks agree on the common calls (the
+element-wise maximum; `common_calls`) and each pads its own transaction up to it with dummy work of the same
 structure, whose results are thrown away and whose gradients are exactly zero:
 
   - capture: extra no-grad forwards of one token (outputs discarded);
@@ -29,23 +30,42 @@ The padding costs compute (one-token segments) and the weight gathers the other 
 wait for the slowest one regardless. Not needed (and not used) without ZeRO-3 or with one data-parallel rank.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds_longstraw.grpo.prefix_pass import segment_roots
 from ds_longstraw.parallel.groups import segments_in_order  # prompt order: the order the prefix pass's turns index
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Sequence
+    from typing import TypeVar
+
+    from torch.distributed import ProcessGroup
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.group import GRPOGroup
+    from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
+    from ds_longstraw.parallel.groups import CPContext
+
+    # replay's view of the captured state (replay.PrefixLeaves), handed through to `replay` unread (replay imports
+    # this module: naming PrefixLeaves here would close an import cycle)
+    _Leaves = TypeVar("_Leaves")
+
 PAD_TOKEN = 0
 
 
-def ceil_div(a, b):
+def ceil_div(a: int, b: int) -> int:
     """Pieces of at most b that a items make (a segment count, a block count)."""
     return -(-a // b)
 
 
 @dataclass(frozen=True)
-class GroupShape:
+class GroupCalls:
     chunks: int  # capture chunks
     blocks: tuple  # replay blocks per member
     segments: tuple = ()  # context parallelism: the capture chunks of each CP segment, in prompt order
@@ -54,21 +74,21 @@ class GroupShape:
         return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments]
 
     @staticmethod
-    def decode(code) -> "GroupShape":
+    def decode(code: Sequence[int]) -> GroupCalls:
         members = code[1]
         blocks = tuple(code[2:2 + members])
         rest = code[2 + members:]
-        return GroupShape(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
+        return GroupCalls(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
 
 
-def replayed_members(group, settings, cp=None) -> list:
+def replayed_members(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None = None) -> list:
     """The members this rank replays: all of them, or (context parallelism with "cp_replay": "spread") its share."""
     if cp is not None and settings.cp_replay == "spread":
         return list(range(cp.rank, group.size, cp.size))
     return list(range(group.size))
 
 
-def capture_chunks(prompt_length, settings, cp=None) -> int:
+def capture_chunks(prompt_length: int, settings: LongstrawConfig, cp: CPContext | None = None) -> int:
     """The capture chunks of a prompt of `prompt_length` ids (its last id is not captured: replay or decoding feeds
     it). cp: None, or this rank's parallel.CPContext: then the chunks of this rank's shard of the prompt
     (context-parallel capture calls the submodules once per chunk of its own shard, see grpo/cp/capture.py)."""
@@ -79,55 +99,56 @@ def capture_chunks(prompt_length, settings, cp=None) -> int:
     return sum(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
 
 
-def segment_chunks(prompt_length, settings, cp) -> tuple:
+def segment_chunks(prompt_length: int, settings: LongstrawConfig, cp: CPContext) -> tuple:
     """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
     the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix.py)."""
     return tuple(ceil_div(hi - lo, settings.segment_tokens)
                  for _, _, lo, hi in segments_in_order(cp.pieces(prompt_length - 1)))
 
 
-def shape_of(group, settings, cp=None) -> GroupShape:
+def calls_of(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None = None) -> GroupCalls:
     """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
     segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
-    return GroupShape(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
+    return GroupCalls(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
                       blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
                                    for m in replayed_members(group, settings, cp)),
                       segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), settings, cp))
 
 
-def merge(shapes) -> GroupShape:
-    """The element-wise maximum of group shapes (missing members count as 0 blocks)."""
-    members = max(len(s.blocks) for s in shapes)
-    return GroupShape(chunks=max(s.chunks for s in shapes),
-                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in shapes)
+def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
+    """The element-wise maximum of groups' calls (missing members count as 0 blocks)."""
+    members = max(len(s.blocks) for s in counts)
+    return GroupCalls(chunks=max(s.chunks for s in counts),
+                      blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in counts)
                                    for m in range(members)),
-                      segments=tuple(max(column) for column in zip(*(s.segments for s in shapes), strict=True)))
+                      segments=tuple(max(column) for column in zip(*(s.segments for s in counts), strict=True)))
 
 
-def common_shapes(local_shapes, group=None) -> list:
-    """All-gather every rank's list of group shapes over `group` (a torch process group: the data-parallel ranks)
-    and return, per group slot, the common shape (slots: the most groups any rank has)."""
+def common_calls(local_calls: Sequence[GroupCalls], process_group: ProcessGroup | None = None) -> list:
+    """All-gather every rank's list of groups' calls over `process_group` (the data-parallel ranks) and return,
+    per group slot, the common calls (slots: the most groups any rank has)."""
     import torch.distributed as dist
 
-    gathered = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(gathered, [s.encode() for s in local_shapes], group=group)
-    slots = max(len(ranks_shapes) for ranks_shapes in gathered)
+    gathered = [None] * dist.get_world_size(group=process_group)
+    dist.all_gather_object(gathered, [s.encode() for s in local_calls], group=process_group)
+    slots = max(len(ranks_calls) for ranks_calls in gathered)
     out = []
     for slot in range(slots):
-        shapes = [GroupShape.decode(code) for ranks_shapes in gathered
-                  if slot < len(ranks_shapes) for code in [ranks_shapes[slot]]]
-        out.append(merge(shapes))
+        counts = [GroupCalls.decode(code) for ranks_calls in gathered
+                  if slot < len(ranks_calls) for code in [ranks_calls[slot]]]
+        out.append(most_calls(counts))
     return out
 
 
-def padded_to_common(group, settings, cp, process_group, kind=None):
-    """A Lockstep (or `kind`) padding this rank's transaction of `group` to the common shape of the ranks of
-    `process_group` (collective over them); cp: this rank's CPContext or None (shape_of)."""
-    local = shape_of(group, settings, cp)
-    return (kind or Lockstep)(local, common_shapes([local], process_group)[0], settings)
+def padded_to_common(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None,
+                     process_group: ProcessGroup | None, kind: type[Lockstep] | None = None) -> Lockstep:
+    """A Lockstep (or `kind`) padding this rank's transaction of `group` to the common calls of the ranks of
+    `process_group` (collective over them); cp: this rank's CPContext or None (calls_of)."""
+    local = calls_of(group, settings, cp)
+    return (kind or Lockstep)(local, common_calls([local], process_group)[0], settings)
 
 
-def dummy_group():
+def dummy_group() -> GRPOGroup:
     """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's shape;
     the engine scales its loss by zero)."""
     from ds_longstraw.group import GRPOGroup
@@ -147,7 +168,7 @@ class Chunk:
     position: int
     dummy: bool = False
 
-    def of(self, x_1TC):
+    def of(self, x_1TC: torch.Tensor) -> torch.Tensor:
         """The chunk's tokens of a [1, T, C] tensor over the shard (a dummy's: one zero token)."""
         return x_1TC.new_zeros(1, 1, x_1TC.shape[-1]) if self.dummy else x_1TC[:, self.a:self.b]
 
@@ -162,15 +183,15 @@ class ShardChunks:
     many as the most chunks any rank has exceed this rank's, so that every rank calls the same submodules in the
     same order, with the CP exchanges at the same places in between; none otherwise)."""
 
-    def __init__(self, spans, pad=0):
+    def __init__(self, spans: Iterable[tuple[int, int, int]], pad: int = 0) -> None:
         self.spans, self._pad = list(spans), pad
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Chunk]:
         for a, b, position in self.spans:
             yield Chunk(a, b, position)
         yield from self.dummies()
 
-    def dummies(self):
+    def dummies(self) -> Iterator[Chunk]:
         """The dummy chunks after the real ones."""
         for _ in range(self._pad):
             yield DUMMY_CHUNK
@@ -193,39 +214,43 @@ class Schedule:
     # no mirroring)
     prefix_iterations = None
 
-    def chunks(self, spans) -> ShardChunks:
+    def chunks(self, spans: Iterable[tuple[int, int, int]]) -> ShardChunks:
         """A context-parallel rank's chunks of its shard (spans), padded with capture_pad dummy ones."""
         return ShardChunks(spans, self.capture_pad)
 
-    def pad_capture(self, adapter):
+    def pad_capture(self, adapter: CausalLMAdapter) -> None:
         """After a one-rank capture: the extra chunks' calls."""
 
-    def pad_prefix(self, adapter, backward=None):
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
         """After a one-rank prefix pass: the extra iterations."""
 
-    def pad_member(self, member, inputs, targets):
+    def pad_member(self, member: int, inputs: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs, targets
 
-    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+    def replay_dummy_members(self, adapter: CausalLMAdapter, leaves: _Leaves, start: int,
+                             replay: Callable[[CausalLMAdapter, _Leaves, int, torch.Tensor, torch.Tensor, int],
+                                              torch.Tensor],
+                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
         """After the group's members: the members other ranks have and this one lacks."""
 
     # -- decoding (rollout.generate; decode_lockstep.DecodeLockstep pads it) --------------------------------------
-    def sample_slots(self, num_samples) -> int:
+    def sample_slots(self, num_samples: int) -> int:
         """How many samples a one-at-a-time decode walks: this rank's own."""
         return num_samples
 
-    def keeps_decoding(self, running, device) -> bool:
+    def keeps_decoding(self, running: bool, device: torch.device) -> bool:
         """After a decode step: whether to take another, given whether this rank still has a sample running."""
         return running
 
 
 class Lockstep(Schedule):
-    """How one rank pads one group's transaction up to the common shape (see the module docstring)."""
+    """How one rank pads one group's transaction up to the common calls (see the module docstring)."""
 
-    def __init__(self, local: GroupShape, common: GroupShape, settings):
+    def __init__(self, local: GroupCalls, common: GroupCalls, settings: LongstrawConfig) -> None:
         if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(
                 b > c for b, c in zip(local.blocks, common.blocks, strict=False)):  # fewer members than common
-            raise ValueError(f"lockstep: local shape {local} exceeds the common shape {common}")
+            raise ValueError(f"lockstep: local calls {local} exceeds the common calls {common}")
         self.local, self.common, self.settings = local, common, settings
 
     @property
@@ -239,24 +264,25 @@ class Lockstep(Schedule):
         return self.common.segments
 
     # -- capture and prefix ------------------------------------------------------------------------------
-    def pad_capture(self, adapter):
+    def pad_capture(self, adapter: CausalLMAdapter) -> None:
         """Extra no-grad forwards (the reference capture, the policy capture)."""
         ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
         with torch.no_grad():
             for _ in range(self.capture_pad):
                 adapter.forward_segment(ids, 0, {}, {})
 
-    def pad_prefix(self, adapter, backward=None):
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
         """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
         for _ in range(self.capture_pad):
             zero_prefix_iteration(adapter, backward, prefix_recompute=self.settings.prefix_recompute_runs)
 
     # -- replay ------------------------------------------------------------------------------------------
-    def _padded_length(self, member, length):
+    def _padded_length(self, member: int, length: int) -> int:
         blocks = self.common.blocks[member]
         return max(length, (blocks - 1) * self.settings.replay_block + 1)
 
-    def pad_member(self, member, inputs, targets):
+    def pad_member(self, member: int, inputs: torch.Tensor,
+                   targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend a member's replay inputs/targets past its end so it has the common number of blocks; the
         caller slices the log-probs back to the real length."""
         extra = self._padded_length(member, inputs.numel()) - inputs.numel()
@@ -265,20 +291,23 @@ class Lockstep(Schedule):
         pad = torch.full((extra,), PAD_TOKEN, dtype=inputs.dtype, device=inputs.device)
         return torch.cat([inputs, pad]), torch.cat([targets, pad.to(targets.device)])
 
-    def dummy_members(self):
+    def dummy_members(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(member slot, inputs, targets) of the members this rank lacks."""
         for member in range(len(self.local.blocks), len(self.common.blocks)):
             length = self._padded_length(member, 1)
             ids = torch.full((length,), PAD_TOKEN, dtype=torch.long)
             yield member, ids, ids
 
-    def replay_dummy_members(self, adapter, leaves, start, replay, backward=None, with_grad=True):
+    def replay_dummy_members(self, adapter: CausalLMAdapter, leaves: _Leaves, start: int,
+                             replay: Callable[[CausalLMAdapter, _Leaves, int, torch.Tensor, torch.Tensor, int],
+                                              torch.Tensor],
+                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
         """Replay the dummy members (replay: replay_member's signature minus the adapter) and, with grad,
         back-propagate 0 * sum(log p) like a member's loss share."""
         for _, inputs, targets in self.dummy_members():
-            with torch.enable_grad() if with_grad else torch.no_grad():
+            with torch.enable_grad() if train else torch.no_grad():
                 logp = replay(adapter, leaves, start, inputs, targets, self.settings.replay_block)
-                if with_grad and logp.requires_grad:
+                if train and logp.requires_grad:
                     zero = logp.sum() * 0.0
                     zero.backward() if backward is None else backward(zero)
             del logp
@@ -291,14 +320,16 @@ class ReplayLockstep(Lockstep):
     capture_pad = 0
     prefix_iterations = None
 
-    def pad_capture(self, adapter):
+    def pad_capture(self, adapter: CausalLMAdapter) -> None:
         pass
 
-    def pad_prefix(self, adapter, backward=None):
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
         pass
 
 
-def zero_prefix_iteration(adapter, backward=None, remote_attention=None, prefix_recompute=False):
+def zero_prefix_iteration(adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None,
+                          remote_attention: RemoteAttention | RemoteSelection | None = None,
+                          prefix_recompute: bool = False) -> None:
     """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (every layer's
     end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
     chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves

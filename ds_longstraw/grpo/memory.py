@@ -13,12 +13,18 @@ phase then reports peak_bytes 0 with peak_measured False). reset_host_peak itsel
 benchmarks refuse it (require_host_peaks): a benchmark exists to measure the peak.
 """
 
+from __future__ import annotations
+
 import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
 
 CLEAR_REFS = "/proc/self/clear_refs"
 # PhaseMeter's host-peak decision on CPU: "measure" (default; fails loudly where it cannot) or "off" (not measured).
@@ -38,7 +44,7 @@ class PhaseStats:
     peak_measured: bool = True  # False: the peak was not measured (DS_LONGSTRAW_HOST_PEAK=off), peak_bytes is 0
 
 
-def _read_status_kib(field):
+def _read_status_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith(field + ":"):
@@ -72,7 +78,7 @@ def host_current_bytes() -> int:
     return _read_status_kib("VmRSS") * 1024
 
 
-def _load_malloc_trim():
+def _load_malloc_trim() -> Callable[[int], int] | None:
     try:
         import ctypes
 
@@ -84,7 +90,7 @@ def _load_malloc_trim():
 _MALLOC_TRIM = _load_malloc_trim()
 
 
-def return_freed_host_memory(device) -> None:
+def return_freed_host_memory(device: torch.device | str) -> None:
     """After a unit of work whose temporaries are freed (a member's graph, a prefix segment, a capture chunk) on a
     CPU device: hand the heap pages glibc keeps back to the kernel. Freed small blocks scattered among live ones
     otherwise stay resident, and the resident peak grows with every member replayed (measured: +13 MiB from G=2
@@ -93,7 +99,7 @@ def return_freed_host_memory(device) -> None:
         _MALLOC_TRIM(0)
 
 
-def host_peak_choice(value=None) -> str:
+def host_peak_choice(value: str | None = None) -> str:
     """PhaseMeter's host-peak decision: `value`, else $DS_LONGSTRAW_HOST_PEAK, else "measure"."""
     choice = value if value is not None else os.environ.get(HOST_PEAK_ENV, "measure")
     if choice not in HOST_PEAK_CHOICES:
@@ -102,7 +108,7 @@ def host_peak_choice(value=None) -> str:
     return choice
 
 
-def require_host_peaks(what) -> None:
+def require_host_peaks(what: str) -> None:
     """For callers whose job is the peak (benchmarks): refuse DS_LONGSTRAW_HOST_PEAK=off, under which PhaseMeter
     would report their phases unmeasured."""
     if host_peak_choice() == "off":
@@ -115,13 +121,13 @@ class PhaseMeter:
     host_peak (CPU devices): "measure" resets VmHWM at each phase start and raises HostPeakUnavailable before the
     phase runs where it cannot; "off" records time only. None: $DS_LONGSTRAW_HOST_PEAK, default "measure"."""
 
-    def __init__(self, device=None, host_peak=None):
+    def __init__(self, device: torch.device | str | None = None, host_peak: str | None = None) -> None:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.phases: dict[str, PhaseStats] = {}
         self.host_peak = host_peak_choice(host_peak)
 
     @contextmanager
-    def phase(self, name):
+    def phase(self, name: str) -> Iterator[None]:
         on_cuda = self.device.type == "cuda"
         measured = on_cuda or self.host_peak == "measure"
         if on_cuda:

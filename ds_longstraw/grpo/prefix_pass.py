@@ -10,8 +10,11 @@ Earlier pages are staged one layer at a time from the pool's tier (forward ascen
 descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
 """
 
+from __future__ import annotations
+
 import time
 from contextlib import closing
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,9 +22,28 @@ from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+    from typing import Any
 
-def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=None, remote_attention=None,
-                    prefix_recompute=True, timings=None, boundaries=None, past_start=0):
+    from ds_longstraw.arch.base import CausalLMAdapter, SegmentOutput
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
+    from ds_longstraw.offload import PagePool
+    from ds_longstraw.offload.pages import ReadyRead
+    from ds_longstraw.offload.tiered import TieredPagePool
+
+    # state.py's PrefixState, ChunkBoundary and PendingReads, by name only: importing them here would close the
+    # import cycle state -> lockstep -> prefix_pass -> state
+    PrefixState = ChunkBoundary = PendingReads = Any
+
+
+def prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
+                    d_final_carry: dict[int, tuple[torch.Tensor, ...]], progress: Callable[[int], object] | None = None,
+                    backward: Callable[[torch.Tensor], object] | None = None,
+                    remote_attention: RemoteAttention | RemoteSelection | None = None, prefix_recompute: bool = True,
+                    timings: dict[str, float] | None = None, boundaries: Sequence[ChunkBoundary] | None = None,
+                    past_start: int = 0) -> dict[int, tuple[torch.Tensor, ...]]:
     """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
     its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
     one piece's); past_start: the first local token of the pages a segment sees as its past (a context-parallel
@@ -45,7 +67,9 @@ def prefix_backward(adapter, state, ids, d_final_carry, progress=None, backward=
         stager.close()
 
 
-def _segments_ahead(state, boundaries):
+def _segments_ahead(state: PrefixState, boundaries: Sequence[ChunkBoundary]) -> Generator[
+        tuple[ChunkBoundary, dict[int, tuple[torch.Tensor, ...]], dict[int, tuple[torch.Tensor, ...]] | None],
+        None, None]:
     """(boundary, the carry checkpointed there, the attention kept from capture or None) of each segment, the
     next segment's reads issued before this one's are collected, so a slower tier's reads overlap the segment's
     compute. Closing the generator completes and drops reads still in flight (an error half-way)."""
@@ -66,7 +90,8 @@ def _segments_ahead(state, boundaries):
             read.release()
 
 
-def _begin_segment(state, boundary, in_flight):
+def _begin_segment(state: PrefixState, boundary: ChunkBoundary, in_flight: list[ReadyRead | PendingReads]
+                   ) -> tuple[ReadyRead | PendingReads, ReadyRead | PendingReads]:
     """Issue the reads of one segment's checkpointed carry and kept attention (each recorded in in_flight)."""
     carry = state.begin_carry(boundary)
     in_flight.append(carry)
@@ -75,8 +100,14 @@ def _begin_segment(state, boundary, in_flight):
     return carry, kept
 
 
-def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager, prefix_recompute,
-                    timings, segments, past_start=0):
+def _reverse_chunks(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
+                    d_final_carry: dict[int, tuple[torch.Tensor, ...]],
+                    progress: Callable[[int], object] | None, backward: Callable[[torch.Tensor], object] | None,
+                    remote_attention: RemoteAttention | RemoteSelection | None, stager: Stager,
+                    prefix_recompute: bool, timings: dict[str, float],
+                    segments: Iterable[tuple[ChunkBoundary, dict[int, tuple[torch.Tensor, ...]],
+                                             dict[int, tuple[torch.Tensor, ...]] | None]],
+                    past_start: int = 0) -> dict[int, tuple[torch.Tensor, ...]]:
     """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
     pool = state.pool
     timings.setdefault("forward", 0.0)
@@ -87,7 +118,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
         # the prompt start has no checkpoint: zeros there, nothing to carry further back
         carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                  for layer, parts in checkpointed.items()}
-        past = StagedPast(stager, past_start, start, with_grad=True)
+        past = StagedPast(stager, past_start, start, exact=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
@@ -114,7 +145,7 @@ def _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remo
     return d_carry
 
 
-def segment_roots(specs, out):
+def segment_roots(specs: Iterable[LayerState], out: SegmentOutput) -> list[torch.Tensor]:
     """The outputs of a segment that later tokens read, in a fixed order: each layer's end carry, then its rows of
     every stream that carries a gradient."""
     outputs = []
@@ -127,7 +158,8 @@ def segment_roots(specs, out):
     return outputs
 
 
-def _injected(specs, d_carry, pool, start, end):
+def _injected(specs: Iterable[LayerState], d_carry: Mapping[int, Sequence[torch.Tensor]],
+              pool: PagePool | TieredPagePool, start: int, end: int) -> list[torch.Tensor]:
     """The accumulated gradients of segment_roots' outputs: d(end carry) from the later segment (or replay), and
     the gradient pages of the segment's rows."""
     grads = []

@@ -10,10 +10,13 @@ one layer's pages at a time from the pool's tier, and the graph keeps handles in
 (re-staged in backward), so with a host or NVMe tier no more than a few layers of pages are on the device.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,16 +26,24 @@ from ds_longstraw.grpo.lockstep import Schedule
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.group import GRPOGroup
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.objective import ScaledObjective, ScopedObjective
+
 
 class ResponsePast(dict):
     """layer -> the row tuples a replayed member appends, and no prompt pages: the past of a replay whose prompt
     pages are reached through the view's remote attention (context parallelism). StagedPast's twin: fresh() (one
     per replayed member) and append()."""
 
-    def fresh(self) -> "ResponsePast":
+    def fresh(self) -> ResponsePast:
         return ResponsePast({layer: list(segments) for layer, segments in self.items()})
 
-    def append(self, layer, rows):
+    def append(self, layer: int, rows: Sequence[torch.Tensor]) -> None:
         self[layer].append(rows)
 
 
@@ -48,29 +59,30 @@ class PrefixLeaves:
     # re-staged in backward), or none
     saves: Callable[[], AbstractContextManager] = nullcontext
 
-    def release(self):
+    def release(self) -> None:
         """Drop every staged layer (in-flight reads complete first)."""
         if self.stager is not None:
             self.stager.close()
 
 
-def prefix_leaves(adapter, state, requires_grad):
-    """Replay's view of the captured state. requires_grad (exact mode): the carry tensors are leaves, and the
+def prefix_leaves(adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> PrefixLeaves:
+    """Replay's view of the captured state. exact (exact mode): the carry tensors are leaves, and the
     pages' gradients go to the pool's gradient pages as each block's backward produces them."""
     # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
     stager = Stager(state.pool, stream_names(adapter.specs), wrap=True)
-    past = StagedPast(stager, 0, state.length, with_grad=requires_grad)
-    return PrefixLeaves(carry=carry_leaves(state.carry, requires_grad), past=past, stager=stager,
+    past = StagedPast(stager, 0, state.length, exact=exact)
+    return PrefixLeaves(carry=carry_leaves(state.carry, exact), past=past, stager=stager,
                         saves=partial(staged_saves, stager))
 
 
-def carry_leaves(carry, requires_grad):
-    """The carry as replay's inputs: detached, and leaves collecting d(loss)/d(carry) when requires_grad."""
-    return {layer: tuple(t.detach().requires_grad_(requires_grad) for t in parts) for layer, parts in carry.items()}
+def carry_leaves(carry: Mapping[int, Iterable[torch.Tensor]], exact: bool) -> dict[int, tuple[torch.Tensor, ...]]:
+    """The carry as replay's inputs: detached, and leaves collecting d(loss)/d(carry) when exact."""
+    return {layer: tuple(t.detach().requires_grad_(exact) for t in parts) for layer, parts in carry.items()}
 
 
-def replay_member(adapter, leaves: PrefixLeaves, start, inputs, targets, block,
-                  remote_attention: RemoteAttention | RemoteSelection | None = None, with_entropy: bool = False):
+def replay_member(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, inputs: torch.Tensor,
+                  targets: torch.Tensor, block: int, remote_attention: RemoteAttention | RemoteSelection | None = None,
+                  with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on); with_entropy: (log-
     probs, the policy's entropy at each position), for an entropy bonus.
 
@@ -95,15 +107,18 @@ def replay_member(adapter, leaves: PrefixLeaves, start, inputs, targets, block,
     return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
 
 
-def member_inputs(group, member):
+def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Tensor]:
     response = group.response_ids[member]
     inputs = torch.cat([group.prompt_ids[-1:], response[:-1]])
     return inputs, response
 
 
-def replay_group(adapter, leaves: PrefixLeaves, start, group, objective, advantages, ref_logprobs, block, *,
+def replay_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, group: GRPOGroup,
+                 objective: ScopedObjective | ScaledObjective, advantages: torch.Tensor,
+                 ref_logprobs: Sequence[torch.Tensor] | None, block: int, *,
                  backward: Callable | None = None, schedule: Schedule | None = None,
-                 remote_attention: RemoteAttention | RemoteSelection | None = None, members: list | None = None):
+                 remote_attention: RemoteAttention | RemoteSelection | None = None,
+                 members: list | None = None) -> tuple[float, list[torch.Tensor]]:
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
@@ -112,7 +127,8 @@ def replay_group(adapter, leaves: PrefixLeaves, start, group, objective, advanta
     replay: this rank's share), whose positions in the list are the schedule's member slots.
     Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64).
     """
-    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+    def replay(adapter_: CausalLMAdapter, leaves_: PrefixLeaves, start_: int, inputs: torch.Tensor,
+               targets: torch.Tensor, block_: int) -> torch.Tensor:
         return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
 
     schedule = schedule or Schedule()
@@ -141,17 +157,19 @@ def replay_group(adapter, leaves: PrefixLeaves, start, group, objective, advanta
     return loss, logprobs
 
 
-def final_carry_grads(leaves):
+def final_carry_grads(leaves: PrefixLeaves) -> dict[int, tuple[torch.Tensor, ...]]:
     """d(loss)/d(carry after the prefix), accumulated over the members (zeros where none)."""
     return {layer: tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in parts)
             for layer, parts in leaves.carry.items()}
 
 
-def score_group(adapter, leaves: PrefixLeaves, start, group, block, *, schedule: Schedule | None = None,
-                remote_attention: RemoteAttention | RemoteSelection | None = None, members: list | None = None):
+def score_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, group: GRPOGroup, block: int, *,
+                schedule: Schedule | None = None, remote_attention: RemoteAttention | RemoteSelection | None = None,
+                members: list | None = None) -> list[torch.Tensor]:
     """Log-probs of the members' responses (default all; members: as replay_group's) WITHOUT a graph (reference
     scoring), float64 on the CPU."""
-    def replay(adapter_, leaves_, start_, inputs, targets, block_):
+    def replay(adapter_: CausalLMAdapter, leaves_: PrefixLeaves, start_: int, inputs: torch.Tensor,
+               targets: torch.Tensor, block_: int) -> torch.Tensor:
         return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
 
     schedule = schedule or Schedule()
@@ -162,5 +180,5 @@ def score_group(adapter, leaves: PrefixLeaves, start, group, block, *, schedule:
             real = targets.numel()
             inputs, targets = schedule.pad_member(slot, inputs, targets)
             scores.append(replay(adapter, leaves, start, inputs, targets, block)[:real].double().cpu())
-        schedule.replay_dummy_members(adapter, leaves, start, replay, with_grad=False)
+        schedule.replay_dummy_members(adapter, leaves, start, replay, train=False)
     return scores

@@ -7,7 +7,10 @@ tier), so the prefix pass can recompute one chunk at a time, and with prefix_kee
 `kept` streams (its attention output and log-sum-exp) so that recompute skips the prompt's attention.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +19,15 @@ from ds_longstraw.grpo.lockstep import ceil_div
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, StagedPast, Stager, make_pool
 from ds_longstraw.offload.pages import ReadyRead
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+    from typing import Any
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.offload.tiered import ReadTicket, TieredPagePool
 
 
 @dataclass
@@ -39,7 +51,7 @@ class PrefixState:
     kept_pool: PagePool | None = None
     # exact mode: the store of the carry checkpoints (CarryCheckpoints on the device, PooledCarryCheckpoints on
     # offload.tier); None in detached mode
-    checkpoints: "CarryCheckpoints | PooledCarryCheckpoints | None" = None
+    checkpoints: CarryCheckpoints | PooledCarryCheckpoints | None = None
     # exact mode's layer-major prefix pass under context parallelism (grpo/cp/prefix_layers.py): every layer's
     # input hidden states over this rank's shard, on a pool of offload.tier (stream INPUT_STREAM); None otherwise
     input_pool: PagePool | None = None
@@ -66,16 +78,16 @@ class PrefixState:
             out["layer_inputs"] = sum(self.input_pool.bytes_by_stream().values())
         return out
 
-    def read_layer_input(self, layer, start=0, end=None):
+    def read_layer_input(self, layer: int, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Layer `layer`'s input hidden states over captured tokens [start, end), [1, T, C] (the layer-major prefix
         pass)."""
         return self.input_pool.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
-    def read_selection(self, layer):
+    def read_selection(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The selection (positions, valid) [T, topk] that base layer `layer` reuses, kept with its input."""
         return decode_selection(self.input_pool.read(layer, SELECTION_STREAM))
 
-    def begin_kept_attention(self, start, end):
+    def begin_kept_attention(self, start: int, end: int) -> ReadyRead | PendingReads:
         """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
         reads of a slower tier overlap the prefix pass's compute); result(): layer -> its kept tensors, each
         head-major ([H, T, ...]), or None when none was kept."""
@@ -88,7 +100,7 @@ class PrefixState:
             layer: tuple(got[(layer, s.name)].transpose(0, 1).contiguous() for s in streams)
             for layer, streams in kept.items()})
 
-    def begin_carry(self, boundary, layers=None):
+    def begin_carry(self, boundary: ChunkBoundary, layers: Container[int] | None = None) -> ReadyRead | PendingReads:
         """Issue the read of the carry checkpointed at `boundary` (one of self.boundaries), of every layer or of
         `layers` only; result(): layer -> its carry, absent for a layer that starts from zeros there (the prompt
         start)."""
@@ -99,12 +111,12 @@ class PrefixState:
         kept = self.kept_pool if self.kept_pool is not self.pool else None
         return [p for p in (kept, self.checkpoints, self.input_pool) if p is not None]
 
-    def flush(self):
+    def flush(self) -> None:
         """Write back what capture left in partial pages: afterwards every page is on its tier."""
         for pool in [self.pool, *self._other_pools()]:
             pool.flush()
 
-    def release(self):
+    def release(self) -> None:
         """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
         for pool in [*self._other_pools(), self.pool]:
             pool.release()
@@ -116,21 +128,23 @@ class PendingReads:
     """Reads issued together: tickets by key. result() waits for every one and hands {key: tensor} to `assemble`;
     release() completes and drops the reads not collected (an error before result())."""
 
-    def __init__(self, tickets, assemble):
+    def __init__(self, tickets: Mapping[Any, ReadTicket | ReadyRead],
+                 assemble: Callable[[dict[Any, torch.Tensor]], dict[int, tuple[torch.Tensor, ...]]]) -> None:
         self.tickets, self.assemble = tickets, assemble
 
-    def result(self):
+    def result(self) -> dict[int, tuple[torch.Tensor, ...]]:
         try:
             return self.assemble({key: ticket.result() for key, ticket in self.tickets.items()})
         finally:
             self.release()
 
-    def release(self):
+    def release(self) -> None:
         for ticket in self.tickets.values():
             ticket.release()
 
 
-def open_kept_pool(adapter, settings, pool, length, rank=0):
+def open_kept_pool(adapter: CausalLMAdapter, settings: LongstrawConfig, pool: PagePool | TieredPagePool, length: int,
+                   rank: int = 0) -> PagePool | TieredPagePool:
     """The pool that keeps `length` tokens of every layer's `kept` streams (exact mode's prefix_keep_attention):
     `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
     own = settings.offload.kept_attention_pool()
@@ -147,25 +161,27 @@ def open_kept_pool(adapter, settings, pool, length, rank=0):
     return kept_pool
 
 
-def keep_segment_attention(kept_pool, spec, result):
+def keep_segment_attention(kept_pool: PagePool | TieredPagePool, spec: LayerState,
+                           result: Sequence[torch.Tensor]) -> None:
     """Append one segment's kept tensors of layer `spec.layer` (head-major [H, T, ...], as attention returns
     them) as the next tokens of its kept streams."""
     for stream, tensor in zip(spec.kept, result, strict=True):
         kept_pool.append(spec.layer, stream.name, tensor.transpose(0, 1))
 
 
-def append_rows(pool, spec, rows):
+def append_rows(pool: PagePool | TieredPagePool, spec: LayerState, rows: Sequence[torch.Tensor]) -> None:
     """Append one segment's rows of layer `spec.layer` (token-major, in the order of spec.streams)."""
     for stream, tensor in zip(spec.streams, rows, strict=True):
         pool.append(spec.layer, stream.name, tensor)
 
 
-def _detached_carry(carry):
+def _detached_carry(carry: Mapping[int, Iterable[torch.Tensor]]) -> dict[int, tuple[torch.Tensor, ...]]:
     return {layer: tuple(t.detach() for t in parts) for layer, parts in carry.items()}
 
 
 class _CheckpointStore:
-    def save(self, index, carry):
+    def save(self, index: int,
+             carry: Mapping[int, Sequence[torch.Tensor]]) -> dict[int, tuple[torch.Tensor, ...] | int]:
         """Checkpoint the carry (layer -> tuple of tensors) at the start of segment `index`; returns what the
         segment's boundary holds (layer -> views into the store, or slots of the pool)."""
         return {layer: self.save_layer(index, layer, parts) for layer, parts in carry.items()}
@@ -179,12 +195,12 @@ class CarryCheckpoints(_CheckpointStore):
     16 KB tensors pin the allocator's heap, and what the temporaries free is never returned (measured at 32K
     tokens, 256-token segments: 141 MiB of resident memory held by 15 MiB of checkpoints)."""
 
-    def __init__(self, slots):
+    def __init__(self, slots: int) -> None:
         self.slots = slots
         self._store = {}  # layer -> tuple of [slots, ...] tensors, one per carry part
         self._saved_bytes = 0  # of the checkpoints written (slots of the prompt start stay unused)
 
-    def save_layer(self, index, layer, parts):
+    def save_layer(self, index: int, layer: int, parts: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         if layer not in self._store:  # shapes are known once the layer has run
             self._store[layer] = tuple(t.new_empty((self.slots, *t.shape)) for t in parts)
         stores = self._store[layer]
@@ -193,17 +209,17 @@ class CarryCheckpoints(_CheckpointStore):
             self._saved_bytes += tensor.numel() * tensor.element_size()
         return tuple(store[index] for store in stores)
 
-    def flush(self):
+    def flush(self) -> None:
         """Nothing to write back: the store is on the device."""
 
-    def begin_load(self, boundary, layers=None):
+    def begin_load(self, boundary: ChunkBoundary, layers: Container[int] | None = None) -> ReadyRead:
         # views into the store: complete at once
         return ReadyRead({layer: parts for layer, parts in boundary.carry.items() if layers is None or layer in layers})
 
     def nbytes(self) -> int:
         return self._saved_bytes
 
-    def release(self):
+    def release(self) -> None:
         self._store.clear()
 
 
@@ -217,16 +233,16 @@ class PooledCarryCheckpoints(_CheckpointStore):
 
     PREFIX = "carry_checkpoint_"
 
-    def __init__(self, pool, slots):
+    def __init__(self, pool: PagePool | TieredPagePool, slots: int) -> None:
         self.pool, self.slots = pool, slots
         self._first = {}  # layer -> its first checkpointed segment
         self._next = {}  # layer -> the segment whose checkpoint it writes next
         self._parts = {}  # layer -> number of carry parts
 
-    def _name(self, part):
+    def _name(self, part: int) -> str:
         return f"{self.PREFIX}{part}"
 
-    def save_layer(self, index, layer, parts):
+    def save_layer(self, index: int, layer: int, parts: Sequence[torch.Tensor]) -> int:
         """Append segment `index`'s carry of `layer`; returns the slot it went to (what boundaries hold)."""
         if layer not in self._first:  # shapes are known once the layer has run
             for part, tensor in enumerate(parts):
@@ -241,10 +257,10 @@ class PooledCarryCheckpoints(_CheckpointStore):
         self._next[layer] = index + 1
         return index - self._first[layer]
 
-    def flush(self):
+    def flush(self) -> None:
         self.pool.flush()
 
-    def begin_load(self, boundary, layers=None):
+    def begin_load(self, boundary: ChunkBoundary, layers: Container[int] | None = None) -> PendingReads:
         slots = {layer: slot for layer, slot in boundary.carry.items()  # layer -> its slot
                  if layers is None or layer in layers}
         tickets = {(layer, part): self.pool.begin_read(layer, self._name(part), slot, slot + 1)
@@ -255,11 +271,12 @@ class PooledCarryCheckpoints(_CheckpointStore):
     def nbytes(self) -> int:
         return sum(size for (_, name), size in self.pool.bytes_by_stream().items() if name.startswith(self.PREFIX))
 
-    def release(self):
+    def release(self) -> None:
         self.pool.release()
 
 
-def open_checkpoints(settings, slots, device, rank=0):
+def open_checkpoints(settings: LongstrawConfig, slots: int, device: torch.device,
+                     rank: int = 0) -> CarryCheckpoints | PooledCarryCheckpoints:
     """The store of exact mode's carry checkpoints: on the device (offload.tier "none") or on a pool of the
     pages' tier with one checkpoint a page."""
     if settings.offload.tier == "none":
@@ -271,7 +288,7 @@ INPUT_STREAM = "layer_input"
 SELECTION_STREAM = "selection_in"  # the top-k selection a group's base layer reuses (int32 positions, -1: none)
 
 
-def selection_bases(specs, every):
+def selection_bases(specs: Iterable[LayerState], every: int) -> list[int]:
     """The layers whose input the layer-major pass keeps (0, every, 2 every, ...) that reuse a selection ("topk_lse"
     layers that select nothing) made by a layer whose input it does not keep: that selection is kept with their
     input (the pass cannot remake it from the layer's input)."""
@@ -285,18 +302,20 @@ def selection_bases(specs, every):
     return bases
 
 
-def encode_selection(positions, valid, width):
+def encode_selection(positions: torch.Tensor, valid: torch.Tensor, width: int) -> torch.Tensor:
     """(positions, valid) [T, K] -> int32 [T, width]: the position where valid, -1 elsewhere and beyond K."""
     encoded = torch.where(valid, positions, torch.full_like(positions, -1)).to(torch.int32)
     return torch.nn.functional.pad(encoded, (0, width - encoded.shape[1]), value=-1)
 
 
-def decode_selection(encoded):
+def decode_selection(encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     valid = encoded >= 0
     return torch.where(valid, encoded.long(), torch.zeros_like(encoded, dtype=torch.long)), valid
 
 
-def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0, selections=None):
+def open_input_pool(settings: LongstrawConfig, hidden_size: int, dtype: torch.dtype, layers: Iterable[int], tokens: int,
+                    device: torch.device, rank: int = 0,
+                    selections: Mapping[int, int] | None = None) -> PagePool | TieredPagePool:
     """The pool of every layer's input hidden states [tokens, hidden_size] (the layer-major prefix pass), on
     offload.tier, its streams reserved; selections: {layer: topk} of the bases that keep the selection they reuse
     (selection_bases)."""
@@ -312,12 +331,13 @@ def open_input_pool(settings, hidden_size, dtype, layers, tokens, device, rank=0
     return pool
 
 
-def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length=None, offset=0,
-                      chunks=None, keep_inputs=False) -> PrefixState:
+def open_prefix_state(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens: int, exact: bool, rank: int = 0,
+                      length: int | None = None, offset: int = 0, chunks: int | None = None,
+                      keep_inputs: bool = False) -> PrefixState:
     """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
     `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
     pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, in exact mode
-    (keep_boundaries), the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
+    (exact), the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
     keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass). What was opened is released
     again on error."""
     pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
@@ -326,9 +346,9 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
         for spec in adapter.specs:
             for stream in spec.streams:
                 pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
-        if keep_boundaries and settings.prefix_keep_attention:
+        if exact and settings.prefix_keep_attention:
             state.kept_pool = open_kept_pool(adapter, settings, pool, tokens, rank)
-        if keep_boundaries:
+        if exact:
             slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
             state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
         if keep_inputs:
@@ -343,14 +363,15 @@ def open_prefix_state(adapter, settings, tokens, keep_boundaries, rank=0, length
     return state
 
 
-def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progress=None, rank=0) -> PrefixState:
+def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool = False,
+                   progress: Callable[[int], object] | None = None, rank: int = 0) -> PrefixState:
     """Capture prompt_ids[:-1] under no_grad into a PrefixState (one rank, token-major: chunk by chunk through
     every layer)."""
     ids = prompt_ids[:-1]
     length = ids.numel()
     # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
-    state = open_prefix_state(adapter, settings, length, keep_boundaries, rank)
+    state = open_prefix_state(adapter, settings, length, exact, rank)
     pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     paged = [spec for spec in adapter.specs if spec.streams]
     names = stream_names(adapter.specs)
@@ -361,7 +382,7 @@ def capture_prefix(adapter, prompt_ids, settings, keep_boundaries=False, progres
         with torch.no_grad():
             for index, start in enumerate(range(0, length, chunk)):
                 end = min(length, start + chunk)
-                if keep_boundaries:
+                if exact:
                     saved = checkpoints.save(index, carry) if carry else {}
                     state.boundaries.append(ChunkBoundary(start, end, saved))
                 past = StagedPast(stager, 0, start)

@@ -22,10 +22,12 @@ The schedule (lockstep.Schedule; under ZeRO-3 a lockstep.Lockstep) says how many
 topology puts them where its own loops are.
 """
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,6 +47,18 @@ from ds_longstraw.models.model_shape import shape_from_config
 from ds_longstraw.offload.plan import captured_tokens_per_rank, inputs_every_for, layer_major_fits
 from ds_longstraw.parallel.experts import is_expert_param
 from ds_longstraw.parallel.groups import CPContext, as_cp_context, local_tokens
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from torch.distributed import ProcessGroup
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.group import GRPOGroup
+    from ds_longstraw.grpo.lockstep import Lockstep
+    from ds_longstraw.offload.plan import ModelShape
 
 
 @dataclass
@@ -66,15 +80,15 @@ class Topology(Protocol):
     def phase(self, name: str) -> AbstractContextManager: ...
 
     # -- capture and the replay's view of it ------------------------------------------------------------------
-    def capture(self, adapter, prompt_ids: torch.Tensor, settings, keep_boundaries: bool, schedule: Schedule,
-                progress: Callable | None = None) -> PrefixState: ...
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
+                schedule: Schedule, progress: Callable | None = None) -> PrefixState: ...
 
-    def replay_view(self, adapter, state: PrefixState, requires_grad: bool) -> ReplayView: ...
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView: ...
 
     # -- reference scoring and replay ------------------------------------------------------------------------
-    def replay_members(self, group) -> list[int]: ...
+    def replay_members(self, group: GRPOGroup) -> list[int]: ...
 
-    def replay_lockstep(self, group, settings) -> Schedule | None: ...
+    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> Schedule | None: ...
 
     def member_weight(self) -> float: ...
 
@@ -85,18 +99,18 @@ class Topology(Protocol):
     def collect_final_carry_grads(self, d_final: dict) -> dict: ...
 
     # -- exact mode's prefix pass -----------------------------------------------------------------------------
-    def prefix(self, adapter, state: PrefixState, prompt_ids: torch.Tensor, d_final: dict, settings,
-               schedule: Schedule, backward: Callable | None = None, progress: Callable | None = None,
-               timings: dict | None = None) -> None: ...
+    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor, d_final: dict,
+               settings: LongstrawConfig, schedule: Schedule, backward: Callable | None = None,
+               progress: Callable | None = None, timings: dict | None = None) -> None: ...
 
     # -- the gradients ----------------------------------------------------------------------------------------
-    def begin_gradients(self, model) -> dict | None: ...
+    def begin_gradients(self, model: torch.nn.Module) -> dict | None: ...
 
-    def after_replay(self, model) -> None: ...
+    def after_replay(self, model: torch.nn.Module) -> None: ...
 
-    def reduce(self, model, before: dict | None) -> None: ...
+    def reduce(self, model: torch.nn.Module, before: dict | None) -> None: ...
 
-    def report(self, state: PrefixState, group) -> dict: ...
+    def report(self, state: PrefixState, group: GRPOGroup) -> dict: ...
 
 
 class OneRank:
@@ -106,55 +120,58 @@ class OneRank:
     cp = None
     reduces = False  # nothing to sum over
 
-    def phase(self, name):
+    def phase(self, name: str) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
-        state = capture_prefix(adapter, prompt_ids, settings, keep_boundaries, progress=progress)
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
+                schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
+        state = capture_prefix(adapter, prompt_ids, settings, exact, progress=progress)
         schedule.pad_capture(adapter)
         return state
 
-    def replay_view(self, adapter, state, requires_grad):
-        return ReplayView(prefix_leaves(adapter, state, requires_grad))
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView:
+        return ReplayView(prefix_leaves(adapter, state, exact))
 
-    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
-               timings=None):
+    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor,
+               d_final: dict[int, tuple[torch.Tensor, ...]], settings: LongstrawConfig, schedule: Schedule,
+               backward: Callable[[torch.Tensor], object] | None = None,
+               progress: Callable[[int], object] | None = None, timings: dict[str, float] | None = None) -> None:
         prefix_backward(adapter, state, prompt_ids[:-1], d_final, progress=progress, backward=backward,
                         prefix_recompute=settings.prefix_recompute_runs, timings=timings)
         schedule.pad_prefix(adapter, backward)
 
-    def begin_gradients(self, model):
+    def begin_gradients(self, model: torch.nn.Module) -> None:
         """What .grad holds before the group, kept out of this topology's reduction: none here."""
         return None
 
-    def after_replay(self, model):
+    def after_replay(self, model: torch.nn.Module) -> None:
         """Replay's gradients are complete: nothing to rescale."""
 
-    def reduce(self, model, before):
+    def reduce(self, model: torch.nn.Module, before: dict[str, torch.Tensor | None] | None) -> None:
         """Nothing to sum over (reduces is False)."""
 
-    def replay_members(self, group) -> list:
+    def replay_members(self, group: GRPOGroup) -> list:
         """The members this rank replays and scores: all of them."""
         return list(range(group.size))
 
-    def replay_lockstep(self, group, settings):
+    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> None:
         """A schedule the replay needs although the caller gave none: none here."""
         return None
 
     def member_weight(self) -> float:
         return 1.0
 
-    def collect_members(self, values, members, count) -> list:
+    def collect_members(self, values: Sequence[torch.Tensor], members: list[int], count: int) -> list:
         """Per-member values of every member from those this rank replayed: all of them, here."""
         return list(values)
 
-    def collect_loss(self, loss) -> float:
+    def collect_loss(self, loss: float) -> float:
         return loss
 
-    def collect_final_carry_grads(self, d_final) -> dict:
+    def collect_final_carry_grads(self, d_final: dict[int, tuple[torch.Tensor, ...]]) -> dict:
         return d_final
 
-    def report(self, state, group) -> dict:
+    def report(self, state: PrefixState, group: GRPOGroup) -> dict:
         return {}
 
 
@@ -185,7 +202,8 @@ class ContextParallel:
     data-parallel average.
     """
 
-    def __init__(self, cp, settings, *, prefix_schedule, inputs_every, caller_reduces=False, prompt_tokens=None):
+    def __init__(self, cp: CPContext, settings: LongstrawConfig, *, prefix_schedule: str | None, inputs_every: int,
+                 caller_reduces: bool = False, prompt_tokens: int | None = None) -> None:
         """Made by build_topology, which resolves every argument (this constructor decides nothing).
         prefix_schedule: exact mode's prefix pass ("layer_major", "turns"; None in detached mode) and inputs_every
         its prefix_inputs_every, both for a prompt of prompt_tokens tokens (None: no prompt known: the capture
@@ -199,40 +217,41 @@ class ContextParallel:
         self.reduces = not caller_reduces
         self.prompt_tokens = prompt_tokens
 
-    def phase(self, name):
+    def phase(self, name: str) -> AbstractContextManager[None]:
         return self.cp.phase(name)
 
-    def _resolved(self, settings):
+    def _resolved(self, settings: LongstrawConfig) -> LongstrawConfig:
         """settings with prefix_inputs_every as this transaction runs it (build_topology's resolve_inputs_every)."""
         return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
 
-    def capture(self, adapter, prompt_ids, settings, keep_boundaries, schedule, progress=None):
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
+                schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
         if prompt_ids.numel() != self.prompt_tokens:  # the prefix schedule (what capture keeps) is this prompt's
             raise ValueError(f"this context-parallel topology was built for a prompt of {self.prompt_tokens} tokens, "
                              f"not {prompt_ids.numel()}: build_topology(..., prompt_tokens=) for each prompt")
         return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
-                                 keep_boundaries=keep_boundaries, schedule=schedule,
-                                 keep_inputs=keep_boundaries and self.prefix_schedule == "layer_major")
+                                 exact=exact, schedule=schedule,
+                                 keep_inputs=exact and self.prefix_schedule == "layer_major")
 
-    def replay_view(self, adapter, state, requires_grad):
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView:
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
         # Spread: each rank its own members, queries travel to the pages (grpo/cp/spread.py).
         if uses_selection(adapter.specs):
-            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=requires_grad)
+            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=exact)
             pages = SpreadSparsePagesAttention(pages) if self.spread else pages
         else:
-            pages = PagesAttention(self.cp, state.pool, adapter, exact=requires_grad)
+            pages = PagesAttention(self.cp, state.pool, adapter, exact=exact)
             pages = SpreadPagesAttention(pages) if self.spread else pages
-        leaves = PrefixLeaves(carry=carry_leaves(state.carry, requires_grad),
+        leaves = PrefixLeaves(carry=carry_leaves(state.carry, exact),
                               past=ResponsePast({layer: [] for layer in adapter.paged_layers}), stager=pages.stager)
         return ReplayView(leaves, pages)
 
     # -- who replays which member ("cp_replay") --------------------------------------------------------------
-    def replay_members(self, group) -> list:
+    def replay_members(self, group: GRPOGroup) -> list:
         return replayed_members(group, self.settings, self.cp)
 
-    def replay_lockstep(self, group, settings):
+    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> Lockstep | None:
         """Spread members make the ranks' replays exchange with each other, so ranks with fewer members or blocks
         pad them (capture and the prefix pass pair up already)."""
         if not self.spread:
@@ -244,17 +263,17 @@ class ContextParallel:
         copies; the prefix pass's shares are scaled alike, _scale_injected_): spread members weigh N."""
         return float(self.size) if self.spread and self.caller_reduces else 1.0
 
-    def collect_members(self, values, members, count) -> list:
+    def collect_members(self, values: Sequence[torch.Tensor], members: list[int], count: int) -> list:
         return gather_members(self.cp, values, members, count) if self.spread else list(values)
 
-    def collect_loss(self, loss) -> float:
+    def collect_loss(self, loss: float) -> float:
         if not self.spread:
             return loss
         total = torch.tensor([loss], dtype=torch.float64)
         torch.distributed.all_reduce(total, group=self.cp.group)
         return float(total)
 
-    def collect_final_carry_grads(self, d_final) -> dict:
+    def collect_final_carry_grads(self, d_final: dict[int, tuple[torch.Tensor, ...]]) -> dict:
         """d(final carry) summed over the members of every rank (spread: each rank has its own members')."""
         if self.spread:
             for parts in d_final.values():
@@ -262,8 +281,10 @@ class ContextParallel:
                     self.cp.all_reduce_(part, -1, "replay_d_carry")
         return d_final
 
-    def prefix(self, adapter, state, prompt_ids, d_final, settings, schedule, backward=None, progress=None,
-               timings=None):
+    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor,
+               d_final: dict[int, tuple[torch.Tensor, ...]], settings: LongstrawConfig, schedule: Schedule,
+               backward: Callable[[torch.Tensor], object] | None = None,
+               progress: Callable[[int], object] | None = None, timings: dict[str, float] | None = None) -> None:
         if self.caller_reduces and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
@@ -276,19 +297,19 @@ class ContextParallel:
                                turn_iterations=schedule.prefix_iterations,
                                prefix_recompute=settings.prefix_recompute_runs)
 
-    def begin_gradients(self, model):
+    def begin_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None] | None:
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
         return _take_grads(model) if self.reduces else None
 
-    def after_replay(self, model):
+    def after_replay(self, model: torch.nn.Module) -> None:
         if self.reduces and not self.spread:
             _scale_grads_(model, 1.0 / self.cp.size)  # the same on every rank: count them once in the sum
 
-    def reduce(self, model, before):
+    def reduce(self, model: torch.nn.Module, before: dict[str, torch.Tensor | None] | None) -> None:
         """.grad <- before + the CP sum of what accumulated since begin_gradients."""
         _reduce_and_restore(model, before, self.cp)
 
-    def report(self, state, group) -> dict:
+    def report(self, state: PrefixState, group: GRPOGroup) -> dict:
         pieces = self.cp.pieces(state.length)[self.cp.rank]
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
         return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
@@ -300,7 +321,7 @@ class ContextParallel:
 CP_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
-def check_combines(specs, cp_size):
+def check_combines(specs: Sequence[LayerState], cp_size: int) -> None:
     """ValueError (before any work) when a layer combines across ranks in a way the CP schedule does not run."""
     missing = sorted({spec.combine for spec in specs} - set(CP_COMBINES))
     if missing:
@@ -315,7 +336,7 @@ def check_combines(specs, cp_size):
 ZIGZAG_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
 
 
-def resolve_layout(adapter, settings) -> str:
+def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
     """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
     any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
     for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
@@ -343,7 +364,8 @@ def resolve_layout(adapter, settings) -> str:
 LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
-def resolve_prefix(adapter, settings, tokens_per_rank=None, device_memory=None) -> str | None:
+def resolve_prefix(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens_per_rank: int | None = None,
+                   device_memory: int | None = None) -> str | None:
     """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
     settings.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
     the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
@@ -368,7 +390,7 @@ def resolve_prefix(adapter, settings, tokens_per_rank=None, device_memory=None) 
     return settings.cp_prefix
 
 
-def group_device_memory(device, cp) -> int | None:
+def group_device_memory(device: torch.device, cp: CPContext) -> int | None:
     """The smallest total memory of the CP group's CUDA devices (every rank then decides "auto" alike); None off
     CUDA, where the device's memory is the host's and nothing bounds the pass's held tensors."""
     if device.type != "cuda":
@@ -378,19 +400,19 @@ def group_device_memory(device, cp) -> int | None:
     return int(total)
 
 
-def _state_shape(adapter):
+def _state_shape(adapter: CausalLMAdapter) -> ModelShape:
     """The planner's view of the adapter's model (per-token state only: no parameter count)."""
     return shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
 
 
-def resolve_inputs_every(adapter, settings) -> int:
+def resolve_inputs_every(adapter: CausalLMAdapter, settings: LongstrawConfig) -> int:
     """settings.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
     (the same on every rank: a function of the model and settings)."""
     return inputs_every_for(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
                             settings.prefix_inputs_every)
 
 
-def check_topology(adapter, settings, cp_size):
+def check_topology(adapter: CausalLMAdapter, settings: LongstrawConfig, cp_size: int) -> None:
     """ValueError, naming the key, for what the CP schedule does not run over `cp_size` ranks with this model and
     these settings (pure: nothing runs, nothing is set). One rank runs every setting."""
     if cp_size == 1:
@@ -404,7 +426,9 @@ def check_topology(adapter, settings, cp_size):
         check_heads(heads, kv_heads, cp_size)
 
 
-def build_topology(adapter, settings, cp_group=None, *, prompt_tokens=None, caller_reduces=False) -> Topology:
+def build_topology(adapter: CausalLMAdapter, settings: LongstrawConfig,
+                   cp_group: ProcessGroup | CPContext | None = None, *, prompt_tokens: int | None = None,
+                   caller_reduces: bool = False) -> Topology:
     """The topology a transaction (or a generate call) runs over, whole: OneRank, or ContextParallel over
     `cp_group` (a process group or a parallel.CPContext; validated against settings.cp_size).
 
@@ -429,7 +453,7 @@ def build_topology(adapter, settings, cp_group=None, *, prompt_tokens=None, call
                            caller_reduces=caller_reduces, prompt_tokens=prompt_tokens)
 
 
-def _take_grads(model):
+def _take_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """Detach the current .grad of every trainable parameter (to be added back after the reduction)."""
     taken = {}
     for name, param in model.named_parameters():
@@ -439,13 +463,13 @@ def _take_grads(model):
     return taken
 
 
-def _scale_grads_(model, factor):
+def _scale_grads_(model: torch.nn.Module, factor: float) -> None:
     for param in model.parameters():
         if param.requires_grad and param.grad is not None:
             param.grad.mul_(factor)
 
 
-def _reduce_and_restore(model, taken, cp):
+def _reduce_and_restore(model: torch.nn.Module, taken: dict[str, torch.Tensor | None], cp: CPContext) -> None:
     """.grad <- taken + (sum over the CP ranks of what accumulated since _take_grads), in one all-reduce. A
     parameter that no rank gave a gradient (a part no loss path reaches, say a gradient-free indexer) keeps none,
     as on one rank, so an optimizer leaves it alone: each parameter's has-a-gradient flag (0 or 1, exact in any
@@ -473,7 +497,7 @@ def _reduce_and_restore(model, taken, cp):
         offset += size
 
 
-def _scale_injected_(state, d_final, factor):
+def _scale_injected_(state: PrefixState, d_final: dict[int, tuple[torch.Tensor, ...]], factor: float) -> None:
     """Exact mode under a caller's reduction: scale what the prefix pass injects (d final carry, gradient pages).
     Only the streams whose spec says they carry a gradient are touched: a kept-attention stream sharing the pool
     gets no gradient pages (nor, on the NVMe tier, files of zeros)."""

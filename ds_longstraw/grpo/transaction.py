@@ -12,8 +12,11 @@ crosses ranks from the topology (topology.py); how this rank pads its calls unde
 (lockstep.py). Gradients ACCUMULATE into the parameters' .grad; no optimizer step is taken here.
 """
 
+from __future__ import annotations
+
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +30,24 @@ from ds_longstraw.grpo.topology import OneRank, Topology, build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.objective import GRPOObjective, ScaledObjective, ScopedObjective
 from ds_longstraw.parallel.experts import check_expert_parallel
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from contextlib import AbstractContextManager
+    from typing import Any
+
+    from torch.distributed import ProcessGroup
+    from tqdm import tqdm
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.lockstep import Lockstep
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.objective import LossScope
+    from ds_longstraw.parallel.groups import CPContext
+
+    # rollout.generate.Rollouts, by name only: rollout is a layer above grpo (tests/unit/test_structure.py)
+    Rollouts = Any
 
 
 @dataclass
@@ -50,7 +71,7 @@ class GroupResult:
 
 
 @contextmanager
-def _reference_policy(model, ref_model):
+def _reference_policy(model: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
     """The reference: a separate model, or the same peft model with its adapters disabled (no weight copy)."""
     if ref_model is not None:
         yield ref_model
@@ -61,7 +82,7 @@ def _reference_policy(model, ref_model):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
 
 
-def _progress_bar(enabled, total, desc):
+def _progress_bar(enabled: bool, total: int, desc: str) -> AbstractContextManager[tqdm | None]:
     if not enabled:
         return nullcontext(None)
     from tqdm import tqdm
@@ -69,20 +90,22 @@ def _progress_bar(enabled, total, desc):
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter, group, settings, keep_boundaries, desc, topology: Topology, schedule: Schedule):
+def _capture(adapter: CausalLMAdapter, group: GRPOGroup, settings: LongstrawConfig, exact: bool, desc: str,
+             topology: Topology, schedule: Schedule) -> PrefixState:
     with _progress_bar(settings.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
-        return topology.capture(adapter, group.prompt_ids, settings, keep_boundaries, schedule,
+        return topology.capture(adapter, group.prompt_ids, settings, exact, schedule,
                                 progress=None if bar is None else bar.update)
 
 
-def score_reference(ref_model, group, settings, topology: Topology | None = None, schedule: Schedule | None = None):
+def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+                    topology: Topology | None = None, schedule: Schedule | None = None) -> list[torch.Tensor]:
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
     members = topology.replay_members(group)
     state = _capture(adapter, group, settings, False, "capture (reference)", topology, schedule)
     try:
-        view = topology.replay_view(adapter, state, requires_grad=False)
+        view = topology.replay_view(adapter, state, exact=False)
         try:
             scores = score_group(adapter, view.leaves, state.length, group, settings.replay_block,
                                  schedule=schedule, remote_attention=view.remote_attention, members=members)
@@ -93,8 +116,12 @@ def score_reference(ref_model, group, settings, topology: Topology | None = None
         state.release()  # page files of a host/NVMe tier go on error as on success
 
 
-def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, cp_group=None, ep_group=None,
-                  backward=None, caller_reduces=None, lockstep=None, capture=None, loss_scope=None) -> GroupResult:
+def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjective | ScaledObjective | None = None,
+                  *, config: LongstrawConfig | dict[str, Any] | None = None, ref_model: torch.nn.Module | None = None,
+                  cp_group: ProcessGroup | CPContext | None = None, ep_group: ProcessGroup | None = None,
+                  backward: Callable[[torch.Tensor], object] | None = None, caller_reduces: bool | None = None,
+                  lockstep: Lockstep | None = None, capture: Rollouts | None = None,
+                  loss_scope: LossScope | None = None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
 
     objective: a GRPOObjective (default GRPOObjective()). loss_scope: the objective.LossScope the group's shares are
@@ -131,8 +158,11 @@ def grpo_backward(model, group, objective=None, *, config=None, ref_model=None, 
                             caller_reduces, lockstep, capture, loss_scope)
 
 
-def _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, caller_reduces,
-                 lockstep, capture=None, loss_scope=None):
+def _transaction(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjective | ScaledObjective | None,
+                 settings: LongstrawConfig, ref_model: torch.nn.Module | None,
+                 cp_group: ProcessGroup | CPContext | None, ep_group: ProcessGroup | None,
+                 backward: Callable[[torch.Tensor], object] | None, caller_reduces: bool, lockstep: Lockstep | None,
+                 capture: Rollouts | None = None, loss_scope: LossScope | None = None) -> GroupResult:
     try:
         if not isinstance(group, GRPOGroup):
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
@@ -153,8 +183,11 @@ def _transaction(model, group, objective, settings, ref_model, cp_group, ep_grou
             reused.release()  # page files of a host/NVMe tier go on error as on success (twice is harmless)
 
 
-def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward, caller_reduces,
-                     lockstep, reused):
+def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: ScopedObjective,
+                     settings: LongstrawConfig, ref_model: torch.nn.Module | None,
+                     cp_group: ProcessGroup | CPContext | None, ep_group: ProcessGroup | None,
+                     backward: Callable[[torch.Tensor], object] | None, caller_reduces: bool,
+                     lockstep: Lockstep | None, reused: PrefixState | None) -> GroupResult:
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     if objective.needs_reference and ref_model is None and not hasattr(model, "disable_adapter"):
@@ -191,7 +224,7 @@ def _run_transaction(model, group, objective, settings, ref_model, cp_group, ep_
         retained = state.retained_bytes()
         before = topology.begin_gradients(model)
         with meter.phase("replay"), topology.phase("replay"):
-            view = topology.replay_view(adapter, state, requires_grad=exact)
+            view = topology.replay_view(adapter, state, exact=exact)
             loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
                                           ref_logprobs, settings.replay_block, backward=backward, schedule=schedule,
                                           remote_attention=view.remote_attention, members=members)

@@ -185,7 +185,7 @@ class CPContext:
         self.decisions = {}  # (phase, layer) -> "kv" | "q": what capture moved, per attention layer
         self.phase_name = "idle"
         # How the prompt is laid out over the ranks (CP_LAYOUTS): set at the door of every transaction and generate
-        # call (topology.ContextParallel.check, from the model's layer specs and the settings), the same on every
+        # call (topology.build_topology, from the model's layer specs and the settings), the same on every
         # rank; the engine sets it before it counts a step's chunks.
         self.layout = "contiguous"
 

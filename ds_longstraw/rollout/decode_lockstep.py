@@ -25,7 +25,7 @@ with one rank.
 import torch
 import torch.distributed as dist
 
-from ds_longstraw.grpo.lockstep import PAD_TOKEN, GroupShape, Lockstep, capture_chunks
+from ds_longstraw.grpo.lockstep import PAD_TOKEN, GroupCalls, Lockstep, capture_chunks
 
 # An idle slot's prompt: two ids, as lockstep.dummy_group's (one captured, one fed to the first decode step).
 IDLE_PROMPT = torch.full((2,), PAD_TOKEN, dtype=torch.long)
@@ -38,7 +38,7 @@ class DecodeLockstep(Lockstep):
     nothing)."""
 
     def __init__(self, local_chunks, common_chunks, common_samples, settings, group, idle=False):
-        super().__init__(GroupShape(local_chunks, ()), GroupShape(common_chunks, ()), settings)
+        super().__init__(GroupCalls(local_chunks, ()), GroupCalls(common_chunks, ()), settings)
         self.common_samples, self.group, self.idle = common_samples, group, idle
 
     @property
@@ -56,15 +56,16 @@ class DecodeLockstep(Lockstep):
         return bool(flag.item())
 
 
-def decode_locksteps(prompts, num_samples, settings, cp, group) -> list:
-    """This rank's DecodeLockstep per prompt slot (the most prompts any rank of `group` brings): its own prompt's,
-    then idle slots (collective over `group`: one all-gather of every rank's slot sizes). prompts: this rank's 1-D
-    id tensors; settings: the config the prompts are captured under; cp: this rank's CPContext or None."""
+def decode_locksteps(prompts, num_samples, settings, cp, process_group) -> list:
+    """This rank's DecodeLockstep per prompt slot (the most prompts any rank of `process_group` brings): its own
+    prompt's, then idle slots (collective over `process_group`: one all-gather of every rank's slot sizes). prompts:
+    this rank's 1-D id tensors; settings: the config the prompts are captured under; cp: this rank's CPContext or
+    None."""
     mine = [(capture_chunks(p.numel(), settings, cp), num_samples) for p in prompts]
     # an idle slot's chunks depend on the rank's CP shard of IDLE_PROMPT: every rank sends its own
     idle_chunks = capture_chunks(IDLE_PROMPT.numel(), settings, cp)
-    gathered = [None] * dist.get_world_size(group=group)
-    dist.all_gather_object(gathered, (mine, idle_chunks), group=group)
+    gathered = [None] * dist.get_world_size(group=process_group)
+    dist.all_gather_object(gathered, (mine, idle_chunks), group=process_group)
     slots = max(len(theirs) for theirs, _ in gathered)
     out = []
     for slot in range(slots):
@@ -73,6 +74,6 @@ def decode_locksteps(prompts, num_samples, settings, cp, group) -> list:
         common_chunks = max([chunks for chunks, _ in present] + idle)
         common_samples = max(samples for _, samples in present)
         local_chunks = mine[slot][0] if slot < len(mine) else idle_chunks
-        out.append(DecodeLockstep(local_chunks, common_chunks, common_samples, settings, group,
+        out.append(DecodeLockstep(local_chunks, common_chunks, common_samples, settings, process_group,
                                   idle=slot >= len(mine)))
     return out

@@ -57,7 +57,6 @@ from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
 from ds_longstraw.grpo.memory import PhaseMeter, return_freed_host_memory
 from ds_longstraw.grpo.topology import build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
-from ds_longstraw.offload import StagedPast
 from ds_longstraw.parallel.experts import check_expert_parallel
 from ds_longstraw.rollout.decode_lockstep import decode_locksteps
 from ds_longstraw.seeds import splitmix64
@@ -66,9 +65,10 @@ if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.grpo.lockstep import Lockstep
-    from ds_longstraw.grpo.replay import PrefixLeaves
+    from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.grpo.topology import ReplayView, Topology
+    from ds_longstraw.offload import StagedPast
     from ds_longstraw.parallel.groups import CPContext
 
 
@@ -302,7 +302,7 @@ def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor],
     group = dp_group if dp_group is not None else None if ep is None else ep.group
     if group is None or dist.get_world_size(group=group) == 1:
         return [Schedule() for _ in prompts]
-    return decode_locksteps(prompts, num_samples, capture_settings, getattr(topology, "cp", None), group)
+    return decode_locksteps(prompts, num_samples, capture_settings, topology.cp, group)
 
 
 def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topology,
@@ -311,16 +311,16 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
               choose: Callable[[list[int]], list[int]], keep_capture: bool, batched: bool,
               schedule: Schedule) -> Rollouts:
     """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
-    keep_boundaries = capture_settings.prefix_grad == "exact"
+    exact = capture_settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     responses, logprobs, finished = [], [], []
     kept = None
     with torch.no_grad(), kernel_mode(capture_settings.kernels):
         with meter.phase("capture"), topology.phase("capture"):
-            state = topology.capture(adapter, prompt_ids, capture_settings, keep_boundaries, schedule)
+            state = topology.capture(adapter, prompt_ids, capture_settings, exact, schedule)
         try:
             with meter.phase("decode"), topology.phase("decode"):
-                view = topology.replay_view(adapter, state, requires_grad=False)
+                view = topology.replay_view(adapter, state, exact=False)
                 try:
                     decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
                     samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, max_new_tokens,
@@ -386,17 +386,12 @@ class _ResponseRows:
                 buffer[self.length: self.length + part.shape[0]] = part
         self.length += 1
 
-    def past(self, leaves: PrefixLeaves) -> StagedPast | dict[int, list[tuple[torch.Tensor, ...]]]:
+    def past(self, leaves: PrefixLeaves) -> StagedPast | ResponsePast:
         """The past a decode step attends: the prompt's pages (or none: context parallelism reaches them remotely),
         then this sample's rows."""
-        if isinstance(leaves.past, StagedPast):
-            past = leaves.past.fresh()
-            for layer, buffers in self.buffers.items():
-                past.append(layer, tuple(buffer[: self.length] for buffer in buffers))
-            return past
-        past = {layer: list(segments) for layer, segments in leaves.past.items()}
+        past = leaves.past.fresh()
         for layer, buffers in self.buffers.items():
-            past[layer].append(tuple(buffer[: self.length] for buffer in buffers))
+            past.append(layer, tuple(buffer[: self.length] for buffer in buffers))
         return past
 
 
@@ -443,7 +438,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
             _ghost_steps(adapter, view, start, max_new_tokens - step, True, schedule)
             break
-        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        past = view.leaves.past.fresh()
         own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
         out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
         carry = dict(out.carry)
@@ -523,7 +518,7 @@ def _ghost_step(adapter: CausalLMAdapter, view: ReplayView, start: int, batched:
     token = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     carry = dict(view.leaves.carry)
     if batched:
-        past = view.leaves.past.fresh() if isinstance(view.leaves.past, StagedPast) else view.leaves.past
+        past = view.leaves.past.fresh()
         out = adapter.decode_step(token, start, carry, past, {}, view.remote_attention)
     else:
         out = adapter.forward_segment(token, start, carry, _ResponseRows().past(view.leaves), view.remote_attention)

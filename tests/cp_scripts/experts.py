@@ -10,12 +10,16 @@ reference model at this seed), seed, worlds; and
   layout "dp": rank r brings groups[r] (cp_size 1, ep_size N; the groups differ in prompt length, member count
                and response lengths, so the ranks pad to a common shape): expected, on rank r, group r's
                gradients of the unsharded model, except the experts': the sum over every rank's group, sliced.
+Optional objective: GRPOObjective settings (default: kl_coef 0.2 where kl is given, else none); with
+objective_group, the groups are tests/objective_cases.py's objective_group (tool masks, an all-masked member, old
+and sampler log-probs of the unsharded model) at seed 10 * seed (+ r for rank r's group under "dp") instead.
 Each rank writes <name>.rank<r>.pt: its gradients, the expected ones, loss, log-probs and the EP report; and
 generate.rank<r>.pt: generate's samples on the sharded model beside the unsharded model's (_record_generate).
 """
 
 import copy
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -54,14 +58,19 @@ def _run_case(case, world, ep_group, out_dir, rank):
     model = tiny_glm_moe_dsa(seed=case.get("seed", 0), **EP_MODEL)
     full = copy.deepcopy(model)
     ref_model = tiny_glm_moe_dsa(seed=case["kl"], **EP_MODEL) if "kl" in case else None
-    objective = GRPOObjective(kl_coef=0.2 if ref_model is not None else 0.0)
+    objective = GRPOObjective(**{"kl_coef": 0.2 if ref_model is not None else 0.0, **case.get("objective", {})})
     experts = shard_experts(model, ep_group)
-    if case["layout"] == "cp":
+    if case.get("objective_group"):  # already under glm_reference() (worker): no context of its own
+        from objective_cases import objective_group
+
+        seed = 10 * case.get("seed", 0)
+        groups = [objective_group(full, seed=seed + (0 if case["layout"] == "cp" else i), context=nullcontext)
+                  for i in range(world)]
+    elif case["layout"] == "cp":
         groups = [make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))] * world
-        cp_group, cp_size = ep_group, world
     else:
         groups = [make_group(p, r, seed=10 * case.get("seed", 0) + i) for i, (p, r) in enumerate(case["groups"])]
-        cp_group, cp_size = None, 1
+    cp_group, cp_size = (ep_group, world) if case["layout"] == "cp" else (None, 1)
     result = grpo_backward(model, groups[rank], objective, config=config_of(case, cp_size, world),
                            ref_model=ref_model, cp_group=cp_group, ep_group=ep_group)
     own = _reference(full, groups[rank], case, objective, ref_model)

@@ -18,8 +18,8 @@ TOL = 1e-8
 CASES = [
     dict(name="entropy-exact", objective_case="trl-bnpo-entropy", mode="exact", cp_replay="replicated"),
     dict(name="entropy-detached-spread", objective_case="trl-bnpo-entropy", mode="detached", cp_replay="spread"),
-    dict(name="dual-clip-kl-entropy-exact-spread", objective_case="verl-dual-clip-low-var-kl-entropy", mode="exact",
-         cp_replay="spread", ref_seed=7),
+    dict(name="dual-clip-kl-entropy-exact-spread", objective_case="verl-dual-clip-bites-low-var-kl-entropy",
+         mode="exact", cp_replay="spread", ref_seed=7),
     dict(name="sequence-ratio-kl-exact", objective_case="trl-dapo-sequence-kl", mode="exact", ref_seed=7),
     dict(name="dr-grpo-rollout-detached", objective_case="trl-dr_grpo-rollout-correction", mode="detached"),
     dict(name="cispo-exact", objective_case="trl-cispo-token-truncate", mode="exact"),

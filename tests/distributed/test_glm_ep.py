@@ -6,7 +6,9 @@ transformers' own model in test_glm.py), under glm_reference() (float64 router a
                         gradients equal the unsharded model's, the experts' for the rank's slice
   EP over "DP" ranks   (layout "dp": each rank its own group of a different shape, cp_size 1): rank r's non-expert
                         gradients equal group r's; its experts' equal the sum over every rank's group, sliced
-Both gradient modes, the host tier, KL to a separate (unsharded) reference model. Tolerance: relative L2 <= 1e-8
+Both gradient modes, the host tier, KL to a separate (unsharded) reference model, and (2 ranks) the objective's
+options on tests/objective_cases.py's groups (tool masks, an all-masked member, old and sampler log-probs): entropy
+bonus, a dual clip that bites, low_var_kl, rollout correction with the Dr. GRPO sum-norm. Tolerance: relative L2 <= 1e-8
 (the contract's); both sides compute the same float64 functions, the dispatch summing a token's k expert outputs
 in another order than the model's expert loop: measured ~1e-16. A pair sent to the wrong expert, a lost pair, or
 a gradient missing its other ranks' tokens is off by 1e-2 or more.
@@ -40,10 +42,20 @@ CASES = [
          mode="detached", chunk=8, page=4, block=3, seed=3),
     dict(name="dp-exact", layout="dp", groups=[(30, [4, 6]), (43, [2, 1, 7]), (25, [3]), (38, [5, 5])],
          mode="exact", chunk=8, page=4, block=3, seed=4),
+    # objective options on tests/objective_cases.py's objective_group (prompt 21, responses 6, 9, 4, 10): at these
+    # seeds clip_ratio_c 1.5 bites (ratios above it on negative advantages: 2 tokens; 2 + 1 over the two groups)
+    dict(name="cp-exact-objective", layout="cp", mode="exact", chunk=5, page=4, block=3, kl=9, seed=8,
+         objective_group=True, worlds=(2,),
+         objective=dict(clip_ratio_c=1.5, kl_coef=0.05, kl_estimator="low_var_kl", entropy_coef=0.02,
+                        loss_agg="seq-mean-token-mean")),
+    dict(name="dp-detached-objective", layout="dp", mode="detached", chunk=6, page=4, block=3, seed=6,
+         objective_group=True, worlds=(2,),
+         objective=dict(clip_ratio_c=1.5, entropy_coef=0.05, loss_agg="seq-mean-token-sum-norm", norm_length=10,
+                        rollout_correction="sequence_mask", rollout_correction_max=2.0)),
 ]
 for case in CASES:  # a "dp" case gives one group per rank
     if case["layout"] == "dp":
-        case["worlds"] = (2, 4)
+        case.setdefault("worlds", (2, 4))
 
 OUT_DIRS = {}
 
@@ -53,7 +65,7 @@ def results(request, tmp_path_factory):
     world = request.param
     out = tmp_path_factory.mktemp(f"ep{world}")
     OUT_DIRS[world] = str(out)
-    cases = [dict(c, groups=c["groups"][:world]) if c["layout"] == "dp" else c for c in CASES]
+    cases = [dict(c, groups=c["groups"][:world]) if "groups" in c else c for c in CASES]
     return world, run_ep(world, cases, str(out))
 
 

@@ -22,7 +22,7 @@ from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
 import ds_longstraw.rollout.generate as rollout
 from ds_longstraw import GRPOObjective, Rollouts, generate, grpo_backward
 from ds_longstraw.config import parse_config
-from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, shape_of
+from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, calls_of
 
 TOL = 1e-8
 # prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
@@ -357,7 +357,7 @@ def test_lockstep_arguments_are_refused_by_name(models):
 
     with pytest.raises(ValueError, match="dp_group or lockstep"):
         generate(models["qwen3_5"], [1, 2, 3], 1, 2, dp_group=object(), lockstep=Lockstep(
-            GroupShape(1, ()), GroupShape(1, ()), parse_config(None)))
+            GroupCalls(1, ()), GroupCalls(1, ()), parse_config(None)))
     idle = DecodeLockstep(1, 1, 1, parse_config(None), group=None, idle=True)
     with pytest.raises(ValueError, match="idle slot"):
         generate(models["qwen3_5"], [1, 2, 3], 1, 2, lockstep=idle)
@@ -546,8 +546,8 @@ def test_reuse_is_refused_when_it_does_not_fit(models, tmp_path, monkeypatch):
         rollouts = kept()
         group = rollouts.group([1.0, 0.0])
         settings = parse_config(config)
-        local = shape_of(group, settings)
-        padded = Lockstep(local, GroupShape(local.chunks + 1, local.blocks), settings)
+        local = calls_of(group, settings)
+        padded = Lockstep(local, GroupCalls(local.chunks + 1, local.blocks), settings)
         refusal = rf"padded to {local.chunks + 1} chunks .* kept capture was padded to None"
         with pytest.raises(ValueError, match=refusal):
             grpo_backward(model, group, config=config, capture=rollouts, lockstep=padded)

@@ -19,7 +19,7 @@ from grads import grads_of, relative_l2
 from models import float64_model, tiny_qwen3_5
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward, parse_config
-from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, dummy_group, merge, shape_of
+from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, calls_of, dummy_group, most_calls
 
 BLOCK = {"capture_chunk": 8, "replay_block": 3, "page_tokens": 4}
 
@@ -67,9 +67,9 @@ def test_padded_groups_make_the_same_module_calls(mode, kl):
     objective = GRPOObjective(kl_coef=kl)
     a, b = _group(1, 20, [4, 1, 7]), _group(2, 11, [5, 3])  # 3 vs 2 chunks; blocks [2, 1, 3] vs [2, 1]
     dummy = dummy_group()
-    common = merge([shape_of(a, settings), shape_of(b, settings)])
-    assert common == GroupShape(chunks=3, blocks=(2, 1, 3))
-    traces = [_trace(model, g, Lockstep(shape_of(g, settings), common, settings), settings, objective, ref_model)
+    common = most_calls([calls_of(a, settings), calls_of(b, settings)])
+    assert common == GroupCalls(chunks=3, blocks=(2, 1, 3))
+    traces = [_trace(model, g, Lockstep(calls_of(g, settings), common, settings), settings, objective, ref_model)
               for g in (a, b, dummy)]
     assert traces[0] == traces[1] == traces[2]
     assert traces[0].count("backward") == 3 + (3 if mode == "exact" else 0)
@@ -84,13 +84,13 @@ def test_padding_leaves_results_unchanged(mode):
     group = _group(4, 13, [2, 5])
     objective = GRPOObjective(kl_coef=0.05)
     ref_model = tiny_qwen3_5(torch.float64, seed=4)
-    common = GroupShape(chunks=4, blocks=(3, 2, 2, 1))
+    common = GroupCalls(chunks=4, blocks=(3, 2, 2, 1))
     with float64_model():
         plain_grads, plain = grads_of(model, lambda: grpo_backward(model, group, objective, config=settings,
                                                                    ref_model=ref_model))
         padded_grads, padded = grads_of(model, lambda: grpo_backward(
             model, group, objective, config=settings, ref_model=ref_model,
-            lockstep=Lockstep(shape_of(group, settings), common, settings)))
+            lockstep=Lockstep(calls_of(group, settings), common, settings)))
     assert relative_l2(padded_grads, plain_grads) < 1e-12
     assert padded.loss == pytest.approx(plain.loss, rel=1e-12)
     for x, y in zip(padded.logprobs + padded.ref_logprobs, plain.logprobs + plain.ref_logprobs, strict=True):
@@ -99,8 +99,8 @@ def test_padding_leaves_results_unchanged(mode):
 
 def test_shapes_and_bad_lockstep():
     settings = parse_config(BLOCK)
-    assert shape_of(_group(0, 9, [3, 4]), settings) == GroupShape(1, (1, 2))
-    assert shape_of(_group(0, 10, [3, 4]), settings) == GroupShape(2, (1, 2))
-    assert merge([GroupShape(1, (2,)), GroupShape(3, (1, 1, 4))]) == GroupShape(3, (2, 1, 4))
+    assert calls_of(_group(0, 9, [3, 4]), settings) == GroupCalls(1, (1, 2))
+    assert calls_of(_group(0, 10, [3, 4]), settings) == GroupCalls(2, (1, 2))
+    assert most_calls([GroupCalls(1, (2,)), GroupCalls(3, (1, 1, 4))]) == GroupCalls(3, (2, 1, 4))
     with pytest.raises(ValueError, match="exceeds"):
-        Lockstep(GroupShape(2, (1,)), GroupShape(1, (1,)), settings)
+        Lockstep(GroupCalls(2, (1,)), GroupCalls(1, (1,)), settings)

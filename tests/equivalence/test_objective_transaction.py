@@ -6,10 +6,17 @@ continuation from the prompt (detached mode), entropies by torch.distributions; 
 without a graph; then TRL 1.16's GRPOTrainer._compute_loss or verl's definitions (tests/peer_losses.py) on the
 padded batch, back-propagated once. Tolerance as test_transaction.py: relative L2 1e-8 over all parameter
 gradients (same functions in another order leave ~1e-11; a wrong term errs by 1e-3 or more).
+
+GLM (glm_moe_dsa, tests/glm_models.py): three of the cases (entropy bonus; a dual clip that bites + low_var_kl to a
+separate reference model + entropy; rollout correction with the Dr. GRPO sum-norm) on the tiny GLM model under
+glm_reference() (transformers' model in float64 with the canonical indexer top-k), the reference being the same
+full-sequence / cache-continuation log-probs and entropies of transformers' model, as test_glm.py's; the same
+tolerance (test_glm.py's for GLM in float64: both sides compute the same float64 functions in another order).
 """
 
 import pytest
 import torch
+from glm_models import glm_reference, tiny_glm_moe_dsa
 from grads import grads_of, relative_l2
 from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
 from objective_cases import CASES, Batch, objective_group
@@ -25,16 +32,20 @@ def models():
     return tiny_qwen3_5(), tiny_qwen3_5(seed=7)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["detached", "exact"])
-def test_objective_through_the_transaction(models, case, mode):
-    model, ref_model = models
+@pytest.fixture(scope="module")
+def glm_models():
+    return tiny_glm_moe_dsa(), tiny_glm_moe_dsa(seed=7)
+
+
+def _assert_case(model, ref_model, case, mode, context):
+    """grpo_backward with CASES[case]'s settings on objective_group's group == the peer's loss on the reference
+    log-probs (and entropies) of the model under `context` (float64_model or glm_reference); returns the gradients."""
     settings, peer = CASES[case]
     objective = GRPOObjective(**settings)
-    group = objective_group(model)
+    group = objective_group(model, context=context)
     logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
     config = {"prefix_grad": mode, "capture_chunk": 6, "page_tokens": 4, "replay_block": 4}
-    with float64_model():
+    with context():
         with torch.no_grad():
             refs = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
 
@@ -48,8 +59,27 @@ def test_objective_through_the_transaction(models, case, mode):
         ref_grads, ref_loss = grads_of(model, reference)
         grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=config,
                                                               ref_model=ref_model))
-    assert relative_l2(grads, ref_grads) <= TOL
+    error = relative_l2(grads, ref_grads)
+    assert error <= TOL, error
     assert result.loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)
+    return grads
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_objective_through_the_transaction(models, case, mode):
+    _assert_case(*models, case, mode, float64_model)
+
+
+GLM_CASES = ["trl-bnpo-entropy", "verl-dual-clip-bites-low-var-kl-entropy", "trl-dr_grpo-rollout-correction"]
+
+
+@pytest.mark.parametrize("case", GLM_CASES)
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_objective_through_the_transaction_glm(glm_models, case, mode):
+    """The same on GLM (sparse attention over a 21-token prompt with index_topk 8, routed experts)."""
+    grads = _assert_case(*glm_models, case, mode, glm_reference)
+    assert not any(".indexer." in name for name in grads), "the indexer gets no gradient, as the model defines"
 
 
 def test_group_of_one_as_verl(models):

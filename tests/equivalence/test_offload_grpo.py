@@ -165,7 +165,7 @@ def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypat
     def capture(offload):
         settings = parse_config({"prefix_grad": "exact", **SETTINGS, "offload": offload})
         with float64_model(), torch.no_grad():
-            return capture_prefix(adapter, prompt, settings, keep_boundaries=True)
+            return capture_prefix(adapter, prompt, settings, exact=True)
 
     on_device = capture({"tier": "none"})
     on_tier = capture(_offload(tier, tmp_path, monkeypatch))

@@ -125,6 +125,26 @@ def test_run_config_rejects_unknown_keys_and_bad_types():
     assert load_run_config(path, ["train.max_steps=7", "optim.lr=0.5"]).train.max_steps == 7
 
 
+def test_run_config_takes_every_objective_field_and_names_a_bad_one():
+    """The objective block is GRPOObjective's fields, checked by GRPOObjective (the error names objective.<key>)."""
+    from dataclasses import fields
+
+    from ds_longstraw import GRPOObjective
+
+    path = os.path.join(REPO, "configs", "run", "quickstart.yaml")
+    run = load_run_config(path, ["objective.entropy_coef=0.01", "objective.clip_ratio_c=3.0",
+                                 "objective.loss_agg=seq-mean-token-sum-norm", "objective.norm_length=512",
+                                 "objective.rollout_correction=sequence_mask", "objective.loss_scope=rank"])
+    objective = GRPOObjective(**run.objective)
+    assert (objective.entropy_coef, objective.norm_length, objective.loss_scope) == (0.01, 512, "rank")
+    assert set(run.objective) == {f.name for f in fields(GRPOObjective)}
+    for override, key in (("objective.kl_estimator=k5", "objective.kl_estimator"),
+                          ("objective.loss_agg=seq-mean-token-sum-norm", "objective.loss_agg"),
+                          ("objective.entropy_coeff=0.1", "objective.entropy_coeff")):
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            load_run_config(path, [override])
+
+
 def test_run_config_qlora_needs_adapters_and_a_checkpoint():
     path = os.path.join(REPO, "configs", "run", "quickstart.yaml")
     with pytest.raises(ValueError, match="lora.enabled"):

@@ -257,13 +257,13 @@ def test_build_topology_refuses_before_any_work():
 def test_schedule_chunks_pad_after_the_real_ones():
     """The chunk loops of the layer-major CP schedule walk Schedule.chunks(spans): the real chunks, then (a Lockstep
     under ZeRO-3) one dummy chunk of one zero token at position 0 per chunk the common shape has more."""
-    from ds_longstraw.grpo.lockstep import GroupShape, Lockstep, Schedule
+    from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, Schedule
 
     spans = [(0, 4, 10), (4, 6, 30)]
     plain = Schedule().chunks(spans)
     assert [(c.a, c.b, c.position, c.dummy) for c in plain] == [(0, 4, 10, False), (4, 6, 30, False)]
     assert not plain.padded and list(plain.dummies()) == [] and plain.spans == spans
-    padded = Lockstep(GroupShape(2, (1,)), GroupShape(5, (1, 1)), LongstrawConfig()).chunks(spans)
+    padded = Lockstep(GroupCalls(2, (1,)), GroupCalls(5, (1, 1)), LongstrawConfig()).chunks(spans)
     walked = list(padded)
     assert padded.padded and [c.dummy for c in walked] == [False, False, True, True, True]
     hidden = torch.randn(1, 6, 3)

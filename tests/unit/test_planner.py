@@ -43,7 +43,7 @@ def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
                              "prefix_keep_attention": keep})
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
     with float64_model():
-        state = capture_prefix(adapter, prompt, settings, keep_boundaries=exact)
+        state = capture_prefix(adapter, prompt, settings, exact=exact)
     measured = state.retained_bytes()
     state.release()
     estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, mode.removesuffix("-keep"), chunk, keep)

@@ -20,6 +20,11 @@ paged layers for the target models). Every rank keeps the pages of its own token
 prefix_keep_attention also its own tokens' merged attention output and LSE).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ds_longstraw.grpo.cp.cp_attention import capture_attention_layer
@@ -38,9 +43,15 @@ from ds_longstraw.grpo.state import (
 from ds_longstraw.offload.plan import holds_scan
 from ds_longstraw.parallel.groups import contiguous_bounds, local_spans, local_tokens
 
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.parallel.groups import CPContext
 
-def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, progress=None, schedule=None,
-                      keep_inputs=False) -> PrefixState:
+
+def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, cp: CPContext,
+                      exact: bool = False, progress: Callable[[int], Any] | None = None,
+                      schedule: Schedule | None = None, keep_inputs: bool = False) -> PrefixState:
     """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
 
     schedule: the transaction's (../lockstep.py; None: no padding), whose chunks(spans) every per-chunk loop of a
@@ -57,7 +68,7 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
     # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
-    state = open_prefix_state(adapter, settings, tokens, keep_boundaries, cp.rank, length=ids_all.numel(),
+    state = open_prefix_state(adapter, settings, tokens, exact, cp.rank, length=ids_all.numel(),
                               offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
                               keep_inputs=keep_inputs)
     try:
@@ -68,7 +79,8 @@ def cp_capture_prefix(adapter, prompt_ids, settings, cp, keep_boundaries=False, 
     return state
 
 
-def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
+def holds_scan_outputs(settings: LongstrawConfig, held_bytes: int, device: torch.device,
+                       device_total: int | None = None) -> bool:
     """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
     `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
     the device when device_total is None; off CUDA nothing bounds them)."""
@@ -77,7 +89,9 @@ def holds_scan_outputs(settings, held_bytes, device, device_total=None) -> bool:
     return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
-def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, schedule):
+def _capture_layers(adapter: CausalLMAdapter, ids: torch.Tensor, tokens: int, settings: LongstrawConfig, cp: CPContext,
+                    pieces: Sequence[Sequence[tuple[int, int]]], state: PrefixState,
+                    progress: Callable[[int], Any] | None, schedule: Schedule) -> None:
     """Fill `state` (its pages, boundaries and final carry) layer by layer."""
     pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
@@ -125,7 +139,8 @@ def _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress,
     state.carry, state.boundaries = final_carry, boundaries or []
 
 
-def mlp_over_chunks(adapter, layer, hidden_1TC, chunks: ShardChunks):
+def mlp_over_chunks(adapter: CausalLMAdapter, layer: int, hidden_1TC: torch.Tensor,
+                    chunks: ShardChunks) -> torch.Tensor:
     """hidden + mlp(post_norm(hidden)) of `layer` over a shard, chunk by chunk (the lockstep's dummy chunks' results
     discarded)."""
     outs = [adapter.mlp_residual(layer, chunk.of(hidden_1TC)) for chunk in chunks][:len(chunks.spans)]

@@ -28,8 +28,12 @@ dv = p^T dout, ds = p (dout v^T - delta) scale, dq_part = ds k, dk = ds^T q, whe
 delta = rowsum(dout * out_merged) - dlse_merged; summing dq_part over the shards gives dq.
 """
 
+from __future__ import annotations
+
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,19 +43,28 @@ from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise
 from ds_longstraw.offload import Stager
 from ds_longstraw.parallel.groups import contiguous_bounds, local_starts, visible_prefix
 
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.offload import PagePool
+    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.parallel.groups import CPContext, Landing
 
-def _acc(dtype):
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_partial(q_HTD, value_dim=None):
+def empty_partial(q_HTD: torch.Tensor, value_dim: int | None = None) -> Partial:
     """(out, lse) of a query block over no keys: out = 0, lse = -inf."""
     d = q_HTD.shape[-1] if value_dim is None else value_dim
     return (q_HTD.new_zeros(q_HTD.shape[:2] + (d,)),
             torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device))
 
 
-def merge_in_order(partials):
+def merge_in_order(partials: Sequence[Partial]) -> Partial:
     """LSE-merge a list of (out, lse) partials left to right (the same order on every rank -> same bits)."""
     out, lse = partials[0]
     for o2, l2 in partials[1:]:
@@ -59,7 +72,7 @@ def merge_in_order(partials):
     return out, lse
 
 
-def chunked_partial(q_HTD, k_KTD, v_KTD, scale, chunk):
+def chunked_partial(q_HTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor, scale: float, chunk: int) -> Partial:
     """partial_attention over all keys, `chunk` queries at a time (bounds score memory for long query shards)."""
     if q_HTD.shape[1] == 0 or k_KTD.shape[1] == 0:
         return empty_partial(q_HTD, v_KTD.shape[-1])
@@ -71,7 +84,8 @@ def chunked_partial(q_HTD, k_KTD, v_KTD, scale, chunk):
     return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
-def streamed_partial(stager, spec, q_HTD, scale, start=0, end=None, query_chunk=None):
+def streamed_partial(stager: Stager, spec: LayerState, q_HTD: torch.Tensor, scale: float, start: int = 0,
+                     end: int | None = None, query_chunk: int | None = None) -> Partial:
     """(out, lse) of q_HTD over tokens [start, end) of this rank's pages of layer `spec.layer`, read page by page
     through `stager` (one page read ahead; no layer's shard is materialised whole) and merged by LSE in order.
     Consecutive pages are attended together, up to KEY_BLOCK keys per partial (short pages would otherwise cost a
@@ -84,14 +98,16 @@ def streamed_partial(stager, spec, q_HTD, scale, start=0, end=None, query_chunk=
     return result
 
 
-def _key_blocks(stream, names):
+def _key_blocks(stream: Iterable[tuple[int, int, dict[str, torch.Tensor]]],
+                names: Sequence[str]) -> Iterator[tuple[torch.Tensor, ...]]:
     """(K, V) head-major [K, T, D] over runs of consecutive pages of `stream`, up to KEY_BLOCK tokens each
     (page_runs)."""
     for _, _, run in page_runs(stream, names, KEY_BLOCK):
         yield tuple(tensor.transpose(0, 1) for tensor in run)
 
 
-def page_runs(stream, names, block):
+def page_runs(stream: Iterable[tuple[int, int, dict[str, torch.Tensor]]], names: Sequence[str],
+              block: int) -> Iterator[tuple[int, int, tuple[torch.Tensor, ...]]]:
     """(lo, hi, the streams `names` token-major) over runs of consecutive pages of `stream`, up to `block` tokens
     each (short pages would otherwise cost a kernel call and a merge each). A stager releases a page when the next
     is asked for, so each page is copied into the run's buffer (reused from run to run: the caller is done with a
@@ -117,7 +133,9 @@ def page_runs(stream, names, block):
         yield start, start + tokens, tuple(buffer[:tokens] for buffer in buffers)
 
 
-def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=None, end=None):
+def streamed_grads(stager: Stager, spec: LayerState, q_HTD: torch.Tensor, lse_HT: torch.Tensor, dout_HTD: torch.Tensor,
+                   delta_HT: torch.Tensor, scale: float, pool: PagePool | TieredPagePool | None = None,
+                   end: int | None = None) -> torch.Tensor:
     """The share of this rank's pages [0, end) (None: all) of dq for a merged attention (given the MERGED lse and
     delta), page by page through `stager`; with `pool`, each page's dK/dV is added to its gradient pages as it is
     computed."""
@@ -132,7 +150,9 @@ def streamed_grads(stager, spec, q_HTD, lse_HT, dout_HTD, delta_HT, scale, pool=
     return dq
 
 
-def streamed_key_grads(stager, spec, q_HTD, out_HTD, lse_HT, dout_HTD, scale, pool, end=None):
+def streamed_key_grads(stager: Stager, spec: LayerState, q_HTD: torch.Tensor, out_HTD: torch.Tensor,
+                       lse_HT: torch.Tensor, dout_HTD: torch.Tensor, scale: float, pool: PagePool | TieredPagePool,
+                       end: int | None = None) -> torch.Tensor:
     """streamed_grads' fast twin: the same share of dq and the same dK/dV onto the gradient pages of this rank's
     pages [0, end), from the MERGED out (not delta), over blocks of up to KEY_BLOCK consecutive keys through the
     kernels' dispatch (flash on CUDA, the fused CPU kernel) instead of the plain blockwise loop page by page."""
@@ -146,17 +166,18 @@ def streamed_key_grads(stager, spec, q_HTD, out_HTD, lse_HT, dout_HTD, scale, po
     return dq
 
 
-def layer_stager(pool, specs, wrap=False):
+def layer_stager(pool: PagePool | TieredPagePool, specs: Iterable[LayerState], wrap: bool = False) -> Stager:
     """A stager over the paged layers of `specs` (what streamed_partial / streamed_grads read through)."""
     return Stager(pool, {spec.layer: spec.stream_names for spec in specs if spec.streams}, wrap=wrap)
 
 
-def _pages_KTD(pool, spec, start=0, end=None):
+def _pages_KTD(pool: PagePool | TieredPagePool, spec: LayerState, start: int = 0,
+               end: int | None = None) -> tuple[torch.Tensor, ...]:
     """An attention layer's (K, V) pages of tokens [start, end), head-major [K, T, D] (its two streams in order)."""
     return tuple(pool.read(spec.layer, name, start, end).transpose(0, 1) for name in spec.stream_names)
 
 
-def add_page_grads(pool, spec, start, *grads_KTD):
+def add_page_grads(pool: PagePool | TieredPagePool, spec: LayerState, start: int, *grads_KTD: torch.Tensor) -> None:
     """Add head-major gradients of an attention layer's rows (dK, dV [K, T, D]) to its gradient pages from token
     `start` on (streams that carry no gradient are skipped)."""
     for stream, grad in zip(spec.streams, grads_KTD, strict=True):
@@ -165,7 +186,8 @@ def add_page_grads(pool, spec, start, *grads_KTD):
 
 
 # -- capture ---------------------------------------------------------------------------------------------------
-def capture_move_bytes(bounds, heads, kv_heads, head_dim, elem_bytes, lse_bytes):
+def capture_move_bytes(bounds: Sequence[tuple[int, int]], heads: int, kv_heads: int, head_dim: int, elem_bytes: int,
+                       lse_bytes: int) -> dict[str, int]:
     """Bytes one attention layer's capture moves over the whole group, for each choice.
 
     kv: rank j's pages (2 K D per token) go to every later non-empty rank;
@@ -183,7 +205,8 @@ def capture_move_bytes(bounds, heads, kv_heads, head_dim, elem_bytes, lse_bytes)
     return {"kv": kv, "q": q}
 
 
-def _capture_kv_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
+def _capture_kv_move(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: LayerState, scale: float,
+                     bounds: Sequence[tuple[int, int]], chunk: int) -> Partial:
     """Pages travel: for each source rank j in turn, j streams its layer pages, page by page, to every later
     non-empty rank (neither side holds a shard of the layer whole)."""
     layer, key = spec.layer, spec.streams[0]
@@ -209,7 +232,8 @@ def _capture_kv_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
     return result
 
 
-def _capture_q_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
+def _capture_q_move(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: LayerState, scale: float,
+                    bounds: Sequence[tuple[int, int]], chunk: int) -> Partial:
     """Queries travel: for each client rank j in turn, j sends its queries to every earlier non-empty rank, which
     returns the (out, lse) partial of those queries over its own pages."""
     layer = spec.layer
@@ -238,7 +262,8 @@ def _capture_q_move(cp, q_HTD, stager, spec, scale, bounds, chunk):
     return result
 
 
-def capture_remote_partial(cp, q_HTD, stager, spec, scale, bounds, chunk):
+def capture_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: LayerState, scale: float,
+                           bounds: Sequence[tuple[int, int]], chunk: int) -> Partial:
     """(out, lse) of this rank's shard queries over every earlier rank's pages of layer `spec.layer` (no
     autograd). Every rank calls it for every attention layer; the choice of cargo is the same on every rank."""
     move = cp.capture_move
@@ -252,7 +277,8 @@ def capture_remote_partial(cp, q_HTD, stager, spec, scale, bounds, chunk):
     return mover(cp, q_HTD, stager, spec, scale, bounds, chunk)
 
 
-def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
+def ring_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: LayerState, scale: float,
+                        pieces: Sequence[Sequence[tuple[int, int]]], chunk: int) -> Partial:
     """(out, lse) of this rank's shard queries over the keys of every other rank that precede them, for a layout
     whose ranks own several pieces (zigzag; no autograd). Every rank is busy at once: in step t = 1..N-1 rank r
     sends the pages that rank r+t needs to it and receives those it needs from rank r-t (mod N), page by page.
@@ -278,7 +304,8 @@ def ring_remote_partial(cp, q_HTD, stager, spec, scale, pieces, chunk):
         end = max(seen, default=0)
         incoming = [(p0, min(end, p0 + page)) for p0 in range(0, end, page)]  # src's pages, as its stager cuts them
 
-        def landing(index, shape=tuple(key.shape), incoming=incoming, src=src):
+        def landing(index: int, shape: tuple[int, ...] = tuple(key.shape), incoming: list[tuple[int, int]] = incoming,
+                    src: int = src) -> Landing:
             p0, p1 = incoming[index]
             return cp.irecv((2, p1 - p0) + shape, key.dtype, src, layer, "capture_kv", q_HTD.device)
 
@@ -311,12 +338,12 @@ class _RingSends(threading.Thread):
     into one message; a tier's staging buffers are reused as its stream moves on). finish() joins it and raises
     what it raised."""
 
-    def __init__(self, cp, stager, spec, dst, need):
+    def __init__(self, cp: CPContext, stager: Stager, spec: LayerState, dst: int, need: int) -> None:
         super().__init__(name=f"ring-sends-layer{spec.layer}", daemon=True)
         self.cp, self.stager, self.spec, self.dst, self.need = cp, stager, spec, dst, need
         self.error = None
 
-    def run(self):
+    def run(self) -> None:
         try:
             if self.need:
                 for _, _, pages in self.stager.stream(self.spec.layer, 0, self.need):
@@ -324,13 +351,15 @@ class _RingSends(threading.Thread):
         except BaseException as error:  # re-raised on the calling thread by finish()
             self.error = error
 
-    def finish(self):
+    def finish(self) -> None:
         self.join()
         if self.error is not None:
             raise self.error
 
 
-def capture_attention_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool, chunk, kept_pool=None):
+def capture_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
+                            cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], pool: PagePool | TieredPagePool,
+                            chunk: int, kept_pool: PagePool | TieredPagePool | None = None) -> torch.Tensor:
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
     Pass A computes q, gate, K, V chunk by chunk (chunks: lockstep.ShardChunks, the real chunks then the schedule's
@@ -349,7 +378,9 @@ def capture_attention_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool,
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 
-def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
+def shard_attention(adapter: CausalLMAdapter, spec: LayerState, queries: Sequence[torch.Tensor],
+                    spans: Sequence[tuple[int, int, int]], cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
+                    pool: PagePool | TieredPagePool, chunk: int) -> list[Partial]:
     """The merged (out, lse) of each chunk of this rank's shard (queries: [H, T_c, D] per span) over every rank's
     keys before it, its own pages being in place (no autograd; every rank calls it for the layer).
 
@@ -375,11 +406,12 @@ def shard_attention(adapter, spec, queries, spans, cp, pieces, pool, chunk):
         stager.close()
 
 
-def _empty_queries(adapter, heads, dim):
+def _empty_queries(adapter: CausalLMAdapter, heads: int, dim: int) -> torch.Tensor:
     return torch.zeros(heads, 0, dim, dtype=adapter.dtype, device=adapter.device)
 
 
-def _chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse):
+def _chunk_attention(spec: LayerState, stager: Stager, pool: PagePool | TieredPagePool, scale: float, q: torch.Tensor,
+                     a: int, b: int, remote_out: torch.Tensor, remote_lse: torch.Tensor) -> Partial:
     """One chunk [a, b) of the shard: causal over itself, over this rank's earlier pages (streamed page by page)
     and, merged by LSE, over the earlier ranks' keys (remote partial)."""
     out, lse = attention_with_past(q, [], *_pages_KTD(pool, spec, a, b), scale)
@@ -388,7 +420,9 @@ def _chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse)
     return merge_partials(out, lse, remote_out[:, a:b], remote_lse[:, a:b].to(lse.dtype))
 
 
-def project_chunks(adapter, spec, normed_1TC, chunks, pool=None):
+def project_chunks(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
+                   pool: PagePool | TieredPagePool | None = None
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """Queries and rows of this rank's shard chunk by chunk (chunks: lockstep.ShardChunks): the rows of the real
     chunks go onto its own pages (pool None: they are there already); returns the real chunks' queries [H, T_c, D],
     what attention_finish needs of each, and the dummy chunks' (zero output, gate) for finish_dummies."""
@@ -405,7 +439,7 @@ def project_chunks(adapter, spec, normed_1TC, chunks, pool=None):
     return queries, gates, dummies
 
 
-def finish_dummies(adapter, layer, dummies):
+def finish_dummies(adapter: CausalLMAdapter, layer: int, dummies: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """The dummy chunks' output projections (project_chunks' dummies; results discarded)."""
     for out, gate in dummies:
         adapter.attention_finish(layer, out, gate)
@@ -419,14 +453,15 @@ class PagesFunction(torch.autograd.Function):
     sees: the pages are constants of the graph whose gradients go to gradient pages."""
 
     @staticmethod
-    def forward(ctx, q_HTD, pages, layer):
+    def forward(ctx: Any, q_HTD: torch.Tensor, pages: Any, layer: int) -> Partial:
         out, lse = pages.forward(layer, q_HTD)
         ctx.save_for_backward(q_HTD, out, lse)
         ctx.pages, ctx.layer = pages, layer
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout_HTD, dlse_HT):
+    def backward(ctx: Any, dout_HTD: torch.Tensor | None,
+                 dlse_HT: torch.Tensor | None) -> tuple[torch.Tensor, None, None]:
         q_HTD, out, lse = ctx.saved_tensors
         if dout_HTD is None:
             dout_HTD = torch.zeros_like(out)
@@ -441,20 +476,22 @@ class KnownPagesFunction(torch.autograd.Function):
     to the local keys' node that produced `known`."""
 
     @staticmethod
-    def forward(ctx, q_HTD, out_HTD, lse_HT, pages, layer):
+    def forward(ctx: Any, q_HTD: torch.Tensor, out_HTD: torch.Tensor, lse_HT: torch.Tensor, pages: Any,
+                layer: int) -> Partial:
         ctx.save_for_backward(q_HTD, out_HTD, lse_HT)
         ctx.pages, ctx.layer = pages, layer
         return out_HTD.clone(), lse_HT.clone()
 
     @staticmethod
-    def backward(ctx, dout_HTD, dlse_HT):
+    def backward(ctx: Any, dout_HTD: torch.Tensor | None,
+                 dlse_HT: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         q_HTD, out, lse = ctx.saved_tensors
         dq = ctx.pages.backward(ctx.layer, q_HTD, out, lse, torch.zeros_like(out) if dout_HTD is None else dout_HTD,
                                 dlse_HT)
         return dq.to(q_HTD.dtype), dout_HTD, dlse_HT, None, None
 
 
-def remote_pages_attention(pages, layer, q_HTD, known=None):
+def remote_pages_attention(pages: Any, layer: int, q_HTD: torch.Tensor, known: Partial | None = None) -> Partial:
     """remote_attention through `pages` (see PagesFunction): the remote partial, or with `known` the merged result
     passed through (KnownPagesFunction)."""
     if known is None:
@@ -471,38 +508,41 @@ class PagesAttention:
 
     keys = None  # one request per layer (interfaces.RemoteAttention)
 
-    def __init__(self, cp, pool, adapter, exact=False):
+    def __init__(self, cp: CPContext, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter,
+                 exact: bool = False) -> None:
         self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
         self.specs = {spec.layer: spec for spec in adapter.specs}
         # this rank's pages, page by page from its tier; wrap: every replay block walks all layers
         self.stager = layer_stager(pool, adapter.specs, wrap=True)
 
     # -- this rank's pages' share (the replicated schedule below, and grpo/cp/spread.py's) ----------------------
-    def own_partial(self, layer, q_HTD):
+    def own_partial(self, layer: int, q_HTD: torch.Tensor) -> Partial:
         """(out, lse) of the queries over this rank's pages, the lse in the accumulation dtype."""
         out, lse = streamed_partial(self.stager, self.specs[layer], q_HTD, self.adapter.attention_scale(layer))
         return out, lse.to(_acc(q_HTD.dtype))
 
-    def own_grads(self, layer, q_HTD, lse, dout_HTD, delta):
+    def own_grads(self, layer: int, q_HTD: torch.Tensor, lse: torch.Tensor, dout_HTD: torch.Tensor,
+                  delta: torch.Tensor) -> torch.Tensor:
         """This rank's pages' share of dq given the merged lse and delta; dK/dV of its pages stay here, on its
         gradient pages (exact mode)."""
         return streamed_grads(self.stager, self.specs[layer], q_HTD, lse, dout_HTD, delta,
                               self.adapter.attention_scale(layer), self.pool if self.exact else None)
 
     # -- every rank with the same queries ---------------------------------------------------------------------
-    def forward(self, layer, q_HTD):
+    def forward(self, layer: int, q_HTD: torch.Tensor) -> Partial:
         out, lse = self.own_partial(layer, q_HTD)
         outs = self.cp.all_gather(out, layer, "replay_out")
         lses = self.cp.all_gather(lse, layer, "replay_lse")
         return merge_in_order(list(zip(outs, lses, strict=True)))
 
-    def backward(self, layer, q_HTD, out, lse, dout_HTD, dlse_HT):
+    def backward(self, layer: int, q_HTD: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout_HTD: torch.Tensor,
+                 dlse_HT: torch.Tensor | None) -> torch.Tensor:
         dq = self.own_grads(layer, q_HTD, lse, dout_HTD, attention_delta(out, dout_HTD, dlse_HT))
         self.cp.all_reduce_(dq, layer, "replay_dq")
         return dq
 
-    def close(self):
+    def close(self) -> None:
         self.stager.close()
 
-    def __call__(self, layer, q_HTD, known=None):
+    def __call__(self, layer: int, q_HTD: torch.Tensor, known: Partial | None = None) -> Partial:
         return remote_pages_attention(self, layer, q_HTD, known)

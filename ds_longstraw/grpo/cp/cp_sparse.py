@@ -43,7 +43,11 @@ Legend: T queries; positions / valid [T, K] a selection (absolute prompt positio
 positions [T, n]), canonical; a partial (out [T, ...], lse [T, ...]) as sparse_geometry's `out` says.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from itertools import pairwise
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +58,18 @@ from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import Stager
 from ds_longstraw.parallel.groups import local_starts, local_to_prompt, prompt_to_local, visible_prefix
 
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState, SparseGeometry
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.offload import PagePool
+    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.parallel.groups import CPContext
+
 COMBINE = "topk_lse"
 # Keys scored per candidates call: consecutive pages are scored together up to this many (each call merges its
 # scores into the running top-k, a sort over topk + keys columns per query, so pages shorter than topk would make
@@ -61,12 +77,12 @@ COMBINE = "topk_lse"
 CANDIDATE_BLOCK = 4096
 
 
-def uses_selection(specs) -> bool:
+def uses_selection(specs: Iterable[LayerState]) -> bool:
     """Whether any layer combines across ranks by a global top-k."""
     return any(spec.combine == COMBINE for spec in specs)
 
 
-def check_sparse(specs, settings, cp_size):
+def check_sparse(specs: Iterable[LayerState], settings: LongstrawConfig, cp_size: int) -> None:
     """ValueError (before any work) for what the "topk_lse" combine does not run under context parallelism."""
     layers = [spec.layer for spec in specs if spec.combine == COMBINE]
     if not layers:
@@ -80,7 +96,7 @@ def check_sparse(specs, settings, cp_size):
                          "to false")
 
 
-def sparse_servers(pieces, rank):
+def sparse_servers(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> list[int]:
     """The ranks holding keys that some query of `rank` sees (every earlier key is seen): on contiguous shards the
     earlier non-empty ranks; on zigzag ones every other rank with a key before `rank`'s last piece."""
     starts = [lo for lo, hi in pieces[rank] if hi > lo]
@@ -89,18 +105,20 @@ def sparse_servers(pieces, rank):
     return [i for i in range(len(pieces)) if i != rank and visible_prefix(pieces[i], starts[-1]) > 0]
 
 
-def sparse_clients(pieces, rank):
+def sparse_clients(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> list[int]:
     """The ranks whose queries see some key of `rank` (those it answers in the capture)."""
     return [j for j in range(len(pieces)) if rank in sparse_servers(pieces, j)]
 
 
-def owned_positions(positions, valid, pieces, width):
+def owned_positions(positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[tuple[int, int]],
+                    width: int) -> torch.Tensor:
     """The selection as the owner of `pieces` sees it: its own local indices (int32), -1 where the selected row is
     not its own or the slot is invalid, padded with -1 to `width` columns (the receiver's buffer size)."""
     return encode_selection(*prompt_to_local(positions, valid, pieces), width)
 
 
-def padded_candidates(best, tokens, width, geometry, device):
+def padded_candidates(best: tuple[torch.Tensor, torch.Tensor] | None, tokens: int, width: int, geometry: SparseGeometry,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates (scores, positions) widened to `width` columns with score -inf (never a candidate); None: none."""
     scores = torch.full((tokens, width), float("-inf"), dtype=geometry.score_dtype, device=device)
     positions = torch.zeros((tokens, width), dtype=torch.long, device=device)
@@ -110,21 +128,22 @@ def padded_candidates(best, tokens, width, geometry, device):
     return scores, positions
 
 
-def empty_partial(geometry, tokens, device):
+def empty_partial(geometry: SparseGeometry, tokens: int, device: torch.device) -> Partial:
     """(out, lse) of queries over no rows: out = 0, lse = -inf (both in the lse's dtype)."""
     shape = geometry.out[0]
     return (torch.zeros((tokens, *shape), dtype=geometry.lse_dtype, device=device),
             torch.full((tokens, *shape[:-1]), float("-inf"), dtype=geometry.lse_dtype, device=device))
 
 
-def merge_partials_as(geometry, partials):
+def merge_partials_as(geometry: SparseGeometry, partials: Iterable[Partial]) -> Partial:
     """LSE-merge partials left to right in the lse's dtype (max(float32, dtype): a low-precision output is rounded
     once, after the merges, not at each), the output then in the geometry's dtype."""
     out, lse = merge_in_order([(o.to(geometry.lse_dtype), l_.to(geometry.lse_dtype)) for o, l_ in partials])
     return out.to(geometry.out[1]), lse
 
 
-def merge_rank_candidates(adapter, scores, positions):
+def merge_rank_candidates(adapter: CausalLMAdapter, scores: Sequence[torch.Tensor],
+                          positions: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The ranks' candidates (padded: score -inf never counts; positions interleave on a zigzag layout), merged in
     rank order into the global top-k."""
     best = None
@@ -133,18 +152,19 @@ def merge_rank_candidates(adapter, scores, positions):
     return best
 
 
-def row_stager(pool, specs, wrap=False):
+def row_stager(pool: PagePool | TieredPagePool, specs: Iterable[LayerState], wrap: bool = False) -> Stager:
     """A stager over the rows that "topk_lse" layers attend (the streams their selection does not score)."""
     return Stager(pool, {spec.layer: spec.row_names for spec in specs if spec.combine == COMBINE and spec.streams},
                   wrap=wrap)
 
 
-def key_stager(pool, specs, wrap=False):
+def key_stager(pool: PagePool | TieredPagePool, specs: Iterable[LayerState], wrap: bool = False) -> Stager:
     """A stager over the streams the selecting layers score."""
     return Stager(pool, {spec.layer: spec.select for spec in specs if spec.select}, wrap=wrap)
 
 
-def _runs(stager, layer, names, end=None):
+def _runs(stager: Stager, layer: int, names: Sequence[str],
+          end: int | None = None) -> Iterator[tuple[int, int, dict[str, torch.Tensor]]]:
     """(lo, hi, {name: tokens}) of this rank's streams `names` of `layer` [0, end) in runs of consecutive pages
     (cp_attention.page_runs, CANDIDATE_BLOCK tokens: a call per short page would cost more in merging candidates,
     or in finding each query's selected rows there, than in the keys or rows themselves)."""
@@ -153,11 +173,14 @@ def _runs(stager, layer, names, end=None):
 
 
 # -- this rank's pages, page by page ------------------------------------------------------------------------------
-def _has_rows(positions, valid, lo, hi):
+def _has_rows(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) -> bool:
     return bool((valid & (positions >= lo) & (positions < hi)).any())
 
 
-def streamed_candidates(stager, adapter, spec, selector, best=None, key_start=0, query_start=None, end=None):
+def streamed_candidates(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selector: tuple[torch.Tensor, ...],
+                        best: tuple[torch.Tensor, torch.Tensor] | None = None, key_start: int = 0,
+                        query_start: int | None = None,
+                        end: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), at positions
     key_start ..), page by page; query_start None: every key is visible to every query (they precede them)."""
     for lo, _, pages in _runs(stager, spec.layer, spec.select, end):
@@ -165,7 +188,8 @@ def streamed_candidates(stager, adapter, spec, selector, best=None, key_start=0,
     return best
 
 
-def streamed_sparse_partial(stager, adapter, spec, query, positions, valid):
+def streamed_sparse_partial(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, query: tuple[torch.Tensor, ...],
+                            positions: torch.Tensor, valid: torch.Tensor) -> Partial:
     """(out, lse) of the query over its selected rows among this rank's pages (positions and valid in this rank's
     own positions), page by page, merged by log-sum-exp in order (in the lse's dtype; the output then in the
     geometry's); pages holding none are not computed on."""
@@ -178,7 +202,9 @@ def streamed_sparse_partial(stager, adapter, spec, query, positions, valid):
     return result[0].to(geometry.out[1]), result[1]
 
 
-def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, pool=None):
+def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, query: tuple[torch.Tensor, ...],
+                          positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                          delta: torch.Tensor, pool: PagePool | TieredPagePool | None = None) -> list[torch.Tensor]:
     """This rank's pages' share of d(query) given the MERGED lse and delta, page by page (in lse's dtype); with
     `pool`, each page's d(rows) is added to its gradient pages as it is computed (streams that carry one)."""
     d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
@@ -201,7 +227,7 @@ def streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d
 # positions (its pages' order) and the client, which knows every rank's pieces, maps them to prompt positions. The
 # capture sends with isend (every rank is client and server at once, so no send may wait for its receiver); the
 # prefix pass's turns send plainly (the servers only listen).
-def _send_all(cp, tensors, dst, works=None):
+def _send_all(cp: CPContext, tensors: Iterable[torch.Tensor], dst: int, works: list[Work] | None = None) -> None:
     for tensor in tensors:
         if works is None:
             cp.send(tensor, dst)
@@ -209,21 +235,27 @@ def _send_all(cp, tensors, dst, works=None):
             works.append(cp.isend(tensor, dst))
 
 
-def _recv_all(cp, parts, tokens, src, layer, op, device):
+def _recv_all(cp: CPContext, parts: Iterable[tuple[Sequence[int], torch.dtype]], tokens: int, src: int, layer: int,
+              op: str, device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(cp.recv((tokens, *shape), dtype, src, layer, op, device=device) for shape, dtype in parts)
 
 
-def candidate_width(geometry, ends):
+def candidate_width(geometry: SparseGeometry, ends: Iterable[int]) -> int:
     """The columns a server's candidates take for query groups that see its pages [0, end) for each end in ends."""
     return min(geometry.topk, max(ends, default=0))
 
 
-def send_selector(cp, selector, servers, works=None):
+def send_selector(cp: CPContext, selector: tuple[torch.Tensor, ...], servers: Iterable[int],
+                  works: list[Work] | None = None) -> None:
     for i in servers:
         _send_all(cp, selector, i, works)
 
 
-def collect_candidates(cp, adapter, layer, tokens, device, servers, server_ends, pieces, best=None):
+def collect_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens: int, device: torch.device,
+                       servers: Iterable[int], server_ends: Mapping[int, Iterable[int]],
+                       pieces: Sequence[Sequence[tuple[int, int]]],
+                       best: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`best` merged with every server's candidates (server_ends[i]: the end of its pages each query group sees,
     as answer_candidates got them), in prompt positions."""
     geometry = adapter.sparse_geometry(layer)
@@ -235,7 +267,9 @@ def collect_candidates(cp, adapter, layer, tokens, device, servers, server_ends,
     return best
 
 
-def request_candidates(cp, adapter, layer, selector, pieces, servers, end_of):
+def request_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, selector: tuple[torch.Tensor, ...],
+                       pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int],
+                       end_of: Callable[[int], int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Send the selector to every server; their candidates merged (prompt positions), or None when there are none.
     end_of(i): the end of server i's pages that every query sees."""
     send_selector(cp, selector, servers)
@@ -243,7 +277,8 @@ def request_candidates(cp, adapter, layer, selector, pieces, servers, end_of):
                               {i: [end_of(i)] for i in servers}, pieces)
 
 
-def answer_candidates(cp, client, adapter, stager, spec, groups, works=None):
+def answer_candidates(cp: CPContext, client: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState,
+                      groups: Sequence[tuple[int, int]], works: list[Work] | None = None) -> None:
     """The client's selector in; for each group (rows, end) of its queries in order, this rank's candidates among
     its pages [0, end) (every one of which precedes those queries), local positions, out: candidate_width columns."""
     geometry = adapter.sparse_geometry(spec.layer)
@@ -259,11 +294,14 @@ def answer_candidates(cp, client, adapter, stager, spec, groups, works=None):
     _send_all(cp, (scores, positions.to(torch.int32)), client, works)
 
 
-def _send_query(cp, query, positions, valid, pieces, server, width, works=None):
+def _send_query(cp: CPContext, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
+                pieces: Sequence[Sequence[tuple[int, int]]], server: int, width: int,
+                works: list[Work] | None = None) -> None:
     _send_all(cp, (*query, owned_positions(positions, valid, pieces[server], width)), server, works)
 
 
-def _recv_query(cp, owner, adapter, spec, tokens):
+def _recv_query(cp: CPContext, owner: int, adapter: CausalLMAdapter, spec: LayerState,
+                tokens: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     geometry = adapter.sparse_geometry(spec.layer)
     query = _recv_all(cp, geometry.query, tokens, owner, spec.layer, "sparse_query", adapter.device)
     local = cp.recv((tokens, geometry.topk), torch.int32, owner, spec.layer, "sparse_positions",
@@ -271,12 +309,15 @@ def _recv_query(cp, owner, adapter, spec, tokens):
     return (query, *decode_selection(local))
 
 
-def send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers, works=None):
+def send_partial_requests(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
+                          positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
+                          servers: Iterable[int], works: list[Work] | None = None) -> None:
     for i in servers:
         _send_query(cp, query, positions, valid, pieces, i, adapter.sparse_geometry(layer).topk, works)
 
 
-def collect_partials(cp, adapter, layer, tokens, device, servers):
+def collect_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens: int, device: torch.device,
+                     servers: Iterable[int]) -> Partial:
     """The servers' partials of a query block, merged in rank order (an empty partial when there are none)."""
     geometry = adapter.sparse_geometry(layer)
     (shape, dtype), partials = geometry.out, [empty_partial(geometry, tokens, device)]
@@ -287,20 +328,26 @@ def collect_partials(cp, adapter, layer, tokens, device, servers):
     return merge_partials_as(geometry, partials)
 
 
-def request_partials(cp, adapter, layer, query, positions, valid, pieces, servers):
+def request_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
+                     positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
+                     servers: Sequence[int]) -> Partial:
     """(out, lse) of the query over the selected rows every server owns, merged in rank order."""
     send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers)
     return collect_partials(cp, adapter, layer, positions.shape[0], positions.device, servers)
 
 
-def answer_partial(cp, owner, adapter, stager, spec, tokens, works=None):
+def answer_partial(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState, tokens: int,
+                   works: list[Work] | None = None) -> None:
     """The owner's query and this rank's positions in, the partial over those rows out."""
     query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
     out, lse = streamed_sparse_partial(stager, adapter, spec, query, positions, valid)
     _send_all(cp, (out, lse), owner, works)
 
 
-def send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works=None):
+def send_grad_requests(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
+                       positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                       delta: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
+                       works: list[Work] | None = None) -> None:
     geometry = adapter.sparse_geometry(layer)
     acc = geometry.lse_dtype
     for i in servers:
@@ -308,7 +355,8 @@ def send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, 
         _send_all(cp, (d_out.to(geometry.out[1]), torch.stack([lse.to(acc), delta.to(acc)])), i, works)
 
 
-def collect_grads(cp, adapter, layer, query, servers, d_query=None):
+def collect_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
+                  servers: Iterable[int], d_query: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """d_query (None: zeros in the lse's dtype) plus every server's share of it."""
     geometry = adapter.sparse_geometry(layer)
     acc = geometry.lse_dtype
@@ -321,14 +369,18 @@ def collect_grads(cp, adapter, layer, query, servers, d_query=None):
     return d_query
 
 
-def request_grads(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers):
+def request_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
+                  positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                  delta: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
+                  servers: Sequence[int]) -> list[torch.Tensor]:
     """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
     gradients to their gradient pages."""
     send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers)
     return collect_grads(cp, adapter, layer, query, servers)
 
 
-def answer_grads(cp, owner, adapter, stager, spec, tokens, works=None):
+def answer_grads(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState, tokens: int,
+                 works: list[Work] | None = None) -> None:
     """The owner's query, this rank's positions, d_out, lse and delta in; this rank's rows' gradients onto its
     gradient pages; its share of d(query) out."""
     geometry = adapter.sparse_geometry(spec.layer)
@@ -341,12 +393,15 @@ def answer_grads(cp, owner, adapter, stager, spec, tokens, works=None):
 
 
 # -- capture ------------------------------------------------------------------------------------------------------
-def _cat(parts):
+def _cat(parts: Iterable[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """Tuples of per-chunk tensors -> one tuple of the shard's tensors."""
     return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
 
 
-def capture_sparse_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool, selection=None, append=True):
+def capture_sparse_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
+                         cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], pool: PagePool | TieredPagePool,
+                         selection: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         append: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd), every rank at once.
 
     Pass A projects the shard chunk by chunk and appends its rows to this rank's pages. A layer that selects then
@@ -393,12 +448,15 @@ def capture_sparse_layer(adapter, spec, normed_1TC, chunks, cp, pieces, pool, se
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
 
 
-def _query_groups(client_pieces, server_pieces):
+def _query_groups(client_pieces: Sequence[tuple[int, int]],
+                  server_pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """(rows, end of the server's pages they see) of each of a client's pieces."""
     return [(hi - lo, visible_prefix(server_pieces, lo)) for lo, hi in client_pieces]
 
 
-def exchange_all_at_once(cp, pieces, post, answer, collect):
+def exchange_all_at_once(cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
+                         post: Callable[[list[int], list[Work]], Any], answer: Callable[[int, list[Work]], Any],
+                         collect: Callable[[list[int]], Any]) -> Any:
     """One exchange with every rank client and server at once: post(servers, works) sends this rank's requests to
     the ranks holding keys its queries see (isend, into works), answer(client, works) serves each rank whose queries
     see this rank's keys, collect(servers) receives the answers and returns the result; then every send is waited
@@ -414,14 +472,16 @@ def exchange_all_at_once(cp, pieces, post, answer, collect):
     return result
 
 
-def exchange_candidates(cp, adapter, spec, stager, selector, pieces):
+def exchange_candidates(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager,
+                        selector: tuple[torch.Tensor, ...] | None,
+                        pieces: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
     see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
     (prompt positions; None on a rank without earlier keys elsewhere)."""
     mine = pieces[cp.rank]
     tokens = sum(hi - lo for lo, hi in mine)
 
-    def collect(servers):
+    def collect(servers: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         ends = {i: [end for _, end in _query_groups(mine, pieces[i])] for i in servers}
         return collect_candidates(cp, adapter, spec.layer, tokens, adapter.device, servers, ends, pieces)
 
@@ -431,7 +491,9 @@ def exchange_candidates(cp, adapter, spec, stager, selector, pieces):
         collect)
 
 
-def shard_selection(cp, adapter, spec, keys, selector, spans, pieces):
+def shard_selection(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, keys: Stager,
+                    selector: tuple[torch.Tensor, ...] | None, spans: Sequence[tuple[int, int, int]],
+                    pieces: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The global selection (positions, valid) of this rank's shard at selecting layer `spec.layer` (no autograd):
     the other ranks' candidates (exchange_candidates) merged with its own keys' (causal), piece by piece."""
     mine = pieces[cp.rank]
@@ -442,7 +504,10 @@ def shard_selection(cp, adapter, spec, keys, selector, spans, pieces):
     return piece_selections(adapter, spec.layer, best, mine, tokens)
 
 
-def own_causal_candidates(stager, adapter, spec, selector, spans, mine, best):
+def own_causal_candidates(stager: Stager, adapter: CausalLMAdapter, spec: LayerState,
+                          selector: tuple[torch.Tensor, ...], spans: Sequence[tuple[int, int, int]],
+                          mine: Sequence[tuple[int, int]],
+                          best: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """`best` merged with this rank's own keys' candidates, causal: each chunk's queries (spans, local order) over
     the local tokens up to the chunk's end (local order is prompt order, and a chunk sees no key past its own end,
     so no later key is scored), in local positions, then mapped to prompt positions."""
@@ -457,7 +522,8 @@ def own_causal_candidates(stager, adapter, spec, selector, spans, mine, best):
     return own if best is None else adapter.merge_candidates(best, own, interleaved=True)
 
 
-def piece_selections(adapter, layer, best, mine, tokens):
+def piece_selections(adapter: CausalLMAdapter, layer: int, best: tuple[torch.Tensor, torch.Tensor] | None,
+                     mine: Sequence[tuple[int, int]], tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The shard's selection from its final candidates, piece by piece (a piece of queries at positions lo.. has
     min(topk, hi) columns, as one process's segment there), widened with invalid slots to a common width."""
     if not tokens:
@@ -471,7 +537,9 @@ def piece_selections(adapter, layer, best, mine, tokens):
             torch.cat([F.pad(valid, (0, width - valid.shape[1]), value=False) for _, valid in parts]))
 
 
-def exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces):
+def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager,
+                      query: tuple[torch.Tensor, ...] | None, positions: torch.Tensor, valid: torch.Tensor,
+                      pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
     """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
     whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
     return exchange_all_at_once(
@@ -482,7 +550,9 @@ def exchange_partials(cp, adapter, spec, stager, query, positions, valid, pieces
         lambda servers: collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers))
 
 
-def shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces):
+def shard_partial(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, rows: Stager,
+                  query: tuple[torch.Tensor, ...] | None, positions: torch.Tensor, valid: torch.Tensor,
+                  pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
     """The merged (out, lse) of this rank's shard queries over every rank's selected rows (no autograd): the other
     ranks' partials (exchange_partials), then its own rows'."""
     out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
@@ -499,21 +569,23 @@ class _SelectedRows(torch.autograd.Function):
     -> d(query), sending d(rows) wherever those rows' gradients belong. The rows are constants of the graph."""
 
     @staticmethod
-    def forward(ctx, pages, layer, positions, valid, *query):
+    def forward(ctx: Any, pages: Any, layer: int, positions: torch.Tensor, valid: torch.Tensor,
+                *query: torch.Tensor) -> Partial:
         out, lse = pages.partials(layer, query, positions, valid)
         ctx.save_for_backward(positions, valid, out, lse, *query)
         ctx.pages, ctx.layer = pages, layer
         return out, lse
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         positions, valid, out, lse, *query = ctx.saved_tensors
         d_out = torch.zeros_like(out) if d_out is None else d_out
         d_query = ctx.pages.partial_grads(ctx.layer, tuple(query), positions, valid, out, lse, d_out, d_lse)
         return (None, None, None, None, *(d.to(q.dtype) for d, q in zip(d_query, query, strict=True)))
 
 
-def selected_rows_attention(pages, layer, query, positions, valid):
+def selected_rows_attention(pages: Any, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                            valid: torch.Tensor) -> Partial:
     """(out, lse) of `query` (a tuple of [T, ...] tensors) over the selected rows `pages` reaches, differentiable in
     the query (see _SelectedRows)."""
     return _SelectedRows.apply(pages, layer, positions, valid, *query)
@@ -524,13 +596,15 @@ class OwnRows:
     a global selection: its candidates, its partials and its shares of the gradients, page by page from its tier.
     exact: its rows' gradients go onto its gradient pages. wrap: a stager walk that restarts at every block."""
 
-    def __init__(self, pool, adapter, pieces, exact=False, wrap=False):
+    def __init__(self, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter, pieces: Sequence[tuple[int, int]],
+                 exact: bool = False, wrap: bool = False) -> None:
         self.pool, self.adapter, self.pieces, self.exact = pool, adapter, pieces, exact
         self.specs = {spec.layer: spec for spec in adapter.specs}
         self.tokens = sum(hi - lo for lo, hi in pieces)
         self.rows, self.keys = row_stager(pool, adapter.specs, wrap=wrap), key_stager(pool, adapter.specs, wrap=wrap)
 
-    def candidates(self, layer, selector, width):
+    def candidates(self, layer: int, selector: tuple[torch.Tensor, ...],
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Candidates (scores, prompt positions int32) of the selector's queries, every one of which sees all these
         rows, padded with score -inf (never a candidate) to `width` columns."""
         spec, geometry = self.specs[layer], self.adapter.sparse_geometry(layer)
@@ -541,19 +615,21 @@ class OwnRows:
         scores, positions = padded_candidates(best, tokens, width, geometry, device)
         return scores, positions.to(torch.int32)
 
-    def partial(self, layer, query, positions, valid):
+    def partial(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                valid: torch.Tensor) -> Partial:
         """(out, lse) of the query over the selected rows among these pages."""
         own = prompt_to_local(positions, valid, self.pieces)
         return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
 
-    def grads(self, layer, query, positions, valid, lse, d_out, delta):
+    def grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
+              lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
         """These pages' share of d(query) given the merged lse and delta; d(rows) stay here, on the gradient pages
         (exact)."""
         own = prompt_to_local(positions, valid, self.pieces)
         return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
                                      self.pool if self.exact else None)
 
-    def close(self):
+    def close(self) -> None:
         self.rows.close()
         self.keys.close()
 
@@ -566,7 +642,8 @@ class SparsePagesAttention:
     each rank adds its own rows' gradients to its gradient pages. (interfaces.RemoteSelection; its own pages' share:
     interfaces.OwnSparsePages.)"""
 
-    def __init__(self, cp, pool, adapter, end, exact=False):
+    def __init__(self, cp: CPContext, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter, end: int,
+                 exact: bool = False) -> None:
         self.cp, self.adapter, self.end = cp, adapter, end
         pieces = cp.pieces(end)
         self.sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
@@ -574,37 +651,43 @@ class SparsePagesAttention:
         self.own = self.stager = OwnRows(pool, adapter, pieces[cp.rank], exact, wrap=True)  # the leaves close it
 
     # -- this rank's pages' share (the replicated schedule below, and grpo/cp/spread.py's) ----------------------
-    def own_candidates(self, layer, selector):
+    def own_candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's candidates at the width every rank uses (OwnRows.candidates)."""
         return self.own.candidates(layer, selector, min(self.adapter.sparse_geometry(layer).topk, max(self.sizes)))
 
-    def own_partial(self, layer, query, positions, valid):
+    def own_partial(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                    valid: torch.Tensor) -> Partial:
         return self.own.partial(layer, query, positions, valid)
 
-    def own_grads(self, layer, query, positions, valid, lse, d_out, delta):
+    def own_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
+                  lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
         return self.own.grads(layer, query, positions, valid, lse, d_out, delta)
 
     # -- every rank with the same queries ---------------------------------------------------------------------
-    def candidates(self, layer, selector):
+    def candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         scores, positions = self.own_candidates(layer, selector)
         all_scores = self.cp.all_gather(scores, layer, "sparse_candidate_scores")
         all_positions = self.cp.all_gather(positions, layer, "sparse_candidates")
         return merge_rank_candidates(self.adapter, all_scores, all_positions)
 
-    def attend(self, layer, query, positions, valid):
+    def attend(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+               valid: torch.Tensor) -> Partial:
         return selected_rows_attention(self, layer, query, positions, valid)
 
-    def partials(self, layer, query, positions, valid):
+    def partials(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                 valid: torch.Tensor) -> Partial:
         out, lse = self.own_partial(layer, query, positions, valid)
         outs = self.cp.all_gather(out, layer, "sparse_out")
         lses = self.cp.all_gather(lse, layer, "sparse_lse")
         return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
-    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+    def partial_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                      d_lse: torch.Tensor | None) -> list[torch.Tensor]:
         delta = attention_delta(out, d_out, d_lse)
         d_query = self.own_grads(layer, query, positions, valid, lse, d_out, delta)
         flat = self.cp.all_reduce_(torch.cat([d.reshape(-1) for d in d_query]), layer, "sparse_dq")
         return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query, strict=True)]
 
-    def close(self):
+    def close(self) -> None:
         self.own.close()

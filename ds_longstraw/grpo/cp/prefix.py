@@ -20,7 +20,7 @@ last to first (wall time about that of the single-process pass; memory stays one
 
 Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
 are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks segment s has on
-any replica, lockstep.GroupShape.segments); the owner runs its real chunks and pads with zero-gradient one-token
+any replica, lockstep.GroupCalls.segments); the owner runs its real chunks and pads with zero-gradient one-token
 iterations, every other rank runs only such zero iterations, and a rank whose pages the owner reads answers each
 request from inside the mirrored layer
 (`PageServer`): the point-to-point exchanges then sit at the same place in every rank's sequence of weight
@@ -31,6 +31,11 @@ Messages are point-to-point within the CP group; a request is an int64 header [o
 layer's requests (cp_sparse.py) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
 rows' partial; their payloads are cp_sparse's request_* / answer_*.
 """
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -60,6 +65,14 @@ from ds_longstraw.grpo.lockstep import ceil_div, zero_prefix_iteration
 from ds_longstraw.grpo.prefix_pass import prefix_backward
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order, visible_prefix
 
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.offload import PagePool, Stager
+    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.parallel.groups import CPContext
+
 FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
 
@@ -73,36 +86,38 @@ class RemotePages:
     positions up to the segment, so it starts at the turn's piece. (interfaces.RemoteAttention, whose `keys` it
     offers, and interfaces.RemoteSelection.)"""
 
-    def __init__(self, cp, pieces, servers, adapter=None, start=0, earlier=None):
+    def __init__(self, cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int],
+                 adapter: CausalLMAdapter | None = None, start: int = 0, earlier: OwnRows | None = None) -> None:
         self.cp, self.pieces, self.servers, self.adapter = cp, pieces, servers, adapter
         self.end, self.earlier = start, earlier
         self.visible = {i: visible_prefix(pieces[i], start) for i in servers}
 
-    def __call__(self, layer, q_HTD, known=None):
+    def __call__(self, layer: int, q_HTD: torch.Tensor, known: Partial | None = None) -> Partial:
         return remote_pages_attention(self, layer, q_HTD, known)
 
-    def _header(self, op, layer, queries, device):
+    def _header(self, op: int, layer: int, queries: int, device: torch.device) -> None:
         header = torch.tensor([op, layer, queries], dtype=torch.int64, device=device)
         for i in self.servers:
             self.cp.send(header, i)
 
-    def forward(self, layer, q_HTD):
+    def forward(self, layer: int, q_HTD: torch.Tensor) -> Partial:
         keys = self.keys(layer)
         keys.post_forward(q_HTD)
         return keys.collect_forward()
 
-    def backward(self, layer, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
+    def backward(self, layer: int, q_HTD: torch.Tensor, out_HTD: torch.Tensor, lse_HT: torch.Tensor,
+                 dout_HTD: torch.Tensor, dlse_HT: torch.Tensor | None) -> torch.Tensor:
         keys = self.keys(layer)
         keys.post_backward(q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT)
         return keys.collect_backward()
 
-    def keys(self, layer):
+    def keys(self, layer: int) -> RemoteKeys:
         """The other ranks' earlier keys of `layer` as a request in two halves (RemoteKeys), so that the owner
         attends its own key sets while the page owners work (kernels/attention.attention_with_past's remote)."""
         return RemoteKeys(self, layer)
 
     # -- "topk_lse" layers (cp_sparse.py): the global selection's candidates, then the selected rows' partial ----
-    def candidates(self, layer, selector):
+    def candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         self._header(SELECT, layer, selector[0].shape[0], selector[0].device)
         best = request_candidates(self.cp, self.adapter, layer, selector, self.pieces, self.servers, self.visible.get)
         if self.earlier is not None:
@@ -111,10 +126,12 @@ class RemotePages:
             best = self.adapter.merge_candidates(best, (scores, positions.long()), interleaved=True)
         return best
 
-    def attend(self, layer, query, positions, valid):
+    def attend(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+               valid: torch.Tensor) -> Partial:
         return selected_rows_attention(self, layer, query, positions, valid)
 
-    def partials(self, layer, query, positions, valid):
+    def partials(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+                 valid: torch.Tensor) -> Partial:
         self._header(FORWARD, layer, positions.shape[0], positions.device)
         result = request_partials(self.cp, self.adapter, layer, query, positions, valid, self.pieces, self.servers)
         if self.earlier is not None:
@@ -122,7 +139,9 @@ class RemotePages:
             result = merge_partials_as(self.adapter.sparse_geometry(layer), [result, own])
         return result
 
-    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+    def partial_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
+                      d_lse: torch.Tensor | None) -> list[torch.Tensor]:
         delta = attention_delta(out, d_out, d_lse)
         self._header(BACKWARD, layer, positions.shape[0], positions.device)
         d_query = request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.pieces,
@@ -133,7 +152,7 @@ class RemotePages:
                 total += part.to(total.dtype)
         return d_query
 
-    def close(self, device):
+    def close(self, device: torch.device) -> None:
         self._header(DONE, -1, 0, device)
         if self.earlier is not None:
             self.earlier.close()
@@ -146,17 +165,17 @@ class RemoteKeys:
       backward  header, q, dout, (lse, delta) out (the MERGED result's, the ring-attention form); dq shares back,
                 summed; each server adds its keys' dK/dV to its gradient pages."""
 
-    def __init__(self, pages, layer):
+    def __init__(self, pages: RemotePages, layer: int) -> None:
         self.pages, self.layer = pages, layer
 
-    def post_forward(self, q_HTD):
+    def post_forward(self, q_HTD: torch.Tensor) -> None:
         pages = self.pages
         pages._header(FORWARD, self.layer, q_HTD.shape[1], q_HTD.device)
         for i in pages.servers:
             pages.cp.send(q_HTD, i)
         self.q = q_HTD
 
-    def collect_forward(self):
+    def collect_forward(self) -> Partial:
         cp, q_HTD, acc = self.pages.cp, self.q, _acc(self.q.dtype)
         partials = [(q_HTD.new_zeros(q_HTD.shape),
                      torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
@@ -167,7 +186,8 @@ class RemoteKeys:
         del self.q
         return merge_in_order(partials)
 
-    def post_backward(self, q_HTD, out_HTD, lse_HT, dout_HTD, dlse_HT):
+    def post_backward(self, q_HTD: torch.Tensor, out_HTD: torch.Tensor, lse_HT: torch.Tensor, dout_HTD: torch.Tensor,
+                      dlse_HT: torch.Tensor | None) -> None:
         pages, acc = self.pages, _acc(q_HTD.dtype)
         delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
         pages._header(BACKWARD, self.layer, q_HTD.shape[1], q_HTD.device)
@@ -177,7 +197,7 @@ class RemoteKeys:
             pages.cp.send(torch.stack([lse_HT.to(acc), delta_HT.to(acc)]), i)
         self.shape, self.dtype, self.device = q_HTD.shape, acc, q_HTD.device
 
-    def collect_backward(self):
+    def collect_backward(self) -> torch.Tensor:
         cp = self.pages.cp
         dq = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         for i in self.pages.servers:
@@ -185,7 +205,8 @@ class RemoteKeys:
         return dq
 
 
-def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
+def _answer(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, chunk: int, op: int, layer: int,
+            tq: int, end: int | None = None) -> None:
     """Answer one request of `owner` (its header already read) against this rank's pages [0, end) (None: all;
     the keys the owner's piece sees), streamed from its tier page by page through `stager` (dK/dV go to the
     gradient pages page by page)."""
@@ -215,11 +236,12 @@ def _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end=None):
         raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
 
 
-def _read_header(cp, owner, device):
+def _read_header(cp: CPContext, owner: int, device: torch.device) -> tuple[int, ...]:
     return tuple(int(x) for x in cp.recv((3,), torch.int64, owner, -1, "prefix_header", device=device))
 
 
-def serve(cp, owner, adapter, pool, chunk, end=None):
+def serve(cp: CPContext, owner: int, adapter: CausalLMAdapter, pool: PagePool | TieredPagePool, chunk: int,
+          end: int | None = None) -> None:
     """Answer `owner`'s requests against this rank's pages [0, end) until it says DONE."""
     stager = layer_stager(pool, adapter.specs)
     try:
@@ -244,13 +266,14 @@ class PageServer:
     end = 0  # the mirrored dummy iteration is one token at position 0: no keys on other ranks precede it
     keys = None  # one request per layer (interfaces.RemoteAttention)
 
-    def __init__(self, cp, owner, adapter, pool, chunk, kept=False, visible=None):
+    def __init__(self, cp: CPContext, owner: int, adapter: CausalLMAdapter, pool: PagePool | TieredPagePool, chunk: int,
+                 kept: bool = False, visible: int | None = None) -> None:
         self.cp, self.owner, self.adapter, self.chunk = cp, owner, adapter, chunk
         self.stager = layer_stager(pool, adapter.specs)  # closed by close()
         self.kept = kept  # the owner's attention was kept from capture: it sends no FORWARD request
         self.visible = visible  # this rank's pages [0, visible) are what the owner's piece sees (None: all)
 
-    def answer(self, expected_op, expected_layer):
+    def answer(self, expected_op: int, expected_layer: int) -> None:
         op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
         if (op, layer) != (expected_op, expected_layer):
             raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
@@ -258,25 +281,26 @@ class PageServer:
         if op != DONE:
             _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq, self.visible)
 
-    def close(self):
+    def close(self) -> None:
         self.stager.close()
 
-    def __call__(self, layer, q_HTD, known=None):
+    def __call__(self, layer: int, q_HTD: torch.Tensor, known: Partial | None = None) -> Partial:
         assert known is None, "a mirrored iteration keeps no attention of its own"
         return _AnswerOwner.apply(q_HTD, self, layer)
 
     # -- "topk_lse" layers --------------------------------------------------------------------------------------
-    def candidates(self, layer, selector):
+    def candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> None:
         self.answer(SELECT, layer)
         return None  # the dummy selects among its own key only
 
-    def attend(self, layer, query, positions, valid):
+    def attend(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
+               valid: torch.Tensor) -> Partial:
         return _AnswerOwnerSparse.apply(self, layer, *query)
 
 
 class _AnswerOwner(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_HTD, server, layer):
+    def forward(ctx: Any, q_HTD: torch.Tensor, server: PageServer, layer: int) -> Partial:
         if not server.kept:
             server.answer(FORWARD, layer)
         ctx.server, ctx.layer = server, layer
@@ -284,7 +308,7 @@ class _AnswerOwner(torch.autograd.Function):
         return q_HTD.new_zeros(q_HTD.shape), empty  # an empty partial: the dummy's own output is unchanged
 
     @staticmethod
-    def backward(ctx, dout_HTD, dlse_HT):
+    def backward(ctx: Any, dout_HTD: torch.Tensor | None, dlse_HT: torch.Tensor | None) -> tuple[None, None, None]:
         ctx.server.answer(BACKWARD, ctx.layer)
         return None, None, None
 
@@ -294,7 +318,7 @@ class _AnswerOwnerSparse(torch.autograd.Function):
     partial for the dummy's query (no rows: out 0, lse -inf); backward answers its BACKWARD request."""
 
     @staticmethod
-    def forward(ctx, server, layer, *query):
+    def forward(ctx: Any, server: PageServer, layer: int, *query: torch.Tensor) -> Partial:
         server.answer(FORWARD, layer)
         ctx.server, ctx.layer, ctx.count = server, layer, len(query)
         geometry = server.adapter.sparse_geometry(layer)
@@ -302,18 +326,20 @@ class _AnswerOwnerSparse(torch.autograd.Function):
         return out.to(geometry.out[1]), lse  # as the owner's merged partial comes (cp_sparse.merge_partials_as)
 
     @staticmethod
-    def backward(ctx, d_out, d_lse):
+    def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> tuple[None, ...]:
         ctx.server.answer(BACKWARD, ctx.layer)
         return (None, None, *([None] * ctx.count))
 
 
-def _carry_shapes(state):
+def _carry_shapes(state: PrefixState) -> dict[int, list[tuple[torch.Size, torch.dtype]]]:
     """layer -> [(shape, dtype) of each carry part], from the final carry every rank holds."""
     return {layer: [(t.shape, t.dtype) for t in parts] for layer, parts in state.carry.items()}
 
 
-def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=None, turn_iterations=None,
-                       prefix_recompute=False):
+def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
+                       d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext, chunk: int,
+                       backward: Callable[[torch.Tensor], Any] | None = None,
+                       turn_iterations: Sequence[int] | None = None, prefix_recompute: bool = False) -> None:
     """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
@@ -379,12 +405,15 @@ def cp_prefix_backward(adapter, state, ids, d_final_carry, cp, chunk, backward=N
         work.wait()
 
 
-def _carry_part(grads, part, shape, dtype, device):
+def _carry_part(grads: Sequence[torch.Tensor] | None, part: int, shape: torch.Size, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
     """Part `part` of a layer's d(carry) as sent (zeros where the piece starts at the prompt start: no carry)."""
     return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
 
 
-def _mirror_turn(adapter, state, cp, owner, real, chunk, iterations, serving, backward, prefix_recompute, visible):
+def _mirror_turn(adapter: CausalLMAdapter, state: PrefixState, cp: CPContext, owner: int, real: int, chunk: int,
+                 iterations: int, serving: bool, backward: Callable[[torch.Tensor], Any] | None, prefix_recompute: bool,
+                 visible: int) -> None:
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's `real` chunks answer its requests (against this rank's pages [0, visible)) when this rank
     serves it, then its DONE is read."""

@@ -38,7 +38,11 @@ the largest shard's chunk count with one-token zero iterations (the capture's du
 chunks(spans), lockstep.ShardChunks).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -62,8 +66,22 @@ from ds_longstraw.kernels.attention import key_set_grads
 from ds_longstraw.offload import make_pool
 from ds_longstraw.parallel.groups import local_spans, visible_prefix
 
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.offload import PagePool, Stager
+    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.parallel.groups import CPContext
 
-def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings, backward=None, schedule=None):
+
+def layer_major_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
+                                d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext,
+                                settings: LongstrawConfig, backward: Callable[[torch.Tensor], Any] | None = None,
+                                schedule: Schedule | None = None) -> None:
     """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry) from
@@ -84,7 +102,7 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
     group = None  # the pool of the recomputed inputs of the layers above the current group's base
     inputs = {}  # "group": the pool of the current group's recomputed inputs, for the selections' reads
 
-    def input_of(layer):
+    def input_of(layer: int) -> Callable[[int, int], torch.Tensor]:
         if layer % every == 0:
             return partial(state.read_layer_input, layer)
         return partial(_read_group, inputs["group"], layer)
@@ -130,11 +148,13 @@ def layer_major_prefix_backward(adapter, state, ids, d_final_carry, cp, settings
             inject_gradients([adapter.embed(ids[:0].new_zeros(1))], [None], backward)
 
 
-def _read_group(group, layer, start, end):
+def _read_group(group: PagePool | TieredPagePool, layer: int, start: int, end: int) -> torch.Tensor:
     return group.read(layer, INPUT_STREAM, start, end).unsqueeze(0)
 
 
-def recompute_inputs(adapter, state, base, top, chunks, cp, pieces, settings, selections=None):
+def recompute_inputs(adapter: CausalLMAdapter, state: PrefixState, base: int, top: int, chunks: ShardChunks,
+                     cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], settings: LongstrawConfig,
+                     selections: Selections | None = None) -> PagePool | TieredPagePool:
     """The inputs of layers base + 1 .. top over this rank's shard, recomputed without a graph from layer base's
     (capture's) by the layers' own forward, with the exchanges their combine needs (every rank recomputes the same
     group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every). selections: the
@@ -159,7 +179,10 @@ def recompute_inputs(adapter, state, base, top, chunks, cp, pieces, settings, se
     return pool
 
 
-def layer_forward(adapter, spec, state, hidden_1TC, chunks, cp, pieces, chunk, selection=None):
+def layer_forward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState, hidden_1TC: torch.Tensor,
+                  chunks: ShardChunks, cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], chunk: int,
+                  selection: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """(Layer `spec.layer`'s output over this rank's shard from its input, the last top-k selection), no graph, as
     the capture computes it but reading what the capture kept: attention over the pages in place (or the kept
     attention), GDN from each chunk's checkpointed carry (no exchange), a "topk_lse" layer by the capture's
@@ -186,7 +209,10 @@ def layer_forward(adapter, spec, state, hidden_1TC, chunks, cp, pieces, chunk, s
     return mlp_over_chunks(adapter, layer, hidden, chunks), selection
 
 
-def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, cp, pieces, chunk, backward=None):
+def attention_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
+                             read_input: Callable[[int, int], torch.Tensor], dy_1TC: torch.Tensor, chunks: ShardChunks,
+                             cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], chunk: int,
+                             backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
     """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard (read_input(a, b): the
     layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
     schedule's dummy chunks); parameter gradients accumulate, and every rank's gradient pages of the layer get every
@@ -225,7 +251,7 @@ def attention_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, c
     return d_x
 
 
-def _kept(state, spec, spans):
+def _kept(state: PrefixState, spec: LayerState, spans: Sequence[tuple[int, int, int]]) -> list[Partial] | None:
     """The capture's kept (out, lse) of each chunk, head-major, or None when the attention was not kept."""
     if state.kept_pool is None:
         return None
@@ -233,7 +259,9 @@ def _kept(state, spec, spans):
     return [(out[:, a:b], lse[:, a:b]) for a, b, _ in spans]
 
 
-def _output_side(adapter, layer, x_1TC, position, out_HTD, dy_1TC, backward):
+def _output_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int, out_HTD: torch.Tensor,
+                 dy_1TC: torch.Tensor,
+                 backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d out, d x) of y = mlp_residual(x + finish(out, gate(x))) given d y: the output gate recomputed here with
     its graph (its half of the query projection), rather than held over the shard."""
     x, out = grad_leaf(x_1TC), grad_leaf(out_HTD)
@@ -244,7 +272,9 @@ def _output_side(adapter, layer, x_1TC, position, out_HTD, dy_1TC, backward):
     return grad_of(out), grad_of(x)
 
 
-def _input_side(adapter, layer, x_1TC, position, injected, backward):
+def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int,
+                injected: Sequence[torch.Tensor | None] | None,
+                backward: Callable[[torch.Tensor], Any] | None) -> torch.Tensor:
     """d x of the chunk's (q, gate, K, V) projections given their gradients (the gate's is None: the output side
     took it; None altogether: a lockstep zero iteration)."""
     x = grad_leaf(x_1TC)
@@ -255,7 +285,10 @@ def _input_side(adapter, layer, x_1TC, position, injected, backward):
     return grad_of(x)
 
 
-def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs):
+def _attention_grads(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
+                     spans: Sequence[tuple[int, int, int]], cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
+                     chunk: int, queries: Sequence[torch.Tensor], results: Sequence[Partial],
+                     d_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """dq of every chunk of this rank's shard (accumulation precision), with dK/dV of this rank's keys from its own
     queries and from every other rank's added to its gradient pages."""
     layer, pool = spec.layer, state.pool
@@ -280,7 +313,9 @@ def _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, re
     return dq
 
 
-def _local_grads(spec, stager, pool, scale, spans, queries, results, d_outs):
+def _local_grads(spec: LayerState, stager: Stager, pool: PagePool | TieredPagePool, scale: float,
+                 spans: Sequence[tuple[int, int, int]], queries: Sequence[torch.Tensor], results: Sequence[Partial],
+                 d_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Each chunk's queries against this rank's own keys before them (causal on the chunk itself)."""
     dq = []
     for (a, b, _), q, (out, lse), d_out in zip(spans, queries, results, d_outs, strict=True):
@@ -300,13 +335,16 @@ class _Requests:
     (groups.visible_prefix), so no header is sent. Sends are posted without blocking in a fixed order per pair of
     ranks, receives in the same order."""
 
-    def __init__(self, cp, pieces, chunk, spans, queries, results, d_outs, layer, geometry):
+    def __init__(self, cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], chunk: int,
+                 spans: Sequence[tuple[int, int, int]], queries: Sequence[torch.Tensor], results: Sequence[Partial],
+                 d_outs: Sequence[torch.Tensor], layer: int,
+                 geometry: tuple[int, int, torch.dtype, torch.dtype, torch.device]) -> None:
         self.cp, self.pieces, self.chunk, self.layer = cp, pieces, chunk, layer
         self.spans, self.queries, self.results, self.d_outs = spans, queries, results, d_outs
         self.heads, self.dim, self.dtype, self.acc, self.device = geometry
         self.works = []
 
-    def _seen(self, rank, spans):
+    def _seen(self, rank: int, spans: Sequence[tuple[int, int, int]]) -> list[tuple[int, int]]:
         """(index, keys of rank `rank` it sees) of each chunk in `spans` that sees some."""
         out = []
         for index, (_, _, position) in enumerate(spans):
@@ -315,7 +353,7 @@ class _Requests:
                 out.append((index, seen))
         return out
 
-    def post(self, step):
+    def post(self, step: int) -> None:
         cp = self.cp
         dst = (cp.rank + step) % cp.size
         for index, _ in self._seen(dst, self.spans):
@@ -324,7 +362,8 @@ class _Requests:
                            lse.to(self.acc)):
                 self.works.append(cp.isend(tensor, dst))
 
-    def answer(self, step, stager, spec, scale, pool):
+    def answer(self, step: int, stager: Stager, spec: LayerState, scale: float,
+               pool: PagePool | TieredPagePool) -> None:
         cp = self.cp
         src = (cp.rank - step) % cp.size
         theirs = local_spans(self.pieces[src], self.chunk)
@@ -338,7 +377,7 @@ class _Requests:
             share = streamed_key_grads(stager, spec, q, out, lse, d_out, scale, pool, end=seen)
             self.works.append(cp.isend(share, src))
 
-    def collect(self, step, dq):
+    def collect(self, step: int, dq: list[torch.Tensor]) -> None:
         cp = self.cp
         dst = (cp.rank + step) % cp.size
         for index, _ in self._seen(dst, self.spans):

@@ -20,6 +20,11 @@ Under ZeRO-3 (lockstep) each per-chunk loop is padded with one-token zero iterat
 lockstep.ShardChunks).
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import torch
 
 from ds_longstraw.arch.base import grad_leaf, grad_of, inject_gradients
@@ -38,6 +43,16 @@ from ds_longstraw.grpo.cp.cp_sparse import (
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.parallel.groups import prompt_to_local
 
+if TYPE_CHECKING:
+    from torch.distributed import Work
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.offload import Stager
+    from ds_longstraw.parallel.groups import CPContext
+
 
 class Selections:
     """The selections of the layer-major pass's "topk_lse" layers, walking the layers top to bottom. The one a layer
@@ -46,21 +61,23 @@ class Selections:
     where that layer lies below the group's base (prefix_inputs_every) and its input is not kept, the selection kept
     with the base's input (state.read_selection)."""
 
-    def __init__(self, adapter, state, chunks, cp, pieces, input_of, every=1):
+    def __init__(self, adapter: CausalLMAdapter, state: PrefixState, chunks: ShardChunks, cp: CPContext,
+                 pieces: Sequence[Sequence[tuple[int, int]]],
+                 input_of: Callable[[int], Callable[[int, int], torch.Tensor]], every: int = 1) -> None:
         self.adapter, self.state, self.chunks, self.cp, self.pieces = adapter, state, chunks, cp, pieces
         self.spans = chunks.spans
         self.input_of, self.every = input_of, every
         self.specs = {spec.layer: spec for spec in adapter.specs}
         self.made = {}
 
-    def source(self, layer):
+    def source(self, layer: int) -> int:
         """The selecting layer whose selection `layer` attends."""
         for below in range(layer, -1, -1):
             if self.specs[below].select:
                 return below
         raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
 
-    def of(self, layer):
+    def of(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         source, base = self.source(layer), layer - layer % self.every
         if source < base and source % self.every:  # made in a group below, from an input not kept: kept with the
             # base's input (state.selection_bases)
@@ -71,12 +88,12 @@ class Selections:
             self.made[source] = self._select(self.specs[source])
         return self.made[source]
 
-    def done(self, layer):
+    def done(self, layer: int) -> None:
         """Drop what no layer at or below `layer` needs any more."""
         self.made.pop(layer, None)
         self.made.pop(("kept", layer), None)
 
-    def _select(self, spec):
+    def _select(self, spec: LayerState) -> tuple[torch.Tensor, torch.Tensor]:
         adapter, layer = self.adapter, spec.layer
         read = self.input_of(layer)
         with torch.no_grad():
@@ -91,17 +108,20 @@ class Selections:
                 keys.close()
 
 
-def _zero(adapter):
+def _zero(adapter: CausalLMAdapter) -> torch.Tensor:
     return torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
 
 
-def _pad_projections(adapter, layer, chunks):
+def _pad_projections(adapter: CausalLMAdapter, layer: int, chunks: ShardChunks) -> None:
     """The dummy chunks' projections (results discarded)."""
     for _ in chunks.dummies():
         adapter.sparse_project(layer, adapter.mixer_input(layer, _zero(adapter)), 0)
 
 
-def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, cp, pieces, selections, backward=None):
+def sparse_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
+                          read_input: Callable[[int, int], torch.Tensor], dy_1TC: torch.Tensor, chunks: ShardChunks,
+                          cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], selections: Selections,
+                          backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
     """d(layer input) [1, T, C] of "topk_lse" layer `spec.layer` over this rank's shard (read_input(a, b): the
     layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
     schedule's dummy chunks; selections: the pass's Selections); parameter gradients accumulate, and every rank's
@@ -144,7 +164,9 @@ def sparse_layer_backward(adapter, spec, state, read_input, dy_1TC, chunks, cp, 
     return d_x
 
 
-def _output_side(adapter, layer, x_1TC, position, out, dy_1TC, backward):
+def _output_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int, out: torch.Tensor,
+                 dy_1TC: torch.Tensor,
+                 backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d out, d x) of y = mlp_residual(x + finish(out)) given d y, the output's map (absorbed W_UV) recomputed
     here with its graph."""
     x, out = grad_leaf(x_1TC), grad_leaf(out)
@@ -155,7 +177,9 @@ def _output_side(adapter, layer, x_1TC, position, out, dy_1TC, backward):
     return grad_of(out), grad_of(x)
 
 
-def _input_side(adapter, layer, x_1TC, position, injected, backward):
+def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int,
+                injected: list[torch.Tensor | None] | None,
+                backward: Callable[[torch.Tensor], Any] | None) -> torch.Tensor:
     """d x of the chunk's query and rows given their gradients (None: a lockstep zero iteration); the indexer's
     outputs take none, as the model defines it."""
     x = grad_leaf(x_1TC)
@@ -166,17 +190,20 @@ def _input_side(adapter, layer, x_1TC, position, injected, backward):
     return grad_of(x)
 
 
-def _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out):
+def _sparse_grads(adapter: CausalLMAdapter, spec: LayerState, rows: Stager, cp: CPContext,
+                  pieces: Sequence[Sequence[tuple[int, int]]], query: tuple[torch.Tensor, ...] | None,
+                  positions: torch.Tensor, valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  d_out: torch.Tensor) -> list[torch.Tensor]:
     """d(query) of this rank's shard: its own rows' share locally, every other owner's by the exchange (every rank
     client and server at once); each owner adds its rows' gradients to its gradient pages."""
     layer = spec.layer
     delta = attention_delta(out, d_out, None)
 
-    def post(servers, works):
+    def post(servers: list[int], works: list[Work]) -> None:
         if query is not None:
             send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works)
 
-    def collect(servers):
+    def collect(servers: list[int]) -> list[torch.Tensor]:
         if query is None:
             return []
         own = streamed_sparse_grads(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]),

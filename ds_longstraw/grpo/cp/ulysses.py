@@ -17,6 +17,11 @@ H/N heads of one layer at a time (the LSE path holds one shard's pages of one la
 prefix pass keep the LSE paths: their queries are few, and a head shard of them would not cut any traffic.
 """
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -24,8 +29,16 @@ from ds_longstraw.grpo.cp.cp_attention import _acc, _pages_KTD, finish_dummies, 
 from ds_longstraw.grpo.state import keep_segment_attention
 from ds_longstraw.kernels import partial_attention
 
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.offload import PagePool
+    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.parallel.groups import CPContext
 
-def check_heads(heads, kv_heads, size):
+
+def check_heads(heads: int, kv_heads: int, size: int) -> None:
     """ValueError unless the Ulysses head split works for (H, K, N)."""
     if heads % size:
         raise ValueError(f"'longstraw.cp_attention' = 'ulysses' needs num_attention_heads ({heads}) divisible by "
@@ -36,14 +49,15 @@ def check_heads(heads, kv_heads, size):
                          f"(group size {ratio}); use 'lse'")
 
 
-def _kv_heads_of(rank, heads, kv_heads, size):
+def _kv_heads_of(rank: int, heads: int, kv_heads: int, size: int) -> tuple[int, int]:
     per_rank, ratio = heads // size, heads // kv_heads
     first = rank * per_rank // ratio
     last = ((rank + 1) * per_rank - 1) // ratio
     return first, last + 1
 
 
-def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
+def _all_to_all(cp: CPContext, send_parts: Sequence[torch.Tensor], recv_shapes: Sequence[Sequence[int]],
+                dtype: torch.dtype, layer: int, op: str) -> list[torch.Tensor]:
     """Exchange send_parts[d] -> rank d; returns the parts received from every rank (own part included)."""
     send = torch.cat([p.reshape(-1) for p in send_parts])
     out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
@@ -59,7 +73,9 @@ def _all_to_all(cp, send_parts, recv_shapes, dtype, layer, op):
     return parts
 
 
-def ulysses_attention_layer(adapter, spec, normed_1TC, chunks, cp, bounds, pool, chunk, kept_pool=None):
+def ulysses_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
+                            cp: CPContext, bounds: Sequence[tuple[int, int]], pool: PagePool | TieredPagePool,
+                            chunk: int, kept_pool: PagePool | TieredPagePool | None = None) -> torch.Tensor:
     """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
     chunks: lockstep.ShardChunks (the real chunks, then the schedule's dummies; see capture.py);
     kept_pool: None, or the pool that keeps the attention's (out, lse) of this rank's tokens (exact mode's

@@ -22,7 +22,7 @@ float64 inputs).
 import torch
 
 from ..dispatch import record
-from .chunked import VOCAB_CHUNK, _acc, _chunk_logits, _in_chunk, check_logprob_inputs
+from .chunked import VOCAB_CHUNK, _acc, _chunk_logits, _in_chunk, backward_over_chunks, check_logprob_inputs
 
 
 def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
@@ -52,31 +52,20 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
 
 def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T, dlogp_T, dentropy_T, vocab_chunk, need):
     """Gradients of sum(dlogp log p + dentropy H) w.r.t. (hidden, weight, bias), chunk by chunk."""
-    need_hidden, need_weight, need_bias = need
     acc = lse_T.dtype
-    vocab = weight_VC.shape[0]
     dlogp_T, dentropy_T = dlogp_T.to(acc).unsqueeze(-1), dentropy_T.to(acc).unsqueeze(-1)
-    dhidden_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if need_hidden else None
-    dweight_VC = torch.empty_like(weight_VC) if need_weight else None
-    dbias_V = torch.empty_like(bias_V) if need_bias else None
-    for v0 in range(0, vocab, vocab_chunk):
-        v1 = min(vocab, v0 + vocab_chunk)
-        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1).to(acc)
-        # dz = -p (dlogp + dentropy (z - E)) + dlogp onehot, built in two [T, c] buffers: the factor, then p in z's
-        factor_Tc = torch.addcmul(dlogp_T - dentropy_T * expected_T.unsqueeze(-1), dentropy_T, z_Tc)
+    shift_T = dlogp_T - dentropy_T * expected_T.unsqueeze(-1)
+
+    def chunk_dz(z_Tc, v0):
+        # dz = -p (dlogp + dentropy (z - E)) + dlogp onehot, in two [T, c] buffers: the factor, then p in z's
+        z_Tc = z_Tc.to(acc)
+        factor_Tc = torch.addcmul(shift_T, dentropy_T, z_Tc)
         dz_Tc = z_Tc.sub_(lse_T.unsqueeze(-1)).exp_().mul_(factor_Tc).neg_()
-        del z_Tc, factor_Tc
-        inside_T, column_T = _in_chunk(targets_T, v0, v1)
-        dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T.unsqueeze(-1), dlogp_T, 0.0))
-        if need_bias:
-            dbias_V[v0:v1] = dz_Tc.sum(dim=0)
-        dz_Tc = dz_Tc.to(hidden_TC.dtype)  # as the plain path: the logits' gradient in the inputs' dtype
-        if need_hidden:
-            dhidden_TC += (dz_Tc @ weight_VC[v0:v1]).to(acc)
-        if need_weight:
-            dweight_VC[v0:v1] = dz_Tc.T @ hidden_TC
-        del dz_Tc
-    return (None if dhidden_TC is None else dhidden_TC.to(hidden_TC.dtype)), dweight_VC, dbias_V
+        del factor_Tc
+        inside_T, column_T = _in_chunk(targets_T, v0, v0 + dz_Tc.shape[1])
+        return dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T.unsqueeze(-1), dlogp_T, 0.0))
+
+    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz)
 
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):

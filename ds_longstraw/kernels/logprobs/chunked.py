@@ -129,18 +129,27 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_directio
 
 def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chunk, need):
     """Gradients of sum(dlogp * log p) w.r.t. (hidden, weight, bias), chunk by chunk; None where not `need`ed."""
+    dlogp_T = dlogp_T.to(_acc(hidden_TC.dtype))
+    _, backward_step = _steps(hidden_TC, need[2])
+
+    def chunk_dz(z_Tc, v0):  # dz = dlogp * (onehot(target) - softmax), on the recomputed logits
+        return backward_step(z_Tc, targets_T, v0, lse_T, dlogp_T)
+
+    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz)
+
+
+def backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz):
+    """(d hidden, d weight, d bias) from the logits' gradient chunk by chunk: chunk_dz(z_Tc, v0) turns one chunk's
+    recomputed logits (ids v0 ..) into their gradient, in the accumulation dtype; None where not `need`ed."""
     need_hidden, need_weight, need_bias = need
     acc = _acc(hidden_TC.dtype)
     vocab = weight_VC.shape[0]
-    dlogp_T = dlogp_T.to(acc)
     dhidden_TC = torch.zeros(hidden_TC.shape, dtype=acc, device=hidden_TC.device) if need_hidden else None
     dweight_VC = _uninitialised(weight_VC) if need_weight else None
     dbias_V = _uninitialised(bias_V) if need_bias else None
-    _, backward_step = _steps(hidden_TC, need_bias)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        # dz = dlogp * (onehot(target) - softmax), on the recomputed logits.
-        dz_Tc = backward_step(_chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1), targets_T, v0, lse_T, dlogp_T)
+        dz_Tc = chunk_dz(_chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1), v0)
         if need_bias:
             dbias_V[v0:v1] = dz_Tc.sum(dim=0)
         # Like the plain path's backward: the logits' gradient is cast to the inputs' dtype before the matmuls.
