@@ -149,12 +149,13 @@ def padded_to_common(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext 
 
 
 def dummy_group() -> GRPOGroup:
-    """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's shape;
-    the engine scales its loss by zero)."""
+    """A group of minimal size to stand in for a missing group slot (its Lockstep pads it to the slot's calls;
+    the engine scales its loss by zero). It carries every per-token input an objective option reads (sampler
+    log-probs), so that it runs whatever path the real groups run and no option refuses it on one rank only."""
     from ds_longstraw.group import GRPOGroup
 
     return GRPOGroup(prompt_ids=torch.full((2,), PAD_TOKEN), response_ids=[torch.full((1,), PAD_TOKEN)],
-                     advantages=[0.0])
+                     advantages=[0.0], sampling_logprobs=[torch.zeros(1, dtype=torch.float64)])
 
 
 @dataclass(frozen=True)
