@@ -299,14 +299,27 @@ class ScaledObjective:
 
 
 class ScopedObjective:
-    """An objective whose shares are normalised over `scope` (the transaction binds it once per group)."""
+    """An objective whose shares are normalised over `scope` (the transaction binds it once per group): one
+    LossScope for every member, or one per member (a trainer that splits its batch into micro-batches normalises
+    each member over the micro-batch it was drawn into: integrations/trl/scopes.py)."""
 
-    def __init__(self, objective: GRPOObjective, scope: LossScope) -> None:
+    def __init__(self, objective: GRPOObjective, scope: LossScope | Sequence[LossScope]) -> None:
         self.objective, self.scope = objective, scope
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.objective, name)
 
+    def scope_of_member(self, member: int) -> LossScope:
+        return self.scope if isinstance(self.scope, LossScope) else self.scope[member]
+
     def member_loss(self, group: GRPOGroup, member: int, logp: torch.Tensor, advantages: torch.Tensor,
                     ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None) -> torch.Tensor:
-        return self.objective.member_loss(group, member, logp, advantages, ref_logp, entropy, self.scope)
+        return self.objective.member_loss(group, member, logp, advantages, ref_logp, entropy,
+                                          self.scope_of_member(member))
+
+
+def check_member_scopes(scopes: Sequence[LossScope], group: GRPOGroup) -> None:
+    """A per-member scope list must give every member of the group its LossScope."""
+    if len(scopes) != group.size or not all(isinstance(scope, LossScope) for scope in scopes):
+        raise ValueError(f"loss_scope: one LossScope per member is needed ({group.size} members), got "
+                         f"{len(scopes)} entries")

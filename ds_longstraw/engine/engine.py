@@ -105,7 +105,8 @@ class LongstrawEngineMixin:
                   | Sequence[torch.Tensor | Sequence[int]],
                   objective: GRPOObjective | None = None,
                   ref_model: torch.nn.Module | DeepSpeedEngine | None = None,
-                  rollout: RolloutConfig | dict[str, Any] | None = None) -> StepResult:
+                  rollout: RolloutConfig | dict[str, Any] | None = None,
+                  loss_scopes: Sequence[LossScope | Sequence[LossScope]] | None = None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
 
         ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
@@ -113,6 +114,9 @@ class LongstrawEngineMixin:
         reference is itself with its adapters disabled.
         rollout: a `rollout:` block (rollout/step.py); `group` is then this rank's prompt (1-D ids) or list of
         prompts, and the groups are sampled from the policy and rewarded first (result.extras: the rewards).
+        loss_scopes: per group, the LossScope its shares are normalised over, or one per member, in place of the
+        objective's loss_scope (a trainer that fixes its own normalisation: integrations/trl/scopes.py); the
+        scopes' weights then carry any data-parallel factor, and the step's loss is the sum of the groups'.
         """
         if not self.longstraw_config.enabled:
             raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
@@ -122,7 +126,7 @@ class LongstrawEngineMixin:
 
             group, extras, captures = engine_rollouts(self, group, rollout)
         try:
-            return self._grpo_step(group, objective, ref_model, extras, captures)
+            return self._grpo_step(group, objective, ref_model, extras, captures, loss_scopes)
         finally:  # a kept capture the step did not take (an error before its transaction): its pages go
             for kept in captures or ():
                 if kept is not None:
@@ -130,10 +134,13 @@ class LongstrawEngineMixin:
 
     def _grpo_step(self, group: GRPOGroup | Sequence[GRPOGroup], objective: GRPOObjective | None,
                    ref_model: torch.nn.Module | DeepSpeedEngine | None, extras: dict[str, Any],
-                   captures: list[Rollouts | None] | None) -> StepResult:
+                   captures: list[Rollouts | None] | None,
+                   loss_scopes: Sequence[LossScope | Sequence[LossScope]] | None = None) -> StepResult:
         groups = [group] if isinstance(group, GRPOGroup) else list(group)
         if not groups:
             raise ValueError("grpo_step needs at least one group on every rank")
+        if loss_scopes is not None and len(loss_scopes) != len(groups):
+            raise ValueError(f"grpo_step: loss_scopes has {len(loss_scopes)} entries for {len(groups)} groups")
         adapter = adapter_for(self.module)
         for index, item in enumerate(groups):
             if not isinstance(item, GRPOGroup):
@@ -150,7 +157,7 @@ class LongstrawEngineMixin:
         for item in groups:
             objective.check_group(item)
         plan = self._lockstep_plan(groups)
-        scopes = self._loss_scopes(objective, groups)
+        scopes = self._loss_scopes(objective, groups) if loss_scopes is None else list(loss_scopes)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
 
@@ -165,11 +172,12 @@ class LongstrawEngineMixin:
                 result = grpo_backward(self.module, item, objective if real else ScaledObjective(objective, 0.0),
                                        config=settings, ref_model=ref_model, cp_group=cp, backward=backward,
                                        caller_reduces=True, lockstep=lockstep,
-                                       ep_group=None if experts is None else experts.ep.group,
+                                       ep_group=None if experts is None else experts.ep.process_group,
                                        capture=captures[slot] if captures and slot < len(captures) else None,
                                        loss_scope=scopes[slot] if real else None)
                 if real:
-                    result.loss /= scopes[slot].weight
+                    if loss_scopes is None:  # this rank's part of the loss (the weight is DeepSpeed's average)
+                        result.loss /= scopes[slot].weight
                     results.append(result)
             _fill_missing_grads(self)
         if experts is not None:
@@ -178,12 +186,14 @@ class LongstrawEngineMixin:
         if experts is not None:
             lrs = self.get_lr() if self.optimizer is not None else None
             experts.step(_float_or_none(lrs[0]) if lrs else None)
-        loss = sum(r.loss for r in results) / (len(results) if objective.loss_scope == "group" else 1)
+        by_group = loss_scopes is None and objective.loss_scope == "group"
+        loss = sum(r.loss for r in results) / (len(results) if by_group else 1)
         mean_loss = torch.tensor([loss], dtype=torch.float64, device=self.device)
         dist.all_reduce(mean_loss, group=self.data_parallel_group)
         # "step": the replicas' parts add up (each counted by its cp_size ranks); else the ranks' losses average
         ranks = dist.get_world_size(group=self.data_parallel_group)
-        mean_loss = float(mean_loss.item()) / (self._cp_size() if objective.loss_scope == "step" else ranks)
+        summed = loss_scopes is None and objective.loss_scope == "step"
+        mean_loss = float(mean_loss.item()) / (self._cp_size() if summed else ranks)
         lrs = self.get_lr() if self.optimizer is not None else None
         return StepResult(loss=loss, mean_loss=mean_loss, groups=results, global_step=self.global_steps,
                           lr=_float_or_none(lrs[0]) if lrs else None,
@@ -274,7 +284,7 @@ def _check_same_groups(groups: Sequence[GRPOGroup], cp: CPContext) -> None:
             if values is not None:
                 digest.update(torch.as_tensor(values).detach().cpu().to(torch.float64).numpy().tobytes())
     gathered = [None] * cp.size
-    torch.distributed.all_gather_object(gathered, digest.hexdigest(), group=cp.group)
+    torch.distributed.all_gather_object(gathered, digest.hexdigest(), group=cp.process_group)
     if len(set(gathered)) != 1:
         raise ValueError("grpo_step with cp_size > 1: the ranks of a context-parallel group (consecutive ranks) "
                          "must bring the same group(s); they differ")
@@ -311,6 +321,23 @@ def _with_grpo_step(engine: DeepSpeedEngine) -> LongstrawEngine:
             _ENGINE_CLASSES[base] = type(f"Longstraw{base.__name__}", (LongstrawEngineMixin, base),
                                          {"__module__": __name__, "__doc__": base.__doc__})
         engine.__class__ = _ENGINE_CLASSES[base]
+    return engine
+
+
+def enable_grpo_step(engine: DeepSpeedEngine, settings: LongstrawConfig) -> LongstrawEngine:
+    """`grpo_step` on an engine built elsewhere (accelerate's, for a trainer): data parallelism only, since the CP
+    and EP groups must exist before the engine (`initialize` builds them). Idempotent."""
+    if settings.cp_size > 1 or settings.ep_size > 1:
+        raise ValueError(f"an engine built outside ds_longstraw.initialize runs data parallelism only; got "
+                         f"cp_size = {settings.cp_size}, ep_size = {settings.ep_size}")
+    if engine.zero_optimization_stage() not in (1, 2, 3):
+        raise ValueError(f"'zero_optimization.stage' = {engine.zero_optimization_stage()}: grpo_step reduces through "
+                         "DeepSpeed's coalesce_grad_reduction, which needs ZeRO stage 1, 2 or 3")
+    if isinstance(engine, LongstrawEngineMixin) and engine.longstraw_config is settings:
+        return engine
+    engine = _with_grpo_step(engine)
+    engine.longstraw_config = settings
+    engine.longstraw_layout = ParallelLayout(dist.get_world_size(), dist.get_rank())
     return engine
 
 

@@ -256,7 +256,7 @@ class ContextParallel:
         pad them (capture and the prefix pass pair up already)."""
         if not self.spread:
             return None
-        return padded_to_common(group, settings, self.cp, self.cp.group, ReplayLockstep)
+        return padded_to_common(group, settings, self.cp, self.cp.process_group, ReplayLockstep)
 
     def member_weight(self) -> float:
         """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical
@@ -270,7 +270,7 @@ class ContextParallel:
         if not self.spread:
             return loss
         total = torch.tensor([loss], dtype=torch.float64)
-        torch.distributed.all_reduce(total, group=self.cp.group)
+        torch.distributed.all_reduce(total, group=self.cp.process_group)
         return float(total)
 
     def collect_final_carry_grads(self, d_final: dict[int, tuple[torch.Tensor, ...]]) -> dict:
@@ -396,7 +396,7 @@ def group_device_memory(device: torch.device, cp: CPContext) -> int | None:
     if device.type != "cuda":
         return None
     total = torch.tensor([torch.cuda.get_device_properties(device).total_memory], dtype=torch.int64, device=device)
-    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN, group=cp.group)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.MIN, group=cp.process_group)
     return int(total)
 
 

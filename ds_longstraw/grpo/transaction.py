@@ -28,11 +28,11 @@ from ds_longstraw.grpo.memory import PhaseMeter
 from ds_longstraw.grpo.replay import final_carry_grads, replay_group, score_group
 from ds_longstraw.grpo.topology import OneRank, Topology, build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
-from ds_longstraw.objective import GRPOObjective, ScaledObjective, ScopedObjective
+from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective, ScopedObjective, check_member_scopes
 from ds_longstraw.parallel.experts import check_expert_parallel
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
     from contextlib import AbstractContextManager
     from typing import Any
 
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
     from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.grpo.lockstep import Lockstep
     from ds_longstraw.grpo.state import PrefixState
-    from ds_longstraw.objective import LossScope
     from ds_longstraw.parallel.groups import CPContext
 
     # rollout.generate.Rollouts, by name only: rollout is a layer above grpo (tests/unit/test_structure.py)
@@ -121,11 +120,12 @@ def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjec
                   cp_group: ProcessGroup | CPContext | None = None, ep_group: ProcessGroup | None = None,
                   backward: Callable[[torch.Tensor], object] | None = None, caller_reduces: bool | None = None,
                   lockstep: Lockstep | None = None, capture: Rollouts | None = None,
-                  loss_scope: LossScope | None = None) -> GroupResult:
+                  loss_scope: LossScope | Sequence[LossScope] | None = None) -> GroupResult:
     """Run the GRPO transaction for one group and accumulate the gradient of the group loss into `.grad`.
 
     objective: a GRPOObjective (default GRPOObjective()). loss_scope: the objective.LossScope the group's shares are
-    normalised over (the DeepSpeed engine passes the step's: its groups, or every rank's); default the group alone.
+    normalised over (the DeepSpeed engine passes the step's: its groups, or every rank's), or one LossScope per
+    member (each member normalised over the micro-batch a trainer drew it into); default the group alone.
 
     config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
     a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
@@ -162,12 +162,15 @@ def _transaction(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObject
                  settings: LongstrawConfig, ref_model: torch.nn.Module | None,
                  cp_group: ProcessGroup | CPContext | None, ep_group: ProcessGroup | None,
                  backward: Callable[[torch.Tensor], object] | None, caller_reduces: bool, lockstep: Lockstep | None,
-                 capture: Rollouts | None = None, loss_scope: LossScope | None = None) -> GroupResult:
+                 capture: Rollouts | None = None,
+                 loss_scope: LossScope | Sequence[LossScope] | None = None) -> GroupResult:
     try:
         if not isinstance(group, GRPOGroup):
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
         objective = objective or GRPOObjective()
         objective.check_group(group)
+        if loss_scope is not None and not isinstance(loss_scope, LossScope):
+            check_member_scopes(loss_scope, group)
     except ValueError:
         if capture is not None:
             capture.release()
@@ -199,7 +202,7 @@ def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: Scoped
     if ep is not None:
         ep.reset()
         # the dispatches are collectives over the EP group: its ranks pad to a common shape, whatever they bring
-        lockstep = lockstep or padded_to_common(group, settings, topology.cp, ep.group)
+        lockstep = lockstep or padded_to_common(group, settings, topology.cp, ep.process_group)
     schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
     members = topology.replay_members(group)
     weight = topology.member_weight()

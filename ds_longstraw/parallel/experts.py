@@ -35,13 +35,13 @@ def is_expert_param(param) -> bool:
 class ExpertParallel:
     """This rank's place in an EP group over `experts` routed experts (per MoE layer), and its traffic counters."""
 
-    def __init__(self, group, experts):
-        if group is None:
+    def __init__(self, process_group, experts):
+        if process_group is None:
             raise ValueError("expert parallelism needs an explicit process group (ep_group)")
-        self.group = group
-        self.size = dist.get_world_size(group=group)
-        self.rank = dist.get_rank(group=group)
-        self.ranks = tuple(dist.get_process_group_ranks(group))
+        self.process_group = process_group
+        self.size = dist.get_world_size(group=process_group)
+        self.rank = dist.get_rank(group=process_group)
+        self.ranks = tuple(dist.get_process_group_ranks(process_group))
         if experts <= 0:
             raise ValueError(f"expert parallelism needs routed experts, the model has {experts}")
         if experts % self.size:
@@ -63,7 +63,7 @@ class ExpertParallel:
         """Load and traffic over the EP group (collective: every EP rank calls it)."""
         loads = torch.tensor([float(self.pairs_received)], dtype=torch.float64)
         gathered = [torch.zeros_like(loads) for _ in range(self.size)]
-        dist.all_gather(gathered, loads, group=self.group)
+        dist.all_gather(gathered, loads, group=self.process_group)
         loads = [float(t) for t in gathered]
         mean = sum(loads) / len(loads)
         return {"ep_size": self.size, "ep_rank": self.rank, "experts": list(self.local), "dispatches": self.calls,
@@ -80,14 +80,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, rows, send_counts, recv_counts, group):
         out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
         dist.all_to_all_single(out, rows.contiguous(), recv_counts, send_counts, group=group)
-        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        ctx.counts, ctx.process_group = (send_counts, recv_counts), group
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         send_counts, recv_counts = ctx.counts
         d_rows = d_out.new_empty((sum(send_counts), *d_out.shape[1:]))
-        dist.all_to_all_single(d_rows, d_out.contiguous(), send_counts, recv_counts, group=ctx.group)
+        dist.all_to_all_single(d_rows, d_out.contiguous(), send_counts, recv_counts, group=ctx.process_group)
         return d_rows, None, None, None
 
 
@@ -109,12 +109,12 @@ def dispatch(ep, x_TC, experts_TK, weights_TK, run_local):
     owners = torch.div(flat, ep.per_rank, rounding_mode="floor")
     order = torch.argsort(owners, stable=True)
     send_counts = torch.bincount(owners, minlength=ep.size)
-    recv_counts = _exchange(send_counts, [1] * ep.size, [1] * ep.size, ep.group)
+    recv_counts = _exchange(send_counts, [1] * ep.size, [1] * ep.size, ep.process_group)
     send, recv = send_counts.tolist(), recv_counts.tolist()
     pair_tokens = x_TC[torch.div(order, k, rounding_mode="floor")]
-    local_ids = _exchange(flat[order] - owners[order] * ep.per_rank, send, recv, ep.group)
-    received = _AllToAll.apply(pair_tokens, send, recv, ep.group)
-    results = _AllToAll.apply(run_local(received, local_ids), recv, send, ep.group)
+    local_ids = _exchange(flat[order] - owners[order] * ep.per_rank, send, recv, ep.process_group)
+    received = _AllToAll.apply(pair_tokens, send, recv, ep.process_group)
+    results = _AllToAll.apply(run_local(received, local_ids), recv, send, ep.process_group)
     pair_out = results[torch.argsort(order)].view(tokens, k, x_TC.shape[-1])  # back in (token, k) order
     ep.calls += 1
     ep.pairs_routed += flat.numel()

@@ -164,20 +164,20 @@ def _nbytes(tensor):
 class CPContext:
     """A context-parallel process group and its bookkeeping.
 
-    group: the torch.distributed process group of the CP ranks (gloo on CPU, nccl on GPUs).
+    process_group: the torch.distributed process group of the CP ranks (gloo on CPU, nccl on GPUs).
     capture_move: how capture lets queries meet earlier ranks' K/V pages: "kv" (pages travel to the later
         ranks), "q" (queries travel to the page owners and (out, lse) partials come back) or "auto" (whichever
         moves fewer bytes for this prompt and model, by `cp_attention.capture_move_bytes`).
     """
 
-    def __init__(self, group, capture_move: str = "auto"):
+    def __init__(self, process_group, capture_move: str = "auto"):
         if capture_move not in CAPTURE_MOVES:
             raise ValueError(f"capture_move must be one of {CAPTURE_MOVES}, got {capture_move!r}")
-        if group is None:
+        if process_group is None:
             raise ValueError("CPContext needs an explicit process group")
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        self.process_group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.size = dist.get_world_size(process_group)
         self.capture_move = capture_move
         self.traffic = Traffic()
         self.waited = defaultdict(float)  # phase -> seconds inside blocking exchanges
@@ -231,13 +231,13 @@ class CPContext:
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         with self.waiting():
-            dist.all_gather(parts, tensor, group=self.group)
+            dist.all_gather(parts, tensor, group=self.process_group)
         self.traffic.add(self.phase_name, layer, op, (self.size - 1) * _nbytes(tensor))
         return parts
 
     def all_reduce_(self, tensor, layer=-1, op="all_reduce"):
         with self.waiting():
-            dist.all_reduce(tensor, group=self.group)
+            dist.all_reduce(tensor, group=self.process_group)
         self.traffic.add(self.phase_name, layer, op, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         return tensor
 
@@ -248,7 +248,7 @@ class CPContext:
         count = torch.tensor([tensors[0].shape[dim]], dtype=torch.int64)
         counts = [torch.zeros_like(count) for _ in range(self.size)]
         with self.waiting():
-            dist.all_gather(counts, count, group=self.group)
+            dist.all_gather(counts, count, group=self.process_group)
         counts = [int(c) for c in counts]
         width = max(counts)
         out = []
@@ -268,35 +268,35 @@ class CPContext:
         recv = torch.empty(self.size * counts[self.rank] * row, dtype=tensor.dtype, device=tensor.device)
         with self.waiting():
             dist.all_to_all_single(recv, moved.reshape(-1), [counts[self.rank] * row] * self.size,
-                                   [n * row for n in counts], group=self.group)
+                                   [n * row for n in counts], group=self.process_group)
         self.traffic.add(self.phase_name, layer, op, (self.size - 1) * counts[self.rank] * row * tensor.element_size())
         shape = (counts[self.rank], *moved.shape[1:])
         return [piece.view(shape).movedim(0, dim) for piece in recv.split(counts[self.rank] * row)]
 
     def send(self, tensor, dst):
         with self.waiting():
-            dist.send(tensor.contiguous(), group=self.group, group_dst=dst)
+            dist.send(tensor.contiguous(), group=self.process_group, group_dst=dst)
 
     def recv(self, shape, dtype, src, layer=-1, op="recv", device=None):
         buffer = torch.empty(shape, dtype=dtype, device=device)
         with self.waiting():
-            dist.recv(buffer, group=self.group, group_src=src)
+            dist.recv(buffer, group=self.process_group, group_src=src)
         self.traffic.add(self.phase_name, layer, op, _nbytes(buffer))
         return buffer
 
     def isend(self, tensor, dst):
         """A non-blocking send; returns its work handle (wait() before the tensor is reused)."""
-        return dist.isend(tensor.contiguous(), group=self.group, group_dst=dst)
+        return dist.isend(tensor.contiguous(), group=self.process_group, group_dst=dst)
 
     def irecv(self, shape, dtype, src, layer=-1, op="recv", device=None):
         """A receive posted without blocking; returns a Landing whose wait() gives the buffer once it has landed."""
         buffer = torch.empty(shape, dtype=dtype, device=device)
-        return Landing(buffer, dist.irecv(buffer, group=self.group, group_src=src), self,
+        return Landing(buffer, dist.irecv(buffer, group=self.process_group, group_src=src), self,
                        lambda: self.traffic.add(self.phase_name, layer, op, _nbytes(buffer)))
 
     def barrier(self):
         with self.waiting():
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.process_group)
 
     def report(self) -> dict:
         """Plain-data summary of this rank's traffic (for GroupResult.extras): bytes received by phase, by

@@ -43,7 +43,7 @@ class ParallelLayout:
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
         """This rank's CP process group, or None without context parallelism."""
-        return None if self.cp is None else self.cp.group
+        return None if self.cp is None else self.cp.process_group
 
 
 def check_sizes(world: int, cp_size: int, ep_size: int) -> None:
@@ -65,7 +65,7 @@ def build_layout(cp_size: int = 1, ep_size: int = 1) -> ParallelLayout:
                 cp = CPContext(group)
     ep_group = expert_dp = None
     if ep_size > 1:
-        ep_group = None if cp is None else cp.group
+        ep_group = None if cp is None else cp.process_group
         for start in range(0, world, ep_size):
             group = dist.new_group(list(range(start, start + ep_size)))
             if cp is None and start <= rank < start + ep_size:

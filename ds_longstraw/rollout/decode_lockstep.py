@@ -39,7 +39,7 @@ class DecodeLockstep(Lockstep):
 
     def __init__(self, local_chunks, common_chunks, common_samples, settings, group, idle=False):
         super().__init__(GroupCalls(local_chunks, ()), GroupCalls(common_chunks, ()), settings)
-        self.common_samples, self.group, self.idle = common_samples, group, idle
+        self.common_samples, self.process_group, self.idle = common_samples, group, idle
 
     @property
     def capture_padded_to(self) -> int:
@@ -52,7 +52,7 @@ class DecodeLockstep(Lockstep):
 
     def keeps_decoding(self, running, device) -> bool:
         flag = torch.tensor([1 if running else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(flag.item())
 
 

@@ -276,7 +276,7 @@ def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, settings: Lo
     decode_settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
     topology = build_topology(adapter, decode_settings, cp_group, prompt_tokens=prompt_tokens)
     ep = expert_parallel(model)
-    check_expert_parallel(ep, settings, None if ep is None else ep.group, cp_group)
+    check_expert_parallel(ep, settings, None if ep is None else ep.process_group, cp_group)
     return capture_settings, topology
 
 
@@ -299,7 +299,7 @@ def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor],
     without one, over the model's expert-parallel group), or plain Schedules when neither is given (collective
     over that group)."""
     ep = expert_parallel(model)
-    group = dp_group if dp_group is not None else None if ep is None else ep.group
+    group = dp_group if dp_group is not None else None if ep is None else ep.process_group
     if group is None or dist.get_world_size(group=group) == 1:
         return [Schedule() for _ in prompts]
     return decode_locksteps(prompts, num_samples, capture_settings, topology.cp, group)

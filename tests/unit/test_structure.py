@@ -134,6 +134,7 @@ LAYERS = [
     ("rollout", ["ds_longstraw.rollout"]),
     ("engine", ["ds_longstraw.engine"]),
     ("tools", ["ds_longstraw.tools", "ds_longstraw.tasks"]),
+    ("other trainers on the transaction", ["ds_longstraw.integrations"]),
     ("door, and the launcher's script that runs through it", ["ds_longstraw", "ds_longstraw.launch"]),
     ("command line, and the demo that runs the launcher's script", ["ds_longstraw.tools.cli",
                                                                     "ds_longstraw.tasks.kv_demo"]),

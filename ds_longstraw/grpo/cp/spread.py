@@ -141,7 +141,7 @@ def gather_members(cp: CPContext, values: Sequence[Any], members: Sequence[int],
     """Per-member values (a list in `members` order) from every rank, as one list in member order (objects: the
     log-prob tensors each rank replayed)."""
     gathered = [None] * cp.size
-    torch.distributed.all_gather_object(gathered, list(zip(members, values, strict=True)), group=cp.group)
+    torch.distributed.all_gather_object(gathered, list(zip(members, values, strict=True)), group=cp.process_group)
     ordered = [None] * count
     for pairs in gathered:
         for member, value in pairs:

@@ -63,7 +63,7 @@ def _all_to_all(cp: CPContext, send_parts: Sequence[torch.Tensor], recv_shapes: 
     out_sizes = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = torch.empty(sum(out_sizes), dtype=dtype, device=send.device)
     dist.all_to_all_single(recv, send, output_split_sizes=out_sizes,
-                           input_split_sizes=[p.numel() for p in send_parts], group=cp.group)
+                           input_split_sizes=[p.numel() for p in send_parts], group=cp.process_group)
     cp.traffic.add(cp.phase_name, layer, op,
                    (sum(out_sizes) - out_sizes[cp.rank]) * recv.element_size())
     parts, offset = [], 0

@@ -1,0 +1,199 @@
+"""LongStrawGRPOTrainer: TRL's GRPOTrainer whose optimizer steps run as transactions.
+
+What stays TRL's: the dataset and sampler, prompt formatting, generation (transformers, vLLM server or colocate,
+rollout_func, the tool-calling loop), rewards and advantages (scale_rewards, multi-objective aggregation),
+truncation masks, logging, checkpoints, the optimizer and scheduler, accelerate's DeepSpeed engine.
+What changes, when the DeepSpeed config carries a "longstraw" block (without DeepSpeed: `longstraw={...}`):
+  - TRL's full-sequence scoring of old and reference log-probs is not run (_generate_and_score_completions keeps
+    its generation and rewards only): the reference is scored inside each transaction without a graph, and with
+    num_iterations > 1 the old log-probs are the transaction's own log-probs of the generation's first iteration
+    (the same weights TRL would score them with).
+  - training_step: at the first micro-step of each optimizer step the whole generation batch (TRL's shuffled
+    micro-batches) is grouped by prompt and each group runs one transaction (grpo_backward) with TRL's
+    advantages, loss mask and sampler log-probs, every member normalised over its own micro-batch (scopes.py);
+    under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. The
+    other micro-steps of the optimizer step have nothing left to do. The loss returned is TRL's loss summed over
+    the micro-batches (what TRL's Trainer adds up for its log).
+What it is not (refused, naming the setting): settings.py's list; context or expert parallelism (cp_size or
+ep_size > 1 in the block: TRL's sampler gives every process its own prompts); several processes without
+DeepSpeed (one reduction per step needs DeepSpeed's engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from ds_longstraw.config import LongstrawConfig, parse_config
+from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
+from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
+
+BLOCK = "longstraw"
+
+
+def _deepspeed_config(args: Any) -> dict | None:
+    """The DeepSpeed config the run was given (args.deepspeed: a dict or a JSON path), or None without one."""
+    from ds_longstraw.engine.config import load_ds_config
+
+    config = getattr(args, "deepspeed", None)
+    return None if config is None else load_ds_config(config)
+
+
+def _read_block(args: Any, longstraw: dict | LongstrawConfig | None) -> LongstrawConfig | None:
+    """The block's settings (None: no block, plain TRL), validated before any model work (ValueError naming the
+    key)."""
+    from ds_longstraw.engine.config import near_miss_block_names
+
+    ds_config = _deepspeed_config(args)
+    if ds_config is not None:
+        misses = near_miss_block_names(ds_config)
+        if misses:
+            raise ValueError(f"DeepSpeed config has a top-level key {misses[0]!r}: did you mean '{BLOCK}'?")
+        if longstraw is not None and BLOCK in ds_config:
+            raise ValueError(f"the '{BLOCK}' block is given twice (the DeepSpeed config and longstraw=): keep one")
+        block = ds_config.get(BLOCK, longstraw)
+    else:
+        block = longstraw
+    if block is None:
+        return None
+    settings = parse_config(block)
+    if not settings.enabled:
+        return None
+    for key in ("cp_size", "ep_size"):
+        if getattr(settings, key) > 1:
+            raise ValueError(f"'{BLOCK}.{key}' = {getattr(settings, key)}: LongStrawGRPOTrainer runs data "
+                             "parallelism only (TRL's sampler gives every process its own prompts)")
+    return settings
+
+
+class LongStrawGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer's arguments, plus `longstraw`: the block's settings where no DeepSpeed config carries them
+    (module docstring). Without a block it is TRL's GRPOTrainer unchanged."""
+
+    def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None, **kwargs: Any) -> None:
+        training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
+        settings = None
+        if training_args is not None:  # refuse before TRL loads or builds anything
+            settings = _read_block(training_args, longstraw)
+            if settings is not None:
+                check_trl_settings(training_args)
+        super().__init__(*args, **kwargs)
+        if training_args is None:
+            settings = _read_block(self.args, longstraw)
+        self.longstraw = settings
+        self._skip_scoring = False
+        self._old_logprobs: dict[Member, torch.Tensor] = {}
+        if settings is None:
+            return
+        self.longstraw_objective = objective_from_trl(self.args, use_vllm=self.use_vllm)
+        if self.aux_loss_enabled:
+            raise ValueError("output_router_logits = True (TRL's router auxiliary loss): the transaction adds none")
+        if self.accelerator.num_processes > 1 and self.is_deepspeed_enabled is False:
+            raise ValueError(f"{self.accelerator.num_processes} processes without DeepSpeed: LongStrawGRPOTrainer "
+                             "needs a DeepSpeed config (with the 'longstraw' block) to reduce once per step")
+        self._set_leaf_modules()
+
+    # -- TRL's generation without its scoring ------------------------------------------------------------------
+    def _set_leaf_modules(self) -> None:
+        """ZeRO-3 gathers the family's leaf modules whole (arch registry); set before accelerate builds the engine."""
+        if not self.is_deepspeed_enabled:
+            return
+        import deepspeed
+
+        from ds_longstraw.arch import zero3_leaf_modules
+
+        leaves = zero3_leaf_modules(self.accelerator.unwrap_model(self.model))
+        if leaves:
+            deepspeed.utils.set_z3_leaf_modules(self.model, leaves)
+
+    @contextlib.contextmanager
+    def _without_scoring(self) -> Iterator[None]:
+        """TRL's _generate_and_score_completions with its old, reference and importance-sampling forwards off."""
+        saved = self.beta, self.vllm_importance_sampling_correction
+        self.beta, self.vllm_importance_sampling_correction, self._skip_scoring = 0.0, False, True
+        try:
+            yield
+        finally:
+            (self.beta, self.vllm_importance_sampling_correction), self._skip_scoring = saved, False
+
+    def _get_per_token_logps_and_entropies(self, *args: Any, **kwargs: Any) -> tuple:
+        if self._skip_scoring:  # the old log-probs' full forward: the transaction scores them instead
+            return None, None, None
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _generate_and_score_completions(self, inputs: list) -> dict:
+        if self.longstraw is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        with self._without_scoring():
+            return super()._generate_and_score_completions(inputs)
+
+    # -- one optimizer step as transactions ----------------------------------------------------------------
+    def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
+        if self.longstraw is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        start = time.perf_counter()
+        accumulation = self.current_gradient_accumulation_steps
+        if self._step % accumulation == 0:
+            model.train()
+            self._prepare_inputs(inputs)  # TRL's generation (every generate_every micro-steps) and its buffer
+            loss = self._transactions(accumulation)
+        else:
+            loss = torch.zeros((), device=self.accelerator.device)
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % accumulation == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+        return loss
+
+    def _transactions(self, accumulation: int) -> torch.Tensor:
+        iteration = (self._step // self.args.steps_per_generation) % self.num_iterations
+        if iteration == 0:
+            self._old_logprobs = {}
+        groups = prompt_groups(self._buffered_inputs, loss_type=self.loss_type, accumulation=accumulation,
+                               processes=self.accelerator.num_processes,
+                               steps_per_generation=self.args.steps_per_generation,
+                               pad_token_id=self._tokenizer.pad_token_id,
+                               old_logprobs=self._old_logprobs if iteration > 0 else None)
+        results = self._run_groups(groups)
+        if iteration == 0 and self.num_iterations > 1:
+            for entry, result in zip(groups, results, strict=True):
+                for member, logprobs in zip(entry.members, result.logprobs, strict=True):
+                    self._old_logprobs[member] = logprobs
+        self._log_transactions(groups, results)
+        loss = sum(result.loss for result in results)
+        return torch.tensor(float(loss), device=self.accelerator.device)
+
+    def _run_groups(self, groups: list[PromptGroup]) -> list:
+        ref_model = self.ref_model if self.beta != 0.0 else None
+        objective = self.longstraw_objective
+        if self.is_deepspeed_enabled:
+            from ds_longstraw.engine.engine import enable_grpo_step
+
+            engine = enable_grpo_step(self.model_wrapped, self.longstraw)
+            engine.set_gradient_accumulation_boundary(True)  # this step is the accumulation window's only one
+            result = engine.grpo_step([g.group for g in groups], objective=objective, ref_model=ref_model,
+                                      loss_scopes=[g.scopes for g in groups])
+            return result.groups
+        from ds_longstraw.grpo.transaction import grpo_backward
+
+        return [grpo_backward(self.model, g.group, objective, config=self.longstraw, ref_model=ref_model,
+                              loss_scope=g.scopes) for g in groups]
+
+    def _log_transactions(self, groups: list[PromptGroup], results: list) -> None:
+        """TRL's "kl" metric (mean k3 over trained tokens, every process) from the transactions' log-probs."""
+        if self.beta == 0.0:
+            return
+        total = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
+        for entry, result in zip(groups, results, strict=True):
+            for member, (logp, ref) in enumerate(zip(result.logprobs, result.ref_logprobs, strict=True)):
+                mask = entry.group.mask(member)
+                delta = (ref - logp)[mask]
+                total += torch.stack([(torch.exp(delta) - delta - 1).sum(), delta.new_tensor(delta.numel())]).to(total)
+        total = self.accelerator.reduce(total, reduction="sum")
+        self._metrics["train"]["kl"].append(float(total[0] / total[1].clamp(min=1.0)))

@@ -1,0 +1,80 @@
+"""TRL's GRPOTrainer and LongStrawGRPOTrainer under `accelerate launch` on 2 CPU processes with DeepSpeed ZeRO-3.
+
+Each case trains TRL's own trainer, then ours, from the same checkpoint, data, seeds and completions
+(tests/trl_runs.py) in float32 with the DeepSpeed config given to TRL (GRPOConfig.deepspeed; ours carries the
+"longstraw" block); rank 0 writes, per case, || our update - TRL's || / || TRL's || with the weights gathered whole.
+The processes' prompts differ (TRL's sampler splits the generation batch), and a prompt's members are split over
+the two processes, so each process runs its own transactions and DeepSpeed's one reduction averages them.
+
+    TRL_CHECKS_DIR=DIR accelerate launch --num_processes 2 tests/dist_scripts/trl_checks.py OUT_JSON
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from trl import GRPOTrainer  # noqa: E402
+
+from ds_longstraw.integrations.trl import LongStrawGRPOTrainer  # noqa: E402
+from tests import trl_runs  # noqa: E402
+
+CASES = {
+    "dapo-two-steps": dict(loss_type="dapo", max_steps=2),
+    "grpo-beta-two-iterations": dict(loss_type="grpo", beta=0.3, num_iterations=2, max_steps=2),
+    "bnpo-tools": dict(loss_type="bnpo", tool_masks=True),
+}
+
+
+def ds_config(path: str, longstraw: bool) -> str:
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_allow_untested_optimizer": True}
+    if longstraw:
+        config["longstraw"] = {"prefix_grad": "exact"}
+    with open(path, "w") as handle:
+        json.dump(config, handle)
+    return path
+
+
+def main() -> None:
+    out = sys.argv[1]
+    torch.set_num_threads(1)
+    rank = int(os.environ.get("RANK", "0"))
+    root = os.environ["TRL_CHECKS_DIR"]
+    model = os.path.join(root, "model")  # saved by the caller (trl_runs.save_tiny_model), before the launch
+    results = {}
+    # whole, before any trainer: once a DeepSpeed ZeRO-3 config is live, from_pretrained builds partitioned weights
+    initial = trl_runs.initial_weights(model, dtype=torch.float32)
+    for name, case in CASES.items():
+        _barrier()
+        weights = {}
+        for label, trainer_class, longstraw in (("trl", GRPOTrainer, False), ("ours", LongStrawGRPOTrainer, True)):
+            config = ds_config(os.path.join(root, f"{name}-{label}.json"), longstraw)
+            with tempfile.TemporaryDirectory() as output_dir:
+                weights[label] = trl_runs.train(trainer_class, model, output_dir, dtype=torch.float32,
+                                                deepspeed=config, **case)
+        results[name] = trl_runs.update_difference(initial, weights["ours"], weights["trl"])
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(results, handle)
+    _barrier()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

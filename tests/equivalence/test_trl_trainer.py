@@ -1,0 +1,64 @@
+"""LongStrawGRPOTrainer against TRL's own GRPOTrainer: the same weights after one and two optimizer steps.
+
+Both trainers get the same model checkpoint, dataset, seeds and completions (tests/trl_runs.py: a seeded
+rollout_func), run in float64 end to end (trl_runs.in_float64), with SGD so that the weights' update is the
+gradient itself (Adam's first step is lr * sign(g), where float noise on a near-zero component can flip a sign).
+The measure is || our update - TRL's || / || TRL's ||; 1e-8 because the two sum the same float64 terms in another
+order (measured: ~5e-11), while a missing normaliser, a member in the wrong micro-batch's scope or a dropped
+KL term moves it by 1e-3 or more. Exact mode only: TRL back-propagates through the prompt, as exact mode does;
+detached mode (the block's default) holds the prompt's state constant, and test_detached_mode_differs shows it.
+"""
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from ds_longstraw.integrations.trl import LongStrawGRPOTrainer
+from tests import trl_runs
+
+EXACT = {"prefix_grad": "exact"}
+TOLERANCE = 1e-8
+
+CASES = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo": dict(loss_type="bnpo"),
+    "dapo": dict(loss_type="dapo"),
+    "dr_grpo": dict(loss_type="dr_grpo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.5),
+    "luspo": dict(loss_type="luspo"),
+    "grpo-beta-two-steps": dict(loss_type="grpo", beta=0.3, max_steps=2),
+    "dapo-beta-bias-corrected-kl": dict(loss_type="dapo", beta=0.3, use_bias_correction_kl=True, max_steps=2,
+                                        num_iterations=2),
+    "gspo-sequence-ratio": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2,
+                                max_steps=2),
+    "dapo-two-iterations": dict(loss_type="dapo", num_iterations=2, max_steps=2, epsilon=0.05),
+    "bnpo-two-steps-beta": dict(loss_type="bnpo", beta=0.3, max_steps=2),
+    "dapo-tools": dict(loss_type="dapo", tool_masks=True),
+    "grpo-tools-two-iterations": dict(loss_type="grpo", tool_masks=True, num_iterations=2, max_steps=2),
+    "dr_grpo-masked-truncation": dict(loss_type="dr_grpo", mask_truncated_completions=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("trl") / "model")
+    trl_runs.save_tiny_model(path)
+    return path, trl_runs.initial_weights(path)
+
+
+def _both(checkpoint, tmp_path, longstraw=EXACT, **case):
+    path, initial = checkpoint
+    torch.manual_seed(0)
+    theirs = trl_runs.train(GRPOTrainer, path, str(tmp_path / "trl"), **case)
+    ours = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=longstraw, **case)
+    return trl_runs.update_difference(initial, ours, theirs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_same_weights_as_trl(checkpoint, tmp_path, name):
+    assert _both(checkpoint, tmp_path, **CASES[name]) < TOLERANCE
+
+
+def test_detached_mode_differs(checkpoint, tmp_path):
+    """The check can fail: detached mode's gradient (prompt state constant) is not TRL's full-sequence one."""
+    assert _both(checkpoint, tmp_path, longstraw={"prefix_grad": "detached"}, loss_type="dapo") > 1e-4

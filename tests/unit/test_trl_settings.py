@@ -1,0 +1,83 @@
+"""Every TRL setting the transaction does not run is refused at construction, naming it and its value, before the
+model is loaded (the model path here does not exist: loading it would fail with another error)."""
+
+import json
+
+import pytest
+
+from ds_longstraw.integrations.trl import LongStrawGRPOTrainer, objective_from_trl
+from tests import trl_runs
+
+MISSING_MODEL = "/nonexistent/model"
+
+REFUSED = [
+    ("loss_type", "sapo"),
+    ("loss_type", "vespo"),
+    ("temperature", 0.7),
+    ("delta", 2.0),
+    ("top_entropy_quantile", 0.5),
+    ("entropy_coef", 0.01),
+    ("use_adaptive_entropy", True),
+    ("off_policy_mask_threshold", 0.5),
+    ("cast_lm_head_to_fp32", True),
+    ("steps_per_generation", 4),
+]
+
+
+def _trainer(tmp_path, longstraw=None, **config):
+    args = trl_runs.grpo_config(str(tmp_path), **config)
+    kwargs = {} if longstraw is None else {"longstraw": longstraw}
+    return LongStrawGRPOTrainer(model=MISSING_MODEL, reward_funcs=[trl_runs.reward_even_words], args=args,
+                                train_dataset=trl_runs.prompts_dataset(4, 8, 32), **kwargs)
+
+
+@pytest.mark.parametrize(("name", "value"), REFUSED, ids=[f"{n}={v}" for n, v in REFUSED])
+def test_unmapped_setting_is_refused(tmp_path, name, value):
+    with pytest.raises(ValueError, match=rf"{name} = {value!r}"):
+        _trainer(tmp_path, longstraw={}, **{name: value})
+
+
+def test_every_refusal_is_named_at_once(tmp_path):
+    with pytest.raises(ValueError, match=r"temperature = 0\.7.*delta = 2\.0"):
+        _trainer(tmp_path, longstraw={}, temperature=0.7, delta=2.0)
+
+
+@pytest.mark.parametrize("key", ["cp_size", "ep_size"])
+def test_model_parallel_block_is_refused(tmp_path, key):
+    with pytest.raises(ValueError, match=rf"'longstraw\.{key}' = 2"):
+        _trainer(tmp_path, longstraw={key: 2})
+
+
+def test_bad_block_key_is_named(tmp_path):
+    with pytest.raises(ValueError, match="prefix_gradd"):
+        _trainer(tmp_path, longstraw={"prefix_gradd": "exact"})
+
+
+def test_block_given_twice_is_refused(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "longstraw": {"prefix_grad": "exact"},
+                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}))
+    with pytest.raises(ValueError, match="given twice"):
+        _trainer(tmp_path, longstraw={}, deepspeed=str(config))
+
+
+def test_near_miss_block_name_is_refused(tmp_path):
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "long_straw": {},
+                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}))
+    with pytest.raises(ValueError, match="'long_straw'.*did you mean 'longstraw'"):
+        _trainer(tmp_path, deepspeed=str(config))
+
+
+def test_the_mapping(tmp_path):
+    """What each loss type becomes (the equivalence tests prove the values; this pins the names)."""
+    cases = {"grpo": ("clip", "seq-mean-token-mean", None), "dapo": ("clip", "token-mean", None),
+             "dr_grpo": ("clip", "seq-mean-token-sum-norm", 6), "luspo": ("clip", "seq-mean-token-sum-norm", 1),
+             "cispo": ("cispo", "token-mean", None), "bnpo": ("clip", "token-mean", None)}
+    for loss_type, (policy_loss, loss_agg, norm_length) in cases.items():
+        objective = objective_from_trl(trl_runs.grpo_config(str(tmp_path), loss_type=loss_type, beta=0.1,
+                                                            epsilon=0.1, epsilon_high=0.3))
+        assert (objective.policy_loss, objective.loss_agg, objective.norm_length) == (policy_loss, loss_agg,
+                                                                                      norm_length)
+        assert (objective.kl_coef, objective.kl_estimator, objective.clip_low) == (0.1, "k3", 0.1)
+        assert objective.clip_high == 0.3 and (loss_type != "cispo" or objective.cispo_ratio_max == 0.3)
