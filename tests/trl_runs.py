@@ -101,17 +101,27 @@ def save_tiny_model(path: str, dtype: torch.dtype = torch.float64, seed: int = 0
 
 def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int = 4, prompt_len: int = 24,
           vocab_size: int = 48, tool_masks: bool = False, dtype: torch.dtype = torch.float64,
-          longstraw: dict | None = None, **config: object) -> dict:
-    """One training run; returns the trained weights (name -> tensor on CPU)."""
+          longstraw: dict | None = None, lora: bool = False, **config: object) -> dict:
+    """One training run; returns the trained weights (name -> tensor on CPU). lora: a peft LoRA on the attention
+    and MLP projections; the weights returned are then the adapters', before ("initial/<name>") and after."""
     args = grpo_config(output_dir, model_init_kwargs={"dtype": dtype}, **config)
     kwargs = {} if longstraw is None else {"longstraw": longstraw}
+    if lora:
+        from peft import LoraConfig
+
+        kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer = trainer_class(model=model_path, reward_funcs=[reward_even_words], args=args,
                             train_dataset=prompts_dataset(prompts, prompt_len, vocab_size),
                             processing_class=tokenizer(vocab_size),
                             rollout_func=rollout_func(args.max_completion_length, vocab_size, tool_masks), **kwargs)
+    before = _full_weights(trainer) if lora else {}
     with in_float64() if dtype == torch.float64 else contextlib.nullcontext():
         trainer.train()
-    return _full_weights(trainer)
+    after = _full_weights(trainer)
+    if lora:  # the adapters alone: the base weights are frozen
+        return {**{f"initial/{n}": w for n, w in before.items() if "lora_" in n},
+                **{n: w for n, w in after.items() if "lora_" in n}}
+    return after
 
 
 class _PlainLogProbs:

@@ -135,7 +135,7 @@ def dispatch_reference(x_TC, experts_TK, weights_TK, run_expert):
 
 def _ranks(group):
     """Global ranks of a process group (or of a CPContext's group)."""
-    return tuple(dist.get_process_group_ranks(getattr(group, "group", group)))
+    return tuple(dist.get_process_group_ranks(getattr(group, "process_group", group)))
 
 
 def check_expert_parallel(ep, settings, ep_group, cp_group=None):

@@ -36,6 +36,8 @@ CASES = {
     "dapo-tools": dict(loss_type="dapo", tool_masks=True),
     "grpo-tools-two-iterations": dict(loss_type="grpo", tool_masks=True, num_iterations=2, max_steps=2),
     "dr_grpo-masked-truncation": dict(loss_type="dr_grpo", mask_truncated_completions=True),
+    # peft LoRA: only the adapters train; the reference is the model with its adapters disabled, in both trainers
+    "dapo-lora-beta": dict(loss_type="dapo", beta=0.3, max_steps=2, lora=True),
 }
 
 
@@ -51,6 +53,9 @@ def _both(checkpoint, tmp_path, longstraw=EXACT, **case):
     torch.manual_seed(0)
     theirs = trl_runs.train(GRPOTrainer, path, str(tmp_path / "trl"), **case)
     ours = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=longstraw, **case)
+    if case.get("lora"):  # the adapters' update from their own initial values (seeded alike in both trainers)
+        initial = {n: theirs.pop(f"initial/{n}") for n in list(theirs) if not n.startswith("initial/")}
+        assert all(torch.equal(ours.pop(f"initial/{n}"), w) for n, w in initial.items())
     return trl_runs.update_difference(initial, ours, theirs)
 
 
