@@ -5,7 +5,8 @@
 
 Each configuration runs in a fresh process (one thread, freed blocks of 1 MiB and more handed back to the kernel):
 a tiny random qwen3_5 (tests/models.py, float32), one prompt of --prompt tokens and G completions of 64 tokens from
-a seeded rollout_func (tests/trl_runs.py), one optimizer step (gradient_accumulation_steps 1, beta 0). "step peak" is
+a seeded rollout_func (tests/trl_runs.py), one optimizer step (gradient_accumulation_steps 1, beta 0; CPU seconds
+of trainer.train(), the generation by rollout_func included and negligible). "step peak" is
 the kernel's high-water mark (VmHWM, reset through /proc/self/clear_refs just before trainer.train()) minus the
 resident set at that moment: what the step itself held at its worst. TRL's own trainer concatenates the prompt and
 each completion and keeps every member's graph through its loss; the transaction captures the prompt once and
@@ -21,7 +22,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = (("trl", None), ("longstraw exact", "exact"), ("longstraw detached", "detached"))
+RUNS = (("TRL GRPOTrainer", None), ("LongStrawGRPOTrainer, exact", "exact"),
+        ("LongStrawGRPOTrainer, detached (the block's default)", "detached"))
 
 
 def child(args: argparse.Namespace) -> None:
@@ -50,11 +52,11 @@ def child(args: argparse.Namespace) -> None:
                                 rollout_func=trl_runs.rollout_func(64, vocab), **kwargs)
         before = host_current_bytes()
         reset_host_peak()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         trainer.train()
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         peak = host_peak_bytes() - before
-    print(json.dumps({"step_peak_mib": peak / 2**20, "seconds": seconds}))
+    print(json.dumps({"step_peak_mib": peak / 2**20, "seconds": seconds, "cpu_seconds": cpu_seconds}))
 
 
 def run(mode: str | None, group: int, prompt: int) -> dict:
@@ -81,11 +83,12 @@ def main() -> None:
         return child(args)
     groups = [int(g) for g in args.groups.split(",")]
     print(f"one optimizer step, prompt {args.prompt:,} tokens, 64-token completions, tiny qwen3_5 float32, 1 thread")
-    print("| trainer | " + " | ".join(f"G = {g}: step peak MiB | s" for g in groups) + " | peak ratio |")
-    print("|---|" + "---|---|" * len(groups) + "---|")
+    print("| trainer | " + " | ".join(f"G = {g}: step peak MiB | CPU s | wall s" for g in groups)
+          + f" | peak G = {groups[-1]} / G = {groups[0]} |")
+    print("|---|" + "---:|---:|---:|" * len(groups) + "---:|")
     for label, mode in RUNS:
         rows = [run(mode, g, args.prompt) for g in groups]
-        cells = " | ".join(f"{r['step_peak_mib']:,.0f} | {r['seconds']:.1f}" for r in rows)
+        cells = " | ".join(f"{r['step_peak_mib']:,.0f} | {r['cpu_seconds']:.1f} | {r['seconds']:.1f}" for r in rows)
         ratio = rows[-1]["step_peak_mib"] / rows[0]["step_peak_mib"]
         print(f"| {label} | {cells} | {ratio:.2f}x |", flush=True)
 

@@ -72,6 +72,19 @@ def rollout_func(max_completion_length: int, vocab_size: int, tool_masks: bool =
     return rollout
 
 
+def replayed(calls: list):
+    """A rollout_func that returns, call by call, the (prompt ids, completion ids) another run sampled."""
+    pending = list(calls)
+
+    def rollout(prompts: list, trainer: object) -> dict:
+        prompt_ids, completion_ids = pending.pop(0)
+        tok = trainer.processing_class
+        assert [tok(p, add_special_tokens=False)["input_ids"] for p in prompts] == [list(p) for p in prompt_ids]
+        return {"prompt_ids": [list(p) for p in prompt_ids], "completion_ids": completion_ids, "logprobs": None}
+
+    return rollout
+
+
 def reward_even_words(completion_ids: list, **_: object) -> list:
     """The share of even token ids in the completion: a reward that varies within every group."""
     return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
@@ -101,19 +114,28 @@ def save_tiny_model(path: str, dtype: torch.dtype = torch.float64, seed: int = 0
 
 def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int = 4, prompt_len: int = 24,
           vocab_size: int = 48, tool_masks: bool = False, dtype: torch.dtype = torch.float64,
-          longstraw: dict | None = None, lora: bool = False, **config: object) -> dict:
+          longstraw: dict | None = None, lora: bool = False, rollout: object = "seeded",
+          on_trainer: object = None, trainer_kwargs: dict | None = None, **config: object) -> dict:
     """One training run; returns the trained weights (name -> tensor on CPU). lora: a peft LoRA on the attention
-    and MLP projections; the weights returned are then the adapters', before ("initial/<name>") and after."""
+    and MLP projections; the weights returned are then the adapters', before ("initial/<name>") and after.
+    rollout: "seeded" (rollout_func above), a rollout_func, or None (the trainer's own generation); on_trainer:
+    called with the trainer before it trains; trainer_kwargs: more constructor arguments."""
     args = grpo_config(output_dir, model_init_kwargs={"dtype": dtype}, **config)
     kwargs = {} if longstraw is None else {"longstraw": longstraw}
+    kwargs.update(trainer_kwargs or {})
+    if rollout == "seeded":
+        rollout = rollout_func(args.max_completion_length, vocab_size, tool_masks)
+    if rollout is not None:
+        kwargs["rollout_func"] = rollout
     if lora:
         from peft import LoraConfig
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer = trainer_class(model=model_path, reward_funcs=[reward_even_words], args=args,
                             train_dataset=prompts_dataset(prompts, prompt_len, vocab_size),
-                            processing_class=tokenizer(vocab_size),
-                            rollout_func=rollout_func(args.max_completion_length, vocab_size, tool_masks), **kwargs)
+                            processing_class=tokenizer(vocab_size), **kwargs)
+    if on_trainer is not None:
+        on_trainer(trainer)
     before = _full_weights(trainer) if lora else {}
     with in_float64() if dtype == torch.float64 else contextlib.nullcontext():
         trainer.train()

@@ -106,7 +106,8 @@ class LongstrawEngineMixin:
                   objective: GRPOObjective | None = None,
                   ref_model: torch.nn.Module | DeepSpeedEngine | None = None,
                   rollout: RolloutConfig | dict[str, Any] | None = None,
-                  loss_scopes: Sequence[LossScope | Sequence[LossScope]] | None = None) -> StepResult:
+                  loss_scopes: Sequence[LossScope | Sequence[LossScope]] | None = None,
+                  captures: Sequence[Rollouts | None] | None = None) -> StepResult:
         """One optimizer step for this rank's GRPO group (or list of groups); see the module docstring.
 
         ref_model: reference policy when objective.kl_coef > 0 and the policy is not a peft model (a module or a
@@ -117,11 +118,16 @@ class LongstrawEngineMixin:
         loss_scopes: per group, the LossScope its shares are normalised over, or one per member, in place of the
         objective's loss_scope (a trainer that fixes its own normalisation: integrations/trl/scopes.py); the
         scopes' weights then carry any data-parallel factor, and the step's loss is the sum of the groups'.
+        captures: per group, the Rollouts of generate(..., keep_capture=True) on its prompt with these weights (or
+        None): the group's transaction takes that capture instead of capturing again (under ZeRO-3 with several
+        ranks, only a capture decoded in lockstep, as rollout/step.rollout_samples does); released in any case.
         """
         if not self.longstraw_config.enabled:
             raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
-        extras, captures = {}, None
+        extras = {}
         if rollout is not None:
+            if captures is not None:
+                raise ValueError("grpo_step: give rollout= (which keeps its own captures) or captures=, not both")
             from ds_longstraw.rollout.step import engine_rollouts
 
             group, extras, captures = engine_rollouts(self, group, rollout)

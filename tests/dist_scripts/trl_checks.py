@@ -59,6 +59,7 @@ def main() -> None:
                 weights[label] = trl_runs.train(trainer_class, model, output_dir, dtype=torch.float32,
                                                 deepspeed=config, **case)
         results[name] = trl_runs.update_difference(initial, weights["ours"], weights["trl"])
+    results.update(capture_case(model, root, initial))
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(results, handle)
@@ -67,6 +68,43 @@ def main() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def capture_case(model: str, root: str, initial: dict) -> dict:
+    """generate_from_capture under ZeRO-3: each process samples its one prompt from its capture (the two decode in
+    lockstep) and trains on it; TRL's trainer replays each process's completions. Also reports how many groups
+    took their kept capture (every one, on both processes, is 1.0)."""
+    calls, reused = [], []
+
+    def record(trainer: object) -> None:
+        sample, run_groups = trainer._sampler.sample, trainer._run_groups
+
+        def recording_sample(module: object, prompt_ids: list, **kwargs: object) -> list:
+            completions = sample(module, prompt_ids, **kwargs)
+            calls.append((prompt_ids, completions))
+            return completions
+
+        def recording_run(groups: list) -> list:
+            results = run_groups(groups)
+            reused.extend(float(result.extras.get("capture_reused", False)) for result in results)
+            return results
+
+        trainer._sampler.sample, trainer._run_groups = recording_sample, recording_run
+
+    case = dict(loss_type="dapo", max_steps=2, per_device_train_batch_size=2, max_completion_length=5)
+    _barrier()
+    with tempfile.TemporaryDirectory() as output_dir:
+        ours = trl_runs.train(LongStrawGRPOTrainer, model, output_dir, dtype=torch.float32, rollout=None,
+                              on_trainer=record, trainer_kwargs={"generate_from_capture": True},
+                              deepspeed=ds_config(os.path.join(root, "capture-ours.json"), True), **case)
+    with tempfile.TemporaryDirectory() as output_dir:
+        theirs = trl_runs.train(GRPOTrainer, model, output_dir, dtype=torch.float32,
+                                rollout=trl_runs.replayed(calls),
+                                deepspeed=ds_config(os.path.join(root, "capture-trl.json"), False), **case)
+    reuse = torch.tensor([sum(reused), len(reused)], dtype=torch.float64)
+    torch.distributed.all_reduce(reuse)
+    return {"generate-from-capture": trl_runs.update_difference(initial, ours, theirs),
+            "capture-reused-share": float(reuse[0] / reuse[1])}
 
 
 def _barrier() -> None:

@@ -67,3 +67,34 @@ def test_same_weights_as_trl(checkpoint, tmp_path, name):
 def test_detached_mode_differs(checkpoint, tmp_path):
     """The check can fail: detached mode's gradient (prompt state constant) is not TRL's full-sequence one."""
     assert _both(checkpoint, tmp_path, longstraw={"prefix_grad": "detached"}, loss_type="dapo") > 1e-4
+
+
+def test_generate_from_capture(checkpoint, tmp_path):
+    """generate_from_capture: the completions are sampled from the captured prompt and every step trains on that
+    capture (one prompt pass per step); TRL's own trainer, given the same completions, takes the same steps."""
+    path, initial = checkpoint
+    calls, reused = [], []
+
+    def record(trainer):
+        sample, run_groups = trainer._sampler.sample, trainer._run_groups
+
+        def recording_sample(model, prompt_ids, **kwargs):
+            completions = sample(model, prompt_ids, **kwargs)
+            calls.append((prompt_ids, completions))
+            return completions
+
+        def recording_run(groups):
+            results = run_groups(groups)
+            reused.extend(result.extras.get("capture_reused", False) for result in results)
+            return results
+
+        trainer._sampler.sample, trainer._run_groups = recording_sample, recording_run
+
+    # one prompt per generation batch (2 x 2 rows = its 4 generations), so its capture is kept
+    case = dict(loss_type="dapo", max_steps=2, per_device_train_batch_size=2, max_completion_length=5)
+    ours = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=EXACT, rollout=None,
+                          on_trainer=record, trainer_kwargs={"generate_from_capture": True}, **case)
+    assert len(calls) == 2 and reused == [True, True]
+    assert {len(c) for _, completions in calls for c in completions} != {5}  # some samples ended with eos
+    theirs = trl_runs.train(GRPOTrainer, path, str(tmp_path / "trl"), rollout=trl_runs.replayed(calls), **case)
+    assert trl_runs.update_difference(initial, ours, theirs) < TOLERANCE

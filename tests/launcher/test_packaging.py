@@ -74,9 +74,11 @@ def _under(path, folder) -> bool:
 
 def test_imports_come_from_the_install(install):
     code = ("import json, ds_longstraw, ds_longstraw.configs, ds_longstraw.kernels, ds_longstraw.offload, "
-            "ds_longstraw.launch, ds_longstraw.tasks; from ds_longstraw.models.modeling import MODELS_DIR; "
+            "ds_longstraw.launch, ds_longstraw.tasks, ds_longstraw.integrations.trl; "
+            "from ds_longstraw.models.modeling import MODELS_DIR; "
             "print(json.dumps([m.__file__ for m in (ds_longstraw, ds_longstraw.configs, ds_longstraw.kernels, "
-            "ds_longstraw.offload, ds_longstraw.launch, ds_longstraw.tasks)] + [str(MODELS_DIR)]))")
+            "ds_longstraw.offload, ds_longstraw.launch, ds_longstraw.tasks, ds_longstraw.integrations.trl)] "
+            "+ [str(MODELS_DIR)]))")
     result = _run(install, "-c", code)
     assert result.returncode == 0, result.stderr[-3000:]
     files = json.loads(result.stdout.strip().splitlines()[-1])

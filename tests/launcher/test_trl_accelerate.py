@@ -4,7 +4,9 @@ tests/dist_scripts/trl_checks.py trains both trainers per case in one launch (fl
 seeds and completions) and reports || our update - TRL's || / || TRL's ||. Tolerance 1e-5, float32: the two sum
 the same terms in different orders (a prompt's members on two processes, DeepSpeed's reduce-scatter against TRL's
 per-micro-batch backward), a few ulps per step; measured 0.9e-6 .. 1.3e-6. A member normalised over the wrong
-micro-batch or process count, or an optimizer step not taken, shows up at 1e-2 or more.
+micro-batch or process count, or an optimizer step not taken, shows up at 1e-2 or more. The last case samples with
+generate_from_capture (the two processes decode in lockstep under ZeRO-3) and trains on the kept captures; TRL's
+trainer replays each process's completions.
 """
 
 import json
@@ -36,6 +38,8 @@ def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
                               timeout=1200).returncode
     assert code == 0, log.read_text()[-6000:]
     results = json.loads(out.read_text())
-    assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools"}
+    # generate_from_capture: every group of both processes trained on the capture its samples were decoded from
+    assert results.pop("capture-reused-share") == 1.0
+    assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools", "generate-from-capture"}
     for name, difference in results.items():
         assert difference < TOL, (name, difference)

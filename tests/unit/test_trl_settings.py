@@ -81,3 +81,20 @@ def test_the_mapping(tmp_path):
                                                                                       norm_length)
         assert (objective.kl_coef, objective.kl_estimator, objective.clip_low) == (0.1, "k3", 0.1)
         assert objective.clip_high == 0.3 and (loss_type != "cispo" or objective.cispo_ratio_max == 0.3)
+
+
+@pytest.mark.parametrize(("name", "value"), [("top_k", 5), ("repetition_penalty", 1.1), ("min_p", 0.1)])
+def test_generate_from_capture_refusals(tmp_path, name, value):
+    args = trl_runs.grpo_config(str(tmp_path), **{name: value})
+    with pytest.raises(ValueError, match=rf"generate_from_capture .*{name} = {value!r}"):
+        LongStrawGRPOTrainer(model=MISSING_MODEL, reward_funcs=[trl_runs.reward_even_words], args=args,
+                             train_dataset=trl_runs.prompts_dataset(4, 8, 32), longstraw={},
+                             generate_from_capture=True)
+
+
+def test_generate_from_capture_refuses_a_rollout_func(tmp_path):
+    args = trl_runs.grpo_config(str(tmp_path))
+    with pytest.raises(ValueError, match="rollout_func"):
+        LongStrawGRPOTrainer(model=MISSING_MODEL, reward_funcs=[trl_runs.reward_even_words], args=args,
+                             train_dataset=trl_runs.prompts_dataset(4, 8, 32), longstraw={},
+                             rollout_func=trl_runs.rollout_func(6, 32), generate_from_capture=True)

@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 
 from ds_longstraw.config import LongstrawConfig, parse_config
 from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
+from ds_longstraw.integrations.trl.sampling import CaptureSampler
 from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
 
 BLOCK = "longstraw"
@@ -71,23 +72,49 @@ def _read_block(args: Any, longstraw: dict | LongstrawConfig | None) -> Longstra
     return settings
 
 
+def _check_capture_generation(args: Any, kwargs: dict) -> None:
+    """generate_from_capture's refusals (sampling.py): what TRL's own generation would honour and it does not."""
+    refused = [(name, value) for name, value, default in (
+        ("use_vllm", args.use_vllm, False), ("rollout_func", kwargs.get("rollout_func"), None),
+        ("tools", kwargs.get("tools"), None), ("environment_factory", kwargs.get("environment_factory"), None),
+        ("top_k", args.top_k, 0), ("min_p", args.min_p, None), ("repetition_penalty", args.repetition_penalty, 1.0),
+        ("use_transformers_continuous_batching", args.use_transformers_continuous_batching, False))
+        if value not in (default, None) and not (name == "top_k" and value in (0, None))]
+    batch = args.per_device_train_batch_size * args.steps_per_generation
+    if batch % args.num_generations:
+        refused.append(("per_device_train_batch_size x steps_per_generation", batch))
+    if refused:
+        lines = "; ".join(f"{name} = {value!r}" for name, value in refused)
+        raise ValueError(f"generate_from_capture samples with ds_longstraw.generate (temperature, top_p, eos; each "
+                         f"process's batch whole groups of num_generations = {args.num_generations}): {lines}")
+
+
 class LongStrawGRPOTrainer(GRPOTrainer):
     """GRPOTrainer's arguments, plus `longstraw`: the block's settings where no DeepSpeed config carries them
-    (module docstring). Without a block it is TRL's GRPOTrainer unchanged."""
+    (module docstring), and `generate_from_capture`: sample the completions from the captured prompt and train the
+    step on that capture (sampling.py) instead of TRL's generation. Without a block it is TRL's GRPOTrainer."""
 
-    def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None,
+                 generate_from_capture: bool = False, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
         settings = None
         if training_args is not None:  # refuse before TRL loads or builds anything
             settings = _read_block(training_args, longstraw)
             if settings is not None:
                 check_trl_settings(training_args)
+            if generate_from_capture:
+                _check_capture_generation(training_args, kwargs)
         super().__init__(*args, **kwargs)
         if training_args is None:
             settings = _read_block(self.args, longstraw)
+            if generate_from_capture:
+                _check_capture_generation(self.args, kwargs)
+        if generate_from_capture and settings is None:
+            raise ValueError("generate_from_capture needs the 'longstraw' block (the DeepSpeed config's or longstraw=)")
         self.longstraw = settings
         self._skip_scoring = False
         self._old_logprobs: dict[Member, torch.Tensor] = {}
+        self._sampler = CaptureSampler(settings) if generate_from_capture else None
         if settings is None:
             return
         self.longstraw_objective = objective_from_trl(self.args, use_vllm=self.use_vllm)
@@ -132,6 +159,22 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         with self._without_scoring():
             return super()._generate_and_score_completions(inputs)
 
+    def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, num_generations: int,
+                              has_tool_images: bool = False) -> tuple:
+        if self._sampler is None or not self.model.training:
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                 has_tool_images)
+        engine = self.model_wrapped if self.is_deepspeed_enabled else None
+        dp_group = None
+        if engine is not None and engine.zero_optimization_stage() == 3 and self.accelerator.num_processes > 1:
+            dp_group = engine.data_parallel_group  # ZeRO-3's gathers are collectives: decode in lockstep
+        completions = self._sampler.sample(
+            self.accelerator.unwrap_model(self.model), prompt_ids, num_generations=num_generations,
+            max_new_tokens=self.max_completion_length, temperature=self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, eos_token_ids=self.eos_token_ids, seed=self.args.seed,
+            step=self.state.global_step, process_index=self.accelerator.process_index, dp_group=dp_group)
+        return completions, None  # sampler log-probs: TRL reads them only for vLLM's importance sampling
+
     # -- one optimizer step as transactions ----------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
         if self.longstraw is None:
@@ -172,21 +215,32 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _run_groups(self, groups: list[PromptGroup]) -> list:
         ref_model = self.ref_model if self.beta != 0.0 else None
         objective = self.longstraw_objective
-        if self.is_deepspeed_enabled:
-            from ds_longstraw.engine.engine import enable_grpo_step
+        # generate_from_capture: each group takes its prompt's kept capture (taken and released by the transaction)
+        captures = None if self._sampler is None else [self._sampler.take(g.group.prompt_ids) for g in groups]
+        try:
+            if self.is_deepspeed_enabled:
+                from ds_longstraw.engine.engine import enable_grpo_step
 
-            engine = enable_grpo_step(self.model_wrapped, self.longstraw)
-            engine.set_gradient_accumulation_boundary(True)  # this step is the accumulation window's only one
-            result = engine.grpo_step([g.group for g in groups], objective=objective, ref_model=ref_model,
-                                      loss_scopes=[g.scopes for g in groups])
-            return result.groups
-        from ds_longstraw.grpo.transaction import grpo_backward
+                engine = enable_grpo_step(self.model_wrapped, self.longstraw)
+                engine.set_gradient_accumulation_boundary(True)  # this step is the accumulation window's only one
+                result = engine.grpo_step([g.group for g in groups], objective=objective, ref_model=ref_model,
+                                          loss_scopes=[g.scopes for g in groups], captures=captures)
+                return result.groups
+            from ds_longstraw.grpo.transaction import grpo_backward
 
-        return [grpo_backward(self.model, g.group, objective, config=self.longstraw, ref_model=ref_model,
-                              loss_scope=g.scopes) for g in groups]
+            return [grpo_backward(self.model, g.group, objective, config=self.longstraw, ref_model=ref_model,
+                                  loss_scope=g.scopes, capture=None if captures is None else captures[i])
+                    for i, g in enumerate(groups)]
+        finally:
+            if self._sampler is not None:
+                self._sampler.release()  # a capture no group took (a later iteration's weights differ)
 
     def _log_transactions(self, groups: list[PromptGroup], results: list) -> None:
-        """TRL's "kl" metric (mean k3 over trained tokens, every process) from the transactions' log-probs."""
+        """TRL's "kl" metric (mean k3 over trained tokens, every process) from the transactions' log-probs, and with
+        generate_from_capture the share of groups that trained on their kept capture."""
+        if self._sampler is not None:
+            reused = sum(bool(result.extras.get("capture_reused")) for result in results)
+            self._metrics["train"]["longstraw/capture_reused"].append(reused / max(len(results), 1))
         if self.beta == 0.0:
             return
         total = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
