@@ -71,15 +71,19 @@ class Batch:
         self.adv, self.trl_adv = objective.advantages(group), trl_advantages(group.rewards)
 
 
-def objective_group(model, seed=0, context=float64_model):
-    """Members with tool masks (one all masked), old log-probs a step away from the current policy (so ratios leave
-    1 and the clips bite), and a sampler's log-probs off from those. context: the float64 reference settings the
-    current log-probs are computed under (float64_model for qwen3_5; tests/glm_models.py's glm_reference for GLM)."""
+def objective_group(model, seed=0, context=float64_model, prompt_len=21, response_lens=(6, 9, 4, 10)):
+    """Members with tool masks (the first token of the first member trained; the third member, where there is
+    one, all masked), old log-probs a step away from the current policy (so ratios leave 1 and the clips bite), and
+    a sampler's log-probs off from those. context: the float64 reference settings the current log-probs are computed
+    under (float64_model for qwen3_5; tests/glm_models.py's glm_reference for GLM; nullcontext for the model's own
+    dtype, as tests/dist_scripts/engine_checks.py's float32 engine check)."""
     gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 97, (21,), generator=gen)
-    responses = [torch.randint(0, 97, (n,), generator=gen) for n in (6, 9, 4, 10)]
+    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
+    responses = [torch.randint(0, 97, (n,), generator=gen) for n in response_lens]
     masks = [torch.rand(r.numel(), generator=gen) > 0.25 for r in responses]
-    masks[0][0], masks[2][:] = True, False
+    masks[0][0] = True
+    if len(masks) > 2:
+        masks[2][:] = False
     with torch.no_grad(), context():
         current = full_sequence_logprobs(model, prompt, responses)
     old = [lp.double() + 0.4 * torch.randn(lp.numel(), generator=gen, dtype=torch.float64) for lp in current]

@@ -24,8 +24,8 @@ from ds_longstraw.kernels.dispatch import record
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
 from .family import Family
-from .qwen3_5_scan import capture_gdn_layer, forward_replaced
-from .qwen3_5_scan_backward import forward_gdn_layer, prefix_gdn_layer
+from .qwen3_5_scan import forward_replaced
+from .qwen3_5_scan_backward import GdnScanGrad
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
 
 FULL_ATTENTION = "full_attention"
@@ -99,7 +99,7 @@ def _delta_rule(query, key, value, g, beta, state):
 
 class Qwen35Adapter(CausalLMAdapter):
     family = "qwen3_5"
-    # its "affine_scan" layers run in the layer-major CP prefix pass (prefix_scan_layer, scan_layer_forward): what
+    # its "affine_scan" layers run in the layer-major CP prefix pass (recurrent_scan gives their backward too): what
     # a family with such layers declares (grpo/topology.resolve_prefix)
     layer_major_scan = True
 
@@ -221,7 +221,7 @@ class Qwen35Adapter(CausalLMAdapter):
     # A decoder layer is hidden + mixer(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major schedule
     # (ds_longstraw.grpo.cp.capture) runs the mixer over a whole shard with the exchanges its combine needs, so it
     # asks for the pieces: mixer_input, the mixer by its combine ("lse": attention_project / attention_finish;
-    # "affine_scan": capture_scan_layer), and mlp_residual.
+    # "affine_scan": recurrent_scan, the layer's math under grpo/cp/scan.py's schedule), and mlp_residual.
     def mixer_input(self, index, hidden_1TC):
         return self.layers[index].input_layernorm(hidden_1TC)
 
@@ -250,28 +250,15 @@ class Qwen35Adapter(CausalLMAdapter):
 
     def scan_output_bytes(self, tokens):
         """Bytes the one-pass CP capture holds of one Gated DeltaNet layer's outputs over `tokens` tokens
-        ([o(0) | q~] in the model's dtype, qwen3_5_scan.py)."""
+        ([o(0) | q~] in the model's dtype, qwen3_5_scan.py; grpo/cp/scan.py holds them)."""
         module = next(self.layers[i].linear_attn for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
         return tokens * module.num_v_heads * (module.head_k_dim + module.head_v_dim) * self.dtype.itemsize
 
-    # chunks: the schedule's chunks of this rank's shard (grpo/lockstep.ShardChunks): `spans` [(a, b, position)],
-    # then dummies() after each per-chunk loop (ZeRO-3 lockstep: one zero token each, results discarded)
-    def capture_scan_layer(self, index, normed_1TC, chunks, cp, pieces, boundaries, checkpoints=None, hold=True):
-        """One Gated DeltaNet layer of the layer-major capture under context parallelism (qwen3_5_scan.py)."""
-        return capture_gdn_layer(self, self.layers[index].linear_attn, normed_1TC, chunks, cp, pieces, boundaries,
-                                 index, checkpoints=checkpoints, hold=hold)
-
-    def prefix_scan_layer(self, index, read_input, dy_1TC, state, chunks, cp, pieces, d_final, backward=None):
-        """One Gated DeltaNet layer of the layer-major exact prefix pass under context parallelism: d(layer input)
-        over this rank's shard (qwen3_5_scan_backward.py); read_input(a, b): the layer's input of local tokens
-        [a, b)."""
-        return prefix_gdn_layer(self, self.layers[index].linear_attn, index, read_input, dy_1TC, state, chunks, cp,
-                                pieces, d_final, backward=backward)
-
-    def scan_layer_forward(self, index, normed_1TC, chunks, state):
-        """One Gated DeltaNet layer's mixer output per chunk of this rank's shard, each from its checkpointed carry
-        (the layer-major prefix pass's recompute of a layer input, qwen3_5_scan_backward.py)."""
-        return forward_gdn_layer(self, self.layers[index].linear_attn, index, normed_1TC, chunks, state)
+    def recurrent_scan(self, index):
+        """Gated DeltaNet layer `index` as the context-parallel scan's math (grpo/interfaces.RecurrentScanGrad;
+        qwen3_5_scan.py, qwen3_5_scan_backward.py): what the layer-major capture and prefix pass (grpo/cp/scan.py,
+        scan_backward.py) run it by."""
+        return GdnScanGrad(self, self.layers[index].linear_attn, index)
 
     # -- the segment -------------------------------------------------------------------------------------
     def _layer(self, index, layer, hidden, cos, sin, carry, past, remote_attention, known_attention):

@@ -15,11 +15,15 @@ the view is made (topology.ContextParallel.replay_view):
                    remote keys end (the adapter's own past starts there)
 Both hold the `stager` through which this rank reads its own pages (closed with the replay's leaves) and close().
 
+The "affine_scan" layers' math reaches the context-parallel schedule (grpo/cp/scan.py, scan_backward.py) the same
+way, through an interface: the adapter's recurrent_scan(layer) is a RecurrentScanGrad (a RecurrentScan with the
+pieces of its backward).
+
 A spread replay (grpo/cp/spread.py) wraps the replicated schedule's pages and asks them for this rank's share
 only: OwnPages ("lse") and OwnSparsePages ("topk_lse").
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -81,3 +85,116 @@ class OwnSparsePages(ReplayPages, Protocol):
 
     def own_grads(self, layer: int, query: tuple, positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor,
                   d_out: torch.Tensor, delta: torch.Tensor) -> list: ...
+
+
+class RecurrentScan(Protocol):
+    """One recurrent layer's math as the context-parallel "affine_scan" schedule reads it (grpo/cp/scan.py; qwen3_5:
+    arch/qwen3_5_scan.GdnScan, whose module docstring derives it). A segment of the prompt run from zero initial
+    state gives a *summary*, an affine map of its initial state; summaries compose in prompt order, outputs computed
+    before the initial state is known are corrected once it is, and the causal convolution's tail (the last `width`
+    tokens of the pre-convolution projection) crosses segments too. Nothing here exchanges, checkpoints or pads:
+    the schedule does.
+
+    Legend: state [1, heads, key_dim, value_dim] (state_dtype); summary [B | P] [1, heads, key_dim, value_dim +
+    key_dim] (state_dtype); tail [1, tail_channels, width]; h_1TC a chunk of the layer's mixer input."""
+
+    width: int  # tokens of the conv tail (the convolution's kernel - 1)
+    tail_channels: int
+    heads: int
+    key_dim: int
+    value_dim: int
+    dtype: torch.dtype  # the model's
+    state_dtype: torch.dtype  # states and summaries
+
+    def identity_summary(self, device: torch.device) -> torch.Tensor:
+        """The summary of an empty segment ([0 | I])."""
+        ...
+
+    def tail_projection(self, h_1TC: torch.Tensor) -> torch.Tensor:
+        """The pre-convolution projection [1, tail_channels, T] of the tokens h_1TC (a module call)."""
+        ...
+
+    def fold_tails(self, parts: Sequence[torch.Tensor], counts: Sequence[int]) -> torch.Tensor:
+        """The tail after segments, in order, whose last counts[j] projected tokens are right-aligned in parts[j]."""
+        ...
+
+    def inputs(self, h_1TC: torch.Tensor,
+               tail: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """(the recurrence's inputs of a chunk, its end tail) after `tail` (None: the prompt start); module calls."""
+        ...
+
+    def advance(self, inputs: tuple[torch.Tensor, ...],
+                state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The plain recurrence from `state` (None: zeros): (outputs [1, T, heads, value_dim], end state)."""
+        ...
+
+    def extend(self, summary: torch.Tensor,
+               inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recurrence from `summary`: (outputs [o(0) | q~] [1, T, heads, value_dim + key_dim], the summary
+        extended by the chunk)."""
+        ...
+
+    def with_end_state(self, summary: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The summary of a segment at the prompt start that ended in `state` (its P is never read)."""
+        ...
+
+    def apply_summary(self, summary: torch.Tensor, state: torch.Tensor | None) -> torch.Tensor:
+        """The state after a segment of `summary` from `state` (None: zeros); likewise a backward adjoint summary
+        [L | A] applied to the gradient of a segment's end state gives that of its start state."""
+        ...
+
+    def fold_states(self, summaries: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor | None:
+        """The state after segments of `summaries` (and `sizes` tokens; empty ones skipped) from zeros, in order;
+        None when every segment is empty."""
+        ...
+
+    def corrected(self, out_aug: torch.Tensor, initial: torch.Tensor | None) -> torch.Tensor:
+        """The outputs [1, T, heads, value_dim] of a chunk from its outputs of extend and its segment's initial
+        state (None: zeros): o = o(0) + q~ S_0."""
+        ...
+
+    def finish(self, h_1TC: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The layer's mixer output [1, T, C] of a chunk from the recurrence's outputs (module calls)."""
+        ...
+
+    def forward(self, h_1TC: torch.Tensor, state: torch.Tensor | None,
+                tail: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's mixer from (state, tail) (None: the prompt start): (output [1, T, C], end state, end tail)."""
+        ...
+
+
+class RecurrentScanGrad(RecurrentScan, Protocol):
+    """What the layer-major exact prefix pass adds (grpo/cp/scan_backward.py; qwen3_5: arch/qwen3_5_scan_backward.
+    GdnScanGrad). x_1TC: a chunk of the layer's input (before the mixer's norm); backward: as inject_gradients'."""
+
+    def prepare(self, x_1TC: torch.Tensor, start_state: torch.Tensor | None,
+                start_tail: torch.Tensor | None) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """(the chunk's prepared recurrence, opaque to the schedule; its outputs; its output gate) without a
+        graph, from its start carry (None: the prompt start)."""
+        ...
+
+    def output_side(self, x_1TC: torch.Tensor, out: torch.Tensor, z: torch.Tensor, dy_1TC: torch.Tensor,
+                    backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor | None, ...]:
+        """(d out, d z, d x) of the layer's output (mixer, residual and MLP) given its gradient dy_1TC."""
+        ...
+
+    def extend_adjoint(self, summary: torch.Tensor, rule: Any, d_out: torch.Tensor) -> torch.Tensor:
+        """A segment's state adjoint summary [L | A] so far (from identity_summary) extended by a later chunk's
+        (its prepared recurrence and d(out))."""
+        ...
+
+    def input_side(self, x_1TC: torch.Tensor, carry: tuple[torch.Tensor | None, torch.Tensor | None],
+                   injected: Sequence[torch.Tensor | None] | None,
+                   backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor | None, ...]:
+        """(d x, d start state, d start tail) of a chunk from its start carry, given the gradients of its (outputs,
+        output gate, end state, end tail) (None: zeros, a lockstep dummy)."""
+        ...
+
+    def tail_projection_grad(self, x_1TC: torch.Tensor, d_tail: torch.Tensor,
+                             backward: Callable[[torch.Tensor], Any] | None) -> torch.Tensor | None:
+        """d(x) of tail_projection of the tokens x_1TC given its gradient."""
+        ...
+
+    def tail_grad_before(self, d_tail: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The share of a segment's d(end tail) that lands on its start tail (a segment of `tokens` tokens)."""
+        ...

@@ -23,7 +23,10 @@ structure, whose results are thrown away and whose gradients are exactly zero:
   - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
 Under context parallelism the layer-major capture and prefix pass call each submodule once per chunk of the rank's
 shard, layer by layer: every such loop walks `Schedule.chunks(spans)` (ShardChunks), this rank's real chunks and
-then the dummy ones (one zero token each) that bring it to the common chunk count.
+then the dummy ones (one zero token each) that bring it to the common chunk count. The prefix pass in turns makes,
+on every rank, the iterations of `Schedule.prefix_turn` (TurnIterations) in each segment's turn: its owner's real
+chunks (mirrored by zero iterations on the other ranks), then dummy ones up to the most chunks that segment has on
+any replica.
 A rank with fewer groups (grpo_step with lists) runs dummy groups (`dummy_group`) whose loss is scaled by zero.
 
 The padding costs compute (one-token segments) and the weight gathers the other ranks do anyway: ranks would
@@ -203,6 +206,22 @@ class ShardChunks:
         return self._pad > 0
 
 
+@dataclass(frozen=True)
+class TurnIterations:
+    """One turn of exact mode's CP prefix pass in turns (grpo/cp/prefix.py) as the lockstep runs it: every rank
+    makes the same prefix iterations, the owner's `real` chunks (the owner runs them; every other rank mirrors each
+    with a zero iteration, which answers the owner's requests where that rank serves it), then the schedule's dummy
+    ones (`dummies()`: a zero iteration on every rank) up to the most chunks that segment has on any replica."""
+
+    real: int
+    pad: int = 0
+
+    def dummies(self) -> Iterator[None]:
+        """The dummy iterations after the real ones."""
+        for _ in range(self.pad):
+            yield None
+
+
 class Schedule:
     """The transaction's schedule as this rank runs it: the plain one, with no padding (one data-parallel rank, or
     no ZeRO-3). `Lockstep` wraps the same points with padding; the transaction and the topologies call these points
@@ -211,13 +230,16 @@ class Schedule:
     capture_pad = 0  # extra capture chunks of dummy calls
     idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
     capture_padded_to = None  # decoding: the chunks every rank's capture of the slot calls (None: not padded)
-    # context parallelism: the prefix iterations every rank makes in each turn, by segment in prompt order (None:
-    # no mirroring)
-    prefix_iterations = None
 
     def chunks(self, spans: Iterable[tuple[int, int, int]]) -> ShardChunks:
         """A context-parallel rank's chunks of its shard (spans), padded with capture_pad dummy ones."""
         return ShardChunks(spans, self.capture_pad)
+
+    def prefix_turn(self, segment: int, real: int) -> TurnIterations | None:
+        """The turn of CP segment `segment` (prompt order, groups.segments_in_order) in exact mode's prefix pass in
+        turns, whose owner has `real` chunks: None, the ranks do not mirror each other's turns (only the owner and
+        the ranks whose pages it reads take part)."""
+        return None
 
     def pad_capture(self, adapter: CausalLMAdapter) -> None:
         """After a one-rank capture: the extra chunks' calls."""
@@ -258,11 +280,10 @@ class Lockstep(Schedule):
     def capture_pad(self) -> int:
         return self.common.chunks - self.local.chunks
 
-    @property
-    def prefix_iterations(self) -> tuple:
-        """Per CP segment (prompt order), the iterations of its turn: the most chunks that segment has on any
-        replica."""
-        return self.common.segments
+    def prefix_turn(self, segment: int, real: int) -> TurnIterations:
+        """Every rank makes the turn's iterations: the owner's `real` chunks, then dummy ones up to the most chunks
+        the segment has on any replica (GroupCalls.segments)."""
+        return TurnIterations(real, self.common.segments[segment] - real)
 
     # -- capture and prefix ------------------------------------------------------------------------------
     def pad_capture(self, adapter: CausalLMAdapter) -> None:
@@ -319,7 +340,9 @@ class ReplayLockstep(Lockstep):
     whose capture and prefix pass already pair up (a spread CP replay without ZeRO-3)."""
 
     capture_pad = 0
-    prefix_iterations = None
+
+    def prefix_turn(self, segment: int, real: int) -> None:
+        return None
 
     def pad_capture(self, adapter: CausalLMAdapter) -> None:
         pass

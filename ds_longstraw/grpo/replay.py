@@ -90,7 +90,7 @@ def replay_member(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, in
     `leaves.past` holds no prompt pages; see interfaces.py)."""
     carry = dict(leaves.carry)
     past = leaves.past.fresh()
-    logps, entropies = [], []
+    blocks = []  # per block: log-probs, or with_entropy (log-probs, entropies)
     with leaves.saves():
         for offset in range(0, inputs.numel(), block):
             end = min(inputs.numel(), offset + block)
@@ -98,13 +98,11 @@ def replay_member(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, in
             carry = dict(out.carry)
             for layer, rows in out.rows.items():
                 past.append(layer, rows)
-            if with_entropy:
-                logp, entropy = adapter.logprobs(out.hidden, targets[offset:end], with_entropy=True)
-                logps.append(logp)
-                entropies.append(entropy)
-            else:
-                logps.append(adapter.logprobs(out.hidden, targets[offset:end]))
-    return (torch.cat(logps), torch.cat(entropies)) if with_entropy else torch.cat(logps)
+            blocks.append(adapter.logprobs(out.hidden, targets[offset:end], with_entropy=with_entropy))
+    if not with_entropy:
+        return torch.cat(blocks)
+    logps, entropies = zip(*blocks, strict=True)
+    return torch.cat(logps), torch.cat(entropies)
 
 
 def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,13 +136,10 @@ def replay_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, gro
         real = targets.numel()
         inputs, targets = schedule.pad_member(slot, inputs, targets)
         with torch.enable_grad():
-            entropy = None
-            if objective.needs_entropy:
-                logp, entropy = replay_member(adapter, leaves, start, inputs, targets, block, remote_attention,
-                                              with_entropy=True)
-                logp, entropy = logp[:real], entropy[:real]
-            else:
-                logp = replay(adapter, leaves, start, inputs, targets, block)[:real]
+            replayed = replay_member(adapter, leaves, start, inputs, targets, block, remote_attention,
+                                     with_entropy=objective.needs_entropy)
+            logp, entropy = replayed if objective.needs_entropy else (replayed, None)
+            logp, entropy = logp[:real], None if entropy is None else entropy[:real]
             ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
             share = objective.member_loss(group, member, logp, advantages, ref, entropy)
             if share.requires_grad:

@@ -294,7 +294,7 @@ class ContextParallel:
                                         backward=backward, schedule=schedule)
         else:
             cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
-                               turn_iterations=schedule.prefix_iterations,
+                               schedule=schedule,
                                prefix_recompute=settings.prefix_recompute_runs)
 
     def begin_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None] | None:
@@ -374,7 +374,7 @@ def resolve_prefix(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens_p
     scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
     # a family with "affine_scan" layers declares whether it runs them layer-major (its layer_major_scan)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
-        [f"{adapter.family} (no prefix_scan_layer)"] if scan and not adapter.layer_major_scan else [])
+        [f"{adapter.family} (no recurrent_scan)"] if scan and not adapter.layer_major_scan else [])
     if settings.cp_prefix == "layer_major" and blockers:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")

@@ -42,27 +42,26 @@ class ReadyRead:
         self._tensor = None
 
 
-def init_pool_basics(pool: Any, page_tokens: int, device: torch.device | str | None, rank: int,
-                     staging_depth: int) -> None:
-    """What every tier's pool holds: page size (checked), compute device, owning rank, staging depth."""
-    if page_tokens <= 0:
-        raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
-    pool.page_tokens = page_tokens
-    pool.device = torch.device(device) if device is not None else torch.device("cpu")
-    pool.rank = rank
-    pool.staging_depth = staging_depth
-
-
-class PagePool:
-    """Pages of one rank's retained streams on the compute device."""
-
-    tier = "device"
-    copies_on_read = False
+class PoolBase:
+    """What every tier's pool holds: page size (checked), compute device, owning rank, staging depth, and its
+    streams by (layer, name), empty. PagePool here and tiered.TieredPagePool (host, NVMe) build on it."""
 
     def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
                  staging_depth: int = 1) -> None:
-        init_pool_basics(self, page_tokens, device, rank, staging_depth)
-        self._streams: dict[tuple[int, str], _Stream] = {}
+        if page_tokens <= 0:
+            raise ValueError(f"page_tokens must be > 0, got {page_tokens}")
+        self.page_tokens = page_tokens
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.rank = rank
+        self.staging_depth = staging_depth
+        self._streams: dict[tuple[int, str], Any] = {}
+
+
+class PagePool(PoolBase):
+    """Pages of one rank's retained streams on the compute device (streams: _Stream, an arena each)."""
+
+    tier = "device"
+    copies_on_read = False
 
     # -- bookkeeping -------------------------------------------------------------------------------------
     def reserve(self, layer: int, name: str, tokens: int, shape: Sequence[int], dtype: torch.dtype) -> None:

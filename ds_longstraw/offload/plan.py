@@ -25,7 +25,7 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              (layer_major_workspace)
                  gdn scan    (context parallelism) a Gated DeltaNet layer's outputs over the rank's shard, held
                              until the cross-rank exchange gives its initial state ([o(0) | q~], (dv + dk) per
-                             value head and token, the model's dtype; arch/qwen3_5_scan.py), plus the capture
+                             value head and token, the model's dtype; grpo/cp/scan.py), plus the capture
                              chunk's scratch of that augmented run
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .page_table import PageTable
-from .pages import init_pool_basics
+from .pages import PoolBase
 from .states import STAGING_TRANSITIONS, PageState, advance
 
 
@@ -83,17 +83,17 @@ class ReadTicket:
         return f"read of {self.description}: {self.state.value}"
 
 
-class TieredPagePool:
-    """Base of the host and NVMe tiers: streams, page table, state machine, and the public pool interface."""
+class TieredPagePool(PoolBase):
+    """Base of the host and NVMe tiers: streams (StreamInfo), page table, state machine, and the public pool
+    interface."""
 
     tier = "?"
     copies_on_read = True
 
     def __init__(self, page_tokens: int, device: torch.device | str | None = None, rank: int = 0,
                  staging_depth: int = 1) -> None:
-        init_pool_basics(self, page_tokens, device, rank, staging_depth)
+        super().__init__(page_tokens, device, rank, staging_depth)
         self.table = PageTable(page_tokens, rank)
-        self._streams: dict[tuple[int, str], StreamInfo] = {}
         self._released = False
         # A pool dropped without release() (an exception unwinding past its owner) still frees its storage.
         self._finalizer = weakref.finalize(self, type(self)._finalize, self._finalize_state())

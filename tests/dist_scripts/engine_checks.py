@@ -55,6 +55,7 @@ import os
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: models.py
 
@@ -535,39 +536,21 @@ def check_rollout_ep(out_dir):
                          [((45,), (37, 23)), ((23,), (45,))], GLM_VOCAB)[0]
 
 
-
-def objective_group(seed, model, prompt_len, response_lens):
-    """A group with tool masks, old log-probs a step from the model's (ratios leave 1) and a sampler's off those."""
-    from models import full_sequence_logprobs
-
-    gen = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, 97, (prompt_len,), generator=gen)
-    responses = [torch.randint(0, 97, (n,), generator=gen) for n in response_lens]
-    masks = [torch.rand(n, generator=gen) > 0.25 for n in response_lens]
-    for mask in masks:
-        mask[0] = True
-    with torch.no_grad():
-        current = full_sequence_logprobs(model, prompt, responses)
-    old = [lp.double() + 0.3 * torch.randn(lp.numel(), generator=gen, dtype=torch.float64) for lp in current]
-    sampling = [o + 0.3 * torch.randn(o.numel(), generator=gen, dtype=torch.float64) for o in old]
-    return GRPOGroup(prompt, responses, rewards=torch.rand(len(responses), generator=gen).tolist(),
-                     old_logprobs=old, response_masks=masks, sampling_logprobs=sampling)
-
-
 def check_objective_step(out_dir):
     """The default "step" scope over 2 data-parallel ranks (ZeRO-3, exact mode): rank 0 trains groups A and B, rank
     1 group C, with different trained-token counts, clip-higher, an entropy bonus and a token-truncated rollout
     correction. Reference: TRL's "dapo" loss (its default) on the three groups as one batch, whose normaliser is
     every trained token of the step, through full-sequence autograd of the model, then SGD."""
     from models import full_sequence_logprobs
+    from objective_cases import objective_group
     from peer_losses import TRLLoss, trl_advantages, trl_rollout_ratio
 
     rank = dist.get_rank()
     model = tiny_qwen3_5(torch.float32, seed=2)
     reference = copy.deepcopy(model)
     before = snapshot(model)
-    groups = [objective_group(40, model, 27, [4, 9]), objective_group(41, model, 21, [2, 6, 3]),
-              objective_group(42, model, 33, [8, 5])]
+    groups = [objective_group(model, seed, nullcontext, prompt_len, lens)
+              for seed, prompt_len, lens in ((40, 27, (4, 9)), (41, 21, (2, 6, 3)), (42, 33, (8, 5)))]
     objective = GRPOObjective(clip_high=0.28, entropy_coef=0.01, rollout_correction="token_truncate",
                               advantage_eps=1e-4)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ds_longstraw.arch.qwen3_5_scan import (
-    _corrected,
+    corrected,
     extend_summary,
     extend_with_outputs,
     fold_states,
@@ -228,7 +228,7 @@ def test_layer_major_refused_where_it_does_not_run():
 
     config = LongstrawConfig(cp_size=2, prefix_grad="exact", cp_prefix="layer_major")
     assert resolve_prefix(_FakeAdapter(["topk_lse", "lse"]), config) == "layer_major"
-    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*no prefix_scan_layer"):
+    with pytest.raises(ValueError, match="'longstraw.cp_prefix' = 'layer_major'.*no recurrent_scan"):
         resolve_prefix(_FakeAdapter(["affine_scan"], scan_pass=False), config)
     with pytest.raises(ValueError, match="cp_prefix"):
         LongstrawConfig(cp_prefix="sideways")
@@ -271,6 +271,21 @@ def test_schedule_chunks_pad_after_the_real_ones():
     assert walked[2].position == 0 and torch.equal(walked[2].of(hidden), torch.zeros(1, 1, 3))
 
 
+def test_schedule_prefix_turn_pads_after_the_owner_chunks():
+    """Exact mode's CP prefix pass in turns makes, per segment, Schedule.prefix_turn's iterations: none mirrored on
+    the plain schedule (or a replay-only lockstep), else the owner's real chunks then dummies up to the segment's
+    most chunks on any replica (a segment with no tokens here is still walked: real 0)."""
+    from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, ReplayLockstep, Schedule, TurnIterations
+
+    local, common = GroupCalls(2, (1,), (2, 0, 1)), GroupCalls(3, (1,), (3, 2, 1))
+    assert Schedule().prefix_turn(0, 2) is None
+    assert ReplayLockstep(local, common, LongstrawConfig()).prefix_turn(0, 2) is None
+    lockstep = Lockstep(local, common, LongstrawConfig())
+    turns = [lockstep.prefix_turn(s, real) for s, real in enumerate(local.segments)]
+    assert turns == [TurnIterations(2, 1), TurnIterations(0, 2), TurnIterations(1, 0)]
+    assert [len(list(t.dummies())) for t in turns] == [1, 2, 0]
+
+
 def _delta_inputs(gen, tokens, hk=2, hv=4, dk=8, dv=6):
     q = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)
     k = torch.randn(1, tokens, hk, dk, generator=gen, dtype=torch.float64)
@@ -305,8 +320,8 @@ def test_one_pass_outputs_corrected_by_the_initial_state(tokens, chunk):
     for a in range(0, tokens, chunk):  # the summary carries over chunks; the correction waits for S_0
         out, summary = extend_with_outputs(summary, *(t[:, a:a + chunk] for t in (q, k, v, g, beta)))
         outs.append(out)
-    corrected = torch.cat([_corrected(out, s0, 6) for out in outs], 1)
-    torch.testing.assert_close(corrected, expected, rtol=0, atol=1e-12)
+    outputs = torch.cat([corrected(out, s0, 6) for out in outs], 1)
+    torch.testing.assert_close(outputs, expected, rtol=0, atol=1e-12)
     torch.testing.assert_close(summary[..., 6:] @ s0 + summary[..., :6], end, rtol=0, atol=1e-12)
     # without the correction the outputs are the zero-state run's: the test can tell the two apart
     assert (torch.cat([out[..., :6] for out in outs], 1) - expected).abs().max() > 1e-3

@@ -5,8 +5,8 @@ r and 2N-1-r of 2N), kept in prompt order as its local tokens. Layer l+1's input
 output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture
 walks the layers in order and, per layer, all ranks exchange what crosses the rank boundaries before anyone moves
 on, as the layer's spec says (arch/specs.py, `combine`):
-  "affine_scan"  the adapter's capture_scan_layer: segment summaries all-gathered and folded in prompt order (the
-                 family's own math; qwen3_5: arch/qwen3_5_scan.py);
+  "affine_scan"  scan.py: segment summaries all-gathered and folded in prompt order (the family's own math, the
+                 adapter's recurrent_scan(layer); qwen3_5: arch/qwen3_5_scan.py);
   "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (cp_attention.py:
                  in turns for contiguous shards, all ranks at once in a ring for zigzag ones), or, with
                  cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
@@ -29,6 +29,7 @@ import torch
 
 from ds_longstraw.grpo.cp.cp_attention import capture_attention_layer
 from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer
+from ds_longstraw.grpo.cp.scan import capture_scan_layer
 from ds_longstraw.grpo.cp.ulysses import ulysses_attention_layer
 from ds_longstraw.grpo.lockstep import Schedule, ShardChunks
 from ds_longstraw.grpo.state import (
@@ -118,8 +119,9 @@ def _capture_layers(adapter: CausalLMAdapter, ids: torch.Tensor, tokens: int, se
                     state.input_pool.append(index, SELECTION_STREAM, encode_selection(*selection, bases[index]))
             normed = adapter.mixer_input(index, hidden)
             if spec.combine == "affine_scan":
-                mixed, final_carry[index] = adapter.capture_scan_layer(index, normed, chunks, cp, pieces, boundaries,
-                                                                       checkpoints=checkpoints, hold=hold)
+                mixed, final_carry[index] = capture_scan_layer(adapter.recurrent_scan(index), normed, chunks, cp,
+                                                               pieces, boundaries, index, checkpoints=checkpoints,
+                                                               hold=hold)
             elif spec.combine == "lse" and settings.cp_attention == "ulysses":
                 mixed = ulysses_attention_layer(adapter, spec, normed, chunks, cp, bounds, pool, chunk,
                                                 kept_pool=kept_pool)

@@ -19,10 +19,10 @@ last to first (wall time about that of the single-process pass; memory stays one
            request at all (KnownPagesFunction), only the backward ones.
 
 Under ZeRO-3 (lockstep) every rank of the job must make the same submodule calls in the same order, so turns
-are mirrored: in turn s every rank makes the same number of prefix iterations (the most chunks segment s has on
-any replica, lockstep.GroupCalls.segments); the owner runs its real chunks and pads with zero-gradient one-token
-iterations, every other rank runs only such zero iterations, and a rank whose pages the owner reads answers each
-request from inside the mirrored layer
+are mirrored: in turn s every rank makes the iterations of the schedule's `prefix_turn` (lockstep.TurnIterations:
+the owner's real chunks, then dummy ones up to the most chunks segment s has on any replica); the owner runs its
+real chunks and then the dummies as zero-gradient one-token iterations, every other rank runs only such zero
+iterations, and a rank whose pages the owner reads answers each request from inside the mirrored layer
 (`PageServer`): the point-to-point exchanges then sit at the same place in every rank's sequence of weight
 gathers, forward and backward.
 
@@ -61,13 +61,14 @@ from ds_longstraw.grpo.cp.cp_sparse import (
     selected_rows_attention,
     uses_selection,
 )
-from ds_longstraw.grpo.lockstep import ceil_div, zero_prefix_iteration
+from ds_longstraw.grpo.lockstep import Schedule, ceil_div, zero_prefix_iteration
 from ds_longstraw.grpo.prefix_pass import prefix_backward
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order, visible_prefix
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.lockstep import TurnIterations
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import PagePool, Stager
     from ds_longstraw.offload.tiered import TieredPagePool
@@ -339,7 +340,7 @@ def _carry_shapes(state: PrefixState) -> dict[int, list[tuple[torch.Size, torch.
 def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
                        d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext, chunk: int,
                        backward: Callable[[torch.Tensor], Any] | None = None,
-                       turn_iterations: Sequence[int] | None = None, prefix_recompute: bool = False) -> None:
+                       schedule: Schedule | None = None, prefix_recompute: bool = False) -> None:
     """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
     ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
@@ -349,11 +350,11 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
     contiguous shards, two per rank for zigzag ones (a rank's own earlier piece is local past to its later one).
     Parameter gradients of this rank's tokens accumulate into .grad; the caller reduces them.
 
-    turn_iterations: None, or (ZeRO-3, whose weight gathers are collectives over every rank of the job) per
-    segment in prompt order the number of prefix iterations every rank makes in its turn: the owner runs its real
-    chunks and pads with zero iterations (lockstep.zero_prefix_iteration), every other rank mirrors each of them
-    with a one-token zero iteration, and a rank whose pages the owner reads answers the owner's requests from
-    inside its mirror (PageServer), at the same layer of the same module sequence.
+    schedule: the transaction's lockstep.Schedule (None: the plain one). Where its prefix_turn gives a turn's
+    iterations (ZeRO-3, whose weight gathers are collectives over every rank of the job), every rank makes them:
+    the owner runs its real chunks and then the dummy ones as zero iterations (lockstep.zero_prefix_iteration),
+    every other rank mirrors each of them with a one-token zero iteration, and a rank whose pages the owner reads
+    answers the owner's requests from inside its mirror (PageServer), at the same layer of the same module sequence.
 
     prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
     (settings.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
@@ -363,10 +364,11 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
     mine = pieces[cp.rank]
     shapes = _carry_shapes(state)
     filled = [s for s, (_, _, lo, hi) in enumerate(order) if hi > lo]
+    schedule = schedule or Schedule()
     d_carry, handoffs = d_final_carry, []  # d(carry) at the end of the segment in turn; sends still in flight
     for s in reversed(range(len(order))):
         owner, index, lo, hi = order[s]
-        iterations = None if turn_iterations is None else turn_iterations[s]
+        iterations = schedule.prefix_turn(s, ceil_div(hi - lo, chunk))  # None: not mirrored
         if hi == lo and iterations is None:
             continue
         later = [t for t in filled if t > s]
@@ -375,8 +377,8 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
         if cp.rank != owner:
             visible = visible_prefix(mine, lo)
             if iterations is not None:
-                _mirror_turn(adapter, state, cp, owner, ceil_div(hi - lo, chunk), chunk, iterations,
-                             cp.rank in servers, backward, prefix_recompute, visible)
+                _mirror_turn(adapter, state, cp, owner, chunk, iterations, cp.rank in servers, backward,
+                             prefix_recompute, visible)
             elif cp.rank in servers:
                 serve(cp, owner, adapter, state.pool, chunk, end=visible)
             continue
@@ -385,6 +387,7 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
                                             device=adapter.device) for shape, dtype in parts)
                        for layer, parts in shapes.items()}
         turn = [b for b in state.boundaries if piece_index(mine, b.position) == index] if hi > lo else []
+        assert iterations is None or len(turn) == iterations.real, "the capture's chunks are the segment's"
         if turn:
             # a "topk_lse" family's past is its turn's piece only; its own earlier pieces are reached like the
             # other ranks' rows (RemotePages' `earlier`)
@@ -395,7 +398,7 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
                                       remote_attention=remote if servers or own_earlier else None,
                                       prefix_recompute=prefix_recompute, boundaries=turn, past_start=past_start)
             remote.close(adapter.device)
-        for _ in range((iterations or 0) - len(turn)):  # pad this turn to the common count
+        for _ in iterations.dummies() if iterations is not None else ():  # the turn's dummy iterations
             zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)
         if turn and earlier and order[earlier[-1]][0] != cp.rank:  # hand d(carry at this piece's start) over
             handoffs += [cp.isend(_carry_part(d_carry.get(layer), part, shape, dtype, adapter.device),
@@ -411,21 +414,21 @@ def _carry_part(grads: Sequence[torch.Tensor] | None, part: int, shape: torch.Si
     return torch.zeros(shape, dtype=dtype, device=device) if grads is None else grads[part].to(dtype).contiguous()
 
 
-def _mirror_turn(adapter: CausalLMAdapter, state: PrefixState, cp: CPContext, owner: int, real: int, chunk: int,
-                 iterations: int, serving: bool, backward: Callable[[torch.Tensor], Any] | None, prefix_recompute: bool,
-                 visible: int) -> None:
+def _mirror_turn(adapter: CausalLMAdapter, state: PrefixState, cp: CPContext, owner: int, chunk: int,
+                 iterations: TurnIterations, serving: bool, backward: Callable[[torch.Tensor], Any] | None,
+                 prefix_recompute: bool, visible: int) -> None:
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
-    mirror the owner's `real` chunks answer its requests (against this rank's pages [0, visible)) when this rank
-    serves it, then its DONE is read."""
+    mirror the owner's real chunks answer its requests (against this rank's pages [0, visible)) when this rank
+    serves it, then its DONE is read; then the turn's dummy iterations."""
     server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None,
                         visible=visible) if serving else None
     try:
-        for _ in range(real):
+        for _ in range(iterations.real):
             zero_prefix_iteration(adapter, backward, server, prefix_recompute)
         if serving:  # the owner says DONE after its real chunks, before its padding
             server.answer(DONE, -1)
     finally:
         if server is not None:
             server.close()
-    for _ in range(iterations - real):
+    for _ in iterations.dummies():
         zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)

@@ -19,7 +19,7 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
                  each chunk back-propagates its projections (q, K, V) with autograd: d(input).
   "topk_lse"     (sparse attention over a global top-k selection: prefix_sparse.py) the same steps, the queries
                  travelling to the selected rows' owners and the selection recomputed without a graph.
-  "affine_scan"  (GDN) the family's prefix_scan_layer (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
+  "affine_scan"  (GDN) scan_backward.py over the family's math (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
                  the state adjoint all-gathered and folded from the prompt's end, each piece's backward from its
                  own end-state gradient, then the conv tails' gradients likewise.
 Finally the embedding gets d(layer 0 input). Nothing of the prompt's graph outlives one chunk of one layer.
@@ -60,6 +60,7 @@ from ds_longstraw.grpo.cp.cp_attention import (
 )
 from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer, uses_selection
 from ds_longstraw.grpo.cp.prefix_sparse import Selections, sparse_layer_backward
+from ds_longstraw.grpo.cp.scan_backward import prefix_scan_layer, scan_layer_forward
 from ds_longstraw.grpo.lockstep import Schedule
 from ds_longstraw.grpo.state import INPUT_STREAM
 from ds_longstraw.kernels.attention import key_set_grads
@@ -128,8 +129,8 @@ def layer_major_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, id
                 d_hidden = sparse_layer_backward(adapter, spec, state, read_input, d_hidden, chunks, cp, pieces,
                                                  selections, backward)
             elif spec.combine == "affine_scan":
-                d_hidden = adapter.prefix_scan_layer(layer, read_input, d_hidden, state, chunks, cp, pieces,
-                                                     d_final_carry.get(layer), backward=backward)
+                d_hidden = prefix_scan_layer(adapter.recurrent_scan(layer), layer, read_input, d_hidden, state,
+                                             chunks, cp, pieces, d_final_carry.get(layer), backward=backward)
             else:
                 raise NotImplementedError(f"layer {layer}: combine {spec.combine!r} in the layer-major prefix pass")
             if selections is not None:
@@ -198,7 +199,7 @@ def layer_forward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState
         mixed = [adapter.attention_finish(layer, out, gate) for (out, _), gate in zip(results, gates, strict=True)]
         finish_dummies(adapter, layer, dummies)
     elif spec.combine == "affine_scan":
-        mixed = adapter.scan_layer_forward(layer, normed, chunks, state)
+        mixed = scan_layer_forward(adapter.recurrent_scan(layer), layer, normed, chunks, state)
     elif spec.combine == "topk_lse":
         out, selection = capture_sparse_layer(adapter, spec, normed, chunks, cp, pieces, state.pool, selection,
                                               append=False)

@@ -42,6 +42,8 @@ try:
     import triton.language as tl
 except ImportError:  # the torch reference serves every call (fast_path says so)
     triton = None
+else:
+    from ..triton_common import online_softmax_finish, online_softmax_start, online_softmax_step
 
 
 def _pages_shape_check(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens):
@@ -92,6 +94,8 @@ def paged_grads_from_delta_reference(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens
 
 # -- Triton kernels --------------------------------------------------------------------------------------------
 if triton is not None:
+    # Strides come as tuples, named for their tensor's layout: s_HTD (q, out, dout, dq), s_NPKD (k, v and gradient
+    # pages), s_HT (lse; delta shares its strides).
 
     @triton.jit
     def _page_rows(table_ptr, cols, tokens, page_tokens):
@@ -106,35 +110,46 @@ if triton is not None:
         return index, index < limit
 
     @triton.jit
-    def _page_tile(ptr, page, slot, kv_head, dims, s_n, s_p, s_k, s_d):
+    def _page_tile(ptr, page, slot, kv_head, dims, s_NPKD):
         """Addresses [BLOCK_N, BLOCK_D] of kv head `kv_head`'s rows (page, slot) in a page tensor."""
-        return ptr + page[:, None] * s_n + slot[:, None] * s_p + kv_head * s_k + dims[None, :] * s_d
+        return (ptr + page[:, None] * s_NPKD[0] + slot[:, None] * s_NPKD[1] + kv_head * s_NPKD[2]
+                + dims[None, :] * s_NPKD[3])
 
     @triton.jit
-    def _head_tile(ptr, head, rows, dims, s_h, s_t, s_d):
+    def _head_tile(ptr, head, rows, dims, s_HTD):
         """Addresses [BLOCK_M, BLOCK_D] of query rows `rows` of head `head` in a [H, Tq, D] tensor."""
-        return ptr + head * s_h + rows[:, None] * s_t + dims[None, :] * s_d
+        return ptr + head * s_HTD[0] + rows[:, None] * s_HTD[1] + dims[None, :] * s_HTD[2]
 
     @triton.jit
-    def _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
-                 sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d):
+    def _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens, sk_NPKD,
+                 sv_NPKD):
         """(k, v) [BLOCK_N, BLOCK_D] of keys `cols`, read from their pages through the table (0 where masked)."""
         page, slot = _page_rows(table_ptr, cols, tokens, page_tokens)
         kv_mask = col_ok[:, None] & dim_ok[None, :]
-        k = tl.load(_page_tile(k_ptr, page, slot, kv_head, dims, sk_n, sk_p, sk_k, sk_d), mask=kv_mask, other=0.0)
-        v = tl.load(_page_tile(v_ptr, page, slot, kv_head, dims, sv_n, sv_p, sv_k, sv_d), mask=kv_mask, other=0.0)
+        k = tl.load(_page_tile(k_ptr, page, slot, kv_head, dims, sk_NPKD), mask=kv_mask, other=0.0)
+        v = tl.load(_page_tile(v_ptr, page, slot, kv_head, dims, sv_NPKD), mask=kv_mask, other=0.0)
         return k, v
 
     @triton.jit
-    def _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims, dim_ok,
-                        sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t):
+    def _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims, dim_ok, sq_HTD, sdo_HTD,
+                        s_HT):
         """(q, dout, lse, delta) of query rows `rows` of head `head`: what both backward kernels read per row."""
         tile = row_ok[:, None] & dim_ok[None, :]
-        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_h, sq_t, sq_d), mask=tile, other=0.0)
-        dout = tl.load(_head_tile(dout_ptr, head, rows, dims, sdo_h, sdo_t, sdo_d), mask=tile, other=0.0)
-        lse = tl.load(lse_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=float("-inf"))
-        delta = tl.load(delta_ptr + head * sl_h + rows * sl_t, mask=row_ok, other=0.0)
+        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_HTD), mask=tile, other=0.0)
+        dout = tl.load(_head_tile(dout_ptr, head, rows, dims, sdo_HTD), mask=tile, other=0.0)
+        lse = tl.load(lse_ptr + head * s_HT[0] + rows * s_HT[1], mask=row_ok, other=float("-inf"))
+        delta = tl.load(delta_ptr + head * s_HT[0] + rows * s_HT[1], mask=row_ok, other=0.0)
         return q, dout, lse, delta
+
+    @triton.jit
+    def _query_program(tq, group, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """What a program over (query block, query head) starts from: (block, head, its kv head, the block's query
+        rows and which are < tq, the head dims and which are < D)."""
+        block = tl.program_id(0)
+        head = tl.program_id(1)
+        rows, row_ok = _span(block * BLOCK_M, BLOCK_M, tq)
+        dims, dim_ok = _span(0, BLOCK_D, D)
+        return block, head, head // group, rows, row_ok, dims, dim_ok
 
     @triton.jit
     def _key_end(block, tokens, causal_offset, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
@@ -164,89 +179,52 @@ if triton is not None:
 
     @triton.jit
     def _paged_forward_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr,
-        tokens, page_tokens, tq, group, scale, causal_offset,
-        sq_h, sq_t, sq_d,
-        sk_n, sk_p, sk_k, sk_d,
-        sv_n, sv_p, sv_k, sv_d,
-        so_h, so_t, so_d,
-        sl_h, sl_t,
+        q_ptr, k_ptr, v_ptr, table_ptr, out_ptr, lse_ptr, tokens, page_tokens, tq, group, scale, causal_offset,
+        sq_HTD, sk_NPKD, sv_NPKD, so_HTD, sl_HT,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        block = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // group
-        rows, row_ok = _span(block * BLOCK_M, BLOCK_M, tq)
-        dims, dim_ok = _span(0, BLOCK_D, D)
+        block, head, kv_head, rows, row_ok, dims, dim_ok = _query_program(tq, group, D, BLOCK_D, BLOCK_M)
         tile = row_ok[:, None] & dim_ok[None, :]
-        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_h, sq_t, sq_d), mask=tile, other=0.0)
-        run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        run_sum = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        q = tl.load(_head_tile(q_ptr, head, rows, dims, sq_HTD), mask=tile, other=0.0)
+        run_max, run_sum, acc = online_softmax_start(BLOCK_M, BLOCK_D)
         for start in range(0, _key_end(block, tokens, causal_offset, BLOCK_M, CAUSAL), BLOCK_N):
             cols, col_ok = _span(start, BLOCK_N, tokens)
             k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
-                            sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
+                            sk_NPKD, sv_NPKD)
             s, seen = _scores(q, k, rows, cols, row_ok, col_ok, scale, causal_offset, CAUSAL, PRECISION)
-            s = tl.where(seen, s, float("-inf"))
-            new_max = tl.maximum(run_max, tl.max(s, 1))
-            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
-            rescale = tl.exp(run_max - safe_max)
-            p = tl.exp(s - safe_max[:, None])
-            run_sum = run_sum * rescale + tl.sum(p, 1)
-            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            run_max = new_max
-        seen_any = run_sum > 0
-        out = tl.where(seen_any[:, None], acc / tl.where(seen_any, run_sum, 1.0)[:, None], 0.0)
-        lse = tl.where(seen_any, run_max + tl.log(tl.where(seen_any, run_sum, 1.0)), float("-inf"))
-        tl.store(_head_tile(out_ptr, head, rows, dims, so_h, so_t, so_d), out.to(out_ptr.dtype.element_ty), mask=tile)
-        tl.store(lse_ptr + head * sl_h + rows * sl_t, lse, mask=row_ok)
+            run_max, run_sum, acc = online_softmax_step(tl.where(seen, s, float("-inf")), v, run_max, run_sum, acc,
+                                                        PRECISION)
+        out, lse = online_softmax_finish(run_max, run_sum, acc)
+        tl.store(_head_tile(out_ptr, head, rows, dims, so_HTD), out.to(out_ptr.dtype.element_ty), mask=tile)
+        tl.store(lse_ptr + head * sl_HT[0] + rows * sl_HT[1], lse, mask=row_ok)
 
     @triton.jit
     def _paged_dq_kernel(
-        q_ptr, k_ptr, v_ptr, table_ptr, lse_ptr, dout_ptr, delta_ptr, dq_ptr,
-        tokens, page_tokens, tq, group, scale, causal_offset,
-        sq_h, sq_t, sq_d,
-        sk_n, sk_p, sk_k, sk_d,
-        sv_n, sv_p, sv_k, sv_d,
-        sdo_h, sdo_t, sdo_d,
-        sl_h, sl_t,
-        sdq_h, sdq_t, sdq_d,
+        q_ptr, k_ptr, v_ptr, table_ptr, lse_ptr, dout_ptr, delta_ptr, dq_ptr, tokens, page_tokens, tq, group, scale,
+        causal_offset, sq_HTD, sk_NPKD, sv_NPKD, sdo_HTD, sl_HT, sdq_HTD,
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        block = tl.program_id(0)
-        head = tl.program_id(1)
-        kv_head = head // group
-        rows, row_ok = _span(block * BLOCK_M, BLOCK_M, tq)
-        dims, dim_ok = _span(0, BLOCK_D, D)
+        block, head, kv_head, rows, row_ok, dims, dim_ok = _query_program(tq, group, D, BLOCK_D, BLOCK_M)
         q, dout, lse, delta = _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims, dim_ok,
-                                              sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t)
+                                              sq_HTD, sdo_HTD, sl_HT)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for start in range(0, _key_end(block, tokens, causal_offset, BLOCK_M, CAUSAL), BLOCK_N):
             cols, col_ok = _span(start, BLOCK_N, tokens)
             k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
-                            sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
+                            sk_NPKD, sv_NPKD)
             p = _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset, CAUSAL, PRECISION)
             dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
             ds = p * (dp - delta[:, None]) * scale
             dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        tl.store(_head_tile(dq_ptr, head, rows, dims, sdq_h, sdq_t, sdq_d), dq,
-                 mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(_head_tile(dq_ptr, head, rows, dims, sdq_HTD), dq, mask=row_ok[:, None] & dim_ok[None, :])
 
     @triton.jit
     def _paged_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, table_ptr, lse_ptr, dout_ptr, delta_ptr, dk_ptr, dv_ptr, grad_table_ptr,
-        tokens, page_tokens, tq, group, scale, causal_offset,
-        sq_h, sq_t, sq_d,
-        sk_n, sk_p, sk_k, sk_d,
-        sv_n, sv_p, sv_k, sv_d,
-        sdo_h, sdo_t, sdo_d,
-        sl_h, sl_t,
-        sdk_n, sdk_p, sdk_k, sdk_d,
-        sdv_n, sdv_p, sdv_k, sdv_d,
-        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        tokens, page_tokens, tq, group, scale, causal_offset, sq_HTD, sk_NPKD, sv_NPKD, sdo_HTD, sl_HT, sdk_NPKD,
+        sdv_NPKD, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     ):
         block = tl.program_id(0)
@@ -254,7 +232,7 @@ if triton is not None:
         cols, col_ok = _span(block * BLOCK_N, BLOCK_N, tokens)
         dims, dim_ok = _span(0, BLOCK_D, D)
         k, v = _load_kv(k_ptr, v_ptr, table_ptr, cols, col_ok, dims, dim_ok, kv_head, tokens, page_tokens,
-                        sk_n, sk_p, sk_k, sk_d, sv_n, sv_p, sv_k, sv_d)
+                        sk_NPKD, sv_NPKD)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         first = 0
@@ -265,15 +243,15 @@ if triton is not None:
             for start in range(first, tq, BLOCK_M):
                 rows, row_ok = _span(start, BLOCK_M, tq)
                 q, dout, lse, delta = _load_grad_rows(q_ptr, dout_ptr, lse_ptr, delta_ptr, head, rows, row_ok, dims,
-                                                      dim_ok, sq_h, sq_t, sq_d, sdo_h, sdo_t, sdo_d, sl_h, sl_t)
+                                                      dim_ok, sq_HTD, sdo_HTD, sl_HT)
                 p = _probabilities(q, k, rows, cols, row_ok, col_ok, lse, scale, causal_offset, CAUSAL, PRECISION)
                 dv += tl.dot(tl.trans(p.to(dout.dtype)), dout, input_precision=PRECISION)
                 dp = tl.dot(dout, tl.trans(v), input_precision=PRECISION)
                 ds = p * (dp - delta[:, None]) * scale
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         grad_page, grad_slot = _page_rows(grad_table_ptr, cols, tokens, page_tokens)
-        dk_at = _page_tile(dk_ptr, grad_page, grad_slot, kv_head, dims, sdk_n, sdk_p, sdk_k, sdk_d)
-        dv_at = _page_tile(dv_ptr, grad_page, grad_slot, kv_head, dims, sdv_n, sdv_p, sdv_k, sdv_d)
+        dk_at = _page_tile(dk_ptr, grad_page, grad_slot, kv_head, dims, sdk_NPKD)
+        dv_at = _page_tile(dv_ptr, grad_page, grad_slot, kv_head, dims, sdv_NPKD)
         kv_mask = col_ok[:, None] & dim_ok[None, :]
         old_dk = tl.load(dk_at, mask=kv_mask, other=0.0).to(tl.float32)
         old_dv = tl.load(dv_at, mask=kv_mask, other=0.0).to(tl.float32)
@@ -309,61 +287,56 @@ def _width(q_HTD):
     return q_HTD.shape[-1] * q_HTD.element_size() // 2
 
 
-def _causal_args(causal_offset):
-    return (False, 0) if causal_offset is None else (True, int(causal_offset))
+def _launch_args(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, scale, causal_offset, blocks, kind):
+    """What every kernel here is launched with: (sizes, the size arguments tokens, page_tokens, tq, group, scale,
+    causal_offset; meta, the compile-time arguments and launch options of the "forward" or "backward" tiles)."""
+    _pages_shape_check(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens)
+    heads, tq, d = q_HTD.shape
+    causal, offset = (False, 0) if causal_offset is None else (True, int(causal_offset))
+    block_m, block_n, warps, stages = _tiles(_width(q_HTD), blocks, kind)
+    sizes = (tokens, k_NPKD.shape[1], tq, heads // k_NPKD.shape[2], float(scale), offset)
+    meta = dict(D=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+                PRECISION=dot_precision(q_HTD.dtype), num_warps=warps, num_stages=stages)
+    return sizes, meta
 
 
 def paged_attention_forward_triton(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, scale, causal_offset=None, *,
                                    blocks=None):
     """The Triton forward; same signature and result as `paged_attention_forward_reference` (lse in float32).
     blocks: None, or the tiles (BLOCK_M, BLOCK_N[, warps[, stages]]) instead of the head dim's (see `_tiles`)."""
-    _pages_shape_check(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens)
-    heads, tq, d = q_HTD.shape
-    page_tokens, kv_heads = k_NPKD.shape[1], k_NPKD.shape[2]
+    sizes, meta = _launch_args(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, scale, causal_offset, blocks, "forward")
+    heads, tq, _ = q_HTD.shape
     out_HTD = torch.empty_like(q_HTD)
     lse_HT = torch.empty((heads, tq), dtype=torch.float32, device=q_HTD.device)
     if tq == 0:
         return out_HTD, lse_HT
-    causal, offset = _causal_args(causal_offset)
-    block_m, block_n, warps, stages = _tiles(_width(q_HTD), blocks, "forward")
-    _paged_forward_kernel[(triton.cdiv(tq, block_m), heads)](
-        q_HTD, k_NPKD, v_NPKD, page_table_M, out_HTD, lse_HT,
-        tokens, page_tokens, tq, heads // kv_heads, float(scale), offset,
-        *q_HTD.stride(), *k_NPKD.stride(), *v_NPKD.stride(), *out_HTD.stride(), *lse_HT.stride(),
-        D=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        PRECISION=dot_precision(q_HTD.dtype), num_warps=warps, num_stages=stages,
-    )
+    _paged_forward_kernel[(triton.cdiv(tq, meta["BLOCK_M"]), heads)](
+        q_HTD, k_NPKD, v_NPKD, page_table_M, out_HTD, lse_HT, *sizes,
+        q_HTD.stride(), k_NPKD.stride(), v_NPKD.stride(), out_HTD.stride(), lse_HT.stride(), **meta)
     return out_HTD, lse_HT
 
 
 def paged_grads_from_delta_triton(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, lse_HT, dout_HTD, delta_HT, scale,
                                   dk_NPKD=None, dv_NPKD=None, grad_table_M=None, causal_offset=None, *, blocks=None):
     """The Triton backward; same signature and effect as `paged_grads_from_delta_reference` (dq in float32)."""
-    _pages_shape_check(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens)
-    heads, tq, d = q_HTD.shape
-    page_tokens, kv_heads = k_NPKD.shape[1], k_NPKD.shape[2]
+    sizes, meta = _launch_args(q_HTD, k_NPKD, v_NPKD, page_table_M, tokens, scale, causal_offset, blocks, "backward")
+    heads, kv_heads = q_HTD.shape[0], k_NPKD.shape[2]
     dq_HTD = torch.zeros(q_HTD.shape, dtype=torch.float32, device=q_HTD.device)
-    if tq == 0 or tokens == 0:
+    if q_HTD.shape[1] == 0 or tokens == 0:
         return dq_HTD
-    causal, offset = _causal_args(causal_offset)
     lse_HT = lse_HT.to(torch.float32)
     delta_HT = delta_HT.to(torch.float32).contiguous()
     if lse_HT.stride() != delta_HT.stride():
         lse_HT = lse_HT.contiguous()
     dout_HTD = dout_HTD.to(q_HTD.dtype)
-    block_m, block_n, warps, stages = _tiles(_width(q_HTD), blocks, "backward")
-    common = dict(D=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-                  PRECISION=dot_precision(q_HTD.dtype), num_warps=warps, num_stages=stages)
-    sizes = (tokens, page_tokens, tq, heads // kv_heads, float(scale), offset)
-    strides = (*q_HTD.stride(), *k_NPKD.stride(), *v_NPKD.stride(), *dout_HTD.stride(), *lse_HT.stride())
-    _paged_dq_kernel[(triton.cdiv(tq, block_m), heads)](
-        q_HTD, k_NPKD, v_NPKD, page_table_M, lse_HT, dout_HTD, delta_HT, dq_HTD, *sizes, *strides,
-        *dq_HTD.stride(), **common)
+    inputs = (q_HTD, k_NPKD, v_NPKD, page_table_M, lse_HT, dout_HTD, delta_HT)
+    strides = (q_HTD.stride(), k_NPKD.stride(), v_NPKD.stride(), dout_HTD.stride(), lse_HT.stride())
+    _paged_dq_kernel[(triton.cdiv(q_HTD.shape[1], meta["BLOCK_M"]), heads)](
+        *inputs, dq_HTD, *sizes, *strides, dq_HTD.stride(), **meta)
     if dk_NPKD is not None:
         grad_table_M = page_table_M if grad_table_M is None else grad_table_M
-        _paged_dkdv_kernel[(triton.cdiv(tokens, block_n), kv_heads)](
-            q_HTD, k_NPKD, v_NPKD, page_table_M, lse_HT, dout_HTD, delta_HT, dk_NPKD, dv_NPKD, grad_table_M,
-            *sizes, *strides, *dk_NPKD.stride(), *dv_NPKD.stride(), **common)
+        _paged_dkdv_kernel[(triton.cdiv(tokens, meta["BLOCK_N"]), kv_heads)](
+            *inputs, dk_NPKD, dv_NPKD, grad_table_M, *sizes, *strides, dk_NPKD.stride(), dv_NPKD.stride(), **meta)
     return dq_HTD
 
 

@@ -133,15 +133,15 @@ class _SparseLatentAttention(torch.autograd.Function):
             lse[q0:q1] = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))
             out[q0:q1] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(out.dtype)
-        ctx.scale, ctx.n_pieces, ctx.block = scale, n_pieces, block
-        ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
+        triton_attention.save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces)
+        ctx.block = block
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q_lat, q_rope, positions, valid, out, lse, *pieces = ctx.saved_tensors
+        q_lat, q_rope, positions, valid, out, lse, latents, ropes = triton_attention.saved_inputs(ctx)
+        pieces = [*latents, *ropes]
         n = ctx.n_pieces
-        latents, ropes = pieces[:n], pieces[n:]
         offsets, _ = _offsets(latents)
         tokens, heads, rank = q_lat.shape
         rope = q_rope.shape[-1]
@@ -176,8 +176,7 @@ class _SparseLatentAttention(torch.autograd.Function):
             _scatter_add(d_latents, offsets, flat, d_rows_lat.reshape(-1, rank))
             _scatter_add(d_ropes, offsets, flat, d_rows_rope.reshape(-1, rope))
         d_pieces = [None if d is None else d.to(piece.dtype) for d, piece in zip(d_pieces, pieces, strict=True)]
-        return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
-                None, None, None, None, *d_pieces)
+        return triton_attention.input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces)
 
 
 def _check(q_lat, q_rope, latents, ropes, positions, valid):

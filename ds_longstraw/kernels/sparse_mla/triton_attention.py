@@ -46,6 +46,8 @@ try:
     import triton.language as tl
 except ImportError:  # the torch functions serve every call (fast_path says so)
     triton = None
+else:
+    from ..triton_common import online_softmax_finish, online_softmax_start, online_softmax_step
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,24 +110,14 @@ if triton is not None:
                         other=0.0)
         q_rope = tl.load(Q_ROPE + t * s_qrt + h[:, None] * s_qrh + e[None, :], mask=h_in[:, None] & e_in[None, :],
                          other=0.0)
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_sum = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+        m, l_sum, acc = online_softmax_start(BLOCK_H, BLOCK_R)
         for k0 in range(0, K, BLOCK_K):
             ok, pos, rows, ropes = _selected_rows(t, k0, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF,
                                                   ROPE_STRIDE, K, P, s_pt, s_vt, r, e, r_in, e_in, LOG_P, BLOCK_K)
             s = _scores(q_lat, q_rope, rows, ropes, PRECISION)
             s = tl.where(ok[None, :], s * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: keep p and alpha 0, not nan
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(rows.dtype), rows, input_precision=PRECISION)
-            m = m_new
-        seen = l_sum > 0
-        out = tl.where(seen[:, None], acc / tl.where(seen, l_sum, 1.0)[:, None], 0.0)
-        lse = tl.where(seen, m + tl.log(tl.where(seen, l_sum, 1.0)), float("-inf"))
+            m, l_sum, acc = online_softmax_step(s, rows, m, l_sum, acc, PRECISION)
+        out, lse = online_softmax_finish(m, l_sum, acc)
         tl.store(OUT + t * s_ot + h[:, None] * s_oh + r[None, :], out.to(OUT.dtype.element_ty),
                  mask=h_in[:, None] & r_in[None, :])
         tl.store(LSE + t * s_lt + h, lse, mask=h_in)
@@ -266,6 +258,30 @@ def sparse_mla_grads(q_lat, q_rope, latents, ropes, positions, valid, lse, d_out
 
 
 # -- autograd and the public functions ----------------------------------------------------------------------------
+# Both autograd Functions of sparse MLA (attention.py's torch `_SparseLatentAttention` and the Triton one below)
+# take (q_lat, q_rope, positions, valid, scale, n_pieces, *latents, *ropes), save the same tensors and return the
+# same gradients: these three functions are that shared part.
+def save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces):
+    """Forward's end: keep the inputs, o_lat and lse (nothing [T, K, ...]) for a backward that recomputes."""
+    ctx.scale, ctx.n_pieces = scale, n_pieces
+    ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
+
+
+def saved_inputs(ctx):
+    """Backward's start: (q_lat, q_rope, positions, valid, out, lse, latents, ropes) as `save_inputs` kept them
+    (latents and ropes as lists)."""
+    q_lat, q_rope, positions, valid, out, lse, *pieces = ctx.saved_tensors
+    return q_lat, q_rope, positions, valid, out, lse, pieces[:ctx.n_pieces], pieces[ctx.n_pieces:]
+
+
+def input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces):
+    """Backward's result: the gradients of forward's inputs, d_q_lat / d_q_rope in q_lat's / q_rope's dtypes where
+    needed, None for positions, valid, scale and n_pieces, then the pieces' (d_pieces, None where not needed)."""
+    needs = ctx.needs_input_grad
+    return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
+            None, None, None, None, *d_pieces)
+
+
 class _TritonSparseLatentAttention(torch.autograd.Function):
     """Saves the inputs, o_lat and lse (nothing [T, K, ...]); backward recomputes the probabilities."""
 
@@ -273,29 +289,26 @@ class _TritonSparseLatentAttention(torch.autograd.Function):
     def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
         out, lse = sparse_mla_forward(q_lat, q_rope, list(pieces[:n_pieces]), list(pieces[n_pieces:]), positions,
                                       valid, scale)
-        ctx.scale, ctx.n_pieces = scale, n_pieces
-        ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
+        save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q_lat, q_rope, positions, valid, out, lse, *pieces = ctx.saved_tensors
-        n = ctx.n_pieces
+        q_lat, q_rope, positions, valid, out, lse, latents, ropes = saved_inputs(ctx)
         needs = ctx.needs_input_grad
         delta = (d_out.float() * out.float()).sum(-1)
         if d_lse is not None:
             delta = delta - d_lse.float()
         row_grads = any(needs[6:])
         d_q_lat, d_q_rope, d_lat, d_rope = sparse_mla_grads(
-            q_lat, q_rope, pieces[:n], pieces[n:], positions, valid, lse, d_out, delta, ctx.scale, row_grads)
-        d_pieces = [None] * len(pieces)
+            q_lat, q_rope, latents, ropes, positions, valid, lse, d_out, delta, ctx.scale, row_grads)
+        d_pieces = [None] * (len(latents) + len(ropes))
         if row_grads:
-            lengths = [piece.shape[0] for piece in pieces[:n]]
+            lengths = [piece.shape[0] for piece in latents]
             rows = list(torch.split(d_lat, lengths)) + list(torch.split(d_rope, lengths))
             d_pieces = [d.to(piece.dtype) if need else None
-                        for d, piece, need in zip(rows, pieces, needs[6:], strict=True)]
-        return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
-                None, None, None, None, *d_pieces)
+                        for d, piece, need in zip(rows, [*latents, *ropes], needs[6:], strict=True)]
+        return input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces)
 
 
 def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale):
