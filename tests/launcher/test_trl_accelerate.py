@@ -43,3 +43,15 @@ def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
     assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools", "generate-from-capture"}
     for name, difference in results.items():
         assert difference < TOL, (name, difference)
+
+
+def test_the_example_trains(tmp_path):
+    """examples/trl_grpo.py (TRL's generation, the needle reward) takes its steps on one process through the
+    block given as an argument, and reports a finite reward per step."""
+    env = {**launcher_env(), "TRL_EXPERIMENTAL_SILENCE": "1"}
+    done = subprocess.run([sys.executable, "examples/trl_grpo.py", "--no-deepspeed", "--steps", "2", "--prompt", "512",
+                           "--output-dir", str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["steps"] == 2 and all(0.0 <= r <= 2.0 for r in report["reward"])

@@ -59,6 +59,7 @@ from ds_longstraw.grpo.cp.cp_attention import (
     streamed_key_grads,
 )
 from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer, uses_selection
+from ds_longstraw.grpo.cp.output_side import output_side
 from ds_longstraw.grpo.cp.prefix_sparse import Selections, sparse_layer_backward
 from ds_longstraw.grpo.cp.scan_backward import prefix_scan_layer, scan_layer_forward
 from ds_longstraw.grpo.lockstep import Schedule
@@ -235,11 +236,12 @@ def attention_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: 
     d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
     d_outs = []
     for (a, b, position), (out, _) in zip(spans, results, strict=True):
-        d_out, d_part = _output_side(adapter, layer, read_input(a, b), position, out, dy_1TC[:, a:b], backward)
+        d_out, d_part = output_side(adapter, layer, read_input(a, b), position, out, dy_1TC[:, a:b], backward,
+                                    _output_gate)
         d_outs.append(d_out)
         d_x[:, a:b] += d_part
     for _ in chunks.dummies():
-        _output_side(adapter, layer, zero, 0, zero.new_zeros(heads, 1, dim), zero, backward)
+        output_side(adapter, layer, zero, 0, zero.new_zeros(heads, 1, dim), zero, backward, _output_gate)
     # (2) the attention's backward, all ranks' queries at once: dq here, dK/dV onto the pages' owners
     dq = _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs)
     del results, d_outs, queries
@@ -260,17 +262,8 @@ def _kept(state: PrefixState, spec: LayerState, spans: Sequence[tuple[int, int, 
     return [(out[:, a:b], lse[:, a:b]) for a, b, _ in spans]
 
 
-def _output_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int, out_HTD: torch.Tensor,
-                 dy_1TC: torch.Tensor,
-                 backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d out, d x) of y = mlp_residual(x + finish(out, gate(x))) given d y: the output gate recomputed here with
-    its graph (its half of the query projection), rather than held over the shard."""
-    x, out = grad_leaf(x_1TC), grad_leaf(out_HTD)
-    with torch.enable_grad():
-        _, gate, _ = adapter.attention_project(layer, adapter.mixer_input(layer, x), position)
-        y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, gate))
-        inject_gradients([y], [dy_1TC], backward)
-    return grad_of(out), grad_of(x)
+def _output_gate(adapter: CausalLMAdapter, layer: int, mixed: torch.Tensor, position: int) -> torch.Tensor:
+    return adapter.attention_project(layer, mixed, position)[1]
 
 
 def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int,

@@ -40,6 +40,7 @@ from ds_longstraw.grpo.cp.cp_sparse import (
     shard_selection,
     streamed_sparse_grads,
 )
+from ds_longstraw.grpo.cp.output_side import output_side
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.parallel.groups import prompt_to_local
 
@@ -143,12 +144,12 @@ def sparse_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: Pre
         d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
         d_out = torch.zeros(out.shape, dtype=geometry.lse_dtype, device=out.device)
         for a, b, position in spans:
-            d_part, d_x[:, a:b] = _output_side(adapter, layer, read_input(a, b), position, out[a:b], dy_1TC[:, a:b],
-                                               backward)
+            d_part, d_x[:, a:b] = output_side(adapter, layer, read_input(a, b), position, out[a:b], dy_1TC[:, a:b],
+                                              backward, _output_map)
             d_out[a:b] = d_part
         for _ in chunks.dummies():
-            _output_side(adapter, layer, _zero(adapter), 0, out.new_zeros((1, *out.shape[1:])), _zero(adapter),
-                         backward)
+            output_side(adapter, layer, _zero(adapter), 0, out.new_zeros((1, *out.shape[1:])), _zero(adapter),
+                        backward, _output_map)
         # (2) the attention's backward, every rank's queries at once: d(query) here, d(rows) at their owners
         d_query = _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out)
     finally:
@@ -164,17 +165,8 @@ def sparse_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: Pre
     return d_x
 
 
-def _output_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int, out: torch.Tensor,
-                 dy_1TC: torch.Tensor,
-                 backward: Callable[[torch.Tensor], Any] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d out, d x) of y = mlp_residual(x + finish(out)) given d y, the output's map (absorbed W_UV) recomputed
-    here with its graph."""
-    x, out = grad_leaf(x_1TC), grad_leaf(out)
-    with torch.enable_grad():
-        _, _, finish, _ = adapter.sparse_project(layer, adapter.mixer_input(layer, x), position)
-        y = adapter.mlp_residual(layer, x + adapter.attention_finish(layer, out, finish))
-        inject_gradients([y], [dy_1TC], backward)
-    return grad_of(out), grad_of(x)
+def _output_map(adapter: CausalLMAdapter, layer: int, mixed: torch.Tensor, position: int) -> Any:
+    return adapter.sparse_project(layer, mixed, position)[2]
 
 
 def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int,
