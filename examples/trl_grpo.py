@@ -57,15 +57,11 @@ def reads_the_head(completions, needle, head, **_):
     return rewards
 
 
-def deepspeed_config(path):
-    """ZeRO-3 with the "longstraw" block: the one addition a DeepSpeed user makes."""
-    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
-              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-              "zero_allow_untested_optimizer": True,
-              "longstraw": {"prefix_grad": "exact", "capture_chunk": 1024}}
-    with open(path, "w") as handle:
-        json.dump(config, handle)
-    return path
+# ZeRO-3 with the "longstraw" block: the one addition a DeepSpeed user makes (a JSON file's path works alike)
+DEEPSPEED_CONFIG = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
+                    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+                    "zero_allow_untested_optimizer": True,
+                    "longstraw": {"prefix_grad": "exact", "capture_chunk": 1024}}
 
 
 def _wait_for(path, seconds=120):
@@ -99,14 +95,16 @@ def main():
     if int(os.environ.get("RANK", "0")) == 0 and not os.path.isdir(model):
         built = build_model(CONFIGS_DIR / "models" / "tiny_qwen3_5.yaml", dtype="float32", seed=0)
         built.config.pad_token_id, built.config.eos_token_id = PAD, EOS
-        built.save_pretrained(model)
-    _wait_for(os.path.join(model, "config.json"))
+        building = f"{model}.building"
+        built.save_pretrained(building)
+        os.replace(building, model)  # whole or not at all, for the processes that wait for it
+    _wait_for(model)
     config = GRPOConfig(
         output_dir=output_dir, per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2,
         max_completion_length=8, learning_rate=1e-4, max_steps=args.steps, logging_steps=1, save_strategy="no",
         bf16=False, use_cpu=True, report_to=[], gradient_checkpointing=False, beta=0.04, loss_type="dapo", seed=0,
         # ds_longstraw: the DeepSpeed JSON carries the "longstraw" block (or, without DeepSpeed, longstraw= below)
-        deepspeed=None if args.no_deepspeed else deepspeed_config(os.path.join(output_dir, "ds_config.json")),
+        deepspeed=None if args.no_deepspeed else DEEPSPEED_CONFIG,
     )
     extra = {"longstraw": {"prefix_grad": "exact", "capture_chunk": 1024}} if args.no_deepspeed else {}
     trainer = LongStrawGRPOTrainer(model=model, reward_funcs=[reads_the_head], args=config,

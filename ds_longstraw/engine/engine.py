@@ -331,11 +331,12 @@ def _with_grpo_step(engine: DeepSpeedEngine) -> LongstrawEngine:
 
 
 def enable_grpo_step(engine: DeepSpeedEngine, settings: LongstrawConfig) -> LongstrawEngine:
-    """`grpo_step` on an engine built elsewhere (accelerate's, for a trainer): data parallelism only, since the CP
-    and EP groups must exist before the engine (`initialize` builds them). Idempotent."""
-    if settings.cp_size > 1 or settings.ep_size > 1:
-        raise ValueError(f"an engine built outside ds_longstraw.initialize runs data parallelism only; got "
-                         f"cp_size = {settings.cp_size}, ep_size = {settings.ep_size}")
+    """`grpo_step` on an engine built elsewhere (accelerate's, for a trainer), with the block's context-parallel
+    groups (consecutive ranks, as `initialize` makes them; built here, a collective: every rank calls this alike).
+    Not with expert slices, which must leave ZeRO before the engine exists (`initialize`). Idempotent."""
+    if settings.ep_size > 1:
+        raise ValueError(f"'longstraw.ep_size' = {settings.ep_size}: expert slices leave ZeRO before the engine is "
+                         "built, which only ds_longstraw.initialize does")
     if engine.zero_optimization_stage() not in (1, 2, 3):
         raise ValueError(f"'zero_optimization.stage' = {engine.zero_optimization_stage()}: grpo_step reduces through "
                          "DeepSpeed's coalesce_grad_reduction, which needs ZeRO stage 1, 2 or 3")
@@ -343,7 +344,8 @@ def enable_grpo_step(engine: DeepSpeedEngine, settings: LongstrawConfig) -> Long
         return engine
     engine = _with_grpo_step(engine)
     engine.longstraw_config = settings
-    engine.longstraw_layout = ParallelLayout(dist.get_world_size(), dist.get_rank())
+    engine.longstraw_layout = (build_layout(settings.cp_size) if settings.cp_size > 1
+                               else ParallelLayout(dist.get_world_size(), dist.get_rank()))
     return engine
 
 

@@ -30,12 +30,14 @@ CASES = {
 }
 
 
-def ds_config(path: str, longstraw: bool) -> str:
+def ds_config(path: str, longstraw: bool | dict) -> str:
+    """The DeepSpeed config, written by this rank to a file of its own (two ranks writing one file race)."""
+    path = f"{path}.rank{os.environ.get('RANK', '0')}"
     config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto",
               "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
               "zero_allow_untested_optimizer": True}
     if longstraw:
-        config["longstraw"] = {"prefix_grad": "exact"}
+        config["longstraw"] = longstraw if isinstance(longstraw, dict) else {"prefix_grad": "exact"}
     with open(path, "w") as handle:
         json.dump(config, handle)
     return path
@@ -60,6 +62,7 @@ def main() -> None:
                                                 deepspeed=config, **case)
         results[name] = trl_runs.update_difference(initial, weights["ours"], weights["trl"])
     results.update(capture_case(model, root, initial))
+    results.update(context_parallel_case(model, root, initial))
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(results, handle)
@@ -105,6 +108,20 @@ def capture_case(model: str, root: str, initial: dict) -> dict:
     torch.distributed.all_reduce(reuse)
     return {"generate-from-capture": trl_runs.update_difference(initial, ours, theirs),
             "capture-reused-share": float(reuse[0] / reuse[1])}
+
+
+CP_CASE = dict(loss_type="dapo", beta=0.3, max_steps=2)
+
+
+def context_parallel_case(model: str, root: str, initial: dict) -> dict:
+    """"cp_size" 2: the two processes form one CP group (one data-parallel replica) and shard each prompt; TRL's
+    own trainer on ONE process (the caller ran it, no DeepSpeed: cp_reference.pt) is the reference."""
+    reference = torch.load(os.path.join(root, "cp_reference.pt"))
+    path = ds_config(os.path.join(root, "cp-ours.json"), {"prefix_grad": "exact", "cp_size": 2})
+    _barrier()
+    with tempfile.TemporaryDirectory() as output_dir:
+        ours = trl_runs.train(LongStrawGRPOTrainer, model, output_dir, dtype=torch.float32, deepspeed=path, **CP_CASE)
+    return {"context-parallel": trl_runs.update_difference(initial, ours, reference)}
 
 
 def _barrier() -> None:

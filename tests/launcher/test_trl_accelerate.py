@@ -6,7 +6,8 @@ the same terms in different orders (a prompt's members on two processes, DeepSpe
 per-micro-batch backward), a few ulps per step; measured 0.9e-6 .. 1.3e-6. A member normalised over the wrong
 micro-batch or process count, or an optimizer step not taken, shows up at 1e-2 or more. The last case samples with
 generate_from_capture (the two processes decode in lockstep under ZeRO-3) and trains on the kept captures; TRL's
-trainer replays each process's completions.
+trainer replays each process's completions. The last trains with "cp_size" 2 (one replica, each prompt sharded
+over the two processes) against TRL's own trainer on one process.
 """
 
 import json
@@ -28,6 +29,13 @@ ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
 
 def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
     trl_runs.save_tiny_model(str(tmp_path / "model"), dtype=torch.float32)
+    # the context-parallel case's reference: TRL's own trainer on one process (its replica's data), no DeepSpeed
+    sys.path.insert(0, os.path.join(REPO, "tests", "dist_scripts"))
+    from trl import GRPOTrainer
+    from trl_checks import CP_CASE
+
+    torch.save(trl_runs.train(GRPOTrainer, str(tmp_path / "model"), str(tmp_path / "reference"), dtype=torch.float32,
+                              **CP_CASE), tmp_path / "cp_reference.pt")
     out, log = tmp_path / "out.json", tmp_path / "log.txt"
     env = {**launcher_env(), "TRL_CHECKS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu", "TRL_EXPERIMENTAL_SILENCE": "1"}
     command = [ACCELERATE, "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes", "2",
@@ -40,7 +48,8 @@ def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
     results = json.loads(out.read_text())
     # generate_from_capture: every group of both processes trained on the capture its samples were decoded from
     assert results.pop("capture-reused-share") == 1.0
-    assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools", "generate-from-capture"}
+    assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools", "generate-from-capture",
+                            "context-parallel"}
     for name, difference in results.items():
         assert difference < TOL, (name, difference)
 

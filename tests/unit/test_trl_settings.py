@@ -42,10 +42,19 @@ def test_every_refusal_is_named_at_once(tmp_path):
         _trainer(tmp_path, longstraw={}, temperature=0.7, delta=2.0)
 
 
-@pytest.mark.parametrize("key", ["cp_size", "ep_size"])
-def test_model_parallel_block_is_refused(tmp_path, key):
-    with pytest.raises(ValueError, match=rf"'longstraw\.{key}' = 2"):
-        _trainer(tmp_path, longstraw={key: 2})
+def test_expert_parallel_block_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"'longstraw\.ep_size' = 2"):
+        _trainer(tmp_path, longstraw={"ep_size": 2})
+
+
+def test_context_parallel_needs_deepspeed_and_whole_groups(tmp_path):
+    with pytest.raises(ValueError, match=r"'longstraw\.cp_size' = 2 needs DeepSpeed"):
+        _trainer(tmp_path, longstraw={"cp_size": 2})
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "longstraw": {"cp_size": 2},
+                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto"}))
+    with pytest.raises(ValueError, match=r"scale_rewards = 'batch'"):
+        _trainer(tmp_path, deepspeed=str(config), scale_rewards="batch")
 
 
 def test_bad_block_key_is_named(tmp_path):

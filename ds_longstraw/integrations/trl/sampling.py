@@ -37,8 +37,10 @@ class CaptureSampler:
 
     def sample(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                max_new_tokens: int, temperature: float, top_p: float, eos_token_ids: Sequence[int], seed: int,
-               step: int, process_index: int, dp_group: Any = None) -> list[list[int]]:
-        """Completions for TRL's local batch `prompt_ids` (each prompt num_generations times, in runs), in order."""
+               step: int, replica: int, dp_group: Any = None, cp_group: Any = None) -> list[list[int]]:
+        """Completions for TRL's local batch `prompt_ids` (each prompt num_generations times, in runs), in order.
+        replica: this process's data-parallel replica (its process index, or its CP group's); cp_group: the
+        CPContext its prompts are sharded over (its ranks sample alike)."""
         from ds_longstraw.rollout.generate import decode_idle_slot, decode_schedules, generate
         from ds_longstraw.rollout.step import sample_seed
 
@@ -52,20 +54,21 @@ class CaptureSampler:
             raise ValueError(f"generate_from_capture: every prompt of a process's batch must come num_generations = "
                              f"{num_generations} times, got {sorted(counts)}")
         keep = _everyone_has_one(len(prompts), dp_group)
-        schedules = decode_schedules(model, prompts, num_generations, config=self.settings, dp_group=dp_group,
-                                     keep_capture=keep)
+        schedules = decode_schedules(model, prompts, num_generations, config=self.settings, cp_group=cp_group,
+                                     dp_group=dp_group, keep_capture=keep)
         sampled = {}
         was_training = model.training
         model.eval()
         try:
             for j, schedule in enumerate(schedules):
                 if schedule.idle:
-                    decode_idle_slot(model, schedule, max_new_tokens, config=self.settings, keep_capture=keep)
+                    decode_idle_slot(model, schedule, max_new_tokens, config=self.settings, cp_group=cp_group,
+                                     keep_capture=keep)
                     continue
                 rollouts = generate(model, prompts[j], num_generations, max_new_tokens, temperature=temperature,
                                     top_p=top_p, eos_token_id=list(eos_token_ids),
-                                    seed=sample_seed(seed, step, process_index * len(prompts) + j),
-                                    config=self.settings, keep_capture=keep, lockstep=schedule)
+                                    seed=sample_seed(seed, step, replica * len(prompts) + j),
+                                    config=self.settings, cp_group=cp_group, keep_capture=keep, lockstep=schedule)
                 key = tuple(prompts[j].tolist())
                 sampled[key] = [r.tolist() for r in rollouts.response_ids]
                 if keep:

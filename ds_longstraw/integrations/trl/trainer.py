@@ -14,9 +14,12 @@ What changes, when the DeepSpeed config carries a "longstraw" block (without Dee
     under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. The
     other micro-steps of the optimizer step have nothing left to do. The loss returned is TRL's loss summed over
     the micro-batches (what TRL's Trainer adds up for its log).
-What it is not (refused, naming the setting): settings.py's list; context or expert parallelism (cp_size or
-ep_size > 1 in the block: TRL's sampler gives every process its own prompts); several processes without
-DeepSpeed (one reduction per step needs DeepSpeed's engine).
+Context parallelism ("cp_size" N in the block, under DeepSpeed): consecutive processes form a CP group; TRL's
+sampler is wrapped so that a group's processes receive copies of one batch (replicas.py) and each prompt is
+sharded over them; DeepSpeed averages over every process, as under ds_longstraw.initialize.
+What it is not (refused, naming the setting): settings.py's list; expert parallelism (ep_size > 1: the expert
+slices must leave ZeRO before accelerate builds the engine); several processes without DeepSpeed (one reduction
+per step needs DeepSpeed's engine).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from trl import GRPOTrainer
 
 from ds_longstraw.config import LongstrawConfig, parse_config
 from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
+from ds_longstraw.integrations.trl.replicas import replica_sampler
 from ds_longstraw.integrations.trl.sampling import CaptureSampler
 from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
 
@@ -65,11 +69,28 @@ def _read_block(args: Any, longstraw: dict | LongstrawConfig | None) -> Longstra
     settings = parse_config(block)
     if not settings.enabled:
         return None
-    for key in ("cp_size", "ep_size"):
-        if getattr(settings, key) > 1:
-            raise ValueError(f"'{BLOCK}.{key}' = {getattr(settings, key)}: LongStrawGRPOTrainer runs data "
-                             "parallelism only (TRL's sampler gives every process its own prompts)")
+    if settings.ep_size > 1:
+        raise ValueError(f"'{BLOCK}.ep_size' = {settings.ep_size}: expert slices must leave ZeRO before the engine is "
+                         "built, and accelerate builds it; LongStrawGRPOTrainer runs data and context parallelism")
+    if settings.cp_size > 1:
+        _check_context_parallel(args, settings, ds_config)
     return settings
+
+
+def _check_context_parallel(args: Any, settings: LongstrawConfig, ds_config: dict | None) -> None:
+    """Context parallelism (replicas.py): DeepSpeed, and each process batch whole groups (a CP group's ranks hold
+    copies of one batch, and TRL normalises rewards over consecutive num_generations rows of every copy)."""
+    if ds_config is None:
+        raise ValueError(f"'{BLOCK}.cp_size' = {settings.cp_size} needs DeepSpeed (GRPOConfig(deepspeed=...)): the "
+                         "context-parallel ranks reduce through its engine")
+    batch = args.per_device_train_batch_size * args.steps_per_generation
+    if batch % args.num_generations:
+        raise ValueError(f"'{BLOCK}.cp_size' = {settings.cp_size} needs per_device_train_batch_size x "
+                         f"steps_per_generation = {batch} to hold whole groups of num_generations = "
+                         f"{args.num_generations}")
+    if args.scale_rewards == "batch":
+        raise ValueError(f"scale_rewards = 'batch' with '{BLOCK}.cp_size' = {settings.cp_size}: the batch's std "
+                         "would count each replica's rewards cp_size times")
 
 
 def _check_capture_generation(args: Any, kwargs: dict) -> None:
@@ -125,6 +146,37 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                              "needs a DeepSpeed config (with the 'longstraw' block) to reduce once per step")
         self._set_leaf_modules()
 
+    # -- context parallelism: a CP group's processes hold copies of one replica's batch ---------------------------
+    def _get_train_sampler(self, dataset: Any = None) -> Any:
+        sampler = super()._get_train_sampler(dataset)
+        if self.longstraw is None or self.longstraw.cp_size == 1:
+            return sampler
+        return replica_sampler(sampler, cp_size=self.longstraw.cp_size,
+                               per_process=self.args.per_device_train_batch_size * self.args.steps_per_generation)
+
+    def _engine(self) -> Any:
+        """accelerate's DeepSpeed engine with grpo_step and the block's CP groups (enable_grpo_step), or None."""
+        if not self.is_deepspeed_enabled:
+            return None
+        from ds_longstraw.engine.engine import enable_grpo_step
+
+        return enable_grpo_step(self.model_wrapped, self.longstraw)
+
+    def _same_randomness_in_cp_group(self) -> None:
+        """A CP group's processes copy its first rank's random state before TRL generates and shuffles: they must
+        sample the same completions and split them into the same micro-batches (their processes' seeds and what
+        DeepSpeed's setup drew may differ)."""
+        engine = self._engine()
+        cp = None if engine is None else engine.longstraw_layout.cp
+        if cp is None:
+            return
+        states = [torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None]
+        leader = torch.distributed.get_global_rank(cp.process_group, 0)
+        torch.distributed.broadcast_object_list(states, src=leader, group=cp.process_group)
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state_all(states[1])
+
     # -- TRL's generation without its scoring ------------------------------------------------------------------
     def _set_leaf_modules(self) -> None:
         """ZeRO-3 gathers the family's leaf modules whole (arch registry); set before accelerate builds the engine."""
@@ -164,15 +216,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self._sampler is None or not self.model.training:
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
-        engine = self.model_wrapped if self.is_deepspeed_enabled else None
-        dp_group = None
-        if engine is not None and engine.zero_optimization_stage() == 3 and self.accelerator.num_processes > 1:
-            dp_group = engine.data_parallel_group  # ZeRO-3's gathers are collectives: decode in lockstep
+        engine = self._engine()
+        dp_group = layout = None
+        if engine is not None:
+            layout = engine.longstraw_layout
+            if engine.zero_optimization_stage() == 3 and self.accelerator.num_processes > 1:
+                dp_group = engine.data_parallel_group  # ZeRO-3's gathers are collectives: decode in lockstep
         completions = self._sampler.sample(
             self.accelerator.unwrap_model(self.model), prompt_ids, num_generations=num_generations,
             max_new_tokens=self.max_completion_length, temperature=self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, eos_token_ids=self.eos_token_ids, seed=self.args.seed,
-            step=self.state.global_step, process_index=self.accelerator.process_index, dp_group=dp_group)
+            step=self.state.global_step, replica=self.accelerator.process_index if layout is None else layout.replica,
+            dp_group=dp_group, cp_group=None if layout is None else layout.cp)
         return completions, None  # sampler log-probs: TRL reads them only for vLLM's importance sampling
 
     # -- one optimizer step as transactions ----------------------------------------------------------------
@@ -183,6 +238,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         accumulation = self.current_gradient_accumulation_steps
         if self._step % accumulation == 0:
             model.train()
+            self._same_randomness_in_cp_group()
             self._prepare_inputs(inputs)  # TRL's generation (every generate_every micro-steps) and its buffer
             loss = self._transactions(accumulation)
         else:
@@ -218,10 +274,8 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         # generate_from_capture: each group takes its prompt's kept capture (taken and released by the transaction)
         captures = None if self._sampler is None else [self._sampler.take(g.group.prompt_ids) for g in groups]
         try:
-            if self.is_deepspeed_enabled:
-                from ds_longstraw.engine.engine import enable_grpo_step
-
-                engine = enable_grpo_step(self.model_wrapped, self.longstraw)
+            engine = self._engine()
+            if engine is not None:
                 engine.set_gradient_accumulation_boundary(True)  # this step is the accumulation window's only one
                 result = engine.grpo_step([g.group for g in groups], objective=objective, ref_model=ref_model,
                                           loss_scopes=[g.scopes for g in groups], captures=captures)
