@@ -27,6 +27,9 @@ CASES = {
     "dapo-two-steps": dict(loss_type="dapo", max_steps=2),
     "grpo-beta-two-iterations": dict(loss_type="grpo", beta=0.3, num_iterations=2, max_steps=2),
     "bnpo-tools": dict(loss_type="bnpo", tool_masks=True),
+    # 2 rows per process, 4 generations per prompt: each prompt's members split over the two processes
+    "grpo-split-prompts": dict(loss_type="grpo", per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                               max_steps=2),
 }
 
 
