@@ -100,7 +100,7 @@ def _check_capture_generation(args: Any, kwargs: dict) -> None:
         ("tools", kwargs.get("tools"), None), ("environment_factory", kwargs.get("environment_factory"), None),
         ("top_k", args.top_k, 0), ("min_p", args.min_p, None), ("repetition_penalty", args.repetition_penalty, 1.0),
         ("use_transformers_continuous_batching", args.use_transformers_continuous_batching, False))
-        if value not in (default, None) and not (name == "top_k" and value in (0, None))]
+        if value not in (default, None)]
     batch = args.per_device_train_batch_size * args.steps_per_generation
     if batch % args.num_generations:
         refused.append(("per_device_train_batch_size x steps_per_generation", batch))
