@@ -17,7 +17,6 @@ import torch
 
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.integrations.trl.scopes import trl_scope
-from ds_longstraw.objective import LossScope
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,3 @@ def prompt_groups(chunks: Sequence[dict[str, Any]], *, loss_type: str, accumulat
                           old_logprobs=old, sampling_logprobs=sampling)
         groups.append(PromptGroup(group, entry["members"], entry["scopes"]))
     return groups
-
-
-def scopes_of(groups: Sequence[PromptGroup]) -> list[list[LossScope]]:
-    return [g.scopes for g in groups]
