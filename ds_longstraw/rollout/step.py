@@ -6,12 +6,12 @@
       max_new_tokens: 4
       temperature: 1.0                          # 0: greedy (every sample the same: no learning signal)
       top_p: 1.0
-      reward: ds_longstraw.tasks.kv:reward      # "package.module:function", called function(prompt_ids, response_ids)
+      reward: ds_longstraw.tasks.recall:reward  # "package.module:function", called function(prompt_ids, response_ids)
       eos_token_id: null                        # an id or a list of ids that end a sample
       seed: 0                                   # with the step number and the prompt's index: the samples' seed
       zero3_weights: auto                       # auto | per_call | whole: how decoding reaches ZeRO-3's weights
       zero3_whole_budget: 0.8                   # auto: the share of free device memory "whole" may fill
-      prompts: ds_longstraw.tasks.kv:prompt     # launch/train.py only, optional: function(seed, index, **prompt_args)
+      prompts: ds_longstraw.tasks.recall:prompt # launch/train.py only, optional: function(seed, index, **prompt_args)
       prompt_args: {prompt_tokens: 64}          # (without `prompts` the step's prompts come from data.path's JSONL)
 
 Per prompt: `generate` decodes G samples from the prompt captured once, with the policy's current weights (under

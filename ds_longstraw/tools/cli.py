@@ -2,8 +2,9 @@
 
     longstraw demo   one GRPO step on the embedded default (a small random qwen3_5 model, a 64K-token synthetic
                      prompt, G = 4 responses; --model glm: a small random glm_moe_dsa, 8K tokens) with per-phase
-                     figures and the conventional baseline beside it; --task kv: GRPO with rollouts inside
-                     training on the built-in kv task, reward per step and a plot (ds_longstraw/tasks/kv_demo.py)
+                     figures and the conventional baseline beside it; --task recall: a policy that learns to read its
+                     long prompt, GRPO with rollouts inside training after a short supervised warm-up
+                     (ds_longstraw/tasks/recall_demo.py)
     longstraw plan   the tier planner (retained bytes per rank, what fits where)
     longstraw bench  side-by-side benchmark of ds_longstraw and the baselines (fresh process per configuration)
     longstraw export a training checkpoint as a transformers model or peft adapter directory
@@ -26,15 +27,20 @@ def _fmt(value):
 # --model -> (shape, default prompt tokens). GLM's DSA selection and sparse attention run as plain torch on CPU:
 # its default prompt is shorter so the demo (and its conventional baseline) stays within minutes.
 MODELS = {"qwen": ("small", 65536), "glm": ("small-glm", 8192)}
+TASK_DEFAULTS = {"recall": {"steps": 40, "plot": "bench/recall_task.png", "out": "runs/recall"}}
 
 
 def _demo_parser(parser):
-    parser.add_argument("--task", choices=["grpo", "kv"], default="grpo",
-                        help="grpo: one GRPO step on synthetic groups (the default); kv: train on the kv task with "
-                             "rollouts inside training (configs/run/kv_task.yaml), print rewards, plot them")
-    parser.add_argument("--steps", type=int, default=150, help="--task kv: optimizer steps (default 150)")
-    parser.add_argument("--plot", default="bench/kv_task.png", help="--task kv: the PNG to write")
-    parser.add_argument("--out", default="runs/kv_task", help="--task kv: where the metrics go")
+    parser.add_argument("--task", choices=["grpo", "recall"], default="grpo",
+                        help="grpo: one GRPO step on synthetic groups (the default); recall: a supervised warm-up "
+                             "at short prompts (built once), then GRPO at long prompts with held-out accuracy "
+                             "(configs/run/recall_task.yaml, --mode picks prefix_grad)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help=f"--task recall: GRPO steps (default {TASK_DEFAULTS['recall']['steps']})")
+    parser.add_argument("--eval-every", type=int, default=5, help="--task recall: steps between evaluations")
+    parser.add_argument("--plot", default=None, help="--task recall: the PNG to write (default bench/recall_task.png)")
+    parser.add_argument("--out", default=None, help="--task recall: where the warm-up checkpoint and the run's "
+                        "results go (default runs/recall)")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen",
                         help="qwen: small qwen3_5 (Gated DeltaNet + attention); "
                              "glm: small glm_moe_dsa (MLA + DSA + MoE)")
@@ -123,8 +129,11 @@ def summary_line(row, conv, args) -> str:
 
 
 def demo(args):
-    if args.task == "kv":
-        from ds_longstraw.tasks.kv_demo import run
+    if args.task in TASK_DEFAULTS:
+        for key, value in TASK_DEFAULTS[args.task].items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        from ds_longstraw.tasks.recall_demo import run
 
         return run(args)
     import torch

@@ -11,9 +11,9 @@ the dependencies come from this environment's site-packages, named on PYTHONPATH
            a failing plan exits 2 through the console script;
   demo:    `longstraw demo` on a 256-token prompt (its shape from the package; the conventional baseline measured in
            a fresh process, which imports the installed package too) exits 0 and ends with its verdict;
-  kv:      what `longstraw demo --task kv` reads resolves in the install: the training script, the run config, the
-           DeepSpeed config and model shape it names, the task's reward and prompt functions. (The training itself
-           starts a DeepSpeed process group; test_kv_task.py and the launcher tests cover it.)
+  recall:  what `longstraw demo --task recall` reads resolves in the install: the training helpers it imports, the
+           run config, the DeepSpeed config it names, the task's model shape, reward and prompt functions. (The
+           training itself starts a DeepSpeed process group; test_recall_task.py covers it.)
 """
 
 import json
@@ -109,23 +109,22 @@ def test_demo(install):
     assert re.fullmatch(r"ds_longstraw vs conventional, prompt 256 tokens, G = 2: step peak \d+\.\d\dx .*", out[-1])
 
 
-def test_kv_task_reads_the_installed_files(install):
+def test_recall_task_reads_the_installed_files(install):
     code = """
 import json
 from ds_longstraw.engine.config import load_ds_config
 from ds_longstraw.models.modeling import config_from_shape
 from ds_longstraw.rollout.step import parse_rollout
 from ds_longstraw.engine.run_config import load_run_config
-from ds_longstraw.tasks import kv_demo
+from ds_longstraw.launch import train
+from ds_longstraw.tasks import recall_demo, recall_grpo
 
-script = kv_demo._train_module()
-args = script.parse_args(kv_demo.train_arguments(2, "metrics.jsonl"))
-run = load_run_config(args.config, args.overrides)
+run = load_run_config(recall_grpo.RUN_CONFIG, recall_grpo.shipped_overrides())
 load_ds_config(run.deepspeed_config)
-config_from_shape(run.model.shape)
+config_from_shape(recall_demo.SHAPE)
 rollout = parse_rollout(dict(run.rollout))
 functions = [rollout.reward_function(), rollout.prompt_function()]
-print(json.dumps([script.__file__, args.config, run.deepspeed_config, run.model.shape,
+print(json.dumps([train.__file__, str(recall_grpo.RUN_CONFIG), run.deepspeed_config, str(recall_demo.SHAPE),
                   *(__import__(f.__module__, fromlist=["_"]).__file__ for f in functions)]))
 """
     result = _run(install, "-c", code)

@@ -62,12 +62,12 @@ BAD = {
     "top-p-zero": (dict(GOOD, top_p=0.0), ["rollout.top_p"]),
     "reward-module-missing": (dict(GOOD, reward="no_such_package.rewards:score"),
                               ["rollout.reward", "no_such_package.rewards", "does not import"]),
-    "reward-attribute-missing": (dict(GOOD, reward="ds_longstraw.tasks.kv:no_such_reward"),
+    "reward-attribute-missing": (dict(GOOD, reward="ds_longstraw.tasks.recall:no_such_reward"),
                                  ["rollout.reward", "no_such_reward"]),
     "reward-not-callable": (dict(GOOD, reward=f"{__name__}:NOT_CALLABLE"), ["rollout.reward", "not callable"]),
-    "reward-no-colon": (dict(GOOD, reward="ds_longstraw.tasks.kv.reward"), ["rollout.reward", "package.module"]),
+    "reward-no-colon": (dict(GOOD, reward="ds_longstraw.tasks.recall.reward"), ["rollout.reward", "package.module"]),
     "no-reward": ({k: v for k, v in GOOD.items() if k != "reward"}, ["rollout.reward", "required"]),
-    "prompts-missing": (dict(GOOD, prompts="ds_longstraw.tasks.kv:nothing"), ["rollout.prompts", "nothing"]),
+    "prompts-missing": (dict(GOOD, prompts="ds_longstraw.tasks.recall:nothing"), ["rollout.prompts", "nothing"]),
     "negative-eos": (dict(GOOD, eos_token_id=-1), ["rollout.eos_token_id"]),
     "unknown-weights": (dict(GOOD, zero3_weights="half"), ["rollout.zero3_weights", "half"]),
     "budget-above-one": (dict(GOOD, zero3_whole_budget=1.5), ["rollout.zero3_whole_budget"]),
@@ -89,7 +89,7 @@ def test_block_must_be_a_dict():
 
 
 def test_reward_path_resolves():
-    assert load_callable("ds_longstraw.tasks.kv:reward").__name__ == "reward"
+    assert load_callable("ds_longstraw.tasks.recall:reward").__name__ == "reward"
     assert parse_rollout(GOOD).reward_function() is recording_reward
 
 
@@ -139,18 +139,18 @@ def test_bad_prompts_fail_naming_the_prompt(model):
 
 def test_run_config_validates_the_block_at_load():
     base = ["deepspeed_config=x.json", "model.shape=s.yaml"]
-    kv = [f"rollout.{k}={v}" for k, v in dict(GOOD, reward="ds_longstraw.tasks.kv:reward",
-                                             prompts="ds_longstraw.tasks.kv:prompt").items()]
-    run = load_run_config(None, base + kv)
+    task = [f"rollout.{k}={v}" for k, v in dict(GOOD, reward="ds_longstraw.tasks.recall:reward",
+                                             prompts="ds_longstraw.tasks.recall:prompt").items()]
+    run = load_run_config(None, base + task)
     assert run.rollout.num_samples == 3 and run.data.path is None
     with pytest.raises(ValueError, match="rollout.num_samples"):
-        load_run_config(None, base + kv + ["rollout.num_samples=1"])
+        load_run_config(None, base + task + ["rollout.num_samples=1"])
     with pytest.raises(ValueError, match="rollout.reward"):
-        load_run_config(None, base + kv + ["rollout.reward=nowhere:fn"])
+        load_run_config(None, base + task + ["rollout.reward=nowhere:fn"])
     with pytest.raises(ValueError, match="data.path"):  # prompts from neither place
-        load_run_config(None, base + [item for item in kv if not item.startswith("rollout.prompts")])
+        load_run_config(None, base + [item for item in task if not item.startswith("rollout.prompts")])
     with pytest.raises(ValueError, match="rollout.prompts and data.path"):
-        load_run_config(None, base + kv + ["data.path=g.jsonl"])
+        load_run_config(None, base + task + ["data.path=g.jsonl"])
     with pytest.raises(ValueError, match="train.samples"):  # nothing is sampled without a rollout block
         load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", "data.path=g.jsonl",
                                "train.samples=s.jsonl"])
@@ -249,30 +249,30 @@ def _train_module():
 def test_train_prompts_per_step_from_the_generator_and_from_jsonl(tmp_path):
     """launch/train.py's step prompts: generator index (step W + r) k + j, or data.path's prompts in for_step's
     order; a JSONL record without a prompt fails at start naming its line."""
-    from ds_longstraw.tasks import kv
+    from ds_longstraw.tasks import recall
 
     train = _train_module()
     sizes = {"prompt_tokens": 20, "records": 2}
     run = load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", "rollout.source=internal",
-                                 "rollout.max_new_tokens=1", "rollout.reward=ds_longstraw.tasks.kv:reward",
-                                 "rollout.seed=4", "rollout.prompts=ds_longstraw.tasks.kv:prompt",
+                                 "rollout.max_new_tokens=1", "rollout.reward=ds_longstraw.tasks.recall:reward",
+                                 "rollout.seed=4", "rollout.prompts=ds_longstraw.tasks.recall:prompt",
                                  *[f"rollout.prompt_args.{k}={v}" for k, v in sizes.items()]])
     source = train._source(run, None)
     got = source.for_step(3, 1, 2, 2)
-    assert [p.tolist() for p in got] == [kv.prompt(4, i, **sizes).tolist() for i in (14, 15)]
+    assert [p.tolist() for p in got] == [recall.prompt(4, i, **sizes).tolist() for i in (14, 15)]
     assert source.rollout.num_samples == 8
     with pytest.raises(ValueError, match=r"'rollout.prompt_args' = .*'rows': 3.*rows"):
         train._source(load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml",
                                              "rollout.source=internal", "rollout.max_new_tokens=1",
-                                             "rollout.reward=ds_longstraw.tasks.kv:reward",
-                                             "rollout.prompts=ds_longstraw.tasks.kv:prompt",
+                                             "rollout.reward=ds_longstraw.tasks.recall:reward",
+                                             "rollout.prompts=ds_longstraw.tasks.recall:prompt",
                                              "rollout.prompt_args.rows=3"]), None)
 
     lines = [{"prompt_ids": [1, 2, i], "response_ids": [[3]], "rewards": [0.0]} for i in range(5)]
     (tmp_path / "g.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     run = load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml", f"data.path={tmp_path}/g.jsonl",
                                  "rollout.source=internal", "rollout.max_new_tokens=1",
-                                 "rollout.reward=ds_longstraw.tasks.kv:reward"])
+                                 "rollout.reward=ds_longstraw.tasks.recall:reward"])
     source = train._source(run, None)
     assert [p.tolist() for p in source.for_step(1, 0, 2, 2)] == [[1, 2, 4], [1, 2, 0]]  # indices 4, 5 -> 0
     (tmp_path / "bad.jsonl").write_text(json.dumps({"response_ids": [[3]], "rewards": [0.0]}) + "\n")
@@ -280,39 +280,43 @@ def test_train_prompts_per_step_from_the_generator_and_from_jsonl(tmp_path):
         train._source(load_run_config(None, ["deepspeed_config=x.json", "model.shape=s.yaml",
                                              f"data.path={tmp_path}/bad.jsonl", "rollout.source=internal",
                                              "rollout.max_new_tokens=1",
-                                             "rollout.reward=ds_longstraw.tasks.kv:reward"]), None)
+                                             "rollout.reward=ds_longstraw.tasks.recall:reward"]), None)
 
 
-KV_RUN = os.path.join(REPO, "configs", "run", "kv_task.yaml")
-KV_SHAPE = os.path.join(REPO, "configs", "models", "kv_qwen3_5.yaml")
-KV_BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
+# The recall task's run config from its model's random weights (not the warm-up checkpoint it names), at a short length
+RECALL_RUN = os.path.join(REPO, "configs", "run", "recall_task.yaml")
+RECALL_SHAPE = os.path.join(REPO, "configs", "models", "recall_qwen3_5.yaml")
+RECALL_TOKENS = 32
+RECALL_BLOCK = {"enabled": True, "prefix_grad": "detached", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
 # eps 1: Adam would turn float32 rounding in near-zero gradients into full-size steps (as test_launcher.py)
-KV_OPTIM = {"lr": 3e-3, "eps": 1.0, "weight_decay": 0.01}
+RECALL_OPTIM = {"lr": 3e-3, "eps": 1.0, "weight_decay": 0.01}
 
 
 @pytest.mark.slow
 def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
-    """2 ranks under the `deepspeed` launcher, ZeRO-3, one kv prompt per rank per step: every rank trains on its
+    """2 ranks under the `deepspeed` launcher, ZeRO-3, one recall prompt per rank per step: every rank trains on its
     rollout's capture (no second prefill; the ZeRO-3 lockstep needs no capture padding, all prompts being one
     length), and 2 steps land on the weights of a single-process reference (per step, both replicas' rollout groups
     at that step's seeds, their mean gradient, AdamW) to relative 1e-5 in float32."""
     from dist_scripts.launching import finish, free_port, start
 
     from ds_longstraw.models.modeling import build_model
-    from ds_longstraw.tasks import kv
+    from ds_longstraw.tasks import recall
 
     with open(os.path.join(REPO, "configs", "deepspeed", "zero3_cpu.json")) as handle:
         ds = json.load(handle)
-    ds.update(gradient_clipping=0.0, longstraw=KV_BLOCK)
+    ds.update(gradient_clipping=0.0, longstraw=RECALL_BLOCK)
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     overrides = [f"deepspeed_config={tmp_path / 'ds.json'}", "train.max_steps=2", "data.groups_per_rank=1",
                  "objective.loss_scope=group",  # the reference weighs each replica's group alike
+                 "model.pretrained=null", f"model.shape={RECALL_SHAPE}",
+                 f"rollout.prompt_args.prompt_tokens={RECALL_TOKENS}",
                  f"train.metrics={tmp_path / 'metrics.jsonl'}", f"train.dump_params={tmp_path / 'final.pt'}",
                  f"train.samples={tmp_path / 'samples.jsonl'}",
-                 *[f"optim.{k}={v}" for k, v in KV_OPTIM.items()]]
+                 *[f"optim.{k}={v}" for k, v in RECALL_OPTIM.items()]]
     log = str(tmp_path / "train.log")
     job = start(["--num_gpus", "2", "--master_port", str(free_port())],
-                [os.path.join(REPO, "launch", "train.py"), "--config", KV_RUN, *overrides], log)
+                [os.path.join(REPO, "launch", "train.py"), "--config", RECALL_RUN, *overrides], log)
     finish([job], timeout=600, logs=[log])
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["capture_reused_rank0"] for m in metrics)
@@ -323,27 +327,28 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
 
     from ds_longstraw import GRPOObjective, grpo_backward
 
-    with open(KV_RUN) as handle:
+    with open(RECALL_RUN) as handle:
         run = yaml.safe_load(handle)
-    rollout, args = run["rollout"], run["rollout"]["prompt_args"]
+    rollout = run["rollout"]
+    args = {**rollout["prompt_args"], "prompt_tokens": RECALL_TOKENS}
     objective = GRPOObjective(**{**run["objective"], "loss_scope": "group"})
     torch.set_num_threads(1)
-    model = build_model(shape=KV_SHAPE, dtype="float32", seed=0)
+    model = build_model(shape=RECALL_SHAPE, dtype="float32", seed=0)
     start_weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    optimizer = torch.optim.AdamW(model.parameters(), **KV_OPTIM)
+    optimizer = torch.optim.AdamW(model.parameters(), **RECALL_OPTIM)
     recorded = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["group"]) for r in recorded] == [(1, 0), (2, 0)]  # rank 0's one group per step
     for step in range(2):
         total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
         for replica in range(2):  # launch/train.py's prompt index (step W + r) k + j; the seed's index r k + j
             model.zero_grad(set_to_none=True)
-            prompts = [kv.prompt(rollout["seed"], step * 2 + replica, **args)]
-            for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica, config=KV_BLOCK):
+            prompts = [recall.prompt(rollout["seed"], step * 2 + replica, **args)]
+            for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica, config=RECALL_BLOCK):
                 if replica == 0:  # what train.samples recorded: rank 0's samples, before the step's update
                     assert recorded[step]["response_ids"] == [ids.tolist() for ids in group.response_ids]
                     assert recorded[step]["rewards"] == group.rewards.tolist()
                     assert recorded[step]["prompt_tokens"] == prompts[0].numel()
-                grpo_backward(model, group, objective, config=KV_BLOCK)
+                grpo_backward(model, group, objective, config=RECALL_BLOCK)
             for name, p in model.named_parameters():
                 if p.grad is not None:
                     total[name] += p.grad / 2

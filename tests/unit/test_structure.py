@@ -137,7 +137,8 @@ LAYERS = [
     ("other trainers on the transaction", ["ds_longstraw.integrations"]),
     ("door, and the launcher's script that runs through it", ["ds_longstraw", "ds_longstraw.launch"]),
     ("command line, and the demo that runs the launcher's script", ["ds_longstraw.tools.cli",
-                                                                    "ds_longstraw.tasks.kv_demo"]),
+                                                                    "ds_longstraw.tasks.recall_grpo",
+                                                                    "ds_longstraw.tasks.recall_demo"]),
 ]
 
 

@@ -1,0 +1,160 @@
+"""GRPO on the recall task through the engine, with held-out evaluation as it trains.
+
+One run: the run config configs/run/recall_task.yaml (launch/train.py's RunConfig), its policy loaded from the
+warm-up checkpoint (model.pretrained), the DeepSpeed config it names with "longstraw".prefix_grad set to the run's
+mode, `ds_longstraw.initialize`, then per step `engine.grpo_step(prompts, objective, rollout=...)`: the step's
+prompts come from `rollout.prompts` (recall.prompt at the long length), G samples each are drawn from the state
+captured once per prompt, rewarded by recall.reward, and trained on in one transaction. Every `eval_every` steps
+the policy's greedy exact-match accuracy is measured on held-out prompts (stream recall_warmup.EVAL_SEED, never
+trained on) at each evaluation length, through the engine's module (ZeRO-3's hooks gather the weights).
+
+This is launch/train.py's loop (its helpers build the policy and the prompt source) plus the evaluation; it runs on
+one rank (world size 1, gloo) in this process. `python -m ds_longstraw.tasks.recall_grpo --help` runs one.
+
+    modes:  detached   the prompt's K/V and recurrent state are constants: only the response's own tokens give
+                       gradients (for a one-token answer: the last prompt position's forward, nothing before it)
+            exact      gradients flow back through the captured prompt state into every prompt position
+"""
+
+import argparse
+import json
+import os
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed
+
+from ds_longstraw.models.modeling import CONFIGS_DIR
+from ds_longstraw.tasks import recall
+from ds_longstraw.tasks.recall_warmup import EVAL_PROMPTS, EVAL_SEED
+
+RUN_CONFIG = CONFIGS_DIR / "run" / "recall_task.yaml"
+SHIPPED_PATHS = ("deepspeed_config",)  # run-config keys naming a file under configs/ (as a checkout sees it)
+MODES = ("detached", "exact")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _one_rank() -> bool:
+    """Environment of a one-rank job, and its process group unless one exists; True when it made one."""
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
+                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    if torch.distributed.is_initialized():
+        return False
+    from ds_longstraw.launch.train import _init_distributed
+
+    _init_distributed()
+    return True
+
+
+def shipped_overrides():
+    """The run config's configs/... paths as the package ships them (it runs from any directory)."""
+    from omegaconf import OmegaConf
+
+    run = OmegaConf.load(RUN_CONFIG)
+    out = []
+    for key in SHIPPED_PATHS:
+        first, *rest = OmegaConf.select(run, key).split("/")
+        assert first == "configs" and rest, f"{RUN_CONFIG}: {key} is not a file under configs/"
+        out.append(f"{key}={CONFIGS_DIR.joinpath(*rest)}")
+    return out
+
+
+def held_out(run, lengths, count):
+    """{length: (prompts, answers)} of `count` held-out prompts per length, with the run's other sizes."""
+    sizes = dict(run.rollout["prompt_args"])
+    return {n: recall.batch(EVAL_SEED, 0, count, **{**sizes, "prompt_tokens": n}) for n in lengths}
+
+
+def evaluate(module, sets) -> dict:
+    was = module.training
+    module.eval()
+    out = {n: round(recall.accuracy(module, *batch), 4) for n, batch in sets.items()}
+    module.train(was)
+    return out
+
+
+def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(), eval_prompts=EVAL_PROMPTS,
+          overrides=(), log=print) -> dict:
+    """One GRPO run (module docstring); returns {"mode", "seed", "steps": [...], "evals": [...]} and writes it
+    to out_dir/result.json."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    import ds_longstraw
+    from ds_longstraw import GRPOObjective
+    from ds_longstraw.engine.config import load_ds_config, read_block
+    from ds_longstraw.engine.run_config import load_run_config
+    from ds_longstraw.launch.train import _metrics, _policy, _Prompts
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = load_run_config(RUN_CONFIG, [*shipped_overrides(), f"model.pretrained={warm_dir}", f"model.seed={seed}",
+                                       f"rollout.seed={seed}", f"train.max_steps={steps}", *overrides])
+    ds_config = load_ds_config(run.deepspeed_config)
+    ds_config["longstraw"] = {**ds_config["longstraw"], "prefix_grad": mode}
+    read_block(ds_config, world_size=1)
+    made_group = _one_rank()
+    objective = GRPOObjective(**run.objective)
+    source = _Prompts(run, None)
+    # the step's prompts: a stream of its own per seed (recall.prompt(seed, index)); rollout.seed also seeds the
+    # samples. Evaluation prompts are stream EVAL_SEED.
+    model = _policy(run, ds_config)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=run.optim.lr, betas=tuple(run.optim.betas), eps=run.optim.eps,
+                                  weight_decay=run.optim.weight_decay)
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=optimizer, config=ds_config)
+    lengths = list(eval_lengths) or [run.rollout["prompt_args"]["prompt_tokens"]]
+    sets = held_out(run, lengths, eval_prompts)
+    result = {"mode": mode, "seed": seed, "warm_dir": str(warm_dir), "lr": run.optim.lr,
+              "groups_per_step": run.data.groups_per_rank, "G": run.rollout["num_samples"],
+              "prompt_args": dict(run.rollout["prompt_args"]), "steps": [], "evals": []}
+
+    def record_eval(step):
+        acc = evaluate(engine.module, sets)
+        result["evals"].append({"step": step, "accuracy": acc})
+        log(f"[recall {mode} seed {seed}] step {step}: held-out accuracy "
+            + " ".join(f"@{n} {a:.3f}" for n, a in acc.items()))
+
+    record_eval(0)
+    for step in range(steps):
+        items = source.for_step(step, 0, 1, run.data.groups_per_rank)
+        res = engine.grpo_step(items, objective, rollout=source.rollout)
+        rec = _metrics(step + 1, res, 1)
+        result["steps"].append({k: rec[k] for k in ("step", "mean_reward", "seconds", "grad_norm",
+                                                    "rollout_seconds_rank0")})
+        if (step + 1) % eval_every == 0 or step + 1 == steps:
+            record_eval(step + 1)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    if made_group:  # as launch/train.py ends; a caller's own group stays
+        torch.distributed.destroy_process_group()
+    return result
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--warm", required=True, help="the warm-up checkpoint directory (recall_warmup.cached)")
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-lengths", default="", help="comma-separated prompt lengths (default: the run's)")
+    parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("overrides", nargs="*", help="run-config dotlist overrides, e.g. optim.lr=1e-3")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.eval_lengths.split(",") if x]
+    train(args.out, warm_dir=args.warm, mode=args.mode, seed=args.seed, steps=args.steps,
+          eval_every=args.eval_every, eval_lengths=lengths, eval_prompts=args.eval_prompts,
+          overrides=args.overrides)
+
+
+if __name__ == "__main__":
+    main()
