@@ -17,6 +17,7 @@ one rank (world size 1, gloo) in this process. `python -m ds_longstraw.tasks.rec
 """
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -40,17 +41,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _one_rank() -> bool:
-    """Environment of a one-rank job, and its process group unless one exists; True when it made one."""
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port())), ("RANK", "0"),
-                       ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(key, value)
-    if torch.distributed.is_initialized():
-        return False
-    from ds_longstraw.launch.train import _init_distributed
+ONE_RANK_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
 
-    _init_distributed()
-    return True
+
+@contextlib.contextmanager
+def _one_rank():
+    """The block runs as a one-rank job: its environment and process group, unless a group exists (the caller's
+    then serves). Both are undone on the way out, failed or not, so the process is left as it was found: a
+    leftover MASTER_PORT or RANK would be inherited by every process it starts later."""
+    if torch.distributed.is_initialized():
+        yield
+        return
+    saved = {key: os.environ.get(key) for key in ONE_RANK_ENV}
+    for key, value in zip(ONE_RANK_ENV, ("127.0.0.1", str(_free_port()), "0", "0", "1"), strict=True):
+        os.environ.setdefault(key, value)
+    try:
+        from ds_longstraw.launch.train import _init_distributed
+
+        _init_distributed()
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def shipped_overrides():
@@ -86,11 +103,8 @@ def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(
     to out_dir/result.json."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    import ds_longstraw
-    from ds_longstraw import GRPOObjective
     from ds_longstraw.engine.config import load_ds_config, read_block
     from ds_longstraw.engine.run_config import load_run_config
-    from ds_longstraw.launch.train import _metrics, _policy, _Prompts
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +113,18 @@ def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(
     ds_config = load_ds_config(run.deepspeed_config)
     ds_config["longstraw"] = {**ds_config["longstraw"], "prefix_grad": mode}
     read_block(ds_config, world_size=1)
-    made_group = _one_rank()
+    with _one_rank():
+        result = _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_lengths, eval_prompts, log)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_lengths, eval_prompts, log) -> dict:
+    """The engine, its steps and the held-out evaluations of `train`, inside its process group."""
+    import ds_longstraw
+    from ds_longstraw import GRPOObjective
+    from ds_longstraw.launch.train import _metrics, _policy, _Prompts
+
     objective = GRPOObjective(**run.objective)
     source = _Prompts(run, None)
     # the step's prompts: a stream of its own per seed (recall.prompt(seed, index)); rollout.seed also seeds the
@@ -111,7 +136,7 @@ def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=optimizer, config=ds_config)
     lengths = list(eval_lengths) or [run.rollout["prompt_args"]["prompt_tokens"]]
     sets = held_out(run, lengths, eval_prompts)
-    result = {"mode": mode, "seed": seed, "warm_dir": str(warm_dir), "lr": run.optim.lr,
+    result = {"mode": mode, "seed": seed, "warm_dir": str(run.model.pretrained), "lr": run.optim.lr,
               "groups_per_step": run.data.groups_per_rank, "G": run.rollout["num_samples"],
               "prompt_args": dict(run.rollout["prompt_args"]), "steps": [], "evals": []}
 
@@ -130,9 +155,6 @@ def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(
                                                     "rollout_seconds_rank0")})
         if (step + 1) % eval_every == 0 or step + 1 == steps:
             record_eval(step + 1)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1))
-    if made_group:  # as launch/train.py ends; a caller's own group stays
-        torch.distributed.destroy_process_group()
     return result
 
 

@@ -10,6 +10,7 @@ whose held-out accuracy at a long prompt GRPO raises through the engine.
              at LONG tokens: the held-out exact-match accuracy at LONG rises by more than MARGIN in STEPS steps.
 """
 
+import os
 import time
 from pathlib import Path
 
@@ -80,9 +81,12 @@ def test_grpo_raises_held_out_accuracy_at_the_long_length(tmp_path):
     torch.set_num_threads(2)
     warm, info = recall_demo.warm_checkpoint(WARMUP_DIR, log=lambda line: None)
     assert info["accuracy_short"] >= 0.9  # the warm-up retrieves at its own length
+    environment = dict(os.environ)
     start = time.perf_counter()
     result = recall_grpo.train(tmp_path / "grpo", warm_dir=warm, mode="detached", seed=0, steps=STEPS,
                                eval_every=STEPS, eval_lengths=(LONG,), log=lambda line: None)
     before, after = (e["accuracy"][LONG] for e in (result["evals"][0], result["evals"][-1]))
     assert after > before + MARGIN, (before, after, result["evals"])
-    assert time.perf_counter() - start < 300  # ~1 min alone; generous for a shared machine
+    assert time.perf_counter() - start < 400  # ~105 s alone; generous for a shared machine
+    # the one-rank job it ran in this process is undone: no group, and no MASTER_PORT or RANK for later processes
+    assert not torch.distributed.is_initialized() and dict(os.environ) == environment
