@@ -129,13 +129,10 @@ def main():
     long_len = sizes["prompt_tokens"]
     study = {"long_length": long_len, "short_length": warm_info["short_length"], "warmup": warm_info,
              "levels": {"chance": 1 / sizes["values"], "random_record": 1 / sizes["records"],
-                        "warmup_long": runs[0]["evals"][0]["accuracy"][str(long_len)]
-                        if str(long_len) in runs[0]["evals"][0]["accuracy"]
-                        else runs[0]["evals"][0]["accuracy"][long_len],
+                        "warmup_long": runs[0]["evals"][0]["accuracy"][str(long_len)],
                         "warmup_short": warm_info["accuracy_short"]},
              "steps": args.steps, "overrides": args.overrides, "wall_seconds": round(time.perf_counter() - started),
              "runs": runs}
-    study = json.loads(json.dumps(study))  # int keys -> str, as read back
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(study, indent=1))
     plot(study, args.plot)

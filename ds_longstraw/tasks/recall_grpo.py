@@ -27,8 +27,7 @@ import torch
 import torch.distributed
 
 from ds_longstraw.models.modeling import CONFIGS_DIR
-from ds_longstraw.tasks import recall
-from ds_longstraw.tasks.recall_warmup import EVAL_PROMPTS, EVAL_SEED
+from ds_longstraw.tasks.recall_warmup import EVAL_PROMPTS, evaluate, held_out
 
 RUN_CONFIG = CONFIGS_DIR / "run" / "recall_task.yaml"
 SHIPPED_PATHS = ("deepspeed_config",)  # run-config keys naming a file under configs/ (as a checkout sees it)
@@ -83,20 +82,6 @@ def shipped_overrides():
     return out
 
 
-def held_out(run, lengths, count):
-    """{length: (prompts, answers)} of `count` held-out prompts per length, with the run's other sizes."""
-    sizes = dict(run.rollout["prompt_args"])
-    return {n: recall.batch(EVAL_SEED, 0, count, **{**sizes, "prompt_tokens": n}) for n in lengths}
-
-
-def evaluate(module, sets) -> dict:
-    was = module.training
-    module.eval()
-    out = {n: round(recall.accuracy(module, *batch), 4) for n, batch in sets.items()}
-    module.train(was)
-    return out
-
-
 def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(), eval_prompts=EVAL_PROMPTS,
           overrides=(), log=print) -> dict:
     """One GRPO run (module docstring); returns {"mode", "seed", "steps": [...], "evals": [...]} and writes it
@@ -135,13 +120,13 @@ def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_length
                                   weight_decay=run.optim.weight_decay)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=optimizer, config=ds_config)
     lengths = list(eval_lengths) or [run.rollout["prompt_args"]["prompt_tokens"]]
-    sets = held_out(run, lengths, eval_prompts)
+    sets = held_out(dict(run.rollout["prompt_args"]), lengths, eval_prompts)
     result = {"mode": mode, "seed": seed, "warm_dir": str(run.model.pretrained), "lr": run.optim.lr,
               "groups_per_step": run.data.groups_per_rank, "G": run.rollout["num_samples"],
               "prompt_args": dict(run.rollout["prompt_args"]), "steps": [], "evals": []}
 
     def record_eval(step):
-        acc = evaluate(engine.module, sets)
+        acc = {n: round(a, 4) for n, a in evaluate(engine.module, sets).items()}
         result["evals"].append({"step": step, "accuracy": acc})
         log(f"[recall {mode} seed {seed}] step {step}: held-out accuracy "
             + " ".join(f"@{n} {a:.3f}" for n, a in acc.items()))

@@ -25,6 +25,20 @@ EVAL_SEED = 10_000
 EVAL_PROMPTS = 256
 
 
+def held_out(sizes, lengths, count=EVAL_PROMPTS) -> dict:
+    """{length: (prompts, answers)}: `count` held-out prompts per length, the task's other sizes from `sizes`."""
+    return {n: recall.batch(EVAL_SEED, 0, count, **{**sizes, "prompt_tokens": n}) for n in lengths}
+
+
+def evaluate(model, sets) -> dict:
+    """{length: greedy exact-match accuracy} on `held_out`'s sets, in eval mode; the model's mode is restored."""
+    was = model.training
+    model.eval()
+    out = {n: recall.accuracy(model, *batch) for n, batch in sets.items()}
+    model.train(was)
+    return out
+
+
 def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None, eval_lengths=(),
             eval_every=0, eval_prompts=EVAL_PROMPTS, log=print):
     """A model built from `shape` (random weights from `seed`) trained `steps` AdamW steps on recall prompts of
@@ -35,7 +49,7 @@ def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None
     model = build_model(shape=shape, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     lengths = list(lengths or [sizes["prompt_tokens"]])
-    held_out = {n: recall.batch(EVAL_SEED, 0, eval_prompts, **{**sizes, "prompt_tokens": n}) for n in eval_lengths}
+    sets = held_out(sizes, eval_lengths, eval_prompts)
     history, start, running = [], time.perf_counter(), None
     gen = torch.Generator().manual_seed(seed)
     warm = max(1, steps // 20)
@@ -54,9 +68,7 @@ def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None
         running = float(loss.detach()) if running is None else 0.95 * running + 0.05 * float(loss.detach())
         last = step + 1 == steps
         if (eval_every and (step + 1) % eval_every == 0) or last:
-            model.eval()
-            acc = {n: recall.accuracy(model, *held_out[n]) for n in held_out}
-            model.train()
+            acc = evaluate(model, sets)
             history.append({"step": step + 1, "loss": round(running, 4), "accuracy": acc,
                             "seconds": round(time.perf_counter() - start, 1)})
             log(f"[warm-up] step {step + 1}/{steps} loss {running:.3f} "
