@@ -1,12 +1,13 @@
-"""The GPU check: each fast path timed beside its library peer and its torch fallback, then GRPO steps of the
-Qwen3.6-27B layer shape at growing prompt lengths until memory runs out. bench/gpu_check.sh runs it (after the
-CUDA parity tests); `--dry-run` runs every section at toy sizes on the CPU, so the script cannot rot unseen.
+"""The GPU check: each fast path timed beside its library peer and its torch fallback, GLM-5.2's layer shape through
+the transaction, then GRPO steps of the whole 64-layer Qwen3.6-27B shape (LoRA, host tier) detached and exact at
+growing prompts beside the planner's figures (bench/gpu_whole_model.py). bench/gpu_check.sh runs it (after the CUDA
+parity tests); `--dry-run` runs every section at toy sizes on the CPU, so the script cannot rot unseen.
 
-    python bench/gpu_check.py [--dry-run] [--out DIR] [--budget SECONDS]
+    python bench/gpu_check.py [--dry-run] [--out DIR] [--budget SECONDS] [--sections a,b,...]
 
 Writes DIR/gpu_check.json (every row, and each section's kernel paths) and DIR/gpu_check.md (the tables for
-BENCHMARKS.md) after each section, so a run cut short keeps what it measured; at the end DIR/grpo_step.png.
-A section that fails records its error and the next one runs.
+BENCHMARKS.md) after each section, so a run cut short keeps what it measured; at the end DIR/whole_qwen.png (and
+DIR/grpo_step.png where the 4-layer ladder ran). A section that fails records its error and the next one runs.
 
 Timing: CUDA events around forward + backward, the median of `repeats` after one warm-up; memory:
 torch.cuda.max_memory_allocated during the op minus what was allocated before it (inputs excluded). On the CPU
@@ -14,11 +15,13 @@ torch.cuda.max_memory_allocated during the op minus what was allocated before it
 
 Paths per kernel:
     fast       the dispatch's choice (kernels/dispatch.py, mode "auto"): flash / fla / Triton on CUDA
+    fast_cudnn the same call with dispatch.attention_library "cudnn" (the second library that returns the lse)
     peer       the library's own public entry where one exists (torch SDPA for attention; full log-softmax)
     reference  mode "reference": the project's plain torch kernel
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -27,6 +30,9 @@ import time
 import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (run with -P, which leaves it out)
+
+from gpu_whole_model import glm_layer_section, plot_whole_qwen, whole_qwen_section  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -58,14 +64,15 @@ class Clock:
 
 
 class Report:
-    def __init__(self, out_dir, dry_run):
-        self.out_dir, self.dry_run = out_dir, dry_run
+    def __init__(self, out_dir, dry_run, environment=None):
+        self.out_dir, self.dry_run, self.environment = out_dir, dry_run, environment or {}
         self.sections = {}
         os.makedirs(out_dir, exist_ok=True)
 
     def add(self, section, row):
         self.sections.setdefault(section, {"rows": [], "error": None})["rows"].append(row)
         print(f"[gpu_check] {section}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+        self.write()  # every row on disk at once: a run killed at its time limit keeps what it measured
 
     def fail(self, section, error):
         self.sections.setdefault(section, {"rows": [], "error": None})["error"] = error
@@ -75,13 +82,13 @@ class Report:
         """The kernel paths the section's calls took (kernels/dispatch.paths_taken): what "fast" really ran."""
         self.sections.setdefault(section, {"rows": [], "error": None})["paths"] = taken
 
-    def write(self, environment):
+    def write(self):
         from ds_longstraw.kernels.dispatch import format_paths
 
         with open(os.path.join(self.out_dir, "gpu_check.json"), "w") as handle:
-            json.dump({"environment": environment, "dry_run": self.dry_run, "sections": self.sections}, handle,
+            json.dump({"environment": self.environment, "dry_run": self.dry_run, "sections": self.sections}, handle,
                       indent=1)
-        lines = [f"Environment: {', '.join(f'{k} {v}' for k, v in environment.items())}", ""]
+        lines = [f"Environment: {', '.join(f'{k} {v}' for k, v in self.environment.items())}", ""]
         for name, section in self.sections.items():
             lines.append(f"### {name}")
             rows = section["rows"]
@@ -126,7 +133,7 @@ def attention_section(report, clock, device, dtype, sizes):
     from ds_longstraw.kernels import partial_attention
     from ds_longstraw.kernels.attention import partial as attention
     from ds_longstraw.kernels.attention import triton_paged as paged
-    from ds_longstraw.kernels.dispatch import kernel_mode
+    from ds_longstraw.kernels.dispatch import kernel_mode, use_attention_library
 
     heads, kv_heads, head_dim, tq = sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["tq"]
     for tk in sizes["tk"]:
@@ -161,9 +168,19 @@ def attention_section(report, clock, device, dtype, sizes):
                                        head_dim ** -0.5)
             torch.autograd.grad(out, (q_tm, k_tm, v_tm), dout)
 
+        def ours_cudnn():  # the second library candidate (kernels/attention/cudnn.py) through the same dispatch
+            with use_attention_library("cudnn"):
+                ours()
+
+        def ours_cudnn_constant_keys():
+            with use_attention_library("cudnn"):
+                ours_constant_keys()
+
         paths = [("fast", ours), ("fast_token_major_storage", ours_token_major_storage),
                  ("fast_constant_keys", ours_constant_keys), ("peer", peer)]
-        if device == "cuda":  # which SDPA backend sets the peer's pace (each alone; a missing one is skipped)
+        if device.type == "cuda":  # cuDNN serves CUDA tensors only
+            paths += [("fast_cudnn", ours_cudnn), ("fast_cudnn_constant_keys", ours_cudnn_constant_keys)]
+        if device.type == "cuda":  # which SDPA backend sets the peer's pace (each alone; a missing one is skipped)
             from torch.nn.attention import SDPBackend, sdpa_kernel
 
             for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
@@ -198,7 +215,7 @@ def attention_section(report, clock, device, dtype, sizes):
             report.add("attention", {"tq": tq, "tk": tk, "path": path, "ms": seconds * 1e3,
                                      "key_tokens_per_s": tk / seconds, "tflops": flops / seconds / 1e12,
                                      "peak_mib": peak, "planned_mib": planned})
-        if device == "cuda":
+        if device.type == "cuda":
             cudnn_probe(report, clock, q, k, v, dout, out, lse, head_dim ** -0.5, flops)
 
 
@@ -355,6 +372,10 @@ def triton_section(report, clock, device, dtype, sizes):
         out = sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
         torch.autograd.grad(out, [q_lat, q_rope, *lat, *ropes], d_out)
 
+    def sparse_mla_forward():
+        with torch.no_grad():
+            sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
+
     p_heads, p_kv, p_dim, p_tq, p_tk, page = (sizes[key] for key in (
         "paged_heads", "paged_kv_heads", "paged_dim", "paged_queries", "paged_keys", "page_tokens"))
     pages = p_tk // page + 2
@@ -370,7 +391,8 @@ def triton_section(report, clock, device, dtype, sizes):
         out, _ = paged_partial_attention(pq, k_pages, v_pages, table, p_tk, p_dim ** -0.5, grad_pages=grad_pages)
         torch.autograd.grad(out, pq, p_dout)
 
-    for name, fn in (("dsa_select", select), ("sparse_mla fwd+bwd", sparse_mla), ("paged attention fwd+bwd", paged)):
+    for name, fn in (("dsa_select", select), ("sparse_mla fwd", sparse_mla_forward), ("sparse_mla fwd+bwd", sparse_mla),
+                     ("paged attention fwd+bwd", paged)):
         for path, mode in (("fast", "auto"), ("reference", "reference")):
             with kernel_mode(mode):
                 seconds, peak = clock.measure(fn)
@@ -504,6 +526,12 @@ def plot_grpo_steps(report, path):
 # ---- sizes -----------------------------------------------------------------------------------------------------
 
 def sizes_for(dry_run):
+    from gpu_whole_model import sizes_for as whole_model_sizes
+
+    return {**kernel_sizes_for(dry_run), **whole_model_sizes(dry_run)}
+
+
+def kernel_sizes_for(dry_run):
     if dry_run:  # toy sizes: every path once on the CPU, in seconds
         return {
             "attention": {"heads": 4, "kv_heads": 2, "head_dim": 16, "tq": 32, "tk": [64]},
@@ -548,12 +576,22 @@ def environment(device):
     return env
 
 
+# In the order they run: the whole model before the kernels that only add rows beside earlier sessions' figures.
+SECTIONS = ("attention", "logprobs", "whole_qwen", "glm_layer", "triton", "gated_delta")
+# Seconds a section is expected to take on the H200, its kernels' compilation included (the sessions' logs): a model
+# section's steps stop early enough to leave these to the sections after it.
+# The last ones are re-measurements of earlier sessions' figures: cut short, they cost least.
+RESERVE = {"attention": 40, "logprobs": 30, "glm_layer": 45, "triton": 40, "gated_delta": 30, "grpo_step": 90,
+           "whole_qwen": 240}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="toy sizes on the CPU")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check"))
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole script")
-    parser.add_argument("--sections", default="attention,gated_delta,logprobs,triton,grpo_step")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help="of " + ", ".join(SECTIONS + ("grpo_step",)) + " (grpo_step: the 4-layer ladder)")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -565,30 +603,35 @@ def main(argv=None):
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     clock = Clock(device, repeats=1 if args.dry_run else 5)
     sizes = sizes_for(args.dry_run)
-    report = Report(args.out, args.dry_run)
     env = environment(device)
+    report = Report(args.out, args.dry_run, env)
     print(f"[gpu_check] {env}", flush=True)
+    models = {"grpo_step": grpo_section, "whole_qwen": whole_qwen_section, "glm_layer": glm_layer_section}
     kernels = {"attention": attention_section, "gated_delta": delta_rule_section, "logprobs": logprobs_section,
                "triton": triton_section}
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
 
-    for name in args.sections.split(","):
+    names = args.sections.split(",")
+    for index, name in enumerate(names):
         section_start = time.monotonic()
         reset_paths_taken()
         try:
-            if name == "grpo_step":
-                grpo_section(report, device, dtype, sizes[name], deadline=started + args.budget)
+            if name in models:
+                later = sum(RESERVE.get(after, 0) for after in names[index + 1:])
+                models[name](report, device, dtype, sizes[name], deadline=started + args.budget - later)
             else:
                 kernels[name](report, clock, device, dtype, sizes[name])
         except Exception:  # noqa: BLE001 -- a failed section is recorded and the check goes on
             report.fail(name, traceback.format_exc())
         finally:
             report.paths(name, paths_taken())
+            gc.collect()  # a model section's modules hold reference cycles: free its weights before the next
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         print(f"[gpu_check] {name}: {time.monotonic() - section_start:.1f} s", flush=True)
-        report.write(env)
+        report.write()
     plot_grpo_steps(report, os.path.join(args.out, "grpo_step.png"))
+    plot_whole_qwen(report, os.path.join(args.out, "whole_qwen.png"))
     failed = [name for name, section in report.sections.items() if section["error"]]
     print(f"[gpu_check] done in {time.monotonic() - started:.0f} s; failed sections: {failed or 'none'}", flush=True)
     return 1 if failed else 0

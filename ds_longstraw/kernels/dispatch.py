@@ -16,6 +16,12 @@ from functools import cache
 MODES = ("auto", "reference")
 _mode = "auto"
 
+# Which library serves attention on CUDA in mode "auto" (kernels/attention/flash.py or cudnn.py); both return the
+# lse and take its gradient. The default is the faster of the two on the H200 (BENCHMARKS.md, "On one H200";
+# bench/gpu_check.py times both side by side); the other serves where the chosen one does not apply.
+ATTENTION_LIBRARIES = ("flash", "cudnn")
+_attention_library = "flash"
+
 
 def set_mode(mode: str) -> None:
     if mode not in MODES:
@@ -26,6 +32,28 @@ def set_mode(mode: str) -> None:
 
 def current_mode() -> str:
     return _mode
+
+
+def attention_library() -> str:
+    return _attention_library
+
+
+def set_attention_library(library: str) -> None:
+    if library not in ATTENTION_LIBRARIES:
+        raise ValueError(f"attention library {library!r}: expected one of {ATTENTION_LIBRARIES}")
+    global _attention_library
+    _attention_library = library
+
+
+@contextmanager
+def use_attention_library(library: str):
+    """Run a block with `library` serving CUDA attention, restoring the previous choice after (on error too)."""
+    previous = _attention_library
+    set_attention_library(library)
+    try:
+        yield
+    finally:
+        set_attention_library(previous)
 
 
 @contextmanager

@@ -161,6 +161,60 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
         torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
 
 
+def test_attention_library_is_chosen_by_name_and_restored():
+    from ds_longstraw.kernels.attention.cudnn import cudnn_applies
+    from ds_longstraw.kernels.dispatch import attention_library, use_attention_library
+
+    assert attention_library() == "flash"
+    x = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
+    with use_attention_library("cudnn"):
+        assert attention_library() == "cudnn"
+        assert not cudnn_applies(x, x, None)  # CPU tensors never take a CUDA path
+    assert attention_library() == "flash"
+    with pytest.raises(ValueError, match="attention library 'flash3'"):
+        with use_attention_library("flash3"):
+            pass
+    assert attention_library() == "flash"
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("heads,kv_heads,tq,tk,causal", [(8, 2, 64, 300, None), (4, 4, 77, 77, 0),
+                                                         (24, 4, 96, 96, 0), (6, 2, 50, 20, -30)])
+@pytest.mark.parametrize("with_lse_grad", [False, True])
+def test_cudnn_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal, with_lse_grad):
+    """cuDNN (dispatch.attention_library "cudnn") against the float64 dense reference, at the bf16 tolerances of the
+    flash test above: grouped and equal heads, unmasked and a causal block over its own keys (what cuDNN takes),
+    and a causal offset it does not express (rows with no key), which must go to flash and say so."""
+    from ds_longstraw.kernels.attention.cudnn import cudnn_applies
+    from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken, use_attention_library
+
+    q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
+    qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
+    reset_paths_taken()
+    with use_attention_library("cudnn"):
+        assert cudnn_applies(qb, kb, causal) is (causal in (None, 0))
+        out, lse = partial_attention(qb, kb, vb, 0.125, causal)
+        ref = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
+        torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=3e-2)
+        gen = torch.Generator().manual_seed(5)
+        dout = torch.randn(ref_out.shape, generator=gen, **F64)
+        dlse = torch.randn(ref_lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(ref_lse.shape,
+                                                                                                    **F64)
+        seen = torch.isfinite(ref_lse)
+        objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0)
+                                                          * dlse.cuda()).sum()
+        ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
+        grads = torch.autograd.grad(objective, [qb, kb, vb])
+    for got, want in zip(grads, torch.autograd.grad(ref_objective, ref), strict=True):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
+    expected = "cudnn" if causal in (None, 0) else "flash"
+    assert set(paths_taken()["attention forward"]) == {expected}
+    assert set(paths_taken()["attention backward"]) == {expected}
+
+
 @CUDA
 @pytest.mark.cuda
 def test_flash_serves_prompt_pages_in_library_key_blocks():

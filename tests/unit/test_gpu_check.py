@@ -20,10 +20,15 @@ def test_gpu_check_dry_run(tmp_path):
                          capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": ""})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tests collected" in run.stdout
+    # every file that marks a test `cuda` is collected, wherever it lives
+    listed = next(line for line in run.stdout.splitlines() if line.startswith("== 1. CUDA parity tests: "))
+    marked = subprocess.run(["grep", "-rlE", "--include=test_*.py", r"mark\.cuda", "tests"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.split()
+    assert len(marked) >= 5 and set(listed.split(": ", 1)[1].rstrip(" =").split()) == set(marked)
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     sections = report["sections"]
-    assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "grpo_step"}
+    assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "glm_layer", "whole_qwen"}
     assert all(section["error"] is None for section in sections.values())
     assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_token_major_storage",
                                                                        "fast_constant_keys", "peer",
@@ -37,17 +42,52 @@ def test_gpu_check_dry_run(tmp_path):
     assert {(row["head"], row["path"]) for row in sections["logprobs"]["rows"]} == {
         (head, path) for head in ("trained", "frozen") for path in ("chunked", "full_logits")}
     assert {(row["kernel"], row["path"]) for row in sections["triton"]["rows"]} == {
-        (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd+bwd", "paged attention fwd+bwd")
+        (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd", "sparse_mla fwd+bwd", "paged attention fwd+bwd")
         for path in ("fast", "reference")}
-    steps = sections["grpo_step"]["rows"]
-    assert {row["how"] for row in steps} == {"conventional", "reference", "default"}
     for name in ("attention", "gated_delta", "logprobs"):  # the planner's workspace beside each measured peak
         assert all(row["planned_mib"] > 0 for row in sections[name]["rows"]), name
-    assert (tmp_path / "grpo_step.png").stat().st_size > 10_000  # the steps' picture (matplotlib: a test extra)
-    assert all(row["phases"].startswith("capture " if row["how"] != "conventional" else "reference ") for row in steps)
-    first = [row["loss"] for row in steps if row["prompt"] == steps[0]["prompt"]]
-    assert len(first) == 3 and max(first) - min(first) < 1e-5  # float32, one objective on three paths
+    # the whole-model sections: every step measured (none skipped at toy sizes), both modes, the planner beside it
+    whole = sections["whole_qwen"]["rows"]
+    assert {(row["prompt"], row["mode"]) for row in whole} == {(p, m) for p in (64, 96) for m in ("detached", "exact")}
+    assert all(row["trains"] == "LoRA r 16 on a frozen body" and row["planned_gpu_gib"] > 0
+               and row["planned_host_gib"] > 0 and row["plan_fits"] for row in whole)
+    assert all(row["phases"].startswith("capture ") for row in whole)
+    assert all("prefix " in row["phases"] for row in whole if row["mode"] == "exact")
+    glm = sections["glm_layer"]["rows"]
+    assert {(row["mode"], row["kernels"]) for row in glm} == {("detached", "auto"), ("detached", "reference"),
+                                                              ("exact", "auto")}
+    # float32, one objective: every path and both modes give one loss (the modes differ only in gradients)
+    for rows in (whole, glm):
+        for prompt in {row["prompt"] for row in rows}:
+            losses = [row["loss"] for row in rows if row["prompt"] == prompt]
+            assert max(losses) - min(losses) < 1e-5, losses
+    assert (tmp_path / "whole_qwen.png").stat().st_size > 10_000  # the steps' picture (matplotlib: a test extra)
     assert "| prompt |" in (tmp_path / "gpu_check.md").read_text()
+
+
+def test_a_step_that_would_overrun_the_deadline_is_skipped_saying_so(tmp_path):
+    """The device time is the budget: a step predicted (from the last one measured) to end after the deadline is
+    not started; its row says why and still carries the planner's figures."""
+    import sys
+    import time
+
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import gpu_check
+    import gpu_whole_model
+
+    sizes = gpu_whole_model.sizes_for(True)["whole_qwen"]
+    model, config, note = gpu_whole_model.build_model("qwen3_6_27b.yaml", sizes["shape"], torch.device("cpu"),
+                                                      torch.float32, lora=False)
+    report = gpu_check.Report(str(tmp_path), True)
+    steps = gpu_whole_model.Steps(report, "whole_qwen", model, config, torch.device("cpu"), sizes,
+                                  time.monotonic() + 60, note)
+    steps.timed["detached"] = (64, 50.0)  # as if a 64-token step had taken 50 s
+    assert steps.predict(128, "detached") == pytest.approx(50.0 * (0.9 * 2 + 0.1 * 4))
+    assert steps.run(128, "detached") is None
+    (row,) = report.sections["whole_qwen"]["rows"]
+    assert row["seconds"].startswith("skipped: predicted 110 s > ") and row["planned_gpu_gib"] > 0
 
 
 def test_cudnn_probe_records_a_refusal_as_its_answer():

@@ -2,8 +2,10 @@
 
     reference.py     the plain torch forms (dense attention, the key-set gradients from delta) every path is held to
     partial.py       `partial_attention` / `attention_with_past`: autograd entries that take the first path that
-                     applies: flash (CUDA), the Triton paged kernels (CUDA), the fused CPU kernel, the blockwise loop
+                     applies: cuDNN or flash (CUDA), the Triton paged kernels (CUDA), the fused CPU kernel, the
+                     blockwise loop
     flash.py         torch's flash-attention kernels on CUDA, with the lse and its gradient
+    cudnn.py         cuDNN's fused attention on CUDA, the same contract (dispatch.attention_library chooses)
     triton_paged.py  Triton kernels over keys left on their pages, read through a page table (imports triton: the
                      dispatch loads it on first use, on CUDA only)
 """

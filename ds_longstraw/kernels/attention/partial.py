@@ -16,6 +16,7 @@ import torch
 
 from ..dispatch import fast_path, record
 from ..lse import merge_partials
+from .cudnn import cudnn_applies, cudnn_backward, cudnn_forward
 from .flash import flash_applies, flash_backward, flash_forward
 from .reference import (
     KEY_BLOCK,
@@ -111,6 +112,9 @@ def _triton_paged(q_HTD, k_KTD):
 
 
 def _forward(q_HTD, k_KTD, v_KTD, scale, causal_offset, key_block):
+    if cudnn_applies(q_HTD, k_KTD, causal_offset):  # CUDA, where cuDNN is the chosen library (cudnn.py)
+        record("attention forward", "cudnn")
+        return cudnn_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
     if flash_applies(q_HTD, k_KTD, causal_offset):  # CUDA: torch's flash kernels (flash.py)
         record("attention forward", "flash")
         return flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset)
@@ -185,12 +189,19 @@ def key_set_grads(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, scale, causal_
 def sink_block(q_HTD, k_KTD, key_block):
     """Keys per sink call of a prompt segment's backward: LIBRARY_KEY_BLOCK where flash serves the calls, else
     key_block (see LIBRARY_KEY_BLOCK)."""
-    return LIBRARY_KEY_BLOCK if flash_applies(q_HTD, k_KTD, None) else key_block
+    library = flash_applies(q_HTD, k_KTD, None) or cudnn_applies(q_HTD, k_KTD, None)
+    return LIBRARY_KEY_BLOCK if library else key_block
 
 
 def _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
-    """One key set's (dq, dk, dv) through the first kernel that applies: flash (CUDA), the Triton paged kernel
-    (CUDA, where flash does not apply), the fused CPU kernel, the blockwise torch loop."""
+    """One key set's (dq, dk, dv) through the first kernel that applies: cuDNN where it is the chosen library, flash
+    (CUDA), the Triton paged kernel (CUDA, where neither applies), the fused CPU kernel, the blockwise torch loop."""
+    library = cudnn_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if cudnn_applies(
+        q, k, causal_offset) else None
+    if library is not None:
+        record("attention backward", "cudnn")
+        dq, dk, dv = library
+        return dq, (dk if need_kv else None), (dv if need_kv else None)
     flash = flash_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if flash_applies(
         q, k, causal_offset) else None
     if flash is not None:

@@ -1,0 +1,250 @@
+"""The GPU check's whole-model sections (bench/gpu_check.py runs them; `--dry-run` at toy sizes on the CPU).
+
+    whole_qwen   the whole 64-layer Qwen3.6-27B shape in bfloat16, its body frozen with LoRA adapters (rank 16), the
+                 pages on the host tier: GRPO steps detached and exact at growing prompts, each phase timed, the GPU
+                 peak and the host peak beside the planner's figures for the same settings (offload/plan.make_plan)
+    glm_layer    GLM-5.2's layer shape (64 heads, latent 512 + rope 64, DSA top-2048 over 32 indexer heads of 128):
+                 two layers, a full and a shared indexer layer, dense MLPs, through the transaction, detached and
+                 exact: the sparse attention's forward (capture, replay) and backward (replay, prefix pass)
+
+A step is skipped, saying so, where its predicted time (the last measured step scaled by the prompt's growth, the
+quadratic attention term included) would overrun the section's deadline: the device time is the budget.
+
+Measured: torch.cuda.max_memory_allocated over the whole step (weights included), and the process's host
+high-water mark (VmHWM, reset before the step) above its resident set before it. Planned: the weights measured plus
+the plan's GPU needs for the host tier (pages staged a layer at a time, the carry, the largest workspace), and its
+host needs (pages, gradient pages and checkpoints). "gpu_vs_plan" is measured / planned.
+"""
+
+import os
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+
+def _shape_fields(name, overrides):
+    import yaml  # plain YAML: omegaconf (the launcher's reader) need not be installed on the GPU machine
+
+    with open(os.path.join(ROOT, "configs", "models", name)) as handle:
+        return {**yaml.safe_load(handle), **overrides}
+
+
+def build_model(name, overrides, device, dtype, lora):
+    """A transformers model of the shape file `name` (random weights) on `device`; with `lora`, peft adapters on a
+    frozen body. Returns (model, config, note): note names what trains."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_longstraw.models.modeling import config_from_shape
+
+    config = config_from_shape(_shape_fields(name, overrides))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if not lora:
+        return model.train(), config, "every weight"
+    from ds_longstraw.models.lora import apply_lora
+
+    model = apply_lora(model, r=16, alpha=32, seed=0)
+    return model.train(), config, "LoRA r 16 on a frozen body"
+
+
+def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, device):
+    """The planner's GPU and host figures (bytes) for one step of this model on this machine."""
+    import psutil
+    import torch
+
+    from ds_longstraw.models.model_shape import shape_from_config
+    from ds_longstraw.offload.plan import Layout, make_plan
+
+    gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    shape = shape_from_config("gpu_check", config, dtype_bytes=2 if device.type == "cuda" else 4, parameters=False)
+    layout = Layout(gpus=1, cp=1, gpu_memory=gpu_memory, host_memory=psutil.virtual_memory().total,
+                    weights_per_rank=weight_bytes)
+    plan = make_plan(shape, context, group, mode, layout, capture_chunk=capture_chunk)
+    needs = plan.needs[tier]
+    return {"gpu": weight_bytes + needs["gpu"], "host": needs["host"], "fits": plan.fits[tier],
+            "retained": sum(v for k, v in plan.retained.items() if k.endswith("_pages"))}
+
+
+class Steps:
+    """Runs GRPO steps of one model and reports a row each, skipping what would overrun the deadline."""
+
+    def __init__(self, report, section, model, config, device, settings, deadline, note):
+        self.report, self.section, self.model, self.config = report, section, model, config
+        self.device, self.settings, self.deadline, self.note = device, settings, deadline, note
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.timed = {}  # mode -> (prompt, seconds) of the last step measured
+
+    def predict(self, prompt, mode, kernels="auto"):
+        """Seconds the step should take: the last measured step of this mode (else of detached, times 3 for exact's
+        prefix pass) scaled by the prompt's growth, the attention's quadratic term counted as a tenth of the step;
+        the torch kernels at 5x (the Triton kernels' H200 ratios, BENCHMARKS.md)."""
+        base = self.timed.get(mode) or self.timed.get("detached")
+        if base is None:
+            return 0.0
+        ratio = prompt / base[0]
+        seconds = base[1] * (0.9 * ratio + 0.1 * ratio * ratio)
+        return seconds * (3.0 if mode not in self.timed else 1.0) * (5.0 if kernels == "reference" else 1.0)
+
+    def run(self, prompt, mode, kernels="auto", report=True):
+        import torch
+
+        from ds_longstraw.grpo.memory import HostPeakUnavailable, host_current_bytes, host_peak_bytes, reset_host_peak
+        from ds_longstraw.grpo.transaction import grpo_backward
+        from ds_longstraw.models.shapes import synthetic_group
+        from ds_longstraw.objective import GRPOObjective
+
+        s = self.settings
+        row = {"prompt": prompt, "mode": mode, "kernels": kernels, "layers": self.config.num_hidden_layers,
+               "G": s["group"], "response": s["response"], "trains": self.note}
+        left = self.deadline - time.monotonic()
+        predicted = self.predict(prompt, mode, kernels)
+        tier = s["tier"]
+        plan = planned(self.config, prompt, s["group"], mode, s["capture_chunk"], tier, self.weight_bytes,
+                       self.device)
+        row.update(planned_gpu_gib=plan["gpu"] / GIB, planned_host_gib=plan["host"] / GIB, plan_fits=plan["fits"])
+        if predicted > left:
+            row["seconds"] = f"skipped: predicted {predicted:.0f} s > {max(left, 0):.0f} s left"
+            self.report.add(self.section, row)
+            return None
+        cuda = self.device.type == "cuda"
+        self.model.zero_grad(set_to_none=True)
+        group = synthetic_group(prompt, s["group"], s["response"], self.config.vocab_size, seed=prompt)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        resident = host_current_bytes()
+        try:
+            reset_host_peak()
+            host_measured = True
+        except HostPeakUnavailable:  # no /proc/self/clear_refs: the row says so rather than report an old peak
+            host_measured = False
+        config = {"prefix_grad": mode, "capture_chunk": s["capture_chunk"], "kernels": kernels,
+                  "offload": {"tier": tier}}
+        start = time.perf_counter()
+        try:
+            result = grpo_backward(self.model, group, GRPOObjective(), config=config)
+        except torch.cuda.OutOfMemoryError:
+            row["seconds"] = "OOM"
+            self.report.add(self.section, row)
+            return None
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        if not report:  # a warm-up: its time holds the kernels' compilation, no figure to predict from
+            return result
+        if kernels == "auto":
+            self.timed[mode] = (prompt, seconds)
+        gpu_peak = torch.cuda.max_memory_allocated() if cuda else None
+        host_peak = host_peak_bytes() - resident if host_measured else None
+        phases = ", ".join(f"{name} {stats.seconds:.1f} s" for name, stats in result.phases.items())
+        row.update(seconds=seconds, prompt_tokens_per_s=prompt / seconds, loss=result.loss, phases=phases,
+                   gpu_peak_gib=None if gpu_peak is None else gpu_peak / GIB,
+                   gpu_vs_plan=None if gpu_peak is None else gpu_peak / plan["gpu"],
+                   host_peak_gib=None if host_peak is None else host_peak / GIB,
+                   host_vs_plan=host_peak / plan["host"] if plan["host"] and host_peak is not None else None,
+                   retained_gib=sum(result.retained_bytes.values()) / GIB,
+                   weights_gib=self.weight_bytes / GIB)
+        self.report.add(self.section, row)
+        return result
+
+
+def whole_qwen_section(report, device, dtype, sizes, deadline):
+    """The whole Qwen3.6-27B shape: a warm-up step (compiles the kernels, not reported), then detached and exact
+    at each prompt length, shortest first, while the predicted time fits."""
+    model, config, note = build_model("qwen3_6_27b.yaml", sizes["shape"], device, dtype, lora=True)
+    steps = Steps(report, "whole_qwen", model, config, device, sizes, deadline, note)
+    started = time.monotonic()
+    steps.run(sizes["warmup"], "detached", report=False)
+    steps.run(sizes["warmup"], "exact", report=False)
+    print(f"[gpu_check] whole_qwen: model built and warmed up in {time.monotonic() - started:.0f} s", flush=True)
+    for prompt in sizes["prompts"]:
+        for mode in ("detached", "exact"):
+            steps.run(prompt, mode)
+    del model, steps
+
+
+def glm_layer_section(report, device, dtype, sizes, deadline):
+    """GLM-5.2's layer shape through the transaction: the fast kernels against the torch ones on the same group
+    in detached mode (the torch kernels' exact step would cost minutes of device time), and the fast exact step."""
+    model, config, note = build_model("glm_5_2.yaml", sizes["shape"], device, dtype, lora=False)
+    steps = Steps(report, "glm_layer", model, config, device, sizes, deadline, note)
+    steps.run(sizes["warmup"], "detached", report=False)
+    for prompt in sizes["prompts"]:
+        steps.run(prompt, "detached")
+        steps.run(prompt, "detached", kernels="reference")
+        steps.run(prompt, "exact")
+    del model, steps
+
+
+def sizes_for(dry_run):
+    if dry_run:
+        tiny_qwen = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "vocab_size": 512}
+        tiny_glm = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+                    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16,
+                    "v_head_dim": 16, "index_head_dim": 16, "index_n_heads": 2, "index_topk": 8,
+                    "first_k_dense_replace": 2, "indexer_types": ["full", "shared"], "vocab_size": 512}
+        return {
+            "whole_qwen": {"shape": tiny_qwen, "warmup": 48, "prompts": [64, 96], "group": 2, "response": 16,
+                           "capture_chunk": 32, "tier": "cpu"},
+            "glm_layer": {"shape": tiny_glm, "warmup": 48, "prompts": [64], "group": 2, "response": 16,
+                          "capture_chunk": 32, "tier": "none"},
+        }
+    return {
+        # all 64 layers at the shape file's widths; pages on the host (offload.tier "cpu"), G = 4 as in the paper's
+        # smaller group, responses of 512..1,024 tokens
+        "whole_qwen": {"shape": {}, "warmup": 4096, "prompts": [65536, 262144, 1048576], "group": 4,
+                       "response": 1024, "capture_chunk": 8192, "tier": "cpu"},
+        # two layers (a full and a shared indexer layer), dense MLPs: the routed experts are not what this times
+        "glm_layer": {"shape": {"num_hidden_layers": 2, "first_k_dense_replace": 2,
+                                "indexer_types": ["full", "shared"]},
+                      "warmup": 4096, "prompts": [32768], "group": 4, "response": 1024, "capture_chunk": 8192,
+                      "tier": "none"},
+    }
+
+
+def plot_whole_qwen(report, path):
+    """Seconds and GPU peak against prompt tokens, detached and exact, with the planner's GPU figure dashed beside
+    each measured peak. Skipped, saying so, without matplotlib or without a measured step."""
+    rows = [row for row in report.sections.get("whole_qwen", {}).get("rows", [])
+            if isinstance(row.get("seconds"), float)]
+    if not rows:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[gpu_check] no plot: matplotlib is not installed", flush=True)
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, color in (("detached", "tab:blue"), ("exact", "tab:red")):
+        points = sorted((row["prompt"], row) for row in rows if row["mode"] == mode)
+        if not points:
+            continue
+        prompts = [prompt for prompt, _ in points]
+        axes[0].plot(prompts, [row["seconds"] for _, row in points], "o-", color=color, label=mode)
+        if points[0][1]["gpu_peak_gib"] is not None:
+            axes[1].plot(prompts, [row["gpu_peak_gib"] for _, row in points], "o-", color=color,
+                         label=f"{mode}, measured")
+        axes[1].plot(prompts, [row["planned_gpu_gib"] for _, row in points], "--", color=color,
+                     label=f"{mode}, planned")
+    for ax, label in ((axes[0], "step seconds"), (axes[1], "GPU peak, weights included (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    first = rows[0]
+    figure.suptitle(f"Qwen3.6-27B shape, {first['layers']} layers, {first['trains']}, host tier, G = {first['G']}")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"[gpu_check] plot: {path}", flush=True)
