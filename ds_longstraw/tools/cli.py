@@ -12,9 +12,11 @@
 
 import argparse
 import contextlib
+import itertools
 import os
 import sys
 
+import numpy as np
 import psutil
 
 MiB = 2**20
@@ -51,8 +53,9 @@ def _demo_parser(parser):
     parser.add_argument("--shape", default=None, help="a named shape of models/shapes.py (default: --model's)")
     parser.add_argument("--chunk", type=int, default=4096, help="capture_chunk")
     parser.add_argument("--baseline", choices=["auto", "measure", "estimate", "skip"], default="auto",
-                        help="conventional baseline: measure it in a fresh process, estimate it from two small "
-                             "measured runs, or (auto) measure only when the estimate fits in half the free memory")
+                        help="conventional baseline: measure it in a fresh process, estimate it from small "
+                             "measured runs (1K, 2K and 4K tokens), or (auto) measure only when the estimate fits in "
+                             "half the free memory")
 
 
 @contextlib.contextmanager
@@ -70,38 +73,100 @@ def _threads_for_children(threads):
             os.environ["OMP_NUM_THREADS"] = before
 
 
-def _linear(xs, ys, x):
-    slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
-    return ys[1] + slope * (x - xs[1])
+# The conventional baseline is estimated from runs at these prompt lengths, cheap enough for a 2-core machine. Its
+# time is fitted with a quadratic term (each prompt token's attention reads every earlier token); its peak with a
+# linear one (autograd keeps activations and K/V per token; the attention kernels work block by block and never
+# hold [prompt, prompt] scores).
+FIT_LENGTHS = (1024, 2048, 4096)
+TIME_DEGREE, PEAK_DEGREE = 2, 1
+TERMS = ("constant", "linear", "quadratic")
+
+
+def _terms(degree):
+    return " + ".join(TERMS[:degree + 1])
+
+
+def fit_polynomial(xs, ys, degree) -> tuple:
+    """Least-squares coefficients (constant first) of y = c_0 + c_1 x + ... + c_degree x^degree, each >= 0.
+
+    A cost has no negative term, and the constraint matters when extrapolating: a little timing noise in the small
+    runs can tilt an unconstrained quadratic term below zero, which 64x further out is a negative time. Solved
+    exactly by trying every subset of the terms (at most 2^3) and keeping the best fit whose coefficients are all
+    >= 0; float64, with x scaled to [0, 1] so that the columns are of one size."""
+    xs, ys = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
+    if len(set(xs.tolist())) <= degree:
+        raise ValueError(f"a fit with {degree + 1} terms needs at least {degree + 1} distinct lengths, "
+                         f"got {sorted(set(xs.tolist()))}")
+    scale = xs.max()
+    columns = np.stack([(xs / scale) ** k for k in range(degree + 1)], axis=1)
+    best, best_residual = np.zeros(degree + 1), float(ys @ ys)
+    for support in itertools.chain.from_iterable(
+            itertools.combinations(range(degree + 1), size) for size in range(1, degree + 2)):
+        picked = list(support)
+        coefficients = np.zeros(degree + 1)
+        coefficients[picked] = np.linalg.lstsq(columns[:, picked], ys, rcond=None)[0]
+        residual = float(np.sum((columns @ coefficients - ys) ** 2))
+        if coefficients.min() >= 0 and residual < best_residual:
+            best, best_residual = coefficients, residual
+    return tuple(float(c / scale**k) for k, c in enumerate(best))
+
+
+def polynomial_at(coefficients, x) -> float:
+    return float(sum(c * float(x) ** k for k, c in enumerate(coefficients)))
+
+
+def fit_conventional(lengths, seconds, peak_bytes) -> dict:
+    """The conventional step's time (constant + linear + quadratic in the prompt) and peak (constant + linear),
+    fitted to runs measured at `lengths`; "describe" says so in a few words for the verdict line."""
+    if len(set(lengths)) < TIME_DEGREE + 1:
+        raise ValueError(f"the conventional estimate needs at least {TIME_DEGREE + 1} distinct measured prompt "
+                         f"lengths (its time has {_terms(TIME_DEGREE)} terms), got {sorted(set(lengths))}")
+    if not len(lengths) == len(seconds) == len(peak_bytes):
+        raise ValueError(f"one time and one peak per measured length: {len(lengths)} lengths, {len(seconds)} "
+                         f"times, {len(peak_bytes)} peaks")
+    return {"seconds": fit_polynomial(lengths, seconds, TIME_DEGREE),
+            "peak_bytes": fit_polynomial(lengths, peak_bytes, PEAK_DEGREE),
+            "describe": f"fit of {len(set(lengths))} measured lengths, {_terms(TIME_DEGREE)}"}
+
+
+def _conventional_run(args, prompt):
+    from ds_longstraw.tools.bench import run_fresh
+
+    return run_fresh("conventional", prompt, args.group, args.response, shape=args.shape)
+
+
+def _estimate(args):
+    """The conventional figures fitted to runs at FIT_LENGTHS; None where the demo should measure instead
+    (--baseline auto, and the fitted peak fits in half the free memory)."""
+    lengths = ", ".join(f"{n:,}" for n in FIT_LENGTHS[:-1]) + f" and {FIT_LENGTHS[-1]:,}"
+    print(f"conventional baseline: measuring at {lengths} prompt tokens (fresh processes) ...")
+    runs = [_conventional_run(args, n) for n in FIT_LENGTHS]
+    fit = fit_conventional(FIT_LENGTHS, [r["seconds"] for r in runs], [r["step_peak_bytes"] for r in runs])
+    peak = polynomial_at(fit["peak_bytes"], args.prompt)
+    fits = peak < 0.5 * psutil.virtual_memory().available
+    if args.baseline == "auto" and fits:
+        return None
+    why = "" if fits else "; a measurement would not fit in half of this machine's free memory"
+    return {"label": f"ESTIMATE, a least-squares fit of runs measured at {lengths} tokens (time: "
+                     f"{_terms(TIME_DEGREE)} in the prompt; peak: {_terms(PEAK_DEGREE)}){why}",
+            "estimated": True, "fit": fit["describe"], "step_peak_bytes": peak,
+            "seconds": polynomial_at(fit["seconds"], args.prompt)}
 
 
 def _conventional_figures(args, threads):
     """The conventional baseline's step peak and wall time at the demo's prompt: measured in a fresh process, or
-    (too big, or --baseline estimate) extrapolated linearly from two measured smaller prompts."""
-    from ds_longstraw.tools.bench import run_fresh
-
+    (too big, or --baseline estimate) fitted to measured smaller prompts. A prompt no longer than the fit's
+    longest run is measured: that costs no more than the fit."""
     if args.baseline == "skip":
         return None
+    print()
     with _threads_for_children(threads):
-        small = sorted({min(args.prompt, 2048), min(args.prompt, 4096)})
-        if args.baseline != "measure" and len(small) == 1:  # the prompt is small: the measurement is the baseline
-            print(f"\nconventional baseline: measuring at {args.prompt:,} prompt tokens in a fresh process ...")
-            return {"label": "measured in a fresh process", "estimated": False,
-                    **run_fresh("conventional", args.prompt, args.group, args.response, shape=args.shape)}
-        if args.baseline != "measure":
-            print(f"\nconventional baseline: measuring at {small[0]:,} and {small[1]:,} prompt tokens "
-                  "(fresh processes) ...")
-            runs = [run_fresh("conventional", n, args.group, args.response, shape=args.shape) for n in small]
-            peak = _linear(small, [r["step_peak_bytes"] for r in runs], args.prompt)
-            fits = peak < 0.5 * psutil.virtual_memory().available
-            if args.baseline == "estimate" or not fits:
-                why = "" if fits else "; a measurement would not fit in half of this machine's free memory"
-                return {"label": f"ESTIMATE, a linear fit of runs measured at {small[0]:,} and {small[1]:,} "
-                                 f"tokens{why}", "estimated": True, "step_peak_bytes": peak,
-                        "seconds": _linear(small, [r["seconds"] for r in runs], args.prompt)}
+        if args.baseline != "measure" and args.prompt > FIT_LENGTHS[-1]:
+            estimate = _estimate(args)
+            if estimate is not None:
+                return estimate
         print(f"conventional baseline: measuring at {args.prompt:,} prompt tokens in a fresh process ...")
-        row = run_fresh("conventional", args.prompt, args.group, args.response, shape=args.shape)
-    return {"label": "measured in a fresh process", "estimated": False, **row}
+        return {"label": "measured in a fresh process", "estimated": False, **_conventional_run(args, args.prompt)}
 
 
 # Exact mode's extra retained state (zero, and not part of the method, in detached mode)
@@ -121,7 +186,7 @@ def summary_line(row, conv, args) -> str:
     head = f"ds_longstraw vs conventional, prompt {args.prompt:,} tokens, G = {args.group}"
     if conv is None:
         return f"{head}: conventional baseline skipped (--baseline skip)"
-    tag = " (conventional estimated)" if conv["estimated"] else ""
+    tag = f" (conventional estimated: {conv['fit']})" if conv["estimated"] else ""
     return (f"{head}: step peak {row['step_peak_bytes'] / conv['step_peak_bytes']:.2f}x "
             f"({_fmt(row['step_peak_bytes'])} vs {_fmt(conv['step_peak_bytes'])}), "
             f"time {row['seconds'] / conv['seconds']:.2f}x ({row['seconds']:.1f} s vs {conv['seconds']:.1f} s)"

@@ -55,7 +55,9 @@ def test_verdict_line():
     assert summary_line(ROW, measured, ARGS) == (
         "ds_longstraw vs conventional, prompt 65,536 tokens, G = 4: step peak 0.25x (35.0 MiB vs 140.0 MiB), "
         "time 0.50x (4.9 s vs 9.8 s)")
-    assert summary_line(ROW, dict(measured, estimated=True), ARGS).endswith("(conventional estimated)")
+    fit = "fit of 3 measured lengths, constant + linear + quadratic"
+    assert summary_line(ROW, dict(measured, estimated=True, fit=fit), ARGS).endswith(
+        f"(conventional estimated: {fit})")
     assert summary_line(ROW, None, ARGS).endswith("conventional baseline skipped (--baseline skip)")
 
 

@@ -98,6 +98,8 @@ TRL_TYPES = {
     "bnpo": dict(loss_agg="token-mean"),
     "grpo": dict(loss_agg="seq-mean-token-mean"),
     "dr_grpo": dict(loss_agg="seq-mean-token-sum-norm", norm_length=12),
+    # LUSPO: each sequence's token sum (a sequence-level loss times its length), averaged over the sequences
+    "luspo": dict(loss_agg="seq-mean-token-sum-norm", norm_length=1),
     "cispo": dict(loss_agg="token-mean", policy_loss="cispo", cispo_ratio_max=1.28),
 }
 
