@@ -12,8 +12,9 @@ quadratic attention term included) would overrun the section's deadline: the dev
 
 Measured: torch.cuda.max_memory_allocated over the whole step (weights included), and the process's host
 high-water mark (VmHWM, reset before the step) above its resident set before it. Planned: the weights measured plus
-the plan's GPU needs for the host tier (pages staged a layer at a time, the carry, the largest workspace), and its
-host needs (pages, gradient pages and checkpoints). "gpu_vs_plan" is measured / planned.
+the plan's GPU needs for the tier (pages staged a layer at a time, the carry, the largest workspace, one member's
+replay graph for the section's response length, and, training every weight, their gradients), and its host needs
+(pages, gradient pages and checkpoints). "gpu_vs_plan" is measured / planned.
 """
 
 import os
@@ -51,7 +52,7 @@ def build_model(name, overrides, device, dtype, lora):
     return model.train(), config, "LoRA r 16 on a frozen body"
 
 
-def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, device):
+def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, device, response_tokens, trains):
     """The planner's GPU and host figures (bytes) for one step of this model on this machine."""
     import psutil
     import torch
@@ -63,7 +64,8 @@ def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, dev
     shape = shape_from_config("gpu_check", config, dtype_bytes=2 if device.type == "cuda" else 4, parameters=False)
     layout = Layout(gpus=1, cp=1, gpu_memory=gpu_memory, host_memory=psutil.virtual_memory().total,
                     weights_per_rank=weight_bytes)
-    plan = make_plan(shape, context, group, mode, layout, capture_chunk=capture_chunk)
+    plan = make_plan(shape, context, group, mode, layout, capture_chunk=capture_chunk,
+                     response_tokens=response_tokens, trains=trains)
     needs = plan.needs[tier]
     return {"gpu": weight_bytes + needs["gpu"], "host": needs["host"], "fits": plan.fits[tier],
             "retained": sum(v for k, v in plan.retained.items() if k.endswith("_pages"))}
@@ -104,7 +106,7 @@ class Steps:
         predicted = self.predict(prompt, mode, kernels)
         tier = s["tier"]
         plan = planned(self.config, prompt, s["group"], mode, s["capture_chunk"], tier, self.weight_bytes,
-                       self.device)
+                       self.device, s["response"], "lora" if self.note.startswith("LoRA") else "full")
         row.update(planned_gpu_gib=plan["gpu"] / GIB, planned_host_gib=plan["host"] / GIB, plan_fits=plan["fits"])
         if predicted > left:
             row["seconds"] = f"skipped: predicted {predicted:.0f} s > {max(left, 0):.0f} s left"

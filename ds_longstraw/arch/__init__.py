@@ -15,8 +15,8 @@ FAMILIES: dict[str, Family] = {t: family for family in (qwen3_5.FAMILY, glm_moe_
                                for t in family.model_types}
 
 __all__ = ["FAMILIES", "Family", "GlmMoeDsaAdapter", "Qwen35Adapter", "adapter_for", "config_fields",
-           "expert_parallel", "expert_shape", "kernel_dims", "lora_targets", "shard_experts", "specs_for_config",
-           "unregister_expert_slices", "zero3_leaf_modules"]
+           "expert_parallel", "expert_shape", "kernel_dims", "lora_targets", "replay_graph", "shard_experts",
+           "specs_for_config", "unregister_expert_slices", "zero3_leaf_modules"]
 
 
 def _model_type(model):
@@ -59,6 +59,13 @@ def kernel_dims(config) -> dict:
     declares them."""
     family = FAMILIES.get(getattr(config, "model_type", None))
     return {} if family is None else family.kernel_dims(config)
+
+
+def replay_graph(config, dtype_bytes: int) -> dict:
+    """{"lora" | "full": (bytes per response token, bytes per member)} of one replayed member's autograd graph, as
+    the model's family declares it; {} where it declares none (the planner then says it is not counted)."""
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return {} if family is None or family.replay_graph is None else family.replay_graph(config, dtype_bytes)
 
 
 def adapter_for(model):

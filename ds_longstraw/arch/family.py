@@ -17,7 +17,9 @@ class Family:
     fields with the family's shorthands expanded; lora_targets: default LoRA target modules;
     zero3_leaf_modules(model) -> module classes ZeRO-3 should gather whole; expert_shape(config) -> the routed
     experts as the planner sizes them; shard_experts(model, group, gather), expert_parallel(model) and
-    unregister_slices(model): expert parallelism (parallel/experts.py)."""
+    unregister_slices(model): expert parallelism (parallel/experts.py); replay_graph(config, dtype_bytes) ->
+    {"lora" | "full": (bytes per response token, bytes per member)} a replayed member's autograd graph keeps
+    (qwen3_5_graph.py), for the planner."""
 
     name: str
     model_types: tuple[str, ...]
@@ -31,3 +33,4 @@ class Family:
     shard_experts: Callable | None = None
     expert_parallel: Callable | None = None
     unregister_slices: Callable | None = None
+    replay_graph: Callable | None = None

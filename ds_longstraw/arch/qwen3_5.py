@@ -24,6 +24,7 @@ from ds_longstraw.kernels.dispatch import record
 from .base import CausalLMAdapter, SegmentOutput
 from .decode import decode_attention
 from .family import Family
+from .qwen3_5_graph import replay_graph
 from .qwen3_5_scan import forward_replaced
 from .qwen3_5_scan_backward import GdnScanGrad
 from .specs import Carry, LayerState, Stream, carry_layers, paged_layers
@@ -360,4 +361,4 @@ class Qwen35Adapter(CausalLMAdapter):
 
 FAMILY = Family(name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"), adapter=Qwen35Adapter,
                 state_specs=state_specs, kernel_dims=kernel_dims, config_fields=config_fields,
-                lora_targets=tuple(LORA_TARGETS))
+                lora_targets=tuple(LORA_TARGETS), replay_graph=replay_graph)

@@ -17,10 +17,11 @@ MODES = ("auto", "reference")
 _mode = "auto"
 
 # Which library serves attention on CUDA in mode "auto" (kernels/attention/flash.py or cudnn.py); both return the
-# lse and take its gradient. The default is the faster of the two on the H200 (BENCHMARKS.md, "On one H200";
-# bench/gpu_check.py times both side by side); the other serves where the chosen one does not apply.
+# lse and take its gradient. cuDNN by default: on the H200 a 1,024-token replay block's forward + backward took
+# 0.55-0.65x flash's time over 8K-262K keys, and less memory (BENCHMARKS.md, "On one H200": bench/gpu_check.py times
+# both side by side). Flash serves the masks cuDNN does not express (causal offsets other than a block's own keys).
 ATTENTION_LIBRARIES = ("flash", "cudnn")
-_attention_library = "flash"
+_attention_library = "cudnn"
 
 
 def set_mode(mode: str) -> None:

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from ds_longstraw.arch import expert_shape, kernel_dims, specs_for_config
+from ds_longstraw.arch import expert_shape, kernel_dims, replay_graph, specs_for_config
 from ds_longstraw.models.modeling import MODELS_DIR, config_from_shape, parameter_count
 from ds_longstraw.offload.plan import ModelShape, MoEShape
 
@@ -81,5 +81,6 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
         setattr(shape, name, value)
     experts = expert_shape(config)
     shape.moe = MoEShape(**experts) if experts else None
+    shape.replay_graph = replay_graph(config, e)
     return shape
 

@@ -27,11 +27,17 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              until the cross-rank exchange gives its initial state ([o(0) | q~], (dv + dk) per
                              value head and token, the model's dtype; grpo/cp/scan.py), plus the capture
                              chunk's scratch of that augmented run
+  replay graph   one replayed member's autograd graph: the family's bytes per response token (all     GPU
+                 layers and the head) times the longest response, plus its per-member state
+                 (arch/qwen3_5_graph.py; LoRA on a frozen body or every weight trained: `trains`); the
+                 kernels' scratch runs inside it, so the two add up
+  gradients      trains "full": the trained weights' gradients, as large as the weights' share         GPU
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
-parameters over all GPUs at `weight_bytes` each) minus a reserve for activations and the allocator (default
-10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
-What is not modelled: activations beyond the reserve and the workspace (the layers' own, MoE dispatch), the
-optimizer state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
+parameters over all GPUs at `weight_bytes` each) minus a reserve for the allocator and what is not modelled
+(default 10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
+What is not modelled: the replay graph of a family that declares none (glm_moe_dsa so far: the plan says so),
+the capture's and the prefix pass's layer activations beyond the workspace, MoE dispatch buffers, the optimizer
+state, fragmentation. The estimates of retained bytes are exact for the code's layouts; tests check
 them against measured captures.
 
 Rollouts (`rollout_figures`, when the plan is given the samples' new tokens): generate decodes G samples from
@@ -107,6 +113,9 @@ class ModelShape:
     reusing: tuple = ()  # the layers that reuse the last selection made below them
     select_topk: int = 0  # rows a query attends under a top-k selection (0: no such layer)
     index_width: int = 0  # the selection's scorer: indexer heads x head dim
+    # a replayed member's autograd graph: {"lora" | "full": (bytes per response token, bytes per member)}, the
+    # family's (arch.replay_graph); empty where the family declares none
+    replay_graph: dict = field(default_factory=dict)
 
     @property
     def select_layers(self) -> int:
@@ -163,6 +172,10 @@ class Plan:
     max_context: dict = field(default_factory=dict)  # tier -> prompt tokens (None: no bound known)
     workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
     rollout: dict = field(default_factory=dict)  # rollout_figures (empty: no rollout sized)
+    response_tokens: int = 1024  # the longest member's response: what its replay graph scales with
+    trains: str = "lora"  # "lora" (adapters on a frozen body) or "full" (every weight)
+    replay_graph: int | None = 0  # bytes of one member's graph (replay_graph_bytes); None: not known for the family
+    trained_grads: int = 0  # "full": the trained weights' gradients on this rank (their share, as the weights')
 
 
 # The replay block the workspace is counted for (the longstraw block's default replay_block), the log-prob
@@ -407,6 +420,23 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
 _WHERE = {"none": "gpu", "cpu": "host", "nvme": "nvme"}
 
 
+TRAINS = ("lora", "full")
+
+
+def replay_graph_bytes(shape: ModelShape, response_tokens: int, trains: str) -> int | None:
+    """Bytes one replayed member's autograd graph keeps on the device until its backward (the family's per-token
+    and per-member figures: arch/qwen3_5_graph.py), or None where the family declares none. Only one member's graph
+    is alive at a time: this is what the transaction bounds the live graph to."""
+    if trains not in TRAINS:
+        raise ValueError(f"trains must be one of {TRAINS}, got {trains!r}")
+    if response_tokens < 1:
+        raise ValueError(f"response_tokens must be >= 1, got {response_tokens}")
+    if trains not in shape.replay_graph:
+        return None
+    per_token, per_member = shape.replay_graph[trains]
+    return response_tokens * per_token + per_member
+
+
 def _needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
            kept_tier: str | None = None, workspace: int = 0) -> dict[str, int]:
     needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
@@ -455,7 +485,8 @@ def _depth_for(tier: str) -> int:
 
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
-              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto") -> Plan:
+              cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto",
+              response_tokens: int = 1024, trains: str = "lora") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if layout.cp < 1 or layout.gpus % layout.cp:
@@ -474,7 +505,9 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
     plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
-                keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked)
+                keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
+                response_tokens=response_tokens, trains=trains,
+                replay_graph=replay_graph_bytes(shape, response_tokens, trains))
     plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
@@ -487,6 +520,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
                                                                          / layout.gpus)
     plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
+    plan.trained_grads = plan.weights_per_rank if trains == "full" else 0
     if layout.gpu_memory is not None:
         plan.gpu_budget = int(layout.gpu_memory * (1 - layout.reserve_fraction)) - plan.weights_per_rank
     if layout.host_memory is not None:
@@ -495,7 +529,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.nvme_budget = layout.nvme_free // layout.gpus_per_node
     for tier in TIERS:
         depth = _depth_for(tier)
-        workspace = max(plan.workspace.values())
+        workspace = _live_beside_pages(plan)
         needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         if tier == "nvme" and not _fits(needs, plan):
             depth = 1
@@ -507,6 +541,23 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = recommended_tier(plan)
     return plan
+
+
+# The kernels whose scratch is live while a member's graph is (the replay runs them with autograd); the other
+# workspaces belong to the capture or the prefix pass, when no member's graph is alive.
+REPLAY_KERNELS = ("logprobs", "attention", "delta_rule")
+
+
+def _live(workspace: dict, replay_graph: int | None, trained_grads: int) -> int:
+    """The most the step holds on the device beside the pages and the carry: the largest phase's scratch, where a
+    replay's is its member's graph plus the kernels that run inside it; training every weight, their gradients
+    throughout."""
+    replay = (replay_graph or 0) + max(workspace.get(kernel, 0) for kernel in REPLAY_KERNELS)
+    return max(max(workspace.values()), replay) + trained_grads
+
+
+def _live_beside_pages(plan: Plan) -> int:
+    return _live(plan.workspace, plan.replay_graph, plan.trained_grads)
 
 
 def recommended_tier(plan: Plan) -> str | None:
@@ -543,7 +594,7 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     out = {"new_tokens": new_tokens, "carry_per_sample": shape.carry_total,
            "rows_per_sample": rows_per_token * new_tokens, "samples": samples, "logits": logits,
            "whole_weights_extra": max(whole - plan.weights_per_rank, 0)}
-    workspace = max(plan.workspace.values())
+    workspace = _live_beside_pages(plan)  # none of the training step's scratch is live while decoding
     budget = plan.gpu_budget
     for weights in ("per_call", "whole"):  # rollout.zero3_weights
         extra = out["whole_weights_extra"] if weights == "whole" else 0
@@ -619,9 +670,9 @@ def _max_context(shape: ModelShape, mode: str, layout: Layout, chunk: int, plan:
         retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix,
                                      plan.inputs_every, layout.gpu_memory)
         tokens = captured_tokens_per_rank(context, layout.cp)
-        workspace = max(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan,
-                                        layout.gpu_memory, plan.cp_prefix, keep_attention,
-                                        plan.inputs_every).values())
+        workspace = _live(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan, layout.gpu_memory,
+                                          plan.cp_prefix, keep_attention, plan.inputs_every),
+                          plan.replay_graph, plan.trained_grads)
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 
     if not ok(2):

@@ -85,6 +85,10 @@ def _parser():
     p.add_argument("--prefix-inputs-every", type=_inputs_every, default="auto",
                    help="longstraw.prefix_inputs_every (layer-major prefix pass: capture keeps every k-th layer's "
                         "input, the pass recomputes the rest of a group of k; auto: the smallest k that fits)")
+    p.add_argument("--response-tokens", type=parse_tokens, default=1024,
+                   help="the longest member's response: one replayed member's autograd graph scales with it")
+    p.add_argument("--trains", choices=("lora", "full"), default="lora",
+                   help="what trains: LoRA adapters on a frozen body, or every weight (their gradients counted)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
                    help="dense bf16 peak per GPU for the CP time prediction (H20 148, H100 and H200 989)")
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
@@ -166,6 +170,7 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
                      f"{'yes' if plan.fits[tier] else 'no'} | {_tokens(plan.max_context[tier])} |")
     parts = ", ".join(f"{name} {_gib(size)}" for name, size in plan.workspace.items() if size)
     lines += ["", f"GPU includes the kernels' workspace, the largest of: {parts} (offload/plan.phase_workspace)."]
+    lines.append(_graph_line(plan))
     if "gdn_scan" in plan.workspace:
         lines.append("gdn_scan: the Gated DeltaNet capture's outputs held across the CP exchange (longstraw.cp_scan "
                      f"{plan.cp_scan}: one pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
@@ -191,6 +196,17 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
         lines.append(f"Recommended: \"offload\": {json.dumps(block)} (the first tier that fits the transaction"
                      f"{decoding}, fastest first).")
     return "\n".join(lines)
+
+
+def _graph_line(plan) -> str:
+    trains = "LoRA adapters on a frozen body" if plan.trains == "lora" else "every weight"
+    grads = f" and the trained weights' gradients, {_gib(plan.trained_grads)}," if plan.trained_grads else ""
+    if plan.replay_graph is None:
+        return (f"GPU does not include one replayed member's autograd graph: the {plan.shape.family} family declares "
+                f"no figures for it (leave the GPU room for it); it includes{grads or ' no gradients,'} training "
+                f"{trains} (--trains).")
+    return (f"GPU also includes one replayed member's autograd graph, {_gib(plan.replay_graph)} for a "
+            f"{plan.response_tokens:,}-token response (--response-tokens),{grads} training {trains} (--trains).")
 
 
 def _bytes(n):
@@ -273,7 +289,8 @@ def _layer_major_advice(plan, runs) -> list:
 
     def exact(prefix):
         return make_plan(plan.shape, plan.context, plan.group_size, "exact", plan.layout, plan.capture_chunk,
-                         plan.keep_attention, None, plan.cp_scan, prefix, plan.inputs_every_asked)
+                         plan.keep_attention, None, plan.cp_scan, prefix, plan.inputs_every_asked,
+                         plan.response_tokens, plan.trains)
 
     try:
         alternative = exact("layer_major")
@@ -395,7 +412,9 @@ def as_dict(plan) -> dict:
             "experts": plan.moe or None,
             "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
             "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
-            "max_context": plan.max_context, "workspace_bytes": plan.workspace, "rollout": plan.rollout or None}
+            "max_context": plan.max_context, "workspace_bytes": plan.workspace, "rollout": plan.rollout or None,
+            "response_tokens": plan.response_tokens, "trains": plan.trains, "replay_graph_bytes": plan.replay_graph,
+            "trained_grad_bytes": plan.trained_grads}
 
 
 def main(argv=None) -> int:
@@ -428,7 +447,7 @@ def main(argv=None) -> int:
                                  "prefix_inputs_every": args.prefix_inputs_every})
         plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
-                         settings.cp_prefix, settings.prefix_inputs_every)
+                         settings.cp_prefix, settings.prefix_inputs_every, args.response_tokens, args.trains)
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

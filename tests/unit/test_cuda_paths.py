@@ -14,7 +14,7 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.kernels import chunk_gated_delta_rule, partial_attention, partial_attention_reference
 from ds_longstraw.kernels.attention import partial as attention
 from ds_longstraw.kernels.attention.flash import flash_applies, fold_lse_grad
-from ds_longstraw.kernels.dispatch import current_mode, fast_path, kernel_mode
+from ds_longstraw.kernels.dispatch import current_mode, fast_path, kernel_mode, use_attention_library
 from ds_longstraw.kernels.gated_delta import recurrent_gated_delta_rule
 from ds_longstraw.kernels.gated_delta.fla_dqkwg import dqkwg_refused, refused_by_fla
 
@@ -144,7 +144,8 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
         causal = tk - tq
     qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
     assert flash_applies(qb, kb, causal)
-    out, lse = partial_attention(qb, kb, vb, 0.125, causal)
+    with use_attention_library("flash"):  # cuDNN, the default, is tested below
+        out, lse = partial_attention(qb, kb, vb, 0.125, causal)
     ref = [x.clone().requires_grad_() for x in (q, k, v)]
     ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
     torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
@@ -155,7 +156,8 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
     seen = torch.isfinite(ref_lse)
     objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0) * dlse.cuda()).sum()
     ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
-    grads = torch.autograd.grad(objective, [qb, kb, vb])
+    with use_attention_library("flash"):
+        grads = torch.autograd.grad(objective, [qb, kb, vb])
     ref_grads = torch.autograd.grad(ref_objective, ref)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
@@ -163,18 +165,19 @@ def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
 
 def test_attention_library_is_chosen_by_name_and_restored():
     from ds_longstraw.kernels.attention.cudnn import cudnn_applies
-    from ds_longstraw.kernels.dispatch import attention_library, use_attention_library
+    from ds_longstraw.kernels.dispatch import attention_library
 
-    assert attention_library() == "flash"
+    assert attention_library() == "cudnn"  # the default: the faster on the H200 (BENCHMARKS.md)
     x = torch.zeros(4, 8, 64, dtype=torch.bfloat16)
-    with use_attention_library("cudnn"):
-        assert attention_library() == "cudnn"
-        assert not cudnn_applies(x, x, None)  # CPU tensors never take a CUDA path
-    assert attention_library() == "flash"
+    assert not cudnn_applies(x, x, None)  # CPU tensors never take a CUDA path
+    with use_attention_library("flash"):
+        assert attention_library() == "flash"
+        assert not cudnn_applies(x, x, None)
+    assert attention_library() == "cudnn"
     with pytest.raises(ValueError, match="attention library 'flash3'"):
         with use_attention_library("flash3"):
             pass
-    assert attention_library() == "flash"
+    assert attention_library() == "cudnn"
 
 
 @CUDA
@@ -187,7 +190,7 @@ def test_cudnn_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
     flash test above: grouped and equal heads, unmasked and a causal block over its own keys (what cuDNN takes),
     and a causal offset it does not express (rows with no key), which must go to flash and say so."""
     from ds_longstraw.kernels.attention.cudnn import cudnn_applies
-    from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken, use_attention_library
+    from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
 
     q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
     qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
@@ -217,10 +220,11 @@ def test_cudnn_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
 
 @CUDA
 @pytest.mark.cuda
-def test_flash_serves_prompt_pages_in_library_key_blocks():
-    """A prompt segment longer than LIBRARY_KEY_BLOCK on the flash path: with a sink (exact mode) the gradient
-    pages get dK/dV in LIBRARY_KEY_BLOCK-key calls, without one (detached mode) dq comes from calls of that length;
-    both against the float64 reference (bf16 tolerance as above)."""
+@pytest.mark.parametrize("library", ["flash", "cudnn"])
+def test_library_serves_prompt_pages_in_library_key_blocks(library):
+    """A prompt segment longer than LIBRARY_KEY_BLOCK on a library path (flash, cuDNN): with a sink (exact mode) the
+    gradient pages get dK/dV in LIBRARY_KEY_BLOCK-key calls, without one (detached mode) dq comes from calls of that
+    length; both against the float64 reference (bf16 tolerance as above)."""
     from ds_longstraw.kernels import attention_with_past, attention_with_past_reference
     from ds_longstraw.kernels.attention import partial as attention
 
@@ -242,9 +246,10 @@ def test_flash_serves_prompt_pages_in_library_key_blocks():
             for into, grad in zip(received, (dk, dv), strict=True):
                 into[:, offset:offset + grad.shape[1]] += grad.double().cpu()
 
-        out, _ = attention_with_past(qb, [(fast[1], fast[2])], fast[3], fast[4], 0.125,
-                                     sinks=[sink] if with_sink else None)
-        (dq,) = torch.autograd.grad((out.double() * dout.cuda()).sum(), qb)
+        with use_attention_library(library):
+            out, _ = attention_with_past(qb, [(fast[1], fast[2])], fast[3], fast[4], 0.125,
+                                         sinks=[sink] if with_sink else None)
+            (dq,) = torch.autograd.grad((out.double() * dout.cuda()).sum(), qb)
         torch.testing.assert_close(dq.double().cpu(), ref_dq, rtol=0, atol=6e-2)
         if with_sink:
             assert lengths == [attention.LIBRARY_KEY_BLOCK] * 2 + [300]

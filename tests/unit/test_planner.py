@@ -126,16 +126,22 @@ def test_gdn_checkpoints_are_planned_with_the_pages():
 def test_recommends_the_first_tier_that_fits():
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
 
-    def plan(gpu, host, nvme=None, context=2 * 2**20):
+    def plan(gpu, host, nvme=None, context=2 * 2**20, response=1024):
         layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=int(gpu * GiB), host_memory=int(host * GiB),
                         nvme_free=None if nvme is None else int(nvme * GiB))
-        return make_plan(qwen, context, 8, "exact", layout)
+        return make_plan(qwen, context, 8, "exact", layout, response_tokens=response)
 
-    assert plan(141, 2048).tier == "none"  # H200: 32 GiB of pages and gradient pages fit on the GPU
-    assert plan(40, 2048).tier == "cpu"
-    assert plan(40, 64, nvme=4096).tier == "nvme"
-    assert plan(40, 64, nvme=8).tier is None
-    p = plan(40, 2048)
+    # H200, 2M tokens: the pages and gradient pages (32 GiB), the layer-major prefix pass's layer inputs (47.5 GiB)
+    # and one replayed member's graph (30 GiB at 1,024 LoRA response tokens) exceed the GPU: the host tier; at 1M
+    # they fit on the GPU
+    assert plan(141, 2048).tier == "cpu"
+    assert plan(141, 2048, context=2**20).tier == "none"
+    assert plan(80, 2048).tier == "cpu"
+    assert plan(80, 64, nvme=4096).tier == "nvme"
+    assert plan(80, 64, nvme=8).tier is None
+    # 40 GiB: a 1,024-token member's graph alone (30 GiB) leaves no room; 256-token members fit the host tier
+    assert plan(40, 2048).tier is None and plan(40, 2048, response=256).tier == "cpu"
+    p = plan(80, 2048)
     for tier in ("none", "cpu", "nvme"):
         longest = p.max_context[tier]
         if longest:  # the longest prompt fits that tier, and a longer one does not
@@ -144,7 +150,7 @@ def test_recommends_the_first_tier_that_fits():
 
 
 def _fits(shape, context, tier):
-    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=40 * GiB, host_memory=2048 * GiB)
+    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB, host_memory=2048 * GiB)
     return make_plan(shape, context, 8, "exact", layout).fits[tier]
 
 
@@ -311,7 +317,17 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     exact = make_plan(shape, 1 << 20, 8, "exact", layout, capture_chunk=4096)
     assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 32 * 64) * 4
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)
-    assert plan.needs["none"]["gpu"] - bare["gpu"] == max(plan.workspace.values())
+    # beside the pages: the largest phase's scratch, where the replay's is one member's graph (1,024 response
+    # tokens, LoRA: arch/qwen3_5_graph.py) with the kernels that run inside it (not the CP scan's outputs, which the
+    # capture holds)
+    replay = plan.replay_graph + max(plan.workspace[k] for k in ("logprobs", "attention", "delta_rule"))
+    assert plan.replay_graph == 1024 * shape.replay_graph["lora"][0] + shape.replay_graph["lora"][1]
+    assert plan.needs["none"]["gpu"] - bare["gpu"] == max(max(plan.workspace.values()), replay)
+    full = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096, trains="full")
+    assert full.trained_grads == full.weights_per_rank > 0  # every weight trained: its gradients, the weights' share
+    assert full.needs["none"]["gpu"] - bare["gpu"] == max(max(full.workspace.values()),
+                                                          full.replay_graph + replay - plan.replay_graph
+                                                          ) + full.trained_grads
     glm = shape_from_config(*load_config("glm-5.2"))
     assert glm.attention_head_dim == 512 + 64 and glm.delta_heads == 0  # absorbed MLA reads latent + rope
 
@@ -418,7 +434,9 @@ def test_cli_sizes_rollouts(capsys):
     assert r["samples"] == 8 * (r["carry_per_sample"] + r["rows_per_sample"])
     params = shape_from_config(*load_config("qwen3.6-27b")).params
     assert r["whole_weights_extra"] == int(params * 2.0) - plan["weights_per_rank"]
-    workspace = max(plan["workspace_bytes"].values())
+    # none of the training step's scratch is live while decoding: its kernels' nor a replayed member's graph
+    workspace = max(max(plan["workspace_bytes"].values()), plan["replay_graph_bytes"] + max(
+        plan["workspace_bytes"][k] for k in ("logprobs", "attention", "delta_rule")))
     for tier in ("none", "cpu", "nvme"):
         per_call, whole = r["per_call"], r["whole"]
         assert per_call["gpu"][tier] == plan["needs"][tier]["gpu"] - workspace + r["samples"] + r["logits"]

@@ -7,8 +7,9 @@ backward entry takes (out, lse) as arguments, so, as with flash, the backward of
 out and lse, and the lse's gradient is folded into out' (flash.fold_lse_grad: the kernel reads out only through
 rowsum(dout * out)).
 
-Which library serves is `dispatch.attention_library()` ("flash" unless set otherwise; bench/gpu_check.py times
-both side by side and BENCHMARKS.md records why the default is what it is). cuDNN is taken only where it applies:
+Which library serves is `dispatch.attention_library()`: cuDNN by default, since on the H200 it took 0.55-0.65x
+flash's time for a replay block's forward + backward (it is what torch's SDPA picks there, so this closes the
+1.6-2x gap to SDPA that flash left; BENCHMARKS.md, "On one H200"). cuDNN is taken only where it applies:
 CUDA bfloat16/float16, head dim a multiple of 8 up to 256, and a mask it expresses without an offset: none, or a
 causal block over its own keys (Tq == Tk, offset 0; cuDNN aligns the diagonal top-left, so other causal offsets take
 flash). Grouped heads are passed as they are (cuDNN reads K/V heads shared by H/K query heads); a build that

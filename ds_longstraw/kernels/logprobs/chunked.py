@@ -47,9 +47,11 @@ def _acc(dtype):
 
 
 # The Triton steps (triton_steps.py: each chunk's elementwise work in one pass) stand beside the torch steps
-# below with the same signatures. Not taken until a GPU check has timed them (bench/gpu_check.py's log-prob section):
-# set True to take them where the dispatch allows (CUDA, mode "auto", triton importable).
-USE_TRITON_STEPS = False
+# below with the same signatures, taken where the dispatch allows (CUDA, mode "auto", triton importable): on the
+# H200 a 1,024-token block over Qwen3.6's 248,320 ids took 0.82x the torch steps' time with a trained head and
+# 0.86x with a frozen one, at the same peak (BENCHMARKS.md, "On one H200"). The fused kernels (triton_fused.py)
+# took 3.3x and 2.5x: not dispatched. Set False to force the torch steps.
+USE_TRITON_STEPS = True
 
 
 def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1):
