@@ -32,7 +32,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (run with -P, which leaves it out)
 
-from gpu_whole_model import glm_layer_section, plot_whole_qwen, whole_qwen_section  # noqa: E402
+from gpu_whole_model import glm_layer_section, plot_whole_qwen, pyplot, whole_qwen_section  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -484,15 +484,8 @@ def plot_grpo_steps(report, path):
     default path as a line, conventional and the torch kernels as points. Skipped, saying so, where matplotlib is
     not installed (the GPU machine's packages are its own) or no step was measured."""
     rows = [row for row in report.sections.get("grpo_step", {}).get("rows", []) if row.get("seconds")]
-    if not rows:
-        return
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[gpu_check] no plot: matplotlib is not installed", flush=True)
+    plt = pyplot() if rows else None
+    if plt is None:
         return
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for how, style in (("default", "o-"), ("reference", "s"), ("conventional", "^")):

@@ -130,37 +130,42 @@ def _attention_case(heads, kv_heads, tq, tk, d, seed):
     return [torch.randn(s, generator=gen, **F64) for s in [(heads, tq, d), (kv_heads, tk, d), (kv_heads, tk, d)]]
 
 
+def _library_against_float64(library, heads, kv_heads, tq, tk, causal, with_lse_grad):
+    """bf16 `partial_attention` through `library` against the float64 dense reference: bf16 inputs and outputs
+    carry ~4e-3 relative rounding, so values agree to 3e-2 absolute on unit-variance data and gradients (of out and,
+    with_lse_grad, of the lse) to 6e-2."""
+    q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
+    qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
+    ref = [x.clone().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
+    gen = torch.Generator().manual_seed(5)
+    dout = torch.randn(ref_out.shape, generator=gen, **F64)
+    dlse = torch.randn(ref_lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(ref_lse.shape, **F64)
+    seen = torch.isfinite(ref_lse)
+    with use_attention_library(library):
+        out, lse = partial_attention(qb, kb, vb, 0.125, causal)
+        objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0)
+                                                          * dlse.cuda()).sum()
+        grads = torch.autograd.grad(objective, [qb, kb, vb])
+    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=3e-2)
+    ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
+    for got, want in zip(grads, torch.autograd.grad(ref_objective, ref), strict=True):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
+
+
 @CUDA
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads,kv_heads,tq,tk,causal", [(8, 2, 64, 300, None), (4, 4, 77, 77, 0),
                                                          (8, 1, 40, 130, 90), (6, 2, 50, 20, -30)])
 @pytest.mark.parametrize("with_lse_grad", [False, True])
 def test_flash_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal, with_lse_grad):
-    """bf16 flash against the float64 dense reference: bf16 inputs and outputs carry ~4e-3 relative rounding, so
-    values and gradients agree to 3e-2 absolute on unit-variance data. The last case (causal offset Tk - Tq < 0)
+    """Flash (not the default library: forced here) at bf16 tolerances. The last case (causal offset Tk - Tq < 0)
     has rows that see no key: -inf lse, zero output."""
-    q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
-    if causal is not None:
-        causal = tk - tq
-    qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
-    assert flash_applies(qb, kb, causal)
-    with use_attention_library("flash"):  # cuDNN, the default, is tested below
-        out, lse = partial_attention(qb, kb, vb, 0.125, causal)
-    ref = [x.clone().requires_grad_() for x in (q, k, v)]
-    ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
-    torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
-    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=3e-2)
-    gen = torch.Generator().manual_seed(5)
-    dout = torch.randn(ref_out.shape, generator=gen, **F64)
-    dlse = torch.randn(ref_lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(ref_lse.shape, **F64)
-    seen = torch.isfinite(ref_lse)
-    objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0) * dlse.cuda()).sum()
-    ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
-    with use_attention_library("flash"):
-        grads = torch.autograd.grad(objective, [qb, kb, vb])
-    ref_grads = torch.autograd.grad(ref_objective, ref)
-    for got, want in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
+    causal = None if causal is None else tk - tq
+    q = torch.zeros(heads, tq, 64, device="cuda", dtype=torch.bfloat16)
+    assert flash_applies(q, torch.zeros(kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16), causal)
+    _library_against_float64("flash", heads, kv_heads, tq, tk, causal, with_lse_grad)
 
 
 def test_attention_library_is_chosen_by_name_and_restored():
@@ -192,27 +197,12 @@ def test_cudnn_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal
     from ds_longstraw.kernels.attention.cudnn import cudnn_applies
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
 
-    q, k, v = _attention_case(heads, kv_heads, tq, tk, 64, seed=tq + tk)
-    qb, kb, vb = (x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v))
-    reset_paths_taken()
+    x = torch.zeros(heads, tq, 64, device="cuda", dtype=torch.bfloat16)
     with use_attention_library("cudnn"):
-        assert cudnn_applies(qb, kb, causal) is (causal in (None, 0))
-        out, lse = partial_attention(qb, kb, vb, 0.125, causal)
-        ref = [x.clone().requires_grad_() for x in (q, k, v)]
-        ref_out, ref_lse = partial_attention_reference(*ref, 0.125, causal)
-        torch.testing.assert_close(out.double().cpu(), ref_out, rtol=0, atol=3e-2)
-        torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=0, atol=3e-2)
-        gen = torch.Generator().manual_seed(5)
-        dout = torch.randn(ref_out.shape, generator=gen, **F64)
-        dlse = torch.randn(ref_lse.shape, generator=gen, **F64) if with_lse_grad else torch.zeros(ref_lse.shape,
-                                                                                                    **F64)
-        seen = torch.isfinite(ref_lse)
-        objective = (out.double() * dout.cuda()).sum() + (lse.double().masked_fill(~seen.cuda(), 0)
-                                                          * dlse.cuda()).sum()
-        ref_objective = (ref_out * dout).sum() + (ref_lse.masked_fill(~seen, 0) * dlse).sum()
-        grads = torch.autograd.grad(objective, [qb, kb, vb])
-    for got, want in zip(grads, torch.autograd.grad(ref_objective, ref), strict=True):
-        torch.testing.assert_close(got.double().cpu(), want, rtol=0, atol=6e-2)
+        assert cudnn_applies(x, torch.zeros(kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16),
+                             causal) is (causal in (None, 0))
+    reset_paths_taken()
+    _library_against_float64("cudnn", heads, kv_heads, tq, tk, causal, with_lse_grad)
     expected = "cudnn" if causal in (None, 0) else "flash"
     assert set(paths_taken()["attention forward"]) == {expected}
     assert set(paths_taken()["attention backward"]) == {expected}

@@ -18,11 +18,8 @@ refuses them raises, and the test on the device (tests/unit/test_cuda_paths.py) 
 
 import torch
 
-from ..dispatch import attention_library, fast_path
-from .flash import fold_lse_grad
-
-_DTYPES = (torch.bfloat16, torch.float16)
-_MAX_HEAD_DIM = 256
+from ..dispatch import attention_library
+from .flash import fold_lse_grad, library_takes
 
 
 def _causal_flag(causal_offset, tq, tk):
@@ -33,10 +30,7 @@ def _causal_flag(causal_offset, tq, tk):
 
 
 def cudnn_applies(q_HTD, k_KTD, causal_offset) -> bool:
-    if attention_library() != "cudnn" or not fast_path(q_HTD) or q_HTD.dtype not in _DTYPES:
-        return False
-    d = q_HTD.shape[-1]
-    if d % 8 or d > _MAX_HEAD_DIM or k_KTD.shape[1] == 0 or q_HTD.shape[1] == 0:
+    if attention_library() != "cudnn" or not library_takes(q_HTD, k_KTD):
         return False
     return _causal_flag(causal_offset, q_HTD.shape[1], k_KTD.shape[1]) is not None
 

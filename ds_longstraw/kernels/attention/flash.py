@@ -33,13 +33,17 @@ def _causal_flag(causal_offset, tq, tk):
     return True if causal_offset == tk - tq else None
 
 
-def flash_applies(q_HTD, k_KTD, causal_offset) -> bool:
+def library_takes(q_HTD, k_KTD) -> bool:
+    """What both CUDA libraries (flash here, cuDNN in cudnn.py) take, masks aside: mode "auto" on CUDA tensors in
+    bfloat16 or float16, a head dim that is a multiple of 8 up to 256, queries and keys."""
     if not fast_path(q_HTD) or q_HTD.dtype not in _FLASH_DTYPES:
         return False
     d = q_HTD.shape[-1]
-    if d % 8 or d > _MAX_HEAD_DIM or k_KTD.shape[1] == 0 or q_HTD.shape[1] == 0:
-        return False
-    return _causal_flag(causal_offset, q_HTD.shape[1], k_KTD.shape[1]) is not None
+    return not (d % 8 or d > _MAX_HEAD_DIM or k_KTD.shape[1] == 0 or q_HTD.shape[1] == 0)
+
+
+def flash_applies(q_HTD, k_KTD, causal_offset) -> bool:
+    return library_takes(q_HTD, k_KTD) and _causal_flag(causal_offset, q_HTD.shape[1], k_KTD.shape[1]) is not None
 
 
 def _token_major(x_HTD):

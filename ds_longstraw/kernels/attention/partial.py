@@ -196,18 +196,13 @@ def sink_block(q_HTD, k_KTD, key_block):
 def _backward_call(q, k, v, out, lse, dout, dlse, scale, causal_offset, key_block, need_kv):
     """One key set's (dq, dk, dv) through the first kernel that applies: cuDNN where it is the chosen library, flash
     (CUDA), the Triton paged kernel (CUDA, where neither applies), the fused CPU kernel, the blockwise torch loop."""
-    library = cudnn_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if cudnn_applies(
-        q, k, causal_offset) else None
-    if library is not None:
-        record("attention backward", "cudnn")
-        dq, dk, dv = library
-        return dq, (dk if need_kv else None), (dv if need_kv else None)
-    flash = flash_backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if flash_applies(
-        q, k, causal_offset) else None
-    if flash is not None:
-        record("attention backward", "flash")
-        dq, dk, dv = flash
-        return dq, (dk if need_kv else None), (dv if need_kv else None)
+    for name, applies, backward in (("cudnn", cudnn_applies, cudnn_backward),
+                                    ("flash", flash_applies, flash_backward)):
+        grads = backward(q, k, v, out, lse, dout, dlse, scale, causal_offset) if applies(q, k, causal_offset) else None
+        if grads is not None:  # None: an lse gradient the library cannot fold (the next path takes it)
+            record("attention backward", name)
+            dq, dk, dv = grads
+            return dq, (dk if need_kv else None), (dv if need_kv else None)
     paged = _triton_paged(q, k)
     if paged is not None:
         record("attention backward", "triton_paged")
