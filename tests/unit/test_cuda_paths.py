@@ -105,6 +105,8 @@ def test_lse_gradient_fold_is_exact():
     assert fold_lse_grad(out, dout, dlse) is None  # dlse != 0 with dout = 0: no out' can carry it
     dlse[1, 2] = 0
     assert fold_lse_grad(out, dout, dlse) is not None
+    # no lse gradient (None, or all zero): out itself, nothing to fold
+    assert fold_lse_grad(out, dout, None) is out and fold_lse_grad(out, dout, torch.zeros_like(dlse)) is out
 
 
 def test_folded_lse_gradient_through_a_flash_style_backward():

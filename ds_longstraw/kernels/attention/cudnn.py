@@ -51,10 +51,9 @@ def cudnn_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset):
 def cudnn_backward(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, dlse_HT, scale, causal_offset):
     """(dq, dk, dv) of one key set given the MERGED out and lse, or None where the lse's gradient cannot be folded
     (flash.fold_lse_grad)."""
-    if dlse_HT is not None and bool(dlse_HT.any()):
-        out_HTD = fold_lse_grad(out_HTD, dout_HTD, dlse_HT)
-        if out_HTD is None:
-            return None
+    out_HTD = fold_lse_grad(out_HTD, dout_HTD, dlse_HT)
+    if out_HTD is None:
+        return None
     heads, tq, _ = q_HTD.shape
     tk = k_KTD.shape[1]
     device = q_HTD.device

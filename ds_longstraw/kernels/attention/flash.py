@@ -75,8 +75,10 @@ def flash_forward(q_HTD, k_KTD, v_KTD, scale, causal_offset):
 
 
 def fold_lse_grad(out_HTD, dout_HTD, dlse_HT):
-    """out' with rowsum(dout * out') = rowsum(dout * out) - dlse (module docstring), or None where a row has
-    dlse != 0 and dout = 0."""
+    """out' with rowsum(dout * out') = rowsum(dout * out) - dlse (module docstring): out itself where there is no lse
+    gradient, None where a row has dlse != 0 and dout = 0."""
+    if dlse_HT is None or not bool(dlse_HT.any()):
+        return out_HTD
     acc = torch.float32
     dout = dout_HTD.to(acc)
     norm = (dout * dout).sum(-1)
@@ -90,10 +92,9 @@ def fold_lse_grad(out_HTD, dout_HTD, dlse_HT):
 def flash_backward(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, dlse_HT, scale, causal_offset):
     """(dq, dk, dv) of one key set given the MERGED out and lse (attention.blockwise_grads_from_delta's contract)
     through torch's flash backward, or None where the lse's gradient cannot be folded (module docstring)."""
-    if dlse_HT is not None and bool(dlse_HT.any()):
-        out_HTD = fold_lse_grad(out_HTD, dout_HTD, dlse_HT)
-        if out_HTD is None:
-            return None
+    out_HTD = fold_lse_grad(out_HTD, dout_HTD, dlse_HT)
+    if out_HTD is None:
+        return None
     heads, tq, _ = q_HTD.shape
     tk = k_KTD.shape[1]
     device = q_HTD.device
