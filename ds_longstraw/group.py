@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 
-def _as_ids(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
+def as_ids(name: str, ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     if not isinstance(ids, torch.Tensor):
         try:
             ids = torch.as_tensor(ids)
@@ -80,14 +80,14 @@ class GRPOGroup:
     sampling_logprobs: list | None = None
 
     def __post_init__(self) -> None:
-        self.prompt_ids = _as_ids("prompt_ids", self.prompt_ids)
+        self.prompt_ids = as_ids("prompt_ids", self.prompt_ids)
         if self.prompt_ids.numel() < 2:
             raise ValueError(f"prompt_ids needs at least 2 tokens, got {self.prompt_ids.numel()}")
         if isinstance(self.response_ids, torch.Tensor) and self.response_ids.dim() == 1:
             raise ValueError("response_ids must be a list of 1-D tensors (one per response), got one tensor")
         if len(self.response_ids) == 0:
             raise ValueError("response_ids is empty: a group needs at least one response")
-        self.response_ids = [_as_ids(f"response_ids[{i}]", r) for i, r in enumerate(self.response_ids)]
+        self.response_ids = [as_ids(f"response_ids[{i}]", r) for i, r in enumerate(self.response_ids)]
         for i, response in enumerate(self.response_ids):
             if response.numel() == 0:
                 raise ValueError(f"response_ids[{i}] is empty")

@@ -53,7 +53,7 @@ def _tokenizer(run):
         return None  # a checkpoint without tokenizer files: fine as long as the data holds token ids
 
 
-def _policy(run, ds_config):
+def build_policy(run, ds_config):
     from ds_longstraw.models.lora import apply_lora
     from ds_longstraw.models.modeling import build_model
 
@@ -82,7 +82,7 @@ def _reference(run, ds_config):
     return engine
 
 
-def _metrics(step, result, world):
+def step_metrics(step, result, world):
     """One line per step. On-policy without old log-probs the loss VALUE is -mean(advantage) whatever the weights
     (the ratio is 1); the mean response log-prob (and the KL to the reference) show the policy moving."""
     phases = {}
@@ -131,7 +131,7 @@ def _sample_records(step, result, tokenizer):
         yield record
 
 
-class _Groups:
+class Groups:
     """Each step's groups from data.path (JSONL with responses and rewards)."""
 
     rollout = None
@@ -149,7 +149,7 @@ class _Groups:
         return self.data.for_step(step, rank, world, per_rank)
 
 
-class _Prompts:
+class Prompts:
     """Each step's prompts for rollouts inside training: data.path's prompts (JSONL order, as groups), or prompt
     index (step W + r) k + j of the `rollout.prompts` generator, called generator(rollout.seed, index, **args)."""
 
@@ -187,7 +187,7 @@ class _Prompts:
 
 
 def _source(run, tokenizer):
-    return _Groups(run, tokenizer) if run.rollout is None else _Prompts(run, tokenizer)
+    return Groups(run, tokenizer) if run.rollout is None else Prompts(run, tokenizer)
 
 
 def dump_trainable(engine, path, rank):
@@ -221,7 +221,7 @@ def _settle_accelerator():
     import ds_longstraw  # noqa: F401
 
 
-def _init_distributed():
+def init_distributed():
     """deepspeed.init_distributed, without the line each rank prints when it loads DeepSpeed's shared-memory
     all-reduce op ("... deepspeed_shm_comm_op built successfully"); anything else it prints is passed on."""
     import contextlib
@@ -269,9 +269,9 @@ def main(argv=None):
     from ds_longstraw.engine.checkpoint_files import save_record
     from ds_longstraw.kernels.dispatch import describe_paths
 
-    _init_distributed()
+    init_distributed()
     rank = dist.get_rank()
-    model = _policy(run, ds_config)
+    model = build_policy(run, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = None
     if "optimizer" not in ds_config:
@@ -318,7 +318,7 @@ def main(argv=None):
         result = engine.grpo_step(items, objective, ref_model=reference, rollout=source.rollout)
         done = step + 1
         if rank == 0:
-            record = _metrics(done, result, dp_world)
+            record = step_metrics(done, result, dp_world)
             say(step_line(record, run.train.max_steps))
             if done == start + 1:  # which kernel paths the first step took on this rank (never silently)
                 say(f"[longstraw] {describe_paths()}")

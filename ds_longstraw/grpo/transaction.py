@@ -70,7 +70,7 @@ class GroupResult:
 
 
 @contextmanager
-def _reference_policy(model: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+def reference_policy(model: torch.nn.Module, ref_model: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
     """The reference: a separate model, or the same peft model with its adapters disabled (no weight copy)."""
     if ref_model is not None:
         yield ref_model
@@ -214,7 +214,7 @@ def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: Scoped
 
     ref_logprobs = None
     if objective.needs_reference:
-        with meter.phase("reference"), topology.phase("reference"), _reference_policy(model, ref_model) as reference:
+        with meter.phase("reference"), topology.phase("reference"), reference_policy(model, ref_model) as reference:
             ref_logprobs = score_reference(reference, group, settings, topology, schedule)
 
     if reused is None:

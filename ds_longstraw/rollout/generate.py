@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from ds_longstraw.arch import adapter_for, expert_parallel
 from ds_longstraw.config import parse_config
-from ds_longstraw.group import GRPOGroup, _as_ids
+from ds_longstraw.group import GRPOGroup, as_ids
 from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
 from ds_longstraw.grpo.memory import PhaseMeter, return_freed_host_memory
 from ds_longstraw.grpo.topology import build_topology
@@ -344,7 +344,7 @@ def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int,
                      temperature: float, top_p: float, eos_token_id: int | Iterable[int] | None,
                      seed: int | None) -> tuple[torch.Tensor, tuple[int, ...]]:
     """ValueError naming the argument; returns (prompt ids as a CPU LongTensor, eos ids as a tuple)."""
-    prompt_ids = _as_ids("prompt_ids", prompt_ids).cpu()
+    prompt_ids = as_ids("prompt_ids", prompt_ids).cpu()
     if prompt_ids.numel() < 2:
         raise ValueError(f"prompt_ids needs at least 2 tokens, got {prompt_ids.numel()}")
     for name, value in (("num_samples", num_samples), ("max_new_tokens", max_new_tokens)):

@@ -58,7 +58,7 @@ from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import Field, field_validator
 
 from ds_longstraw.config import parse_block
-from ds_longstraw.group import _as_ids
+from ds_longstraw.group import as_ids
 from ds_longstraw.offload.plan import decode_state_bytes
 from ds_longstraw.seeds import splitmix64
 
@@ -160,7 +160,7 @@ def as_prompts(prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | S
     prompts = list(prompts)
     if not prompts:
         raise ValueError("rollouts need at least one prompt")
-    return [_as_ids(f"prompts[{i}]", p).cpu() for i, p in enumerate(prompts)]
+    return [as_ids(f"prompts[{i}]", p).cpu() for i, p in enumerate(prompts)]
 
 
 def _reward(function: Callable[[torch.Tensor, torch.Tensor], float | torch.Tensor], rollout: RolloutConfig,

@@ -55,9 +55,9 @@ def _one_rank():
     for key, value in zip(ONE_RANK_ENV, ("127.0.0.1", str(_free_port()), "0", "0", "1"), strict=True):
         os.environ.setdefault(key, value)
     try:
-        from ds_longstraw.launch.train import _init_distributed
+        from ds_longstraw.launch.train import init_distributed
 
-        _init_distributed()
+        init_distributed()
         yield
     finally:
         if torch.distributed.is_initialized():
@@ -108,13 +108,13 @@ def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_length
     """The engine, its steps and the held-out evaluations of `train`, inside its process group."""
     import ds_longstraw
     from ds_longstraw import GRPOObjective
-    from ds_longstraw.launch.train import _metrics, _policy, _Prompts
+    from ds_longstraw.launch.train import Prompts, build_policy, step_metrics
 
     objective = GRPOObjective(**run.objective)
-    source = _Prompts(run, None)
+    source = Prompts(run, None)
     # the step's prompts: a stream of its own per seed (recall.prompt(seed, index)); rollout.seed also seeds the
     # samples. Evaluation prompts are stream EVAL_SEED.
-    model = _policy(run, ds_config)
+    model = build_policy(run, ds_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=run.optim.lr, betas=tuple(run.optim.betas), eps=run.optim.eps,
                                   weight_decay=run.optim.weight_decay)
@@ -135,7 +135,7 @@ def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_length
     for step in range(steps):
         items = source.for_step(step, 0, 1, run.data.groups_per_rank)
         res = engine.grpo_step(items, objective, rollout=source.rollout)
-        rec = _metrics(step + 1, res, 1)
+        rec = step_metrics(step + 1, res, 1)
         result["steps"].append({k: rec[k] for k in ("step", "mean_reward", "seconds", "grad_norm",
                                                     "rollout_seconds_rank0")})
         if (step + 1) % eval_every == 0 or step + 1 == steps:

@@ -13,7 +13,7 @@ from ds_longstraw.arch import adapter_for
 from ds_longstraw.config import parse_config
 from ds_longstraw.grpo.memory import PhaseMeter
 from ds_longstraw.grpo.replay import member_inputs
-from ds_longstraw.grpo.transaction import GroupResult, _reference_policy, score_reference
+from ds_longstraw.grpo.transaction import GroupResult, reference_policy, score_reference
 from ds_longstraw.objective import GRPOObjective
 
 
@@ -27,7 +27,7 @@ def _start(model, group, objective, config, ref_model):
     ref_logprobs = None
     with meter.phase("reference"):
         if objective.kl_coef > 0:
-            with _reference_policy(model, ref_model) as reference:
+            with reference_policy(model, ref_model) as reference:
                 ref_logprobs = score_reference(reference, group, settings)
     return objective, adapter, meter, objective.advantages(group), ref_logprobs
 

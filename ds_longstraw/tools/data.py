@@ -176,9 +176,9 @@ class GroupSource:
         other keys of the record are not read."""
         number, record = self.records[index]
         try:
-            from ds_longstraw.group import _as_ids
+            from ds_longstraw.group import as_ids
 
-            return _as_ids("prompt_ids", self._ids(number, record, "prompt_ids", "prompt"))
+            return as_ids("prompt_ids", self._ids(number, record, "prompt_ids", "prompt"))
         except ValueError as error:
             if str(error).startswith(f"{self.path}:"):
                 raise

@@ -178,6 +178,51 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def _private_imports(modules):
+    """'module: name from source' for every private name (one leading underscore) a module imports from a module of
+    another package (folder): a private name is its own package's business; a name another package needs is public
+    and says so."""
+    found = []
+    for module, (path, is_package) in modules.items():
+        package = module if is_package else module.rpartition(".")[0]
+        with open(path) as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                source = ".".join(base[: len(base) - (node.level - 1)] + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source not in modules:
+                continue
+            source_package = source if modules[source][1] else source.rpartition(".")[0]
+            if source_package == package:
+                continue
+            found += [f"{module}: {alias.name} from {source}" for alias in node.names
+                      if alias.name.startswith("_") and not alias.name.startswith("__")]
+    return sorted(found)
+
+
+def test_no_private_name_is_imported_across_packages():
+    assert _private_imports(_modules()) == []
+
+
+def test_the_private_import_check_finds_one(tmp_path):
+    """A deliberate violation (what tools/baselines.py did: the transaction's private reference-policy context),
+    and a private name imported within its own package, which is allowed."""
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "grpo" / "transaction.py").write_text("def _reference_policy(): pass\n")
+    (tmp_path / "grpo" / "replay.py").write_text("from .transaction import _reference_policy\n")
+    (tmp_path / "tools" / "baselines.py").write_text("from ds_longstraw.grpo.transaction import _reference_policy\n")
+    modules = {f"ds_longstraw.{folder}.{name}": (str(tmp_path / folder / f"{name}.py"), False)
+               for folder, name in (("grpo", "transaction"), ("grpo", "replay"), ("tools", "baselines"))}
+    assert _private_imports(modules) == [
+        "ds_longstraw.tools.baselines: _reference_policy from ds_longstraw.grpo.transaction"]
+
+
 def test_offload_and_kernels_stand_alone():
     edges = _edges(_modules())
     for module, targets in edges.items():
