@@ -190,22 +190,22 @@ def test_attention_library_is_chosen_by_name_and_restored():
 @CUDA
 @pytest.mark.cuda
 @pytest.mark.parametrize("heads,kv_heads,tq,tk,causal", [(8, 2, 64, 300, None), (4, 4, 77, 77, 0),
-                                                         (24, 4, 96, 96, 0), (6, 2, 50, 20, -30)])
+                                                         (24, 4, 96, 96, 0), (6, 2, 50, 20, -30), (8, 2, 1, 300, None)])
 @pytest.mark.parametrize("with_lse_grad", [False, True])
 def test_cudnn_partial_attention_matches_float64(heads, kv_heads, tq, tk, causal, with_lse_grad):
     """cuDNN (dispatch.attention_library "cudnn") against the float64 dense reference, at the bf16 tolerances of the
-    flash test above: grouped and equal heads, unmasked and a causal block over its own keys (what cuDNN takes),
-    and a causal offset it does not express (rows with no key), which must go to flash and say so."""
-    from ds_longstraw.kernels.attention.cudnn import cudnn_applies
+    flash test above: grouped and equal heads, unmasked and a causal block over its own keys (what cuDNN takes);
+    a causal offset it does not express (rows with no key) and a decode step's one query go to flash and say so."""
+    from ds_longstraw.kernels.attention.cudnn import MIN_QUERIES, cudnn_applies
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken
 
+    takes = causal in (None, 0) and tq >= MIN_QUERIES
     x = torch.zeros(heads, tq, 64, device="cuda", dtype=torch.bfloat16)
     with use_attention_library("cudnn"):
-        assert cudnn_applies(x, torch.zeros(kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16),
-                             causal) is (causal in (None, 0))
+        assert cudnn_applies(x, torch.zeros(kv_heads, tk, 64, device="cuda", dtype=torch.bfloat16), causal) is takes
     reset_paths_taken()
     _library_against_float64("cudnn", heads, kv_heads, tq, tk, causal, with_lse_grad)
-    expected = "cudnn" if causal in (None, 0) else "flash"
+    expected = "cudnn" if takes else "flash"
     assert set(paths_taken()["attention forward"]) == {expected}
     assert set(paths_taken()["attention backward"]) == {expected}
 

@@ -10,10 +10,11 @@ rowsum(dout * out)).
 Which library serves is `dispatch.attention_library()`: cuDNN by default, since on the H200 it took 0.55-0.65x
 flash's time for a replay block's forward + backward (it is what torch's SDPA picks there, so this closes the
 1.6-2x gap to SDPA that flash left; BENCHMARKS.md, "On one H200"). cuDNN is taken only where it applies:
-CUDA bfloat16/float16, head dim a multiple of 8 up to 256, and a mask it expresses without an offset: none, or a
-causal block over its own keys (Tq == Tk, offset 0; cuDNN aligns the diagonal top-left, so other causal offsets take
-flash). Grouped heads are passed as they are (cuDNN reads K/V heads shared by H/K query heads); a build that
-refuses them raises, and the test on the device (tests/unit/test_cuda_paths.py) says so.
+CUDA bfloat16/float16, head dim a multiple of 8 up to 256, at least MIN_QUERIES queries (decode steps stay on
+flash), and a mask it expresses without an offset: none, or a causal block over its own keys (Tq == Tk, offset 0;
+cuDNN aligns the diagonal top-left, so other causal offsets take flash). Grouped heads are passed as they are
+(cuDNN reads K/V heads shared by H/K query heads: it did on the H200); a build that refuses them raises, and the
+test on the device (tests/unit/test_cuda_paths.py) says so.
 """
 
 import torch
@@ -29,8 +30,13 @@ def _causal_flag(causal_offset, tq, tk):
     return True if causal_offset == 0 and tq == tk else None
 
 
+# Queries per call below which flash serves instead: cuDNN was timed and tested on capture and replay blocks (64 to
+# 1,024 queries, BENCHMARKS.md); a decode step's handful of queries stays on flash, whose one-query calls ran there.
+MIN_QUERIES = 32
+
+
 def cudnn_applies(q_HTD, k_KTD, causal_offset) -> bool:
-    if attention_library() != "cudnn" or not library_takes(q_HTD, k_KTD):
+    if attention_library() != "cudnn" or not library_takes(q_HTD, k_KTD) or q_HTD.shape[1] < MIN_QUERIES:
         return False
     return _causal_flag(causal_offset, q_HTD.shape[1], k_KTD.shape[1]) is not None
 
