@@ -6,6 +6,7 @@ place the rest of the package learns what a family has.
 """
 
 from . import glm_moe_dsa, qwen3_5
+from .contract import check_contract
 from .family import Family
 from .glm_moe_dsa import GlmMoeDsaAdapter
 from .qwen3_5 import Qwen35Adapter
@@ -72,7 +73,9 @@ def adapter_for(model):
     family = _family_of(model)
     if family is None:
         raise ValueError(f"unsupported architecture {_model_type(model)!r}; supported: {sorted(FAMILIES)}")
-    return family.adapter(model)
+    adapter = family.adapter(model)
+    check_contract(adapter)  # a family missing what its layers' cross-rank code calls says so before any work
+    return adapter
 
 
 def specs_for_config(config, dtype) -> list:
