@@ -155,15 +155,21 @@ def _members(protocol) -> dict:
     return out
 
 
-def _parameters(function) -> list:
+def _parameters(function) -> list | None:
+    """The parameters' names after self, in order; None for a forwarding wrapper (*args or **kwargs), which takes
+    whatever the declaration names."""
     import inspect
 
-    return [name for name in inspect.signature(function).parameters if name != "self"]
+    parameters = inspect.signature(function).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters):
+        return None
+    return [p.name for p in parameters if p.name != "self"]
 
 
 def contract_violations(adapter) -> list:
     """'Contract.member: what is wrong' for every member of the contracts the adapter's specs need that its class
-    lacks, or whose parameters differ from the declaration's (names, in order)."""
+    lacks, or whose parameters differ from the declaration's (names, in order; a wrapper that forwards *args or
+    **kwargs passes)."""
     problems = []
     for protocol in contracts_for(adapter.specs):
         for name, declared in _members(protocol).items():
@@ -174,7 +180,7 @@ def contract_violations(adapter) -> list:
                 implemented = getattr(type(adapter), name, None)
                 if not callable(implemented):
                     problems.append(f"{protocol.__name__}.{name}: not a method")
-                elif _parameters(implemented) != _parameters(declared):
+                elif _parameters(implemented) not in (None, _parameters(declared)):
                     problems.append(f"{protocol.__name__}.{name}: parameters {_parameters(implemented)}, declared "
                                     f"{_parameters(declared)}")
     return problems
