@@ -8,7 +8,8 @@ import json
 import sys
 
 ATTENTION = {"fast": "flash (varlen, the old default)", "fast_cudnn": "cuDNN (the default now)",
-             "peer": "SDPA (no lse: a peer)", "backward_constant_keys_triton_dq": "Triton dq, backward only (constant keys)"}
+             "peer": "SDPA (no lse: a peer)",
+             "backward_constant_keys_triton_dq": "Triton dq, backward only (constant keys)"}
 LOGPROBS = {"chunked": "chunked, torch steps", "chunked_triton_steps": "chunked, Triton steps (dispatched)",
             "triton": "fused Triton", "full_logits": "full logits (peer)"}
 
