@@ -3,12 +3,14 @@ autograd graph keeps, per response token, held against the bytes autograd really
 member's replay, tests/saved_bytes.py) at widths the figures were not fitted at, with LoRA and with every weight
 trained; and the whole-model figure against the H200's measured step."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
-import torch
-from saved_bytes import replay_saved_bytes
 
 from ds_longstraw.arch import replay_graph
-from ds_longstraw.models.lora import apply_lora
 from ds_longstraw.models.modeling import config_from_shape
 from ds_longstraw.offload.plan import Layout, make_plan, replay_graph_bytes
 
@@ -21,29 +23,33 @@ WIDTHS = [
 ]
 
 
-def _model(widths, trains):
-    from transformers import AutoModelForCausalLM
+CASES = [(widths, trains) for widths in WIDTHS for trains in ("lora", "full")]
 
-    fields = {"model_type": "qwen3_5_text", "full_attention_interval": 4, "num_hidden_layers": 4, "vocab_size": 512,
-              "linear_conv_kernel_dim": 4, "tie_word_embeddings": False, **widths}
-    config = config_from_shape(fields)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
-    return (apply_lora(model, r=16, seed=0) if trains == "lora" else model), config
+
+@pytest.fixture(scope="module")
+def counted():
+    """Every case's bytes per response token, counted in one fresh process (tests/saved_bytes.py says why)."""
+    helper = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "saved_bytes.py")
+    run = subprocess.run([sys.executable, helper, json.dumps(CASES)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("trains", ["lora", "full"])
 @pytest.mark.parametrize("widths", WIDTHS, ids=["gqa", "equal_heads"])
-def test_replay_graph_per_token_matches_saved_bytes(widths, trains, monkeypatch):
+def test_replay_graph_per_token_matches_saved_bytes(widths, trains, counted):
     """Per response token (the difference of two response lengths, so the per-member state and the prompt's pages
-    drop out): the figures were fitted to such counts at other widths to 4% (LoRA: its rank-16 terms are not
-    widths) and 0.4% (every weight), so 6% and 1.5% here."""
-    model, config = _model(widths, trains)
-    short, long = (replay_saved_bytes(model, n, monkeypatch=monkeypatch) for n in (32, 64))
-    measured = (long - short) / 32
-    per_token, per_member = replay_graph(config, 2)[trains]
+    drop out), counted in a fresh process (tests/saved_bytes.py says why): the figures were fitted to such counts at
+    other widths to 4% (LoRA: its rank-16 terms are not widths) and 0.4% (every weight), so 6% and 1.5% here."""
+    measured = counted[CASES.index((widths, trains))]
+    per_token, per_member = replay_graph(config_from_shape(_fields(widths)), 2)[trains]
     assert per_member > 0
     assert per_token == pytest.approx(measured, rel=0.06 if trains == "lora" else 0.015)
+
+
+def _fields(widths):
+    return {"model_type": "qwen3_5_text", "full_attention_interval": 4, "num_hidden_layers": 4, "vocab_size": 512,
+            "linear_conv_kernel_dim": 4, "tie_word_embeddings": False, **widths}
 
 
 def test_whole_27b_step_on_the_h200_is_within_ten_percent_of_the_plan():
