@@ -72,6 +72,7 @@ class Report:
     def add(self, section, row):
         self.sections.setdefault(section, {"rows": [], "error": None})["rows"].append(row)
         print(f"[gpu_check] {section}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in row.items()), flush=True)
+        self.write()  # after every row: a call cut off at its limit still returns what it measured
         self.write()  # every row on disk at once: a run killed at its time limit keeps what it measured
 
     def fail(self, section, error):
