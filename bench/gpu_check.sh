@@ -73,7 +73,9 @@ left=$((budget - SECONDS))
 echo "== 2. kernels, GLM-5.2's layer, the whole Qwen3.6-27B shape (bench/gpu_check.py, ${left} s left) =="
 dry_flag=()
 [ "$dry" = 1 ] && dry_flag=(--dry-run)
-$python -P bench/gpu_check.py "${dry_flag[@]}" --out "$out" --budget "$left" --sections "$sections"
-bench_rc=$?
+# the log beside the results: a call cut off at its limit (and its pipeline with it) still returns it
+$python -P bench/gpu_check.py "${dry_flag[@]}" --out "$out" --budget "$left" --sections "$sections" 2>&1 \
+  | tee "$out/gpu_check.log"
+bench_rc=${PIPESTATUS[0]}
 echo "gpu_check: tests rc $tests_rc, benchmarks rc $bench_rc; results in $out"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
