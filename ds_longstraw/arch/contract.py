@@ -3,10 +3,10 @@
 `Adapter` is what every adapter gives (capture, replay, the prefix pass, decoding and the head); the layers a
 family's specs declare add the members their combine rule's cross-rank code calls (KIND_CONTRACTS, keyed like
 LayerState.combine):
-    "lse"          DenseAttentionLayers    paged attention whose partials merge by log-sum-exp (grpo/cp/cp_attention.py)
-    "affine_scan"  RecurrentScanLayers     a recurrence whose segments compose as affine maps (grpo/cp/scan.py)
+    "lse"          DenseAttentionLayers    paged attention, partials merged by log-sum-exp (grpo/cp/kinds/attention/)
+    "affine_scan"  RecurrentScanLayers     a recurrence whose segments compose as affine maps (grpo/cp/kinds/scan/)
     "topk_lse"     SparseSelectionLayers   a global top-k selection, then attention over the selected rows
-                                           (grpo/cp/cp_sparse.py)
+                                           (grpo/cp/kinds/sparse/selection.py)
 CausalLMAdapter (base.py) implements Adapter's shared part; a family's adapter the rest (qwen3_5.py,
 glm_moe_dsa.py). tests/unit/test_adapter_contract.py holds every registered family's adapter to the contracts its
 specs need, member by member and parameter by parameter, so a member the transaction calls cannot go missing or
@@ -99,7 +99,7 @@ class RecurrentScanLayers(Protocol):
     layer_major_scan: bool  # whether exact mode's layer-major CP prefix pass runs these layers
 
     def recurrent_scan(self, index: int) -> Any:
-        """The layer's scan (grpo/cp/scan.py's contract: summaries, the fold, the outputs from a carry)."""
+        """The layer's scan (grpo/cp/kinds/scan/'s contract: summaries, the fold, the outputs from a carry)."""
 
     def scan_output_bytes(self, tokens: int) -> int:
         """Bytes one such layer's held outputs take over `tokens` tokens (the one-pass capture's hold)."""

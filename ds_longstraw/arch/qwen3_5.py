@@ -222,7 +222,7 @@ class Qwen35Adapter(CausalLMAdapter):
     # A decoder layer is hidden + mixer(input_norm(hidden)), then + mlp(post_norm(hidden)). The layer-major schedule
     # (ds_longstraw.grpo.cp.capture) runs the mixer over a whole shard with the exchanges its combine needs, so it
     # asks for the pieces: mixer_input, the mixer by its combine ("lse": attention_project / attention_finish;
-    # "affine_scan": recurrent_scan, the layer's math under grpo/cp/scan.py's schedule), and mlp_residual.
+    # "affine_scan": recurrent_scan, the layer's math under grpo/cp/kinds/scan/capture.py's schedule), and mlp_residual.
     def mixer_input(self, index, hidden_1TC):
         return self.layers[index].input_layernorm(hidden_1TC)
 
@@ -251,14 +251,14 @@ class Qwen35Adapter(CausalLMAdapter):
 
     def scan_output_bytes(self, tokens):
         """Bytes the one-pass CP capture holds of one Gated DeltaNet layer's outputs over `tokens` tokens
-        ([o(0) | q~] in the model's dtype, qwen3_5_scan.py; grpo/cp/scan.py holds them)."""
+        ([o(0) | q~] in the model's dtype, qwen3_5_scan.py; grpo/cp/kinds/scan/capture.py holds them)."""
         module = next(self.layers[i].linear_attn for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
         return tokens * module.num_v_heads * (module.head_k_dim + module.head_v_dim) * self.dtype.itemsize
 
     def recurrent_scan(self, index):
         """Gated DeltaNet layer `index` as the context-parallel scan's math (grpo/interfaces.RecurrentScanGrad;
-        qwen3_5_scan.py, qwen3_5_scan_backward.py): what the layer-major capture and prefix pass (grpo/cp/scan.py,
-        scan_backward.py) run it by."""
+        qwen3_5_scan.py, qwen3_5_scan_backward.py): what the layer-major capture and prefix pass
+        (grpo/cp/kinds/scan/) run it by."""
         return GdnScanGrad(self, self.layers[index].linear_attn, index)
 
     # -- the segment -------------------------------------------------------------------------------------

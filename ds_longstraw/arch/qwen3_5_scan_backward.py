@@ -1,6 +1,6 @@
 """qwen3_5's Gated DeltaNet in the layer-major exact prefix pass: the math of its backward across segments.
 
-The family half of the "affine_scan" combine's backward (the schedule: ds_longstraw.grpo.cp.scan_backward, which
+The family half of the "affine_scan" combine's backward (the schedule: ds_longstraw.grpo.cp.kinds.scan.backward, which
 reads a GDN layer through GdnScanGrad, grpo/interfaces.RecurrentScanGrad; the capture's half is qwen3_5_scan.py).
 
 What crosses segments backward, and why it is cheap:

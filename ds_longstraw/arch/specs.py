@@ -28,7 +28,50 @@ from dataclasses import dataclass
 
 import torch
 
-COMBINES = ("lse", "affine_scan", "topk_lse", "none")
+
+@dataclass(frozen=True)
+class CombineRule:
+    """The static facts of one way a layer's work crosses context-parallel ranks, what the topology and the planner
+    decide by before any module runs (the cross-rank code itself is the rule's layer kind, grpo/cp/kinds/):
+
+    zigzag        runs on zigzag shards (two pieces a rank); False: contiguous shards only
+    layer_major   exact mode's layer-major prefix pass runs it (else the turns)
+    recurrent     a carry folded across ranks in prompt order (the capture may hold the scan's outputs)
+    selects       attends a global top-k selection that a later layer may reuse (`select` empty)
+    """
+
+    name: str
+    zigzag: bool = True
+    layer_major: bool = True
+    recurrent: bool = False
+    selects: bool = False
+
+
+# name -> its rule; register_combine_rule adds one (a new layer kind: its rule here, its cross-rank code as a
+# grpo/cp/kinds/ layer kind of the same name)
+COMBINE_RULES: dict[str, CombineRule] = {}
+
+
+def register_combine_rule(rule: CombineRule) -> CombineRule:
+    """Add `rule` (ValueError where another rule has its name)."""
+    if COMBINE_RULES.get(rule.name, rule) != rule:
+        raise ValueError(f"combine rule {rule.name!r} is already registered as {COMBINE_RULES[rule.name]}")
+    COMBINE_RULES[rule.name] = rule
+    return rule
+
+
+def combine_rule(name: str) -> CombineRule:
+    """The registered rule called `name`; ValueError naming the registered ones otherwise."""
+    rule = COMBINE_RULES.get(name)
+    if rule is None:
+        raise ValueError(f"combine rule {name!r} is not registered (registered: {sorted(COMBINE_RULES)})")
+    return rule
+
+
+for _rule in (CombineRule("lse"), CombineRule("affine_scan", recurrent=True), CombineRule("topk_lse", selects=True),
+              # nothing crosses ranks; the layer-major pass has no layer code for it
+              CombineRule("none", layer_major=False)):
+    register_combine_rule(_rule)
 
 
 @dataclass(frozen=True)
@@ -68,9 +111,17 @@ class LayerState:
     select: tuple = ()  # "topk_lse": names of the streams its selection scores (empty: reuses the last selection)
 
     def __post_init__(self):
-        assert self.combine in COMBINES, self.combine
-        assert not self.select or (self.combine == "topk_lse" and set(self.select) <= set(self.stream_names)), \
-            self.select
+        rule = combine_rule(self.combine)
+        assert not self.select or (rule.selects and set(self.select) <= set(self.stream_names)), self.select
+
+    @property
+    def rule(self) -> CombineRule:
+        return combine_rule(self.combine)
+
+    @property
+    def reuses_selection(self) -> bool:
+        """Whether the layer attends the selection of the last earlier layer that selects (it makes none)."""
+        return self.rule.selects and not self.select
 
     def stream_label(self, stream) -> str:
         return stream.label or self.label

@@ -15,7 +15,7 @@ the view is made (topology.ContextParallel.replay_view):
                    remote keys end (the adapter's own past starts there)
 Both hold the `stager` through which this rank reads its own pages (closed with the replay's leaves) and close().
 
-The "affine_scan" layers' math reaches the context-parallel schedule (grpo/cp/scan.py, scan_backward.py) the same
+The "affine_scan" layers' math reaches the context-parallel schedule (grpo/cp/kinds/scan/) the same
 way, through an interface: the adapter's recurrent_scan(layer) is a RecurrentScanGrad (a RecurrentScan with the
 pieces of its backward).
 
@@ -88,7 +88,7 @@ class OwnSparsePages(ReplayPages, Protocol):
 
 
 class RecurrentScan(Protocol):
-    """One recurrent layer's math as the context-parallel "affine_scan" schedule reads it (grpo/cp/scan.py; qwen3_5:
+    """One recurrent layer's math as the context-parallel "affine_scan" schedule reads it (grpo/cp/kinds/scan/; qwen3_5:
     arch/qwen3_5_scan.GdnScan, whose module docstring derives it). A segment of the prompt run from zero initial
     state gives a *summary*, an affine map of its initial state; summaries compose in prompt order, outputs computed
     before the initial state is known are corrected once it is, and the causal convolution's tail (the last `width`
@@ -164,7 +164,7 @@ class RecurrentScan(Protocol):
 
 
 class RecurrentScanGrad(RecurrentScan, Protocol):
-    """What the layer-major exact prefix pass adds (grpo/cp/scan_backward.py; qwen3_5: arch/qwen3_5_scan_backward.
+    """What the layer-major exact prefix pass adds (grpo/cp/kinds/scan/backward.py; qwen3_5: arch/qwen3_5_scan_backward.
     GdnScanGrad). x_1TC: a chunk of the layer's input (before the mixer's norm); backward: as inject_gradients'."""
 
     def prepare(self, x_1TC: torch.Tensor, start_state: torch.Tensor | None,

@@ -294,7 +294,7 @@ def selection_bases(specs: Iterable[LayerState], every: int) -> list[int]:
     input (the pass cannot remake it from the layer's input)."""
     source, bases = None, []
     for spec in specs:
-        if spec.layer % every == 0 and spec.combine == "topk_lse" and not spec.select and source is not None \
+        if spec.layer % every == 0 and spec.reuses_selection and source is not None \
                 and source % every:
             bases.append(spec.layer)
         if spec.select:

@@ -6,8 +6,8 @@ The transaction is written once; it asks its topology for each phase's placement
   capture        token-major: chunk by chunk through      layer-major: per layer, the shard with the exchange its
                  every layer (state.capture_prefix)       spec's combine needs (grpo/cp/capture.py)
   replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
-                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (grpo/cp/cp_attention.py;
-                                                          a global top-k's candidates first: grpo/cp/cp_sparse.py)
+                 a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (grpo/cp/kinds/attention/;
+                                                          a global top-k's candidates first: grpo/cp/kinds/sparse/)
   prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (grpo/cp/prefix.py)
   reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
                                                           caller reduces (caller_reduces: the DeepSpeed engine)
@@ -32,12 +32,12 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ds_longstraw.grpo.cp.capture import cp_capture_prefix
-from ds_longstraw.grpo.cp.cp_attention import PagesAttention
-from ds_longstraw.grpo.cp.cp_sparse import SparsePagesAttention, check_sparse, uses_selection
+from ds_longstraw.grpo.cp.kinds import KINDS, LayerKind, kinds_in, unrun
+from ds_longstraw.grpo.cp.kinds.attention.ulysses import check_heads
+from ds_longstraw.grpo.cp.kinds.sparse.selection import check_sparse, uses_selection
 from ds_longstraw.grpo.cp.prefix import cp_prefix_backward
 from ds_longstraw.grpo.cp.prefix_layers import layer_major_prefix_backward
-from ds_longstraw.grpo.cp.spread import SpreadPagesAttention, SpreadSparsePagesAttention, gather_members
-from ds_longstraw.grpo.cp.ulysses import check_heads
+from ds_longstraw.grpo.cp.spread import gather_members
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
 from ds_longstraw.grpo.prefix_pass import prefix_backward
@@ -237,14 +237,11 @@ class ContextParallel:
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
         # Spread: each rank its own members, queries travel to the pages (grpo/cp/spread.py).
-        if uses_selection(adapter.specs):
-            pages = SparsePagesAttention(self.cp, state.pool, adapter, state.length, exact=exact)
-            pages = SpreadSparsePagesAttention(pages) if self.spread else pages
-        else:
-            pages = PagesAttention(self.cp, state.pool, adapter, exact=exact)
-            pages = SpreadPagesAttention(pages) if self.spread else pages
+        kind = paged_kind(adapter.specs)
+        pages = None if kind is None else kind.replay_pages(self.cp, state, adapter, exact, self.spread)
         leaves = PrefixLeaves(carry=carry_leaves(state.carry, exact),
-                              past=ResponsePast({layer: [] for layer in adapter.paged_layers}), stager=pages.stager)
+                              past=ResponsePast({layer: [] for layer in adapter.paged_layers}),
+                              stager=None if pages is None else pages.stager)
         return ReplayView(leaves, pages)
 
     # -- who replays which member ("cp_replay") --------------------------------------------------------------
@@ -317,23 +314,23 @@ class ContextParallel:
                            replayed_members=self.replay_members(group))}
 
 
-# How a layer's work crosses context-parallel ranks (arch/specs.py), as grpo/cp/capture.py runs it.
-CP_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
+def paged_kind(specs: Sequence[LayerState]) -> LayerKind | None:
+    """The one kind whose pages replay attends (every paged layer's; None: no layer keeps pages); ValueError where
+    the paged layers are of several kinds (replay reaches every rank's pages through one view)."""
+    kinds = kinds_in([spec for spec in specs if spec.streams])
+    if len(kinds) > 1:
+        raise ValueError(f"context parallelism replays through one kind of paged layer; these layers' are "
+                         f"{[kind.name for kind in kinds]}")
+    return kinds[0] if kinds else None
 
 
 def check_combines(specs: Sequence[LayerState], cp_size: int) -> None:
-    """ValueError (before any work) when a layer combines across ranks in a way the CP schedule does not run."""
-    missing = sorted({spec.combine for spec in specs} - set(CP_COMBINES))
+    """ValueError (before any work) when a layer combines across ranks in a way no layer kind runs (grpo/cp/kinds/)."""
+    missing = unrun(specs)
     if missing:
         layers = [spec.layer for spec in specs if spec.combine in missing]
         raise ValueError(f"'longstraw.cp_size' = {cp_size}: layers {layers} combine across ranks by {missing}, "
-                         f"which context parallelism does not run yet (it runs {list(CP_COMBINES)}); use cp_size 1")
-
-
-# Where the zigzag layout runs: the capture's ring exchange serves "lse" layers, the scan folds any pieces in prompt
-# order, the global top-k's candidates merge in canonical order wherever their positions lie, and exact mode's
-# prefix pass takes a turn per piece; Ulysses' all-to-all assumes contiguous shards.
-ZIGZAG_COMBINES = ("lse", "affine_scan", "topk_lse", "none")
+                         f"which context parallelism does not run yet (it runs {sorted(KINDS)}); use cp_size 1")
 
 
 def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
@@ -347,7 +344,10 @@ def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
     blockers = []
     if settings.cp_attention != "lse":
         blockers.append(f"cp_attention {settings.cp_attention!r}")
-    combines = sorted({spec.combine for spec in adapter.specs} - set(ZIGZAG_COMBINES))
+    # zigzag: the capture's ring exchange serves attention, the scan folds any pieces in prompt order, the global
+    # top-k's candidates merge in canonical order wherever their positions lie, and exact mode's prefix pass takes a
+    # turn per piece; Ulysses' all-to-all assumes contiguous shards (each rule says: arch/specs.CombineRule)
+    combines = sorted({spec.combine for spec in adapter.specs if not spec.rule.zigzag})
     if combines:
         blockers.append(f"layers that combine by {combines}")
     if settings.cp_layout == "zigzag" and blockers:
@@ -360,19 +360,15 @@ def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
     return settings.cp_layout
 
 
-# The combines the layer-major prefix pass runs (grpo/cp/prefix_layers.py)
-LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
-
-
 def resolve_prefix(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens_per_rank: int | None = None,
                    device_memory: int | None = None) -> str | None:
     """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
     settings.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
     the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
     device); ValueError (before any work) when layer_major is asked for where it does not run."""
-    combines = sorted({spec.combine for spec in adapter.specs} - set(LAYER_MAJOR_COMBINES))
-    scan = any(spec.combine == "affine_scan" for spec in adapter.specs)
-    # a family with "affine_scan" layers declares whether it runs them layer-major (its layer_major_scan)
+    combines = sorted({spec.combine for spec in adapter.specs if not spec.rule.layer_major})
+    scan = any(spec.rule.recurrent for spec in adapter.specs)
+    # a family with recurrent layers declares whether it runs them layer-major (its layer_major_scan)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
         [f"{adapter.family} (no recurrent_scan)"] if scan and not adapter.layer_major_scan else [])
     if settings.cp_prefix == "layer_major" and blockers:
@@ -418,6 +414,7 @@ def check_topology(adapter: CausalLMAdapter, settings: LongstrawConfig, cp_size:
     if cp_size == 1:
         return
     check_combines(adapter.specs, cp_size)
+    paged_kind(adapter.specs)
     resolve_layout(adapter, settings)
     resolve_prefix(adapter, settings)  # its refusals do not depend on the prompt or the device
     check_sparse(adapter.specs, settings, cp_size)

@@ -12,6 +12,7 @@ import os
 import torch
 
 from ds_longstraw.arch import expert_shape, kernel_dims, replay_graph, specs_for_config
+from ds_longstraw.arch.specs import combine_rule
 from ds_longstraw.models.modeling import MODELS_DIR, config_from_shape, parameter_count
 from ds_longstraw.offload.plan import ModelShape, MoEShape
 
@@ -58,7 +59,7 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
         shape.combine_counts[spec.combine] = shape.combine_counts.get(spec.combine, 0) + 1
         if spec.select:
             shape.selecting += (spec.layer,)
-        elif spec.combine == "topk_lse":
+        elif spec.reuses_selection:
             shape.reusing += (spec.layer,)
         labels = set()
         for stream in spec.streams:
@@ -76,6 +77,7 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
         if spec.kept:
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
+    shape.not_layer_major = tuple(sorted(name for name in shape.combine_counts if not combine_rule(name).layer_major))
     shape.params = parameter_count(config) if parameters else 0
     for name, value in kernel_dims(config).items():  # what the kernels' workspaces scale with
         setattr(shape, name, value)

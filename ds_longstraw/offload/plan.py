@@ -25,7 +25,7 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              (layer_major_workspace)
                  gdn scan    (context parallelism) a Gated DeltaNet layer's outputs over the rank's shard, held
                              until the cross-rank exchange gives its initial state ([o(0) | q~], (dv + dk) per
-                             value head and token, the model's dtype; grpo/cp/scan.py), plus the capture
+                             value head and token, the model's dtype; grpo/cp/kinds/scan/capture.py), plus the capture
                              chunk's scratch of that augmented run
   replay graph   one replayed member's autograd graph: the family's bytes per response token (all     GPU
                  layers and the head) times the longest response, plus its per-member state
@@ -99,6 +99,8 @@ class ModelShape:
     kept_layers: int = 0
     layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
     combine_counts: dict = field(default_factory=dict)  # how layers cross CP ranks (the specs' combine) -> layers
+    # the combines among them that exact mode's layer-major prefix pass does not run (arch/specs.CombineRule)
+    not_layer_major: tuple = ()
     params: int = 0
     moe: MoEShape | None = None  # None: no routed experts
     # what the kernels' workspaces scale with (0: the model has no such layer)
@@ -267,8 +269,6 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
     return workspace
 
 
-# The combines the layer-major prefix pass runs (ds_longstraw.grpo.topology.resolve_prefix says the same at run time)
-LAYER_MAJOR_COMBINES = ("lse", "affine_scan", "topk_lse")
 
 
 # "cp_prefix": "auto" runs the layer-major pass where both memories it adds to hold:
@@ -342,7 +342,7 @@ def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "
     and under "auto" where it fits the rule above (topology.resolve_prefix decides the same)."""
     if mode != "exact" or cp < 2 or cp_prefix == "turns":
         return False
-    if not set(shape.combine_counts) <= set(LAYER_MAJOR_COMBINES):
+    if shape.not_layer_major:
         return False
     return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention, every,
                                                           tokens_per_rank, device_memory)
@@ -500,7 +500,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
     if cp_prefix == "layer_major" and mode == "exact" and layout.cp > 1 and not layer_major_prefix(
             shape, layout.cp, mode, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
-                         f"{sorted(set(shape.combine_counts) - set(LAYER_MAJOR_COMBINES))})")
+                         f"{list(shape.not_layer_major)})")
     if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
         raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)

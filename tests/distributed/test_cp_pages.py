@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_longstraw.arch.specs import LayerState, Stream
-from ds_longstraw.grpo.cp.cp_attention import layer_stager, streamed_grads, streamed_partial
+from ds_longstraw.grpo.cp.kinds.attention.ring import layer_stager, streamed_grads, streamed_partial
 from ds_longstraw.grpo.state import PrefixState
 from ds_longstraw.grpo.topology import _scale_injected_
 from ds_longstraw.kernels import partial_attention_reference

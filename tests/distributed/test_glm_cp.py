@@ -32,7 +32,7 @@ from reference import reference_step
 from ds_longstraw import GRPOObjective
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.config import parse_config
-from ds_longstraw.grpo.cp.cp_sparse import selected_rows_attention
+from ds_longstraw.grpo.cp.kinds.sparse.selection import selected_rows_attention
 from ds_longstraw.grpo.topology import check_topology
 from ds_longstraw.kernels import dsa, merge_partials
 from ds_longstraw.kernels.attention import attention_delta

@@ -29,7 +29,7 @@ from ds_longstraw.arch.qwen3_5_scan import (
     identity_summary,
 )
 from ds_longstraw.config import LongstrawConfig
-from ds_longstraw.grpo.cp.cp_attention import capture_move_bytes
+from ds_longstraw.grpo.cp.kinds.attention.ring import capture_move_bytes
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
 from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
 from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visible_prefix
@@ -423,7 +423,7 @@ def test_cp_size_and_group_are_checked_at_the_door():
 def test_auto_scan_holds_outputs_where_they_fit():
     """"cp_scan": "auto" holds the GDN outputs off CUDA, and on CUDA where they take at most SCAN_HOLD_FRACTION of
     the device (the same rule as the planner's scan_holds); explicit settings are obeyed."""
-    from ds_longstraw.grpo.cp.capture import holds_scan_outputs
+    from ds_longstraw.grpo.cp.kinds.scan.capture import holds_scan_outputs
     from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
 
     cpu, cuda, gib = torch.device("cpu"), torch.device("cuda"), 1 << 30

@@ -8,7 +8,7 @@ partial is empty (lse = -inf) or when a query sees no key in any shard.
 import pytest
 import torch
 
-from ds_longstraw.grpo.cp.cp_attention import merge_in_order
+from ds_longstraw.grpo.cp.kinds.attention.ring import merge_in_order
 from ds_longstraw.kernels import (
     merge_partials,
     merge_partials_reference,

@@ -6,6 +6,9 @@
     __init__, imports every room; the root's plain modules - config, group, objective, seeds, sizes - none);
   - offload/ and kernels/ import nothing of ds_longstraw outside themselves (pages, tiers and kernels do not depend
     on the engine: the planner's generic cost model takes a ModelShape, built elsewhere from the specs);
+  - no module but arch/specs.py (the rules' registry) compares a layer's combine rule with a string: the rest ask
+    the registry (arch/specs.CombineRule's facts, grpo/cp/kinds/ for the cross-rank code);
+  - no private name (one leading underscore) is imported across packages;
   - only ds_longstraw/arch/ (and kernels/) names a model family's modules, attributes or layer kinds: the
     transaction, the topologies, the state and the offload tiers read the adapter's layer-state specs;
   - pyproject's package list names every folder of the package and its package-dir mapping is the one here (a
@@ -221,6 +224,55 @@ def test_the_private_import_check_finds_one(tmp_path):
                for folder, name in (("grpo", "transaction"), ("grpo", "replay"), ("tools", "baselines"))}
     assert _private_imports(modules) == [
         "ds_longstraw.tools.baselines: _reference_policy from ds_longstraw.grpo.transaction"]
+
+
+def _combine_comparisons(modules):
+    """'module:line' of every comparison of a layer's combine rule (a `.combine` attribute, or a `combine` name)
+    with a string literal, a literal collection of them, or an ALL_CAPS constant, outside arch/specs.py (the rules'
+    registry): everything else asks the registry (arch/specs.CombineRule's facts, grpo/cp/kinds' kind_of)."""
+
+    def is_combine(node):
+        return (isinstance(node, ast.Attribute) and node.attr == "combine") or (
+            isinstance(node, ast.Name) and node.id.lower() == "combine")
+
+    def is_literal(node):
+        if isinstance(node, ast.Constant):
+            return isinstance(node.value, str)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(is_literal(item) for item in node.elts)
+        return isinstance(node, ast.Name) and node.id.isupper()
+
+    found = []
+    for module, (path, _) in modules.items():
+        if module == "ds_longstraw.arch.specs":
+            continue
+        with open(path) as handle:
+            tree = ast.parse(handle.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+                if any(is_combine(o) for o in operands) and any(is_literal(o) for o in operands):
+                    found.append(f"{module}:{node.lineno}")
+    return sorted(found)
+
+
+def test_no_combine_rule_is_compared_outside_its_registry():
+    assert _combine_comparisons(_modules()) == []
+
+
+def test_the_combine_check_finds_string_comparisons(tmp_path):
+    """The violations this replaced (grpo/cp/capture.py's if/elif chain, topology's tuples, cp_sparse's constant),
+    and what stays allowed (a setting that shares a rule's name, the registry's own facts)."""
+    path = tmp_path / "capture.py"
+    path.write_text(
+        'if spec.combine == "lse":\n    pass\n'  # line 1
+        'ok = spec.combine in ("lse", "topk_lse")\n'  # line 3
+        'ok = any(spec.combine == COMBINE for spec in specs)\n'  # line 4
+        'ok = settings.cp_attention == "lse"\n'  # a setting, not a rule
+        'ok = spec.rule.layer_major and kind_of(spec) is not None\n'
+        'ok = spec.combine in missing\n')  # a list the registry computed
+    assert _combine_comparisons({"ds_longstraw.grpo.cp.capture": (str(path), False)}) == [
+        "ds_longstraw.grpo.cp.capture:1", "ds_longstraw.grpo.cp.capture:3", "ds_longstraw.grpo.cp.capture:4"]
 
 
 def test_offload_and_kernels_stand_alone():

@@ -4,14 +4,14 @@ Rank r owns pieces of prompt[:-1] (`groups.shard_pieces`: one contiguous shard, 
 r and 2N-1-r of 2N), kept in prompt order as its local tokens. Layer l+1's input on rank r depends on layer l's
 output there, and for a recurrent layer that output depends on every earlier segment's layer-l carry, so capture
 walks the layers in order and, per layer, all ranks exchange what crosses the rank boundaries before anyone moves
-on, as the layer's spec says (arch/specs.py, `combine`):
-  "affine_scan"  scan.py: segment summaries all-gathered and folded in prompt order (the family's own math, the
+on, as the layer's kind does it (grpo/cp/kinds/, found by the spec's `combine`):
+  "affine_scan"  kinds/scan/: segment summaries all-gathered and folded in prompt order (the family's own math, the
                  adapter's recurrent_scan(layer); qwen3_5: arch/qwen3_5_scan.py);
-  "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (cp_attention.py:
+  "lse"          this rank's rows go onto its own pages; queries meet the other ranks' earlier pages (kinds/attention/:
                  in turns for contiguous shards, all ranks at once in a ring for zigzag ones), or, with
-                 cp_attention="ulysses", a head/sequence all-to-all (ulysses.py);
+                 cp_attention="ulysses", a head/sequence all-to-all (kinds/attention/ulysses.py);
   "topk_lse"     this rank's rows go onto its own pages; its queries' global top-k selection gathers the earlier
-                 ranks' candidates and the selected rows' partials come back from their owners (cp_sparse.py); a
+                 ranks' candidates and the selected rows' partials come back from their owners (kinds/sparse/); a
                  layer that selects nothing reuses the last selection.
 Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
 what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's pages of all
@@ -27,10 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_longstraw.grpo.cp.cp_attention import capture_attention_layer
-from ds_longstraw.grpo.cp.cp_sparse import capture_sparse_layer
-from ds_longstraw.grpo.cp.scan import capture_scan_layer
-from ds_longstraw.grpo.cp.ulysses import ulysses_attention_layer
+from ds_longstraw.grpo.cp.kinds import CaptureFrame, kind_of, kinds_in
 from ds_longstraw.grpo.lockstep import Schedule, ShardChunks
 from ds_longstraw.grpo.state import (
     INPUT_STREAM,
@@ -41,8 +38,7 @@ from ds_longstraw.grpo.state import (
     open_prefix_state,
     selection_bases,
 )
-from ds_longstraw.offload.plan import holds_scan
-from ds_longstraw.parallel.groups import contiguous_bounds, local_spans, local_tokens
+from ds_longstraw.parallel.groups import local_spans, local_tokens
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -73,72 +69,45 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settin
                               offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
                               keep_inputs=keep_inputs)
     try:
-        _capture_layers(adapter, ids, tokens, settings, cp, pieces, state, progress, schedule or Schedule())
+        _capture_layers(adapter, ids, settings, cp, pieces, state, progress, schedule or Schedule())
     except BaseException:
         state.release()  # page files of a host/NVMe tier go on error as on success
         raise
     return state
 
 
-def holds_scan_outputs(settings: LongstrawConfig, held_bytes: int, device: torch.device,
-                       device_total: int | None = None) -> bool:
-    """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
-    `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
-    the device when device_total is None; off CUDA nothing bounds them)."""
-    if settings.cp_scan == "auto" and device.type == "cuda" and device_total is None:
-        device_total = torch.cuda.get_device_properties(device).total_memory
-    return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
-
-
-def _capture_layers(adapter: CausalLMAdapter, ids: torch.Tensor, tokens: int, settings: LongstrawConfig, cp: CPContext,
+def _capture_layers(adapter: CausalLMAdapter, ids: torch.Tensor, settings: LongstrawConfig, cp: CPContext,
                     pieces: Sequence[Sequence[tuple[int, int]]], state: PrefixState,
                     progress: Callable[[int], Any] | None, schedule: Schedule) -> None:
-    """Fill `state` (its pages, boundaries and final carry) layer by layer."""
-    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
-    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
-    spans = local_spans(pieces[cp.rank], chunk)  # [(a, b, prompt position of a)], never across two pieces
-    chunks = schedule.chunks(spans)  # the spans, then the lockstep's dummy chunks
-    bounds = contiguous_bounds(pieces)  # None unless contiguous (Ulysses needs them)
-    boundaries = [ChunkBoundary(a, b, {}, position) for a, b, position in spans] if checkpoints is not None else None
-    final_carry = {}
-    selection = None  # the shard's last top-k selection ("topk_lse" layers that select nothing reuse it)
-    # decided from the largest shard, so every rank decides alike (the module calls differ between the two)
-    largest = max(sum(hi - lo for lo, hi in own) for own in pieces)
-    hold = any(spec.combine == "affine_scan" for spec in adapter.specs) and holds_scan_outputs(
-        settings, adapter.scan_output_bytes(largest), adapter.device)
-    bases = ({layer: adapter.sparse_geometry(layer).topk
-              for layer in selection_bases(adapter.specs, settings.prefix_inputs_every)}
+    """Fill `state` (its pages, boundaries and final carry) layer by layer, each by its kind (grpo/cp/kinds/)."""
+    spans = local_spans(pieces[cp.rank], settings.segment_tokens)  # [(a, b, prompt position of a)]
+    frame = CaptureFrame(
+        adapter, settings, cp, pieces, chunks=schedule.chunks(spans),  # the spans, then the lockstep's dummy chunks
+        state=state, largest=max(sum(hi - lo for lo, hi in own) for own in pieces),
+        boundaries=[ChunkBoundary(a, b, {}, position) for a, b, position in spans]
+        if state.checkpoints is not None else None)
+    for kind in kinds_in(adapter.specs):
+        kind.begin_capture(frame)
+    every = settings.prefix_inputs_every
+    bases = ({layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
              if state.input_pool is not None else {})
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
             index = spec.layer
-            if state.input_pool is not None and index % settings.prefix_inputs_every == 0:
+            if state.input_pool is not None and index % every == 0:
                 state.input_pool.append(index, INPUT_STREAM, hidden[0])
                 if index in bases:  # the selection this base reuses, made in a group below
-                    state.input_pool.append(index, SELECTION_STREAM, encode_selection(*selection, bases[index]))
+                    state.input_pool.append(index, SELECTION_STREAM, encode_selection(*frame.selection, bases[index]))
             normed = adapter.mixer_input(index, hidden)
-            if spec.combine == "affine_scan":
-                mixed, final_carry[index] = capture_scan_layer(adapter.recurrent_scan(index), normed, chunks, cp,
-                                                               pieces, boundaries, index, checkpoints=checkpoints,
-                                                               hold=hold)
-            elif spec.combine == "lse" and settings.cp_attention == "ulysses":
-                mixed = ulysses_attention_layer(adapter, spec, normed, chunks, cp, bounds, pool, chunk,
-                                                kept_pool=kept_pool)
-            elif spec.combine == "lse":
-                mixed = capture_attention_layer(adapter, spec, normed, chunks, cp, pieces, pool, chunk,
-                                                kept_pool=kept_pool)
-            elif spec.combine == "topk_lse":
-                mixed, selection = capture_sparse_layer(adapter, spec, normed, chunks, cp, pieces, pool, selection)
-            else:
-                raise NotImplementedError(f"layer {index}: combine {spec.combine!r} under context parallelism")
+            mixed = kind_of(spec).capture(frame, spec, normed)
             del normed
-            hidden = mlp_over_chunks(adapter, index, hidden + mixed, chunks)
+            hidden = mlp_over_chunks(adapter, index, hidden + mixed, frame.chunks)
             del mixed
             if progress is not None:
                 progress(index)
     state.flush()  # the last partial pages too: after capture every page is on its tier
-    state.carry, state.boundaries = final_carry, boundaries or []
+    state.carry, state.boundaries = frame.final_carry, frame.boundaries or []
 
 
 def mlp_over_chunks(adapter: CausalLMAdapter, layer: int, hidden_1TC: torch.Tensor,

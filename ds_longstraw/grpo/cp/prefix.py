@@ -28,7 +28,7 @@ gathers, forward and backward.
 
 The last segment's d(final carry) is the replay's gradient of the prompt's final state (every rank has it).
 Messages are point-to-point within the CP group; a request is an int64 header [op, layer, queries]. A "topk_lse"
-layer's requests (cp_sparse.py) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
+layer's requests (kinds/sparse/) are SELECT (the selection's candidates), then FORWARD and BACKWARD of the selected
 rows' partial; their payloads are cp_sparse's request_* / answer_*.
 """
 
@@ -39,20 +39,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ds_longstraw.grpo.cp.cp_attention import (
-    _acc,
+from ds_longstraw.grpo.cp.kinds.attention.ring import (
+    accumulation_dtype,
     attention_delta,
     layer_stager,
     merge_in_order,
     remote_pages_attention,
-    streamed_grads,
-    streamed_partial,
 )
-from ds_longstraw.grpo.cp.cp_sparse import (
+from ds_longstraw.grpo.cp.kinds.base import BACKWARD, DONE, FORWARD, SELECT, PageRequest, kind_of
+from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     OwnRows,
-    answer_candidates,
-    answer_grads,
-    answer_partial,
     empty_partial,
     merge_partials_as,
     request_candidates,
@@ -74,7 +70,6 @@ if TYPE_CHECKING:
     from ds_longstraw.offload.tiered import TieredPagePool
     from ds_longstraw.parallel.groups import CPContext
 
-FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
 
 class RemotePages:
@@ -177,7 +172,7 @@ class RemoteKeys:
         self.q = q_HTD
 
     def collect_forward(self) -> Partial:
-        cp, q_HTD, acc = self.pages.cp, self.q, _acc(self.q.dtype)
+        cp, q_HTD, acc = self.pages.cp, self.q, accumulation_dtype(self.q.dtype)
         partials = [(q_HTD.new_zeros(q_HTD.shape),
                      torch.full(q_HTD.shape[:2], float("-inf"), dtype=acc, device=q_HTD.device))]
         for i in self.pages.servers:
@@ -189,7 +184,7 @@ class RemoteKeys:
 
     def post_backward(self, q_HTD: torch.Tensor, out_HTD: torch.Tensor, lse_HT: torch.Tensor, dout_HTD: torch.Tensor,
                       dlse_HT: torch.Tensor | None) -> None:
-        pages, acc = self.pages, _acc(q_HTD.dtype)
+        pages, acc = self.pages, accumulation_dtype(q_HTD.dtype)
         delta_HT = attention_delta(out_HTD, dout_HTD, dlse_HT)
         pages._header(BACKWARD, self.layer, q_HTD.shape[1], q_HTD.device)
         for i in pages.servers:
@@ -206,35 +201,13 @@ class RemoteKeys:
         return dq
 
 
-def _answer(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, chunk: int, op: int, layer: int,
-            tq: int, end: int | None = None) -> None:
-    """Answer one request of `owner` (its header already read) against this rank's pages [0, end) (None: all;
-    the keys the owner's piece sees), streamed from its tier page by page through `stager` (dK/dV go to the
-    gradient pages page by page)."""
-    spec = adapter.specs[layer]
-    if spec.combine == "topk_lse":  # the selection's requests (cp_sparse.py)
-        answer = {SELECT: answer_candidates, FORWARD: answer_partial, BACKWARD: answer_grads}.get(op)
-        if answer is None:
-            raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
-        if op == SELECT:  # every key of [0, end) precedes the owner's piece
-            return answer_candidates(cp, owner, adapter, stager, spec, [(tq, end)])
-        return answer(cp, owner, adapter, stager, spec, tq)
-    heads, _, dim = adapter.attention_geometry()
-    dtype, device = adapter.dtype, adapter.device
-    acc = _acc(dtype)
-    scale = adapter.attention_scale(layer)
-    q = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_q", device=device)
-    if op == FORWARD:
-        out, lse = streamed_partial(stager, spec, q, scale, end=end, query_chunk=chunk)
-        cp.send(out, owner)
-        cp.send(lse.to(acc), owner)
-    elif op == BACKWARD:
-        dout = cp.recv((heads, tq, dim), dtype, owner, layer, "prefix_dout", device=device)
-        lse, delta = cp.recv((2, heads, tq), acc, owner, layer, "prefix_lse_delta", device=device)
-        dq = streamed_grads(stager, spec, q, lse, dout, delta, scale, stager.pool, end=end)
-        cp.send(dq, owner)
-    else:
-        raise RuntimeError(f"rank {cp.rank}: unknown request {op} from rank {owner}")
+def _answer(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, chunk: int, header: tuple[int, ...],
+            end: int | None = None) -> None:
+    """Answer one request of `owner` (its header (op, layer, query tokens) already read) against this rank's pages
+    [0, end) (None: all; the keys the owner's piece sees), by the layer's kind, streamed from its tier page by page
+    through `stager` (dK/dV go to the gradient pages page by page)."""
+    op, layer, tokens = header
+    kind_of(adapter.specs[layer]).answer(cp, adapter, stager, chunk, PageRequest(owner, op, layer, tokens, end))
 
 
 def _read_header(cp: CPContext, owner: int, device: torch.device) -> tuple[int, ...]:
@@ -247,10 +220,10 @@ def serve(cp: CPContext, owner: int, adapter: CausalLMAdapter, pool: PagePool | 
     stager = layer_stager(pool, adapter.specs)
     try:
         while True:
-            op, layer, tq = _read_header(cp, owner, adapter.device)
-            if op == DONE:
+            header = _read_header(cp, owner, adapter.device)
+            if header[0] == DONE:
                 return
-            _answer(cp, owner, adapter, stager, chunk, op, layer, tq, end)
+            _answer(cp, owner, adapter, stager, chunk, header, end)
     finally:
         stager.close()
 
@@ -275,12 +248,13 @@ class PageServer:
         self.visible = visible  # this rank's pages [0, visible) are what the owner's piece sees (None: all)
 
     def answer(self, expected_op: int, expected_layer: int) -> None:
-        op, layer, tq = _read_header(self.cp, self.owner, self.adapter.device)
+        header = _read_header(self.cp, self.owner, self.adapter.device)
+        op, layer, _ = header
         if (op, layer) != (expected_op, expected_layer):
             raise RuntimeError(f"rank {self.cp.rank}: expected request {(expected_op, expected_layer)} from rank "
                                f"{self.owner}, got {(op, layer)}: the ranks' prefix-pass module calls diverged")
         if op != DONE:
-            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, op, layer, tq, self.visible)
+            _answer(self.cp, self.owner, self.adapter, self.stager, self.chunk, header, self.visible)
 
     def close(self) -> None:
         self.stager.close()
@@ -305,7 +279,7 @@ class _AnswerOwner(torch.autograd.Function):
         if not server.kept:
             server.answer(FORWARD, layer)
         ctx.server, ctx.layer = server, layer
-        empty = torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+        empty = torch.full(q_HTD.shape[:2], float("-inf"), dtype=accumulation_dtype(q_HTD.dtype), device=q_HTD.device)
         return q_HTD.new_zeros(q_HTD.shape), empty  # an empty partial: the dummy's own output is unchanged
 
     @staticmethod

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from ds_longstraw.grpo.cp.cp_attention import _acc, _pages_KTD, finish_dummies, project_chunks
+from ds_longstraw.grpo.cp.kinds.attention.ring import _pages_KTD, accumulation_dtype, finish_dummies, project_chunks
 from ds_longstraw.grpo.state import keep_segment_attention
 from ds_longstraw.kernels import partial_attention
 
@@ -122,7 +122,7 @@ def ulysses_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1
     parts = _all_to_all(cp, send, [(per_rank, sizes[cp.rank], dim)] * size, dtype, layer, "ulysses_out")
     out_HTD = torch.cat(parts, 0)
     if kept_pool is not None:
-        lse_all = torch.cat(lses, 1) if lses else out_all.new_zeros(per_rank, 0, dtype=_acc(dtype))
+        lse_all = torch.cat(lses, 1) if lses else out_all.new_zeros(per_rank, 0, dtype=accumulation_dtype(dtype))
         lse_parts = _all_to_all(cp, [lse_all[:, lo:hi] for lo, hi in bounds], [(per_rank, sizes[cp.rank])] * size,
                                 lse_all.dtype, layer, "ulysses_lse")
         lse_HT = torch.cat(lse_parts, 0)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ds_longstraw.arch.base import grad_leaf, grad_of, inject_gradients
-from ds_longstraw.grpo.cp.cp_sparse import (
+from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     _cat,
     answer_grads,
     collect_grads,

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from ds_longstraw.grpo.cp.cp_attention import merge_in_order, page_runs
+from ds_longstraw.grpo.cp.kinds.attention.ring import merge_in_order, page_runs
 from ds_longstraw.grpo.state import append_rows, decode_selection, encode_selection
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import Stager
@@ -79,12 +79,12 @@ CANDIDATE_BLOCK = 4096
 
 def uses_selection(specs: Iterable[LayerState]) -> bool:
     """Whether any layer combines across ranks by a global top-k."""
-    return any(spec.combine == COMBINE for spec in specs)
+    return any(spec.rule.selects for spec in specs)
 
 
 def check_sparse(specs: Iterable[LayerState], settings: LongstrawConfig, cp_size: int) -> None:
     """ValueError (before any work) for what the "topk_lse" combine does not run under context parallelism."""
-    layers = [spec.layer for spec in specs if spec.combine == COMBINE]
+    layers = [spec.layer for spec in specs if spec.rule.selects]
     if not layers:
         return
     where = f"under 'longstraw.cp_size' = {cp_size}, layers {layers} attend a global top-k selection ({COMBINE!r})"
@@ -154,7 +154,7 @@ def merge_rank_candidates(adapter: CausalLMAdapter, scores: Sequence[torch.Tenso
 
 def row_stager(pool: PagePool | TieredPagePool, specs: Iterable[LayerState], wrap: bool = False) -> Stager:
     """A stager over the rows that "topk_lse" layers attend (the streams their selection does not score)."""
-    return Stager(pool, {spec.layer: spec.row_names for spec in specs if spec.combine == COMBINE and spec.streams},
+    return Stager(pool, {spec.layer: spec.row_names for spec in specs if spec.rule.selects and spec.streams},
                   wrap=wrap)
 
 

@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from ds_longstraw.parallel.groups import CPContext, Landing
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -61,7 +61,7 @@ def empty_partial(q_HTD: torch.Tensor, value_dim: int | None = None) -> Partial:
     """(out, lse) of a query block over no keys: out = 0, lse = -inf."""
     d = q_HTD.shape[-1] if value_dim is None else value_dim
     return (q_HTD.new_zeros(q_HTD.shape[:2] + (d,)),
-            torch.full(q_HTD.shape[:2], float("-inf"), dtype=_acc(q_HTD.dtype), device=q_HTD.device))
+            torch.full(q_HTD.shape[:2], float("-inf"), dtype=accumulation_dtype(q_HTD.dtype), device=q_HTD.device))
 
 
 def merge_in_order(partials: Sequence[Partial]) -> Partial:
@@ -70,6 +70,14 @@ def merge_in_order(partials: Sequence[Partial]) -> Partial:
     for o2, l2 in partials[1:]:
         out, lse = merge_partials(out, lse, o2, l2.to(lse.dtype))
     return out, lse
+
+
+def sum_in_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parts summed left to right (every rank the same order, hence the same bits)."""
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
 
 
 def chunked_partial(q_HTD: torch.Tensor, k_KTD: torch.Tensor, v_KTD: torch.Tensor, scale: float, chunk: int) -> Partial:
@@ -139,7 +147,7 @@ def streamed_grads(stager: Stager, spec: LayerState, q_HTD: torch.Tensor, lse_HT
     """The share of this rank's pages [0, end) (None: all) of dq for a merged attention (given the MERGED lse and
     delta), page by page through `stager`; with `pool`, each page's dK/dV is added to its gradient pages as it is
     computed."""
-    dq = torch.zeros(q_HTD.shape, dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+    dq = torch.zeros(q_HTD.shape, dtype=accumulation_dtype(q_HTD.dtype), device=q_HTD.device)
     for lo, _, pages in stager.stream(spec.layer, 0, end):
         k_KTD, v_KTD = (pages[name].transpose(0, 1) for name in spec.stream_names)
         # this page's share given the MERGED lse and delta (the ring-attention form)
@@ -156,7 +164,7 @@ def streamed_key_grads(stager: Stager, spec: LayerState, q_HTD: torch.Tensor, ou
     """streamed_grads' fast twin: the same share of dq and the same dK/dV onto the gradient pages of this rank's
     pages [0, end), from the MERGED out (not delta), over blocks of up to KEY_BLOCK consecutive keys through the
     kernels' dispatch (flash on CUDA, the fused CPU kernel) instead of the plain blockwise loop page by page."""
-    dq = torch.zeros(q_HTD.shape, dtype=_acc(q_HTD.dtype), device=q_HTD.device)
+    dq = torch.zeros(q_HTD.shape, dtype=accumulation_dtype(q_HTD.dtype), device=q_HTD.device)
     start = 0
     for k_KTD, v_KTD in _key_blocks(stager.stream(spec.layer, 0, end), spec.stream_names):
         share, dk, dv = key_set_grads(q_HTD, k_KTD, v_KTD, out_HTD, lse_HT, dout_HTD, scale)
@@ -239,7 +247,7 @@ def _capture_q_move(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: La
     layer = spec.layer
     sizes = [hi - lo for lo, hi in bounds]
     heads, _, dim = q_HTD.shape
-    acc = _acc(q_HTD.dtype)
+    acc = accumulation_dtype(q_HTD.dtype)
     result = empty_partial(q_HTD)
     for j in range(1, cp.size):
         servers = [i for i in range(j) if sizes[i]]
@@ -270,7 +278,7 @@ def capture_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, s
     if move == "auto":
         elem = q_HTD.element_size()
         cost = capture_move_bytes(bounds, q_HTD.shape[0], spec.streams[0].shape[0], q_HTD.shape[-1], elem,
-                                  torch.finfo(_acc(q_HTD.dtype)).bits // 8)
+                                  torch.finfo(accumulation_dtype(q_HTD.dtype)).bits // 8)
         move = "kv" if cost["kv"] <= cost["q"] else "q"
     cp.decisions[(cp.phase_name, spec.layer)] = move
     mover = _capture_kv_move if move == "kv" else _capture_q_move
@@ -519,7 +527,7 @@ class PagesAttention:
     def own_partial(self, layer: int, q_HTD: torch.Tensor) -> Partial:
         """(out, lse) of the queries over this rank's pages, the lse in the accumulation dtype."""
         out, lse = streamed_partial(self.stager, self.specs[layer], q_HTD, self.adapter.attention_scale(layer))
-        return out, lse.to(_acc(q_HTD.dtype))
+        return out, lse.to(accumulation_dtype(q_HTD.dtype))
 
     def own_grads(self, layer: int, q_HTD: torch.Tensor, lse: torch.Tensor, dout_HTD: torch.Tensor,
                   delta: torch.Tensor) -> torch.Tensor:

@@ -45,15 +45,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_longstraw.offload.plan import holds_scan
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
 if TYPE_CHECKING:
+    from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.grpo.interfaces import RecurrentScan
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import CarryCheckpoints, ChunkBoundary, PooledCarryCheckpoints
     from ds_longstraw.parallel.groups import CPContext
 
 Pieces = Sequence[Sequence[tuple[int, int]]]  # every rank's pieces of the prompt (groups.shard_pieces)
+
+
+def holds_scan_outputs(settings: LongstrawConfig, held_bytes: int, device: torch.device,
+                       device_total: int | None = None) -> bool:
+    """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
+    `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
+    the device when device_total is None; off CUDA nothing bounds them)."""
+    if settings.cp_scan == "auto" and device.type == "cuda" and device_total is None:
+        device_total = torch.cuda.get_device_properties(device).total_memory
+    return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
 def capture_scan_layer(scan: RecurrentScan, normed_1TC: torch.Tensor, chunks: ShardChunks, cp: CPContext,

@@ -1,0 +1,180 @@
+"""A layer kind: how one way of combining across context-parallel ranks runs (arch/specs.CombineRule names it).
+
+capture (grpo/cp/capture.py), exact mode's layer-major prefix pass (grpo/cp/prefix_layers.py), the turns' page
+server (grpo/cp/prefix.py) and replay (grpo/topology.py) loop over the model's layers and ask each layer's kind,
+found by its spec's `combine` in KINDS; none of them names a kind. A new layer kind is one folder beside attention/,
+scan/ and sparse/ whose LayerKind is registered under its rule's name (register_kind), with its CombineRule
+registered in arch/specs.py's COMBINE_RULES (what the planner and the topology decide by before any module runs).
+
+Frames carry what every layer's step reads, so a kind's methods take (frame, spec, ...) and nothing loose:
+  CaptureFrame      one rank's capture of one prompt: its shard, its chunks, the state it fills, and what a layer
+                    hands the next (the final carries, the last top-k selection)
+  LayerMajorFrame   one rank's layer-major prefix pass: the same shard, the captured state, the backward hook
+  PageRequest       one request of a turn's owner to a rank that holds pages it sees (the turns' schedule)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_longstraw.arch.specs import combine_rule
+
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.lockstep import ShardChunks
+    from ds_longstraw.grpo.state import ChunkBoundary, PrefixState
+    from ds_longstraw.offload import Stager
+    from ds_longstraw.parallel.groups import CPContext
+
+Pieces = Sequence[Sequence[tuple[int, int]]]  # each rank's pieces of the prompt, (start, end) in prompt order
+Selection = tuple[torch.Tensor, torch.Tensor]  # (positions, valid) of a top-k selection
+
+# The turns' requests (a header of (op, layer, query tokens) travels first)
+FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
+
+
+@dataclass
+class CaptureFrame:
+    """One rank's capture of one prompt, as every layer's kind reads it. chunk: the prefix pass's autograd segment
+    (exact mode), the span the capture's exchanges run in; largest: the largest shard's tokens (every rank decides
+    alike from it); boundaries: exact mode's per-chunk checkpoints (None in detached mode). A kind writes what the
+    layers above read: final_carry (layer -> the prompt's final carry), selection (the last top-k selection), and
+    any decision of its own made in begin_capture (say `hold`: the scan's outputs kept between its two halves)."""
+
+    adapter: CausalLMAdapter
+    settings: LongstrawConfig
+    cp: CPContext
+    pieces: Pieces
+    chunks: ShardChunks
+    state: PrefixState
+    boundaries: list[ChunkBoundary] | None
+    largest: int
+    final_carry: dict[int, Any] = field(default_factory=dict)
+    selection: Selection | None = None
+    hold: bool = False
+
+    @property
+    def chunk(self) -> int:
+        return self.settings.segment_tokens
+
+
+@dataclass
+class LayerMajorFrame:
+    """One rank's layer-major prefix pass (exact mode under CP): the shard, the captured state, the backward hook,
+    the selections "topk_lse" layers attend (prefix_sparse.Selections, None where no layer selects) and d(the
+    prompt's final carry) per layer."""
+
+    adapter: CausalLMAdapter
+    settings: LongstrawConfig
+    cp: CPContext
+    pieces: Pieces
+    chunks: ShardChunks
+    state: PrefixState
+    backward: Callable[[torch.Tensor], Any] | None
+    selections: Any
+    d_final_carry: Mapping[int, Sequence[torch.Tensor]]
+
+    @property
+    def chunk(self) -> int:
+        return self.settings.segment_tokens
+
+
+@dataclass(frozen=True)
+class PageRequest:
+    """A turn owner's request (its header already read) to a rank whose pages [0, end) it sees (None: all)."""
+
+    owner: int
+    op: int
+    layer: int
+    tokens: int
+    end: int | None
+
+
+class LayerKind:
+    """The cross-rank behaviour of one combine rule. Each method runs one layer of one phase over this rank's
+    shard; a phase a kind does not run raises NotImplementedError naming the layer (the topology's checks refuse
+    such a model before any work: arch/specs.CombineRule)."""
+
+    name = ""
+
+    def begin_capture(self, frame: CaptureFrame) -> None:
+        """Once before the capture's first layer, where the model has layers of this kind."""
+
+    def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
+        """The layer's mixer output [1, T, C] over the shard from its normed input, its state onto the pages."""
+        raise self._not_run(spec, "the capture")
+
+    def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
+                selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:
+        """(The mixer output per chunk, the last selection): the capture's forward again, no graph, reading what
+        the capture kept (the layer-major pass recomputing a group's inputs)."""
+        raise self._not_run(spec, "the layer-major prefix pass")
+
+    def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                 d_hidden: torch.Tensor) -> torch.Tensor:
+        """d(layer input) [1, T, C] from d(layer output); parameter gradients accumulate."""
+        raise self._not_run(spec, "the layer-major prefix pass")
+
+    def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
+               request: PageRequest) -> None:
+        """Answer a turn owner's request against this rank's pages (the turns' schedule, grpo/cp/prefix.py)."""
+        raise RuntimeError(f"rank {cp.rank}: layer {request.layer} ({self.name!r}) takes no page requests "
+                           f"(request {request.op} from rank {request.owner})")
+
+    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, exact: bool,
+                     spread: bool) -> Any:
+        """The remote_attention replay and scoring reach every rank's pages of this kind through (interfaces.py's
+        RemoteAttention or RemoteSelection); spread: each rank replays its own members (grpo/cp/spread.py)."""
+        raise NotImplementedError(f"{self.name!r} layers keep no pages that replay attends")
+
+    def _not_run(self, spec: LayerState, phase: str) -> NotImplementedError:
+        return NotImplementedError(f"layer {spec.layer}: combine {spec.combine!r} does not run in {phase}")
+
+
+# combine rule name -> its kind
+KINDS: dict[str, LayerKind] = {}
+
+
+def register_kind(kind: LayerKind) -> LayerKind:
+    """Register `kind` under its name, which must be a registered arch/specs.CombineRule (ValueError otherwise, and
+    where another kind has the name)."""
+    combine_rule(kind.name)
+    if KINDS.get(kind.name, kind) is not kind:
+        raise ValueError(f"layer kind {kind.name!r} is already registered ({type(KINDS[kind.name]).__name__})")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def unregister_kind(name: str) -> None:
+    """Remove the kind called `name` (a test's own kind, after the test)."""
+    KINDS.pop(name, None)
+
+
+def kind_of(spec: LayerState) -> LayerKind:
+    """The kind of the layer; ValueError naming the layer where its combine has none registered."""
+    kind = KINDS.get(spec.combine)
+    if kind is None:
+        raise ValueError(f"layer {spec.layer}: combine {spec.combine!r} has no layer kind under context parallelism "
+                         f"(registered: {sorted(KINDS)})")
+    return kind
+
+
+def kinds_in(specs: Sequence[LayerState]) -> list[LayerKind]:
+    """The distinct kinds of `specs`, in the order their first layers come."""
+    out = []
+    for spec in specs:
+        kind = kind_of(spec)
+        if kind not in out:
+            out.append(kind)
+    return out
+
+
+def unrun(specs: Sequence[LayerState]) -> list[str]:
+    """The combine rules of `specs` that have no layer kind (context parallelism does not run them)."""
+    return sorted({spec.combine for spec in specs} - set(KINDS))
