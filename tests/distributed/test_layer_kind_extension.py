@@ -29,7 +29,7 @@ TOL = 1e-8
 MODEL = dict(layers=5, layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
                                     "linear_attention"])
 CASES = [
-    # layer-major prefix pass; every 3rd layer's input kept, layers 1 and 3 forwarded by the kind to recompute the inputs of 2 and 4
+    # layer-major prefix pass; every 3rd layer's input kept: the kind forwards layers 1 and 3 to recompute 2's and 4's
     dict(name="kind-layer-major", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
          prefix="layer_major", inputs_every=3, model=MODEL),
     # the turns (the kind answers the page requests) with each rank replaying its own members (its spread view)
