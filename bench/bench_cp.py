@@ -37,7 +37,7 @@ if ROOT not in sys.path:
 
 
 def build_model(layers, seed=0, family="qwen"):
-    from ds_longstraw.models.shapes import build_model as build
+    from ds_longstraw.models.shapes import build_named as build
 
     if family == "glm":  # the "small-glm" shape (8 MLA + DSA layers, top-512 selection, 8 experts), as it is
         return build("small-glm", seed=seed, vocab_size=512)

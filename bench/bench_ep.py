@@ -140,11 +140,11 @@ def rank_main(args):
     import ds_longstraw
     from ds_longstraw.arch.glm_moe_dsa_experts import moe_blocks
     from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
-    model = build_model("small-glm", dtype=torch.float32, seed=0)  # the same weights on every rank
+    model = build_named("small-glm", dtype=torch.float32, seed=0)  # the same weights on every rank
     kinds = {}
     for block in moe_blocks(model):
         for name, param in block.named_parameters():
@@ -211,11 +211,11 @@ def planner_figures(ep_size, prompt):
     """The planner's MoE figures for this shape on 2 ranks, at 4 B per weight and activation (float32)."""
     from ds_longstraw.models.model_shape import shape_from_config
     from ds_longstraw.models.modeling import MODELS_DIR, load_shape
-    from ds_longstraw.offload.plan import Layout, captured_tokens_per_rank, moe_figures
+    from ds_longstraw.offload.plan import Cluster, captured_tokens_per_rank, moe_figures
 
     shape = shape_from_config("small-glm", load_shape(MODELS_DIR / "small_glm_moe_dsa.yaml"), 4)
-    layout = Layout(gpus=2, cp=1, ep=ep_size, weight_bytes=4.0)
-    return moe_figures(shape, layout, captured_tokens_per_rank(prompt, 1), 4096)
+    cluster = Cluster(gpus=2, cp=1, ep=ep_size, weight_bytes=4.0)
+    return moe_figures(shape, cluster, captured_tokens_per_rank(prompt, 1), 4096)
 
 
 def _mib(n):

@@ -46,7 +46,7 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
     from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak
     from ds_longstraw.grpo.transaction import grpo_backward
     from ds_longstraw.kernels import VOCAB_CHUNK
-    from ds_longstraw.models.shapes import build_model, synthetic_group
+    from ds_longstraw.models.shapes import build_named, synthetic_group
     from ds_longstraw.objective import GRPOObjective
 
     require_host_peaks("bench_logprobs")
@@ -56,7 +56,7 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
         from ds_longstraw.kernels.logprobs import chunked as logprobs
 
         logprobs._frozen_head = lambda *tensors: False
-    model = build_model("small", dtype=torch.float32, seed=seed, vocab_size=vocab)
+    model = build_named("small", dtype=torch.float32, seed=seed, vocab_size=vocab)
     model.lm_head.weight.requires_grad_(head == "trained")
     group = synthetic_group(prompt, group_size, response, vocab, seed=seed)
     config = {"prefix_grad": "detached", "capture_chunk": 4096, "replay_block": replay_block}

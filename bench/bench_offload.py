@@ -145,13 +145,13 @@ def _peak_child(args):
     """One GRPO group in this (fresh) process; prints JSON with VmHWM and the retained bytes."""
     from ds_longstraw import GRPOGroup, grpo_backward
     from ds_longstraw.grpo.memory import host_peak_bytes, require_host_peaks, reset_host_peak
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
 
     require_host_peaks("bench_offload's peak run")  # reset_host_peak below raises where clear_refs is not writable
 
     # The "small" shape with 6 of 8 layers full attention and wide heads: K/V pages dominate what is retained.
     types = ["linear_attention" if i in (0, 4) else "full_attention" for i in range(8)]
-    model = build_model("small", seed=0, vocab_size=512, layer_types=types, num_attention_heads=2, head_dim=256,
+    model = build_named("small", seed=0, vocab_size=512, layer_types=types, num_attention_heads=2, head_dim=256,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                          "partial_rotary_factor": 0.25, "mrope_section": [8, 12, 12]})
     gen = torch.Generator().manual_seed(1)

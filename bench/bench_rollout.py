@@ -53,11 +53,11 @@ def _measure(fn, phases):
 
 def run_decode(prompt, samples, new_tokens):
     from ds_longstraw.grpo.memory import require_host_peaks
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
     from ds_longstraw.rollout.generate import generate
 
     require_host_peaks("bench_rollout")
-    model = build_model("small")
+    model = build_named("small")
     ids = _prompt(prompt, model.config.vocab_size)
     result, figures = _measure(lambda: generate(model, ids, samples, new_tokens, seed=0, config=CONFIG),
                                lambda result: result.phases.values())
@@ -73,12 +73,12 @@ def run_step(prompt, samples, new_tokens, mode, reuse):
 
     from ds_longstraw.grpo.memory import require_host_peaks
     from ds_longstraw.grpo.transaction import grpo_backward
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
     from ds_longstraw.objective import GRPOObjective
     from ds_longstraw.rollout.generate import generate
 
     require_host_peaks("bench_rollout")
-    model = build_model("small")
+    model = build_named("small")
     ids = _prompt(prompt, model.config.vocab_size)
     config = dict(CONFIG, prefix_grad=mode)
     phases = {}

@@ -53,12 +53,12 @@ def rank_main(args):
 
     import ds_longstraw
     from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
     from ds_longstraw.rollout.step import engine_rollouts
 
     deepspeed.init_distributed()
     rank = dist.get_rank()
-    model = build_model("small", dtype=torch.float32, seed=0, hidden_size=args.hidden,
+    model = build_named("small", dtype=torch.float32, seed=0, hidden_size=args.hidden,
                         intermediate_size=3 * args.hidden)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,

@@ -63,13 +63,13 @@ def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, dev
     import torch
 
     from ds_longstraw.models.model_shape import shape_from_config
-    from ds_longstraw.offload.plan import Layout, make_plan
+    from ds_longstraw.offload.plan import Cluster, make_plan
 
     gpu_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     shape = shape_from_config("gpu_check", config, dtype_bytes=2 if device.type == "cuda" else 4, parameters=False)
-    layout = Layout(gpus=1, cp=1, gpu_memory=gpu_memory, host_memory=psutil.virtual_memory().total,
+    cluster = Cluster(gpus=1, cp=1, gpu_memory=gpu_memory, host_memory=psutil.virtual_memory().total,
                     weights_per_rank=weight_bytes)
-    plan = make_plan(shape, context, group, mode, layout, capture_chunk=capture_chunk,
+    plan = make_plan(shape, context, group, mode, cluster, capture_chunk=capture_chunk,
                      response_tokens=response_tokens, trains=trains)
     needs = plan.needs[tier]
     return {"gpu": weight_bytes + needs["gpu"], "host": needs["host"], "fits": plan.fits[tier],

@@ -79,6 +79,11 @@ class LongstrawConfig(DeepSpeedConfigModel):
         merged over every rank's keys, so the prefix pass also skips the remote partials (no query leaves the rank
         in its forward; its backward still sends them to the earlier ranks for their keys' gradients).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
+    member_span_capture: a member whose untrained span (response_masks False: a tool output, an observation)
+        reaches this many tokens runs in steps (grpo/member_steps.py): a forward without a graph over its response,
+        then its steps last to first with autograd, each captured span a step of replay_block tokens, so its graph
+        is one step's instead of the whole response's; the gradient is unchanged (the member's own context stays
+        exact in both modes). None: every member is replayed whole.
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
     cp_layout: under context parallelism, how the prompt's tokens are laid out over the ranks: "zigzag" (the prompt
@@ -124,6 +129,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_recompute: bool = True
     prefix_keep_attention: bool = False
     replay_block: int = Field(1024, gt=0)
+    member_span_capture: int | None = Field(1024, gt=0)
     page_tokens: int = Field(1024, gt=0)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)

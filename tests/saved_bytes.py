@@ -81,7 +81,7 @@ def replay_saved_bytes(model, response_tokens, prompt_tokens=32, monkeypatch=Non
                 counts[-1] += storage.nbytes()
             return t
 
-        leaves = args[1]
+        leaves = args[0].leaves  # replay_member(source: MemberReplay, ...)
         inner = leaves.saves
         leaves.saves = lambda: _Counting(inner, pack)
         try:

@@ -59,7 +59,7 @@ def shard_experts(model, ep_group, gather=None) -> range:
 def unregister_slices(model) -> dict:
     """Take the sharded slices out of their experts modules' registered parameters (they stay readable as
     experts.gate_up_proj / down_proj, where this family's forward reads them); returns {qualified name: slice}.
-    The DeepSpeed engine keeps them out of ZeRO this way (engine/experts.py)."""
+    The DeepSpeed engine keeps them out of ZeRO this way (engine/expert_slices.py)."""
     slices = {}
     for name, module in model.named_modules():
         if getattr(module, "expert_parallel", None) is not None:

@@ -139,8 +139,8 @@ class _FrozenTensor:
 
 
 class _ExpertSlices:
-    """A parameter whose experts were sharded over an EP group (engine/experts.py): its ranks' slices, memory-mapped
-    from the experts_ep<E>_rank<r>.pt files, joined along the expert dimension on `contiguous()`."""
+    """A parameter whose experts were sharded over an EP group (engine/expert_slices.py): its ranks' slices,
+    memory-mapped from the experts_ep<E>_rank<r>.pt files, joined along the expert dimension on `contiguous()`."""
 
     def __init__(self, slices):
         self.slices = slices

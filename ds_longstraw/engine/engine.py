@@ -47,7 +47,7 @@ from deepspeed.runtime.engine import DeepSpeedEngine
 from ds_longstraw.arch import adapter_for, zero3_leaf_modules
 from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.engine.config import load_ds_config, read_block
-from ds_longstraw.engine.experts import ExpertSlices, check_engine_settings, without_expert_params
+from ds_longstraw.engine.expert_slices import ExpertSlices, check_engine_settings, without_expert_params
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_group
 from ds_longstraw.grpo.topology import resolve_layout
@@ -249,7 +249,7 @@ class LongstrawEngineMixin:
         return plan
 
 
-    # -- checkpoints: the engine's, plus the expert slices it does not see (engine/experts.py) ---------------
+    # -- checkpoints: the engine's, plus the expert slices it does not see (engine/expert_slices.py) ---------------
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None, save_latest: bool = True,
                         **kwargs: Any) -> bool:
@@ -400,7 +400,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     layout = build_layout(settings.cp_size, settings.ep_size) if parallel else None
     experts = None
     if parallel and settings.ep_size > 1:
-        # The expert slices leave ZeRO's sight (engine/experts.py); the MoE block is then no ZeRO-3 leaf: its
+        # The expert slices leave ZeRO's sight (engine/expert_slices.py); the MoE block is then no ZeRO-3 leaf: its
         # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
         experts = ExpertSlices(model, layout.ep_group, layout.expert_dp_group, layout.world)
         _drop_replaced(kwargs, experts.replaced)

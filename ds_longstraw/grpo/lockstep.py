@@ -45,7 +45,6 @@ from ds_longstraw.parallel.groups import segments_in_order  # prompt order: the 
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
-    from typing import TypeVar
 
     from torch.distributed import ProcessGroup
 
@@ -54,10 +53,6 @@ if TYPE_CHECKING:
     from ds_longstraw.group import GRPOGroup
     from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
     from ds_longstraw.parallel.groups import CPContext
-
-    # replay's view of the captured state (replay.PrefixLeaves), handed through to `replay` unread (replay imports
-    # this module: naming PrefixLeaves here would close an import cycle)
-    _Leaves = TypeVar("_Leaves")
 
 PAD_TOKEN = 0
 
@@ -251,11 +246,10 @@ class Schedule:
                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs, targets
 
-    def replay_dummy_members(self, adapter: CausalLMAdapter, leaves: _Leaves, start: int,
-                             replay: Callable[[CausalLMAdapter, _Leaves, int, torch.Tensor, torch.Tensor, int],
-                                              torch.Tensor],
+    def replay_dummy_members(self, replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                              backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
-        """After the group's members: the members other ranks have and this one lacks."""
+        """After the group's members: the members other ranks have and this one lacks (replay(inputs, targets):
+        a member's log-probs, replay.MemberReplay)."""
 
     # -- decoding (rollout.generate; decode_lockstep.DecodeLockstep pads it) --------------------------------------
     def sample_slots(self, num_samples: int) -> int:
@@ -320,15 +314,13 @@ class Lockstep(Schedule):
             ids = torch.full((length,), PAD_TOKEN, dtype=torch.long)
             yield member, ids, ids
 
-    def replay_dummy_members(self, adapter: CausalLMAdapter, leaves: _Leaves, start: int,
-                             replay: Callable[[CausalLMAdapter, _Leaves, int, torch.Tensor, torch.Tensor, int],
-                                              torch.Tensor],
+    def replay_dummy_members(self, replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                              backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
-        """Replay the dummy members (replay: replay_member's signature minus the adapter) and, with grad,
-        back-propagate 0 * sum(log p) like a member's loss share."""
+        """Replay the dummy members (replay(inputs, targets): replay.MemberReplay) and, with grad, back-propagate
+        0 * sum(log p) like a member's loss share."""
         for _, inputs, targets in self.dummy_members():
             with torch.enable_grad() if train else torch.no_grad():
-                logp = replay(adapter, leaves, start, inputs, targets, self.settings.replay_block)
+                logp = replay(inputs, targets)
                 if train and logp.requires_grad:
                     zero = logp.sum() * 0.0
                     zero.backward() if backward is None else backward(zero)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from contextlib import closing
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,31 +39,43 @@ if TYPE_CHECKING:
     PrefixState = ChunkBoundary = PendingReads = Any
 
 
-def prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
-                    d_final_carry: dict[int, tuple[torch.Tensor, ...]], progress: Callable[[int], object] | None = None,
-                    backward: Callable[[torch.Tensor], object] | None = None,
-                    remote_attention: RemoteAttention | RemoteSelection | None = None, prefix_recompute: bool = True,
-                    timings: dict[str, float] | None = None, boundaries: Sequence[ChunkBoundary] | None = None,
-                    past_start: int = 0) -> dict[int, tuple[torch.Tensor, ...]]:
-    """ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position
-    its boundary says); boundaries: the chunks to walk (None: all of the state's; a context-parallel turn walks
-    one piece's); past_start: the first local token of the pages a segment sees as its past (a context-parallel
-    turn of a family whose past must be contiguous in positions: its piece's start; remote_attention the rest);
-    d_final_carry: layer -> d(its carry) after the prefix. Returns d(carry) at the start of the
-    captured tokens (empty at the prompt start); remote_attention: earlier keys on other ranks (ds_longstraw.parallel).
+@dataclass
+class ReversePass:
+    """What exact mode's reverse pass over captured segments reads.
 
+    ids: prompt[:-1] (a context-parallel rank: its own shard in local order, each chunk at the prompt position its
+    boundary says); remote_attention: earlier keys on other ranks (ds_longstraw.parallel); past_start: the first
+    local token of the pages a segment sees as its past (a context-parallel turn of a family whose past must be
+    contiguous in positions: its piece's start; remote_attention the rest).
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
-    to each output is exactly the injected grad. prefix_recompute: recompute each layer in backward (one layer's graph
-    alive instead of the segment's); settings.prefix_recompute_runs says where that is allowed. timings: a dict that
-    gets the seconds spent in the segments' forwards and in their backwards ("forward", "backward"; with
-    `prefix_recompute`, the backward includes the layers' recompute)."""
-    stager = Stager(state.pool, stream_names(adapter.specs))
+    to each output is exactly the injected grad. prefix_recompute: recompute each layer in backward (one layer's
+    graph alive instead of the segment's); settings.prefix_recompute_runs says where that is allowed. progress:
+    called with each segment's tokens; timings: gets the seconds spent in the segments' forwards and in their
+    backwards ("forward", "backward"; with `prefix_recompute`, the backward includes the layers' recompute)."""
+
+    adapter: CausalLMAdapter
+    state: PrefixState
+    ids: torch.Tensor
+    backward: Callable[[torch.Tensor], object] | None = None
+    remote_attention: RemoteAttention | RemoteSelection | None = None
+    prefix_recompute: bool = True
+    past_start: int = 0
+    progress: Callable[[int], object] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.Tensor, ...]],
+                    boundaries: Sequence[ChunkBoundary] | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
+    """The reverse pass over `boundaries` (None: all of the state's chunks; a context-parallel turn walks one
+    piece's), last first, from d_final_carry (layer -> d(its carry) after them). Returns d(carry) at the start of
+    the captured tokens (empty at the prompt start)."""
+    state = reverse.state
+    stager = Stager(state.pool, stream_names(reverse.adapter.specs))
     boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
-            return _reverse_chunks(adapter, state, ids, d_final_carry, progress, backward, remote_attention, stager,
-                                   prefix_recompute, {} if timings is None else timings, segments, past_start)
+            return _reverse_chunks(reverse, stager, segments, d_final_carry)
     finally:
         stager.close()
 
@@ -100,15 +113,13 @@ def _begin_segment(state: PrefixState, boundary: ChunkBoundary, in_flight: list[
     return carry, kept
 
 
-def _reverse_chunks(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
-                    d_final_carry: dict[int, tuple[torch.Tensor, ...]],
-                    progress: Callable[[int], object] | None, backward: Callable[[torch.Tensor], object] | None,
-                    remote_attention: RemoteAttention | RemoteSelection | None, stager: Stager,
-                    prefix_recompute: bool, timings: dict[str, float],
+def _reverse_chunks(reverse: ReversePass, stager: Stager,
                     segments: Iterable[tuple[ChunkBoundary, dict[int, tuple[torch.Tensor, ...]],
                                              dict[int, tuple[torch.Tensor, ...]] | None]],
-                    past_start: int = 0) -> dict[int, tuple[torch.Tensor, ...]]:
+                    d_final_carry: dict[int, tuple[torch.Tensor, ...]]) -> dict[int, tuple[torch.Tensor, ...]]:
     """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
+    adapter, state, ids, backward, timings = reverse.adapter, reverse.state, reverse.ids, reverse.backward, \
+        reverse.timings
     pool = state.pool
     timings.setdefault("forward", 0.0)
     timings.setdefault("backward", 0.0)
@@ -118,12 +129,12 @@ def _reverse_chunks(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Ten
         # the prompt start has no checkpoint: zeros there, nothing to carry further back
         carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                  for layer, parts in checkpointed.items()}
-        past = StagedPast(stager, past_start, start, exact=True)
+        past = StagedPast(stager, reverse.past_start, start, exact=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
             out = adapter.forward_segment(ids[start:end], position, carry, past,
-                                          remote_attention, prefix_recompute=prefix_recompute,
+                                          reverse.remote_attention, prefix_recompute=reverse.prefix_recompute,
                                           known_attention=kept)
             outputs = segment_roots(adapter.specs, out)
             grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end), strict=True)]
@@ -140,8 +151,8 @@ def _reverse_chunks(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Ten
                    for layer, parts in carry.items()}
         del out, outputs, grads, live, kept, checkpointed
         return_freed_host_memory(adapter.device)
-        if progress is not None:
-            progress(end - start)
+        if reverse.progress is not None:
+            reverse.progress(end - start)
     return d_carry
 
 

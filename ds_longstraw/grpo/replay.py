@@ -23,6 +23,7 @@ import torch
 from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import Schedule
+from ds_longstraw.grpo.member_steps import member_steps, replay_in_steps
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import StagedPast, Stager, staged_saves
 
@@ -80,21 +81,38 @@ def carry_leaves(carry: Mapping[int, Iterable[torch.Tensor]], exact: bool) -> di
     return {layer: tuple(t.detach().requires_grad_(exact) for t in parts) for layer, parts in carry.items()}
 
 
-def replay_member(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, inputs: torch.Tensor,
-                  targets: torch.Tensor, block: int, remote_attention: RemoteAttention | RemoteSelection | None = None,
-                  with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on); with_entropy: (log-
-    probs, the policy's entropy at each position), for an entropy bonus.
+@dataclass(frozen=True)
+class MemberReplay:
+    """What replaying any member of one group reads: the adapter, the captured prefix's leaves, where responses
+    start (the prompt's length minus one), the replay block, and the remote attention (None, or the context-parallel
+    attention over every rank's prompt pages; then `leaves.past` holds no prompt pages: interfaces.py)."""
 
-    remote_attention: None, or the context-parallel attention over every rank's prompt pages (then
-    `leaves.past` holds no prompt pages; see interfaces.py)."""
+    adapter: CausalLMAdapter
+    leaves: PrefixLeaves
+    start: int
+    block: int
+    remote_attention: RemoteAttention | RemoteSelection | None = None
+    # settings.member_span_capture: a member with an untrained span of at least this many tokens runs in steps
+    # (member_steps.py); None: every member is replayed whole
+    span_capture: int | None = None
+
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor,
+                 with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return replay_member(self, inputs, targets, with_entropy)
+
+
+def replay_member(source: MemberReplay, inputs: torch.Tensor, targets: torch.Tensor,
+                  with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of `targets` given the captured prefix (differentiable when grad mode is on), a block at a time;
+    with_entropy: (log-probs, the policy's entropy at each position), for an entropy bonus."""
+    adapter, leaves, start, block = source.adapter, source.leaves, source.start, source.block
     carry = dict(leaves.carry)
     past = leaves.past.fresh()
     blocks = []  # per block: log-probs, or with_entropy (log-probs, entropies)
     with leaves.saves():
         for offset in range(0, inputs.numel(), block):
             end = min(inputs.numel(), offset + block)
-            out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past, remote_attention)
+            out = adapter.forward_segment(inputs[offset:end], start + offset, carry, past, source.remote_attention)
             carry = dict(out.carry)
             for layer, rows in out.rows.items():
                 past.append(layer, rows)
@@ -111,11 +129,9 @@ def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Te
     return inputs, response
 
 
-def replay_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, group: GRPOGroup,
-                 objective: ScopedObjective | ScaledObjective, advantages: torch.Tensor,
-                 ref_logprobs: Sequence[torch.Tensor] | None, block: int, *,
+def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObjective | ScaledObjective,
+                 advantages: torch.Tensor, ref_logprobs: Sequence[torch.Tensor] | None, *,
                  backward: Callable | None = None, schedule: Schedule | None = None,
-                 remote_attention: RemoteAttention | RemoteSelection | None = None,
                  members: list | None = None) -> tuple[float, list[torch.Tensor]]:
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
@@ -125,31 +141,44 @@ def replay_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, gro
     replay: this rank's share), whose positions in the list are the schedule's member slots.
     Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64).
     """
-    def replay(adapter_: CausalLMAdapter, leaves_: PrefixLeaves, start_: int, inputs: torch.Tensor,
-               targets: torch.Tensor, block_: int) -> torch.Tensor:
-        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
-
     schedule = schedule or Schedule()
+    # a lockstep counts every member's module calls as a whole replay makes them: members in steps only without one
+    span_capture = source.span_capture if type(schedule) is Schedule else None
     logprobs, loss = [], 0.0
     for slot, member in enumerate(range(group.size) if members is None else members):
         inputs, targets = member_inputs(group, member)
+        ref = None if ref_logprobs is None else ref_logprobs[member]
+        steps = member_steps(group.mask(member), span_capture, source.block)
+        if steps is not None:
+            share_of = partial(_member_share, objective, group, member, advantages, ref)
+            share, logp = replay_in_steps(source, steps, inputs, targets, share_of, objective.needs_entropy,
+                                          backward)
+            loss += share
+            logprobs.append(logp.double().cpu())
+            continue
         real = targets.numel()
         inputs, targets = schedule.pad_member(slot, inputs, targets)
         with torch.enable_grad():
-            replayed = replay_member(adapter, leaves, start, inputs, targets, block, remote_attention,
-                                     with_entropy=objective.needs_entropy)
+            replayed = replay_member(source, inputs, targets, with_entropy=objective.needs_entropy)
             logp, entropy = replayed if objective.needs_entropy else (replayed, None)
             logp, entropy = logp[:real], None if entropy is None else entropy[:real]
-            ref = None if ref_logprobs is None else ref_logprobs[member].to(logp.device)
-            share = objective.member_loss(group, member, logp, advantages, ref, entropy)
+            share = objective.member_loss(group, member, logp, advantages,
+                                          None if ref is None else ref.to(logp.device), entropy)
             if share.requires_grad:
                 share.backward() if backward is None else backward(share)
         loss += float(share.detach())
         logprobs.append(logp.detach().double().cpu())
         del logp, entropy, share
-        return_freed_host_memory(adapter.device)
-    schedule.replay_dummy_members(adapter, leaves, start, replay, backward)
+        return_freed_host_memory(source.adapter.device)
+    schedule.replay_dummy_members(source, backward)
     return loss, logprobs
+
+
+def _member_share(objective: ScopedObjective | ScaledObjective, group: GRPOGroup, member: int,
+                  advantages: torch.Tensor, ref: torch.Tensor | None, logp: torch.Tensor,
+                  entropy: torch.Tensor | None) -> torch.Tensor:
+    return objective.member_loss(group, member, logp, advantages, None if ref is None else ref.to(logp.device),
+                                 entropy)
 
 
 def final_carry_grads(leaves: PrefixLeaves) -> dict[int, tuple[torch.Tensor, ...]]:
@@ -158,15 +187,10 @@ def final_carry_grads(leaves: PrefixLeaves) -> dict[int, tuple[torch.Tensor, ...
             for layer, parts in leaves.carry.items()}
 
 
-def score_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, group: GRPOGroup, block: int, *,
-                schedule: Schedule | None = None, remote_attention: RemoteAttention | RemoteSelection | None = None,
+def score_group(source: MemberReplay, group: GRPOGroup, *, schedule: Schedule | None = None,
                 members: list | None = None) -> list[torch.Tensor]:
     """Log-probs of the members' responses (default all; members: as replay_group's) WITHOUT a graph (reference
     scoring), float64 on the CPU."""
-    def replay(adapter_: CausalLMAdapter, leaves_: PrefixLeaves, start_: int, inputs: torch.Tensor,
-               targets: torch.Tensor, block_: int) -> torch.Tensor:
-        return replay_member(adapter_, leaves_, start_, inputs, targets, block_, remote_attention)
-
     schedule = schedule or Schedule()
     scores = []
     with torch.no_grad():
@@ -174,6 +198,6 @@ def score_group(adapter: CausalLMAdapter, leaves: PrefixLeaves, start: int, grou
             inputs, targets = member_inputs(group, member)
             real = targets.numel()
             inputs, targets = schedule.pad_member(slot, inputs, targets)
-            scores.append(replay(adapter, leaves, start, inputs, targets, block)[:real].double().cpu())
-        schedule.replay_dummy_members(adapter, leaves, start, replay, train=False)
+            scores.append(replay_member(source, inputs, targets)[:real].double().cpu())
+        schedule.replay_dummy_members(source, train=False)
     return scores

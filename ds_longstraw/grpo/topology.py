@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -40,7 +40,7 @@ from ds_longstraw.grpo.cp.prefix_layers import layer_major_prefix_backward
 from ds_longstraw.grpo.cp.spread import gather_members
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
-from ds_longstraw.grpo.prefix_pass import prefix_backward
+from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
 from ds_longstraw.grpo.state import PrefixState, capture_prefix
 from ds_longstraw.models.model_shape import shape_from_config
@@ -99,9 +99,9 @@ class Topology(Protocol):
     def collect_final_carry_grads(self, d_final: dict) -> dict: ...
 
     # -- exact mode's prefix pass -----------------------------------------------------------------------------
-    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor, d_final: dict,
-               settings: LongstrawConfig, schedule: Schedule, backward: Callable | None = None,
-               progress: Callable | None = None, timings: dict | None = None) -> None: ...
+    def prefix(self, reverse: ReversePass, d_final: dict, settings: LongstrawConfig, schedule: Schedule) -> None:
+        """Exact mode's reverse pass over the captured prompt (reverse.ids: prompt[:-1]) from d_final (layer ->
+        d(its carry) after the prompt), the schedule's padding included."""
 
     # -- the gradients ----------------------------------------------------------------------------------------
     def begin_gradients(self, model: torch.nn.Module) -> dict | None: ...
@@ -132,13 +132,10 @@ class OneRank:
     def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView:
         return ReplayView(prefix_leaves(adapter, state, exact))
 
-    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor,
-               d_final: dict[int, tuple[torch.Tensor, ...]], settings: LongstrawConfig, schedule: Schedule,
-               backward: Callable[[torch.Tensor], object] | None = None,
-               progress: Callable[[int], object] | None = None, timings: dict[str, float] | None = None) -> None:
-        prefix_backward(adapter, state, prompt_ids[:-1], d_final, progress=progress, backward=backward,
-                        prefix_recompute=settings.prefix_recompute_runs, timings=timings)
-        schedule.pad_prefix(adapter, backward)
+    def prefix(self, reverse: ReversePass, d_final: dict[int, tuple[torch.Tensor, ...]],
+               settings: LongstrawConfig, schedule: Schedule) -> None:
+        prefix_backward(replace(reverse, prefix_recompute=settings.prefix_recompute_runs), d_final)
+        schedule.pad_prefix(reverse.adapter, reverse.backward)
 
     def begin_gradients(self, model: torch.nn.Module) -> None:
         """What .grad holds before the group, kept out of this topology's reduction: none here."""
@@ -278,21 +275,18 @@ class ContextParallel:
                     self.cp.all_reduce_(part, -1, "replay_d_carry")
         return d_final
 
-    def prefix(self, adapter: CausalLMAdapter, state: PrefixState, prompt_ids: torch.Tensor,
-               d_final: dict[int, tuple[torch.Tensor, ...]], settings: LongstrawConfig, schedule: Schedule,
-               backward: Callable[[torch.Tensor], object] | None = None,
-               progress: Callable[[int], object] | None = None, timings: dict[str, float] | None = None) -> None:
+    def prefix(self, reverse: ReversePass, d_final: dict[int, tuple[torch.Tensor, ...]],
+               settings: LongstrawConfig, schedule: Schedule) -> None:
+        state = reverse.state
         if self.caller_reduces and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
-        shard = local_tokens(prompt_ids[:-1], self.cp.pieces(state.length)[self.cp.rank])
+        shard = replace(reverse, ids=local_tokens(reverse.ids, self.cp.pieces(state.length)[self.cp.rank]),
+                        prefix_recompute=settings.prefix_recompute_runs)
         if self.prefix_schedule == "layer_major":
-            layer_major_prefix_backward(adapter, state, shard, d_final, self.cp, self._resolved(settings),
-                                        backward=backward, schedule=schedule)
+            layer_major_prefix_backward(shard, d_final, self.cp, self._resolved(settings), schedule)
         else:
-            cp_prefix_backward(adapter, state, shard, d_final, self.cp, settings.segment_tokens, backward=backward,
-                               schedule=schedule,
-                               prefix_recompute=settings.prefix_recompute_runs)
+            cp_prefix_backward(shard, d_final, self.cp, settings.segment_tokens, schedule)
 
     def begin_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None] | None:
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""

@@ -25,7 +25,8 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Schedule, padded_to_common
 from ds_longstraw.grpo.memory import PhaseMeter
-from ds_longstraw.grpo.replay import final_carry_grads, replay_group, score_group
+from ds_longstraw.grpo.prefix_pass import ReversePass
+from ds_longstraw.grpo.replay import MemberReplay, final_carry_grads, replay_group, score_group
 from ds_longstraw.grpo.topology import OneRank, Topology, build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective, ScopedObjective, check_member_scopes
@@ -106,8 +107,8 @@ def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, settings: Long
     try:
         view = topology.replay_view(adapter, state, exact=False)
         try:
-            scores = score_group(adapter, view.leaves, state.length, group, settings.replay_block,
-                                 schedule=schedule, remote_attention=view.remote_attention, members=members)
+            source = MemberReplay(adapter, view.leaves, state.length, settings.replay_block, view.remote_attention)
+            scores = score_group(source, group, schedule=schedule, members=members)
             return topology.collect_members(scores, members, group.size)
         finally:
             view.leaves.release()
@@ -151,19 +152,35 @@ def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjec
     generate made under a decode lockstep (rollout/generate.py, KeptCapture.check); every rank must then reuse its
     capture alike (engine.grpo_step with one rollout prompt per rank does). The result's extras say "capture_reused".
     """
-    settings = parse_config(config)
-    caller_reduces = backward is not None if caller_reduces is None else bool(caller_reduces)
-    with kernel_mode(settings.kernels):
-        return _transaction(model, group, objective, settings, ref_model, cp_group, ep_group, backward,
-                            caller_reduces, lockstep, capture, loss_scope)
+    request = Request(model, group, objective, parse_config(config), ref_model, cp_group, ep_group, backward,
+                      backward is not None if caller_reduces is None else bool(caller_reduces), lockstep)
+    with kernel_mode(request.settings.kernels):
+        return _transaction(request, capture, loss_scope)
 
 
-def _transaction(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjective | ScaledObjective | None,
-                 settings: LongstrawConfig, ref_model: torch.nn.Module | None,
-                 cp_group: ProcessGroup | CPContext | None, ep_group: ProcessGroup | None,
-                 backward: Callable[[torch.Tensor], object] | None, caller_reduces: bool, lockstep: Lockstep | None,
-                 capture: Rollouts | None = None,
-                 loss_scope: LossScope | Sequence[LossScope] | None = None) -> GroupResult:
+@dataclass
+class Request:
+    """One grpo_backward call as the transaction's frames pass it down (grpo_backward's docstring says each part);
+    settings: the parsed "longstraw" block; caller_reduces: resolved."""
+
+    model: torch.nn.Module
+    group: GRPOGroup
+    objective: GRPOObjective | ScaledObjective | ScopedObjective | None
+    settings: LongstrawConfig
+    ref_model: torch.nn.Module | None
+    cp_group: ProcessGroup | CPContext | None
+    ep_group: ProcessGroup | None
+    backward: Callable[[torch.Tensor], object] | None
+    caller_reduces: bool
+    lockstep: Lockstep | None
+
+
+def _transaction(request: Request, capture: Rollouts | None,
+                 loss_scope: LossScope | Sequence[LossScope] | None) -> GroupResult:
+    """Check the group and its objective (a kept capture is released on a refusal), take the kept capture where it
+    fits, scope the objective, run."""
+    model, group, settings, lockstep = request.model, request.group, request.settings, request.lockstep
+    objective = request.objective
     try:
         if not isinstance(group, GRPOGroup):
             raise ValueError(f"group must be a GRPOGroup, got {type(group).__name__}")
@@ -178,19 +195,18 @@ def _transaction(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObject
     # released if it won't fit (another prompt, weights, config, or capture padding than this transaction's)
     reused = None if capture is None else capture.take_capture(model, group, settings, lockstep)
     try:
-        scoped = ScopedObjective(objective, loss_scope or objective.scope_of([group]))
-        return _run_transaction(model, group, scoped, settings, ref_model, cp_group, ep_group, backward,
-                                caller_reduces, lockstep, reused)
+        request.objective = ScopedObjective(objective, loss_scope or objective.scope_of([group]))
+        return _run_transaction(request, reused)
     finally:
         if reused is not None:
             reused.release()  # page files of a host/NVMe tier go on error as on success (twice is harmless)
 
 
-def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: ScopedObjective,
-                     settings: LongstrawConfig, ref_model: torch.nn.Module | None,
-                     cp_group: ProcessGroup | CPContext | None, ep_group: ProcessGroup | None,
-                     backward: Callable[[torch.Tensor], object] | None, caller_reduces: bool,
-                     lockstep: Lockstep | None, reused: PrefixState | None) -> GroupResult:
+def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResult:
+    """capture (or the kept one) -> reference -> replay -> prefix (exact mode) -> reduce, phase by phase."""
+    model, group, objective, settings = request.model, request.group, request.objective, request.settings
+    ref_model, cp_group, ep_group, backward = request.ref_model, request.cp_group, request.ep_group, request.backward
+    caller_reduces, lockstep = request.caller_reduces, request.lockstep
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     if objective.needs_reference and ref_model is None and not hasattr(model, "disable_adapter"):
@@ -228,9 +244,10 @@ def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: Scoped
         before = topology.begin_gradients(model)
         with meter.phase("replay"), topology.phase("replay"):
             view = topology.replay_view(adapter, state, exact=exact)
-            loss, logprobs = replay_group(adapter, view.leaves, state.length, group, objective, advantages,
-                                          ref_logprobs, settings.replay_block, backward=backward, schedule=schedule,
-                                          remote_attention=view.remote_attention, members=members)
+            source = MemberReplay(adapter, view.leaves, state.length, settings.replay_block, view.remote_attention,
+                                  span_capture=settings.member_span_capture)
+            loss, logprobs = replay_group(source, group, objective, advantages, ref_logprobs, backward=backward,
+                                          schedule=schedule, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
             logprobs = topology.collect_members(logprobs, members, group.size)
@@ -240,8 +257,9 @@ def _run_transaction(model: torch.nn.Module, group: GRPOGroup, objective: Scoped
             with meter.phase("prefix"), topology.phase("prefix"):
                 d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
                 with _progress_bar(settings.progress and topology.size == 1, state.length, "prefix pass") as bar:
-                    topology.prefix(adapter, state, group.prompt_ids, d_final, settings, schedule, backward=backward,
-                                    progress=None if bar is None else bar.update, timings=prefix_seconds)
+                    reverse = ReversePass(adapter, state, group.prompt_ids[:-1], backward=backward,
+                                          progress=None if bar is None else bar.update, timings=prefix_seconds)
+                    topology.prefix(reverse, d_final, settings, schedule)
         grad_page_bytes = state.pool.grad_bytes()
         del view
         if topology.reduces:  # context parallelism, unless the caller reduces

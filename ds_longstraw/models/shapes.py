@@ -3,17 +3,16 @@ random weights by the one model builder (modeling.build_model). Real checkpoints
 
 import torch
 
-from ds_longstraw.models.modeling import MODELS_DIR, load_shape
-from ds_longstraw.models.modeling import build_model as build_from_shape
+from ds_longstraw.models.modeling import MODELS_DIR, build_model, load_shape
 
 SHAPE_FILES = {"small": MODELS_DIR / "small_qwen3_5.yaml", "small-glm": MODELS_DIR / "small_glm_moe_dsa.yaml"}
 
 
-def build_model(shape="small", dtype=torch.float32, seed=0, **overrides):
+def build_named(shape="small", dtype=torch.float32, seed=0, **overrides):
     """A random-weight model of the named shape, with config fields overridden by `overrides`."""
     if shape not in SHAPE_FILES:
         raise ValueError(f"shape {shape!r}: expected one of {sorted(SHAPE_FILES)}")
-    return build_from_shape(shape={**load_shape(SHAPE_FILES[shape]), **overrides}, dtype=dtype, seed=seed)
+    return build_model(shape={**load_shape(SHAPE_FILES[shape]), **overrides}, dtype=dtype, seed=seed)
 
 
 def synthetic_group(prompt_tokens, group_size, response_tokens, vocab_size, seed=0):

@@ -133,7 +133,11 @@ class ModelShape:
 
 
 @dataclass
-class Layout:
+class Cluster:
+    """The machines a plan is made for: GPUs and their memory, the CP and EP degrees, each node's host memory and
+    NVMe (the parallel layout of a running job is parallel.layout.ParallelLayout; a prompt's shard layout over the
+    CP ranks is the "cp_layout" setting)."""
+
     gpus: int = 1
     cp: int = 1
     ep: int = 1  # expert-parallel size (under context parallelism: the CP size, as the engine shards them)
@@ -153,7 +157,7 @@ class Plan:
     context: int
     group_size: int
     mode: str
-    layout: Layout
+    cluster: Cluster
     capture_chunk: int
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     cp_prefix: str = "auto"  # longstraw.cp_prefix: exact mode's CP prefix pass, layer-major or in turns
@@ -483,50 +487,50 @@ def _depth_for(tier: str) -> int:
     return {"none": 1, "cpu": 1, "nvme": 2}[tier]
 
 
-def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layout: Layout,
+def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, cluster: Cluster,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
               cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto",
               response_tokens: int = 1024, trains: str = "lora") -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
-    if layout.cp < 1 or layout.gpus % layout.cp:
-        raise ValueError(f"cp = {layout.cp} must divide gpus = {layout.gpus}")
+    if cluster.cp < 1 or cluster.gpus % cluster.cp:
+        raise ValueError(f"cp = {cluster.cp} must divide gpus = {cluster.gpus}")
     if context < 2 or group_size < 1:
         raise ValueError(f"context must be >= 2 and group size >= 1, got {context} and {group_size}")
     if cp_scan not in ("auto", "one_pass", "two_pass"):
         raise ValueError(f"cp_scan must be 'auto', 'one_pass' or 'two_pass', got {cp_scan!r}")
     if cp_prefix not in ("auto", "layer_major", "turns"):
         raise ValueError(f"cp_prefix must be 'auto', 'layer_major' or 'turns', got {cp_prefix!r}")
-    if cp_prefix == "layer_major" and mode == "exact" and layout.cp > 1 and not layer_major_prefix(
-            shape, layout.cp, mode, cp_prefix):
+    if cp_prefix == "layer_major" and mode == "exact" and cluster.cp > 1 and not layer_major_prefix(
+            shape, cluster.cp, mode, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{list(shape.not_layer_major)})")
     if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
         raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
-    plan = Plan(shape, context, group_size, mode, layout, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
+    plan = Plan(shape, context, group_size, mode, cluster, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
                 keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
                 response_tokens=response_tokens, trains=trains,
                 replay_graph=replay_graph_bytes(shape, response_tokens, trains))
-    plan.tokens_per_rank = captured_tokens_per_rank(context, layout.cp)
+    plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
-    plan.retained = retained_per_rank(shape, context, layout.cp, mode, capture_chunk, keep_attention, cp_prefix,
-                                      inputs_every, layout.gpu_memory)
-    check_expert_layout(shape, layout)
-    plan.moe = moe_figures(shape, layout, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = phase_workspace(shape, capture_chunk, mode, layout.cp, plan.tokens_per_rank, cp_scan,
-                                     layout.gpu_memory, cp_prefix, keep_attention, inputs_every)
-    estimate = plan.moe["weights_per_rank_ep"] if layout.ep > 1 else int(shape.params * layout.weight_bytes
-                                                                         / layout.gpus)
-    plan.weights_per_rank = layout.weights_per_rank if layout.weights_per_rank is not None else estimate
+    plan.retained = retained_per_rank(shape, context, cluster.cp, mode, capture_chunk, keep_attention, cp_prefix,
+                                      inputs_every, cluster.gpu_memory)
+    check_expert_layout(shape, cluster)
+    plan.moe = moe_figures(shape, cluster, plan.tokens_per_rank, capture_chunk)
+    plan.workspace = phase_workspace(shape, capture_chunk, mode, cluster.cp, plan.tokens_per_rank, cp_scan,
+                                     cluster.gpu_memory, cp_prefix, keep_attention, inputs_every)
+    estimate = plan.moe["weights_per_rank_ep"] if cluster.ep > 1 else int(shape.params * cluster.weight_bytes
+                                                                         / cluster.gpus)
+    plan.weights_per_rank = cluster.weights_per_rank if cluster.weights_per_rank is not None else estimate
     plan.trained_grads = plan.weights_per_rank if trains == "full" else 0
-    if layout.gpu_memory is not None:
-        plan.gpu_budget = int(layout.gpu_memory * (1 - layout.reserve_fraction)) - plan.weights_per_rank
-    if layout.host_memory is not None:
-        plan.host_budget = int(layout.host_memory * layout.host_fraction / layout.gpus_per_node)
-    if layout.nvme_free is not None:
-        plan.nvme_budget = layout.nvme_free // layout.gpus_per_node
+    if cluster.gpu_memory is not None:
+        plan.gpu_budget = int(cluster.gpu_memory * (1 - cluster.reserve_fraction)) - plan.weights_per_rank
+    if cluster.host_memory is not None:
+        plan.host_budget = int(cluster.host_memory * cluster.host_fraction / cluster.gpus_per_node)
+    if cluster.nvme_free is not None:
+        plan.nvme_budget = cluster.nvme_free // cluster.gpus_per_node
     for tier in TIERS:
         depth = _depth_for(tier)
         workspace = _live_beside_pages(plan)
@@ -536,7 +540,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, layou
             needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         plan.depth[tier], plan.needs[tier] = depth, needs
         plan.fits[tier] = _fits(needs, plan)
-        bounds = [_max_context(shape, mode, layout, capture_chunk, plan, tier, d, keep_attention, kept_tier)
+        bounds = [_max_context(shape, mode, cluster, capture_chunk, plan, tier, d, keep_attention, kept_tier)
                   for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = recommended_tier(plan)
@@ -580,17 +584,17 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     """Bytes per rank of decoding the plan's G samples of up to `new_tokens` tokens from its captured prompt
     (module docstring), and what the GPU then holds under each tier, with the weights as ZeRO-3 shares them and
     gathered whole; the longest response that fits the GPU budget under each."""
-    shape, layout, g = plan.shape, plan.layout, plan.group_size
+    shape, cluster, g = plan.shape, plan.cluster, plan.group_size
     if new_tokens < 1:
         raise ValueError(f"new tokens must be >= 1, got {new_tokens}")
     rows_per_token = shape.bytes_per_token
     samples, logits = decode_state_bytes(g, new_tokens, shape.carry_total, rows_per_token, shape.vocab_size,
                                          shape.dtype_bytes)
-    if plan.moe and layout.ep > 1:  # the EP slice is already whole; gathering makes the rest whole
+    if plan.moe and cluster.ep > 1:  # the EP slice is already whole; gathering makes the rest whole
         whole = plan.moe["routed_weights_per_rank_ep"] + int((shape.params - plan.moe["routed_params"])
-                                                            * layout.weight_bytes)
+                                                            * cluster.weight_bytes)
     else:
-        whole = int(shape.params * layout.weight_bytes)
+        whole = int(shape.params * cluster.weight_bytes)
     out = {"new_tokens": new_tokens, "carry_per_sample": shape.carry_total,
            "rows_per_sample": rows_per_token * new_tokens, "samples": samples, "logits": logits,
            "whole_weights_extra": max(whole - plan.weights_per_rank, 0)}
@@ -609,41 +613,41 @@ def rollout_figures(plan: Plan, new_tokens: int) -> dict:
     return out
 
 
-def check_expert_layout(shape: ModelShape, layout: Layout) -> None:
-    """ValueError for an expert-parallel size the engine would refuse (engine/experts.py: EP groups of `ep`
+def check_expert_layout(shape: ModelShape, cluster: Cluster) -> None:
+    """ValueError for an expert-parallel size the engine would refuse (engine/expert_slices.py: EP groups of `ep`
     consecutive ranks, the CP group under context parallelism, an even split of every layer's experts)."""
-    ep = layout.ep
+    ep = cluster.ep
     if ep < 1:
         raise ValueError(f"--ep {ep}: the expert-parallel size must be >= 1")
     if ep == 1:
         return
     if shape.moe is None:
         raise ValueError(f"--ep {ep}: {shape.name} ({shape.family}) has no routed experts to shard; use --ep 1")
-    if layout.cp > 1 and ep != layout.cp:
-        raise ValueError(f"--ep {ep} with --cp {layout.cp}: under context parallelism the experts are sharded over "
+    if cluster.cp > 1 and ep != cluster.cp:
+        raise ValueError(f"--ep {ep} with --cp {cluster.cp}: under context parallelism the experts are sharded over "
                          f"the CP group ('longstraw.ep_size' = 'longstraw.cp_size'), so --ep must equal --cp (--cp "
                          "defaults to every GPU)")
-    if layout.gpus % ep:
-        raise ValueError(f"--ep {ep} must divide --gpus {layout.gpus} (EP groups of consecutive ranks)")
+    if cluster.gpus % ep:
+        raise ValueError(f"--ep {ep} must divide --gpus {cluster.gpus} (EP groups of consecutive ranks)")
     if shape.moe.experts % ep:
         raise ValueError(f"--ep {ep} must divide the {shape.moe.experts} routed experts of a MoE layer")
 
 
-def moe_figures(shape: ModelShape, layout: Layout, tokens_per_rank: int, capture_chunk: int) -> dict:
+def moe_figures(shape: ModelShape, cluster: Cluster, tokens_per_rank: int, capture_chunk: int) -> dict:
     """Weights per rank with and without expert parallelism, ZeRO-3's gather of a MoE block, and the EP
     all-to-all's bytes (see the module docstring); {} for a model without routed experts. Bytes are in the
     weights' `weight_bytes` per parameter and the model's dtype_bytes per activation element."""
     moe = shape.moe
     if moe is None:
         return {}
-    ep, wb = layout.ep, layout.weight_bytes
+    ep, wb = cluster.ep, cluster.weight_bytes
     routed = moe.routed_params * moe.layers
     calls = -(-tokens_per_rank // capture_chunk) * moe.layers  # one gather per MoE layer and capture chunk
     out = {"ep": ep, "experts": moe.experts, "experts_per_token": moe.experts_per_token, "layers": moe.layers,
            "routed_params": routed,
-           "weights_per_rank_zero3": int(shape.params * wb / layout.gpus),
+           "weights_per_rank_zero3": int(shape.params * wb / cluster.gpus),
            # None without EP: the routed experts are then ZeRO-3's like every other parameter
-           "weights_per_rank_ep": int(routed * wb / ep + (shape.params - routed) * wb / layout.gpus) if ep > 1
+           "weights_per_rank_ep": int(routed * wb / ep + (shape.params - routed) * wb / cluster.gpus) if ep > 1
            else None,
            "routed_weights_per_rank_ep": int(routed * wb / ep) if ep > 1 else None,
            "zero3_gather_bytes_per_moe_call": int(moe.block_params * wb),
@@ -660,17 +664,17 @@ def moe_figures(shape: ModelShape, layout: Layout, tokens_per_rank: int, capture
     return out
 
 
-def _max_context(shape: ModelShape, mode: str, layout: Layout, chunk: int, plan: Plan, tier: str, depth: int,
+def _max_context(shape: ModelShape, mode: str, cluster: Cluster, chunk: int, plan: Plan, tier: str, depth: int,
                  keep_attention: bool = False, kept_tier: str | None = None, limit: int = 1 << 40) -> int | None:
     """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
     if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
         return None
 
     def ok(context: int) -> bool:
-        retained = retained_per_rank(shape, context, layout.cp, mode, chunk, keep_attention, plan.cp_prefix,
-                                     plan.inputs_every, layout.gpu_memory)
-        tokens = captured_tokens_per_rank(context, layout.cp)
-        workspace = _live(phase_workspace(shape, chunk, mode, layout.cp, tokens, plan.cp_scan, layout.gpu_memory,
+        retained = retained_per_rank(shape, context, cluster.cp, mode, chunk, keep_attention, plan.cp_prefix,
+                                     plan.inputs_every, cluster.gpu_memory)
+        tokens = captured_tokens_per_rank(context, cluster.cp)
+        workspace = _live(phase_workspace(shape, chunk, mode, cluster.cp, tokens, plan.cp_scan, cluster.gpu_memory,
                                           plan.cp_prefix, keep_attention, plan.inputs_every),
                           plan.replay_graph, plan.trained_grads)
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)

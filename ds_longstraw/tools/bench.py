@@ -32,13 +32,13 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
 
     from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak
     from ds_longstraw.grpo.transaction import grpo_backward
-    from ds_longstraw.models.shapes import build_model, synthetic_group
+    from ds_longstraw.models.shapes import build_named, synthetic_group
     from ds_longstraw.objective import GRPOObjective
     from ds_longstraw.tools.baselines import conventional, per_member
 
     require_host_peaks("the benchmark")  # reset_host_peak below raises where /proc/self/clear_refs is not writable
     torch.manual_seed(seed)
-    model = build_model(shape, dtype=getattr(torch, dtype), seed=seed)
+    model = build_named(shape, dtype=getattr(torch, dtype), seed=seed)
     group = synthetic_group(prompt, group_size, response, model.config.vocab_size, seed=seed)
     config = {"capture_chunk": chunk, "prefix_block": prefix_block, "prefix_recompute": prefix_recompute,
               "replay_block": 1024, "progress": progress}

@@ -27,8 +27,8 @@ from ds_longstraw.offload.plan import (
     LAYER_MAJOR_DEVICE_FRACTION,
     LAYER_MAJOR_STATE_RATIO,
     TIERS,
+    Cluster,
     GiB,
-    Layout,
     gdn_scan_outputs,
     layer_inputs_bytes,
     layer_major_prefix,
@@ -133,7 +133,7 @@ def _tokens(n):
 
 
 def render(plan, detected, gpu_tflops=148.0) -> str:
-    s, lay = plan.shape, plan.layout
+    s, lay = plan.shape, plan.cluster
     lines = [f"# longstraw plan: {s.name} ({s.family}, ~{s.params / 1e9:.1f}B parameters)", "",
              f"prompt {plan.context:,} tokens, G = {plan.group_size}, prefix_grad = {plan.mode}; {lay.gpus} GPUs, "
              f"CP {lay.cp}, {lay.gpus_per_node} per node -> {plan.tokens_per_rank:,} captured tokens per rank.",
@@ -174,7 +174,7 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     if "gdn_scan" in plan.workspace:
         lines.append("gdn_scan: the Gated DeltaNet capture's outputs held across the CP exchange (longstraw.cp_scan "
                      f"{plan.cp_scan}: one pass); --cp-scan two_pass holds none and runs those layers' capture twice.")
-    elif plan.layout.cp > 1 and plan.shape.delta_heads:
+    elif plan.cluster.cp > 1 and plan.shape.delta_heads:
         lines.append(f"longstraw.cp_scan {plan.cp_scan}: the Gated DeltaNet capture holds no outputs across the CP "
                      "exchange (two passes over those layers).")
     if "layer_major_prefix" in plan.workspace:
@@ -219,7 +219,7 @@ def _bytes(n):
 def _render_cp_time(plan, gpu_tflops) -> list:
     """The CP schedules' predicted seconds per phase per rank (ds_longstraw/tools/cp_time.py says how), and the memory
     each schedule adds per rank."""
-    lay, counts = plan.layout, plan.shape.combine_counts
+    lay, counts = plan.cluster, plan.shape.combine_counts
     if lay.cp < 2:
         return []
     times = predict(sum(counts.values()), counts.get("lse", 0), counts.get("affine_scan", 0), plan.context, lay.cp,
@@ -253,7 +253,7 @@ def _render_cp_time(plan, gpu_tflops) -> list:
 
 def _prefix_runs(plan) -> str:
     """How exact mode's CP prefix pass runs at this plan's prompt and GPU (offload/plan.layer_major_prefix)."""
-    lay = plan.layout
+    lay = plan.cluster
     return "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
                                                plan.keep_attention, plan.inputs_every, plan.tokens_per_rank,
                                                lay.gpu_memory) else "turns"
@@ -288,7 +288,7 @@ def _layer_major_advice(plan, runs) -> list:
         return []
 
     def exact(prefix):
-        return make_plan(plan.shape, plan.context, plan.group_size, "exact", plan.layout, plan.capture_chunk,
+        return make_plan(plan.shape, plan.context, plan.group_size, "exact", plan.cluster, plan.capture_chunk,
                          plan.keep_attention, None, plan.cp_scan, prefix, plan.inputs_every_asked,
                          plan.response_tokens, plan.trains)
 
@@ -306,7 +306,7 @@ def _layer_major_advice(plan, runs) -> list:
 
 def _render_sparse_cp_time(plan, gpu_tflops) -> list:
     """The CP time table of a family whose layers attend a global top-k selection (cp_time.predict_sparse)."""
-    shape, lay = plan.shape, plan.layout
+    shape, lay = plan.shape, plan.cluster
     times = predict_sparse(shape.combine_counts.get("topk_lse", 0), shape.select_layers, active_params(shape),
                            plan.context, lay.cp, gpu_tflops, shape.index_width,
                            shape.attention_heads * shape.attention_head_dim * shape.select_topk, plan.inputs_every)
@@ -335,7 +335,7 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
 
 def _render_moe(plan) -> list:
     """The routed experts' section (offload/plan.moe_figures): weights per rank, ZeRO-3's gather, all-to-all."""
-    m, lay = plan.moe, plan.layout
+    m, lay = plan.moe, plan.cluster
     if not m:
         return []
     ep = m["ep"]
@@ -436,7 +436,7 @@ def main(argv=None) -> int:
             nvme_free = shutil.disk_usage(args.nvme_path).free
             detected.append(f"{_gib(nvme_free)} free at {args.nvme_path}")
         cp = args.cp or args.gpus
-        layout = Layout(gpus=args.gpus, cp=cp, ep=args.ep, gpus_per_node=args.gpus_per_node or min(args.gpus, 8),
+        cluster = Cluster(gpus=args.gpus, cp=cp, ep=args.ep, gpus_per_node=args.gpus_per_node or min(args.gpus, 8),
                         gpu_memory=gpu_memory, host_memory=host_memory, nvme_free=nvme_free,
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
@@ -445,7 +445,7 @@ def main(argv=None) -> int:
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
                                  "prefix_inputs_every": args.prefix_inputs_every})
-        plan = make_plan(shape, args.context, args.group_size, args.mode, layout, settings.segment_tokens,
+        plan = make_plan(shape, args.context, args.group_size, args.mode, cluster, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
                          settings.cp_prefix, settings.prefix_inputs_every, args.response_tokens, args.trains)
         if args.gpu_tflops <= 0:

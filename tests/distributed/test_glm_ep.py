@@ -18,7 +18,7 @@ import os
 
 import pytest
 import torch
-from cp_scripts.experts import EP_MODEL, run_ep
+from cp_scripts.expert_ranks import EP_MODEL, run_ep
 from glm_models import tiny_glm_moe_dsa
 from grads import relative_l2
 

@@ -376,9 +376,9 @@ def generate_peak(prompt_tokens, samples, new_tokens):
     import time
 
     from ds_longstraw.grpo.memory import host_current_bytes, host_peak_bytes, reset_host_peak, return_freed_host_memory
-    from ds_longstraw.models.shapes import build_model
+    from ds_longstraw.models.shapes import build_named
 
-    model = build_model("small")
+    model = build_named("small")
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=torch.Generator().manual_seed(0))
     return_freed_host_memory("cpu")
     before = host_current_bytes()

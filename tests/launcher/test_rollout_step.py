@@ -370,7 +370,7 @@ def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
     from ds_longstraw import parse_config
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.models.model_shape import shape_from_config
-    from ds_longstraw.offload.plan import Layout, make_plan, retained_per_rank, rollout_figures
+    from ds_longstraw.offload.plan import Cluster, make_plan, retained_per_rank, rollout_figures
     from ds_longstraw.rollout.step import decoding_bytes
 
     model = tiny_qwen3_5()
@@ -378,7 +378,7 @@ def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
     rollout = parse_rollout(dict(GOOD, num_samples=3, max_new_tokens=9))
     settings = parse_config({"offload": {"tier": tier, "nvme_path": None}} if tier == "cpu" else {})
     shape = shape_from_config("tiny", model.config.to_dict(), 8)
-    plan = make_plan(shape, 57, 3, "detached", Layout())
+    plan = make_plan(shape, 57, 3, "detached", Cluster())
     figures = rollout_figures(plan, 9)
     pages = sum(v for k, v in retained_per_rank(shape, 57, 1, "detached", 4096).items() if k.endswith("_pages"))
     if tier == "cpu":

@@ -22,7 +22,7 @@ from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.grpo.state import capture_prefix
 from ds_longstraw.models.model_shape import load_config, shape_from_config
-from ds_longstraw.offload.plan import GiB, Layout, make_plan, retained_per_rank, rollout_figures
+from ds_longstraw.offload.plan import Cluster, GiB, make_plan, retained_per_rank, rollout_figures
 from ds_longstraw.sizes import parse_bytes, parse_tokens
 from ds_longstraw.tools.planner import main
 
@@ -127,9 +127,9 @@ def test_recommends_the_first_tier_that_fits():
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
 
     def plan(gpu, host, nvme=None, context=2 * 2**20, response=1024):
-        layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=int(gpu * GiB), host_memory=int(host * GiB),
+        cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=int(gpu * GiB), host_memory=int(host * GiB),
                         nvme_free=None if nvme is None else int(nvme * GiB))
-        return make_plan(qwen, context, 8, "exact", layout, response_tokens=response)
+        return make_plan(qwen, context, 8, "exact", cluster, response_tokens=response)
 
     # H200, 2M tokens: the pages and gradient pages (32 GiB), the layer-major prefix pass's layer inputs (47.5 GiB)
     # and one replayed member's graph (30 GiB at 1,024 LoRA response tokens) exceed the GPU: the host tier; at 1M
@@ -150,8 +150,8 @@ def test_recommends_the_first_tier_that_fits():
 
 
 def _fits(shape, context, tier):
-    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB, host_memory=2048 * GiB)
-    return make_plan(shape, context, 8, "exact", layout).fits[tier]
+    cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB, host_memory=2048 * GiB)
+    return make_plan(shape, context, 8, "exact", cluster).fits[tier]
 
 
 def test_cli_reports_and_recommends(capsys, tmp_path):
@@ -229,8 +229,8 @@ def test_glm_expert_parallel_figures_by_hand():
     assert routed_layer == 9_663_676_416  # ~19.3 GB a layer in bf16
     routed = 75 * routed_layer
     other = glm.params - routed
-    layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * 10**9)
-    plan = make_plan(glm, 2_097_152 + 1, 8, "detached", layout)
+    cluster = Cluster(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * 10**9)
+    plan = make_plan(glm, 2_097_152 + 1, 8, "detached", cluster)
     m = plan.moe
     assert (m["layers"], m["experts"], m["experts_per_token"], m["routed_params"]) == (75, 256, 8, routed)
     assert m["weights_per_rank_zero3"] == int(glm.params * 2 / 32)
@@ -246,7 +246,7 @@ def test_glm_expert_parallel_figures_by_hand():
     assert m["alltoall_leaving_bytes_per_layer_token"] == 196_608 * 31 / 32 == 190_464
     assert m["alltoall_leaving_bytes_capture"] == 190_464 * 75 * 65_536
     # EP 8 over data-parallel ranks (no CP): a rank holds a quarter of what it would at EP 32, plus the rest / 32
-    ep8 = make_plan(glm, 2 * 2**20, 8, "detached", Layout(gpus=32, cp=1, ep=8)).moe
+    ep8 = make_plan(glm, 2 * 2**20, 8, "detached", Cluster(gpus=32, cp=1, ep=8)).moe
     assert ep8["weights_per_rank_ep"] == int(routed * 2 / 8 + other * 2 / 32)
     assert ep8["alltoall_leaving_bytes_per_layer_token"] == 196_608 * 7 / 8
 
@@ -304,8 +304,8 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
 
     assert plan_module.VOCAB_CHUNK == VOCAB_CHUNK and plan_module.LIBRARY_KEY_BLOCK == LIBRARY_KEY_BLOCK
     shape = shape_from_config(*load_config("qwen3.6-27b"))
-    layout = Layout(gpus=8, cp=8, gpu_memory=96 * GiB)
-    plan = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096)
+    cluster = Cluster(gpus=8, cp=8, gpu_memory=96 * GiB)
+    plan = make_plan(shape, 1 << 20, 8, "detached", cluster, capture_chunk=4096)
     assert plan.workspace == {"logprobs": 1024 * (3 * 8192 + 5120) * 4,
                               "attention": 24 * 4096 * 257 * 4 + 2 * (24 + 4) * 16384 * 256 * 2,
                               "delta_rule": 48 * max(4096 * (8 * 256 + 256 * 256 // 128 + 12 * 64),
@@ -314,7 +314,7 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
                               # augmented run's scratch (value width 256 + 128) over a capture chunk
                               "gdn_scan": 131072 * 48 * 256 * 2
                               + 48 * 4096 * (8 * 384 + 384 * 384 // 128 + 12 * 64) * 4}
-    exact = make_plan(shape, 1 << 20, 8, "exact", layout, capture_chunk=4096)
+    exact = make_plan(shape, 1 << 20, 8, "exact", cluster, capture_chunk=4096)
     assert exact.workspace["delta_rule"] == 48 * 4096 * (16 * 256 + 256 * 256 // 64 + 32 * 64) * 4
     bare = plan_module._needs(shape, plan.tokens_per_rank, plan.retained, "none", 1)
     # beside the pages: the largest phase's scratch, where the replay's is one member's graph (1,024 response
@@ -323,7 +323,7 @@ def test_kernel_workspaces_are_counted_on_the_gpu():
     replay = plan.replay_graph + max(plan.workspace[k] for k in ("logprobs", "attention", "delta_rule"))
     assert plan.replay_graph == 1024 * shape.replay_graph["lora"][0] + shape.replay_graph["lora"][1]
     assert plan.needs["none"]["gpu"] - bare["gpu"] == max(max(plan.workspace.values()), replay)
-    full = make_plan(shape, 1 << 20, 8, "detached", layout, capture_chunk=4096, trains="full")
+    full = make_plan(shape, 1 << 20, 8, "detached", cluster, capture_chunk=4096, trains="full")
     assert full.trained_grads == full.weights_per_rank > 0  # every weight trained: its gradients, the weights' share
     assert full.needs["none"]["gpu"] - bare["gpu"] == max(max(full.workspace.values()),
                                                           full.replay_graph + replay - plan.replay_graph
@@ -413,7 +413,7 @@ def test_rollout_state_matches_what_generate_allocates(family, monkeypatch):
     with float64_model():
         result = generate(model, prompt, samples, new_tokens, seed=0, config={"capture_chunk": 16, "page_tokens": 7})
     assert [len(ids) for ids in result.response_ids] == [new_tokens] * samples
-    plan = make_plan(shape_from_config("tiny", config, 8), prompt_len, samples, "detached", Layout())
+    plan = make_plan(shape_from_config("tiny", config, 8), prompt_len, samples, "detached", Cluster())
     figures = rollout_figures(plan, new_tokens)
     assert sum(rows) == samples * figures["rows_per_sample"] > 0
     assert carries == [samples * figures["carry_per_sample"]]
@@ -527,15 +527,15 @@ def test_auto_scan_holds_the_outputs_only_where_they_fit():
     (48 GiB a rank, over a quarter of the GPU) they are not, so the longest prompt the NVMe tier takes is the two-pass
     one, longer than forcing one_pass allows."""
     shape = shape_from_config(*load_config("qwen3.6-27b"))
-    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
-    assert "gdn_scan" in make_plan(shape, 2 << 20, 8, "detached", layout).workspace
-    assert "gdn_scan" not in make_plan(shape, 16 << 20, 8, "detached", layout).workspace
-    assert "gdn_scan" not in make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="two_pass").workspace
-    auto = make_plan(shape, 2 << 20, 8, "detached", layout).max_context["nvme"]
-    one_pass = make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="one_pass").max_context["nvme"]
+    cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
+    assert "gdn_scan" in make_plan(shape, 2 << 20, 8, "detached", cluster).workspace
+    assert "gdn_scan" not in make_plan(shape, 16 << 20, 8, "detached", cluster).workspace
+    assert "gdn_scan" not in make_plan(shape, 2 << 20, 8, "detached", cluster, cp_scan="two_pass").workspace
+    auto = make_plan(shape, 2 << 20, 8, "detached", cluster).max_context["nvme"]
+    one_pass = make_plan(shape, 2 << 20, 8, "detached", cluster, cp_scan="one_pass").max_context["nvme"]
     assert auto > one_pass
     with pytest.raises(ValueError, match="cp_scan must be"):
-        make_plan(shape, 2 << 20, 8, "detached", layout, cp_scan="three_pass")
+        make_plan(shape, 2 << 20, 8, "detached", cluster, cp_scan="three_pass")
 
 
 def test_layer_major_prefix_counts_its_inputs_and_workspace():
@@ -546,34 +546,34 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     the turns under "auto" (every layer's input, 6,144 values a token x 78 layers, far outweighs its pages) and
     layer-major where asked for, with every layer's input."""
     shape = shape_from_config(*load_config("qwen3.6-27b"))
-    layout = Layout(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB,
+    cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB,
                     nvme_free=3584 * GiB)
-    plan = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major", inputs_every=1)
+    plan = make_plan(shape, 2 << 20, 8, "exact", cluster, cp_prefix="layer_major", inputs_every=1)
     tokens = plan.tokens_per_rank
     assert sum(shape.combine_counts.values()) == 64  # 48 Gated DeltaNet + 16 attention layers
     assert plan.retained["layer_inputs"] == tokens * shape.hidden_size * shape.dtype_bytes * 64
     assert plan.workspace["layer_major_prefix"] > 0
-    turns = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="turns")
+    turns = make_plan(shape, 2 << 20, 8, "exact", cluster, cp_prefix="turns")
     assert turns.retained["layer_inputs"] == 0 and "layer_major_prefix" not in turns.workspace
-    assert make_plan(shape, 2 << 20, 8, "detached", layout).retained["layer_inputs"] == 0
+    assert make_plan(shape, 2 << 20, 8, "detached", cluster).retained["layer_inputs"] == 0
     assert turns.max_context["nvme"] > plan.max_context["nvme"]
     # the inputs live with the pages: on the host tier they count against host memory
     assert plan.needs["cpu"]["host"] - turns.needs["cpu"]["host"] == plan.retained["layer_inputs"]
     # every 8th layer's input kept (8 of 64), 7 recomputed per group: 37.5 GiB on the tier instead of 160, and the
     # 2M-token step fits the host tier again
-    strided = make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="layer_major", inputs_every=8)
+    strided = make_plan(shape, 2 << 20, 8, "exact", cluster, cp_prefix="layer_major", inputs_every=8)
     assert strided.retained["layer_inputs"] == plan.retained["layer_inputs"] // 8
     assert strided.retained["recomputed_inputs"] == 7 * plan.retained["layer_inputs"] // 64
     assert strided.fits["cpu"] and not plan.fits["cpu"]
-    auto = make_plan(shape, 2 << 20, 8, "exact", layout)
+    auto = make_plan(shape, 2 << 20, 8, "exact", cluster)
     assert auto.inputs_every == 4 and auto.inputs_every_asked == "auto"
     assert auto.retained["layer_inputs"] == plan.retained["layer_inputs"] // 4
     assert auto.retained["recomputed_inputs"] == 3 * plan.retained["layer_inputs"] // 64
     assert auto.fits["cpu"]
     with pytest.raises(ValueError, match="inputs_every must be 'auto' or at least 1"):
-        make_plan(shape, 2 << 20, 8, "exact", layout, inputs_every=0)
+        make_plan(shape, 2 << 20, 8, "exact", cluster, inputs_every=0)
     glm = shape_from_config(*load_config("glm-5.2"))
-    glm_layout = Layout(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
+    glm_layout = Cluster(gpus=32, cp=32, ep=32, gpus_per_node=8, gpu_memory=96 * GiB, host_memory=1024 * GiB)
     # "auto": layer-major keeping every 13th layer's input where what it holds fits a quarter of the GPU, not on 48 GB
     glm_auto = make_plan(glm, 2 << 20, 8, "exact", glm_layout)
     assert glm_auto.inputs_every == 13 and glm_auto.workspace["layer_major_prefix"] <= 0.25 * 96 * GiB
@@ -592,7 +592,7 @@ def test_layer_major_prefix_counts_its_inputs_and_workspace():
     assert bases > 0
     assert strided.retained["layer_inputs"] == strided.tokens_per_rank * (6144 * 2 * 20 + bases * 2048 * 4)
     with pytest.raises(ValueError, match="cp_prefix must be"):
-        make_plan(shape, 2 << 20, 8, "exact", layout, cp_prefix="sideways")
+        make_plan(shape, 2 << 20, 8, "exact", cluster, cp_prefix="sideways")
 
 
 @pytest.mark.parametrize("context,cp,chunk", [(23, 2, 4), (2_097_152, 8, 4096), (10, 4, 2), (1000, 3, 7)])

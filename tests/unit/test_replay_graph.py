@@ -12,7 +12,7 @@ import pytest
 
 from ds_longstraw.arch import replay_graph
 from ds_longstraw.models.modeling import config_from_shape
-from ds_longstraw.offload.plan import Layout, make_plan, replay_graph_bytes
+from ds_longstraw.offload.plan import Cluster, make_plan, replay_graph_bytes
 
 # widths none of the fit used (bench/gpu_whole_model's shape file, shrunk), GQA and grouped GDN heads among them
 WIDTHS = [
@@ -61,8 +61,8 @@ def test_whole_27b_step_on_the_h200_is_within_ten_percent_of_the_plan():
     name, config = load_config("qwen3.6-27b")
     shape = shape_from_config(name, config)
     weights = int(50.53 * 2**30)
-    layout = Layout(gpus=1, gpu_memory=143771 * 2**20, host_memory=128 * 2**30, weights_per_rank=weights)
-    plan = make_plan(shape, 65536, 4, "detached", layout, capture_chunk=8192, response_tokens=1024, trains="lora")
+    cluster = Cluster(gpus=1, gpu_memory=143771 * 2**20, host_memory=128 * 2**30, weights_per_rank=weights)
+    plan = make_plan(shape, 65536, 4, "detached", cluster, capture_chunk=8192, response_tokens=1024, trains="lora")
     planned = weights + plan.needs["cpu"]["gpu"]
     assert 82.31 * 2**30 / planned == pytest.approx(1.0, abs=0.10)
     assert plan.needs["cpu"]["host"] == pytest.approx(4.03 * 2**30, rel=0.10)  # the host tier's pages, measured

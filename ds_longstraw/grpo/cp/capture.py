@@ -22,7 +22,7 @@ prefix_keep_attention also its own tokens' merged attention output and LSE).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,23 +69,23 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settin
                               offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
                               keep_inputs=keep_inputs)
     try:
-        _capture_layers(adapter, ids, settings, cp, pieces, state, progress, schedule or Schedule())
+        spans = local_spans(mine, settings.segment_tokens)  # [(a, b, prompt position of a)]
+        frame = CaptureFrame(
+            adapter, settings, cp, pieces, chunks=(schedule or Schedule()).chunks(spans),  # then the dummy chunks
+            state=state, largest=max(sum(hi - lo for lo, hi in own) for own in pieces),
+            boundaries=[ChunkBoundary(a, b, {}, position) for a, b, position in spans]
+            if state.checkpoints is not None else None)
+        _capture_layers(frame, ids, progress)
     except BaseException:
         state.release()  # page files of a host/NVMe tier go on error as on success
         raise
     return state
 
 
-def _capture_layers(adapter: CausalLMAdapter, ids: torch.Tensor, settings: LongstrawConfig, cp: CPContext,
-                    pieces: Sequence[Sequence[tuple[int, int]]], state: PrefixState,
-                    progress: Callable[[int], Any] | None, schedule: Schedule) -> None:
-    """Fill `state` (its pages, boundaries and final carry) layer by layer, each by its kind (grpo/cp/kinds/)."""
-    spans = local_spans(pieces[cp.rank], settings.segment_tokens)  # [(a, b, prompt position of a)]
-    frame = CaptureFrame(
-        adapter, settings, cp, pieces, chunks=schedule.chunks(spans),  # the spans, then the lockstep's dummy chunks
-        state=state, largest=max(sum(hi - lo for lo, hi in own) for own in pieces),
-        boundaries=[ChunkBoundary(a, b, {}, position) for a, b, position in spans]
-        if state.checkpoints is not None else None)
+def _capture_layers(frame: CaptureFrame, ids: torch.Tensor, progress: Callable[[int], Any] | None) -> None:
+    """Fill the frame's state (its pages, boundaries and final carry) layer by layer, each by its kind
+    (grpo/cp/kinds/); ids: this rank's shard in local order."""
+    adapter, settings, state = frame.adapter, frame.settings, frame.state
     for kind in kinds_in(adapter.specs):
         kind.begin_capture(frame)
     every = settings.prefix_inputs_every

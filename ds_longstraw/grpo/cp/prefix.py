@@ -35,6 +35,7 @@ rows' partial; their payloads are cp_sparse's request_* / answer_*.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,7 +59,7 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     uses_selection,
 )
 from ds_longstraw.grpo.lockstep import Schedule, ceil_div, zero_prefix_iteration
-from ds_longstraw.grpo.prefix_pass import prefix_backward
+from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order, visible_prefix
 
 if TYPE_CHECKING:
@@ -311,13 +312,11 @@ def _carry_shapes(state: PrefixState) -> dict[int, list[tuple[torch.Size, torch.
     return {layer: [(t.shape, t.dtype) for t in parts] for layer, parts in state.carry.items()}
 
 
-def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
-                       d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext, chunk: int,
-                       backward: Callable[[torch.Tensor], Any] | None = None,
-                       schedule: Schedule | None = None, prefix_recompute: bool = False) -> None:
+def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext,
+                       chunk: int, schedule: Schedule | None = None) -> None:
     """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
-    ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
+    reverse.ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
     (used by the owner of the last segment); chunk: the capture segment (settings.segment_tokens: the shards'
     chunking, and queries per partial on the serving side).
     Turns walk the CP segments (every rank's pieces, groups.shard_pieces) last to first: one per rank for
@@ -330,8 +329,10 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
     every other rank mirrors each of them with a one-token zero iteration, and a rank whose pages the owner reads
     answers the owner's requests from inside its mirror (PageServer), at the same layer of the same module sequence.
 
-    prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
+    reverse.prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
     (settings.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
+    adapter, state, backward, prefix_recompute = reverse.adapter, reverse.state, reverse.backward, \
+        reverse.prefix_recompute
     pieces = cp.pieces(state.length)
     selects = uses_selection(adapter.specs)
     order = segments_in_order(pieces)
@@ -368,9 +369,9 @@ def cp_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.
             past_start = local_starts(mine)[index] if selects else 0
             own_earlier = OwnRows(state.pool, adapter, mine[:index], exact=True) if selects and past_start else None
             remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
-            d_carry = prefix_backward(adapter, state, ids, d_carry, backward=backward,
-                                      remote_attention=remote if servers or own_earlier else None,
-                                      prefix_recompute=prefix_recompute, boundaries=turn, past_start=past_start)
+            turn_pass = replace(reverse, remote_attention=remote if servers or own_earlier else None,
+                                past_start=past_start)
+            d_carry = prefix_backward(turn_pass, d_carry, boundaries=turn)
             remote.close(adapter.device)
         for _ in iterations.dummies() if iterations is not None else ():  # the turn's dummy iterations
             zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,27 +57,25 @@ from ds_longstraw.offload import make_pool
 from ds_longstraw.parallel.groups import local_spans
 
 if TYPE_CHECKING:
-    from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState
     from ds_longstraw.config import LongstrawConfig
-    from ds_longstraw.grpo.state import PrefixState
+    from ds_longstraw.grpo.prefix_pass import ReversePass
     from ds_longstraw.offload import PagePool
     from ds_longstraw.offload.tiered import TieredPagePool
     from ds_longstraw.parallel.groups import CPContext
 
 
-def layer_major_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, ids: torch.Tensor,
-                                d_final_carry: Mapping[int, Sequence[torch.Tensor]], cp: CPContext,
-                                settings: LongstrawConfig, backward: Callable[[torch.Tensor], Any] | None = None,
-                                schedule: Schedule | None = None) -> None:
+def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequence[torch.Tensor]],
+                                cp: CPContext, settings: LongstrawConfig, schedule: Schedule | None = None) -> None:
     """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
 
-    ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry) from
-    replay; settings: the transaction's (segment_tokens: the capture's chunks; prefix_inputs_every: which layers'
-    inputs capture kept; offload: the tier of the recomputed ones). Parameter gradients of this rank's tokens
-    accumulate into .grad; the caller reduces them. backward: as prefix_pass.prefix_backward's; schedule: the
-    transaction's (None: no padding), whose chunks(spans) every per-chunk loop walks (the capture's dummy chunks
-    under a Lockstep)."""
+    reverse.ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry)
+    from replay; settings: the transaction's (segment_tokens: the capture's chunks; prefix_inputs_every: which
+    layers' inputs capture kept; offload: the tier of the recomputed ones). Parameter gradients of this rank's
+    tokens accumulate into .grad; the caller reduces them. reverse.backward: as prefix_pass.ReversePass's;
+    schedule: the transaction's (None: no padding), whose chunks(spans) every per-chunk loop walks (the capture's
+    dummy chunks under a Lockstep)."""
+    adapter, state, ids, backward = reverse.adapter, reverse.state, reverse.ids, reverse.backward
     chunk, every = settings.segment_tokens, settings.prefix_inputs_every
     pieces = cp.pieces(state.length)
     spans = local_spans(pieces[cp.rank], chunk)
@@ -98,7 +96,8 @@ def layer_major_prefix_backward(adapter: CausalLMAdapter, state: PrefixState, id
     # "topk_lse" layers: the selections they attend (a group's base keeps the one it reuses from below)
     selections = Selections(adapter, state, chunks, cp, pieces, input_of, every) \
         if uses_selection(adapter.specs) else None
-    frame = LayerMajorFrame(adapter, settings, cp, pieces, chunks, state, backward, selections, d_final_carry)
+    frame = LayerMajorFrame(adapter, settings, cp, pieces, chunks, state, backward=backward, selections=selections,
+                            d_final_carry=d_final_carry)
     try:
         for spec in reversed(adapter.specs):
             layer = spec.layer

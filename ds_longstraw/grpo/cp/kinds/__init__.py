@@ -12,6 +12,7 @@ from ds_longstraw.grpo.cp.kinds.base import (
     LayerKind,
     LayerMajorFrame,
     PageRequest,
+    ShardFrame,
     kind_of,
     kinds_in,
     register_kind,
@@ -19,5 +20,5 @@ from ds_longstraw.grpo.cp.kinds.base import (
     unrun,
 )
 
-__all__ = ["KINDS", "CaptureFrame", "LayerKind", "LayerMajorFrame", "PageRequest", "kind_of", "kinds_in",
-           "register_kind", "unregister_kind", "unrun"]
+__all__ = ["KINDS", "CaptureFrame", "LayerKind", "LayerMajorFrame", "PageRequest", "ShardFrame", "kind_of",
+           "kinds_in", "register_kind", "unregister_kind", "unrun"]

@@ -7,9 +7,9 @@ scan/ and sparse/ whose LayerKind is registered under its rule's name (register_
 registered in arch/specs.py's COMBINE_RULES (what the planner and the topology decide by before any module runs).
 
 Frames carry what every layer's step reads, so a kind's methods take (frame, spec, ...) and nothing loose:
-  CaptureFrame      one rank's capture of one prompt: its shard, its chunks, the state it fills, and what a layer
-                    hands the next (the final carries, the last top-k selection)
-  LayerMajorFrame   one rank's layer-major prefix pass: the same shard, the captured state, the backward hook
+  ShardFrame        one rank's shard of one prompt: its pieces, its chunks, the prompt's state (pages and carries)
+  CaptureFrame      the capture's: what a layer hands the next (the final carries, the last top-k selection)
+  LayerMajorFrame   the layer-major prefix pass's: the backward hook, the selections, d(final carry)
   PageRequest       one request of a turn's owner to a rank that holds pages it sees (the turns' schedule)
 """
 
@@ -40,12 +40,11 @@ FORWARD, BACKWARD, DONE, SELECT = 1, 2, 3, 4
 
 
 @dataclass
-class CaptureFrame:
-    """One rank's capture of one prompt, as every layer's kind reads it. chunk: the prefix pass's autograd segment
-    (exact mode), the span the capture's exchanges run in; largest: the largest shard's tokens (every rank decides
-    alike from it); boundaries: exact mode's per-chunk checkpoints (None in detached mode). A kind writes what the
-    layers above read: final_carry (layer -> the prompt's final carry), selection (the last top-k selection), and
-    any decision of its own made in begin_capture (say `hold`: the scan's outputs kept between its two halves)."""
+class ShardFrame:
+    """One rank's shard of one prompt in a layer-major phase: the adapter, the transaction's settings, the CP
+    context, every rank's pieces, this rank's chunks (lockstep.ShardChunks: the real spans, then the schedule's
+    dummy chunks) and the prompt's state (its pages on their tier). chunk: the prefix pass's autograd segment
+    (exact mode), the span the exchanges run in."""
 
     adapter: CausalLMAdapter
     settings: LongstrawConfig
@@ -53,11 +52,6 @@ class CaptureFrame:
     pieces: Pieces
     chunks: ShardChunks
     state: PrefixState
-    boundaries: list[ChunkBoundary] | None
-    largest: int
-    final_carry: dict[int, Any] = field(default_factory=dict)
-    selection: Selection | None = None
-    hold: bool = False
 
     @property
     def chunk(self) -> int:
@@ -65,24 +59,27 @@ class CaptureFrame:
 
 
 @dataclass
-class LayerMajorFrame:
-    """One rank's layer-major prefix pass (exact mode under CP): the shard, the captured state, the backward hook,
-    the selections "topk_lse" layers attend (prefix_sparse.Selections, None where no layer selects) and d(the
-    prompt's final carry) per layer."""
+class CaptureFrame(ShardFrame):
+    """The capture: largest, the largest shard's tokens (every rank decides alike from it); boundaries, exact mode's
+    per-chunk checkpoints (None in detached mode). A kind writes what the layers above read: final_carry (layer ->
+    the prompt's final carry), selection (the last top-k selection), and any decision of its own made in
+    begin_capture (say `hold`: the scan's outputs kept between its two halves)."""
 
-    adapter: CausalLMAdapter
-    settings: LongstrawConfig
-    cp: CPContext
-    pieces: Pieces
-    chunks: ShardChunks
-    state: PrefixState
-    backward: Callable[[torch.Tensor], Any] | None
-    selections: Any
-    d_final_carry: Mapping[int, Sequence[torch.Tensor]]
+    boundaries: list[ChunkBoundary] | None = None
+    largest: int = 0
+    final_carry: dict[int, Any] = field(default_factory=dict)
+    selection: Selection | None = None
+    hold: bool = False
 
-    @property
-    def chunk(self) -> int:
-        return self.settings.segment_tokens
+
+@dataclass
+class LayerMajorFrame(ShardFrame):
+    """Exact mode's layer-major prefix pass: the backward hook, the selections "topk_lse" layers attend
+    (kinds/sparse/layer_major.Selections, None where no layer selects) and d(the prompt's final carry) per layer."""
+
+    backward: Callable[[torch.Tensor], Any] | None = None
+    selections: Any = None
+    d_final_carry: Mapping[int, Sequence[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

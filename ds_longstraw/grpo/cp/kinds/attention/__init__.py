@@ -35,7 +35,6 @@ from ds_longstraw.grpo.cp.kinds.base import (
     Selection,
     register_kind,
 )
-from ds_longstraw.parallel.groups import contiguous_bounds
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -49,28 +48,22 @@ class AttentionKind(LayerKind):
     name = "lse"
 
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
-        state = frame.state
         if frame.settings.cp_attention == "ulysses":
-            return ulysses_attention_layer(frame.adapter, spec, normed, frame.chunks, frame.cp,
-                                           contiguous_bounds(frame.pieces), state.pool, frame.chunk,
-                                           kept_pool=state.kept_pool)
-        return capture_attention_layer(frame.adapter, spec, normed, frame.chunks, frame.cp, frame.pieces, state.pool,
-                                       frame.chunk, kept_pool=state.kept_pool)
+            return ulysses_attention_layer(frame, spec, normed)
+        return capture_attention_layer(frame, spec, normed)
 
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
                 selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:
         adapter, spans = frame.adapter, frame.chunks.spans
         queries, gates, dummies = project_chunks(adapter, spec, normed, frame.chunks)
-        results = kept_partials(frame.state, spec, spans) or shard_attention(
-            adapter, spec, queries, spans, frame.cp, frame.pieces, frame.state.pool, frame.chunk)
+        results = kept_partials(frame.state, spec, spans) or shard_attention(frame, spec, queries)
         mixed = [adapter.attention_finish(spec.layer, out, gate) for (out, _), gate in zip(results, gates, strict=True)]
         finish_dummies(adapter, spec.layer, dummies)
         return mixed, selection
 
     def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                  d_hidden: torch.Tensor) -> torch.Tensor:
-        return attention_layer_backward(frame.adapter, spec, frame.state, read_input, d_hidden, frame.chunks,
-                                        frame.cp, frame.pieces, frame.chunk, frame.backward)
+        return attention_layer_backward(frame, spec, read_input, d_hidden)
 
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:

@@ -39,22 +39,21 @@ from ds_longstraw.parallel.groups import local_spans, visible_prefix
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.cp.kinds.base import LayerMajorFrame
     from ds_longstraw.grpo.interfaces import Partial
-    from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import PagePool, Stager
     from ds_longstraw.offload.tiered import TieredPagePool
     from ds_longstraw.parallel.groups import CPContext
 
 
-def attention_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
-                             read_input: Callable[[int, int], torch.Tensor], dy_1TC: torch.Tensor, chunks: ShardChunks,
-                             cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], chunk: int,
-                             backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+def attention_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                             dy_1TC: torch.Tensor) -> torch.Tensor:
     """d(layer input) [1, T, C] of attention layer `spec.layer` over this rank's shard (read_input(a, b): the
-    layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
-    schedule's dummy chunks); parameter gradients accumulate, and every rank's gradient pages of the layer get every
-    prompt query's dK/dV."""
+    layer's input of local tokens [a, b); frame.chunks: each per-chunk loop followed by the schedule's dummy
+    chunks); parameter gradients accumulate, and every rank's gradient pages of the layer get every prompt query's
+    dK/dV."""
+    adapter, state, chunks, backward = frame.adapter, frame.state, frame.chunks, frame.backward
     layer = spec.layer
     spans = chunks.spans
     pool = state.pool
@@ -66,8 +65,7 @@ def attention_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: 
                    for a, b, position in spans]
         for _ in chunks.dummies():
             adapter.attention_project(layer, adapter.mixer_input(layer, zero), 0)
-        results = kept_partials(state, spec, spans) or shard_attention(adapter, spec, queries, spans, cp, pieces, pool,
-                                                                chunk)
+        results = kept_partials(state, spec, spans) or shard_attention(frame, spec, queries)
     # (1) the output side: d(out), and d(input) through the residual, the MLP and the output gate
     d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
     d_outs = []
@@ -79,7 +77,7 @@ def attention_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: 
     for _ in chunks.dummies():
         output_side(adapter, layer, zero, 0, zero.new_zeros(heads, 1, dim), zero, backward, _output_gate)
     # (2) the attention's backward, all ranks' queries at once: dq here, dK/dV onto the pages' owners
-    dq = _attention_grads(adapter, spec, state, spans, cp, pieces, chunk, queries, results, d_outs)
+    dq = _attention_grads(frame, spec, queries, results, d_outs)
     del results, d_outs, queries
     # (3) the input side: (q, K, V) of each chunk with their complete gradients
     for (a, b, position), d_query in zip(spans, dq, strict=True):
@@ -115,13 +113,12 @@ def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, posit
     return grad_of(x)
 
 
-def _attention_grads(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
-                     spans: Sequence[tuple[int, int, int]], cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
-                     chunk: int, queries: Sequence[torch.Tensor], results: Sequence[Partial],
-                     d_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _attention_grads(frame: LayerMajorFrame, spec: LayerState, queries: Sequence[torch.Tensor],
+                     results: Sequence[Partial], d_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """dq of every chunk of this rank's shard (accumulation precision), with dK/dV of this rank's keys from its own
     queries and from every other rank's added to its gradient pages."""
-    layer, pool = spec.layer, state.pool
+    adapter, cp, pieces, chunk, spans = frame.adapter, frame.cp, frame.pieces, frame.chunk, frame.chunks.spans
+    layer, pool = spec.layer, frame.state.pool
     scale = adapter.attention_scale(layer)
     acc = accumulation_dtype(adapter.dtype)
     heads, _, dim = adapter.attention_geometry()

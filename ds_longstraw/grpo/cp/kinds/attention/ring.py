@@ -46,6 +46,7 @@ from ds_longstraw.parallel.groups import contiguous_bounds, local_starts, visibl
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.cp.kinds.base import ShardFrame
     from ds_longstraw.grpo.interfaces import Partial
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.offload import PagePool
@@ -365,18 +366,16 @@ class _RingSends(threading.Thread):
             raise self.error
 
 
-def capture_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
-                            cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], pool: PagePool | TieredPagePool,
-                            chunk: int, kept_pool: PagePool | TieredPagePool | None = None) -> torch.Tensor:
+def capture_attention_layer(frame: ShardFrame, spec: LayerState, normed_1TC: torch.Tensor) -> torch.Tensor:
     """One full-attention layer of the layer-major capture on this rank's shard (no autograd).
 
-    Pass A computes q, gate, K, V chunk by chunk (chunks: lockstep.ShardChunks, the real chunks then the schedule's
-    dummies; see capture.py) and appends K/V to this rank's pages; then shard_attention gives each chunk's merged
-    (out, lse) over every rank's earlier keys, and the output projection is applied.
-    kept_pool: None, or the pool that keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
-    layer = spec.layer
-    queries, gates, dummies = project_chunks(adapter, spec, normed_1TC, chunks, pool)
-    results = shard_attention(adapter, spec, queries, chunks.spans, cp, pieces, pool, chunk)
+    Pass A computes q, gate, K, V chunk by chunk (frame.chunks: the real chunks then the schedule's dummies; see
+    grpo/cp/capture.py) and appends K/V to this rank's pages; then shard_attention gives each chunk's merged (out,
+    lse) over every rank's earlier keys, and the output projection is applied. The state's kept_pool, where there
+    is one, keeps each chunk's merged (out, lse) (exact mode's prefix_keep_attention)."""
+    adapter, layer, kept_pool = frame.adapter, spec.layer, frame.state.kept_pool
+    queries, gates, dummies = project_chunks(adapter, spec, normed_1TC, frame.chunks, frame.state.pool)
+    results = shard_attention(frame, spec, queries)
     outs = []
     for result, gate in zip(results, gates, strict=True):
         if kept_pool is not None:
@@ -386,15 +385,14 @@ def capture_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1
     return torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)
 
 
-def shard_attention(adapter: CausalLMAdapter, spec: LayerState, queries: Sequence[torch.Tensor],
-                    spans: Sequence[tuple[int, int, int]], cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
-                    pool: PagePool | TieredPagePool, chunk: int) -> list[Partial]:
-    """The merged (out, lse) of each chunk of this rank's shard (queries: [H, T_c, D] per span) over every rank's
-    keys before it, its own pages being in place (no autograd; every rank calls it for the layer).
+def shard_attention(frame: ShardFrame, spec: LayerState, queries: Sequence[torch.Tensor]) -> list[Partial]:
+    """The merged (out, lse) of each chunk of this rank's shard (queries: [H, T_c, D] per span of frame.chunks)
+    over every rank's keys before it, its own pages being in place (no autograd; every rank calls it for the layer).
 
     The remote partial over the other ranks' earlier keys is computed for the whole shard (contiguous shards:
     capture_remote_partial; several pieces per rank: ring_remote_partial); then each chunk attends to itself
     (causal) and this rank's earlier pages, and the remote partial is merged by LSE."""
+    adapter, cp, pieces, pool, chunk = frame.adapter, frame.cp, frame.pieces, frame.state.pool, frame.chunk
     layer = spec.layer
     heads, _, dim = adapter.attention_geometry()
     scale = adapter.attention_scale(layer)
@@ -409,7 +407,7 @@ def shard_attention(adapter: CausalLMAdapter, spec: LayerState, queries: Sequenc
             remote_out, remote_lse = ring_remote_partial(cp, q_all, stager, spec, scale, pieces, chunk)
         del q_all
         return [_chunk_attention(spec, stager, pool, scale, q, a, b, remote_out, remote_lse)
-                for (a, b, _), q in zip(spans, queries, strict=True)]
+                for (a, b, _), q in zip(frame.chunks.spans, queries, strict=True)]
     finally:
         stager.close()
 

@@ -28,13 +28,11 @@ import torch.distributed as dist
 from ds_longstraw.grpo.cp.kinds.attention.ring import _pages_KTD, accumulation_dtype, finish_dummies, project_chunks
 from ds_longstraw.grpo.state import keep_segment_attention
 from ds_longstraw.kernels import partial_attention
+from ds_longstraw.parallel.groups import contiguous_bounds
 
 if TYPE_CHECKING:
-    from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState
-    from ds_longstraw.grpo.lockstep import ShardChunks
-    from ds_longstraw.offload import PagePool
-    from ds_longstraw.offload.tiered import TieredPagePool
+    from ds_longstraw.grpo.cp.kinds.base import ShardFrame
     from ds_longstraw.parallel.groups import CPContext
 
 
@@ -73,13 +71,13 @@ def _all_to_all(cp: CPContext, send_parts: Sequence[torch.Tensor], recv_shapes: 
     return parts
 
 
-def ulysses_attention_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
-                            cp: CPContext, bounds: Sequence[tuple[int, int]], pool: PagePool | TieredPagePool,
-                            chunk: int, kept_pool: PagePool | TieredPagePool | None = None) -> torch.Tensor:
-    """One full-attention layer of the capture with Ulysses all-to-alls (no autograd); returns [1, T_r, C].
-    chunks: lockstep.ShardChunks (the real chunks, then the schedule's dummies; see capture.py);
-    kept_pool: None, or the pool that keeps the attention's (out, lse) of this rank's tokens (exact mode's
+def ulysses_attention_layer(frame: ShardFrame, spec: LayerState, normed_1TC: torch.Tensor) -> torch.Tensor:
+    """One full-attention layer of the capture with Ulysses all-to-alls (no autograd) on contiguous shards; returns
+    [1, T_r, C]. frame.chunks: the real chunks, then the schedule's dummies (see grpo/cp/capture.py); the state's
+    kept_pool, where there is one, keeps the attention's (out, lse) of this rank's tokens (exact mode's
     prefix_keep_attention): the LSE then makes the trip back too (one more all-to-all, H/N values per token)."""
+    adapter, cp, chunks, chunk = frame.adapter, frame.cp, frame.chunks, frame.chunk
+    pool, kept_pool, bounds = frame.state.pool, frame.state.kept_pool, contiguous_bounds(frame.pieces)
     layer = spec.layer
     heads, kv_heads, dim = adapter.attention_geometry()
     check_heads(heads, kv_heads, cp.size)

@@ -29,9 +29,7 @@ class ScanKind(LayerKind):
                                         frame.adapter.device)
 
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
-        mixed, frame.final_carry[spec.layer] = capture_scan_layer(
-            frame.adapter.recurrent_scan(spec.layer), normed, frame.chunks, frame.cp, frame.pieces, frame.boundaries,
-            spec.layer, checkpoints=frame.state.checkpoints, hold=frame.hold)
+        mixed, frame.final_carry[spec.layer] = capture_scan_layer(frame, spec.layer, normed)
         return mixed
 
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
@@ -41,9 +39,7 @@ class ScanKind(LayerKind):
 
     def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                  d_hidden: torch.Tensor) -> torch.Tensor:
-        return prefix_scan_layer(frame.adapter.recurrent_scan(spec.layer), spec.layer, read_input, d_hidden,
-                                 frame.state, frame.chunks, frame.cp, frame.pieces,
-                                 frame.d_final_carry.get(spec.layer), backward=frame.backward)
+        return prefix_scan_layer(frame, spec.layer, read_input, d_hidden)
 
 
 SCAN = register_kind(ScanKind())

@@ -33,31 +33,30 @@ Held across the layer: d(o) and d(z) over the shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
 if TYPE_CHECKING:
-    from ds_longstraw.grpo.interfaces import RecurrentScan, RecurrentScanGrad
+    from ds_longstraw.grpo.cp.kinds.base import LayerMajorFrame
+    from ds_longstraw.grpo.interfaces import RecurrentScan
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import ChunkBoundary, PrefixState
-    from ds_longstraw.parallel.groups import CPContext
 
 
-def prefix_scan_layer(scan: RecurrentScanGrad, layer: int, read_input: Callable[[int, int], torch.Tensor],
-                      dy_1TC: torch.Tensor, state: PrefixState, chunks: ShardChunks, cp: CPContext,
-                      pieces: Sequence[Sequence[tuple[int, int]]],
-                      d_final: Sequence[torch.Tensor | None] | None,
-                      backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+def prefix_scan_layer(frame: LayerMajorFrame, layer: int, read_input: Callable[[int, int], torch.Tensor],
+                      dy_1TC: torch.Tensor) -> torch.Tensor:
     """d(layer input) [1, T, C] of recurrent layer `layer` over this rank's shard (see the module docstring);
-    parameter gradients accumulate. scan: the family's math for the layer (the adapter's recurrent_scan(layer));
+    parameter gradients accumulate. The family's math for the layer is the adapter's recurrent_scan(layer);
     read_input(a, b): the layer's input [1, b - a, C] of local tokens [a, b) (capture's); dy_1TC: d(layer output);
-    chunks: the schedule's chunks (grpo/lockstep.ShardChunks): `spans`, this rank's chunks [(a, b, position)] in
-    local order, one per state.boundaries entry, then dummies() after each per-chunk loop; d_final: replay's
-    (d state, d tail) of the prompt's final carry of this layer, or None."""
+    frame.chunks: `spans`, this rank's chunks [(a, b, position)] in local order, one per state.boundaries entry,
+    then dummies() after each per-chunk loop; frame.d_final_carry[layer]: replay's (d state, d tail) of the
+    prompt's final carry of this layer, where it has one."""
+    scan, state, chunks, cp = frame.adapter.recurrent_scan(layer), frame.state, frame.chunks, frame.cp
+    pieces, d_final, backward = frame.pieces, frame.d_final_carry.get(layer), frame.backward
     spans = chunks.spans
     width = scan.width
     mine, order = pieces[cp.rank], segments_in_order(pieces)

@@ -50,10 +50,10 @@ from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_
 
 if TYPE_CHECKING:
     from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.cp.kinds.base import CaptureFrame
     from ds_longstraw.grpo.interfaces import RecurrentScan
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import CarryCheckpoints, ChunkBoundary, PooledCarryCheckpoints
-    from ds_longstraw.parallel.groups import CPContext
 
 Pieces = Sequence[Sequence[tuple[int, int]]]  # every rank's pieces of the prompt (groups.shard_pieces)
 
@@ -68,25 +68,24 @@ def holds_scan_outputs(settings: LongstrawConfig, held_bytes: int, device: torch
     return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
-def capture_scan_layer(scan: RecurrentScan, normed_1TC: torch.Tensor, chunks: ShardChunks, cp: CPContext,
-                       pieces: Pieces, boundaries: list[ChunkBoundary] | None, layer: int,
-                       checkpoints: CarryCheckpoints | PooledCarryCheckpoints | None = None,
-                       hold: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor]]:
+def capture_scan_layer(frame: CaptureFrame, layer: int,
+                       normed_1TC: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor]]:
     """One recurrent layer of the layer-major capture on this rank's shard (no autograd).
 
-    scan: the family's math for layer `layer` (the adapter's recurrent_scan(layer)); normed_1TC: the layer's mixer
-    input over the shard. hold: keep the first pass's outputs and correct them after the exchange ("cp_scan":
-    "one_pass"), or keep nothing and run the layer again from the true initial state ("two_pass": the projections
-    and the plain recurrence a second time, for the memory of [o(0) | q~] over the shard).
+    The family's math for layer `layer` is the adapter's recurrent_scan(layer); normed_1TC: the layer's mixer
+    input over the shard. frame.hold: keep the first pass's outputs and correct them after the exchange
+    ("cp_scan": "one_pass"), or keep nothing and run the layer again from the true initial state ("two_pass": the
+    projections and the plain recurrence a second time, for the memory of [o(0) | q~] over the shard).
 
-    pieces: every rank's pieces (groups.shard_pieces). Returns (output [1, T, C], (final state, final conv tail) of
-    the whole prompt). boundaries: None, or the exact-mode ChunkBoundary list of this rank, whose carries get this
-    layer's (state, tail) at each chunk start, kept in `checkpoints` (ds_longstraw.grpo.state's checkpoint store).
-    chunks: the schedule's chunks (grpo/lockstep.ShardChunks): the real ones (`spans`, this rank's chunks [(a, b,
-    position)] in local order, groups.local_spans), then a one-token dummy call for each of its dummies() after
-    each per-chunk loop (ZeRO-3 lockstep; see grpo/cp/capture.py); where it pads (`padded`), an empty piece also
-    makes a dummy call in place of its conv-tail projection.
+    Returns (output [1, T, C], (final state, final conv tail) of the whole prompt). frame.boundaries: None, or the
+    exact-mode ChunkBoundary list of this rank, whose carries get this layer's (state, tail) at each chunk start,
+    kept in the state's checkpoints (ds_longstraw.grpo.state's checkpoint store). frame.chunks: the real ones
+    (`spans`, this rank's chunks [(a, b, position)] in local order, groups.local_spans), then a one-token dummy
+    call for each of its dummies() after each per-chunk loop (ZeRO-3 lockstep; see grpo/cp/capture.py); where it
+    pads (`padded`), an empty piece also makes a dummy call in place of its conv-tail projection.
     """
+    scan, chunks, cp, pieces = frame.adapter.recurrent_scan(layer), frame.chunks, frame.cp, frame.pieces
+    boundaries, checkpoints, hold = frame.boundaries, frame.state.checkpoints, frame.hold
     width = scan.width
     mine, order = pieces[cp.rank], segments_in_order(pieces)
     starts = local_starts(mine)

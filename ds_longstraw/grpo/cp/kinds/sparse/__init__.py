@@ -46,20 +46,17 @@ class SparseKind(LayerKind):
     name = "topk_lse"
 
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
-        mixed, frame.selection = capture_sparse_layer(frame.adapter, spec, normed, frame.chunks, frame.cp,
-                                                      frame.pieces, frame.state.pool, frame.selection)
+        mixed, frame.selection = capture_sparse_layer(frame, spec, normed, frame.selection)
         return mixed
 
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
                 selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:
-        out, selection = capture_sparse_layer(frame.adapter, spec, normed, frame.chunks, frame.cp, frame.pieces,
-                                              frame.state.pool, selection, append=False)
+        out, selection = capture_sparse_layer(frame, spec, normed, selection, append=False)
         return [out], selection
 
     def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                  d_hidden: torch.Tensor) -> torch.Tensor:
-        return sparse_layer_backward(frame.adapter, spec, frame.state, read_input, d_hidden, frame.chunks, frame.cp,
-                                     frame.pieces, frame.selections, frame.backward)
+        return sparse_layer_backward(frame, spec, read_input, d_hidden)
 
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:

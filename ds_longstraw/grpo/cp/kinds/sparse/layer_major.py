@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState
+    from ds_longstraw.grpo.cp.kinds.base import LayerMajorFrame
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import Stager
@@ -119,15 +120,15 @@ def _pad_projections(adapter: CausalLMAdapter, layer: int, chunks: ShardChunks) 
         adapter.sparse_project(layer, adapter.mixer_input(layer, _zero(adapter)), 0)
 
 
-def sparse_layer_backward(adapter: CausalLMAdapter, spec: LayerState, state: PrefixState,
-                          read_input: Callable[[int, int], torch.Tensor], dy_1TC: torch.Tensor, chunks: ShardChunks,
-                          cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], selections: Selections,
-                          backward: Callable[[torch.Tensor], Any] | None = None) -> torch.Tensor:
+def sparse_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                          dy_1TC: torch.Tensor) -> torch.Tensor:
     """d(layer input) [1, T, C] of "topk_lse" layer `spec.layer` over this rank's shard (read_input(a, b): the
-    layer's input of local tokens [a, b); chunks: lockstep.ShardChunks, each per-chunk loop followed by the
-    schedule's dummy chunks; selections: the pass's Selections); parameter gradients accumulate, and every rank's
-    gradient pages of the layer get every prompt query's d(rows)."""
-    layer, pool = spec.layer, state.pool
+    layer's input of local tokens [a, b); frame.chunks: each per-chunk loop followed by the schedule's dummy chunks;
+    frame.selections: the pass's Selections); parameter gradients accumulate, and every rank's gradient pages of
+    the layer get every prompt query's d(rows)."""
+    adapter, cp, pieces, chunks, backward = frame.adapter, frame.cp, frame.pieces, frame.chunks, frame.backward
+    selections = frame.selections
+    layer, pool = spec.layer, frame.state.pool
     spans = chunks.spans
     positions, valid = selections.of(layer)
     rows = row_stager(pool, [spec])

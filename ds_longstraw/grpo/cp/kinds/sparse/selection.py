@@ -64,8 +64,8 @@ if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.arch.specs import LayerState, SparseGeometry
     from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.cp.kinds.base import ShardFrame
     from ds_longstraw.grpo.interfaces import Partial
-    from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.offload import PagePool
     from ds_longstraw.offload.tiered import TieredPagePool
     from ds_longstraw.parallel.groups import CPContext
@@ -398,8 +398,7 @@ def _cat(parts: Iterable[Sequence[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     return tuple(torch.cat(pieces) for pieces in zip(*parts, strict=True))
 
 
-def capture_sparse_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC: torch.Tensor, chunks: ShardChunks,
-                         cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], pool: PagePool | TieredPagePool,
+def capture_sparse_layer(frame: ShardFrame, spec: LayerState, normed_1TC: torch.Tensor,
                          selection: tuple[torch.Tensor, torch.Tensor] | None = None,
                          append: bool = True) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """One "topk_lse" layer of the layer-major capture on this rank's shard (no autograd), every rank at once.
@@ -412,10 +411,11 @@ def capture_sparse_layer(adapter: CausalLMAdapter, spec: LayerState, normed_1TC:
     merged by log-sum-exp; the output projection runs chunk by chunk. Returns (the layer's mixer output [1, T, C],
     the selection it used: positions, valid [T, K]).
 
-    chunks: lockstep.ShardChunks: the projections and the output projections walk the real chunks, then the
-    schedule's dummy ones (ZeRO-3 lockstep, capture.py; results discarded), so the exchanges in between sit at the
-    same place in every rank's sequence of weight gathers. append False: the rows are on the pages already (the
-    layer-major prefix pass's recompute of a layer's output)."""
+    frame.chunks: the projections and the output projections walk the real chunks, then the schedule's dummy ones
+    (ZeRO-3 lockstep, grpo/cp/capture.py; results discarded), so the exchanges in between sit at the same place in
+    every rank's sequence of weight gathers. append False: the rows are on the pages already (the layer-major prefix
+    pass's recompute of a layer's output)."""
+    adapter, cp, pieces, chunks, pool = frame.adapter, frame.cp, frame.pieces, frame.chunks, frame.state.pool
     layer = spec.layer
     spans = chunks.spans
     selectors, queries, finishes, padded = [], [], [], []

@@ -1,0 +1,199 @@
+"""A member whose long untrained spans (tool outputs, observations: response_masks False) are captured rather than
+kept as graph.
+
+Replay keeps the graph of a member's whole response (replay.replay_member), so an agent's tool outputs cost what
+conventional training costs. Where an untrained span of a member reaches settings.member_span_capture tokens, the
+member runs in steps instead (MemberSteps): each captured span a step of replay_block tokens, each region between
+them (the actions, with any short untrained span) one step, and
+
+  1. a forward without a graph over the whole response, step by step: each step's rows (the keys its later tokens
+     read) and the carry at its start kept, detached; the log-probs (and entropies) of the regions recorded;
+  2. d(loss)/d(log-probs) from the objective on those values, then the steps last to first, each recomputed with
+     autograd from its start carry over the prefix and the earlier steps' rows (leaves): its log-probs get
+     d(loss)/d(log-probs), its rows the gradient the later steps left on them, its end carry d(carry) from the
+     step after it; one backward each. The first step starts from the prefix's leaves, so d(carry after the
+     prompt) and, in exact mode, the prompt pages' gradients collect where a whole member's replay puts them.
+
+The gradient is the whole member's (the same function, differentiated in pieces): a member's own context is exact
+in both modes. Memory: one step's graph plus the member's rows and their gradients, flat in the span's length,
+instead of the whole response's graph. Time: the response runs forward twice (the captured spans' steps skip the
+vocabulary projection both times).
+
+Under a lockstep that pads module calls across ranks (ZeRO-3, the spread CP replay) a member is replayed whole, as
+the padding counts it (replay.replay_group decides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from ds_longstraw.arch.base import inject_gradients
+from ds_longstraw.grpo.memory import return_freed_host_memory
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
+
+
+class MemberReplay(Protocol):
+    """What a stepped member reads (replay.MemberReplay: replay names this module, not the other way round)."""
+
+    adapter: CausalLMAdapter
+    leaves: Any  # replay.PrefixLeaves: carry, past (StagedPast or ResponsePast: layer -> segments, fresh, append)
+    start: int
+    block: int
+    remote_attention: RemoteAttention | RemoteSelection | None
+
+
+@dataclass(frozen=True)
+class Step:
+    start: int  # input positions [start, end) of the member's response
+    end: int
+    scored: bool  # whether its targets' log-probs are computed (False: a captured span's, untrained)
+
+
+def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[Step] | None:
+    """The steps of a member whose targets' training mask is `mask` (True: in the loss), or None where no
+    untrained run reaches `threshold` tokens (None: never) and the member is replayed whole. A captured run is cut
+    into steps of `block` tokens; each region between captured runs is one scored step."""
+    if threshold is None:
+        return None
+    values = mask.tolist()
+    runs, start = [], 0  # (start, end, trained) maximal runs
+    for index in range(1, len(values) + 1):
+        if index == len(values) or values[index] != values[start]:
+            runs.append((start, index, values[start]))
+            start = index
+    captured = [(a, b) for a, b, trained in runs if not trained and b - a >= threshold]
+    if not captured:
+        return None
+    steps, position = [], 0
+    for a, b in captured:
+        if a > position:
+            steps.append(Step(position, a, True))
+        steps += [Step(s, min(b, s + block), False) for s in range(a, b, block)]
+        position = b
+    if position < len(values):
+        steps.append(Step(position, len(values), True))
+    return steps
+
+
+def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
+                    share_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], with_entropy: bool,
+                    backward: Callable | None = None) -> tuple[float, torch.Tensor]:
+    """The member's loss share (a float) and its log-probs (detached; 0 at captured positions, which no loss reads),
+    its gradients accumulated as a whole replay's would be (module docstring). share_of(log-probs, entropies or
+    None): the member's share of the loss from every target's values."""
+    with torch.no_grad():
+        rows, carries, logp, entropy = _forward(source, steps, inputs, targets, with_entropy)
+    # d(loss)/d(log-probs) (and entropies) on the recorded values: the objective is any function of them
+    logp_leaf = logp.requires_grad_(True)
+    entropy_leaf = None if entropy is None else entropy.requires_grad_(True)
+    with torch.enable_grad():
+        share = share_of(logp_leaf, entropy_leaf)
+        wrt = [t for t in (logp_leaf, entropy_leaf) if t is not None]
+        grads = torch.autograd.grad(share, wrt, allow_unused=True) if share.requires_grad else [None] * len(wrt)
+    d_logp, d_entropy = (list(grads) + [None])[:2]
+    _reverse(source, steps, inputs, targets, rows, carries, (d_logp, d_entropy), backward)
+    return float(share.detach()), logp.detach()
+
+
+def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
+             with_entropy: bool) -> tuple[list[dict], list[dict], torch.Tensor, torch.Tensor | None]:
+    """Pass 1, no graph: each step's rows (layer -> token-major tensors) and start carry, the scored log-probs."""
+    adapter, leaves = source.adapter, source.leaves
+    carry = {layer: tuple(t.detach() for t in parts) for layer, parts in leaves.carry.items()}
+    past = leaves.past.fresh()
+    rows, carries = [], []
+    logp = torch.zeros(targets.numel(), dtype=torch.float32, device=adapter.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    for step in steps:
+        carries.append(carry)
+        out_rows, carry, scores = _run_step(source, step, inputs, targets, carry, past, with_entropy)
+        rows.append(out_rows)
+        if step.scored:
+            step_logp, step_entropy = scores
+            logp = logp.to(step_logp.dtype)
+            logp[step.start:step.end] = step_logp
+            if entropy is not None:
+                entropy = entropy.to(step_entropy.dtype)
+                entropy[step.start:step.end] = step_entropy
+    return rows, carries, logp, entropy
+
+
+def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: torch.Tensor, carry: dict,
+              past: Any, with_entropy: bool) -> tuple[dict, dict, tuple | None]:
+    """One step a replay block at a time over `past` (a fresh copy of the leaves' past: the prefix and the earlier
+    steps' rows), to which its blocks' rows are appended as they come: (its rows by layer, token-major; its end
+    carry; (log-probs, entropies or None) where it is scored)."""
+    adapter, block = source.adapter, source.block
+    carry = dict(carry)
+    blocks, logps, entropies = {}, [], []
+    for offset in range(step.start, step.end, block):
+        end = min(step.end, offset + block)
+        out = adapter.forward_segment(inputs[offset:end], source.start + offset, carry, past, source.remote_attention)
+        carry = dict(out.carry)
+        for layer, parts in out.rows.items():
+            past.append(layer, parts)
+            blocks.setdefault(layer, []).append(parts)
+        if step.scored:
+            result = adapter.logprobs(out.hidden, targets[offset:end], with_entropy=with_entropy)
+            logps.append(result[0] if with_entropy else result)
+            if with_entropy:
+                entropies.append(result[1])
+    rows = {layer: tuple(torch.cat(parts) for parts in zip(*segments, strict=True))
+            for layer, segments in blocks.items()}
+    scores = (torch.cat(logps), torch.cat(entropies) if with_entropy else None) if step.scored else None
+    return rows, carry, scores
+
+
+def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
+             rows: list[dict], carries: list[dict], d_scores: tuple, backward: Callable | None) -> None:
+    """Pass 2: the steps last to first, each with autograd, its outputs given their gradients (module docstring)."""
+    leaves = source.leaves
+    d_logp, d_entropy = d_scores
+    # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
+    row_leaves = [{layer: tuple(t.detach().requires_grad_(True) for t in parts) for layer, parts in step.items()}
+                  for step in rows]
+    del rows
+    d_carry = None  # d(end carry) of the step in turn, from the step after it
+    for index in reversed(range(len(steps))):
+        step = steps[index]
+        if index == 0:
+            carry = dict(leaves.carry)  # the prefix's leaves (exact mode collects d(carry after the prompt) there)
+        else:
+            carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
+                     for layer, parts in carries[index].items()}
+        past = leaves.past.fresh()
+        for earlier in row_leaves[:index]:
+            for layer, parts in earlier.items():
+                past.append(layer, parts)
+        with torch.enable_grad(), leaves.saves():
+            out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
+            outputs, grads = [], []
+            if scores is not None:
+                outputs.append(scores[0])
+                grads.append(None if d_logp is None else d_logp[step.start:step.end])
+                if scores[1] is not None:
+                    outputs.append(scores[1])
+                    grads.append(d_entropy[step.start:step.end])
+            for layer, parts in out_rows.items():
+                for part, leaf in zip(parts, row_leaves[index][layer], strict=True):
+                    outputs.append(part)
+                    grads.append(leaf.grad)
+            if d_carry is not None:
+                for layer, parts in end_carry.items():
+                    for part, grad in zip(parts, d_carry[layer], strict=True):
+                        outputs.append(part)
+                        grads.append(grad)
+            inject_gradients(outputs, grads, backward)
+        if index > 0:
+            d_carry = {layer: tuple(t.grad for t in parts) for layer, parts in carry.items()}
+        row_leaves[index] = {}  # its gradient is spent
+        del out_rows, end_carry, scores, outputs, grads, carry, past
+        return_freed_host_memory(source.adapter.device)

@@ -1,0 +1,145 @@
+"""Members whose long untrained spans are captured, not replayed whole (grpo/member_steps.py, member_span_capture).
+
+Equivalence chains (float64 models, float64 end to end), "masked loss" being tests/masked_loss.py's plain form:
+  grpo_backward(detached, spans captured) == masked loss of transformers cache continuation log-probs
+                                          == grpo_backward(detached, every member replayed whole)
+  grpo_backward(exact, spans captured)    == masked loss of full-sequence autograd log-probs
+                                          == grpo_backward(exact, every member replayed whole)
+for qwen3_5 (Gated DeltaNet + attention: carries and pages both cross the steps) and glm_moe_dsa (MLA with DSA: a
+selection over the member's earlier rows, a shared indexer layer, the MoE), members with tool spans at the start,
+in the middle, at the end, back to back (one trained token between), one shorter than the threshold (replayed
+with its region), a member that is all tool output, G = 1, KL to a reference, the host tier.
+Tolerance: relative L2 <= 1e-8 over all parameter gradients, as test_agent_masks.py (the same float64 functions
+differentiated in pieces: ~1e-12 measured; a step's rows or carry left without their later gradient moves the
+gradient by 1e-2 or more). Each case also proves that the stepped path ran (a member that should take it did).
+"""
+
+import pytest
+import torch
+from glm_models import glm_reference, tiny_glm_moe_dsa
+from grads import grads_of, relative_l2
+from masked_loss import masked_group, masked_grpo_loss
+from models import cache_continuation_logprobs, float64_model, full_sequence_logprobs, tiny_qwen3_5
+from reference import reference_step
+
+from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
+from ds_longstraw.grpo import replay as replay_module
+from ds_longstraw.grpo.member_steps import Step, member_steps
+
+TOL = 1e-8
+THRESHOLD = 4  # member_span_capture in these cases: tool spans of 4+ tokens are captured
+
+CASES = {
+    # name: (prompt length, members [(length, untrained spans)], replay_block, objective kwargs, tier, stepped)
+    # stepped: how many members take the stepped path
+    "spans-start-middle-end": (13, [(20, [(0, 5), (8, 13), (15, 20)]), (9, [(2, 7)]), (6, [(1, 3)])], 3, {}, None,
+                               2),
+    "back-to-back-and-short": (11, [(21, [(1, 6), (7, 12), (13, 15)]), (8, [])], 2, {}, None, 1),
+    "all-tool-member": (12, [(9, [(0, 9)]), (6, [(2, 3)]), (7, [(0, 4)])], 4, {}, None, 2),
+    "G1": (12, [(11, [(2, 8)])], 4, {}, None, 1),  # advantages given: one member has no group statistics
+    "kl-host-tier": (14, [(15, [(3, 10)]), (7, [(0, 2)]), (11, [(5, 11)])], 3, {"kl_coef": 0.3}, "cpu", 2),
+    "seq-mean": (10, [(12, [(0, 4), (6, 12)]), (5, [(4, 5)])], 5, {"loss_agg": "seq-mean-token-mean"}, None, 1),
+}
+
+
+def _config(mode, block, tier, capture):
+    config = {"prefix_grad": mode, "capture_chunk": 5, "page_tokens": 3, "replay_block": block,
+              "member_span_capture": capture}
+    if tier is not None:
+        config["offload"] = {"tier": tier}
+    return config
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return tiny_qwen3_5(), tiny_qwen3_5(seed=7)
+
+
+@pytest.fixture
+def stepped(monkeypatch):
+    """How many members the stepped path ran."""
+    calls = []
+    original = replay_module.replay_in_steps
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "replay_in_steps", counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_captured_spans_equal_the_reference_and_the_whole_replay(qwen, stepped, case, mode):
+    model, ref_model = qwen
+    prompt_len, members, block, kwargs, tier, expected = CASES[case]
+    group = masked_group(prompt_len, members, seed=len(case))
+    if group.size == 1:
+        group = GRPOGroup(group.prompt_ids, group.response_ids, advantages=[0.7], response_masks=group.response_masks)
+    reference = ref_model if kwargs.get("kl_coef") else None
+    logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
+
+    def loss_fn(group, logps, ref):
+        return masked_grpo_loss(group, logps, ref, **kwargs)
+
+    with float64_model():
+        ref_grads, (ref_loss, ref_logps, _) = reference_step(model, group, loss_fn, logprob_fn, reference)
+        whole, whole_result = grads_of(model, lambda: grpo_backward(
+            model, group, GRPOObjective(**kwargs), config=_config(mode, block, tier, None), ref_model=reference))
+        assert stepped == []
+        grads, result = grads_of(model, lambda: grpo_backward(
+            model, group, GRPOObjective(**kwargs), config=_config(mode, block, tier, THRESHOLD),
+            ref_model=reference))
+    assert len(stepped) == expected
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert relative_l2(grads, whole) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+    assert result.loss == pytest.approx(whole_result.loss, rel=1e-12, abs=1e-12)
+    # every scored token's log-prob is the reference's; a captured span's are not computed (0)
+    for mine, ref, step_list in zip(result.logprobs, ref_logps, _steps(group), strict=True):
+        scored = torch.ones(mine.numel(), dtype=torch.bool)
+        for step in step_list or []:
+            if not step.scored:
+                scored[step.start:step.end] = False
+        torch.testing.assert_close(mine[scored], ref.double()[scored], rtol=0, atol=1e-11)
+        assert (mine[~scored] == 0).all()
+
+
+def _steps(group):
+    """Each member's steps (None: replayed whole); which tokens are scored does not depend on the block."""
+    return [member_steps(group.mask(m), THRESHOLD, group.response_ids[m].numel()) for m in range(group.size)]
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_glm_captured_spans_equal_the_reference(stepped, mode):
+    """glm_moe_dsa: a prompt long enough that the selection is sparse (index_topk 8), a member whose later tokens
+    select among its captured rows."""
+    model = tiny_glm_moe_dsa()
+    members = [(24, [(2, 14), (17, 21)]), (10, [(0, 3)])]
+    group = masked_group(30, members, seed=9)
+    logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
+
+    def loss_fn(group, logps, ref):
+        return masked_grpo_loss(group, logps, ref)
+
+    with glm_reference():
+        ref_grads, (ref_loss, _, _) = reference_step(model, group, loss_fn, logprob_fn)
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(),
+                                                              config=_config(mode, 5, None, THRESHOLD)))
+    assert len(stepped) == 1
+    assert relative_l2(grads, ref_grads) <= TOL
+    assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
+
+
+def test_steps_follow_the_spans():
+    """Captured runs of at least the threshold cut into blocks; the regions between them one scored step each; a
+    shorter untrained run stays inside its region; no captured run: None (replayed whole)."""
+    mask = torch.tensor([False] * 5 + [True] * 2 + [False] * 2 + [True] + [False] * 7)
+    assert member_steps(mask, 4, 3) == [Step(0, 3, False), Step(3, 5, False), Step(5, 10, True),
+                                        Step(10, 13, False), Step(13, 16, False), Step(16, 17, False)]
+    assert member_steps(mask, 8, 3) is None
+    assert member_steps(mask, None, 3) is None
+    assert member_steps(torch.ones(6, dtype=torch.bool), 1, 3) is None
+    assert member_steps(torch.zeros(5, dtype=torch.bool), 5, 2) == [Step(0, 2, False), Step(2, 4, False),
+                                                                    Step(4, 5, False)]
