@@ -3,8 +3,9 @@ kept as graph.
 
 Replay keeps the graph of a member's whole response (replay.replay_member), so an agent's tool outputs cost what
 conventional training costs. Where an untrained span of a member reaches settings.member_span_capture tokens, the
-member runs in steps instead (MemberSteps): each captured span a step of replay_block tokens, each region between
-them (the actions, with any short untrained span) one step, and
+member runs in steps instead (member_steps): each region between captured spans (the actions, with any short
+untrained span) one step, each captured span cut into steps as long as the longest region (at least
+MIN_CAPTURED_STEP, at most replay_block tokens), and
 
   1. a forward without a graph over the whole response, step by step: each step's rows (the keys its later tokens
      read) and the carry at its start kept, detached; the log-probs (and entropies) of the regions recorded;
@@ -57,10 +58,17 @@ class Step:
     scored: bool  # whether its targets' log-probs are computed (False: a captured span's, untrained)
 
 
+# The shortest step a captured span is cut into: below it the steps' fixed costs (a forward's module calls, the
+# staged prefix pages attended again) grow while the graph they bound is already smaller than the actions'.
+MIN_CAPTURED_STEP = 256
+
+
 def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[Step] | None:
     """The steps of a member whose targets' training mask is `mask` (True: in the loss), or None where no
-    untrained run reaches `threshold` tokens (None: never) and the member is replayed whole. A captured run is cut
-    into steps of `block` tokens; each region between captured runs is one scored step."""
+    untrained run reaches `threshold` tokens (None: never) and the member is replayed whole. Each region between
+    captured runs is one scored step (a short untrained run stays in its region); a captured run is cut into steps
+    as long as the longest region, at least MIN_CAPTURED_STEP and at most `block` (replay_block) tokens: the
+    member's graph is then its longest region's, what its replay without the span would keep."""
     if threshold is None:
         return None
     values = mask.tolist()
@@ -72,11 +80,19 @@ def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[
     captured = [(a, b) for a, b, trained in runs if not trained and b - a >= threshold]
     if not captured:
         return None
+    regions, position = [], 0
+    for a, b in captured:
+        if a > position:
+            regions.append((position, a))
+        position = b
+    if position < len(values):
+        regions.append((position, len(values)))
+    size = min(block, max(MIN_CAPTURED_STEP, max((b - a for a, b in regions), default=0)))
     steps, position = [], 0
     for a, b in captured:
         if a > position:
             steps.append(Step(position, a, True))
-        steps += [Step(s, min(b, s + block), False) for s in range(a, b, block)]
+        steps += [Step(s, min(b, s + size), False) for s in range(a, b, size)]
         position = b
     if position < len(values):
         steps.append(Step(position, len(values), True))
@@ -105,7 +121,8 @@ def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tenso
 
 def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
              with_entropy: bool) -> tuple[list[dict], list[dict], torch.Tensor, torch.Tensor | None]:
-    """Pass 1, no graph: each step's rows (layer -> token-major tensors) and start carry, the scored log-probs."""
+    """Pass 1, no graph: each step's rows (layer -> its blocks' row tuples, token-major) and start carry, the
+    scored log-probs."""
     adapter, leaves = source.adapter, source.leaves
     carry = {layer: tuple(t.detach() for t in parts) for layer, parts in leaves.carry.items()}
     past = leaves.past.fresh()
@@ -129,8 +146,9 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
 def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: torch.Tensor, carry: dict,
               past: Any, with_entropy: bool) -> tuple[dict, dict, tuple | None]:
     """One step a replay block at a time over `past` (a fresh copy of the leaves' past: the prefix and the earlier
-    steps' rows), to which its blocks' rows are appended as they come: (its rows by layer, token-major; its end
-    carry; (log-probs, entropies or None) where it is scored)."""
+    steps' rows), to which its blocks' rows are appended as they come: (its rows by layer, a tuple of token-major
+    tensors per block, the very tensors appended: no copy; its end carry; (log-probs, entropies or None) where it
+    is scored)."""
     adapter, block = source.adapter, source.block
     carry = dict(carry)
     blocks, logps, entropies = {}, [], []
@@ -146,10 +164,8 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
             logps.append(result[0] if with_entropy else result)
             if with_entropy:
                 entropies.append(result[1])
-    rows = {layer: tuple(torch.cat(parts) for parts in zip(*segments, strict=True))
-            for layer, segments in blocks.items()}
     scores = (torch.cat(logps), torch.cat(entropies) if with_entropy else None) if step.scored else None
-    return rows, carry, scores
+    return blocks, carry, scores
 
 
 def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
@@ -158,8 +174,8 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
     leaves = source.leaves
     d_logp, d_entropy = d_scores
     # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
-    row_leaves = [{layer: tuple(t.detach().requires_grad_(True) for t in parts) for layer, parts in step.items()}
-                  for step in rows]
+    row_leaves = [{layer: [tuple(t.detach().requires_grad_(True) for t in parts) for parts in blocks]
+                   for layer, blocks in step.items()} for step in rows]
     del rows
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
@@ -171,8 +187,9 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                      for layer, parts in carries[index].items()}
         past = leaves.past.fresh()
         for earlier in row_leaves[:index]:
-            for layer, parts in earlier.items():
-                past.append(layer, parts)
+            for layer, blocks in earlier.items():
+                for parts in blocks:
+                    past.append(layer, parts)
         with torch.enable_grad(), leaves.saves():
             out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
             outputs, grads = [], []
@@ -182,10 +199,11 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                 if scores[1] is not None:
                     outputs.append(scores[1])
                     grads.append(d_entropy[step.start:step.end])
-            for layer, parts in out_rows.items():
-                for part, leaf in zip(parts, row_leaves[index][layer], strict=True):
-                    outputs.append(part)
-                    grads.append(leaf.grad)
+            for layer, blocks in out_rows.items():
+                for parts, leaves_of_block in zip(blocks, row_leaves[index][layer], strict=True):
+                    for part, leaf in zip(parts, leaves_of_block, strict=True):
+                        outputs.append(part)
+                        grads.append(leaf.grad)
             if d_carry is not None:
                 for layer, parts in end_carry.items():
                     for part, grad in zip(parts, d_carry[layer], strict=True):

@@ -28,6 +28,7 @@ BAD = {
     "typo-key": (_ds(capture_chunks=8), ["longstraw.capture_chunks"]),
     "negative-chunk": (_ds(capture_chunk=-4), ["longstraw.capture_chunk", "-4"]),
     "zero-replay-block": (_ds(replay_block=0), ["longstraw.replay_block"]),
+    "zero-member-span-capture": (_ds(member_span_capture=0), ["longstraw.member_span_capture"]),
     "unknown-prefix-grad": (_ds(prefix_grad="exactly"), ["longstraw.prefix_grad", "exactly"]),
     "nested-typo": (_ds(offload={"teir": "cpu"}), ["longstraw.offload.teir"]),
     "block-not-a-dict": ({**_ds(), "longstraw": "on"}, ["longstraw"]),
