@@ -106,7 +106,7 @@ def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tenso
     its gradients accumulated as a whole replay's would be (module docstring). share_of(log-probs, entropies or
     None): the member's share of the loss from every target's values."""
     with torch.no_grad():
-        rows, carries, logp, entropy = _forward(source, steps, inputs, targets, with_entropy)
+        recorded, logp, entropy = _forward(source, steps, inputs, targets, with_entropy)
     # d(loss)/d(log-probs) (and entropies) on the recorded values: the objective is any function of them
     logp_leaf = logp.requires_grad_(True)
     entropy_leaf = None if entropy is None else entropy.requires_grad_(True)
@@ -115,14 +115,22 @@ def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tenso
         wrt = [t for t in (logp_leaf, entropy_leaf) if t is not None]
         grads = torch.autograd.grad(share, wrt, allow_unused=True) if share.requires_grad else [None] * len(wrt)
     d_logp, d_entropy = (list(grads) + [None])[:2]
-    _reverse(source, steps, inputs, targets, rows, carries, (d_logp, d_entropy), backward)
+    _reverse(source, steps, inputs, targets, recorded, (d_logp, d_entropy), backward)
     return float(share.detach()), logp.detach()
 
 
+@dataclass
+class Recorded:
+    """What pass 1 keeps for pass 2: per step, its rows (layer -> its blocks' row tuples, token-major) and the
+    carry at its start (layer -> tensors), detached."""
+
+    rows: list[dict]
+    carries: list[dict]
+
+
 def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
-             with_entropy: bool) -> tuple[list[dict], list[dict], torch.Tensor, torch.Tensor | None]:
-    """Pass 1, no graph: each step's rows (layer -> its blocks' row tuples, token-major) and start carry, the
-    scored log-probs."""
+             with_entropy: bool) -> tuple[Recorded, torch.Tensor, torch.Tensor | None]:
+    """Pass 1, no graph: what pass 2 reads, and the scored log-probs (and entropies) of every target."""
     adapter, leaves = source.adapter, source.leaves
     carry = {layer: tuple(t.detach() for t in parts) for layer, parts in leaves.carry.items()}
     past = leaves.past.fresh()
@@ -140,7 +148,7 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
             if entropy is not None:
                 entropy = entropy.to(step_entropy.dtype)
                 entropy[step.start:step.end] = step_entropy
-    return rows, carries, logp, entropy
+    return Recorded(rows, carries), logp, entropy
 
 
 def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: torch.Tensor, carry: dict,
@@ -169,14 +177,14 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
 
 
 def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
-             rows: list[dict], carries: list[dict], d_scores: tuple, backward: Callable | None) -> None:
+             recorded: Recorded, d_scores: tuple, backward: Callable | None) -> None:
     """Pass 2: the steps last to first, each with autograd, its outputs given their gradients (module docstring)."""
-    leaves = source.leaves
+    leaves, carries = source.leaves, recorded.carries
     d_logp, d_entropy = d_scores
     # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
     row_leaves = [{layer: [tuple(t.detach().requires_grad_(True) for t in parts) for parts in blocks]
-                   for layer, blocks in step.items()} for step in rows]
-    del rows
+                   for layer, blocks in step.items()} for step in recorded.rows]
+    recorded.rows = []
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
         step = steps[index]
