@@ -34,6 +34,11 @@ import torch
 from ds_longstraw.arch.base import inject_gradients
 from ds_longstraw.grpo.memory import return_freed_host_memory
 
+# The shortest step a captured span is cut into: below it the steps' fixed costs (a forward's module calls, the
+# staged prefix pages attended again) grow while the graph they bound is already smaller than the actions'. The
+# planner sizes the steps by the same rule (offload/plan.member_replay).
+from ds_longstraw.offload.plan import MIN_CAPTURED_STEP
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -56,11 +61,6 @@ class Step:
     start: int  # input positions [start, end) of the member's response
     end: int
     scored: bool  # whether its targets' log-probs are computed (False: a captured span's, untrained)
-
-
-# The shortest step a captured span is cut into: below it the steps' fixed costs (a forward's module calls, the
-# staged prefix pages attended again) grow while the graph they bound is already smaller than the actions'.
-MIN_CAPTURED_STEP = 256
 
 
 def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[Step] | None:

@@ -179,6 +179,10 @@ class Plan:
     workspace: dict = field(default_factory=dict)  # kernel -> bytes (kernel_workspace)
     rollout: dict = field(default_factory=dict)  # rollout_figures (empty: no rollout sized)
     response_tokens: int = 1024  # the longest member's response: what its replay graph scales with
+    tool_tokens: int = 0  # the untrained span (a tool output) inside that member
+    member_span_capture: int | None = 1024  # the longstraw block's: spans of at least this many tokens run in steps
+    member_steps: bool = False  # whether the span runs in steps (member_replay): then the graph is the actions'
+    tool_rows: int = 0  # bytes of the span's rows and their gradients in steps, counted in replay_graph
     trains: str = "lora"  # "lora" (adapters on a frozen body) or "full" (every weight)
     replay_graph: int | None = 0  # bytes of one member's graph (replay_graph_bytes); None: not known for the family
     trained_grads: int = 0  # "full": the trained weights' gradients on this rank (their share, as the weights')
@@ -441,6 +445,26 @@ def replay_graph_bytes(shape: ModelShape, response_tokens: int, trains: str) -> 
     return response_tokens * per_token + per_member
 
 
+# A member's untrained span of at least member_span_capture tokens runs in steps (grpo/member_steps.py): the span cut
+# into steps as long as the member's longest action region, at least MIN_CAPTURED_STEP and at most replay_block.
+MIN_CAPTURED_STEP = 256
+
+
+def member_replay(shape: ModelShape, response_tokens: int, tool_tokens: int, span_capture: int | None,
+                  replay_block: int = REPLAY_BLOCK) -> dict[str, int | bool]:
+    """What one member's replay holds beside the kernels: {"steps": whether it runs in steps, "graph_tokens": the
+    tokens its graph spans, "tool_rows": the bytes of its tool span's rows and their gradients (in steps)}.
+    response_tokens: its trained (action) tokens; tool_tokens: its untrained span."""
+    if tool_tokens < 0:
+        raise ValueError(f"tool_tokens must be >= 0, got {tool_tokens}")
+    steps = span_capture is not None and tool_tokens >= span_capture
+    if not steps:
+        return {"steps": False, "graph_tokens": response_tokens + tool_tokens, "tool_rows": 0}
+    step = min(replay_block, max(MIN_CAPTURED_STEP, response_tokens))
+    return {"steps": True, "graph_tokens": max(response_tokens, step),
+            "tool_rows": 2 * tool_tokens * sum(shape.page_bytes_per_token.values())}
+
+
 def _needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
            kept_tier: str | None = None, workspace: int = 0) -> dict[str, int]:
     needs = _page_needs(shape, tokens, retained, tier, depth, kept_tier)
@@ -490,7 +514,8 @@ def _depth_for(tier: str) -> int:
 def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, cluster: Cluster,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
               cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto",
-              response_tokens: int = 1024, trains: str = "lora") -> Plan:
+              response_tokens: int = 1024, trains: str = "lora", tool_tokens: int = 0,
+              member_span_capture: int | None = 1024) -> Plan:
     if mode not in ("detached", "exact"):
         raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
     if cluster.cp < 1 or cluster.gpus % cluster.cp:
@@ -508,10 +533,14 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, clust
     if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
         raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
+    member = member_replay(shape, response_tokens, tool_tokens, member_span_capture)
+    graph = replay_graph_bytes(shape, member["graph_tokens"], trains)
     plan = Plan(shape, context, group_size, mode, cluster, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
                 keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
-                response_tokens=response_tokens, trains=trains,
-                replay_graph=replay_graph_bytes(shape, response_tokens, trains))
+                response_tokens=response_tokens, trains=trains, tool_tokens=tool_tokens,
+                member_span_capture=member_span_capture,
+                member_steps=member["steps"], tool_rows=member["tool_rows"],
+                replay_graph=None if graph is None else graph + member["tool_rows"])
     plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")

@@ -87,6 +87,11 @@ def _parser():
                         "input, the pass recomputes the rest of a group of k; auto: the smallest k that fits)")
     p.add_argument("--response-tokens", type=parse_tokens, default=1024,
                    help="the longest member's response: one replayed member's autograd graph scales with it")
+    p.add_argument("--tool-tokens", type=parse_tokens, default=0,
+                   help="an untrained span (a tool output) inside that member: from --member-span-capture tokens "
+                        "up it runs in steps, its rows counted, its graph not")
+    p.add_argument("--member-span-capture", type=_span_capture, default=1024,
+                   help="longstraw.member_span_capture (none: every member replayed whole)")
     p.add_argument("--trains", choices=("lora", "full"), default="lora",
                    help="what trains: LoRA adapters on a frozen body, or every weight (their gradients counted)")
     p.add_argument("--gpu-tflops", type=float, default=148.0,
@@ -205,8 +210,14 @@ def _graph_line(plan) -> str:
         return (f"GPU does not include one replayed member's autograd graph: the {plan.shape.family} family declares "
                 f"no figures for it (leave the GPU room for it); it includes{grads or ' no gradients,'} training "
                 f"{trains} (--trains).")
+    tools = ""
+    if plan.tool_tokens:
+        tools = (f", with a {plan.tool_tokens:,}-token tool span in steps (its rows and their gradients, "
+                 f"{_gib(plan.tool_rows)}, counted; its graph not)" if plan.member_steps else
+                 f", with a {plan.tool_tokens:,}-token tool span replayed whole (--member-span-capture)")
     return (f"GPU also includes one replayed member's autograd graph, {_gib(plan.replay_graph)} for a "
-            f"{plan.response_tokens:,}-token response (--response-tokens),{grads} training {trains} (--trains).")
+            f"{plan.response_tokens:,}-token response (--response-tokens){tools},{grads} training {trains} "
+            f"(--trains).")
 
 
 def _bytes(n):
@@ -271,6 +282,10 @@ def _inputs_every(text):
     return text if text == "auto" else int(text)
 
 
+def _span_capture(text):
+    return None if text.lower() in ("none", "null") else parse_tokens(text)
+
+
 def active_params(shape) -> float:
     """The parameters a prompt token runs through: all but the embeddings and the head (untied), the routed experts
     at k of their count."""
@@ -290,7 +305,7 @@ def _layer_major_advice(plan, runs) -> list:
     def exact(prefix):
         return make_plan(plan.shape, plan.context, plan.group_size, "exact", plan.cluster, plan.capture_chunk,
                          plan.keep_attention, None, plan.cp_scan, prefix, plan.inputs_every_asked,
-                         plan.response_tokens, plan.trains)
+                         plan.response_tokens, plan.trains, plan.tool_tokens, plan.member_span_capture)
 
     try:
         alternative = exact("layer_major")
@@ -414,7 +429,8 @@ def as_dict(plan) -> dict:
             "needs": plan.needs, "fits": plan.fits, "staging_depth": plan.depth, "recommended_tier": plan.tier,
             "max_context": plan.max_context, "workspace_bytes": plan.workspace, "rollout": plan.rollout or None,
             "response_tokens": plan.response_tokens, "trains": plan.trains, "replay_graph_bytes": plan.replay_graph,
-            "trained_grad_bytes": plan.trained_grads}
+            "trained_grad_bytes": plan.trained_grads, "tool_tokens": plan.tool_tokens,
+            "member_steps": plan.member_steps, "tool_rows_bytes": plan.tool_rows}
 
 
 def main(argv=None) -> int:
@@ -444,10 +460,12 @@ def main(argv=None) -> int:
         settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
-                                 "prefix_inputs_every": args.prefix_inputs_every})
+                                 "prefix_inputs_every": args.prefix_inputs_every,
+                                 "member_span_capture": args.member_span_capture})
         plan = make_plan(shape, args.context, args.group_size, args.mode, cluster, settings.segment_tokens,
                          settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
-                         settings.cp_prefix, settings.prefix_inputs_every, args.response_tokens, args.trains)
+                         settings.cp_prefix, settings.prefix_inputs_every, args.response_tokens, args.trains,
+                         args.tool_tokens, settings.member_span_capture)
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

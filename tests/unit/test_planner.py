@@ -604,3 +604,34 @@ def test_zigzag_chunks_match_the_capture_chunks(context, cp, chunk):
 
     pieces = shard_pieces(context - 1, cp, "zigzag")
     assert zigzag_chunks(context, cp, chunk) == max(len(local_spans(own, chunk)) for own in pieces)
+
+
+def test_a_tool_span_in_steps_counts_its_rows_not_its_graph(capsys):
+    """A member's tool span from member_span_capture tokens up runs in steps (grpo/member_steps.py): the plan
+    counts its rows and their gradients (2 x L x the page bytes per token) and a graph over the actions, as the
+    schedule cuts the steps; below the threshold, or with member_span_capture None, the graph spans the whole
+    response."""
+    from ds_longstraw.grpo.member_steps import member_steps
+    from ds_longstraw.offload.plan import member_replay, replay_graph_bytes
+
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+    cluster = Cluster(gpus=1, gpu_memory=141 * GiB)
+    per_token = sum(qwen.page_bytes_per_token.values())
+    steps = make_plan(qwen, 262144, 4, "detached", cluster, tool_tokens=16384)
+    whole = make_plan(qwen, 262144, 4, "detached", cluster, tool_tokens=16384, member_span_capture=None)
+    short = make_plan(qwen, 262144, 4, "detached", cluster, tool_tokens=512)
+    assert steps.member_steps and not whole.member_steps and not short.member_steps
+    assert steps.tool_rows == 2 * 16384 * per_token
+    assert steps.replay_graph == replay_graph_bytes(qwen, 1024, "lora") + steps.tool_rows
+    assert whole.replay_graph == replay_graph_bytes(qwen, 1024 + 16384, "lora")
+    assert short.replay_graph == replay_graph_bytes(qwen, 1024 + 512, "lora")
+    assert steps.replay_graph < whole.replay_graph / 10
+    # the planner's step is the schedule's: 100 action tokens around a 2,000-token span, replay_block 1,024
+    mask = torch.tensor([True] * 50 + [False] * 2000 + [True] * 50)
+    cut = {step.end - step.start for step in member_steps(mask, 1024, 1024) if not step.scored}
+    assert max(cut) == member_replay(qwen, 50, 2000, 1024)["graph_tokens"] == 256
+    main(["--model", "qwen3.6-27b", "--context", "256K", "--gpus", "1", "--gpu-memory", "141G",
+          "--tool-tokens", "16K"])
+    assert "16,384-token tool span in steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", "qwen3.6-27b", "--context", "256K", "--tool-tokens", "-5"])
