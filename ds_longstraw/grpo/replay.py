@@ -132,19 +132,20 @@ def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Te
 def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObjective | ScaledObjective,
                  advantages: torch.Tensor, ref_logprobs: Sequence[torch.Tensor] | None, *,
                  backward: Callable | None = None, schedule: Schedule | None = None,
-                 members: list | None = None) -> tuple[float, list[torch.Tensor]]:
+                 members: list | None = None) -> tuple[float, list[torch.Tensor], int]:
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
     schedule: a lockstep.Schedule; under ZeRO-3 a Lockstep, which pads this rank's module calls to the other ranks'
     (dummy tokens and members; results unchanged); members: the members to replay (default all; a spread CP
     replay: this rank's share), whose positions in the list are the schedule's member slots.
-    Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64).
+    Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64, how many of
+    them ran in steps: member_steps.py).
     """
     schedule = schedule or Schedule()
     # a lockstep counts every member's module calls as a whole replay makes them: members in steps only without one
     span_capture = source.span_capture if type(schedule) is Schedule else None
-    logprobs, loss = [], 0.0
+    logprobs, loss, stepped = [], 0.0, 0
     for slot, member in enumerate(range(group.size) if members is None else members):
         inputs, targets = member_inputs(group, member)
         ref = None if ref_logprobs is None else ref_logprobs[member]
@@ -155,6 +156,7 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
                                           backward)
             loss += share
             logprobs.append(logp.double().cpu())
+            stepped += 1
             continue
         real = targets.numel()
         inputs, targets = schedule.pad_member(slot, inputs, targets)
@@ -171,7 +173,7 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
         del logp, entropy, share
         return_freed_host_memory(source.adapter.device)
     schedule.replay_dummy_members(source, backward)
-    return loss, logprobs
+    return loss, logprobs, stepped
 
 
 def _member_share(objective: ScopedObjective | ScaledObjective, group: GRPOGroup, member: int,

@@ -246,8 +246,8 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             view = topology.replay_view(adapter, state, exact=exact)
             source = MemberReplay(adapter, view.leaves, state.length, settings.replay_block, view.remote_attention,
                                   span_capture=settings.member_span_capture)
-            loss, logprobs = replay_group(source, group, objective, advantages, ref_logprobs, backward=backward,
-                                          schedule=schedule, members=members)
+            loss, logprobs, stepped = replay_group(source, group, objective, advantages, ref_logprobs,
+                                                   backward=backward, schedule=schedule, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
             logprobs = topology.collect_members(logprobs, members, group.size)
@@ -269,6 +269,7 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
         state.release()  # page files of a host/NVMe tier go on error as on success
     extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
     extras["capture_reused"] = reused is not None
+    extras["members_in_steps"] = stepped  # this rank's replayed members that ran in steps (grpo/member_steps.py)
     extras.update(topology.report(state, group))
     if ep is not None:
         extras["ep"] = ep.report()

@@ -32,7 +32,7 @@ def case_group(case):
 
 def _config(case, cp_size, out_dir):
     config = {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
-              "replay_block": case["block"], "cp_size": cp_size}
+              "replay_block": case["block"], "cp_size": cp_size, **case.get("config", {})}
     if "tier" in case:
         config["offload"] = {"tier": case["tier"]}
         if case["tier"] == "nvme":
@@ -55,7 +55,8 @@ def _run_case(case, cp_size, cp_group, out_dir, rank):
                                config=_config(case, cp_size, out_dir), ref_model=ref_model,
                                cp_group=CPContext(cp_group))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs},
+    torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs,
+                "members_in_steps": result.extras["members_in_steps"]},
                os.path.join(out_dir, f"{case['name']}.cp{cp_size}.rank{rank}.pt"))
 
 

@@ -6,6 +6,7 @@ Equivalence chains (float64 model, float64_model()):
   CP grpo_backward(exact, masks), every rank    == masked loss of full-sequence autograd log-probs
   every rank's gradients are bitwise identical; loss and every response token's log-prob equal the reference's
   nothing trained: loss 0 and every gradient exactly 0 on every rank
+  members with tool spans in steps (member_span_capture, the replicated replay): the same chains
 Tolerance: relative L2 <= 1e-8 over all parameter gradients, as test_cp_transaction.py (CP changes only the
 association order of float64 sums, ~1e-10; dropped masks move the gradient by ~0.5, test_agent_masks.py).
 CP 2 and CP 3 run in one launch of 3 forked ranks (tests/cp_scripts/masks.py).
@@ -32,6 +33,14 @@ CASES = [
     # KL to a separate reference model (captured and scored over the CP group), pages in NVMe files
     dict(name="kl-nvme-exact", prompt_len=19, members=[(4, [(1, 3)]), (6, [(0, 6)]), (5, [(0, 1)])], mode="exact",
          chunk=5, page=4, block=4, objective={"kl_coef": 0.3}, ref_seed=7, tier="nvme", seed=3),
+    # members whose tool spans (3+ tokens here) run in steps (grpo/member_steps.py), every rank replaying every
+    # member (the spread replay's lockstep pads whole members: there they are replayed whole)
+    dict(name="tool-steps-exact", prompt_len=21, members=[(14, [(0, 4), (6, 11)]), (5, [(1, 2)]), (9, [(2, 9)])],
+         mode="exact", chunk=4, page=3, block=2, seed=5, steps=2,
+         config={"cp_replay": "replicated", "member_span_capture": 3}),
+    dict(name="tool-steps-detached", prompt_len=18, members=[(12, [(3, 12)]), (6, [(0, 5)])], mode="detached",
+         chunk=5, page=2, block=3, tier="cpu", seed=6, steps=2,
+         config={"cp_replay": "replicated", "member_span_capture": 3}),
     dict(name="nothing-trained-exact", prompt_len=17, members=[(4, [(0, 4)]), (3, [(0, 3)])], mode="exact", chunk=5,
          page=2, block=3, tier="cpu", seed=4),
 ]
@@ -74,12 +83,28 @@ def test_masked_cp_matches_reference(cp_results, references, name, cp_size):
         assert error <= TOL, f"rank {rank} of {cp_size}: relative L2 {error:.3e}"
         assert result["loss"] == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
         assert [lp.numel() for lp in result["logprobs"]] == [length for length, _ in BY_NAME[name]["members"]]
-        for mine, ref in zip(result["logprobs"], ref_logps, strict=True):
-            torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
+        assert result["members_in_steps"] == BY_NAME[name].get("steps", 0)
+        for mine, ref, scored in zip(result["logprobs"], ref_logps, _scored(name), strict=True):
+            torch.testing.assert_close(mine[scored], ref.double()[scored], rtol=0, atol=1e-11)
     for rank, result in enumerate(ranks[1:], start=1):
         assert result["grads"].keys() == ranks[0]["grads"].keys()
         assert all(torch.equal(result["grads"][n], ranks[0]["grads"][n]) for n in result["grads"]), \
             f"rank {rank} gradients differ from rank 0's"
+
+
+def _scored(name):
+    """Each member's tokens whose log-probs are computed (a span in steps has none: member_steps.py)."""
+    from ds_longstraw.grpo.member_steps import member_steps
+
+    case, out = BY_NAME[name], []
+    threshold = case.get("config", {}).get("member_span_capture")
+    group = case_group(case)
+    for member in range(group.size):
+        scored = torch.ones(group.response_ids[member].numel(), dtype=torch.bool)
+        for step in member_steps(group.mask(member), threshold, case["block"]) or []:
+            scored[step.start:step.end] &= step.scored
+        out.append(scored)
+    return out
 
 
 @pytest.mark.parametrize("cp_size", CP_SIZES, ids=lambda n: f"cp{n}")
