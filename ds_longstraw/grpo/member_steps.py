@@ -5,7 +5,7 @@ Replay keeps the graph of a member's whole response (replay.replay_member), so a
 conventional training costs. Where an untrained span of a member reaches settings.member_span_capture tokens, the
 member runs in steps instead (member_steps): each region between captured spans (the actions, with any short
 untrained span) one step, each captured span cut into steps as long as the longest region (at least
-MIN_CAPTURED_STEP, at most replay_block tokens), and
+offload/plan.MIN_CAPTURED_STEP, at most replay_block tokens), and
 
   1. a forward without a graph over the whole response, step by step: each step's rows (the keys its later tokens
      read) and the carry at its start kept, detached; the log-probs (and entropies) of the regions recorded;
@@ -34,10 +34,8 @@ import torch
 from ds_longstraw.arch.base import inject_gradients
 from ds_longstraw.grpo.memory import return_freed_host_memory
 
-# The shortest step a captured span is cut into: below it the steps' fixed costs (a forward's module calls, the
-# staged prefix pages attended again) grow while the graph they bound is already smaller than the actions'. The
-# planner sizes the steps by the same rule (offload/plan.member_replay).
-from ds_longstraw.offload.plan import MIN_CAPTURED_STEP
+# How long a captured span's steps are: the planner sizes them by the same rule (offload/plan.member_replay)
+from ds_longstraw.offload.plan import captured_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -87,7 +85,7 @@ def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[
         position = b
     if position < len(values):
         regions.append((position, len(values)))
-    size = min(block, max(MIN_CAPTURED_STEP, max((b - a for a, b in regions), default=0)))
+    size = captured_step(max((b - a for a, b in regions), default=0), block)
     steps, position = [], 0
     for a, b in captured:
         if a > position:

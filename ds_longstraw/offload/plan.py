@@ -450,6 +450,12 @@ def replay_graph_bytes(shape: ModelShape, response_tokens: int, trains: str) -> 
 MIN_CAPTURED_STEP = 256
 
 
+def captured_step(longest_region: int, replay_block: int = REPLAY_BLOCK) -> int:
+    """Tokens per step of a captured span whose member's longest action region is `longest_region` tokens: its
+    graph is then the actions' (what its replay without the span would keep)."""
+    return min(replay_block, max(MIN_CAPTURED_STEP, longest_region))
+
+
 def member_replay(shape: ModelShape, response_tokens: int, tool_tokens: int, span_capture: int | None,
                   replay_block: int = REPLAY_BLOCK) -> dict[str, int | bool]:
     """What one member's replay holds beside the kernels: {"steps": whether it runs in steps, "graph_tokens": the
@@ -460,8 +466,7 @@ def member_replay(shape: ModelShape, response_tokens: int, tool_tokens: int, spa
     steps = span_capture is not None and tool_tokens >= span_capture
     if not steps:
         return {"steps": False, "graph_tokens": response_tokens + tool_tokens, "tool_rows": 0}
-    step = min(replay_block, max(MIN_CAPTURED_STEP, response_tokens))
-    return {"steps": True, "graph_tokens": max(response_tokens, step),
+    return {"steps": True, "graph_tokens": max(response_tokens, captured_step(response_tokens, replay_block)),
             "tool_rows": 2 * tool_tokens * sum(shape.page_bytes_per_token.values())}
 
 
