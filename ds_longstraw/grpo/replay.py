@@ -164,8 +164,7 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
             replayed = replay_member(source, inputs, targets, with_entropy=objective.needs_entropy)
             logp, entropy = replayed if objective.needs_entropy else (replayed, None)
             logp, entropy = logp[:real], None if entropy is None else entropy[:real]
-            share = objective.member_loss(group, member, logp, advantages,
-                                          None if ref is None else ref.to(logp.device), entropy)
+            share = _member_share(objective, group, member, advantages, ref, logp, entropy)
             if share.requires_grad:
                 share.backward() if backward is None else backward(share)
         loss += float(share.detach())
