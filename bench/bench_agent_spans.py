@@ -52,7 +52,7 @@ def run_one(tools, mode, path):
     before = host_current_bytes()
     reset_host_peak()
     start = time.perf_counter()
-    result = grpo_backward(model, group, GRPOObjective(), config=config)
+    result = grpo_backward(model, group, GRPOObjective(), longstraw=config)
     seconds = time.perf_counter() - start
     return {"tools": tools, "mode": mode, "path": path, "seconds": seconds, "loss": result.loss,
             "replay_peak_bytes": result.phases["replay"].peak_bytes - before,

@@ -91,13 +91,13 @@ def one_step(args, mode, cp_group=None, world=1, attention="lse", tier="none", o
     if tier == "nvme":
         config["offload"]["nvme_path"] = os.path.join(out, "nvme")
         os.makedirs(config["offload"]["nvme_path"], exist_ok=True)
-    grpo_backward(model, build_group(64, (1, 4)), GRPOObjective(), config=dict(config), cp_group=cp_group)  # warm-up
+    grpo_backward(model, build_group(64, (1, 4)), GRPOObjective(), longstraw=dict(config), cp_group=cp_group)  # warm-up
     best = None
     for _ in range(args.repeat):  # the fastest of a few steps: this machine is shared
         model.zero_grad(set_to_none=True)
         TIER_READS.update(bytes=0, largest=0)
         start = time.perf_counter()
-        result = grpo_backward(model, group, GRPOObjective(), config=config, cp_group=cp_group)
+        result = grpo_backward(model, group, GRPOObjective(), longstraw=config, cp_group=cp_group)
         seconds = time.perf_counter() - start
         best = seconds if best is None else min(best, seconds)
     seconds = best

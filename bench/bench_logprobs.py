@@ -63,7 +63,7 @@ def run_one(vocab, mode, prompt, group_size, response, head="trained", replay_bl
     before = host_current_bytes()
     reset_host_peak()
     start, cpu_start = time.perf_counter(), time.process_time()
-    result = grpo_backward(model, group, objective, config=config)
+    result = grpo_backward(model, group, objective, longstraw=config)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = max([host_peak_bytes()] + [p.peak_bytes for p in result.phases.values()])
     return {"vocab": vocab, "mode": mode, "prompt": prompt, "group": group_size, "response": response,

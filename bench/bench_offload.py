@@ -164,7 +164,7 @@ def _peak_child(args):
               "offload": offload}
     reset_host_peak()
     start = time.perf_counter()
-    result = grpo_backward(model, group, config=config)
+    result = grpo_backward(model, group, longstraw=config)
     seconds = time.perf_counter() - start
     print(json.dumps({"tier": args.tier, "peak": host_peak_bytes(), "seconds": seconds,
                       "state": result.retained_bytes["attention_kv_pages"],

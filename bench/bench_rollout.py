@@ -59,7 +59,7 @@ def run_decode(prompt, samples, new_tokens):
     require_host_peaks("bench_rollout")
     model = build_named("small")
     ids = _prompt(prompt, model.config.vocab_size)
-    result, figures = _measure(lambda: generate(model, ids, samples, new_tokens, seed=0, config=CONFIG),
+    result, figures = _measure(lambda: generate(model, ids, samples, new_tokens, seed=0, longstraw=CONFIG),
                                lambda result: result.phases.values())
     return dict(figures, kind="decode", prompt=prompt, samples=samples, new_tokens=new_tokens,
                 capture_seconds=result.phases["capture"].seconds, decode_seconds=result.phases["decode"].seconds,
@@ -84,10 +84,10 @@ def run_step(prompt, samples, new_tokens, mode, reuse):
     phases = {}
 
     def step():
-        rollouts = generate(model, ids, samples, new_tokens, seed=0, config=config, keep_capture=reuse)
+        rollouts = generate(model, ids, samples, new_tokens, seed=0, longstraw=config, keep_capture=reuse)
         phases["generate"] = rollouts.phases
         rewards = torch.linspace(0.0, 1.0, samples)  # any rewards with a spread: the step's cost does not read them
-        result = grpo_backward(model, rollouts.group(rewards), GRPOObjective(), config=config,
+        result = grpo_backward(model, rollouts.group(rewards), GRPOObjective(), longstraw=config,
                                capture=rollouts if reuse else None)
         phases["train"] = result.phases
         return result

@@ -447,7 +447,7 @@ def grpo_section(report, device, dtype, sizes, deadline):
             result = conventional(model, group, GRPOObjective())
         else:
             result = grpo_backward(model, group, GRPOObjective(),
-                                   config={**config, "kernels": "reference" if how == "reference" else "auto"})
+                                   longstraw={**config, "kernels": "reference" if how == "reference" else "auto"})
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

@@ -79,9 +79,9 @@ def planned(config, context, group, mode, capture_chunk, tier, weight_bytes, dev
 class Steps:
     """Runs GRPO steps of one model and reports a row each, skipping what would overrun the deadline."""
 
-    def __init__(self, report, section, model, config, device, settings, deadline, note):
+    def __init__(self, report, section, model, config, device, longstraw, deadline, note):
         self.report, self.section, self.model, self.config = report, section, model, config
-        self.device, self.settings, self.deadline, self.note = device, settings, deadline, note
+        self.device, self.longstraw, self.deadline, self.note = device, longstraw, deadline, note
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.timed = {}  # mode -> (prompt, seconds) of the last step measured
 
@@ -104,7 +104,7 @@ class Steps:
         from ds_longstraw.models.shapes import synthetic_group
         from ds_longstraw.objective import GRPOObjective
 
-        s = self.settings
+        s = self.longstraw
         row = {"prompt": prompt, "mode": mode, "kernels": kernels, "layers": self.config.num_hidden_layers,
                "G": s["group"], "response": s["response"], "trains": self.note}
         left = self.deadline - time.monotonic()
@@ -136,7 +136,7 @@ class Steps:
                   "offload": {"tier": tier}}
         start = time.perf_counter()
         try:
-            result = grpo_backward(self.model, group, GRPOObjective(), config=config)
+            result = grpo_backward(self.model, group, GRPOObjective(), longstraw=config)
         except torch.cuda.OutOfMemoryError:
             row["seconds"] = "OOM"
             self.report.add(self.section, row)

@@ -197,6 +197,6 @@ def parse_block(model: type[_Block], value: _Block | dict[str, Any], block: str,
         raise ValueError(f"invalid '{block}' {noun}: {describe_errors(error, block)}") from None
 
 
-def parse_config(config: LongstrawConfig | dict[str, Any] | None) -> LongstrawConfig:
+def parse_config(longstraw: LongstrawConfig | dict[str, Any] | None) -> LongstrawConfig:
     """Turn a dict (the JSON block), a LongstrawConfig or None into a validated LongstrawConfig."""
-    return LongstrawConfig() if config is None else parse_block(LongstrawConfig, config, BLOCK_NAME, "config")
+    return LongstrawConfig() if longstraw is None else parse_block(LongstrawConfig, longstraw, BLOCK_NAME)

@@ -93,7 +93,7 @@ def replay_saved_bytes(model, response_tokens, prompt_tokens=32, monkeypatch=Non
     monkeypatch.setattr(replay_module, "replay_member", member)
     try:
         group = synthetic_group(prompt_tokens, 1, response_tokens, model.config.vocab_size, seed=response_tokens)
-        grpo_backward(model, group, GRPOObjective(), config={"prefix_grad": "detached", "capture_chunk": 16})
+        grpo_backward(model, group, GRPOObjective(), longstraw={"prefix_grad": "detached", "capture_chunk": 16})
     finally:
         monkeypatch.setattr(replay_module, "replay_member", original)
     return max(counts)

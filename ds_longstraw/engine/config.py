@@ -80,9 +80,9 @@ def read_block(ds_config: dict, world_size: int | None = None) -> LongstrawConfi
         where = "" if BLOCK_NAME not in ds_config else f" (beside a '{BLOCK_NAME}' block)"
         raise ValueError(f"DeepSpeed config has a top-level key {misses[0]!r}{where}: did you mean '{BLOCK_NAME}'? "
                          "DeepSpeed ignores unknown top-level keys, so it would silently run with defaults")
-    settings = parse_config(ds_config.get(BLOCK_NAME))
-    if not settings.enabled:
-        return settings
+    longstraw = parse_config(ds_config.get(BLOCK_NAME))
+    if not longstraw.enabled:
+        return longstraw
     gas, key = _implied_accumulation(ds_config, world_size)
     if gas is not None and gas != 1:
         raise ValueError(f"'{key}' = {ds_config[key]!r} means gradient_accumulation_steps={gas}: grpo_step takes "
@@ -94,11 +94,11 @@ def read_block(ds_config: dict, world_size: int | None = None) -> LongstrawConfi
         raise ValueError(f"'zero_optimization.stage' = {stage!r}: grpo_step reduces each group's gradients once "
                          "through DeepSpeed's coalesce_grad_reduction, which needs ZeRO stage 1, 2 or 3 (3 shards "
                          "the weights)")
-    if settings.cp_size > 1:
-        if world_size and world_size % settings.cp_size:
-            raise ValueError(f"'{BLOCK_NAME}.cp_size' = {settings.cp_size} does not divide the world size "
+    if longstraw.cp_size > 1:
+        if world_size and world_size % longstraw.cp_size:
+            raise ValueError(f"'{BLOCK_NAME}.cp_size' = {longstraw.cp_size} does not divide the world size "
                              f"{world_size}: consecutive ranks form a CP group inside each data-parallel replica")
-    return settings
+    return longstraw
 
 
 __all__ = ["LongstrawConfig", "load_ds_config", "near_miss_block_names", "read_block"]

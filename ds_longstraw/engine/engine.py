@@ -97,7 +97,7 @@ def _zero3_param(param: torch.Tensor) -> bool:
 class LongstrawEngineMixin:
     """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
 
-    longstraw_config: LongstrawConfig
+    longstraw: LongstrawConfig
     longstraw_layout = None  # parallel.layout.ParallelLayout: the job's groups and this rank's place, by initialize
     longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
@@ -122,7 +122,7 @@ class LongstrawEngineMixin:
         None): the group's transaction takes that capture instead of capturing again (under ZeRO-3 with several
         ranks, only a capture decoded in lockstep, as rollout/step.rollout_samples does); released in any case.
         """
-        if not self.longstraw_config.enabled:
+        if not self.longstraw.enabled:
             raise RuntimeError("grpo_step: the DeepSpeed config's 'longstraw' block has enabled=false")
         extras = {}
         if rollout is not None:
@@ -154,7 +154,7 @@ class LongstrawEngineMixin:
             item.check_vocab(adapter.vocab_size)  # fail before any collective, not halfway through one
         if isinstance(ref_model, DeepSpeedEngine):
             ref_model = ref_model.module
-        settings = self.longstraw_config
+        longstraw = self.longstraw
         start = time.perf_counter()
         cp = self.longstraw_layout.cp
         if cp is not None:
@@ -176,7 +176,7 @@ class LongstrawEngineMixin:
                 # The normaliser and weight go on the loss shares, not on what is back-propagated: exact mode's
                 # prefix pass back-propagates injected gradients that already carry them. A dummy group's are 0.
                 result = grpo_backward(self.module, item, objective if real else ScaledObjective(objective, 0.0),
-                                       config=settings, ref_model=ref_model, cp_group=cp, backward=backward,
+                                       longstraw=longstraw, ref_model=ref_model, cp_group=cp, backward=backward,
                                        caller_reduces=True, lockstep=lockstep,
                                        ep_group=None if experts is None else experts.ep.process_group,
                                        capture=captures[slot] if captures and slot < len(captures) else None,
@@ -231,21 +231,21 @@ class LongstrawEngineMixin:
     def _lockstep_plan(self, groups: list[GRPOGroup]) -> list[tuple[GRPOGroup, Lockstep | None, bool]]:
         """[(group, Lockstep or None, real)]: this rank's groups, padded under ZeRO-3 with data parallelism to the
         slots and calls every rank runs, dummy groups (not real: their loss weighs 0) filling missing slots."""
-        settings = self.longstraw_config
+        longstraw = self.longstraw
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, True) for group in groups]
         cp = self.longstraw_layout.cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
         if cp is not None:
-            cp.layout = resolve_layout(adapter_for(self.module), settings)
-        calls = [calls_of(group, settings, cp) for group in groups]
+            cp.layout = resolve_layout(adapter_for(self.module), longstraw)
+        calls = [calls_of(group, longstraw, cp) for group in groups]
         plan = []
         for slot, common in enumerate(common_calls(calls, process_group=self.data_parallel_group)):
             if slot < len(groups):
-                plan.append((groups[slot], Lockstep(calls[slot], common, settings), True))
+                plan.append((groups[slot], Lockstep(calls[slot], common, longstraw), True))
             else:
                 dummy = dummy_group()
-                plan.append((dummy, Lockstep(calls_of(dummy, settings, cp), common, settings), False))
+                plan.append((dummy, Lockstep(calls_of(dummy, longstraw, cp), common, longstraw), False))
         return plan
 
 
@@ -330,21 +330,21 @@ def _with_grpo_step(engine: DeepSpeedEngine) -> LongstrawEngine:
     return engine
 
 
-def enable_grpo_step(engine: DeepSpeedEngine, settings: LongstrawConfig) -> LongstrawEngine:
+def enable_grpo_step(engine: DeepSpeedEngine, longstraw: LongstrawConfig) -> LongstrawEngine:
     """`grpo_step` on an engine built elsewhere (accelerate's, for a trainer), with the block's context-parallel
     groups (consecutive ranks, as `initialize` makes them; built here, a collective: every rank calls this alike).
     Not with expert slices, which must leave ZeRO before the engine exists (`initialize`). Idempotent."""
-    if settings.ep_size > 1:
-        raise ValueError(f"'longstraw.ep_size' = {settings.ep_size}: expert slices leave ZeRO before the engine is "
+    if longstraw.ep_size > 1:
+        raise ValueError(f"'longstraw.ep_size' = {longstraw.ep_size}: expert slices leave ZeRO before the engine is "
                          "built, which only ds_longstraw.initialize does")
     if engine.zero_optimization_stage() not in (1, 2, 3):
         raise ValueError(f"'zero_optimization.stage' = {engine.zero_optimization_stage()}: grpo_step reduces through "
                          "DeepSpeed's coalesce_grad_reduction, which needs ZeRO stage 1, 2 or 3")
-    if isinstance(engine, LongstrawEngineMixin) and engine.longstraw_config is settings:
+    if isinstance(engine, LongstrawEngineMixin) and engine.longstraw is longstraw:
         return engine
     engine = _with_grpo_step(engine)
-    engine.longstraw_config = settings
-    engine.longstraw_layout = (build_layout(settings.cp_size) if settings.cp_size > 1
+    engine.longstraw = longstraw
+    engine.longstraw_layout = (build_layout(longstraw.cp_size) if longstraw.cp_size > 1
                                else ParallelLayout(dist.get_world_size(), dist.get_rank()))
     return engine
 
@@ -383,23 +383,23 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     Before any work (no process group, no partitioning) it reads and validates the config's "longstraw" block
     (ValueError naming the key; a near-miss block name such as "long_straw" is an error too) and checks that the
     model has an architecture adapter. The engine returned is the engine DeepSpeed built, with `grpo_step` added and
-    the validated block at `engine.longstraw_config`.
+    the validated block at `engine.longstraw`.
     """
     config, key = _config_of(args, kwargs)
     ds_config = load_ds_config(config)
-    settings = read_block(ds_config, world_size=_world_size())
+    longstraw = read_block(ds_config, world_size=_world_size())
     if model is None:
         raise ValueError("ds_longstraw.initialize requires a model")
-    if settings.enabled:
+    if longstraw.enabled:
         adapter_for(model)  # an unsupported architecture fails here, not at the first step
-        check_engine_settings(ds_config, settings)
-    parallel = settings.enabled and (settings.cp_size > 1 or settings.ep_size > 1)
+        check_engine_settings(ds_config, longstraw)
+    parallel = longstraw.enabled and (longstraw.cp_size > 1 or longstraw.ep_size > 1)
     if parallel:
         deepspeed.init_distributed()
     # the CP and EP groups (parallel/layout.py), made before the engine: sharding comes first
-    layout = build_layout(settings.cp_size, settings.ep_size) if parallel else None
+    layout = build_layout(longstraw.cp_size, longstraw.ep_size) if parallel else None
     experts = None
-    if parallel and settings.ep_size > 1:
+    if parallel and longstraw.ep_size > 1:
         # The expert slices leave ZeRO's sight (engine/expert_slices.py); the MoE block is then no ZeRO-3 leaf: its
         # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
         experts = ExpertSlices(model, layout.ep_group, layout.expert_dp_group, layout.world)
@@ -412,7 +412,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     client_optimizer = kwargs.get("optimizer")
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
     engine = _with_grpo_step(engine)
-    engine.longstraw_config = settings
+    engine.longstraw = longstraw
     engine.longstraw_layout = layout or ParallelLayout(dist.get_world_size(), dist.get_rank())
     if experts is not None:
         experts.world = dist.get_world_size(group=engine.data_parallel_group)

@@ -79,38 +79,38 @@ class GroupCalls:
         return GroupCalls(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
 
 
-def replayed_members(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None = None) -> list:
+def replayed_members(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> list:
     """The members this rank replays: all of them, or (context parallelism with "cp_replay": "spread") its share."""
-    if cp is not None and settings.cp_replay == "spread":
+    if cp is not None and longstraw.cp_replay == "spread":
         return list(range(cp.rank, group.size, cp.size))
     return list(range(group.size))
 
 
-def capture_chunks(prompt_length: int, settings: LongstrawConfig, cp: CPContext | None = None) -> int:
+def capture_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext | None = None) -> int:
     """The capture chunks of a prompt of `prompt_length` ids (its last id is not captured: replay or decoding feeds
     it). cp: None, or this rank's parallel.CPContext: then the chunks of this rank's shard of the prompt
     (context-parallel capture calls the submodules once per chunk of its own shard, see grpo/cp/capture.py)."""
     tokens = prompt_length - 1
     if cp is None:
-        return ceil_div(tokens, settings.segment_tokens)
+        return ceil_div(tokens, longstraw.segment_tokens)
     # chunks never straddle two of a rank's pieces (parallel/groups.local_spans)
-    return sum(ceil_div(hi - lo, settings.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
+    return sum(ceil_div(hi - lo, longstraw.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
 
 
-def segment_chunks(prompt_length: int, settings: LongstrawConfig, cp: CPContext) -> tuple:
+def segment_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext) -> tuple:
     """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
     the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix.py)."""
-    return tuple(ceil_div(hi - lo, settings.segment_tokens)
+    return tuple(ceil_div(hi - lo, longstraw.segment_tokens)
                  for _, _, lo, hi in segments_in_order(cp.pieces(prompt_length - 1)))
 
 
-def calls_of(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None = None) -> GroupCalls:
+def calls_of(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> GroupCalls:
     """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
     segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
-    return GroupCalls(chunks=capture_chunks(group.prompt_ids.numel(), settings, cp),
-                      blocks=tuple(ceil_div(group.response_ids[m].numel(), settings.replay_block)
-                                   for m in replayed_members(group, settings, cp)),
-                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), settings, cp))
+    return GroupCalls(chunks=capture_chunks(group.prompt_ids.numel(), longstraw, cp),
+                      blocks=tuple(ceil_div(group.response_ids[m].numel(), longstraw.replay_block)
+                                   for m in replayed_members(group, longstraw, cp)),
+                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), longstraw, cp))
 
 
 def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
@@ -138,12 +138,12 @@ def common_calls(local_calls: Sequence[GroupCalls], process_group: ProcessGroup 
     return out
 
 
-def padded_to_common(group: GRPOGroup, settings: LongstrawConfig, cp: CPContext | None,
+def padded_to_common(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None,
                      process_group: ProcessGroup | None, kind: type[Lockstep] | None = None) -> Lockstep:
     """A Lockstep (or `kind`) padding this rank's transaction of `group` to the common calls of the ranks of
     `process_group` (collective over them); cp: this rank's CPContext or None (calls_of)."""
-    local = calls_of(group, settings, cp)
-    return (kind or Lockstep)(local, common_calls([local], process_group)[0], settings)
+    local = calls_of(group, longstraw, cp)
+    return (kind or Lockstep)(local, common_calls([local], process_group)[0], longstraw)
 
 
 def dummy_group() -> GRPOGroup:
@@ -264,11 +264,11 @@ class Schedule:
 class Lockstep(Schedule):
     """How one rank pads one group's transaction up to the common calls (see the module docstring)."""
 
-    def __init__(self, local: GroupCalls, common: GroupCalls, settings: LongstrawConfig) -> None:
+    def __init__(self, local: GroupCalls, common: GroupCalls, longstraw: LongstrawConfig) -> None:
         if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(
                 b > c for b, c in zip(local.blocks, common.blocks, strict=False)):  # fewer members than common
             raise ValueError(f"lockstep: local calls {local} exceeds the common calls {common}")
-        self.local, self.common, self.settings = local, common, settings
+        self.local, self.common, self.longstraw = local, common, longstraw
 
     @property
     def capture_pad(self) -> int:
@@ -290,12 +290,12 @@ class Lockstep(Schedule):
     def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
         """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
         for _ in range(self.capture_pad):
-            zero_prefix_iteration(adapter, backward, prefix_recompute=self.settings.prefix_recompute_runs)
+            zero_prefix_iteration(adapter, backward, prefix_recompute=self.longstraw.prefix_recompute_runs)
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member: int, length: int) -> int:
         blocks = self.common.blocks[member]
-        return max(length, (blocks - 1) * self.settings.replay_block + 1)
+        return max(length, (blocks - 1) * self.longstraw.replay_block + 1)
 
     def pad_member(self, member: int, inputs: torch.Tensor,
                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -350,7 +350,7 @@ def zero_prefix_iteration(adapter: CausalLMAdapter, backward: Callable[[torch.Te
     end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
     chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves
     its requests through it);
-    prefix_recompute: each layer recomputed in backward, as the real segments are (settings.prefix_recompute_runs)."""
+    prefix_recompute: each layer recomputed in backward, as the real segments are (longstraw.prefix_recompute_runs)."""
     ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     with torch.enable_grad():
         out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, prefix_recompute=prefix_recompute)

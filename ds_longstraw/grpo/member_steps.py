@@ -2,7 +2,7 @@
 kept as graph.
 
 Replay keeps the graph of a member's whole response (replay.replay_member), so an agent's tool outputs cost what
-conventional training costs. Where an untrained span of a member reaches settings.member_span_capture tokens, the
+conventional training costs. Where an untrained span of a member reaches longstraw.member_span_capture tokens, the
 member runs in steps instead (member_steps): each region between captured spans (the actions, with any short
 untrained span) one step, each captured span cut into steps as long as the longest region (at least
 offload/plan.MIN_CAPTURED_STEP, at most replay_block tokens), and

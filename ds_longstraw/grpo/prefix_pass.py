@@ -50,7 +50,7 @@ class ReversePass:
     backward: None (torch.autograd.backward of the outputs with the injected gradients), or a callable that takes
     one scalar (say DeepSpeed's engine.backward): it gets sum((output * grad).sum()), whose gradient with respect
     to each output is exactly the injected grad. prefix_recompute: recompute each layer in backward (one layer's
-    graph alive instead of the segment's); settings.prefix_recompute_runs says where that is allowed. progress:
+    graph alive instead of the segment's); longstraw.prefix_recompute_runs says where that is allowed. progress:
     called with each segment's tokens; timings: gets the seconds spent in the segments' forwards and in their
     backwards ("forward", "backward"; with `prefix_recompute`, the backward includes the layers' recompute)."""
 
@@ -129,7 +129,7 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager,
         # the prompt start has no checkpoint: zeros there, nothing to carry further back
         carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                  for layer, parts in checkpointed.items()}
-        past = StagedPast(stager, reverse.past_start, start, exact=True)
+        past = StagedPast(stager, reverse.past_start, start, grads_to_pages=True)
         with torch.enable_grad(), staged_saves(stager):
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position

@@ -66,19 +66,20 @@ class PrefixLeaves:
             self.stager.close()
 
 
-def prefix_leaves(adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> PrefixLeaves:
-    """Replay's view of the captured state. exact (exact mode): the carry tensors are leaves, and the
-    pages' gradients go to the pool's gradient pages as each block's backward produces them."""
+def prefix_leaves(adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> PrefixLeaves:
+    """Replay's view of the captured state. prefix_grad "exact": the carry tensors are leaves, and the pages'
+    gradients go to the pool's gradient pages as each block's backward produces them."""
     # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
     stager = Stager(state.pool, stream_names(adapter.specs), wrap=True)
-    past = StagedPast(stager, 0, state.length, exact=exact)
-    return PrefixLeaves(carry=carry_leaves(state.carry, exact), past=past, stager=stager,
+    past = StagedPast(stager, 0, state.length, grads_to_pages=prefix_grad == "exact")
+    return PrefixLeaves(carry=carry_leaves(state.carry, prefix_grad), past=past, stager=stager,
                         saves=partial(staged_saves, stager))
 
 
-def carry_leaves(carry: Mapping[int, Iterable[torch.Tensor]], exact: bool) -> dict[int, tuple[torch.Tensor, ...]]:
-    """The carry as replay's inputs: detached, and leaves collecting d(loss)/d(carry) when exact."""
-    return {layer: tuple(t.detach().requires_grad_(exact) for t in parts) for layer, parts in carry.items()}
+def carry_leaves(carry: Mapping[int, Iterable[torch.Tensor]], prefix_grad: str) -> dict[int, tuple[torch.Tensor, ...]]:
+    """The carry as replay's inputs: detached, and leaves collecting d(loss)/d(carry) where prefix_grad is "exact"."""
+    leaves = prefix_grad == "exact"
+    return {layer: tuple(t.detach().requires_grad_(leaves) for t in parts) for layer, parts in carry.items()}
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class MemberReplay:
     start: int
     block: int
     remote_attention: RemoteAttention | RemoteSelection | None = None
-    # settings.member_span_capture: a member with an untrained span of at least this many tokens runs in steps
+    # longstraw.member_span_capture: a member with an untrained span of at least this many tokens runs in steps
     # (member_steps.py); None: every member is replayed whole
     span_capture: int | None = None
 

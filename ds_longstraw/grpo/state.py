@@ -143,13 +143,13 @@ class PendingReads:
             ticket.release()
 
 
-def open_kept_pool(adapter: CausalLMAdapter, settings: LongstrawConfig, pool: PagePool | TieredPagePool, length: int,
+def open_kept_pool(adapter: CausalLMAdapter, longstraw: LongstrawConfig, pool: PagePool | TieredPagePool, length: int,
                    rank: int = 0) -> PagePool | TieredPagePool:
     """The pool that keeps `length` tokens of every layer's `kept` streams (exact mode's prefix_keep_attention):
     `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
-    own = settings.offload.kept_attention_pool()
+    own = longstraw.offload.kept_attention_pool()
     # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
-    kept_pool = pool if own is None else make_pool(own, settings.segment_tokens, adapter.device, rank)
+    kept_pool = pool if own is None else make_pool(own, longstraw.segment_tokens, adapter.device, rank)
     try:
         for spec in adapter.specs:
             for stream in spec.kept:
@@ -275,13 +275,13 @@ class PooledCarryCheckpoints(_CheckpointStore):
         self.pool.release()
 
 
-def open_checkpoints(settings: LongstrawConfig, slots: int, device: torch.device,
+def open_checkpoints(longstraw: LongstrawConfig, slots: int, device: torch.device,
                      rank: int = 0) -> CarryCheckpoints | PooledCarryCheckpoints:
     """The store of exact mode's carry checkpoints: on the device (offload.tier "none") or on a pool of the
     pages' tier with one checkpoint a page."""
-    if settings.offload.tier == "none":
+    if longstraw.offload.tier == "none":
         return CarryCheckpoints(slots)
-    return PooledCarryCheckpoints(make_pool(settings.offload, 1, device, rank), slots)
+    return PooledCarryCheckpoints(make_pool(longstraw.offload, 1, device, rank), slots)
 
 
 INPUT_STREAM = "layer_input"
@@ -313,13 +313,13 @@ def decode_selection(encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return torch.where(valid, encoded.long(), torch.zeros_like(encoded, dtype=torch.long)), valid
 
 
-def open_input_pool(settings: LongstrawConfig, hidden_size: int, dtype: torch.dtype, layers: Iterable[int], tokens: int,
-                    device: torch.device, rank: int = 0,
+def open_input_pool(longstraw: LongstrawConfig, hidden_size: int, dtype: torch.dtype, layers: Iterable[int],
+                    tokens: int, device: torch.device, rank: int = 0,
                     selections: Mapping[int, int] | None = None) -> PagePool | TieredPagePool:
     """The pool of every layer's input hidden states [tokens, hidden_size] (the layer-major prefix pass), on
     offload.tier, its streams reserved; selections: {layer: topk} of the bases that keep the selection they reuse
     (selection_bases)."""
-    pool = make_pool(settings.offload, settings.page_tokens, device, rank)
+    pool = make_pool(longstraw.offload, longstraw.page_tokens, device, rank)
     try:
         for layer in layers:
             pool.reserve(layer, INPUT_STREAM, tokens, (hidden_size,), dtype)
@@ -331,31 +331,32 @@ def open_input_pool(settings: LongstrawConfig, hidden_size: int, dtype: torch.dt
     return pool
 
 
-def open_prefix_state(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens: int, exact: bool, rank: int = 0,
-                      length: int | None = None, offset: int = 0, chunks: int | None = None,
+def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens: int, prefix_grad: str,
+                      rank: int = 0, length: int | None = None, offset: int = 0, chunks: int | None = None,
                       keep_inputs: bool = False) -> PrefixState:
     """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
     `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
-    pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, in exact mode
-    (exact), the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
+    pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, for prefix_grad
+    "exact", the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
     keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass). What was opened is released
     again on error."""
-    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, rank)
+    pool = make_pool(longstraw.offload, longstraw.page_tokens, adapter.device, rank)
     state = PrefixState(length=tokens if length is None else length, pool=pool, specs=adapter.specs, offset=offset)
     try:
         for spec in adapter.specs:
             for stream in spec.streams:
                 pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
-        if exact and settings.prefix_keep_attention:
-            state.kept_pool = open_kept_pool(adapter, settings, pool, tokens, rank)
+        exact = prefix_grad == "exact"  # what the prefix pass reads: checkpoints, kept attention
+        if exact and longstraw.prefix_keep_attention:
+            state.kept_pool = open_kept_pool(adapter, longstraw, pool, tokens, rank)
         if exact:
-            slots = ceil_div(tokens, settings.segment_tokens) if chunks is None else chunks
-            state.checkpoints = open_checkpoints(settings, slots, adapter.device, rank)
+            slots = ceil_div(tokens, longstraw.segment_tokens) if chunks is None else chunks
+            state.checkpoints = open_checkpoints(longstraw, slots, adapter.device, rank)
         if keep_inputs:
-            every = settings.prefix_inputs_every
+            every = longstraw.prefix_inputs_every
             saved = [spec.layer for spec in adapter.specs if spec.layer % every == 0]
             bases = {layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
-            state.input_pool = open_input_pool(settings, adapter.hidden_size, adapter.dtype, saved, tokens,
+            state.input_pool = open_input_pool(longstraw, adapter.hidden_size, adapter.dtype, saved, tokens,
                                                adapter.device, rank, bases)
     except BaseException:
         state.release()
@@ -363,26 +364,27 @@ def open_prefix_state(adapter: CausalLMAdapter, settings: LongstrawConfig, token
     return state
 
 
-def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool = False,
-                   progress: Callable[[int], object] | None = None, rank: int = 0) -> PrefixState:
+def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
+                   prefix_grad: str = "detached", progress: Callable[[int], object] | None = None,
+                   rank: int = 0) -> PrefixState:
     """Capture prompt_ids[:-1] under no_grad into a PrefixState (one rank, token-major: chunk by chunk through
     every layer)."""
     ids = prompt_ids[:-1]
     length = ids.numel()
-    # The tier (device, host or NVMe pages) comes from settings.offload; pages of earlier chunks are staged one
+    # The tier (device, host or NVMe pages) comes from longstraw.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
-    state = open_prefix_state(adapter, settings, length, exact, rank)
+    state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank)
     pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     paged = [spec for spec in adapter.specs if spec.streams]
     names = stream_names(adapter.specs)
-    chunk = settings.segment_tokens  # exact mode: the prefix pass's autograd segment
+    chunk = longstraw.segment_tokens  # exact mode: the prefix pass's autograd segment
     try:
         carry = {}
         stager = Stager(pool, names)
         with torch.no_grad():
             for index, start in enumerate(range(0, length, chunk)):
                 end = min(length, start + chunk)
-                if exact:
+                if checkpoints is not None:  # exact mode: the prefix pass starts its segments here
                     saved = checkpoints.save(index, carry) if carry else {}
                     state.boundaries.append(ChunkBoundary(start, end, saved))
                 past = StagedPast(stager, 0, start)

@@ -80,15 +80,15 @@ class Topology(Protocol):
     def phase(self, name: str) -> AbstractContextManager: ...
 
     # -- capture and the replay's view of it ------------------------------------------------------------------
-    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
-                schedule: Schedule, progress: Callable | None = None) -> PrefixState: ...
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
+                prefix_grad: str, schedule: Schedule, progress: Callable | None = None) -> PrefixState: ...
 
-    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView: ...
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> ReplayView: ...
 
     # -- reference scoring and replay ------------------------------------------------------------------------
     def replay_members(self, group: GRPOGroup) -> list[int]: ...
 
-    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> Schedule | None: ...
+    def replay_lockstep(self, group: GRPOGroup, longstraw: LongstrawConfig) -> Schedule | None: ...
 
     def member_weight(self) -> float: ...
 
@@ -99,7 +99,7 @@ class Topology(Protocol):
     def collect_final_carry_grads(self, d_final: dict) -> dict: ...
 
     # -- exact mode's prefix pass -----------------------------------------------------------------------------
-    def prefix(self, reverse: ReversePass, d_final: dict, settings: LongstrawConfig, schedule: Schedule) -> None:
+    def prefix(self, reverse: ReversePass, d_final: dict, longstraw: LongstrawConfig, schedule: Schedule) -> None:
         """Exact mode's reverse pass over the captured prompt (reverse.ids: prompt[:-1]) from d_final (layer ->
         d(its carry) after the prompt), the schedule's padding included."""
 
@@ -123,18 +123,18 @@ class OneRank:
     def phase(self, name: str) -> AbstractContextManager[None]:
         return nullcontext()
 
-    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
-                schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
-        state = capture_prefix(adapter, prompt_ids, settings, exact, progress=progress)
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
+                prefix_grad: str, schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
+        state = capture_prefix(adapter, prompt_ids, longstraw, prefix_grad, progress=progress)
         schedule.pad_capture(adapter)
         return state
 
-    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView:
-        return ReplayView(prefix_leaves(adapter, state, exact))
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> ReplayView:
+        return ReplayView(prefix_leaves(adapter, state, prefix_grad))
 
     def prefix(self, reverse: ReversePass, d_final: dict[int, tuple[torch.Tensor, ...]],
-               settings: LongstrawConfig, schedule: Schedule) -> None:
-        prefix_backward(replace(reverse, prefix_recompute=settings.prefix_recompute_runs), d_final)
+               longstraw: LongstrawConfig, schedule: Schedule) -> None:
+        prefix_backward(replace(reverse, prefix_recompute=longstraw.prefix_recompute_runs), d_final)
         schedule.pad_prefix(reverse.adapter, reverse.backward)
 
     def begin_gradients(self, model: torch.nn.Module) -> None:
@@ -151,7 +151,7 @@ class OneRank:
         """The members this rank replays and scores: all of them."""
         return list(range(group.size))
 
-    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> None:
+    def replay_lockstep(self, group: GRPOGroup, longstraw: LongstrawConfig) -> None:
         """A schedule the replay needs although the caller gave none: none here."""
         return None
 
@@ -199,7 +199,7 @@ class ContextParallel:
     data-parallel average.
     """
 
-    def __init__(self, cp: CPContext, settings: LongstrawConfig, *, prefix_schedule: str | None, inputs_every: int,
+    def __init__(self, cp: CPContext, longstraw: LongstrawConfig, *, prefix_schedule: str | None, inputs_every: int,
                  caller_reduces: bool = False, prompt_tokens: int | None = None) -> None:
         """Made by build_topology, which resolves every argument (this constructor decides nothing).
         prefix_schedule: exact mode's prefix pass ("layer_major", "turns"; None in detached mode) and inputs_every
@@ -207,8 +207,8 @@ class ContextParallel:
         then refuses one); caller_reduces: the caller sums the gradients over the group (no reduce here)."""
         self.cp = cp
         self.size, self.rank = cp.size, cp.rank
-        self.settings = settings
-        self.spread = settings.cp_replay == "spread"
+        self.longstraw = longstraw
+        self.spread = longstraw.cp_replay == "spread"
         self.prefix_schedule, self.inputs_every = prefix_schedule, inputs_every
         self.caller_reduces = caller_reduces
         self.reduces = not caller_reduces
@@ -217,40 +217,40 @@ class ContextParallel:
     def phase(self, name: str) -> AbstractContextManager[None]:
         return self.cp.phase(name)
 
-    def _resolved(self, settings: LongstrawConfig) -> LongstrawConfig:
+    def _resolved(self, longstraw: LongstrawConfig) -> LongstrawConfig:
         """settings with prefix_inputs_every as this transaction runs it (build_topology's resolve_inputs_every)."""
-        return settings.model_copy(update={"prefix_inputs_every": self.inputs_every})
+        return longstraw.model_copy(update={"prefix_inputs_every": self.inputs_every})
 
-    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, exact: bool,
-                schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
+    def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
+                prefix_grad: str, schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
         if prompt_ids.numel() != self.prompt_tokens:  # the prefix schedule (what capture keeps) is this prompt's
             raise ValueError(f"this context-parallel topology was built for a prompt of {self.prompt_tokens} tokens, "
                              f"not {prompt_ids.numel()}: build_topology(..., prompt_tokens=) for each prompt")
-        return cp_capture_prefix(adapter, prompt_ids, self._resolved(settings), self.cp,
-                                 exact=exact, schedule=schedule,
-                                 keep_inputs=exact and self.prefix_schedule == "layer_major")
+        return cp_capture_prefix(adapter, prompt_ids, self._resolved(longstraw), self.cp,
+                                 prefix_grad, schedule=schedule,
+                                 keep_inputs=prefix_grad == "exact" and self.prefix_schedule == "layer_major")
 
-    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, exact: bool) -> ReplayView:
+    def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> ReplayView:
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
         # Spread: each rank its own members, queries travel to the pages (grpo/cp/spread.py).
         kind = paged_kind(adapter.specs)
-        pages = None if kind is None else kind.replay_pages(self.cp, state, adapter, exact, self.spread)
-        leaves = PrefixLeaves(carry=carry_leaves(state.carry, exact),
+        pages = None if kind is None else kind.replay_pages(self.cp, state, adapter, prefix_grad, self.spread)
+        leaves = PrefixLeaves(carry=carry_leaves(state.carry, prefix_grad),
                               past=ResponsePast({layer: [] for layer in adapter.paged_layers}),
                               stager=None if pages is None else pages.stager)
         return ReplayView(leaves, pages)
 
     # -- who replays which member ("cp_replay") --------------------------------------------------------------
     def replay_members(self, group: GRPOGroup) -> list:
-        return replayed_members(group, self.settings, self.cp)
+        return replayed_members(group, self.longstraw, self.cp)
 
-    def replay_lockstep(self, group: GRPOGroup, settings: LongstrawConfig) -> Lockstep | None:
+    def replay_lockstep(self, group: GRPOGroup, longstraw: LongstrawConfig) -> Lockstep | None:
         """Spread members make the ranks' replays exchange with each other, so ranks with fewer members or blocks
         pad them (capture and the prefix pass pair up already)."""
         if not self.spread:
             return None
-        return padded_to_common(group, settings, self.cp, self.cp.process_group, ReplayLockstep)
+        return padded_to_common(group, longstraw, self.cp, self.cp.process_group, ReplayLockstep)
 
     def member_weight(self) -> float:
         """Under a caller's reduction every CP rank's replay counts N times (the replicated replay's N identical
@@ -276,17 +276,17 @@ class ContextParallel:
         return d_final
 
     def prefix(self, reverse: ReversePass, d_final: dict[int, tuple[torch.Tensor, ...]],
-               settings: LongstrawConfig, schedule: Schedule) -> None:
+               longstraw: LongstrawConfig, schedule: Schedule) -> None:
         state = reverse.state
         if self.caller_reduces and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
         shard = replace(reverse, ids=local_tokens(reverse.ids, self.cp.pieces(state.length)[self.cp.rank]),
-                        prefix_recompute=settings.prefix_recompute_runs)
+                        prefix_recompute=longstraw.prefix_recompute_runs)
         if self.prefix_schedule == "layer_major":
-            layer_major_prefix_backward(shard, d_final, self.cp, self._resolved(settings), schedule)
+            layer_major_prefix_backward(shard, d_final, self.cp, self._resolved(longstraw), schedule)
         else:
-            cp_prefix_backward(shard, d_final, self.cp, settings.segment_tokens, schedule)
+            cp_prefix_backward(shard, d_final, self.cp, longstraw.segment_tokens, schedule)
 
     def begin_gradients(self, model: torch.nn.Module) -> dict[str, torch.Tensor | None] | None:
         """Detach what .grad holds before the group (added back by reduce); None when the caller reduces."""
@@ -327,8 +327,8 @@ def check_combines(specs: Sequence[LayerState], cp_size: int) -> None:
                          f"which context parallelism does not run yet (it runs {sorted(KINDS)}); use cp_size 1")
 
 
-def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
-    """The CP layout this transaction runs ("zigzag" or "contiguous") from settings.cp_layout; ValueError (before
+def resolve_layout(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> str:
+    """The CP layout this transaction runs ("zigzag" or "contiguous") from longstraw.cp_layout; ValueError (before
     any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
     for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
     costs it more than the balanced capture saves (BENCHMARKS.md, "glm_moe_dsa under context parallelism": the
@@ -336,28 +336,28 @@ def resolve_layout(adapter: CausalLMAdapter, settings: LongstrawConfig) -> str:
     chosen before any prompt is seen (the engine pads its ranks' shards by it), so it asks the prefix rule on the
     pages' tier alone: a prompt whose layer-major pass would not fit the device takes the turns on zigzag shards."""
     blockers = []
-    if settings.cp_attention != "lse":
-        blockers.append(f"cp_attention {settings.cp_attention!r}")
+    if longstraw.cp_attention != "lse":
+        blockers.append(f"cp_attention {longstraw.cp_attention!r}")
     # zigzag: the capture's ring exchange serves attention, the scan folds any pieces in prompt order, the global
     # top-k's candidates merge in canonical order wherever their positions lie, and exact mode's prefix pass takes a
     # turn per piece; Ulysses' all-to-all assumes contiguous shards (each rule says: arch/specs.CombineRule)
     combines = sorted({spec.combine for spec in adapter.specs if not spec.rule.zigzag})
     if combines:
         blockers.append(f"layers that combine by {combines}")
-    if settings.cp_layout == "zigzag" and blockers:
+    if longstraw.cp_layout == "zigzag" and blockers:
         raise ValueError(f"'longstraw.cp_layout' = 'zigzag' does not run with {'; '.join(blockers)}: use 'auto' or "
                          "'contiguous'")
-    if settings.cp_layout == "auto":
-        if blockers or (uses_selection(adapter.specs) and resolve_prefix(adapter, settings) == "turns"):
+    if longstraw.cp_layout == "auto":
+        if blockers or (uses_selection(adapter.specs) and resolve_prefix(adapter, longstraw) == "turns"):
             return "contiguous"
         return "zigzag"
-    return settings.cp_layout
+    return longstraw.cp_layout
 
 
-def resolve_prefix(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens_per_rank: int | None = None,
+def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_per_rank: int | None = None,
                    device_memory: int | None = None) -> str | None:
     """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
-    settings.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
+    longstraw.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
     the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
     device); ValueError (before any work) when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs if not spec.rule.layer_major})
@@ -365,19 +365,19 @@ def resolve_prefix(adapter: CausalLMAdapter, settings: LongstrawConfig, tokens_p
     # a family with recurrent layers declares whether it runs them layer-major (its layer_major_scan)
     blockers = ([f"layers that combine by {combines}"] if combines else []) + (
         [f"{adapter.family} (no recurrent_scan)"] if scan and not adapter.layer_major_scan else [])
-    if settings.cp_prefix == "layer_major" and blockers:
+    if longstraw.cp_prefix == "layer_major" and blockers:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
-    if settings.prefix_grad != "exact":
+    if longstraw.prefix_grad != "exact":
         return None  # detached mode runs no prefix pass
-    if settings.cp_prefix == "auto":
+    if longstraw.cp_prefix == "auto":
         if blockers:
             return "turns"
         # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
-        fits = layer_major_fits(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
-                                settings.prefix_inputs_every, tokens_per_rank, device_memory)
+        fits = layer_major_fits(_state_shape(adapter), longstraw.segment_tokens, longstraw.prefix_keep_attention,
+                                longstraw.prefix_inputs_every, tokens_per_rank, device_memory)
         return "layer_major" if fits else "turns"
-    return settings.cp_prefix
+    return longstraw.cp_prefix
 
 
 def group_device_memory(device: torch.device, cp: CPContext) -> int | None:
@@ -395,33 +395,33 @@ def _state_shape(adapter: CausalLMAdapter) -> ModelShape:
     return shape_from_config(adapter.family, adapter.config, adapter.dtype.itemsize, parameters=False)
 
 
-def resolve_inputs_every(adapter: CausalLMAdapter, settings: LongstrawConfig) -> int:
-    """settings.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
+def resolve_inputs_every(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> int:
+    """longstraw.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
     (the same on every rank: a function of the model and settings)."""
-    return inputs_every_for(_state_shape(adapter), settings.segment_tokens, settings.prefix_keep_attention,
-                            settings.prefix_inputs_every)
+    return inputs_every_for(_state_shape(adapter), longstraw.segment_tokens, longstraw.prefix_keep_attention,
+                            longstraw.prefix_inputs_every)
 
 
-def check_topology(adapter: CausalLMAdapter, settings: LongstrawConfig, cp_size: int) -> None:
+def check_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig, cp_size: int) -> None:
     """ValueError, naming the key, for what the CP schedule does not run over `cp_size` ranks with this model and
     these settings (pure: nothing runs, nothing is set). One rank runs every setting."""
     if cp_size == 1:
         return
     check_combines(adapter.specs, cp_size)
     paged_kind(adapter.specs)
-    resolve_layout(adapter, settings)
-    resolve_prefix(adapter, settings)  # its refusals do not depend on the prompt or the device
-    check_sparse(adapter.specs, settings, cp_size)
-    if settings.cp_attention == "ulysses":
+    resolve_layout(adapter, longstraw)
+    resolve_prefix(adapter, longstraw)  # its refusals do not depend on the prompt or the device
+    check_sparse(adapter.specs, longstraw, cp_size)
+    if longstraw.cp_attention == "ulysses":
         heads, kv_heads, _ = adapter.attention_geometry()
         check_heads(heads, kv_heads, cp_size)
 
 
-def build_topology(adapter: CausalLMAdapter, settings: LongstrawConfig,
+def build_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig,
                    cp_group: ProcessGroup | CPContext | None = None, *, prompt_tokens: int | None = None,
                    caller_reduces: bool = False) -> Topology:
     """The topology a transaction (or a generate call) runs over, whole: OneRank, or ContextParallel over
-    `cp_group` (a process group or a parallel.CPContext; validated against settings.cp_size).
+    `cp_group` (a process group or a parallel.CPContext; validated against longstraw.cp_size).
 
     Everything is checked first (as_cp_context, check_topology: a ValueError naming the key before any work), then
     resolved once, the same on every rank: the group's layout (set on its CPContext), the prefix pass's schedule
@@ -430,17 +430,17 @@ def build_topology(adapter: CausalLMAdapter, settings: LongstrawConfig,
     (caller_reduces: the caller sums them over the group itself, the DeepSpeed engine; else this topology's
     reduce). The group's traffic counters, wait timers and capture decisions start from zero (its report covers
     this call only). Collective over the CP group (the devices' memory)."""
-    cp = as_cp_context(cp_group, settings.cp_size)  # None for one rank; ValueError on a size mismatch
+    cp = as_cp_context(cp_group, longstraw.cp_size)  # None for one rank; ValueError on a size mismatch
     if cp is None:
         return OneRank()
-    check_topology(adapter, settings, cp.size)
-    cp.layout = resolve_layout(adapter, settings)
+    check_topology(adapter, longstraw, cp.size)
+    cp.layout = resolve_layout(adapter, longstraw)
     device_memory = group_device_memory(adapter.device, cp)
     tokens = None if prompt_tokens is None else captured_tokens_per_rank(prompt_tokens, cp.size)
-    prefix_schedule = resolve_prefix(adapter, settings, tokens, device_memory)
-    inputs_every = resolve_inputs_every(adapter, settings) if prefix_schedule == "layer_major" else 1
+    prefix_schedule = resolve_prefix(adapter, longstraw, tokens, device_memory)
+    inputs_every = resolve_inputs_every(adapter, longstraw) if prefix_schedule == "layer_major" else 1
     cp.reset()
-    return ContextParallel(cp, settings, prefix_schedule=prefix_schedule, inputs_every=inputs_every,
+    return ContextParallel(cp, longstraw, prefix_schedule=prefix_schedule, inputs_every=inputs_every,
                            caller_reduces=caller_reduces, prompt_tokens=prompt_tokens)
 
 

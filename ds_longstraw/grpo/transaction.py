@@ -90,24 +90,24 @@ def _progress_bar(enabled: bool, total: int, desc: str) -> AbstractContextManage
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter: CausalLMAdapter, group: GRPOGroup, settings: LongstrawConfig, exact: bool, desc: str,
+def _capture(adapter: CausalLMAdapter, group: GRPOGroup, longstraw: LongstrawConfig, prefix_grad: str, desc: str,
              topology: Topology, schedule: Schedule) -> PrefixState:
-    with _progress_bar(settings.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
-        return topology.capture(adapter, group.prompt_ids, settings, exact, schedule,
+    with _progress_bar(longstraw.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
+        return topology.capture(adapter, group.prompt_ids, longstraw, prefix_grad, schedule,
                                 progress=None if bar is None else bar.update)
 
 
-def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, longstraw: LongstrawConfig,
                     topology: Topology | None = None, schedule: Schedule | None = None) -> list[torch.Tensor]:
     """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
     members = topology.replay_members(group)
-    state = _capture(adapter, group, settings, False, "capture (reference)", topology, schedule)
+    state = _capture(adapter, group, longstraw, "detached", "capture (reference)", topology, schedule)
     try:
-        view = topology.replay_view(adapter, state, exact=False)
+        view = topology.replay_view(adapter, state, "detached")
         try:
-            source = MemberReplay(adapter, view.leaves, state.length, settings.replay_block, view.remote_attention)
+            source = MemberReplay(adapter, view.leaves, state.length, longstraw.replay_block, view.remote_attention)
             scores = score_group(source, group, schedule=schedule, members=members)
             return topology.collect_members(scores, members, group.size)
         finally:
@@ -117,8 +117,9 @@ def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, settings: Long
 
 
 def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjective | ScaledObjective | None = None,
-                  *, config: LongstrawConfig | dict[str, Any] | None = None, ref_model: torch.nn.Module | None = None,
-                  cp_group: ProcessGroup | CPContext | None = None, ep_group: ProcessGroup | None = None,
+                  *, longstraw: LongstrawConfig | dict[str, Any] | None = None,
+                  ref_model: torch.nn.Module | None = None, cp_group: ProcessGroup | CPContext | None = None,
+                  ep_group: ProcessGroup | None = None,
                   backward: Callable[[torch.Tensor], object] | None = None, caller_reduces: bool | None = None,
                   lockstep: Lockstep | None = None, capture: Rollouts | None = None,
                   loss_scope: LossScope | Sequence[LossScope] | None = None) -> GroupResult:
@@ -128,7 +129,7 @@ def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjec
     normalised over (the DeepSpeed engine passes the step's: its groups, or every rank's), or one LossScope per
     member (each member normalised over the micro-batch a trainer drew it into); default the group alone.
 
-    config: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
+    longstraw: the "longstraw" block (dict or LongstrawConfig); prefix_grad "detached" (the captured prompt state is
     a constant) or "exact" (gradients equal full-sequence autograd over prompt + response for every member).
     cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks over
     which the prompt is sharded (every rank calls with the same group; topology.py says what crosses ranks).
@@ -146,15 +147,15 @@ def grpo_backward(model: torch.nn.Module, group: GRPOGroup, objective: GRPOObjec
     rank's other gradients are its own group's, as without EP). The EP ranks pad their calls to a common shape
     (lockstep.py) unless a lockstep is given.
     capture: None, or the Rollouts of generate(..., keep_capture=True) on this group's prompt with these weights
-    and this config: the policy capture is skipped and that captured state is used (rollout/generate.py); it is taken
+    and this block: the policy capture is skipped and that captured state is used (rollout/generate.py); it is taken
     from the Rollouts and released when this call returns or raises (refused: ValueError, released too). Under a
     lockstep that pads this rank's capture (or with sharded experts) only a capture padded alike is taken: one
     generate made under a decode lockstep (rollout/generate.py, KeptCapture.check); every rank must then reuse its
     capture alike (engine.grpo_step with one rollout prompt per rank does). The result's extras say "capture_reused".
     """
-    request = Request(model, group, objective, parse_config(config), ref_model, cp_group, ep_group, backward,
+    request = Request(model, group, objective, parse_config(longstraw), ref_model, cp_group, ep_group, backward,
                       backward is not None if caller_reduces is None else bool(caller_reduces), lockstep)
-    with kernel_mode(request.settings.kernels):
+    with kernel_mode(request.longstraw.kernels):
         return _transaction(request, capture, loss_scope)
 
 
@@ -166,7 +167,7 @@ class Request:
     model: torch.nn.Module
     group: GRPOGroup
     objective: GRPOObjective | ScaledObjective | ScopedObjective | None
-    settings: LongstrawConfig
+    longstraw: LongstrawConfig
     ref_model: torch.nn.Module | None
     cp_group: ProcessGroup | CPContext | None
     ep_group: ProcessGroup | None
@@ -179,7 +180,7 @@ def _transaction(request: Request, capture: Rollouts | None,
                  loss_scope: LossScope | Sequence[LossScope] | None) -> GroupResult:
     """Check the group and its objective (a kept capture is released on a refusal), take the kept capture where it
     fits, scope the objective, run."""
-    model, group, settings, lockstep = request.model, request.group, request.settings, request.lockstep
+    model, group, longstraw, lockstep = request.model, request.group, request.longstraw, request.lockstep
     objective = request.objective
     try:
         if not isinstance(group, GRPOGroup):
@@ -193,7 +194,7 @@ def _transaction(request: Request, capture: Rollouts | None,
             capture.release()
         raise
     # released if it won't fit (another prompt, weights, config, or capture padding than this transaction's)
-    reused = None if capture is None else capture.take_capture(model, group, settings, lockstep)
+    reused = None if capture is None else capture.take_capture(model, group, longstraw, lockstep)
     try:
         request.objective = ScopedObjective(objective, loss_scope or objective.scope_of([group]))
         return _run_transaction(request, reused)
@@ -204,38 +205,37 @@ def _transaction(request: Request, capture: Rollouts | None,
 
 def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResult:
     """capture (or the kept one) -> reference -> replay -> prefix (exact mode) -> reduce, phase by phase."""
-    model, group, objective, settings = request.model, request.group, request.objective, request.settings
+    model, group, objective, longstraw = request.model, request.group, request.objective, request.longstraw
     ref_model, cp_group, ep_group, backward = request.ref_model, request.cp_group, request.ep_group, request.backward
     caller_reduces, lockstep = request.caller_reduces, request.lockstep
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
     if objective.needs_reference and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
-    topology = build_topology(adapter, settings, cp_group, prompt_tokens=group.prompt_ids.numel(),
+    topology = build_topology(adapter, longstraw, cp_group, prompt_tokens=group.prompt_ids.numel(),
                               caller_reduces=caller_reduces)
     ep = expert_parallel(model)
-    check_expert_parallel(ep, settings, ep_group, cp_group)
+    check_expert_parallel(ep, longstraw, ep_group, cp_group)
     if ep is not None:
         ep.reset()
         # the dispatches are collectives over the EP group: its ranks pad to a common shape, whatever they bring
-        lockstep = lockstep or padded_to_common(group, settings, topology.cp, ep.process_group)
-    schedule = lockstep or topology.replay_lockstep(group, settings) or Schedule()
+        lockstep = lockstep or padded_to_common(group, longstraw, topology.cp, ep.process_group)
+    schedule = lockstep or topology.replay_lockstep(group, longstraw) or Schedule()
     members = topology.replay_members(group)
     weight = topology.member_weight()
     if weight != 1.0:
         objective = ScaledObjective(objective, weight)
-    exact = settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
 
     ref_logprobs = None
     if objective.needs_reference:
         with meter.phase("reference"), topology.phase("reference"), reference_policy(model, ref_model) as reference:
-            ref_logprobs = score_reference(reference, group, settings, topology, schedule)
+            ref_logprobs = score_reference(reference, group, longstraw, topology, schedule)
 
     if reused is None:
         with meter.phase("capture"), topology.phase("capture"):
-            state = _capture(adapter, group, settings, exact, "capture", topology, schedule)
+            state = _capture(adapter, group, longstraw, longstraw.prefix_grad, "capture", topology, schedule)
     else:
         state = reused  # generate's capture (keep_capture): same prompt, weights and config
     prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
@@ -243,9 +243,9 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
         retained = state.retained_bytes()
         before = topology.begin_gradients(model)
         with meter.phase("replay"), topology.phase("replay"):
-            view = topology.replay_view(adapter, state, exact=exact)
-            source = MemberReplay(adapter, view.leaves, state.length, settings.replay_block, view.remote_attention,
-                                  span_capture=settings.member_span_capture)
+            view = topology.replay_view(adapter, state, longstraw.prefix_grad)
+            source = MemberReplay(adapter, view.leaves, state.length, longstraw.replay_block, view.remote_attention,
+                                  span_capture=longstraw.member_span_capture)
             loss, logprobs, stepped = replay_group(source, group, objective, advantages, ref_logprobs,
                                                    backward=backward, schedule=schedule, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
@@ -253,13 +253,13 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             logprobs = topology.collect_members(logprobs, members, group.size)
         topology.after_replay(model)
 
-        if exact:
+        if longstraw.prefix_grad == "exact":
             with meter.phase("prefix"), topology.phase("prefix"):
                 d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
-                with _progress_bar(settings.progress and topology.size == 1, state.length, "prefix pass") as bar:
+                with _progress_bar(longstraw.progress and topology.size == 1, state.length, "prefix pass") as bar:
                     reverse = ReversePass(adapter, state, group.prompt_ids[:-1], backward=backward,
                                           progress=None if bar is None else bar.update, timings=prefix_seconds)
-                    topology.prefix(reverse, d_final, settings, schedule)
+                    topology.prefix(reverse, d_final, longstraw, schedule)
         grad_page_bytes = state.pool.grad_bytes()
         del view
         if topology.reduces:  # context parallelism, unless the caller reduces

@@ -82,24 +82,25 @@ def _grad_sink(pool: PagePool | TieredPagePool, layer: int, name: str,
 class StagedPast(Mapping):
     """layer -> [(K, V) of prompt tokens [start, end) (staged on access), *segments appended later].
 
-    exact (exact mode): the prompt segment is differentiable and its gradient lands on the pool's
-    gradient pages. `fresh()` gives an independent copy of the appended segments (one per replayed member).
+    grads_to_pages: the prompt segment is differentiable and its gradient lands on the pool's gradient pages
+    (the transaction's exact mode). `fresh()` gives an independent copy of the appended segments (one per replayed
+    member).
     """
 
-    def __init__(self, stager: Stager, start: int, end: int, exact: bool = False) -> None:
+    def __init__(self, stager: Stager, start: int, end: int, grads_to_pages: bool = False) -> None:
         self.stager = stager
         self.start, self.end = start, end
-        self.exact = exact
+        self.grads_to_pages = grads_to_pages
         self._later = {layer: [] for layer in stager.layers}
         # Pages are constants of the graph; the anchor is the one input that makes _PagesWithGrad differentiable.
-        self._anchor = torch.zeros((), requires_grad=True) if exact else None
+        self._anchor = torch.zeros((), requires_grad=True) if grads_to_pages else None
 
     def __getitem__(self, layer: int) -> list[Sequence[torch.Tensor]]:
         later = self._later[layer]  # KeyError for layers without pages, as a dict would
         names = self.stager.names[layer]
         pages = self.stager.get(layer, self.start, self.end)
         pair = tuple(pages[name] for name in names)
-        if self.exact and self.end > self.start:
+        if self.grads_to_pages and self.end > self.start:
             pool = self.stager.pool
             pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
                          for name, tensor in zip(names, pair, strict=True))

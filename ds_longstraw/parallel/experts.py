@@ -138,10 +138,10 @@ def _ranks(group):
     return tuple(dist.get_process_group_ranks(getattr(group, "process_group", group)))
 
 
-def check_expert_parallel(ep, settings, ep_group, cp_group=None):
+def check_expert_parallel(ep, longstraw, ep_group, cp_group=None):
     """ValueError (before any work) when the model's expert sharding, the settings and the groups disagree.
     ep: the model's ExpertParallel (None: its experts are whole); cp_group: the CP process group, if any."""
-    if settings.ep_size == 1:
+    if longstraw.ep_size == 1:
         if ep is not None:
             raise ValueError(f"the model's experts are sharded over {ep.size} ranks (shard_experts) but "
                              f"'longstraw.ep_size' = 1: set it to {ep.size} and pass ep_group")
@@ -149,14 +149,14 @@ def check_expert_parallel(ep, settings, ep_group, cp_group=None):
             raise ValueError("ep_group was given but 'longstraw.ep_size' = 1")
         return
     if ep_group is None:
-        raise ValueError(f"'longstraw.ep_size' = {settings.ep_size} needs ep_group (the process group the experts "
+        raise ValueError(f"'longstraw.ep_size' = {longstraw.ep_size} needs ep_group (the process group the experts "
                          "are sharded over)")
     if ep is None:
-        raise ValueError(f"'longstraw.ep_size' = {settings.ep_size}: the model's experts are whole; call "
+        raise ValueError(f"'longstraw.ep_size' = {longstraw.ep_size}: the model's experts are whole; call "
                          "ds_longstraw.shard_experts(model, ep_group) first")
-    if ep.size != settings.ep_size or _ranks(ep_group) != ep.ranks:
-        raise ValueError(f"'longstraw.ep_size' = {settings.ep_size} with ep_group ranks {list(_ranks(ep_group))}, "
+    if ep.size != longstraw.ep_size or _ranks(ep_group) != ep.ranks:
+        raise ValueError(f"'longstraw.ep_size' = {longstraw.ep_size} with ep_group ranks {list(_ranks(ep_group))}, "
                          f"but the experts were sharded over ranks {list(ep.ranks)}")
-    if cp_group is not None and settings.cp_size > 1 and _ranks(cp_group) != ep.ranks:
+    if cp_group is not None and longstraw.cp_size > 1 and _ranks(cp_group) != ep.ranks:
         raise ValueError(f"under context parallelism the experts are sharded over the CP group: ep_group ranks "
                          f"{list(ep.ranks)}, cp_group ranks {list(_ranks(cp_group))}")

@@ -37,8 +37,8 @@ class DecodeLockstep(Lockstep):
     any rank decodes in this slot; idle: the slot has no prompt on this rank (generate decodes IDLE_PROMPT, keeps
     nothing)."""
 
-    def __init__(self, local_chunks, common_chunks, common_samples, settings, group, idle=False):
-        super().__init__(GroupCalls(local_chunks, ()), GroupCalls(common_chunks, ()), settings)
+    def __init__(self, local_chunks, common_chunks, common_samples, longstraw, group, idle=False):
+        super().__init__(GroupCalls(local_chunks, ()), GroupCalls(common_chunks, ()), longstraw)
         self.common_samples, self.process_group, self.idle = common_samples, group, idle
 
     @property
@@ -56,14 +56,14 @@ class DecodeLockstep(Lockstep):
         return bool(flag.item())
 
 
-def decode_locksteps(prompts, num_samples, settings, cp, process_group) -> list:
+def decode_locksteps(prompts, num_samples, longstraw, cp, process_group) -> list:
     """This rank's DecodeLockstep per prompt slot (the most prompts any rank of `process_group` brings): its own
     prompt's, then idle slots (collective over `process_group`: one all-gather of every rank's slot sizes). prompts:
     this rank's 1-D id tensors; settings: the config the prompts are captured under; cp: this rank's CPContext or
     None."""
-    mine = [(capture_chunks(p.numel(), settings, cp), num_samples) for p in prompts]
+    mine = [(capture_chunks(p.numel(), longstraw, cp), num_samples) for p in prompts]
     # an idle slot's chunks depend on the rank's CP shard of IDLE_PROMPT: every rank sends its own
-    idle_chunks = capture_chunks(IDLE_PROMPT.numel(), settings, cp)
+    idle_chunks = capture_chunks(IDLE_PROMPT.numel(), longstraw, cp)
     gathered = [None] * dist.get_world_size(group=process_group)
     dist.all_gather_object(gathered, (mine, idle_chunks), group=process_group)
     slots = max(len(theirs) for theirs, _ in gathered)
@@ -74,6 +74,6 @@ def decode_locksteps(prompts, num_samples, settings, cp, process_group) -> list:
         common_chunks = max([chunks for chunks, _ in present] + idle)
         common_samples = max(samples for _, samples in present)
         local_chunks = mine[slot][0] if slot < len(mine) else idle_chunks
-        out.append(DecodeLockstep(local_chunks, common_chunks, common_samples, settings, process_group,
+        out.append(DecodeLockstep(local_chunks, common_chunks, common_samples, longstraw, process_group,
                                   idle=slot >= len(mine)))
     return out

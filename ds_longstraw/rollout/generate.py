@@ -1,7 +1,7 @@
 """generate: rollouts of one prompt, decoded from the state the transaction's capture keeps.
 
     capture   the prompt[:-1] once, without autograd, onto pages (the topology's capture: one rank, or the prompt
-              sharded over a context-parallel group; the config block's tiers)
+              sharded over a context-parallel group; the longstraw block's tiers)
     decode    step t of every sample in one forward (adapter.decode_step, arch/decode.py): feed prompt[-1], then
               each sample's sampled token, through the topology's replay view of the captured state (the prompt's
               pages, staged a layer at a time and read once per step for the whole batch; under context
@@ -102,7 +102,7 @@ class Rollouts:
             self.capture.release()
             self.capture = None
 
-    def take_capture(self, model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+    def take_capture(self, model: torch.nn.Module, group: GRPOGroup, longstraw: LongstrawConfig,
                      lockstep: Lockstep | None = None) -> PrefixState:
         """The kept capture's PrefixState for a transaction on `group` under `settings` and `lockstep` (what
         grpo_backward's `capture=` calls). The capture leaves these Rollouts whatever happens: the caller owns the
@@ -113,7 +113,7 @@ class Rollouts:
             raise ValueError("capture: these Rollouts hold no kept capture (generate(..., keep_capture=True) keeps "
                              "one; a transaction or release() took it)")
         try:
-            kept.check(model, group, settings, lockstep)
+            kept.check(model, group, longstraw, lockstep)
         except BaseException:
             kept.release()
             raise
@@ -148,14 +148,14 @@ class KeptCapture:
     when this object is garbage collected. padded_to: the capture chunks its capture was padded to under a decode
     lockstep (decode_lockstep.py), None without one."""
 
-    def __init__(self, state: PrefixState, settings: LongstrawConfig, model: torch.nn.Module,
+    def __init__(self, state: PrefixState, longstraw: LongstrawConfig, model: torch.nn.Module,
                  prompt_ids: torch.Tensor, padded_to: int | None = None) -> None:
-        self.settings, self.prompt_ids, self.padded_to = settings, prompt_ids, padded_to
+        self.longstraw, self.prompt_ids, self.padded_to = longstraw, prompt_ids, padded_to
         self.model, self.fingerprint = weakref.ref(model), weights_fingerprint(model)
         self._holder = [state]
         self._finalizer = weakref.finalize(self, _release_held, self._holder)
 
-    def check(self, model: torch.nn.Module, group: GRPOGroup, settings: LongstrawConfig,
+    def check(self, model: torch.nn.Module, group: GRPOGroup, longstraw: LongstrawConfig,
               lockstep: Lockstep | None = None) -> None:
         """ValueError when this capture cannot stand for the capture a transaction of `group` under `settings`
         would make, padded by `lockstep` (lockstep.Lockstep or None): skipping the transaction's capture skips its
@@ -176,8 +176,8 @@ class KeptCapture:
                              "captured state is stale: train with a fresh capture (no capture=)")
         if not torch.equal(group.prompt_ids.cpu(), self.prompt_ids):
             raise ValueError("capture: the group's prompt is not the prompt that was captured")
-        mine = self.settings.model_dump(exclude=set(_REPLAY_ONLY))
-        theirs = settings.model_dump(exclude=set(_REPLAY_ONLY))
+        mine = self.longstraw.model_dump(exclude=set(_REPLAY_ONLY))
+        theirs = longstraw.model_dump(exclude=set(_REPLAY_ONLY))
         differ = sorted(key for key in mine if mine[key] != theirs.get(key))
         if differ:
             raise ValueError(f"capture: 'longstraw' keys {differ} differ between generate's config and the training "
@@ -202,12 +202,12 @@ def _release_held(holder: list[PrefixState]) -> None:
 def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], num_samples: int,
              max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
              eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
-             config: LongstrawConfig | dict[str, Any] | None = None,
+             longstraw: LongstrawConfig | dict[str, Any] | None = None,
              cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
              keep_capture: bool = False, batched: bool = True, lockstep: Schedule | None = None) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
-    The prompt is captured once (config: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
+    The prompt is captured once (longstraw: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
     apply as in the transaction) and every sample is decoded from those same pages, one token per forward, samples
     one after another (module docstring). temperature: 0 is greedy (argmax, lowest id among ties), else the logits
     are divided by it; top_p: nucleus sampling, the smallest set of most probable tokens whose probability reaches
@@ -228,7 +228,7 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     decodes them one after another (the plain reference; the same tokens and log-probs up to rounding).
     """
     prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
-    settings = parse_config(config)
+    longstraw = parse_config(longstraw)
     adapter = adapter_for(model)
     if int(prompt_ids.max()) >= adapter.vocab_size:
         raise ValueError(f"prompt_ids holds token id {int(prompt_ids.max())} >= vocab size {adapter.vocab_size}")
@@ -237,19 +237,19 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
     if lockstep is not None and dp_group is not None:
         raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
-    capture_settings, topology = _decode_setup(model, adapter, settings, cp_group, keep_capture, prompt_ids.numel())
+    longstraw, topology = _decode_setup(model, adapter, longstraw, cp_group, keep_capture, prompt_ids.numel())
     if lockstep is None:
-        lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, capture_settings, topology, dp_group)[0]
+        lockstep = decode_lockstep_for(model, [prompt_ids], num_samples, longstraw, topology, dp_group)[0]
     elif lockstep.idle:
         raise ValueError("generate: this lockstep is an idle slot's (decode_idle_slot runs it)")
     choose = _first_rank_token(topology, adapter.device)
     seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
-    return _generate(model, adapter, topology, capture_settings, prompt_ids, num_samples, max_new_tokens,
+    return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples, max_new_tokens,
                      temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
 
 
 def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens: int, *,
-                     config: LongstrawConfig | dict[str, Any] | None = None,
+                     longstraw: LongstrawConfig | dict[str, Any] | None = None,
                      cp_group: dist.ProcessGroup | CPContext | None = None, keep_capture: bool = False,
                      batched: bool = True) -> None:
     """A prompt slot this rank has no prompt for (lockstep.idle): the dummy prompt's capture and ghost decode steps
@@ -258,42 +258,42 @@ def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens:
     from ds_longstraw.rollout.decode_lockstep import IDLE_PROMPT
 
     adapter = adapter_for(model)
-    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture,
+    longstraw, topology = _decode_setup(model, adapter, parse_config(longstraw), cp_group, keep_capture,
                                                IDLE_PROMPT.numel())
-    _generate(model, adapter, topology, capture_settings, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
+    _generate(model, adapter, topology, longstraw, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
               lambda tokens: list(tokens), False, batched, lockstep)
 
 
-def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, settings: LongstrawConfig,
+def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, longstraw: LongstrawConfig,
                   cp_group: dist.ProcessGroup | CPContext | None, keep_capture: bool,
                   prompt_tokens: int | None = None) -> tuple[LongstrawConfig, Topology]:
-    """(the settings the prompt is captured under, the topology) of a generate call, checked before any work;
+    """(the longstraw block the prompt is captured under, the topology) of a generate call, checked before any work;
     prompt_tokens: the length of the prompt it captures (None: it captures none)."""
     # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
     # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
-    capture_settings = settings if keep_capture else settings.model_copy(update={"prefix_grad": "detached"})
+    captured = longstraw if keep_capture else longstraw.model_copy(update={"prefix_grad": "detached"})
     # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
-    decode_settings = capture_settings.model_copy(update={"cp_replay": "replicated"})
-    topology = build_topology(adapter, decode_settings, cp_group, prompt_tokens=prompt_tokens)
+    topology = build_topology(adapter, captured.model_copy(update={"cp_replay": "replicated"}), cp_group,
+                              prompt_tokens=prompt_tokens)
     ep = expert_parallel(model)
-    check_expert_parallel(ep, settings, None if ep is None else ep.process_group, cp_group)
-    return capture_settings, topology
+    check_expert_parallel(ep, longstraw, None if ep is None else ep.process_group, cp_group)
+    return captured, topology
 
 
 def decode_schedules(model: torch.nn.Module, prompts: Sequence[torch.Tensor], num_samples: int, *,
-                     config: LongstrawConfig | dict[str, Any] | None = None,
+                     longstraw: LongstrawConfig | dict[str, Any] | None = None,
                      cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
                      keep_capture: bool = False) -> list:
     """Per prompt slot, the schedule this rank's generate (or decode_idle_slot, past its last prompt) runs under
     for its `prompts` (1-D ids), with generate's arguments of the same names (decode_lockstep_for; collective over
     dp_group, or the model's expert-parallel group)."""
     adapter = adapter_for(model)
-    capture_settings, topology = _decode_setup(model, adapter, parse_config(config), cp_group, keep_capture)
-    return decode_lockstep_for(model, prompts, num_samples, capture_settings, topology, dp_group)
+    longstraw, topology = _decode_setup(model, adapter, parse_config(longstraw), cp_group, keep_capture)
+    return decode_lockstep_for(model, prompts, num_samples, longstraw, topology, dp_group)
 
 
 def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor], num_samples: int,
-                        capture_settings: LongstrawConfig, topology: Topology,
+                        longstraw: LongstrawConfig, topology: Topology,
                         dp_group: dist.ProcessGroup | None) -> list:
     """Per prompt slot, the schedule this rank decodes under: decode_lockstep.decode_locksteps over dp_group (or,
     without one, over the model's expert-parallel group), or plain Schedules when neither is given (collective
@@ -302,25 +302,24 @@ def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor],
     group = dp_group if dp_group is not None else None if ep is None else ep.process_group
     if group is None or dist.get_world_size(group=group) == 1:
         return [Schedule() for _ in prompts]
-    return decode_locksteps(prompts, num_samples, capture_settings, topology.cp, group)
+    return decode_locksteps(prompts, num_samples, longstraw, topology.cp, group)
 
 
 def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topology,
-              capture_settings: LongstrawConfig, prompt_ids: torch.Tensor, num_samples: int, max_new_tokens: int,
+              longstraw: LongstrawConfig, prompt_ids: torch.Tensor, num_samples: int, max_new_tokens: int,
               temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
               choose: Callable[[list[int]], list[int]], keep_capture: bool, batched: bool,
               schedule: Schedule) -> Rollouts:
     """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
-    exact = capture_settings.prefix_grad == "exact"
     meter = PhaseMeter(adapter.device)
     responses, logprobs, finished = [], [], []
     kept = None
-    with torch.no_grad(), kernel_mode(capture_settings.kernels):
+    with torch.no_grad(), kernel_mode(longstraw.kernels):
         with meter.phase("capture"), topology.phase("capture"):
-            state = topology.capture(adapter, prompt_ids, capture_settings, exact, schedule)
+            state = topology.capture(adapter, prompt_ids, longstraw, longstraw.prefix_grad, schedule)
         try:
             with meter.phase("decode"), topology.phase("decode"):
-                view = topology.replay_view(adapter, state, exact=False)
+                view = topology.replay_view(adapter, state, "detached")
                 try:
                     decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
                     samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, max_new_tokens,
@@ -332,7 +331,7 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
                 finally:
                     view.leaves.release()
             if keep_capture:
-                kept = KeptCapture(state, capture_settings, model, prompt_ids, schedule.capture_padded_to)
+                kept = KeptCapture(state, longstraw, model, prompt_ids, schedule.capture_padded_to)
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success

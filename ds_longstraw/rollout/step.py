@@ -176,20 +176,20 @@ def _reward(function: Callable[[torch.Tensor, torch.Tensor], float | torch.Tenso
 def rollout_groups(model: torch.nn.Module,
                    prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
                    rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
-                   config: LongstrawConfig | dict[str, Any] | None = None,
+                   longstraw: LongstrawConfig | dict[str, Any] | None = None,
                    cp_group: ProcessGroup | CPContext | None = None) -> list:
     """GRPOGroups of `prompts` (one or a list of 1-D ids) sampled from `model` as the `rollout` block says: for
     prompt j, `rollout.num_samples` samples seeded sample_seed(rollout.seed, step, first_index + j), rewarded by
-    `rollout.reward`, their log-probs as old log-probs. config: the "longstraw" block (capture chunks, pages, tier);
+    `rollout.reward`, their log-probs as old log-probs. longstraw: the "longstraw" block (capture chunks, pages, tier);
     cp_group: the context-parallel group the prompt is sharded over (None: one rank)."""
     return [group for group, _ in rollout_samples(model, prompts, rollout, step=step, first_index=first_index,
-                                                   config=config, cp_group=cp_group)]
+                                                   longstraw=longstraw, cp_group=cp_group)]
 
 
 def rollout_samples(model: torch.nn.Module,
                     prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
                     rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
-                    config: LongstrawConfig | dict[str, Any] | None = None,
+                    longstraw: LongstrawConfig | dict[str, Any] | None = None,
                     cp_group: ProcessGroup | CPContext | None = None, dp_group: ProcessGroup | None = None,
                     keep_capture: bool = False) -> list:
     """[(GRPOGroup, Rollouts)] as `rollout_groups`; with keep_capture each Rollouts keeps its prompt's capture for
@@ -201,19 +201,19 @@ def rollout_samples(model: torch.nn.Module,
     rollout = parse_rollout(rollout)
     prompts = as_prompts(prompts)
     reward = rollout.reward_function()
-    schedules = decode_schedules(model, prompts, rollout.num_samples, config=config, cp_group=cp_group,
+    schedules = decode_schedules(model, prompts, rollout.num_samples, longstraw=longstraw, cp_group=cp_group,
                                  dp_group=dp_group, keep_capture=keep_capture)
     sampled = []  # (group, Rollouts); the group is None until its rewards are in
     try:
         for j, schedule in enumerate(schedules):
             if schedule.idle:
-                decode_idle_slot(model, schedule, rollout.max_new_tokens, config=config, cp_group=cp_group,
+                decode_idle_slot(model, schedule, rollout.max_new_tokens, longstraw=longstraw, cp_group=cp_group,
                                  keep_capture=keep_capture)
                 continue
             samples = generate(model, prompts[j], rollout.num_samples, rollout.max_new_tokens,
                                temperature=rollout.temperature, top_p=rollout.top_p,
                                eos_token_id=rollout.eos_token_id, seed=sample_seed(rollout.seed, step, first_index + j),
-                               config=config, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule)
+                               longstraw=longstraw, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule)
             sampled.append((None, samples))
             rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
             sampled[-1] = (samples.group(rewards), samples)
@@ -237,14 +237,14 @@ def free_device_bytes(device: torch.device | str | int) -> int:
 
 
 def decoding_bytes(adapter: CausalLMAdapter, prompts: Sequence[torch.Tensor], rollout: RolloutConfig,
-                   settings: LongstrawConfig) -> int:
+                   longstraw: LongstrawConfig) -> int:
     """What decoding this rank's prompts keeps on the device (module docstring): the longest prompt's pages (its
     CP shard) on the "none" tier, else two staged layers of them; every sample's carry and its response rows
     (allocated whole up front); a step's logits in the head's dtype and in float64."""
     specs = adapter.specs
-    tokens = -(-max(p.numel() - 1 for p in prompts) // settings.cp_size)
+    tokens = -(-max(p.numel() - 1 for p in prompts) // longstraw.cp_size)
     per_token = sum(spec.bytes_per_token for spec in specs)
-    pages = tokens * (per_token if settings.offload.tier == "none"
+    pages = tokens * (per_token if longstraw.offload.tier == "none"
                       else 2 * max(spec.bytes_per_token for spec in specs))
     samples, logits = decode_state_bytes(rollout.num_samples, rollout.max_new_tokens,
                                          sum(spec.carry_bytes for spec in specs), per_token, adapter.vocab_size,
@@ -266,7 +266,7 @@ def resolve_zero3_weights(engine: DeepSpeedEngine, prompts: Sequence[torch.Tenso
 
     partitioned = [p for p in engine.module.parameters() if hasattr(p, "ds_id")]
     beyond_share = sum((p.ds_numel - p.ds_tensor.numel()) * p.element_size() for p in partitioned)
-    need = beyond_share + decoding_bytes(adapter_for(engine.module), prompts, rollout, engine.longstraw_config)
+    need = beyond_share + decoding_bytes(adapter_for(engine.module), prompts, rollout, engine.longstraw)
     fits = torch.tensor([1 if need <= rollout.zero3_whole_budget * free_device_bytes(engine.device) else 0],
                         device=engine.device)
     dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=dp_group)
@@ -337,7 +337,7 @@ def engine_rollouts(engine: DeepSpeedEngine,
     try:
         with decoding_weights(engine, weights):
             sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
-                                      first_index=first_index, config=engine.longstraw_config,
+                                      first_index=first_index, longstraw=engine.longstraw,
                                       cp_group=layout.cp, dp_group=dp_group if lockstep else None,
                                       keep_capture=keep)
     finally:

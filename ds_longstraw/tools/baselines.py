@@ -17,9 +17,9 @@ from ds_longstraw.grpo.transaction import GroupResult, reference_policy, score_r
 from ds_longstraw.objective import GRPOObjective
 
 
-def _start(model, group, objective, config, ref_model):
+def _start(model, group, objective, longstraw, ref_model):
     """What both baselines do first: check the input, score the reference (kl_coef > 0) under a meter."""
-    settings = parse_config(config)
+    longstraw = parse_config(longstraw)
     objective = objective or GRPOObjective()
     adapter = adapter_for(model)
     group.check_vocab(adapter.vocab_size)
@@ -28,12 +28,12 @@ def _start(model, group, objective, config, ref_model):
     with meter.phase("reference"):
         if objective.kl_coef > 0:
             with reference_policy(model, ref_model) as reference:
-                ref_logprobs = score_reference(reference, group, settings)
+                ref_logprobs = score_reference(reference, group, longstraw)
     return objective, adapter, meter, objective.advantages(group), ref_logprobs
 
 
-def conventional(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
-    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, config, ref_model)
+def conventional(model, group, objective=None, *, longstraw=None, ref_model=None) -> GroupResult:
+    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, longstraw, ref_model)
     with meter.phase("forward"), torch.enable_grad():
         ids = group.prompt_ids[:-1]
         prompt = adapter.forward_segment(ids, 0, {}, {})
@@ -58,8 +58,8 @@ def conventional(model, group, objective=None, *, config=None, ref_model=None) -
                        ref_logprobs=ref_logprobs, advantages=advantages, phases=meter.phases, retained_bytes=retained)
 
 
-def per_member(model, group, objective=None, *, config=None, ref_model=None) -> GroupResult:
-    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, config, ref_model)
+def per_member(model, group, objective=None, *, longstraw=None, ref_model=None) -> GroupResult:
+    objective, adapter, meter, advantages, ref_logprobs = _start(model, group, objective, longstraw, ref_model)
     logps, loss = [], 0.0
     with meter.phase("forward_backward"):
         for member in range(group.size):

@@ -57,11 +57,11 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
             # model, whose kept pages (8 MiB at 8K tokens) would otherwise sit in the 32 MiB write queue whole.
             config["offload"] = {"kept_attention_tier": "nvme", "nvme_path": nvme_dir.name,
                                  "host_memory_budget_gb": 4 / 1024}
-        step = lambda: grpo_backward(model, group, objective, config=config, ref_model=reference)  # noqa: E731
+        step = lambda: grpo_backward(model, group, objective, longstraw=config, ref_model=reference)  # noqa: E731
     elif method == "conventional":
-        step = lambda: conventional(model, group, objective, config=config, ref_model=reference)  # noqa: E731
+        step = lambda: conventional(model, group, objective, longstraw=config, ref_model=reference)  # noqa: E731
     elif method == "per_member":
-        step = lambda: per_member(model, group, objective, config=config, ref_model=reference)  # noqa: E731
+        step = lambda: per_member(model, group, objective, longstraw=config, ref_model=reference)  # noqa: E731
     else:
         raise ValueError(f"unknown method {method!r}; choose from {METHODS}")
     before = host_current_bytes()

@@ -457,15 +457,15 @@ def main(argv=None) -> int:
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
-        settings = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
+        longstraw = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
                                  "prefix_inputs_every": args.prefix_inputs_every,
                                  "member_span_capture": args.member_span_capture})
-        plan = make_plan(shape, args.context, args.group_size, args.mode, cluster, settings.segment_tokens,
-                         settings.prefix_keep_attention, args.kept_attention_tier, settings.cp_scan,
-                         settings.cp_prefix, settings.prefix_inputs_every, args.response_tokens, args.trains,
-                         args.tool_tokens, settings.member_span_capture)
+        plan = make_plan(shape, args.context, args.group_size, args.mode, cluster, longstraw.segment_tokens,
+                         longstraw.prefix_keep_attention, args.kept_attention_tier, longstraw.cp_scan,
+                         longstraw.cp_prefix, longstraw.prefix_inputs_every, args.response_tokens, args.trains,
+                         args.tool_tokens, longstraw.member_span_capture)
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

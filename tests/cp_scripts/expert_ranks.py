@@ -46,7 +46,7 @@ def _reference(full, group, case, objective, ref_model):
     from ds_longstraw import grpo_backward
 
     full.zero_grad(set_to_none=True)
-    grpo_backward(full, group, objective, config=config_of(case, 1, 1), ref_model=ref_model)
+    grpo_backward(full, group, objective, longstraw=config_of(case, 1, 1), ref_model=ref_model)
     return _grads(full)
 
 
@@ -71,7 +71,7 @@ def _run_case(case, world, ep_group, out_dir, rank):
     else:
         groups = [make_group(p, r, seed=10 * case.get("seed", 0) + i) for i, (p, r) in enumerate(case["groups"])]
     cp_group, cp_size = (ep_group, world) if case["layout"] == "cp" else (None, 1)
-    result = grpo_backward(model, groups[rank], objective, config=config_of(case, cp_size, world),
+    result = grpo_backward(model, groups[rank], objective, longstraw=config_of(case, cp_size, world),
                            ref_model=ref_model, cp_group=cp_group, ep_group=ep_group)
     own = _reference(full, groups[rank], case, objective, ref_model)
     everyone = own if case["layout"] == "cp" else [_reference(full, g, case, objective, ref_model) for g in groups]
@@ -124,12 +124,12 @@ def _record_generate(world, ep_group, out_dir, rank):
     out = {}
     for name, batched in (("dp-batched", True), ("dp-each", False)):
         kwargs = dict(eos_token_id=GENERATE_EOS, seed=rank, batched=batched)
-        out[name] = (generate(model, prompt, 3 - rank % 2, 6, config=dict(config, ep_size=world), **kwargs),
-                     generate(full, prompt, 3 - rank % 2, 6, config=config, **kwargs))
+        out[name] = (generate(model, prompt, 3 - rank % 2, 6, longstraw=dict(config, ep_size=world), **kwargs),
+                     generate(full, prompt, 3 - rank % 2, 6, longstraw=config, **kwargs))
     kwargs = dict(eos_token_id=GENERATE_EOS, seed=9)
-    out["cp"] = (generate(model, shared, 3, 6, config=dict(config, ep_size=world, cp_size=world), cp_group=ep_group,
+    out["cp"] = (generate(model, shared, 3, 6, longstraw=dict(config, ep_size=world, cp_size=world), cp_group=ep_group,
                           **kwargs),
-                 generate(full, shared, 3, 6, config=config, **kwargs))
+                 generate(full, shared, 3, 6, longstraw=config, **kwargs))
     record = {name: {"ids": [x.tolist() for x in got.response_ids], "ref_ids": [x.tolist() for x in want.response_ids],
                      "logprob_diff": max(float((a - b).abs().max())
                                          for a, b in zip(got.logprobs, want.logprobs, strict=True))}

@@ -149,7 +149,7 @@ def _run_model_case(case, world, cp_group, out_dir, rank, build, float64_model, 
     with float64_model():
         try:
             for _ in range(case.get("repeat", 1)):  # repeat > 1: gradients must accumulate into .grad
-                result = grpo_backward(model, group, objective, config=case_config(case, world, out_dir),
+                result = grpo_backward(model, group, objective, longstraw=case_config(case, world, out_dir),
                                        ref_model=ref_model, cp_group=context)
         except ValueError as error:  # a case may expect a refusal at the door (recorded, asserted in pytest)
             if not case.get("expect_error"):

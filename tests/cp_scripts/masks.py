@@ -52,7 +52,7 @@ def _run_case(case, cp_size, cp_group, out_dir, rank):
     model.zero_grad(set_to_none=True)
     with float64_model():
         result = grpo_backward(model, group, GRPOObjective(**case.get("objective", {})),
-                               config=_config(case, cp_size, out_dir), ref_model=ref_model,
+                               longstraw=_config(case, cp_size, out_dir), ref_model=ref_model,
                                cp_group=CPContext(cp_group))
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"grads": grads, "loss": result.loss, "logprobs": result.logprobs,

@@ -43,7 +43,7 @@ def case_rollouts(case, cp_size=1, cp_group=None):
 
     model, reference = case_model(case)
     with reference():
-        return generate(model, case_prompt(case), case["samples"], case["max_new"], config=dict(case["config"],
+        return generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=dict(case["config"],
                         cp_size=cp_size), cp_group=cp_group, **case["sampling"])
 
 
@@ -55,10 +55,10 @@ def case_train(case, cp_size=1, cp_group=None, reuse=True):
     model, reference = case_model(case)
     config = dict(case["config"], cp_size=cp_size)
     with reference():
-        rollouts = generate(model, case_prompt(case), case["samples"], case["max_new"], config=config,
+        rollouts = generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=config,
                             cp_group=cp_group, keep_capture=reuse, **case["sampling"])
         model.zero_grad(set_to_none=True)
-        result = grpo_backward(model, rollouts.group(case["rewards"]), GRPOObjective(), config=config,
+        result = grpo_backward(model, rollouts.group(case["rewards"]), GRPOObjective(), longstraw=config,
                                cp_group=cp_group, capture=rollouts if reuse else None)
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     return rollouts, grads, result

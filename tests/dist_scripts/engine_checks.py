@@ -16,7 +16,11 @@ gradient_clipping 0):
               pass recomputes each layer in backward (prefix_recompute, the default), its padding iterations too:
               ZeRO-3 gathers the layers' weights again inside backward, in step on both ranks
   checkpoint  detached, AdamW + DeepSpeed WarmupLR: step 1, save, step 2 -> P; a fresh engine on DIFFERENT initial
-              weights loads the step-1 checkpoint, takes step 2 -> Q; P == Q bit for bit (loss and lr too)
+              weights loads the step-1 checkpoint, takes step 2 -> Q; P == Q bit for bit (loss and lr too). Then
+              copies of that checkpoint crafted by rank 0 (tests/crafted_checkpoints.py): an entry in rank 1's
+              model-state file whose unpickling would touch a marker is refused by load_checkpoint on BOTH ranks
+              (each reads every file first), naming the file and the type, and the marker never appears; a
+              harmless legacy entry is refused the same way and loads with trust_pickle=True
   zero2       ZeRO stage 2 (weights replicated: no lockstep needed), rank r brings its own group; one step
               == SGD on the mean of the two groups' gradients. Then a parameter only rank 0 gives a gradient
               (loss sum(p^2) over all parameters on rank 0, all but lm_head on rank 1): grpo_step's zero fill lets
@@ -34,10 +38,13 @@ gradient_clipping 0):
               dispatched over the ranks, each slice's gradient summed over the ranks holding it / W; the step on
               the non-expert weights and on each rank's slice == the single-process step on the whole model
   ep_export   an EP run's checkpoint through `longstraw export`: the whole model (experts joined from both ranks'
-              slice files), every tensor equal to the engine's at the save, loaded by transformers
+              slice files), every tensor equal to the engine's at the save, loaded by transformers; a copy whose
+              rank-1 slice file would run code is refused, with --trust-pickle too (slices are the project's data)
   ep_checkpoint  ZeRO-3 + EP, AdamW + WarmupLR: step 1, save, step 2 -> P; a fresh engine on different weights
               loads the step-1 checkpoint (the engine's and each rank's expert-slice file), step 2 -> Q; P == Q bit
-              for bit, slices and their optimizer state included
+              for bit, slices and their optimizer state included. Crafted copies as in checkpoint: slice files
+              that would run code are refused by load_checkpoint and by the expert-slice loader itself, each
+              naming the file
   rollout_lockstep  grpo_step(prompts, rollout=ROLLOUT) with eos ids, two steps: rank 0 [29, 19]-token prompts and
               rank 1 [41] (an idle decode slot), then [19] and [41] (different capture chunks, trained on the kept
               captures; "zero3_weights" "auto" finding room: the weights gathered once, ZeRO-3's hooks off while
@@ -61,6 +68,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
+from crafted_checkpoints import RunsCommand, add_entry, copy_tag, legacy_entry  # noqa: E402
 from deepspeed import comm as dist  # noqa: E402
 from glm_models import VOCAB as GLM_VOCAB  # noqa: E402
 from glm_models import tiny_glm_moe_dsa  # noqa: E402
@@ -135,7 +143,7 @@ def check_same_step(out_dir):
     for group in [make_group(10, 37, [5, 1, 9]), make_group(11, 23, [4, 6])]:
         losses.append(engine.grpo_step(group, GROUP_MEAN).mean_loss)
         reference.zero_grad(set_to_none=True)
-        ref_losses.append(grpo_backward(reference, group, config=block("detached")).loss)
+        ref_losses.append(grpo_backward(reference, group, longstraw=block("detached")).loss)
         ref_opt.step()
     return {"rel": step_error(gathered(engine), reference, before), "losses": losses, "ref_losses": ref_losses,
             "global_steps": engine.global_steps}
@@ -149,7 +157,7 @@ def reference_sgd_step(reference, groups, weights, mode):
     grads, loss = {}, 0.0
     for name, group in groups.items():  # each group's gradient alone, then the weighted sum
         reference.zero_grad(set_to_none=True)
-        loss += weights[name] * grpo_backward(reference, group, config=block(mode)).loss
+        loss += weights[name] * grpo_backward(reference, group, longstraw=block(mode)).loss
         for pname, p in reference.named_parameters():
             # no gradient: a parameter no loss path reaches (GLM's indexer) or an expert no token was routed to
             grad = torch.zeros_like(p) if p.grad is None else p.grad
@@ -246,7 +254,15 @@ def check_ep_checkpoint(out_dir):
     result, engine = resumed_step_2(lambda seed: tiny_glm_moe_dsa(torch.float32, seed=seed, **EP_MODEL), (5, 6),
                                     first, second, os.path.join(out_dir, "ckpt_ep"), ep_size=2)
     files = sorted(f for f in os.listdir(os.path.join(out_dir, "ckpt_ep", "step1")) if f.startswith("experts_"))
-    return dict(result, slices=len(engine.longstraw_experts.params), files=files)
+    crafted = crafted_loads(engine, os.path.join(out_dir, "ckpt_ep"), "ep", files,
+                            "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    try:  # the expert-slice loader alone, on this rank's own crafted file
+        engine.longstraw_experts.load(os.path.join(out_dir, "ep_crafted"), "step1")
+        crafted["slice_loader_refused"] = None
+    except ValueError as error:
+        crafted["slice_loader_refused"] = str(error)
+    crafted["marker"] = os.path.exists(os.path.join(out_dir, "ep_MARKER"))
+    return dict(result, slices=len(engine.longstraw_experts.params), files=files, **crafted)
 
 
 def check_ep_export(out_dir):
@@ -287,6 +303,13 @@ def check_ep_export(out_dir):
                       missing=[n for n in params if n not in exported],
                       max_abs=max(float((exported[n] - p).abs().max()) for n, p in params.items() if n in exported),
                       expert_shape=list(exported[next(iter(slices))].shape))
+        marker = os.path.join(out_dir, "ep_export_MARKER")
+        add_entry(os.path.join(copy_tag(ckpt, "step1", ckpt + "_crafted"), "experts_ep2_rank1.pt"), "extra",
+                  RunsCommand(marker))
+        result["refused"] = [_refusal(lambda trust=trust: export_checkpoint(ckpt + "_crafted", out + "_crafted",
+                                                                            trust_pickle=trust))
+                             for trust in (False, True)]
+        result["marker"] = os.path.exists(marker) or os.path.exists(out + "_crafted")
     dist.barrier()
     return result
 
@@ -319,10 +342,42 @@ def resumed_step_2(build, seeds, first, second, ckpt, ep_size=1):
             "global_steps": [engine.global_steps, resumed.global_steps]}, engine
 
 
+def _refusal(load):
+    """The ValueError's message of load(), or None when it loaded."""
+    try:
+        load()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def crafted_loads(engine, ckpt, name, code_files, legacy_file):
+    """engine.load_checkpoint of two copies of the step-1 checkpoint `ckpt`, crafted by rank 0 (both ranks then read
+    them): <name>_crafted with an entry in each of `code_files` whose unpickling would touch <name>_MARKER, and
+    <name>_legacy with a harmless legacy entry in `legacy_file`. Returns each refusal's message (None: loaded), the
+    trusted legacy load's client state and whether the marker exists."""
+    out_dir = os.path.dirname(ckpt)
+    crafted, legacy = os.path.join(out_dir, f"{name}_crafted"), os.path.join(out_dir, f"{name}_legacy")
+    marker = os.path.join(out_dir, f"{name}_MARKER")
+    if dist.get_rank() == 0:
+        tag_dir = copy_tag(ckpt, "step1", crafted)
+        for victim in code_files:
+            add_entry(os.path.join(tag_dir, victim), "extra", RunsCommand(marker))
+        add_entry(os.path.join(copy_tag(ckpt, "step1", legacy), legacy_file), "extra", legacy_entry())
+    dist.barrier()
+    out = {"refused": _refusal(lambda: engine.load_checkpoint(crafted, tag="step1")),
+           "legacy_refused": _refusal(lambda: engine.load_checkpoint(legacy))}  # tag None: the `latest` file's
+    path, client = engine.load_checkpoint(legacy, tag="step1", trust_pickle=True)
+    out.update(legacy_trusted=path is not None and client.get("step") == 1, marker=os.path.exists(marker))
+    return out
+
+
 def check_checkpoint(out_dir):
     first, second = make_group(30, 33, [4, 3]), make_group(31, 27, [2, 8, 1])
-    return resumed_step_2(lambda seed: tiny_qwen3_5(torch.float32, seed=seed), (3, 4), first, second,
-                          os.path.join(out_dir, "ckpt"))[0]
+    result, engine = resumed_step_2(lambda seed: tiny_qwen3_5(torch.float32, seed=seed), (3, 4), first, second,
+                                    os.path.join(out_dir, "ckpt"))
+    victim = "zero_pp_rank_1_mp_rank_00_model_states.pt"  # rank 0 never loads it, and refuses it all the same
+    return dict(result, **crafted_loads(engine, os.path.join(out_dir, "ckpt"), "zero3", [victim], victim))
 
 
 def check_lora(out_dir):
@@ -367,7 +422,7 @@ def adapter_step(load_base):
     grads = {}
     for each in groups:  # the mean of the two ranks' group gradients
         reference.zero_grad(set_to_none=True)
-        grpo_backward(reference, each, objective, config=block("exact"))
+        grpo_backward(reference, each, objective, longstraw=block("exact"))
         for name, p in reference.named_parameters():
             if p.requires_grad:
                 grads[name] = grads.get(name, 0.0) + 0.5 * p.grad
@@ -406,7 +461,7 @@ def check_zero2(out_dir):
     grads = {}
     for group in groups:
         reference.zero_grad(set_to_none=True)
-        grpo_backward(reference, group, config=block("detached"))
+        grpo_backward(reference, group, longstraw=block("detached"))
         for name, p in reference.named_parameters():
             grads[name] = grads.get(name, 0.0) + 0.5 * p.grad
     for name, p in reference.named_parameters():
@@ -491,7 +546,7 @@ def rollout_steps(model, ep_size, steps, vocab):
             for r, rank_prompts in enumerate(prompts):
                 first = sum(len(q) for q in prompts[:r])
                 for j, group in enumerate(rollout_groups(reference, rank_prompts, ROLLOUT, step=step,
-                                                         first_index=first, config=block("detached"))):
+                                                         first_index=first, longstraw=block("detached"))):
                     groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 0.5 / len(rank_prompts)
             out["ref_responses"].append([[len(x) for x in groups[f"{rank}.{j}"].response_ids]
                                          for j in range(len(prompts[rank]))])

@@ -111,7 +111,7 @@ def reference_step(reference, mode, weights, groups):
     grads, loss = {}, 0.0
     for name, weight in weights.items():
         reference.zero_grad(set_to_none=True)
-        loss += weight * grpo_backward(reference, groups[name], config=block(mode, 1)).loss
+        loss += weight * grpo_backward(reference, groups[name], longstraw=block(mode, 1)).loss
         for pname, p in reference.named_parameters():
             if p.grad is not None:  # none: no loss path reaches it (GLM's indexer), or no token met that expert
                 grads[pname] = grads.get(pname, 0.0) + weight * p.grad
@@ -181,7 +181,7 @@ def check_rollout(out_dir):
         for r, replica_prompts in enumerate(prompts):
             first = sum(len(q) for q in prompts[:r])
             for j, group in enumerate(rollout_groups(reference, replica_prompts, ROLLOUT, step=step,
-                                                     first_index=first, config=block("detached", 1))):
+                                                     first_index=first, longstraw=block("detached", 1))):
                 groups[f"{r}.{j}"], weights[f"{r}.{j}"] = group, 1.0 / (replicas * len(replica_prompts))
                 if r == replica:
                     mine.append(group)

@@ -35,8 +35,8 @@ def results(tmp_path_factory):
 
 def _reference(case):
     model = tiny_qwen3_5()
-    settings, peer = OBJECTIVES[case["objective_case"]]
-    objective = GRPOObjective(**settings)
+    arguments, peer = OBJECTIVES[case["objective_case"]]
+    objective = GRPOObjective(**arguments)
     group = objective_group(model)
     logprob_fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
     with float64_model():

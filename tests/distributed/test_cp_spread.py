@@ -83,7 +83,7 @@ def references():
             model = tiny_glm_moe_dsa()
             with glm_reference():
                 grads, result = grads_of(model, lambda model=model, group=group, objective=objective, case=case:
-                                         grpo_backward(model, group, objective, config=_config(case)))
+                                         grpo_backward(model, group, objective, longstraw=_config(case)))
             out[case["name"]] = (grads, result.loss, result.logprobs)
             continue
         model = tiny_qwen3_5()

@@ -133,7 +133,7 @@ def single_process_retained():
     config = {"prefix_grad": "detached", "capture_chunk": case["chunk"], "page_tokens": case["page"],
               "replay_block": case["block"]}
     with float64_model():
-        return grpo_backward(model, group, GRPOObjective(), config=config).retained_bytes
+        return grpo_backward(model, group, GRPOObjective(), longstraw=config).retained_bytes
 
 
 OUT_DIRS = {}  # world size -> the directory its ranks wrote to (NVMe page files went under <dir>/nvme)
@@ -318,7 +318,7 @@ def test_low_precision_within_twice_single_process_error(world_results):
     with float64_model():
         ref_grads, _ = grads_of(reference, lambda: objective.group_loss(
             group, full_sequence_logprobs(reference, group.prompt_ids, group.response_ids)).backward())
-        single, _ = grads_of(low, lambda: grpo_backward(low, group, objective, config=config))
+        single, _ = grads_of(low, lambda: grpo_backward(low, group, objective, longstraw=config))
     single_error = relative_l2({n: g.double() for n, g in single.items()}, ref_grads)
     for result in results[case["name"]]:
         error = relative_l2({n: g.double() for n, g in result["grads"].items()}, ref_grads)

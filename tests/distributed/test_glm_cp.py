@@ -404,17 +404,17 @@ def test_tiered_pages_leave_no_files(world_results):
 
 
 # -- at the door --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("settings,match", [
+@pytest.mark.parametrize("longstraw,match", [
     ({"cp_attention": "ulysses"}, r"'longstraw.cp_attention' = 'ulysses': under 'longstraw.cp_size' = 2, "
                                   r"layers \[0, 1, 2, 3\] attend a global top-k selection"),
     ({"prefix_grad": "exact", "prefix_keep_attention": True}, r"'longstraw.prefix_keep_attention' = True"),
 ], ids=["ulysses", "keep-attention"])
-def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(settings, match):
+def test_what_context_parallelism_does_not_run_for_glm_is_refused_at_the_door(longstraw, match):
     """Refused before any work (check_topology, which build_topology runs first), naming the setting.
     (ZeRO-3 lockstep runs: tests/launcher/test_engine_cp.py, checks glm3 and glm3exact.)"""
     adapter = adapter_for(tiny_glm_moe_dsa())
     with pytest.raises(ValueError, match=match):
-        check_topology(adapter, parse_config({"cp_size": 2, **settings}), 2)
+        check_topology(adapter, parse_config({"cp_size": 2, **longstraw}), 2)
 
 
 # -- the page-wise math against its plain references (single process) --------------------------------------------

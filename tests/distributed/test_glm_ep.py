@@ -143,13 +143,13 @@ def test_ep_settings_are_checked_at_the_door():
     model = tiny_glm_moe_dsa(**EP_MODEL)
     group = GRPOGroup(torch.arange(12) % 90, [torch.arange(3)], advantages=[1.0])
     with pytest.raises(ValueError, match="'longstraw.ep_size' = 2 needs ep_group"):
-        grpo_backward(model, group, config={"ep_size": 2})
+        grpo_backward(model, group, longstraw={"ep_size": 2})
     with pytest.raises(ValueError, match="experts are whole"):
-        grpo_backward(model, group, config={"ep_size": 2}, ep_group=object())
+        grpo_backward(model, group, longstraw={"ep_size": 2}, ep_group=object())
     with pytest.raises(ValueError, match="ep_group was given"):
         grpo_backward(model, group, ep_group=object())
     with pytest.raises(ValueError, match="'longstraw.ep_size' = 2 with 'cp_size' = 4"):
-        grpo_backward(model, group, config={"ep_size": 2, "cp_size": 4})
+        grpo_backward(model, group, longstraw={"ep_size": 2, "cp_size": 4})
 
 
 @pytest.mark.slow

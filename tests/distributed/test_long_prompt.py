@@ -111,7 +111,7 @@ def test_one_rank_matches_full_sequence(setup, monkeypatch):
     backward = attention_module._backward
     monkeypatch.setattr(attention_module, "_backward", lambda q, k, *rest: key_counts.append(k.shape[1])
                         or backward(q, k, *rest))
-    grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=CONFIG))
+    grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=CONFIG))
     assert KEY_BLOCK in key_counts, "no full key block went through the backward: the test lost its coverage"
     _check("one rank", grads, result.loss, result.logprobs, reference, exact)
 
@@ -129,8 +129,8 @@ def test_harness_context_changes_nothing_in_float32():
     model = tiny_qwen3_5(dtype=torch.float32, **MODEL)
     group = make_group(300, [3, 2], seed=SEED)
     config = dict(CONFIG, capture_chunk=70, page_tokens=50)
-    plain, plain_result = grads_of(model, lambda: grpo_backward(model, group, config=config))
+    plain, plain_result = grads_of(model, lambda: grpo_backward(model, group, longstraw=config))
     with float64_model():
-        wrapped, wrapped_result = grads_of(model, lambda: grpo_backward(model, group, config=config))
+        wrapped, wrapped_result = grads_of(model, lambda: grpo_backward(model, group, longstraw=config))
     assert all(torch.equal(plain[n], wrapped[n]) for n in plain)
     assert plain_result.loss == wrapped_result.loss

@@ -77,7 +77,7 @@ def _transformers_greedy(model, prompt, max_new, eos=None):
 def test_greedy_matches_transformers_generate(models, family):
     model, prompt = models[family], _prompt(family)
     with FAMILIES[family]["reference"]():
-        ours = generate(model, prompt, 2, 12, temperature=0, config=FAMILIES[family]["config"])
+        ours = generate(model, prompt, 2, 12, temperature=0, longstraw=FAMILIES[family]["config"])
         want = _transformers_greedy(model, prompt, 12)
     assert ours.size == 2
     for ids in ours.response_ids:  # greedy: every sample is the same
@@ -91,11 +91,11 @@ def test_eos_stops_a_sample_like_transformers(models, family):
     """eos = the 5th greedy token (not among the first 4): both decoders stop right after it."""
     model, prompt = models[family], _prompt(family, seed=2)
     with FAMILIES[family]["reference"]():
-        free = generate(model, prompt, 1, 10, temperature=0, config=FAMILIES[family]["config"]).response_ids[0]
+        free = generate(model, prompt, 1, 10, temperature=0, longstraw=FAMILIES[family]["config"]).response_ids[0]
         position = next(i for i in range(4, 10) if int(free[i]) not in free[:i].tolist())
         eos = int(free[position])
         ours = generate(model, prompt, 1, 10, temperature=0, eos_token_id=[96, eos],
-                        config=FAMILIES[family]["config"])
+                        longstraw=FAMILIES[family]["config"])
         want = _transformers_greedy(model, prompt, 10, eos=eos)
     assert torch.equal(ours.response_ids[0], free[: position + 1])
     assert torch.equal(ours.response_ids[0], want[: position + 1]) and (want[position + 1:] == 0).all()
@@ -110,9 +110,9 @@ def test_sampled_logprobs_equal_full_sequence(models, family, temperature, top_p
     model, prompt = models[family], _prompt(family)
     with FAMILIES[family]["reference"]():
         result = generate(model, prompt, 3, 7, temperature=temperature, top_p=top_p, seed=5,
-                          config=FAMILIES[family]["config"])
+                          longstraw=FAMILIES[family]["config"])
         one_token = generate(model, prompt, 1, 1, temperature=temperature, top_p=top_p, seed=5,
-                             config=FAMILIES[family]["config"])
+                             longstraw=FAMILIES[family]["config"])
     assert [ids.numel() for ids in result.response_ids] == [7, 7, 7]
     _assert_logprobs(model, family, prompt, result)
     _assert_logprobs(model, family, prompt, one_token)
@@ -134,8 +134,8 @@ def test_batched_decode_equals_one_sample_at_a_time(models, family, sampling, ti
     config = dict(FAMILIES[family]["config"], offload={"tier": tier})
     assert hasattr(rollout.adapter_for(model), "decode_step")
     with FAMILIES[family]["reference"]():
-        batched = generate(model, prompt, 5, 8, config=config, **sampling)
-        each = generate(model, prompt, 5, 8, config=config, batched=False, **sampling)
+        batched = generate(model, prompt, 5, 8, longstraw=config, **sampling)
+        each = generate(model, prompt, 5, 8, longstraw=config, batched=False, **sampling)
     assert batched.finished == each.finished
     if "eos_token_id" in sampling:
         assert len({ids.numel() for ids in each.response_ids}) > 1  # samples left the batch at different steps
@@ -151,8 +151,8 @@ def test_top_p_keeps_the_nucleus():
     sample then equals greedy decoding."""
     model, prompt = tiny_qwen3_5(), _prompt("qwen3_5")
     with float64_model():
-        nucleus = generate(model, prompt, 2, 6, top_p=1e-6, seed=3, config=FAMILIES["qwen3_5"]["config"])
-        greedy = generate(model, prompt, 1, 6, temperature=0, config=FAMILIES["qwen3_5"]["config"])
+        nucleus = generate(model, prompt, 2, 6, top_p=1e-6, seed=3, longstraw=FAMILIES["qwen3_5"]["config"])
+        greedy = generate(model, prompt, 1, 6, temperature=0, longstraw=FAMILIES["qwen3_5"]["config"])
     for ids in nucleus.response_ids:
         assert torch.equal(ids, greedy.response_ids[0])
 
@@ -174,11 +174,11 @@ def test_seed_reproduces_the_samples(models):
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     config = FAMILIES["qwen3_5"]["config"]
     with float64_model():
-        first = generate(model, prompt, 3, 6, seed=7, config=config)
-        again = generate(model, prompt, 3, 6, seed=7, config=config)
-        other = generate(model, prompt, 3, 6, seed=8, config=config)
-        drawn = generate(model, prompt, 2, 6, config=config)
-        redrawn = generate(model, prompt, 2, 6, seed=drawn.seed, config=config)
+        first = generate(model, prompt, 3, 6, seed=7, longstraw=config)
+        again = generate(model, prompt, 3, 6, seed=7, longstraw=config)
+        other = generate(model, prompt, 3, 6, seed=8, longstraw=config)
+        drawn = generate(model, prompt, 2, 6, longstraw=config)
+        redrawn = generate(model, prompt, 2, 6, seed=drawn.seed, longstraw=config)
     assert first.seed == 7
     for a, b in zip(first.response_ids, again.response_ids, strict=True):
         assert torch.equal(a, b)
@@ -193,7 +193,7 @@ def test_sampled_eos_ends_each_sample(models):
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     eos = list(range(0, 97, 4))  # a quarter of the vocabulary: most samples end within a few tokens
     with float64_model():
-        result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, config=FAMILIES["qwen3_5"]["config"])
+        result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, longstraw=FAMILIES["qwen3_5"]["config"])
     assert any(result.finished)
     for ids, ended, logps in zip(result.response_ids, result.finished, result.logprobs, strict=True):
         inside = [int(t) in eos for t in ids[:-1]]
@@ -209,8 +209,8 @@ def test_host_tier_equals_device_tier(models, family):
     model, prompt = models[family], _prompt(family)
     config = FAMILIES[family]["config"]
     with FAMILIES[family]["reference"]():
-        device = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=config)
-        host = generate(model, prompt, 2, 6, temperature=0.9, seed=4, config=dict(config, offload={"tier": "cpu"}))
+        device = generate(model, prompt, 2, 6, temperature=0.9, seed=4, longstraw=config)
+        host = generate(model, prompt, 2, 6, temperature=0.9, seed=4, longstraw=dict(config, offload={"tier": "cpu"}))
     for a, b in zip(device.response_ids, host.response_ids, strict=True):
         assert torch.equal(a, b)
     for a, b in zip(device.logprobs, host.logprobs, strict=True):
@@ -223,10 +223,10 @@ def test_group_trains_on_the_samples(models):
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     config = FAMILIES["qwen3_5"]["config"]
     with float64_model():
-        result = generate(model, prompt, 3, 5, seed=2, config=config)
+        result = generate(model, prompt, 3, 5, seed=2, longstraw=config)
         group = result.group([1.0, 0.0, 0.5])
         model.zero_grad(set_to_none=True)
-        trained = grpo_backward(model, group, GRPOObjective(), config=config)
+        trained = grpo_backward(model, group, GRPOObjective(), longstraw=config)
         model.zero_grad(set_to_none=True)
     assert isinstance(result, Rollouts) and group.size == 3
     assert torch.equal(group.prompt_ids, prompt)
@@ -245,9 +245,9 @@ def test_training_config_and_peft_policy(models):
     policy = peft.get_peft_model(tiny_qwen3_5(), peft.LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv"]))
     exact = dict(FAMILIES["qwen3_5"]["config"], prefix_grad="exact", prefix_keep_attention=True, prefix_block=2)
     with float64_model():
-        plain = generate(model, prompt, 2, 5, seed=9, config=FAMILIES["qwen3_5"]["config"])
-        trained = generate(model, prompt, 2, 5, seed=9, config=exact)
-        lora = generate(policy, prompt, 2, 5, seed=9, config=FAMILIES["qwen3_5"]["config"])
+        plain = generate(model, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["config"])
+        trained = generate(model, prompt, 2, 5, seed=9, longstraw=exact)
+        lora = generate(policy, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["config"])
     for other in (trained, lora):
         for a, b in zip(plain.response_ids, other.response_ids, strict=True):
             assert torch.equal(a, b)
@@ -384,7 +384,7 @@ def generate_peak(prompt_tokens, samples, new_tokens):
     before = host_current_bytes()
     reset_host_peak()
     start = time.perf_counter()
-    result = generate(model, prompt, samples, new_tokens, seed=0, config={"capture_chunk": 1024, "page_tokens": 256})
+    result = generate(model, prompt, samples, new_tokens, seed=0, longstraw={"capture_chunk": 1024, "page_tokens": 256})
     seconds = time.perf_counter() - start
     # generate's PhaseMeter resets VmHWM at each phase start: the call's peak is the largest phase's
     peak = max([host_peak_bytes()] + [stats.peak_bytes for stats in result.phases.values()])
@@ -486,17 +486,17 @@ def test_training_reuses_the_capture(models, family, mode, tier, tmp_path, monke
     config = _reuse_config(mode, tier, tmp_path, monkeypatch, family)
     with FAMILIES[family]["reference"]():
         calls = _counted_captures(monkeypatch)
-        rollouts = generate(model, prompt, 3, 5, seed=2, config=config, keep_capture=True)
+        rollouts = generate(model, prompt, 3, 5, seed=2, longstraw=config, keep_capture=True)
         assert rollouts.capture is not None and len(calls) == 1
         rollouts_group = rollouts.group([1.0, 0.0, 0.5])
-        grads, result = grads_of(model, lambda: grpo_backward(model, rollouts_group, GRPOObjective(), config=config,
+        grads, result = grads_of(model, lambda: grpo_backward(model, rollouts_group, GRPOObjective(), longstraw=config,
                                                               capture=rollouts))
         assert len(calls) == 1 and rollouts.capture is None  # taken: no second capture
         assert result.extras["capture_reused"] and "capture" not in result.phases
         if tier != "none":
             assert list(tmp_path.iterdir()) == []  # released with the transaction
         want_grads, want = grads_of(model, lambda: grpo_backward(model, rollouts_group, GRPOObjective(),
-                                                                 config=config))
+                                                                 longstraw=config))
         assert len(calls) == 2 and not want.extras["capture_reused"]
         model.zero_grad(set_to_none=True)
     assert relative_l2(grads, want_grads) <= REUSE_TOL
@@ -515,7 +515,7 @@ def test_reuse_is_refused_when_it_does_not_fit(models, tmp_path, monkeypatch):
     other = tiny_qwen3_5()
     with float64_model():
         def kept():
-            return generate(model, prompt, 2, 3, seed=1, config=config, keep_capture=True)
+            return generate(model, prompt, 2, 3, seed=1, longstraw=config, keep_capture=True)
 
         rollouts = kept()
         group = rollouts.group([1.0, 0.0])
@@ -525,36 +525,36 @@ def test_reuse_is_refused_when_it_does_not_fit(models, tmp_path, monkeypatch):
         optimizer.step()  # lr 0: the values stay, the step happened all the same
         model.zero_grad(set_to_none=True)
         with pytest.raises(ValueError, match="weights changed"):
-            grpo_backward(model, group, config=config, capture=rollouts)
+            grpo_backward(model, group, longstraw=config, capture=rollouts)
         assert rollouts.capture is None
         with pytest.raises(ValueError, match="no kept capture"):
-            grpo_backward(model, group, config=config, capture=rollouts)
+            grpo_backward(model, group, longstraw=config, capture=rollouts)
         rollouts = kept()
         with pytest.raises(ValueError, match="prompt"):
-            grpo_backward(model, rollouts_with_prompt(rollouts, prompt.flip(0)), config=config, capture=rollouts)
+            grpo_backward(model, rollouts_with_prompt(rollouts, prompt.flip(0)), longstraw=config, capture=rollouts)
         rollouts = kept()
         with pytest.raises(ValueError, match="page_tokens"):
-            grpo_backward(model, rollouts.group([1.0, 0.0]), config=dict(config, page_tokens=5), capture=rollouts)
+            grpo_backward(model, rollouts.group([1.0, 0.0]), longstraw=dict(config, page_tokens=5), capture=rollouts)
         rollouts = kept()
         with pytest.raises(ValueError, match="another model"):
-            grpo_backward(other, rollouts.group([1.0, 0.0]), config=config, capture=rollouts)
+            grpo_backward(other, rollouts.group([1.0, 0.0]), longstraw=config, capture=rollouts)
         rollouts = kept()
         exact = dict(config, prefix_grad="exact")
         with pytest.raises(ValueError, match="prefix_grad"):
-            grpo_backward(model, rollouts.group([1.0, 0.0]), config=exact, capture=rollouts)
+            grpo_backward(model, rollouts.group([1.0, 0.0]), longstraw=exact, capture=rollouts)
         # a transaction padding its capture (a lockstep's) takes only a capture padded alike under a decode lockstep
         rollouts = kept()
         group = rollouts.group([1.0, 0.0])
-        settings = parse_config(config)
-        local = calls_of(group, settings)
-        padded = Lockstep(local, GroupCalls(local.chunks + 1, local.blocks), settings)
+        longstraw = parse_config(config)
+        local = calls_of(group, longstraw)
+        padded = Lockstep(local, GroupCalls(local.chunks + 1, local.blocks), longstraw)
         refusal = rf"padded to {local.chunks + 1} chunks .* kept capture was padded to None"
         with pytest.raises(ValueError, match=refusal):
-            grpo_backward(model, group, config=config, capture=rollouts, lockstep=padded)
+            grpo_backward(model, group, longstraw=config, capture=rollouts, lockstep=padded)
         assert rollouts.capture is None
         # replay-only keys may differ
         rollouts = kept()
-        result = grpo_backward(model, rollouts.group([1.0, 0.0]), config=dict(config, replay_block=2),
+        result = grpo_backward(model, rollouts.group([1.0, 0.0]), longstraw=dict(config, replay_block=2),
                                capture=rollouts)
         assert result.extras["capture_reused"]
         with kept() as unused:

@@ -82,7 +82,7 @@ def test_masked_transaction_matches_reference(model, ref_model, tmp_path, case, 
     with float64_model():
         ref_grads, (ref_loss, ref_logps) = _reference(model, group, objective_kwargs, reference_fn, reference)
         grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(**objective_kwargs),
-                                                              config=config, ref_model=reference))
+                                                              longstraw=config, ref_model=reference))
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     # every response token's log-prob comes back, the masked-out ones too
@@ -112,7 +112,7 @@ def test_old_logprobs_outside_the_mask_are_ignored(model, mode):
     reference_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
     with float64_model():
         ref_grads, (ref_loss, _) = _reference(model, group, kwargs, reference_fn)
-        grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(**kwargs), config={
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(**kwargs), longstraw={
             "prefix_grad": mode, "capture_chunk": 6, "page_tokens": 4, "replay_block": 3}))
     assert all(torch.isfinite(g).all() for g in grads.values())
     assert relative_l2(grads, ref_grads) <= TOL
@@ -128,7 +128,7 @@ def test_nothing_trained_gives_zero_loss_and_zero_gradients(model, mode, agg):
     config = {"prefix_grad": mode, "capture_chunk": 5, "page_tokens": 4, "replay_block": 2}
     with float64_model():
         grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(loss_agg=agg),
-                                                              config=config))
+                                                              longstraw=config))
     assert result.loss == 0.0
     assert grads, "no backward ran"
     assert all(torch.count_nonzero(g) == 0 for g in grads.values())
@@ -143,9 +143,9 @@ def test_all_true_masks_equal_no_masks(model):
     for agg in ("token-mean", "seq-mean-token-mean"):
         with float64_model():
             with_masks, a = grads_of(model, lambda agg=agg: grpo_backward(model, masked, GRPOObjective(loss_agg=agg),
-                                                                  config=config))
+                                                                  longstraw=config))
             without, b = grads_of(model, lambda agg=agg: grpo_backward(model, plain, GRPOObjective(loss_agg=agg),
-                                                               config=config))
+                                                               longstraw=config))
         assert relative_l2(with_masks, without) <= 1e-12  # the same float64 operations on the same values
         assert a.loss == pytest.approx(b.loss, rel=1e-12)
 

@@ -33,7 +33,7 @@ def _group(seed, prompt_len, response_lens):
                      rewards=torch.rand(len(response_lens), generator=gen).tolist())
 
 
-def _trace(model, group, lockstep, settings, objective, ref_model):
+def _trace(model, group, lockstep, longstraw, objective, ref_model):
     """Sequence of ("F"|"B", module) for modules owning parameters, and "backward" for each back-propagation."""
     events, hooks = [], []
     for name, module in model.named_modules():
@@ -50,7 +50,7 @@ def _trace(model, group, lockstep, settings, objective, ref_model):
         loss.backward()
 
     try:
-        grpo_backward(model, group, objective, config=settings, ref_model=ref_model, backward=backward,
+        grpo_backward(model, group, objective, longstraw=longstraw, ref_model=ref_model, backward=backward,
                       lockstep=lockstep)
     finally:
         for hook in hooks:
@@ -61,36 +61,36 @@ def _trace(model, group, lockstep, settings, objective, ref_model):
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 @pytest.mark.parametrize("kl", [0.0, 0.1], ids=["no-kl", "kl"])
 def test_padded_groups_make_the_same_module_calls(mode, kl):
-    settings = parse_config({**BLOCK, "prefix_grad": mode})
+    longstraw = parse_config({**BLOCK, "prefix_grad": mode})
     model = tiny_qwen3_5(torch.float32, seed=0)
     ref_model = copy.deepcopy(model) if kl > 0 else None
     objective = GRPOObjective(kl_coef=kl)
     a, b = _group(1, 20, [4, 1, 7]), _group(2, 11, [5, 3])  # 3 vs 2 chunks; blocks [2, 1, 3] vs [2, 1]
     dummy = dummy_group()
-    common = most_calls([calls_of(a, settings), calls_of(b, settings)])
+    common = most_calls([calls_of(a, longstraw), calls_of(b, longstraw)])
     assert common == GroupCalls(chunks=3, blocks=(2, 1, 3))
-    traces = [_trace(model, g, Lockstep(calls_of(g, settings), common, settings), settings, objective, ref_model)
+    traces = [_trace(model, g, Lockstep(calls_of(g, longstraw), common, longstraw), longstraw, objective, ref_model)
               for g in (a, b, dummy)]
     assert traces[0] == traces[1] == traces[2]
     assert traces[0].count("backward") == 3 + (3 if mode == "exact" else 0)
     # and without padding they differ (the check has teeth)
-    assert _trace(model, b, None, settings, objective, ref_model) != traces[1]
+    assert _trace(model, b, None, longstraw, objective, ref_model) != traces[1]
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_padding_leaves_results_unchanged(mode):
-    settings = parse_config({**BLOCK, "prefix_grad": mode})
+    longstraw = parse_config({**BLOCK, "prefix_grad": mode})
     model = tiny_qwen3_5(torch.float64, seed=3)
     group = _group(4, 13, [2, 5])
     objective = GRPOObjective(kl_coef=0.05)
     ref_model = tiny_qwen3_5(torch.float64, seed=4)
     common = GroupCalls(chunks=4, blocks=(3, 2, 2, 1))
     with float64_model():
-        plain_grads, plain = grads_of(model, lambda: grpo_backward(model, group, objective, config=settings,
+        plain_grads, plain = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=longstraw,
                                                                    ref_model=ref_model))
         padded_grads, padded = grads_of(model, lambda: grpo_backward(
-            model, group, objective, config=settings, ref_model=ref_model,
-            lockstep=Lockstep(calls_of(group, settings), common, settings)))
+            model, group, objective, longstraw=longstraw, ref_model=ref_model,
+            lockstep=Lockstep(calls_of(group, longstraw), common, longstraw)))
     assert relative_l2(padded_grads, plain_grads) < 1e-12
     assert padded.loss == pytest.approx(plain.loss, rel=1e-12)
     for x, y in zip(padded.logprobs + padded.ref_logprobs, plain.logprobs + plain.ref_logprobs, strict=True):
@@ -98,9 +98,9 @@ def test_padding_leaves_results_unchanged(mode):
 
 
 def test_shapes_and_bad_lockstep():
-    settings = parse_config(BLOCK)
-    assert calls_of(_group(0, 9, [3, 4]), settings) == GroupCalls(1, (1, 2))
-    assert calls_of(_group(0, 10, [3, 4]), settings) == GroupCalls(2, (1, 2))
+    longstraw = parse_config(BLOCK)
+    assert calls_of(_group(0, 9, [3, 4]), longstraw) == GroupCalls(1, (1, 2))
+    assert calls_of(_group(0, 10, [3, 4]), longstraw) == GroupCalls(2, (1, 2))
     assert most_calls([GroupCalls(1, (2,)), GroupCalls(3, (1, 1, 4))]) == GroupCalls(3, (2, 1, 4))
     with pytest.raises(ValueError, match="exceeds"):
-        Lockstep(GroupCalls(2, (1,)), GroupCalls(1, (1,)), settings)
+        Lockstep(GroupCalls(2, (1,)), GroupCalls(1, (1,)), longstraw)

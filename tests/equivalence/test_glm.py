@@ -56,9 +56,9 @@ def _group(prompt_len, response_lens, seed=0):
     return GRPOGroup(prompt, responses, rewards=torch.rand(len(responses), generator=gen).tolist())
 
 
-def _run(model, group, objective, mode, settings, **kwargs):
-    config = {"prefix_grad": mode, **settings}
-    return grads_of(model, lambda: grpo_backward(model, group, objective, config=config, **kwargs))
+def _run(model, group, objective, mode, longstraw, **kwargs):
+    config = {"prefix_grad": mode, **longstraw}
+    return grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, **kwargs))
 
 
 def _reference(model, group, objective, mode, ref_model=None):
@@ -66,11 +66,11 @@ def _reference(model, group, objective, mode, ref_model=None):
     return reference_step(model, group, objective.group_loss, logprob_fn, ref_model if objective.kl_coef > 0 else None)
 
 
-def _assert_matches(model, group, objective, mode, settings, ref_model=None, **kwargs):
+def _assert_matches(model, group, objective, mode, longstraw, ref_model=None, **kwargs):
     """Run both sides under glm_reference() and compare gradients, loss, log-probs (and reference log-probs)."""
     with glm_reference():
         ref_grads, (ref_loss, ref_logps, ref_ref) = _reference(model, group, objective, mode, ref_model)
-        grads, result = _run(model, group, objective, mode, settings, ref_model=ref_model, **kwargs)
+        grads, result = _run(model, group, objective, mode, longstraw, ref_model=ref_model, **kwargs)
     error = relative_l2(grads, ref_grads)
     assert error <= TOL, error
     assert set(grads) == set(ref_grads)
@@ -107,8 +107,8 @@ def test_tiny_model_exercises_every_part(model):
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_matches_transformers(model, case, mode):
-    prompt_len, response_lens, settings, objective_kwargs = CASES[case]
-    _assert_matches(model, _group(prompt_len, response_lens), GRPOObjective(**objective_kwargs), mode, settings)
+    prompt_len, response_lens, longstraw, objective_kwargs = CASES[case]
+    _assert_matches(model, _group(prompt_len, response_lens), GRPOObjective(**objective_kwargs), mode, longstraw)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
@@ -139,19 +139,19 @@ def _tier(tier, path, monkeypatch):
 @pytest.mark.parametrize("mode,tier", [("exact", "cpu"), ("detached", "nvme-buffered"), ("exact", "nvme-aio")])
 def test_tiers(model, tmp_path, monkeypatch, mode, tier):
     """Pages (latent, rope key, indexer key) and exact mode's gradient pages on the host or in NVMe files."""
-    settings = {"capture_chunk": 12, "page_tokens": 5, "replay_block": 3,
+    longstraw = {"capture_chunk": 12, "page_tokens": 5, "replay_block": 3,
                 "offload": _tier(tier, tmp_path, monkeypatch)}
-    _assert_matches(model, _group(43, [3, 5], seed=4), GRPOObjective(), mode, settings)
+    _assert_matches(model, _group(43, [3, 5], seed=4), GRPOObjective(), mode, longstraw)
     assert list(tmp_path.iterdir()) == []  # page files are removed
 
 
 def test_exact_differs_from_detached(model):
     """The two modes must be distinguishable, or the tests above could not tell them apart."""
     group = _group(42, [5, 3])
-    settings = {"capture_chunk": 10, "page_tokens": 4, "replay_block": 4}
+    longstraw = {"capture_chunk": 10, "page_tokens": 4, "replay_block": 4}
     with glm_reference():
-        detached, _ = _run(model, group, GRPOObjective(), "detached", settings)
-        exact, _ = _run(model, group, GRPOObjective(), "exact", settings)
+        detached, _ = _run(model, group, GRPOObjective(), "detached", longstraw)
+        exact, _ = _run(model, group, GRPOObjective(), "exact", longstraw)
     assert relative_l2(detached, exact) > 1e-3
 
 
@@ -216,7 +216,7 @@ def test_zero_score_ties_select_alike_in_capture_replay_and_reference(monkeypatc
     full indexer layer, and the gradients match."""
     model = tiny_glm_moe_dsa(index_n_heads=1, seed=1)
     group = _group(50, [6, 4], seed=1)
-    settings = {"capture_chunk": 9, "page_tokens": 4, "replay_block": 3}
+    longstraw = {"capture_chunk": 9, "page_tokens": 4, "replay_block": 3}
     length = group.prompt_ids.numel() - 1
 
     seen = []  # (phase, layer, first position, positions, valid) of every full indexer layer's selection
@@ -230,7 +230,7 @@ def test_zero_score_ties_select_alike_in_capture_replay_and_reference(monkeypatc
         return result
 
     monkeypatch.setattr(GlmMoeDsaAdapter, "attention_forward", recording)
-    _assert_matches(model, group, GRPOObjective(), mode, settings)
+    _assert_matches(model, group, GRPOObjective(), mode, longstraw)
 
     references = []
     for response in group.response_ids:

@@ -86,10 +86,10 @@ def test_captured_spans_equal_the_reference_and_the_whole_replay(qwen, stepped, 
     with float64_model():
         ref_grads, (ref_loss, ref_logps, _) = reference_step(model, group, loss_fn, logprob_fn, reference)
         whole, whole_result = grads_of(model, lambda: grpo_backward(
-            model, group, GRPOObjective(**kwargs), config=_config(mode, block, tier, None), ref_model=reference))
+            model, group, GRPOObjective(**kwargs), longstraw=_config(mode, block, tier, None), ref_model=reference))
         assert stepped == []
         grads, result = grads_of(model, lambda: grpo_backward(
-            model, group, GRPOObjective(**kwargs), config=_config(mode, block, tier, THRESHOLD),
+            model, group, GRPOObjective(**kwargs), longstraw=_config(mode, block, tier, THRESHOLD),
             ref_model=reference))
     assert len(stepped) == expected
     assert relative_l2(grads, ref_grads) <= TOL
@@ -126,7 +126,7 @@ def test_glm_captured_spans_equal_the_reference(stepped, mode):
     with glm_reference():
         ref_grads, (ref_loss, _, _) = reference_step(model, group, loss_fn, logprob_fn)
         grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(),
-                                                              config=_config(mode, 5, None, THRESHOLD)))
+                                                              longstraw=_config(mode, 5, None, THRESHOLD)))
     assert len(stepped) == 1
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)

@@ -40,8 +40,8 @@ def glm_models():
 def _assert_case(model, ref_model, case, mode, context):
     """grpo_backward with CASES[case]'s settings on objective_group's group == the peer's loss on the reference
     log-probs (and entropies) of the model under `context` (float64_model or glm_reference); returns the gradients."""
-    settings, peer = CASES[case]
-    objective = GRPOObjective(**settings)
+    arguments, peer = CASES[case]
+    objective = GRPOObjective(**arguments)
     group = objective_group(model, context=context)
     logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
     config = {"prefix_grad": mode, "capture_chunk": 6, "page_tokens": 4, "replay_block": 4}
@@ -57,7 +57,7 @@ def _assert_case(model, ref_model, case, mode, context):
             return float(loss.detach())
 
         ref_grads, ref_loss = grads_of(model, reference)
-        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=config,
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config,
                                                               ref_model=ref_model))
     error = relative_l2(grads, ref_grads)
     assert error <= TOL, error
@@ -99,6 +99,6 @@ def test_group_of_one_as_verl(models):
             loss.backward()
 
         ref_grads, _ = grads_of(model, reference)
-        grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, config=config))
+        grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config))
     assert max(float(g.abs().max()) for g in ref_grads.values()) > 0
     assert relative_l2(grads, ref_grads) <= TOL

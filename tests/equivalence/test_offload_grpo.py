@@ -42,7 +42,7 @@ def _run(model, mode, offload, objective=None):
     config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"), **SETTINGS,
               "offload": offload}
     with float64_model():
-        return grads_of(model, lambda: grpo_backward(model, _group(), objective, config=config))
+        return grads_of(model, lambda: grpo_backward(model, _group(), objective, longstraw=config))
 
 
 def _reference(model, mode):
@@ -115,7 +115,7 @@ def test_prefix_pass_error_leaves_no_read_in_flight(model, tmp_path, monkeypatch
     config = {"prefix_grad": "exact", "prefix_keep_attention": True, **SETTINGS,
               "offload": _offload("kept-on-nvme", tmp_path, monkeypatch)}
     with float64_model(), pytest.raises(RuntimeError, match="segment 2 failed"):
-        grpo_backward(model, _group(), GRPOObjective(), config=config, backward=backward)
+        grpo_backward(model, _group(), GRPOObjective(), longstraw=config, backward=backward)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -163,9 +163,9 @@ def test_gdn_checkpoints_live_on_the_pages_tier(model, tier, tmp_path, monkeypat
     prompt = _group().prompt_ids
 
     def capture(offload):
-        settings = parse_config({"prefix_grad": "exact", **SETTINGS, "offload": offload})
+        longstraw = parse_config({"prefix_grad": "exact", **SETTINGS, "offload": offload})
         with float64_model(), torch.no_grad():
-            return capture_prefix(adapter, prompt, settings, exact=True)
+            return capture_prefix(adapter, prompt, longstraw, "exact")
 
     on_device = capture({"tier": "none"})
     on_tier = capture(_offload(tier, tmp_path, monkeypatch))

@@ -114,9 +114,9 @@ def test_four_bit_policy_gradients_equal_full_sequence_autograd(checkpoint):
     group, objective = _group(), GRPOObjective(kl_coef=0.1)
     with float64_model(), float64_four_bit():
         ours, result = grads_of(policy, lambda: grpo_backward(policy, group, objective,
-                                                              config={**CONFIG, "prefix_grad": "exact"}))
+                                                              longstraw={**CONFIG, "prefix_grad": "exact"}))
         detached, _ = grads_of(policy, lambda: grpo_backward(policy, group, objective,
-                                                             config={**CONFIG, "prefix_grad": "detached"}))
+                                                             longstraw={**CONFIG, "prefix_grad": "detached"}))
 
         def reference_loss():
             with torch.no_grad(), twin.disable_adapter():
@@ -142,7 +142,7 @@ def test_bitsandbytes_float32_kernels_match_to_float32_rounding(checkpoint):
     twin = _dequantized_twin(policy, checkpoint)
     group, objective = _group(), GRPOObjective(kl_coef=0.1)
     ours, _ = grads_of(policy, lambda: grpo_backward(policy, group, objective,
-                                                     config={**CONFIG, "prefix_grad": "exact"}))
+                                                     longstraw={**CONFIG, "prefix_grad": "exact"}))
     with float64_model():
         def reference_loss():
             with torch.no_grad(), twin.disable_adapter():

@@ -43,7 +43,7 @@ def _group(prompt_len, response_lens, seed=0, **extra):
 
 def _run(model, group, objective, mode, chunk, page, block, **kwargs):
     config = {"prefix_grad": mode, "capture_chunk": chunk, "page_tokens": page, "replay_block": block}
-    return grads_of(model, lambda: grpo_backward(model, group, objective, config=config, **kwargs))
+    return grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, **kwargs))
 
 
 def _reference(model, group, objective, logprob_fn, ref_model=None):
@@ -124,7 +124,7 @@ def test_gradients_accumulate_into_existing_grad(model):
     group = _group(18, [3, 4])
     with float64_model():
         once, _ = _run(model, group, GRPOObjective(), "exact", 5, 4, 4)
-        grpo_backward(model, group, GRPOObjective(), config={"prefix_grad": "exact", "capture_chunk": 5})
+        grpo_backward(model, group, GRPOObjective(), longstraw={"prefix_grad": "exact", "capture_chunk": 5})
     twice = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert relative_l2(twice, {n: 2 * g for n, g in once.items()}) <= TOL
 
@@ -179,9 +179,9 @@ def test_prefix_block_splits_the_prefix_pass(model, recompute):
               "prefix_recompute": recompute}
     with float64_model():
         ref_grads, (ref_loss, _) = _reference(model, group, objective, full_sequence_logprobs)
-        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config=config))
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config))
         _, whole_chunks = grads_of(model, lambda: grpo_backward(
-            model, group, objective, config=dict(config, prefix_block=None)))
+            model, group, objective, longstraw=dict(config, prefix_block=None)))
     assert relative_l2(grads, ref_grads) <= TOL
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
     # 29 captured tokens: segments start at 0, 5, ..., 25 (6 segments; the first starts from zeros, no checkpoint)
@@ -212,7 +212,7 @@ def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypat
 
     def run(**config):
         calls.clear()
-        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, config={**base, **config},
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw={**base, **config},
                                                               ref_model=ref_model))
         return grads, result, len(calls)
 
@@ -262,7 +262,7 @@ def test_prefix_recompute_under_a_callers_backward(lora):
         calls.clear()
         config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4,
                   "replay_block": 3, "prefix_recompute": recompute}
-        grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, config=config, backward=backward))
+        grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, backward=backward))
         return grads, len(calls)
 
     with float64_model():
@@ -279,4 +279,4 @@ def test_prefix_recompute_under_a_callers_backward(lora):
 
 def test_prefix_block_is_validated():
     with pytest.raises(ValueError, match="prefix_block"):
-        grpo_backward(tiny_qwen3_5(), _group(9, [2, 2]), config={"prefix_grad": "exact", "prefix_block": 0})
+        grpo_backward(tiny_qwen3_5(), _group(9, [2, 2]), longstraw={"prefix_grad": "exact", "prefix_block": 0})

@@ -120,7 +120,7 @@ def _reference(tmp, replicas=2, block=BLOCK):
         for replica in range(replicas):
             model.zero_grad(set_to_none=True)
             for group in source.for_step(step, replica, replicas):
-                grpo_backward(model, group, config=single)
+                grpo_backward(model, group, longstraw=single)
             for name, p in model.named_parameters():
                 total[name] = total.get(name, 0.0) + p.grad / replicas
         for name, p in model.named_parameters():

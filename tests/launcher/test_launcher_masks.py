@@ -105,7 +105,7 @@ def _reference(tmp, drop_masks=False, replicas=2):
                 assert group.response_masks is not None
                 if drop_masks:
                     group = GRPOGroup(group.prompt_ids, group.response_ids, rewards=group.rewards)
-                grpo_backward(model, group, config=BLOCK)
+                grpo_backward(model, group, longstraw=BLOCK)
             for name, p in model.named_parameters():
                 total[name] = total.get(name, 0.0) + p.grad / replicas
         for name, p in model.named_parameters():

@@ -110,11 +110,11 @@ CONFIG = {"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}
 def test_groups_equal_generate_and_the_reward_sees_each_sample(model):
     prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 7)]
     CALLS.clear()
-    groups = rollout_groups(model, prompts, GOOD, step=4, first_index=6, config=CONFIG)
+    groups = rollout_groups(model, prompts, GOOD, step=4, first_index=6, longstraw=CONFIG)
     assert len(groups) == 2 and len(CALLS) == 2 * 3
     for j, (prompt, group) in enumerate(zip(prompts, groups, strict=True)):
         want = generate(model, prompt, 3, 4, temperature=1.0, top_p=0.9, seed=sample_seed(5, 4, 6 + j),
-                        config=CONFIG)
+                        longstraw=CONFIG)
         assert torch.equal(group.prompt_ids, prompt)
         for g in range(3):
             assert torch.equal(group.response_ids[g], want.response_ids[g])
@@ -122,19 +122,19 @@ def test_groups_equal_generate_and_the_reward_sees_each_sample(model):
             called_prompt, called_response = CALLS[3 * j + g]
             assert torch.equal(called_prompt, prompt) and torch.equal(called_response, want.response_ids[g])
         assert group.rewards.tolist() == [float(r[0] % 3) for r in want.response_ids]
-    later = rollout_groups(model, prompts[:1], GOOD, step=5, first_index=6, config=CONFIG)
+    later = rollout_groups(model, prompts[:1], GOOD, step=5, first_index=6, longstraw=CONFIG)
     assert any(not torch.equal(a, b) for a, b in zip(later[0].response_ids, groups[0].response_ids, strict=True))
 
 
 def test_a_reward_that_is_not_a_number_names_the_key(model):
     with pytest.raises(ValueError, match=r"'rollout.reward' = .*not_a_number_reward.* returned 'high'"):
         rollout_groups(model, torch.arange(1, 9), dict(GOOD, reward=f"{__name__}:not_a_number_reward"), step=0,
-                       config=CONFIG)
+                       longstraw=CONFIG)
 
 
 def test_bad_prompts_fail_naming_the_prompt(model):
     with pytest.raises(ValueError, match=r"prompts\[1\] must be 1-D"):
-        rollout_groups(model, [torch.arange(1, 9), torch.ones(2, 3, dtype=torch.long)], GOOD, step=0, config=CONFIG)
+        rollout_groups(model, [torch.arange(1, 9), torch.ones(2, 3, dtype=torch.long)], GOOD, step=0, longstraw=CONFIG)
 
 
 def test_run_config_validates_the_block_at_load():
@@ -343,12 +343,13 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
         for replica in range(2):  # launch/train.py's prompt index (step W + r) k + j; the seed's index r k + j
             model.zero_grad(set_to_none=True)
             prompts = [recall.prompt(rollout["seed"], step * 2 + replica, **args)]
-            for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica, config=RECALL_BLOCK):
+            for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica,
+                                        longstraw=RECALL_BLOCK):
                 if replica == 0:  # what train.samples recorded: rank 0's samples, before the step's update
                     assert recorded[step]["response_ids"] == [ids.tolist() for ids in group.response_ids]
                     assert recorded[step]["rewards"] == group.rewards.tolist()
                     assert recorded[step]["prompt_tokens"] == prompts[0].numel()
-                grpo_backward(model, group, objective, config=RECALL_BLOCK)
+                grpo_backward(model, group, objective, longstraw=RECALL_BLOCK)
             for name, p in model.named_parameters():
                 if p.grad is not None:
                     total[name] += p.grad / 2
@@ -376,12 +377,12 @@ def test_auto_weights_count_what_decoding_keeps_as_the_planner_does(tier):
     model = tiny_qwen3_5()
     prompts = [torch.zeros(40, dtype=torch.long), torch.zeros(57, dtype=torch.long)]
     rollout = parse_rollout(dict(GOOD, num_samples=3, max_new_tokens=9))
-    settings = parse_config({"offload": {"tier": tier, "nvme_path": None}} if tier == "cpu" else {})
+    longstraw = parse_config({"offload": {"tier": tier, "nvme_path": None}} if tier == "cpu" else {})
     shape = shape_from_config("tiny", model.config.to_dict(), 8)
     plan = make_plan(shape, 57, 3, "detached", Cluster())
     figures = rollout_figures(plan, 9)
     pages = sum(v for k, v in retained_per_rank(shape, 57, 1, "detached", 4096).items() if k.endswith("_pages"))
     if tier == "cpu":
         pages = 2 * shape.staged_layer_bytes_per_token * 56
-    assert decoding_bytes(adapter_for(model), prompts, rollout, settings) == pages + figures["samples"] + figures[
+    assert decoding_bytes(adapter_for(model), prompts, rollout, longstraw) == pages + figures["samples"] + figures[
         "logits"] > 0

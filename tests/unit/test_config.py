@@ -80,8 +80,8 @@ def test_unsupported_architecture_fails_at_initialize():
 
 
 def test_missing_block_means_defaults_and_implied_accumulation_is_checked():
-    settings = read_block({"zero_optimization": {"stage": 3}})
-    assert settings.enabled and settings.prefix_grad == "detached"
+    longstraw = read_block({"zero_optimization": {"stage": 3}})
+    assert longstraw.enabled and longstraw.prefix_grad == "detached"
     with pytest.raises(ValueError, match="train_batch_size"):
         read_block({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}},
                    world_size=2)
@@ -104,8 +104,8 @@ def test_near_miss_leaves_real_deepspeed_keys_alone():
 def test_shipped_deepspeed_configs_are_valid(name):
     with open(os.path.join(REPO, "configs", "deepspeed", name)) as handle:
         config = json.load(handle)
-    settings = read_block(config)
-    assert "longstraw" in config and settings.enabled and config["zero_optimization"]["stage"] == 3
+    longstraw = read_block(config)
+    assert "longstraw" in config and longstraw.enabled and config["zero_optimization"]["stage"] == 3
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(REPO, "configs", "run"))))

@@ -76,7 +76,7 @@ def _layout_specs(combines):
     return [LayerState(layer=i, kind="x", label="x", combine=c) for i, c in enumerate(combines)]
 
 
-@pytest.mark.parametrize("settings,combines,expected", [
+@pytest.mark.parametrize("longstraw,combines,expected", [
     ({}, ["affine_scan", "lse"], "zigzag"),
     ({"prefix_grad": "exact"}, ["affine_scan", "lse"], "zigzag"),
     ({"cp_attention": "ulysses"}, ["lse"], "contiguous"),
@@ -87,10 +87,10 @@ def _layout_specs(combines):
     ({"prefix_grad": "exact", "cp_prefix": "layer_major"}, ["topk_lse"], "zigzag"),
     ({"prefix_grad": "exact", "cp_prefix": "turns", "cp_layout": "zigzag"}, ["topk_lse"], "zigzag"),
 ], ids=["detached", "exact", "ulysses", "topk", "asked", "topk-turns", "topk-layer-major", "topk-turns-asked"])
-def test_auto_layout_takes_zigzag_where_it_runs(settings, combines, expected):
+def test_auto_layout_takes_zigzag_where_it_runs(longstraw, combines, expected):
     from ds_longstraw.grpo.topology import resolve_layout
 
-    assert resolve_layout(_FakeAdapter(combines), LongstrawConfig(cp_size=2, **settings)) == expected
+    assert resolve_layout(_FakeAdapter(combines), LongstrawConfig(cp_size=2, **longstraw)) == expected
 
 
 def test_zigzag_refused_where_it_does_not_run():
@@ -146,18 +146,18 @@ class _FakeAdapter:
         self.layer_major_scan = scan_pass
 
 
-@pytest.mark.parametrize("settings,combines,scan_pass,expected", [
+@pytest.mark.parametrize("longstraw,combines,scan_pass,expected", [
     ({"cp_prefix": "layer_major"}, ["affine_scan", "lse"], True, "layer_major"),
     ({"cp_prefix": "layer_major", "cp_attention": "ulysses"}, ["affine_scan", "lse"], True, "layer_major"),
     ({}, ["topk_lse", "none"], True, "turns"),
     ({}, ["affine_scan"], False, "turns"),
     ({"cp_prefix": "turns"}, ["lse"], True, "turns"),
 ], ids=["asked", "ulysses", "none-combine", "no-scan-pass", "turns-asked"])
-def test_prefix_schedule_where_it_runs(settings, combines, scan_pass, expected):
+def test_prefix_schedule_where_it_runs(longstraw, combines, scan_pass, expected):
     """Where the combines rule layer-major out, "auto" takes the turns before weighing memory (the next test)."""
     from ds_longstraw.grpo.topology import resolve_prefix
 
-    config = LongstrawConfig(cp_size=2, prefix_grad="exact", **settings)
+    config = LongstrawConfig(cp_size=2, prefix_grad="exact", **longstraw)
     assert resolve_prefix(_FakeAdapter(combines, scan_pass), config) == expected
 
 

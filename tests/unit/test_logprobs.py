@@ -239,7 +239,7 @@ def test_grpo_backward_chunked_equals_plain(monkeypatch):
     for chunk in (10, None):
         monkeypatch.setattr(CausalLMAdapter, "logprobs_vocab_chunk", chunk)
         model = tiny_qwen3_5()
-        out = grpo_backward(model, group, GRPOObjective(), config=config)
+        out = grpo_backward(model, group, GRPOObjective(), longstraw=config)
         results[chunk] = (out, {n: p.grad for n, p in model.named_parameters()})
     (got, got_grads), (want, want_grads) = results[10], results[None]
     for a, b in zip(got.logprobs, want.logprobs, strict=True):
@@ -265,7 +265,7 @@ def test_grpo_backward_with_a_frozen_head_takes_the_direction_path(monkeypatch):
         monkeypatch.setattr(CausalLMAdapter, "logprobs_vocab_chunk", chunk)
         model = tiny_qwen3_5()
         model.lm_head.weight.requires_grad_(False)
-        grpo_backward(model, group, GRPOObjective(), config=config)
+        grpo_backward(model, group, GRPOObjective(), longstraw=config)
         results[chunk] = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     assert frozen_calls and all(frozen_calls)  # 2 members x 2-3 replay blocks, every one with the direction
     for name, g in results[None].items():

@@ -104,7 +104,7 @@ def test_entropy_bonus_through_the_transaction_equals_the_plain_path(monkeypatch
         monkeypatch.setattr(CausalLMAdapter, "logprobs_vocab_chunk", chunk)
         model.zero_grad(set_to_none=True)
         with float64_model():
-            grpo_backward(model, group, objective, config=config)
+            grpo_backward(model, group, objective, longstraw=config)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:

@@ -118,7 +118,7 @@ def _tiny_group():
 def test_transaction_on_cpu_fails_loudly(failing_clear_refs):
     """grpo_backward's phases are metered: a CPU run where the reset fails raises instead of reporting peaks."""
     with pytest.raises(HostPeakUnavailable) as error:
-        grpo_backward(tiny_qwen3_5(), _tiny_group(), GRPOObjective(), config={"capture_chunk": 5})
+        grpo_backward(tiny_qwen3_5(), _tiny_group(), GRPOObjective(), longstraw={"capture_chunk": 5})
     _assert_names_the_cause(error)
 
 
@@ -126,7 +126,7 @@ def test_explicitly_unmeasured_host_peaks(failing_clear_refs, monkeypatch):
     """DS_LONGSTRAW_HOST_PEAK=off: the transaction runs without touching clear_refs, and every phase says its peak
     was not measured (0 bytes, peak_measured False) rather than reporting one."""
     monkeypatch.setenv(HOST_PEAK_ENV, "off")
-    result = grpo_backward(tiny_qwen3_5(), _tiny_group(), GRPOObjective(), config={"capture_chunk": 5})
+    result = grpo_backward(tiny_qwen3_5(), _tiny_group(), GRPOObjective(), longstraw={"capture_chunk": 5})
     assert result.phases and failing_clear_refs == []
     for name, stats in result.phases.items():
         assert stats.peak_bytes == 0 and not stats.peak_measured, name

@@ -200,7 +200,7 @@ def test_staged_attention_keeps_no_page_copies_in_the_graph(tier, depth, tmp_pat
             pool.append(layer, name, values)
         pool.flush()
         stager = Stager(pool, layers, names=("k", "v"))
-        past = StagedPast(stager, 0, tokens, exact=True)
+        past = StagedPast(stager, 0, tokens, grads_to_pages=True)
         q = q0.clone().requires_grad_(True)
         loss = 0
         with staged_saves(stager):

@@ -38,12 +38,12 @@ def _tiny_shape(dtype, layers=4):
 def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
     model = tiny_qwen3_5(dtype=dtype, layers=8)
     adapter = adapter_for(model)
-    exact, keep = mode != "detached", mode == "exact-keep"
-    settings = parse_config({"capture_chunk": chunk, "page_tokens": 3, "prefix_grad": mode.removesuffix("-keep"),
-                             "prefix_keep_attention": keep})
+    prefix_grad, keep = mode.removesuffix("-keep"), mode == "exact-keep"
+    longstraw = parse_config({"capture_chunk": chunk, "page_tokens": 3, "prefix_grad": prefix_grad,
+                              "prefix_keep_attention": keep})
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(0))
     with float64_model():
-        state = capture_prefix(adapter, prompt, settings, exact=exact)
+        state = capture_prefix(adapter, prompt, longstraw, prefix_grad)
     measured = state.retained_bytes()
     state.release()
     estimate = retained_per_rank(_tiny_shape(dtype, layers=8), prompt_len, 1, mode.removesuffix("-keep"), chunk, keep)
@@ -64,7 +64,7 @@ def test_glm_retained_bytes_match_a_real_capture(mode):
     gen = torch.Generator().manual_seed(2)
     group = GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen), [torch.randint(0, 97, (3,), generator=gen)],
                       rewards=[1.0])
-    result = grpo_backward(model, group, config={"prefix_grad": mode, "capture_chunk": 16, "page_tokens": 7})
+    result = grpo_backward(model, group, longstraw={"prefix_grad": mode, "capture_chunk": 16, "page_tokens": 7})
     shape = shape_from_config("tiny-glm", tiny_glm_moe_dsa_config().to_dict(), 8)
     estimate = retained_per_rank(shape, prompt_len, 1, mode, 16)
     for key in ("mla_latent_pages", "indexer_key_pages"):
@@ -79,7 +79,7 @@ def test_gradient_pages_match_a_real_exact_run():
     group = GRPOGroup(torch.randint(0, 97, (11,), generator=gen), [torch.randint(0, 97, (2,), generator=gen)],
                       rewards=[1.0])
     with float64_model():
-        result = grpo_backward(model, group, config={"prefix_grad": "exact", "capture_chunk": 4, "page_tokens": 3})
+        result = grpo_backward(model, group, longstraw={"prefix_grad": "exact", "capture_chunk": 4, "page_tokens": 3})
     estimate = retained_per_rank(_tiny_shape(torch.float64), 11, 1, "exact", 4)
     assert estimate["gradient_pages"] == result.grad_page_bytes > 0
     assert estimate["attention_kv_pages"] == result.retained_bytes["attention_kv_pages"]
@@ -411,7 +411,7 @@ def test_rollout_state_matches_what_generate_allocates(family, monkeypatch):
     monkeypatch.setattr(type(adapter), "decode_step", step)
     prompt = torch.randint(0, 97, (prompt_len,), generator=torch.Generator().manual_seed(3))
     with float64_model():
-        result = generate(model, prompt, samples, new_tokens, seed=0, config={"capture_chunk": 16, "page_tokens": 7})
+        result = generate(model, prompt, samples, new_tokens, seed=0, longstraw={"capture_chunk": 16, "page_tokens": 7})
     assert [len(ids) for ids in result.response_ids] == [new_tokens] * samples
     plan = make_plan(shape_from_config("tiny", config, 8), prompt_len, samples, "detached", Cluster())
     figures = rollout_figures(plan, new_tokens)

@@ -25,7 +25,7 @@ def _group():
 ])
 def test_bad_config(model, config, message):
     with pytest.raises(ValueError, match=message):
-        grpo_backward(model, _group(), config=config)
+        grpo_backward(model, _group(), longstraw=config)
     assert all(p.grad is None for p in model.parameters()), "nothing may run before the config is checked"
 
 

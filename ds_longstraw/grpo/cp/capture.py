@@ -46,8 +46,8 @@ if TYPE_CHECKING:
     from ds_longstraw.parallel.groups import CPContext
 
 
-def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settings: LongstrawConfig, cp: CPContext,
-                      exact: bool = False, progress: Callable[[int], Any] | None = None,
+def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig, cp: CPContext,
+                      prefix_grad: str = "detached", progress: Callable[[int], Any] | None = None,
                       schedule: Schedule | None = None, keep_inputs: bool = False) -> PrefixState:
     """Capture this rank's shard of prompt_ids[:-1] (every CP rank calls it with the same prompt).
 
@@ -55,7 +55,7 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settin
     layer walks: under ZeRO-3 a Lockstep adds dummy chunks (one zero token each, outputs discarded), so that every
     rank of the job, whatever its shard's chunk count, makes the same calls in the same order, with the
     context-parallel exchanges at the same places in between.
-    keep_inputs: also keep the inputs over the shard of every settings.prefix_inputs_every-th layer (exact mode's
+    keep_inputs: also keep the inputs over the shard of every longstraw.prefix_inputs_every-th layer (exact mode's
     layer-major prefix pass, prefix_layers.py)."""
     ids_all = prompt_ids[:-1]
     pieces = cp.pieces(ids_all.numel())
@@ -65,13 +65,13 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settin
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
     # skips the attention and its remote exchanges in forward. (offset: where a contiguous shard starts.)
-    state = open_prefix_state(adapter, settings, tokens, exact, cp.rank, length=ids_all.numel(),
-                              offset=mine[0][0], chunks=len(local_spans(mine, settings.segment_tokens)),
+    state = open_prefix_state(adapter, longstraw, tokens, prefix_grad, cp.rank, length=ids_all.numel(),
+                              offset=mine[0][0], chunks=len(local_spans(mine, longstraw.segment_tokens)),
                               keep_inputs=keep_inputs)
     try:
-        spans = local_spans(mine, settings.segment_tokens)  # [(a, b, prompt position of a)]
+        spans = local_spans(mine, longstraw.segment_tokens)  # [(a, b, prompt position of a)]
         frame = CaptureFrame(
-            adapter, settings, cp, pieces, chunks=(schedule or Schedule()).chunks(spans),  # then the dummy chunks
+            adapter, longstraw, cp, pieces, chunks=(schedule or Schedule()).chunks(spans),  # then the dummy chunks
             state=state, largest=max(sum(hi - lo for lo, hi in own) for own in pieces),
             boundaries=[ChunkBoundary(a, b, {}, position) for a, b, position in spans]
             if state.checkpoints is not None else None)
@@ -85,10 +85,10 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, settin
 def _capture_layers(frame: CaptureFrame, ids: torch.Tensor, progress: Callable[[int], Any] | None) -> None:
     """Fill the frame's state (its pages, boundaries and final carry) layer by layer, each by its kind
     (grpo/cp/kinds/); ids: this rank's shard in local order."""
-    adapter, settings, state = frame.adapter, frame.settings, frame.state
+    adapter, longstraw, state = frame.adapter, frame.longstraw, frame.state
     for kind in kinds_in(adapter.specs):
         kind.begin_capture(frame)
-    every = settings.prefix_inputs_every
+    every = longstraw.prefix_inputs_every
     bases = ({layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
              if state.input_pool is not None else {})
     with torch.no_grad():

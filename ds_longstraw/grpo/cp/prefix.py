@@ -317,7 +317,7 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
     """Exact-mode prefix pass of this rank's shard, in turns with the other ranks (see the module docstring).
 
     reverse.ids: this rank's shard of prompt[:-1] in local order; d_final_carry: d(prompt's final carry) from replay
-    (used by the owner of the last segment); chunk: the capture segment (settings.segment_tokens: the shards'
+    (used by the owner of the last segment); chunk: the capture segment (longstraw.segment_tokens: the shards'
     chunking, and queries per partial on the serving side).
     Turns walk the CP segments (every rank's pieces, groups.shard_pieces) last to first: one per rank for
     contiguous shards, two per rank for zigzag ones (a rank's own earlier piece is local past to its later one).
@@ -330,7 +330,7 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
     answers the owner's requests from inside its mirror (PageServer), at the same layer of the same module sequence.
 
     reverse.prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
-    (settings.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
+    (longstraw.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
     adapter, state, backward, prefix_recompute = reverse.adapter, reverse.state, reverse.backward, \
         reverse.prefix_recompute
     pieces = cp.pieces(state.length)
@@ -367,7 +367,8 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
             # a "topk_lse" family's past is its turn's piece only; its own earlier pieces are reached like the
             # other ranks' rows (RemotePages' `earlier`)
             past_start = local_starts(mine)[index] if selects else 0
-            own_earlier = OwnRows(state.pool, adapter, mine[:index], exact=True) if selects and past_start else None
+            own_earlier = (OwnRows(state.pool, adapter, mine[:index], grads_to_pages=True)
+                           if selects and past_start else None)
             remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
             turn_pass = replace(reverse, remote_attention=remote if servers or own_earlier else None,
                                 past_start=past_start)

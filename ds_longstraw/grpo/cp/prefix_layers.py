@@ -66,7 +66,7 @@ if TYPE_CHECKING:
 
 
 def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequence[torch.Tensor]],
-                                cp: CPContext, settings: LongstrawConfig, schedule: Schedule | None = None) -> None:
+                                cp: CPContext, longstraw: LongstrawConfig, schedule: Schedule | None = None) -> None:
     """Exact-mode prefix pass of this rank's shard, all ranks layer by layer (see the module docstring).
 
     reverse.ids: this rank's shard of prompt[:-1] in local order; d_final_carry: layer -> d(prompt's final carry)
@@ -76,7 +76,7 @@ def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int
     schedule: the transaction's (None: no padding), whose chunks(spans) every per-chunk loop walks (the capture's
     dummy chunks under a Lockstep)."""
     adapter, state, ids, backward = reverse.adapter, reverse.state, reverse.ids, reverse.backward
-    chunk, every = settings.segment_tokens, settings.prefix_inputs_every
+    chunk, every = longstraw.segment_tokens, longstraw.prefix_inputs_every
     pieces = cp.pieces(state.length)
     spans = local_spans(pieces[cp.rank], chunk)
     chunks = (schedule or Schedule()).chunks(spans)
@@ -96,7 +96,7 @@ def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int
     # "topk_lse" layers: the selections they attend (a group's base keeps the one it reuses from below)
     selections = Selections(adapter, state, chunks, cp, pieces, input_of, every) \
         if uses_selection(adapter.specs) else None
-    frame = LayerMajorFrame(adapter, settings, cp, pieces, chunks, state, backward=backward, selections=selections,
+    frame = LayerMajorFrame(adapter, longstraw, cp, pieces, chunks, state, backward=backward, selections=selections,
                             d_final_carry=d_final_carry)
     try:
         for spec in reversed(adapter.specs):
@@ -135,8 +135,8 @@ def recompute_inputs(frame: LayerMajorFrame, base: int, top: int) -> PagePool | 
     (capture's) by the layers' own forward, with the exchanges their kind needs (every rank recomputes the same
     group at once), onto a pool of offload.tier that the caller releases (prefix_inputs_every). A base that reuses
     a selection ("topk_lse" layers) gets it from the pass's Selections."""
-    adapter, state, settings = frame.adapter, frame.state, frame.settings
-    pool = make_pool(settings.offload, settings.page_tokens, adapter.device, frame.cp.rank)
+    adapter, state, longstraw = frame.adapter, frame.state, frame.longstraw
+    pool = make_pool(longstraw.offload, longstraw.page_tokens, adapter.device, frame.cp.rank)
     try:
         hidden = state.read_layer_input(base)
         for layer in range(base + 1, top + 1):

@@ -22,8 +22,8 @@ from ds_longstraw.config import LongstrawConfig
 class CaptureSampler:
     """Samples a process's prompts from their captures and keeps them (by prompt) for the step that trains on them."""
 
-    def __init__(self, settings: LongstrawConfig) -> None:
-        self.settings = settings
+    def __init__(self, longstraw: LongstrawConfig) -> None:
+        self.longstraw = longstraw
         self.kept: dict[tuple, Any] = {}  # prompt ids -> rollout.generate.Rollouts holding its kept capture
 
     def release(self) -> None:
@@ -54,7 +54,7 @@ class CaptureSampler:
             raise ValueError(f"generate_from_capture: every prompt of a process's batch must come num_generations = "
                              f"{num_generations} times, got {sorted(counts)}")
         keep = _everyone_has_one(len(prompts), dp_group)
-        schedules = decode_schedules(model, prompts, num_generations, config=self.settings, cp_group=cp_group,
+        schedules = decode_schedules(model, prompts, num_generations, longstraw=self.longstraw, cp_group=cp_group,
                                      dp_group=dp_group, keep_capture=keep)
         sampled = {}
         was_training = model.training
@@ -62,13 +62,13 @@ class CaptureSampler:
         try:
             for j, schedule in enumerate(schedules):
                 if schedule.idle:
-                    decode_idle_slot(model, schedule, max_new_tokens, config=self.settings, cp_group=cp_group,
+                    decode_idle_slot(model, schedule, max_new_tokens, longstraw=self.longstraw, cp_group=cp_group,
                                      keep_capture=keep)
                     continue
                 rollouts = generate(model, prompts[j], num_generations, max_new_tokens, temperature=temperature,
                                     top_p=top_p, eos_token_id=list(eos_token_ids),
                                     seed=sample_seed(seed, step, replica * len(prompts) + j),
-                                    config=self.settings, cp_group=cp_group, keep_capture=keep, lockstep=schedule)
+                                    longstraw=self.longstraw, cp_group=cp_group, keep_capture=keep, lockstep=schedule)
                 key = tuple(prompts[j].tolist())
                 sampled[key] = [r.tolist() for r in rollouts.response_ids]
                 if keep:

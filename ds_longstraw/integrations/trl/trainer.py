@@ -49,9 +49,9 @@ def _deepspeed_config(args: Any) -> dict | None:
     return None if config is None else load_ds_config(config)
 
 
-def _read_block(args: Any, longstraw: dict | LongstrawConfig | None) -> LongstrawConfig | None:
-    """The block's settings (None: no block, plain TRL), validated before any model work (ValueError naming the
-    key)."""
+def _read_block(args: Any, given: dict | LongstrawConfig | None) -> LongstrawConfig | None:
+    """The longstraw block (None: no block, plain TRL; `given`: the trainer's longstraw= argument), validated before
+    any model work (ValueError naming the key)."""
     from ds_longstraw.engine.config import near_miss_block_names
 
     ds_config = _deepspeed_config(args)
@@ -59,37 +59,35 @@ def _read_block(args: Any, longstraw: dict | LongstrawConfig | None) -> Longstra
         misses = near_miss_block_names(ds_config)
         if misses:
             raise ValueError(f"DeepSpeed config has a top-level key {misses[0]!r}: did you mean '{BLOCK}'?")
-        if longstraw is not None and BLOCK in ds_config:
+        if given is not None and BLOCK in ds_config:
             raise ValueError(f"the '{BLOCK}' block is given twice (the DeepSpeed config and longstraw=): keep one")
-        block = ds_config.get(BLOCK, longstraw)
-    else:
-        block = longstraw
-    if block is None:
+        given = ds_config.get(BLOCK, given)
+    if given is None:
         return None
-    settings = parse_config(block)
-    if not settings.enabled:
+    longstraw = parse_config(given)
+    if not longstraw.enabled:
         return None
-    if settings.ep_size > 1:
-        raise ValueError(f"'{BLOCK}.ep_size' = {settings.ep_size}: expert slices must leave ZeRO before the engine is "
+    if longstraw.ep_size > 1:
+        raise ValueError(f"'{BLOCK}.ep_size' = {longstraw.ep_size}: expert slices must leave ZeRO before the engine is "
                          "built, and accelerate builds it; LongStrawGRPOTrainer runs data and context parallelism")
-    if settings.cp_size > 1:
-        _check_context_parallel(args, settings, ds_config)
-    return settings
+    if longstraw.cp_size > 1:
+        _check_context_parallel(args, longstraw, ds_config)
+    return longstraw
 
 
-def _check_context_parallel(args: Any, settings: LongstrawConfig, ds_config: dict | None) -> None:
+def _check_context_parallel(args: Any, longstraw: LongstrawConfig, ds_config: dict | None) -> None:
     """Context parallelism (replicas.py): DeepSpeed, and each process batch whole groups (a CP group's ranks hold
     copies of one batch, and TRL normalises rewards over consecutive num_generations rows of every copy)."""
     if ds_config is None:
-        raise ValueError(f"'{BLOCK}.cp_size' = {settings.cp_size} needs DeepSpeed (GRPOConfig(deepspeed=...)): the "
+        raise ValueError(f"'{BLOCK}.cp_size' = {longstraw.cp_size} needs DeepSpeed (GRPOConfig(deepspeed=...)): the "
                          "context-parallel ranks reduce through its engine")
     batch = args.per_device_train_batch_size * args.steps_per_generation
     if batch % args.num_generations:
-        raise ValueError(f"'{BLOCK}.cp_size' = {settings.cp_size} needs per_device_train_batch_size x "
+        raise ValueError(f"'{BLOCK}.cp_size' = {longstraw.cp_size} needs per_device_train_batch_size x "
                          f"steps_per_generation = {batch} to hold whole groups of num_generations = "
                          f"{args.num_generations}")
     if args.scale_rewards == "batch":
-        raise ValueError(f"scale_rewards = 'batch' with '{BLOCK}.cp_size' = {settings.cp_size}: the batch's std "
+        raise ValueError(f"scale_rewards = 'batch' with '{BLOCK}.cp_size' = {longstraw.cp_size}: the batch's std "
                          "would count each replica's rewards cp_size times")
 
 
@@ -111,32 +109,32 @@ def _check_capture_generation(args: Any, kwargs: dict) -> None:
 
 
 class LongStrawGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer's arguments, plus `longstraw`: the block's settings where no DeepSpeed config carries them
+    """GRPOTrainer's arguments, plus `longstraw`: the longstraw block where no DeepSpeed config carries them
     (module docstring), and `generate_from_capture`: sample the completions from the captured prompt and train the
     step on that capture (sampling.py) instead of TRL's generation. Without a block it is TRL's GRPOTrainer."""
 
     def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None,
                  generate_from_capture: bool = False, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
-        settings = None
+        given, longstraw = longstraw, None
         if training_args is not None:  # refuse before TRL loads or builds anything
-            settings = _read_block(training_args, longstraw)
-            if settings is not None:
+            longstraw = _read_block(training_args, given)
+            if longstraw is not None:
                 check_trl_settings(training_args)
             if generate_from_capture:
                 _check_capture_generation(training_args, kwargs)
         super().__init__(*args, **kwargs)
         if training_args is None:
-            settings = _read_block(self.args, longstraw)
+            longstraw = _read_block(self.args, given)
             if generate_from_capture:
                 _check_capture_generation(self.args, kwargs)
-        if generate_from_capture and settings is None:
+        if generate_from_capture and longstraw is None:
             raise ValueError("generate_from_capture needs the 'longstraw' block (the DeepSpeed config's or longstraw=)")
-        self.longstraw = settings
+        self.longstraw = longstraw
         self._skip_scoring = False
         self._old_logprobs: dict[Member, torch.Tensor] = {}
-        self._sampler = CaptureSampler(settings) if generate_from_capture else None
-        if settings is None:
+        self._sampler = CaptureSampler(longstraw) if generate_from_capture else None
+        if longstraw is None:
             return
         self.longstraw_objective = objective_from_trl(self.args, use_vllm=self.use_vllm)
         if self.aux_loss_enabled:
@@ -282,7 +280,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 return result.groups
             from ds_longstraw.grpo.transaction import grpo_backward
 
-            return [grpo_backward(self.model, g.group, objective, config=self.longstraw, ref_model=ref_model,
+            return [grpo_backward(self.model, g.group, objective, longstraw=self.longstraw, ref_model=ref_model,
                                   loss_scope=g.scopes, capture=None if captures is None else captures[i])
                     for i, g in enumerate(groups)]
         finally:

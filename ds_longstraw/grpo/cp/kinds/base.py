@@ -47,7 +47,7 @@ class ShardFrame:
     (exact mode), the span the exchanges run in."""
 
     adapter: CausalLMAdapter
-    settings: LongstrawConfig
+    longstraw: LongstrawConfig
     cp: CPContext
     pieces: Pieces
     chunks: ShardChunks
@@ -55,7 +55,7 @@ class ShardFrame:
 
     @property
     def chunk(self) -> int:
-        return self.settings.segment_tokens
+        return self.longstraw.segment_tokens
 
 
 @dataclass
@@ -124,7 +124,7 @@ class LayerKind:
         raise RuntimeError(f"rank {cp.rank}: layer {request.layer} ({self.name!r}) takes no page requests "
                            f"(request {request.op} from rank {request.owner})")
 
-    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, exact: bool,
+    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, prefix_grad: str,
                      spread: bool) -> Any:
         """The remote_attention replay and scoring reach every rank's pages of this kind through (interfaces.py's
         RemoteAttention or RemoteSelection); spread: each rank replays its own members (grpo/cp/spread.py)."""

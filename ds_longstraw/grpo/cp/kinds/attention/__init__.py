@@ -48,7 +48,7 @@ class AttentionKind(LayerKind):
     name = "lse"
 
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
-        if frame.settings.cp_attention == "ulysses":
+        if frame.longstraw.cp_attention == "ulysses":
             return ulysses_attention_layer(frame, spec, normed)
         return capture_attention_layer(frame, spec, normed)
 
@@ -88,9 +88,9 @@ class AttentionKind(LayerKind):
         else:
             super().answer(cp, adapter, stager, chunk, request)
 
-    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, exact: bool,
+    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, prefix_grad: str,
                      spread: bool) -> PagesAttention | SpreadPagesAttention:
-        pages = PagesAttention(cp, state.pool, adapter, exact=exact)
+        pages = PagesAttention(cp, state.pool, adapter, grads_to_pages=prefix_grad == "exact")
         return SpreadPagesAttention(pages) if spread else pages
 
 

@@ -515,8 +515,8 @@ class PagesAttention:
     keys = None  # one request per layer (interfaces.RemoteAttention)
 
     def __init__(self, cp: CPContext, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter,
-                 exact: bool = False) -> None:
-        self.cp, self.pool, self.adapter, self.exact = cp, pool, adapter, exact
+                 grads_to_pages: bool = False) -> None:
+        self.cp, self.pool, self.adapter, self.grads_to_pages = cp, pool, adapter, grads_to_pages
         self.specs = {spec.layer: spec for spec in adapter.specs}
         # this rank's pages, page by page from its tier; wrap: every replay block walks all layers
         self.stager = layer_stager(pool, adapter.specs, wrap=True)
@@ -532,7 +532,7 @@ class PagesAttention:
         """This rank's pages' share of dq given the merged lse and delta; dK/dV of its pages stay here, on its
         gradient pages (exact mode)."""
         return streamed_grads(self.stager, self.specs[layer], q_HTD, lse, dout_HTD, delta,
-                              self.adapter.attention_scale(layer), self.pool if self.exact else None)
+                              self.adapter.attention_scale(layer), self.pool if self.grads_to_pages else None)
 
     # -- every rank with the same queries ---------------------------------------------------------------------
     def forward(self, layer: int, q_HTD: torch.Tensor) -> Partial:

@@ -25,7 +25,7 @@ class ScanKind(LayerKind):
 
     def begin_capture(self, frame: CaptureFrame) -> None:
         # decided from the largest shard, so every rank decides alike (the module calls differ between the two)
-        frame.hold = holds_scan_outputs(frame.settings, frame.adapter.scan_output_bytes(frame.largest),
+        frame.hold = holds_scan_outputs(frame.longstraw, frame.adapter.scan_output_bytes(frame.largest),
                                         frame.adapter.device)
 
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:

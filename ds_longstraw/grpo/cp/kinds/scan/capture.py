@@ -58,14 +58,14 @@ if TYPE_CHECKING:
 Pieces = Sequence[Sequence[tuple[int, int]]]  # every rank's pieces of the prompt (groups.shard_pieces)
 
 
-def holds_scan_outputs(settings: LongstrawConfig, held_bytes: int, device: torch.device,
+def holds_scan_outputs(longstraw: LongstrawConfig, held_bytes: int, device: torch.device,
                        device_total: int | None = None) -> bool:
     """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
     `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
     the device when device_total is None; off CUDA nothing bounds them)."""
-    if settings.cp_scan == "auto" and device.type == "cuda" and device_total is None:
+    if longstraw.cp_scan == "auto" and device.type == "cuda" and device_total is None:
         device_total = torch.cuda.get_device_properties(device).total_memory
-    return holds_scan(settings.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
+    return holds_scan(longstraw.cp_scan, held_bytes, device_total if device.type == "cuda" else None)
 
 
 def capture_scan_layer(frame: CaptureFrame, layer: int,

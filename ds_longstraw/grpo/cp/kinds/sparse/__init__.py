@@ -72,9 +72,10 @@ class SparseKind(LayerKind):
         else:
             super().answer(cp, adapter, stager, chunk, request)
 
-    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, exact: bool,
+    def replay_pages(self, cp: CPContext, state: PrefixState, adapter: CausalLMAdapter, prefix_grad: str,
                      spread: bool) -> SparsePagesAttention | SpreadSparsePagesAttention:
-        pages = SparsePagesAttention(cp, state.pool, adapter, state.length, exact=exact)
+        pages = SparsePagesAttention(cp, state.pool, adapter, state.length,
+                                     grads_to_pages=prefix_grad == "exact")
         return SpreadSparsePagesAttention(pages) if spread else pages
 
 

@@ -82,16 +82,16 @@ def uses_selection(specs: Iterable[LayerState]) -> bool:
     return any(spec.rule.selects for spec in specs)
 
 
-def check_sparse(specs: Iterable[LayerState], settings: LongstrawConfig, cp_size: int) -> None:
+def check_sparse(specs: Iterable[LayerState], longstraw: LongstrawConfig, cp_size: int) -> None:
     """ValueError (before any work) for what the "topk_lse" combine does not run under context parallelism."""
     layers = [spec.layer for spec in specs if spec.rule.selects]
     if not layers:
         return
     where = f"under 'longstraw.cp_size' = {cp_size}, layers {layers} attend a global top-k selection ({COMBINE!r})"
-    if settings.cp_attention == "ulysses":
+    if longstraw.cp_attention == "ulysses":
         raise ValueError(f"'longstraw.cp_attention' = 'ulysses': {where}, which a head/sequence all-to-all does not "
                          "serve; use 'lse'")
-    if settings.prefix_grad == "exact" and settings.prefix_keep_attention:
+    if longstraw.prefix_grad == "exact" and longstraw.prefix_keep_attention:
         raise ValueError(f"'longstraw.prefix_keep_attention' = True: {where}, which keep no attention yet; set it "
                          "to false")
 
@@ -594,11 +594,11 @@ def selected_rows_attention(pages: Any, layer: int, query: tuple[torch.Tensor, .
 class OwnRows:
     """This rank's pages of "topk_lse" layers over its first pieces `pieces` (local tokens [0, n)) as one party of
     a global selection: its candidates, its partials and its shares of the gradients, page by page from its tier.
-    exact: its rows' gradients go onto its gradient pages. wrap: a stager walk that restarts at every block."""
+    grads_to_pages: its rows' gradients go onto its gradient pages. wrap: a stager walk that restarts at every block."""
 
     def __init__(self, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter, pieces: Sequence[tuple[int, int]],
-                 exact: bool = False, wrap: bool = False) -> None:
-        self.pool, self.adapter, self.pieces, self.exact = pool, adapter, pieces, exact
+                 grads_to_pages: bool = False, wrap: bool = False) -> None:
+        self.pool, self.adapter, self.pieces, self.grads_to_pages = pool, adapter, pieces, grads_to_pages
         self.specs = {spec.layer: spec for spec in adapter.specs}
         self.tokens = sum(hi - lo for lo, hi in pieces)
         self.rows, self.keys = row_stager(pool, adapter.specs, wrap=wrap), key_stager(pool, adapter.specs, wrap=wrap)
@@ -627,7 +627,7 @@ class OwnRows:
         (exact)."""
         own = prompt_to_local(positions, valid, self.pieces)
         return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
-                                     self.pool if self.exact else None)
+                                     self.pool if self.grads_to_pages else None)
 
     def close(self) -> None:
         self.rows.close()
@@ -643,12 +643,12 @@ class SparsePagesAttention:
     interfaces.OwnSparsePages.)"""
 
     def __init__(self, cp: CPContext, pool: PagePool | TieredPagePool, adapter: CausalLMAdapter, end: int,
-                 exact: bool = False) -> None:
+                 grads_to_pages: bool = False) -> None:
         self.cp, self.adapter, self.end = cp, adapter, end
         pieces = cp.pieces(end)
         self.sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
         # wrap: every replay block walks all layers
-        self.own = self.stager = OwnRows(pool, adapter, pieces[cp.rank], exact, wrap=True)  # the leaves close it
+        self.own = self.stager = OwnRows(pool, adapter, pieces[cp.rank], grads_to_pages, wrap=True)  # leaves close it
 
     # -- this rank's pages' share (the replicated schedule below, and grpo/cp/spread.py's) ----------------------
     def own_candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
