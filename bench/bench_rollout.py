@@ -1,7 +1,7 @@
 """Rollouts: decode peak in G, and the on-policy step with generate's capture reused against a separate prefill.
 
     python bench/bench_rollout.py [--decode-prompt 16384] [--samples 8] [--decode-new 32]
-                                  [--step-prompt 65536] [--step-samples 4] [--step-new 16] [--mode detached]
+                                  [--step-prompt 65536] [--step-samples 4] [--step-new 16] [--prefix-grad detached]
                                   [--out BENCHMARKS.md]
 
 (a) decode: generate() of G samples against G = 1 from one prompt (batched decode, the default), the "small" shape
@@ -153,7 +153,7 @@ def main(argv=None):
     parser.add_argument("--step-prompt", type=int, default=65536)
     parser.add_argument("--step-samples", type=int, default=4)
     parser.add_argument("--step-new", type=int, default=16)
-    parser.add_argument("--mode", choices=("detached", "exact"), default="detached")
+    parser.add_argument("--prefix-grad", choices=("detached", "exact"), default="detached")
     parser.add_argument("--out", default=None, help="append or refresh the table's section in this markdown file")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -174,7 +174,7 @@ def main(argv=None):
     step = []
     for reuse in (True, False):
         row = run_fresh({"kind": "step", "prompt": args.step_prompt, "samples": args.step_samples,
-                         "new_tokens": args.step_new, "mode": args.mode, "reuse": reuse})
+                         "new_tokens": args.step_new, "mode": args.prefix_grad, "reuse": reuse})
         print(f"step reuse={reuse}: {row['seconds']:.1f} s ({row['cpu_seconds']:.1f} s CPU), peak "
               f"{row['peak_bytes'] / MIB:,.1f} MiB", flush=True)
         step.append(row)

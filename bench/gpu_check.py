@@ -123,7 +123,7 @@ def planned_mib(kernel, tokens, dtype, **widths):
     from ds_longstraw.offload.plan import ModelShape, kernel_workspace
 
     shape = ModelShape(name="gpu_check", family="kernel", dtype_bytes=dtype.itemsize, **widths)
-    return kernel_workspace(shape, capture_chunk=tokens, replay_block=tokens, mode="exact")[kernel] / MIB
+    return kernel_workspace(shape, capture_chunk=tokens, replay_block=tokens, prefix_grad="exact")[kernel] / MIB
 
 
 def attention_section(report, clock, device, dtype, sizes):

@@ -4,7 +4,7 @@
     python bench/recall_study.py --steps 40 --seeds 0 # shorter
 
 Builds (or reuses) the warm-up checkpoint (ds_longstraw.tasks.recall_warmup.cached with recall_demo.WARMUP), then
-runs ds_longstraw.tasks.recall_grpo once per (mode, seed), each in its own process (one rank, gloo, ZeRO-3 on
+runs ds_longstraw.tasks.recall_grpo once per (prefix_grad, seed), each in its own process (one rank, gloo, ZeRO-3 on
 CPU), two at a time: the detached and the exact run of one seed side by side, so that their seconds per step are
 measured under the same load. Every run starts from the same checkpoint and sees the same prompts and sampling
 seeds; only prefix_grad differs. Writes bench/results/recall_study.json (every run's per-step rewards and seconds,
@@ -50,8 +50,8 @@ def plot(study, path):
     for run in study["runs"]:
         steps = [e["step"] for e in run["evals"]]
         acc = [e["accuracy"][long_len] for e in run["evals"]]
-        left.plot(steps, acc, styles[run["seed"] % len(styles)], color=colors[run["mode"]], marker=".",
-                  label=f"{run['mode']}, seed {run['seed']}")
+        left.plot(steps, acc, styles[run["seed"] % len(styles)], color=colors[run["prefix_grad"]], marker=".",
+                  label=f"{run['prefix_grad']}, seed {run['seed']}")
     levels = study["levels"]
     left.axhline(levels["chance"], color="gray", lw=0.8, ls=":")
     left.text(0, levels["chance"] + 0.01, f"chance 1/values = {levels['chance']:.3f}", fontsize=8, color="gray")
@@ -69,12 +69,12 @@ def plot(study, path):
     left.set_ylabel(f"held-out exact match at {long_len} tokens")
     left.set_title("recall: GRPO at the long length after a short warm-up")
     left.legend(fontsize=7, loc="lower right", ncol=2)
-    modes = sorted({r["mode"] for r in study["runs"]})
-    for i, mode in enumerate(modes):
-        runs = [r for r in study["runs"] if r["mode"] == mode]
+    modes = sorted({r["prefix_grad"] for r in study["runs"]})
+    for i, prefix_grad in enumerate(modes):
+        runs = [r for r in study["runs"] if r["prefix_grad"] == prefix_grad]
         values = [r["seconds_per_step"] for r in runs]
         right.bar([i + 0.25 * (k - (len(runs) - 1) / 2) for k in range(len(runs))], values, width=0.22,
-                  color=colors[mode], alpha=0.8)
+                  color=colors[prefix_grad], alpha=0.8)
     right.set_xticks(range(len(modes)), modes)
     right.set_ylabel("seconds per step (median; bars: seeds)")
     right.set_title("s/step (2 runs at a time, shared CPU)")
@@ -110,18 +110,19 @@ def main():
     started = time.perf_counter()
     for seed in seeds:
         jobs = []
-        for mode in modes:
-            out = work / f"{mode}_seed{seed}"
-            jobs.append(([sys.executable, "-m", "ds_longstraw.tasks.recall_grpo", "--warm", str(warm), "--mode", mode,
-                          "--seed", str(seed), "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+        for prefix_grad in modes:
+            out = work / f"{prefix_grad}_seed{seed}"
+            jobs.append(([sys.executable, "-m", "ds_longstraw.tasks.recall_grpo", "--warm", str(warm),
+                          "--prefix-grad", prefix_grad, "--seed", str(seed), "--steps", str(args.steps),
+                          "--eval-every", str(args.eval_every),
                           "--eval-prompts", str(args.eval_prompts), "--threads", str(args.threads),
-                          "--out", str(out), *args.overrides], work / f"{mode}_seed{seed}.log"))
+                          "--out", str(out), *args.overrides], work / f"{prefix_grad}_seed{seed}.log"))
         run_pair(jobs, args.threads)
         print(f"seed {seed} done ({time.perf_counter() - started:.0f} s)", flush=True)
     runs = []
     for seed in seeds:
-        for mode in modes:
-            result = json.loads((work / f"{mode}_seed{seed}" / "result.json").read_text())
+        for prefix_grad in modes:
+            result = json.loads((work / f"{prefix_grad}_seed{seed}" / "result.json").read_text())
             seconds = sorted(s["seconds"] for s in result["steps"])
             result["seconds_per_step"] = seconds[len(seconds) // 2]
             runs.append(result)
@@ -138,7 +139,7 @@ def main():
     plot(study, args.plot)
     for run in runs:
         acc = [e["accuracy"][str(long_len)] for e in run["evals"]]
-        print(f"{run['mode']:8s} seed {run['seed']}: accuracy@{long_len} {acc[0]:.3f} -> {acc[-1]:.3f} "
+        print(f"{run['prefix_grad']:8s} seed {run['seed']}: accuracy@{long_len} {acc[0]:.3f} -> {acc[-1]:.3f} "
               f"(best {max(acc):.3f}); {run['seconds_per_step']:.2f} s/step")
     print(f"wrote {args.json} and {args.plot}")
 

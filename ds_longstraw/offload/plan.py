@@ -156,7 +156,7 @@ class Plan:
     shape: ModelShape
     context: int
     group_size: int
-    mode: str
+    prefix_grad: str
     cluster: Cluster
     capture_chunk: int
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
@@ -212,13 +212,13 @@ def delta_rule_floats(head_dims: int, backward: bool, chunk: int = DELTA_CHUNK) 
 
 
 def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK,
-                     mode: str = "detached") -> dict:
+                     prefix_grad: str = "detached") -> dict:
     """Bytes of scratch each kernel takes on the GPU at its largest call (module docstring); float32 throughout.
     Detached mode runs the delta rule's backward over replay blocks only; exact mode also over capture chunks."""
     f32 = 4
     chunk = min(shape.vocab_size, VOCAB_CHUNK)
     tokens = max(capture_chunk, replay_block)
-    backward_tokens = tokens if mode == "exact" else replay_block
+    backward_tokens = tokens if prefix_grad == "exact" else replay_block
     delta = max(capture_chunk * delta_rule_floats(shape.delta_head_dims, backward=False),
                 backward_tokens * delta_rule_floats(shape.delta_head_dims, backward=True))
     return {
@@ -258,7 +258,7 @@ def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory
     return holds_scan(cp_scan, gdn_scan_outputs(shape, tokens_per_rank), gpu_memory)
 
 
-def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, tokens_per_rank: int,
+def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp: int, tokens_per_rank: int,
                     cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto",
                     keep_attention: bool = False, inputs_every: int = 1) -> dict:
     """kernel_workspace, plus (context parallelism, Gated DeltaNet layers, where the capture holds its outputs:
@@ -266,9 +266,9 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, mode: str, cp: int, t
     width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
     exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
     ("layer_major_prefix")."""
-    workspace = kernel_workspace(shape, capture_chunk, mode=mode)
-    if layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every, tokens_per_rank,
-                          gpu_memory):
+    workspace = kernel_workspace(shape, capture_chunk, prefix_grad=prefix_grad)
+    if layer_major_prefix(shape, cp, prefix_grad, cp_prefix, capture_chunk, keep_attention, inputs_every,
+                          tokens_per_rank, gpu_memory):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
     if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
         augmented = shape.delta_head_dims + shape.delta_head_dims // 2
@@ -343,12 +343,12 @@ def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: boo
     return tier and layer_major_workspace(shape, tokens_per_rank) <= LAYER_MAJOR_DEVICE_FRACTION * device_memory
 
 
-def layer_major_prefix(shape: ModelShape, cp: int, mode: str, cp_prefix: str = "auto", segment_tokens: int = 4096,
-                       keep_attention: bool = False, every: int | str = "auto", tokens_per_rank: int | None = None,
-                       device_memory: int | None = None) -> bool:
+def layer_major_prefix(shape: ModelShape, cp: int, prefix_grad: str, cp_prefix: str = "auto",
+                       segment_tokens: int = 4096, keep_attention: bool = False, every: int | str = "auto",
+                       tokens_per_rank: int | None = None, device_memory: int | None = None) -> bool:
     """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
     and under "auto" where it fits the rule above (topology.resolve_prefix decides the same)."""
-    if mode != "exact" or cp < 2 or cp_prefix == "turns":
+    if prefix_grad != "exact" or cp < 2 or cp_prefix == "turns":
         return False
     if shape.not_layer_major:
         return False
@@ -402,7 +402,7 @@ def captured_tokens_per_rank(context: int, cp: int) -> int:
     return -(-max(context - 1, 0) // cp)
 
 
-def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, capture_chunk: int,
+def retained_per_rank(shape: ModelShape, context: int, cp: int, prefix_grad: str, capture_chunk: int,
                       keep_attention: bool = False, cp_prefix: str = "auto", inputs_every: int = 1,
                       gpu_memory: int | None = None) -> dict:
     """Bytes each rank keeps, by category (the keys match PrefixState.retained_bytes() where they overlap).
@@ -412,13 +412,13 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, mode: str, captu
     out.update(shape.carry_bytes)
     chunks = -(-tokens // capture_chunk) if cp == 1 or not shape.carry_total else zigzag_chunks(context, cp,
                                                                                                capture_chunk)
-    exact = mode == "exact"
+    exact = prefix_grad == "exact"
     # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
     out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
-    layer_major = layer_major_prefix(shape, cp, mode, cp_prefix, capture_chunk, keep_attention, inputs_every, tokens,
-                                     gpu_memory)
+    layer_major = layer_major_prefix(shape, cp, prefix_grad, cp_prefix, capture_chunk, keep_attention, inputs_every,
+                                     tokens, gpu_memory)
     out["layer_inputs"] = layer_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
     # the group's recomputed inputs, on the pages' tier while the group runs
     out["recomputed_inputs"] = recomputed_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0
@@ -516,13 +516,13 @@ def _depth_for(tier: str) -> int:
     return {"none": 1, "cpu": 1, "nvme": 2}[tier]
 
 
-def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, cluster: Cluster,
+def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str, cluster: Cluster,
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
               cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto",
               response_tokens: int = 1024, trains: str = "lora", tool_tokens: int = 0,
               member_span_capture: int | None = 1024) -> Plan:
-    if mode not in ("detached", "exact"):
-        raise ValueError(f"mode must be 'detached' or 'exact', got {mode!r}")
+    if prefix_grad not in ("detached", "exact"):
+        raise ValueError(f"prefix_grad must be 'detached' or 'exact', got {prefix_grad!r}")
     if cluster.cp < 1 or cluster.gpus % cluster.cp:
         raise ValueError(f"cp = {cluster.cp} must divide gpus = {cluster.gpus}")
     if context < 2 or group_size < 1:
@@ -531,8 +531,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, clust
         raise ValueError(f"cp_scan must be 'auto', 'one_pass' or 'two_pass', got {cp_scan!r}")
     if cp_prefix not in ("auto", "layer_major", "turns"):
         raise ValueError(f"cp_prefix must be 'auto', 'layer_major' or 'turns', got {cp_prefix!r}")
-    if cp_prefix == "layer_major" and mode == "exact" and cluster.cp > 1 and not layer_major_prefix(
-            shape, cluster.cp, mode, cp_prefix):
+    if cp_prefix == "layer_major" and prefix_grad == "exact" and cluster.cp > 1 and not layer_major_prefix(
+            shape, cluster.cp, prefix_grad, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{list(shape.not_layer_major)})")
     if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
@@ -540,7 +540,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, clust
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
     member = member_replay(shape, response_tokens, tool_tokens, member_span_capture)
     graph = replay_graph_bytes(shape, member["graph_tokens"], trains)
-    plan = Plan(shape, context, group_size, mode, cluster, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
+    plan = Plan(shape, context, group_size, prefix_grad, cluster, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
                 keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
                 response_tokens=response_tokens, trains=trains, tool_tokens=tool_tokens,
                 member_span_capture=member_span_capture,
@@ -549,11 +549,11 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, clust
     plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
-    plan.retained = retained_per_rank(shape, context, cluster.cp, mode, capture_chunk, keep_attention, cp_prefix,
+    plan.retained = retained_per_rank(shape, context, cluster.cp, prefix_grad, capture_chunk, keep_attention, cp_prefix,
                                       inputs_every, cluster.gpu_memory)
     check_expert_layout(shape, cluster)
     plan.moe = moe_figures(shape, cluster, plan.tokens_per_rank, capture_chunk)
-    plan.workspace = phase_workspace(shape, capture_chunk, mode, cluster.cp, plan.tokens_per_rank, cp_scan,
+    plan.workspace = phase_workspace(shape, capture_chunk, prefix_grad, cluster.cp, plan.tokens_per_rank, cp_scan,
                                      cluster.gpu_memory, cp_prefix, keep_attention, inputs_every)
     estimate = plan.moe["weights_per_rank_ep"] if cluster.ep > 1 else int(shape.params * cluster.weight_bytes
                                                                          / cluster.gpus)
@@ -574,7 +574,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, mode: str, clust
             needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         plan.depth[tier], plan.needs[tier] = depth, needs
         plan.fits[tier] = _fits(needs, plan)
-        bounds = [_max_context(shape, mode, cluster, capture_chunk, plan, tier, d, keep_attention, kept_tier)
+        bounds = [_max_context(shape, prefix_grad, cluster, capture_chunk, plan, tier, d, keep_attention, kept_tier)
                   for d in sorted({_depth_for(tier), 1})]  # a longer prompt may fit with a shallower read-ahead
         plan.max_context[tier] = None if None in bounds else max(bounds)
     plan.tier = recommended_tier(plan)
@@ -698,18 +698,18 @@ def moe_figures(shape: ModelShape, cluster: Cluster, tokens_per_rank: int, captu
     return out
 
 
-def _max_context(shape: ModelShape, mode: str, cluster: Cluster, chunk: int, plan: Plan, tier: str, depth: int,
+def _max_context(shape: ModelShape, prefix_grad: str, cluster: Cluster, chunk: int, plan: Plan, tier: str, depth: int,
                  keep_attention: bool = False, kept_tier: str | None = None, limit: int = 1 << 40) -> int | None:
     """Longest prompt whose needs fit the budgets (binary search; None when no budget bounds it)."""
     if all(b is None for b in (plan.gpu_budget, plan.host_budget, plan.nvme_budget)):
         return None
 
     def ok(context: int) -> bool:
-        retained = retained_per_rank(shape, context, cluster.cp, mode, chunk, keep_attention, plan.cp_prefix,
+        retained = retained_per_rank(shape, context, cluster.cp, prefix_grad, chunk, keep_attention, plan.cp_prefix,
                                      plan.inputs_every, cluster.gpu_memory)
         tokens = captured_tokens_per_rank(context, cluster.cp)
-        workspace = _live(phase_workspace(shape, chunk, mode, cluster.cp, tokens, plan.cp_scan, cluster.gpu_memory,
-                                          plan.cp_prefix, keep_attention, plan.inputs_every),
+        workspace = _live(phase_workspace(shape, chunk, prefix_grad, cluster.cp, tokens, plan.cp_scan,
+                                          cluster.gpu_memory, plan.cp_prefix, keep_attention, plan.inputs_every),
                           plan.replay_graph, plan.trained_grads)
         return _fits(_needs(shape, tokens, retained, tier, depth, kept_tier, workspace), plan)
 

@@ -45,8 +45,8 @@ def plot(result, info, long_len, path, title):
     steps = [e["step"] for e in result["evals"]]
     acc = [e["accuracy"][long_len] for e in result["evals"]]
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.plot(steps, acc, "o-", color="tab:red" if result["mode"] == "exact" else "tab:blue",
-            label=f"GRPO ({result['mode']}), held-out accuracy at {long_len} tokens")
+    ax.plot(steps, acc, "o-", color="tab:red" if result["prefix_grad"] == "exact" else "tab:blue",
+            label=f"GRPO ({result['prefix_grad']}), held-out accuracy at {long_len} tokens")
     ax.axhline(1 / result["prompt_args"]["records"], color="gray", ls="--", lw=0.8, label="random record")
     ax.axhline(1 / result["prompt_args"]["values"], color="gray", ls=":", lw=0.8, label="chance")
     ax.axhline(info["accuracy_short"], color="green", lw=0.8,
@@ -72,13 +72,14 @@ def run(args):
     built = f"built in {info['build_seconds']:.0f} s" if info["build_seconds"] > 5 else "reused"
     print(f"recall: warm-up checkpoint {warm} ({built}); held-out accuracy "
           + ", ".join(f"{a:.3f} at {n} tokens" for n, a in info["accuracy_by_length"].items()))
-    result = recall_grpo.train(out / f"grpo_{args.mode}", warm_dir=warm, mode=args.mode, seed=0,
+    result = recall_grpo.train(out / f"grpo_{args.prefix_grad}", warm_dir=warm, prefix_grad=args.prefix_grad, seed=0,
                                steps=args.steps, eval_every=args.eval_every)
     long_len = result["prompt_args"]["prompt_tokens"]
     first, last = result["evals"][0]["accuracy"][long_len], result["evals"][-1]["accuracy"][long_len]
     seconds = time.perf_counter() - start
     plot(result, info, long_len, args.plot, f"recall, GRPO at {long_len} tokens after a {info['short_length']}-token "
-         f"warm-up ({result['mode']}, {len(result['steps'])} steps)")
+         f"warm-up ({result['prefix_grad']}, {len(result['steps'])} steps)")
     print(f"\nrecall: held-out exact match at {long_len} tokens {first:.3f} (warm-up) -> {last:.3f} after "
-          f"{len(result['steps'])} GRPO steps ({result['mode']}); chance {1 / result['prompt_args']['values']:.3f}, "
+          f"{len(result['steps'])} GRPO steps ({result['prefix_grad']}); "
+          f"chance {1 / result['prompt_args']['values']:.3f}, "
           f"random record {1 / result['prompt_args']['records']:.2f}; {seconds:.0f} s in all; plot {args.plot}")

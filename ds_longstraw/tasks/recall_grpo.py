@@ -31,7 +31,7 @@ from ds_longstraw.tasks.recall_warmup import EVAL_PROMPTS, evaluate, held_out
 
 RUN_CONFIG = CONFIGS_DIR / "run" / "recall_task.yaml"
 SHIPPED_PATHS = ("deepspeed_config",)  # run-config keys naming a file under configs/ (as a checkout sees it)
-MODES = ("detached", "exact")
+PREFIX_GRADS = ("detached", "exact")
 
 
 def _free_port() -> int:
@@ -82,12 +82,12 @@ def shipped_overrides():
     return out
 
 
-def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(), eval_prompts=EVAL_PROMPTS,
+def train(out_dir, *, warm_dir, prefix_grad, seed, steps, eval_every=10, eval_lengths=(), eval_prompts=EVAL_PROMPTS,
           overrides=(), log=print) -> dict:
-    """One GRPO run (module docstring); returns {"mode", "seed", "steps": [...], "evals": [...]} and writes it
+    """One GRPO run (module docstring); returns {"prefix_grad", "seed", "steps": [...], "evals": [...]} and writes it
     to out_dir/result.json."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if prefix_grad not in PREFIX_GRADS:
+        raise ValueError(f"prefix_grad must be one of {PREFIX_GRADS}, got {prefix_grad!r}")
     from ds_longstraw.engine.config import load_ds_config, read_block
     from ds_longstraw.engine.run_config import load_run_config
 
@@ -96,15 +96,16 @@ def train(out_dir, *, warm_dir, mode, seed, steps, eval_every=10, eval_lengths=(
     run = load_run_config(RUN_CONFIG, [*shipped_overrides(), f"model.pretrained={warm_dir}", f"model.seed={seed}",
                                        f"rollout.seed={seed}", f"train.max_steps={steps}", *overrides])
     ds_config = load_ds_config(run.deepspeed_config)
-    ds_config["longstraw"] = {**ds_config["longstraw"], "prefix_grad": mode}
+    ds_config["longstraw"] = {**ds_config["longstraw"], "prefix_grad": prefix_grad}
     read_block(ds_config, world_size=1)
     with _one_rank():
-        result = _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_lengths, eval_prompts, log)
+        result = _steps_with_evals(run, ds_config, prefix_grad, seed, steps, eval_every, eval_lengths, eval_prompts,
+                                   log)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1))
     return result
 
 
-def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_lengths, eval_prompts, log) -> dict:
+def _steps_with_evals(run, ds_config, prefix_grad, seed, steps, eval_every, eval_lengths, eval_prompts, log) -> dict:
     """The engine, its steps and the held-out evaluations of `train`, inside its process group."""
     import ds_longstraw
     from ds_longstraw import GRPOObjective
@@ -121,14 +122,14 @@ def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_length
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=optimizer, config=ds_config)
     lengths = list(eval_lengths) or [run.rollout["prompt_args"]["prompt_tokens"]]
     sets = held_out(dict(run.rollout["prompt_args"]), lengths, eval_prompts)
-    result = {"mode": mode, "seed": seed, "warm_dir": str(run.model.pretrained), "lr": run.optim.lr,
+    result = {"prefix_grad": prefix_grad, "seed": seed, "warm_dir": str(run.model.pretrained), "lr": run.optim.lr,
               "groups_per_step": run.data.groups_per_rank, "G": run.rollout["num_samples"],
               "prompt_args": dict(run.rollout["prompt_args"]), "steps": [], "evals": []}
 
     def record_eval(step):
         acc = {n: round(a, 4) for n, a in evaluate(engine.module, sets).items()}
         result["evals"].append({"step": step, "accuracy": acc})
-        log(f"[recall {mode} seed {seed}] step {step}: held-out accuracy "
+        log(f"[recall {prefix_grad} seed {seed}] step {step}: held-out accuracy "
             + " ".join(f"@{n} {a:.3f}" for n, a in acc.items()))
 
     record_eval(0)
@@ -146,7 +147,7 @@ def _steps_with_evals(run, ds_config, mode, seed, steps, eval_every, eval_length
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--warm", required=True, help="the warm-up checkpoint directory (recall_warmup.cached)")
-    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--prefix-grad", choices=PREFIX_GRADS, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -158,7 +159,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.eval_lengths.split(",") if x]
-    train(args.out, warm_dir=args.warm, mode=args.mode, seed=args.seed, steps=args.steps,
+    train(args.out, warm_dir=args.warm, prefix_grad=args.prefix_grad, seed=args.seed, steps=args.steps,
           eval_every=args.eval_every, eval_lengths=lengths, eval_prompts=args.eval_prompts,
           overrides=args.overrides)
 

@@ -36,7 +36,7 @@ def _demo_parser(parser):
     parser.add_argument("--task", choices=["grpo", "recall"], default="grpo",
                         help="grpo: one GRPO step on synthetic groups (the default); recall: a supervised warm-up "
                              "at short prompts (built once), then GRPO at long prompts with held-out accuracy "
-                             "(configs/run/recall_task.yaml, --mode picks prefix_grad)")
+                             "(configs/run/recall_task.yaml, --prefix-grad picks it)")
     parser.add_argument("--steps", type=int, default=None,
                         help=f"--task recall: GRPO steps (default {TASK_DEFAULTS['recall']['steps']})")
     parser.add_argument("--eval-every", type=int, default=5, help="--task recall: steps between evaluations")
@@ -49,7 +49,7 @@ def _demo_parser(parser):
     parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 65536; 8192 for glm)")
     parser.add_argument("--group", type=int, default=4, help="G, responses in the group (default 4)")
     parser.add_argument("--response", type=int, default=256, help="longest response (default 256 tokens)")
-    parser.add_argument("--mode", choices=["detached", "exact"], default="detached")
+    parser.add_argument("--prefix-grad", choices=["detached", "exact"], default="detached")
     parser.add_argument("--shape", default=None, help="a named shape of models/shapes.py (default: --model's)")
     parser.add_argument("--chunk", type=int, default=4096, help="capture_chunk")
     parser.add_argument("--baseline", choices=["auto", "measure", "estimate", "skip"], default="auto",
@@ -173,10 +173,10 @@ def _conventional_figures(args, threads):
 EXACT_ONLY = ("carry_checkpoints", "kept_attention_pages")
 
 
-def _retained_rows(row, mode):
+def _retained_rows(row, prefix_grad):
     rows = [(kind, size) for kind, size in row["retained_bytes"].items()
-            if kind not in EXACT_ONLY or (mode == "exact" and size)]
-    if mode == "exact":
+            if kind not in EXACT_ONLY or (prefix_grad == "exact" and size)]
+    if prefix_grad == "exact":
         rows.append(("gradient_pages", row["grad_page_bytes"]))
     return rows
 
@@ -211,10 +211,10 @@ def demo(args):
     args.prompt = args.prompt or prompt
     threads = torch.get_num_threads()
     print(f"ds_longstraw demo: {args.shape} model (random weights), prompt {args.prompt:,} tokens, "
-          f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.mode}, "
+          f"G = {args.group}, responses up to {args.response} tokens, prefix_grad = {args.prefix_grad}, "
           f"{threads} threads")
     reset_paths_taken()
-    row = run_one(f"longstraw-{args.mode}", args.prompt, args.group, args.response, args.shape, args.chunk,
+    row = run_one(f"longstraw-{args.prefix_grad}", args.prompt, args.group, args.response, args.shape, args.chunk,
                   progress=True)
     print(f"\nGRPO step done: loss {row['loss']:.6f}, wall {row['seconds']:.1f} s")
     print(f"  {describe_paths()}")
@@ -223,7 +223,7 @@ def demo(args):
         print(f"  {name:<10} {phase['seconds']:8.2f}   {_fmt(phase['peak_bytes']):>12}")
     print(f"  step peak above the pre-step resident set: {_fmt(row['step_peak_bytes'])}")
     print("\nretained prompt state by layer type:")
-    rows = _retained_rows(row, args.mode)
+    rows = _retained_rows(row, args.prefix_grad)
     width = max(len(kind) for kind, _ in rows)
     for kind, size in rows:
         print(f"  {kind:<{width}}  {_fmt(size):>12}")

@@ -1,7 +1,7 @@
 """`longstraw plan`: size the offload tiers before anything runs.
 
     longstraw plan --model glm-5.2 --context 2M --group-size 8 --gpus 32 --cp 32 --gpus-per-node 8 \\
-                   --gpu-memory 96GB --host-memory 2TB --mode exact
+                   --gpu-memory 96GB --host-memory 2TB --prefix-grad exact
     python -m ds_longstraw.tools.planner --model path/to/config.json --context 512K ...
 
 Reports retained bytes per rank by layer type, what each tier needs of GPU, host and NVMe memory and whether it
@@ -52,7 +52,7 @@ def _parser():
     p.add_argument("--model", required=True, help="qwen3.6-27b, glm-5.2, or a transformers config.json")
     p.add_argument("--context", required=True, type=parse_tokens, help="prompt tokens (2M = 2,097,152)")
     p.add_argument("--group-size", type=int, default=8, help="responses per prompt (G)")
-    p.add_argument("--mode", choices=("detached", "exact"), default="detached", help="longstraw.prefix_grad")
+    p.add_argument("--prefix-grad", choices=("detached", "exact"), default="detached", help="longstraw.prefix_grad")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in the job")
     p.add_argument("--cp", type=int, default=None, help="context-parallel size (default: all GPUs)")
     p.add_argument("--ep", type=int, default=1,
@@ -140,7 +140,8 @@ def _tokens(n):
 def render(plan, detected, gpu_tflops=148.0) -> str:
     s, lay = plan.shape, plan.cluster
     lines = [f"# longstraw plan: {s.name} ({s.family}, ~{s.params / 1e9:.1f}B parameters)", "",
-             f"prompt {plan.context:,} tokens, G = {plan.group_size}, prefix_grad = {plan.mode}; {lay.gpus} GPUs, "
+             f"prompt {plan.context:,} tokens, G = {plan.group_size}, prefix_grad = {plan.prefix_grad}; "
+             f"{lay.gpus} GPUs, "
              f"CP {lay.cp}, {lay.gpus_per_node} per node -> {plan.tokens_per_rank:,} captured tokens per rank.",
              f"per rank: GPU {_gib(lay.gpu_memory)}, weights {_gib(plan.weights_per_rank)}, state budget "
              f"{_gib(plan.gpu_budget)}; host budget {_gib(plan.host_budget)}; NVMe budget {_gib(plan.nvme_budget)}."]
@@ -422,7 +423,7 @@ def _render_rollout(plan) -> list:
 
 def as_dict(plan) -> dict:
     return {"model": plan.shape.name, "params": plan.shape.params, "context": plan.context,
-            "group_size": plan.group_size, "mode": plan.mode, "tokens_per_rank": plan.tokens_per_rank,
+            "group_size": plan.group_size, "prefix_grad": plan.prefix_grad, "tokens_per_rank": plan.tokens_per_rank,
             "retained_bytes_per_rank": plan.retained, "weights_per_rank": plan.weights_per_rank,
             "experts": plan.moe or None,
             "budgets": {"gpu": plan.gpu_budget, "host": plan.host_budget, "nvme": plan.nvme_budget},
@@ -457,12 +458,12 @@ def main(argv=None) -> int:
                         weights_per_rank=args.weights, weight_bytes=args.weight_bytes,
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
-        longstraw = parse_config({"prefix_grad": args.mode, "capture_chunk": args.capture_chunk,
+        longstraw = parse_config({"prefix_grad": args.prefix_grad, "capture_chunk": args.capture_chunk,
                                  "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
                                  "prefix_inputs_every": args.prefix_inputs_every,
                                  "member_span_capture": args.member_span_capture})
-        plan = make_plan(shape, args.context, args.group_size, args.mode, cluster, longstraw.segment_tokens,
+        plan = make_plan(shape, args.context, args.group_size, args.prefix_grad, cluster, longstraw.segment_tokens,
                          longstraw.prefix_keep_attention, args.kept_attention_tier, longstraw.cp_scan,
                          longstraw.cp_prefix, longstraw.prefix_inputs_every, args.response_tokens, args.trains,
                          args.tool_tokens, longstraw.member_span_capture)

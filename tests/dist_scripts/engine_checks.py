@@ -306,9 +306,9 @@ def check_ep_export(out_dir):
         marker = os.path.join(out_dir, "ep_export_MARKER")
         add_entry(os.path.join(copy_tag(ckpt, "step1", ckpt + "_crafted"), "experts_ep2_rank1.pt"), "extra",
                   RunsCommand(marker))
-        result["refused"] = [_refusal(lambda trust=trust: export_checkpoint(ckpt + "_crafted", out + "_crafted",
-                                                                            trust_pickle=trust))
-                             for trust in (False, True)]
+        result["refused"] = [_refusal(lambda trust=trust: export_checkpoint(
+            ckpt + "_crafted", out + "_crafted", tag="step1", run_config=run, trust_pickle=trust))
+            for trust in (False, True)]
         result["marker"] = os.path.exists(marker) or os.path.exists(out + "_crafted")
     dist.barrier()
     return result

@@ -6,7 +6,8 @@ That one job runs every check of tests/dist_scripts/engine_checks.py (see its do
 chains); each rank writes its measurements, asserted here:
   same_step   ZeRO-3 grpo_step (detached, both ranks one group, 2 steps)  == single-process grpo_backward + SGD
   average     rank 0 [A, B], rank 1 [C] (exact; shapes differ, so lockstep pads)  == SGD on (g_A + g_B)/4 + g_C/2
-  checkpoint  save after step 1, resume on a fresh engine with other weights  -> step 2 identical bit for bit
+  checkpoint  save after step 1, resume on a fresh engine with other weights  -> step 2 identical bit for bit;
+              a copy with a file that would run code when unpickled is refused on every rank, naming the file
   zero2       stage 2 (no lockstep needed) takes the same averaged step; a gradient only one rank has is
               zero-filled on the other so the one reduction runs
   lora        only adapters move; the reference (adapters disabled) scores exactly as the base model
@@ -14,8 +15,10 @@ chains); each rank writes its measurements, asserted here:
               partitioned and gathered like any frozen weight and come back bit for bit
   glm         glm_moe_dsa (MLA + DSA + MoE): as average, its MoE blocks ZeRO-3 leaf modules
   ep          the same with "ep_size" 2: the routed experts sharded over the two nodes, outside ZeRO-3
-  ep_checkpoint  resume of an EP run (the engine's checkpoint and each rank's expert-slice file): bit for bit
-  ep_export   `longstraw export` of an EP run's checkpoint: the whole model, experts joined from the slice files
+  ep_checkpoint  resume of an EP run (the engine's checkpoint and each rank's expert-slice file): bit for bit;
+              slice files that would run code are refused by resume and by the slice loader, naming the file
+  ep_export   `longstraw export` of an EP run's checkpoint: the whole model, experts joined from the slice files;
+              a slice file that would run code is refused, --trust-pickle or not
   rollout_lockstep  grpo_step(prompts, rollout=) with an eos, prompts of different lengths and counts per rank:
               decoding in lockstep (ghost steps, an idle slot, padded captures) samples what one process samples,
               and two steps (the second trained on the rollouts' padded captures, its weights gathered whole for
@@ -125,6 +128,33 @@ def test_expert_parallel_checkpoint_exports_the_whole_model(results):
     assert rank0["max_abs"] == 0.0, rank0
     assert rank0["expert_shape"] == [4, 64, 64]  # 4 routed experts: both ranks' 2-expert slices joined
     assert rank0["experts"] == rank1["experts"] == 6
+
+
+def _refused(message, path, type_name):
+    """engine/safe_load.py's refusal of `path` (under the check's output directory) for needing `type_name`."""
+    return message is not None and f"{path}: refused before loading: it needs type {type_name}," in message
+
+
+def test_checkpoint_files_that_would_run_code_are_refused_on_every_rank(results):
+    """engine_checks.crafted_loads: real checkpoints copied with one more entry in one file. ZeRO-3: rank 1's
+    model-state file, which rank 0 never reads, is refused by both ranks' load_checkpoint (neither goes on into
+    DeepSpeed's collectives alone); EP: the slice files, by load_checkpoint and by each rank's slice loader;
+    export of an EP checkpoint: a slice file, with trust_pickle too. The marker the payload would create never
+    appears; a harmless legacy entry is refused by type and loads with trust_pickle=True."""
+    legacy = "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    for r in _check(results, "checkpoint"):
+        assert _refused(r["refused"], f"zero3_crafted/step1/{legacy}", "posix.system"), r["refused"]
+        assert _refused(r["legacy_refused"], f"zero3_legacy/step1/{legacy}", "argparse.Namespace"), r
+        assert r["legacy_trusted"] and not r["marker"]
+    for rank, r in enumerate(_check(results, "ep_checkpoint")):
+        assert _refused(r["refused"], "ep_crafted/step1/experts_ep2_rank0.pt", "posix.system"), r["refused"]
+        assert _refused(r["slice_loader_refused"], f"ep_crafted/step1/experts_ep2_rank{rank}.pt", "posix.system"), r
+        assert _refused(r["legacy_refused"], f"ep_legacy/step1/{legacy}", "argparse.Namespace"), r
+        assert r["legacy_trusted"] and not r["marker"]
+    rank0 = _check(results, "ep_export")[0]
+    for message in rank0["refused"]:  # without and with trust_pickle
+        assert _refused(message, "ckpt_ep_export_crafted/step1/experts_ep2_rank1.pt", "posix.system"), message
+    assert not rank0["marker"]
 
 
 def test_checkpoint_resume_reproduces_step_2_exactly(results):

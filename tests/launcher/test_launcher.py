@@ -14,6 +14,9 @@
            bit for bit, and so does its step-2 metric line. It builds its model partitioned at construction
            (model.zero_init=true: transformers' DeepSpeed integration enters deepspeed.zero.Init), the path
            big models take; the weights then come from the checkpoint.
+  crafted: a job resumes a copy of the step-1 checkpoint with one more entry in rank 1's optimizer-state file, an
+           object whose unpickling runs a shell command: it fails before any step, naming the file and the type,
+           and the command never runs.
 Tolerance against the reference: float32, relative 1e-5 on the update (see test_engine.py). AdamW's eps is set
 to 1.0 so its update stays close to linear in the gradient: with eps 1e-8 the first steps are ~lr * sign(g) and
 would hide a gradient that is off by a factor.
@@ -188,6 +191,30 @@ def test_resume_from_step_1_reproduces_step_2_exactly(runs, job):
     assert [m["step"] for m in again] == [2]
     for key in ("loss", "mean_loss", "lr", "grad_norm"):
         assert again[0][key] == step2[key], key
+
+
+def test_resume_refuses_a_checkpoint_file_that_would_run_code(runs, tmp_path):
+    """train.resume under the launcher from a crafted copy of the step-1 checkpoint (tests/crafted_checkpoints.py;
+    the payload would touch a marker file): the job exits non-zero before its first step, the log naming the file
+    and the type (engine/safe_load.py), and the marker never appears. Before the check DeepSpeed unpickled the file
+    (weights_only=False) and the command ran."""
+    from crafted_checkpoints import RunsCommand, add_entry, copy_tag
+
+    marker = tmp_path / "MARKER"
+    tag = copy_tag(runs / "ckpt", "step1", tmp_path / "ckpt")
+    victim = os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    add_entry(victim, "extra", RunsCommand(marker))
+    log = str(tmp_path / "crafted.log")
+    script = [os.path.join(REPO, "launch", "train.py"), "--config", RUN]
+    job = start(["--num_gpus", "2", "--master_port", str(free_port())],
+                script + _overrides(runs, "crafted", **{"train.resume": "step1", "train.save_dir": tmp_path / "ckpt"}),
+                log)
+    with pytest.raises(AssertionError, match="launcher exit codes"):
+        finish([job], timeout=300, logs=[log])
+    with open(log) as handle:
+        text = handle.read()
+    assert f"ValueError: {victim}: refused before loading: it needs type posix.system" in text, text[-3000:]
+    assert "[longstraw] step " not in text and not marker.exists()
 
 
 def test_qlora_trains_adapters_over_four_bit_weights(runs):

@@ -83,7 +83,7 @@ def test_grpo_raises_held_out_accuracy_at_the_long_length(tmp_path):
     assert info["accuracy_short"] >= 0.9  # the warm-up retrieves at its own length
     environment = dict(os.environ)
     start = time.perf_counter()
-    result = recall_grpo.train(tmp_path / "grpo", warm_dir=warm, mode="detached", seed=0, steps=STEPS,
+    result = recall_grpo.train(tmp_path / "grpo", warm_dir=warm, prefix_grad="detached", seed=0, steps=STEPS,
                                eval_every=STEPS, eval_lengths=(LONG,), log=lambda line: None)
     before, after = (e["accuracy"][LONG] for e in (result["evals"][0], result["evals"][-1]))
     assert after > before + MARGIN, (before, after, result["evals"])

@@ -156,7 +156,7 @@ def _fits(shape, context, tier):
 
 def test_cli_reports_and_recommends(capsys, tmp_path):
     assert main(["--model", "glm-5.2", "--context", "2M", "--gpus", "32", "--gpu-memory", "96GB",
-                 "--host-memory", "2TB", "--mode", "exact"]) == 0
+                 "--host-memory", "2TB", "--prefix-grad", "exact"]) == 0
     out = capsys.readouterr().out
     assert "mla_latent_pages" in out and "indexer_key_pages" in out and "Recommended:" in out
     config = tmp_path / "config.json"
@@ -167,17 +167,17 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert plan["tokens_per_rank"] == 100 * 1024 - 1
     assert plan["retained_bytes_per_rank"]["attention_kv_pages"] == (100 * 1024 - 1) * 2 * 2 * 16 * 4
     assert plan["recommended_tier"] == "none"
-    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
+    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--prefix-grad", "exact",
                  "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     with_pages = json.loads(capsys.readouterr().out)
     kept = with_pages["retained_bytes_per_rank"]["kept_attention_pages"]
     assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)  # 1 attention layer, 4 heads: out (16 dims) + lse
-    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--mode", "exact",
+    assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--prefix-grad", "exact",
                  "--keep-attention", "--kept-attention-tier", "nvme", "--dtype-bytes", "4", "--json"]) == 0
     on_nvme = json.loads(capsys.readouterr().out)["needs"]["none"]
     assert on_nvme["nvme"] == kept and on_nvme["gpu"] == with_pages["needs"]["none"]["gpu"] - kept
     # under context parallelism each rank keeps its own tokens' attention
-    assert main(["--model", str(config), "--context", "100K", "--gpus", "2", "--gpu-memory", "1GiB", "--mode",
+    assert main(["--model", str(config), "--context", "100K", "--gpus", "2", "--gpu-memory", "1GiB", "--prefix-grad",
                  "exact", "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     sharded = json.loads(capsys.readouterr().out)
     assert sharded["retained_bytes_per_rank"]["kept_attention_pages"] == (100 * 1024 // 2) * 1 * 4 * (16 * 4 + 4)
