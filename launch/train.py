@@ -288,7 +288,7 @@ def main(argv=None):
     start = 0
     if run.train.resume:
         tag = None if run.train.resume == "latest" else run.train.resume
-        path, client = engine.load_checkpoint(run.train.save_dir, tag=tag)
+        path, client = engine.load_checkpoint(run.train.save_dir, tag=tag, trust_pickle=run.train.trust_pickle)
         if path is None:
             raise ValueError(f"train.resume = {run.train.resume!r}: no checkpoint in {run.train.save_dir!r}")
         start = int(client["step"])
@@ -360,7 +360,7 @@ def main(argv=None):
         from ds_longstraw.engine.export import describe, export_checkpoint
 
         result = export_checkpoint(run.train.save_dir, run.train.export_dir, merge=run.train.export_merge,
-                                   overwrite=bool(run.train.resume))
+                                   overwrite=bool(run.train.resume), trust_pickle=run.train.trust_pickle)
         print("[longstraw] " + describe(result), flush=True)
 
 

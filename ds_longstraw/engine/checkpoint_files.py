@@ -10,6 +10,10 @@ costs that tensor, not the model.
 The run record (`<tag>/longstraw/`, written by `save_record` beside the shards) is what the shards alone do not say:
 the run config (LoRA settings, training dtype, the base checkpoint), the model's transformers config, and the
 tokenizer when the run had one.
+
+Every file is read as data (engine/safe_load.py): before DeepSpeed's parser opens any, each `.pt` file of the tag is
+read with torch's weights_only unpickler and the types DeepSpeed's format needs, and a file that needs more is
+refused, naming it (`trust_pickle` reads a trusted legacy file as the pickle it is).
 """
 
 import contextlib
@@ -20,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from ds_longstraw.engine.safe_load import check_tag, load_data, load_deepspeed_file
 
 RECORD = "longstraw"  # folder of the run record inside a checkpoint tag
 
@@ -164,7 +170,7 @@ def _expert_slices(tag_dir):
     if not files:
         return {}, set()
     with _quiet_mmap_loads():
-        saved = [torch.load(os.path.join(tag_dir, f), map_location="cpu", weights_only=False) for f in files]
+        saved = [load_data(os.path.join(tag_dir, f), mmap=True) for f in files]  # the project's own: data only
     size = saved[0]["ep_size"]
     if len(saved) != size or [s["experts"][0] for s in saved] != sorted(s["experts"][0] for s in saved):
         raise ValueError(f"{tag_dir}: {len(saved)} expert-slice files for an EP size of {size}")
@@ -181,16 +187,19 @@ class ZeroCheckpoint:
 
     shapes: name -> torch.Size of every parameter and persistent buffer (a tied weight under one name; `aliases`
     maps its other names to that one); trainable: the names the optimizer held; tensor(name): the full tensor
-    (float32 for trained weights: the optimizer's master copy)."""
+    (float32 for trained weights: the optimizer's master copy). trust_pickle: skip the data-only check of the
+    tag's files (engine/safe_load.py), for a legacy checkpoint one trusts."""
 
-    def __init__(self, tag_dir):
+    def __init__(self, tag_dir, trust_pickle=False):
         from deepspeed.checkpoint.constants import OPTIMIZER_STATE_DICT, ZERO_STAGE
         from deepspeed.utils import zero_to_fp32
 
         tag_dir = os.path.abspath(os.fspath(tag_dir))
+        if not trust_pickle:
+            check_tag(tag_dir)  # before zero_to_fp32, which unpickles with weights_only=False, opens any file
         with _quiet_mmap_loads():
             states = zero_to_fp32.parse_model_states(zero_to_fp32.get_model_state_files(tag_dir))
-            first = torch.load(zero_to_fp32.get_optim_files(tag_dir)[0], map_location="cpu", weights_only=False)
+            first = load_deepspeed_file(zero_to_fp32.get_optim_files(tag_dir)[0], trust_pickle, mmap=True)
             stage = first[OPTIMIZER_STATE_DICT][ZERO_STAGE]
             if int(stage) != 3:
                 raise ValueError(f"{tag_dir} is a ZeRO stage-{int(stage)} checkpoint; export reads ZeRO-3 ones")

@@ -48,6 +48,7 @@ from ds_longstraw.arch import adapter_for, zero3_leaf_modules
 from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.engine.config import load_ds_config, read_block
 from ds_longstraw.engine.expert_slices import ExpertSlices, check_engine_settings, without_expert_params
+from ds_longstraw.engine.safe_load import check_checkpoint
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_group
 from ds_longstraw.grpo.topology import resolve_layout
@@ -259,8 +260,12 @@ class LongstrawEngineMixin:
             self.longstraw_experts.save(save_dir, tag if tag is not None else f"global_step{self.global_steps}")
         return out
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None, trust_pickle: bool = False,
                         **kwargs: Any) -> tuple[str | None, dict[str, Any] | None]:
+        """DeepSpeed's load_checkpoint, after every file of the tag is read as data (engine/safe_load.py: a file
+        needing more is refused, naming it, before anything loads); trust_pickle skips that for a trusted file."""
+        if not trust_pickle:
+            check_checkpoint(load_dir, tag)
         out = super().load_checkpoint(load_dir, tag=tag, **kwargs)
         if self.longstraw_experts is not None and out[0] is not None:
             if tag is None:

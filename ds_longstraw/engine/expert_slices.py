@@ -19,7 +19,7 @@ or steps them). This module does for them what the engine does for the rest, in 
            current learning rate
   save     every rank of the first expert-data-parallel replica writes its slices, their master copies and
            optimizer state to <dir>/<tag>/experts_ep<E>_rank<r>.pt beside the engine's checkpoint; load reads the
-           file of its EP rank and refuses one of another EP size or shape.
+           file of its EP rank, as data only (engine/safe_load.py), and refuses one of another EP size or shape.
 """
 
 import inspect
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ds_longstraw.arch import expert_parallel, shard_experts, unregister_expert_slices
+from ds_longstraw.engine.safe_load import load_data
 
 
 def _gathered(params):
@@ -128,7 +129,7 @@ class ExpertSlices:
             raise ValueError(f"checkpoint {os.path.join(directory, str(tag))} has no expert slices for EP rank "
                              f"{self.ep.rank} of {self.ep.size} ({os.path.basename(path)}): was it saved with "
                              f"'longstraw.ep_size' = {self.ep.size}?")
-        saved = torch.load(path, map_location="cpu", weights_only=False)
+        saved = load_data(path)  # data only (tensors, numbers, strings): a file needing more is refused, naming it
         if tuple(saved["experts"]) != (self.local.start, self.local.stop) or set(saved["params"]) != set(self.params):
             raise ValueError(f"{path}: experts {saved['experts']} of parameters {sorted(saved['params'])[:2]}..., "
                              f"this rank holds experts {(self.local.start, self.local.stop)}")

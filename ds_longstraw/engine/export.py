@@ -22,6 +22,10 @@ so memory holds one output shard (--max-shard-size) and the tensor being assembl
 names and shapes are those of a model built from the run record on the meta device; a checkpoint that does not match
 them is refused with the names. The directory is written beside --out under a temporary name and renamed at the
 end: a failed export leaves nothing, and an existing --out is replaced only with --overwrite.
+
+The checkpoint's files are read as data (engine/safe_load.py, docs/checkpoints.md): a `.pt` file that needs more than
+tensors, numbers, strings, containers and DeepSpeed's checkpoint records is refused before any file is loaded, naming
+the file and the type; --trust-pickle reads a legacy checkpoint one trusts as the pickle it is (it can run code).
 """
 
 import argparse
@@ -262,11 +266,12 @@ def _install(tmp, out, overwrite):
 
 
 def export_checkpoint(save_dir, out, tag="latest", dtype=None, merge=False, overwrite=False,
-                      max_shard_size="5GB", run_config=None) -> Exported:
+                      max_shard_size="5GB", run_config=None, trust_pickle=False) -> Exported:
     """Export checkpoint `tag` of `save_dir` to the directory `out` (see the module docstring).
 
     dtype: of the written weights (default: the run's model.dtype); merge: LoRA runs only, full weights instead of
-    an adapter; run_config: a run config YAML describing the model, for checkpoints without a run record."""
+    an adapter; run_config: a run config YAML describing the model, for checkpoints without a run record;
+    trust_pickle: read the checkpoint's files as any pickle (a trusted legacy checkpoint), not as data only."""
     out = os.path.abspath(os.fspath(out))
     if os.path.lexists(out) and not overwrite:
         raise ValueError(f"--out {out!r} exists: pass --overwrite to replace it")
@@ -281,7 +286,7 @@ def export_checkpoint(save_dir, out, tag="latest", dtype=None, merge=False, over
         raise ValueError(QLORA_MERGE)
     dtype = as_dtype(dtype or record.run.model.dtype)
     base, trained = _meta_models(record, dtype)
-    checkpoint = ZeroCheckpoint(tag_dir)
+    checkpoint = ZeroCheckpoint(tag_dir, trust_pickle=trust_pickle)
     check_same_model(checkpoint, trained, record.source, tag_dir, packed_frozen=lora.qlora)
 
     parent = os.path.dirname(out)
@@ -329,6 +334,9 @@ def _parser():
                         help="largest safetensors file: 5GB, 500MB, 2GiB or a number of bytes (default 5GB)")
     parser.add_argument("--config", default=None, help="a run config YAML describing the model, for checkpoints "
                                                        "saved without a run record (by a script of your own)")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read the checkpoint's files as any pickle, which can run code from them: only for a "
+                             "legacy checkpoint you trust that holds more than data (default: data only)")
     return parser
 
 
@@ -355,7 +363,7 @@ def main(argv=None):
     try:
         result = export_checkpoint(args.save_dir, args.out, tag=args.tag, dtype=args.dtype, merge=args.merge,
                                    overwrite=args.overwrite, max_shard_size=args.max_shard_size,
-                                   run_config=args.config)
+                                   run_config=args.config, trust_pickle=args.trust_pickle)
     except ValueError as error:
         raise SystemExit(f"longstraw export: {error}") from None
     print(describe(result))

@@ -68,6 +68,9 @@ class TrainConfig:
     # error at start, unless the run resumes (then the run's own earlier export is replaced).
     export_dir: str | None = None
     export_merge: bool = False  # LoRA: export the adapters merged into full weights
+    # Resume and export read checkpoint files as data only (engine/safe_load.py); true reads a legacy checkpoint one
+    # trusts as the pickle it is, which can run code from its files.
+    trust_pickle: bool = False
     progress: bool = True
 
 

@@ -8,22 +8,29 @@
   errors:   a missing tag, no 'latest', a checkpoint of another model (names and shapes named), no run record
             (--config describes the model instead), an existing --out (refused; --overwrite replaces), --merge of a
             full fine-tune or of a QLoRA run; a failure part-way leaves neither --out nor a temporary directory.
+  data:     the checkpoints' files hold data and DeepSpeed's records only (what the allow-list is read from); a
+            file crafted to run a command when unpickled (the model-state or optimizer-state file, or an expert-slice
+            file) is refused by `longstraw export` naming the file and the type, and the command never runs;
+            --trust-pickle reads a trusted legacy file; expert slices are read as data even then.
 The 2-rank launcher runs and their exports loaded without ds_longstraw are tests/launcher/test_export.py (slow).
 """
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+from crafted_checkpoints import RunsCommand, add_entry, copy_tag, legacy_entry
 from dist_scripts.launching import REPO, free_port
 from omegaconf import OmegaConf
 
 from ds_longstraw.engine.export import export_checkpoint, main
 from ds_longstraw.engine.run_config import load_run_config
+from ds_longstraw.engine.safe_load import check_tag, deepspeed_globals, load_data, tag_files
 from ds_longstraw.sizes import parse_bytes
 
 SHAPES = os.path.join(REPO, "configs", "models")
@@ -242,3 +249,94 @@ def test_run_config_export_settings_at_the_door(overrides, words):
         load_run_config(None, ["deepspeed_config=ds.json", "data.path=g.jsonl", "model.shape=s.yaml", *overrides])
     for word in words:
         assert word in str(error.value)
+
+
+# -- checkpoints are data (engine/safe_load.py) -----------------------------------------------------------------
+MODEL_STATES = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+OPTIM_STATES = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+def test_real_checkpoints_hold_data_and_deepspeed_records_only(ckpts):
+    """Where the allow-list comes from: beyond torch's data-only defaults, the `.pt` files of the three runs (full,
+    LoRA, glm_moe_dsa; model and optimizer states) name only ZeroStageEnum and LossScaler (every optimizer-state
+    file's "zero_stage" and "loss_scaler"), and every tag passes the check."""
+    beyond = set()
+    for run in ("full", "lora", "glm"):
+        files = tag_files(ckpts / run / "step1")
+        assert [os.path.basename(f) for f in files] == [MODEL_STATES, OPTIM_STATES]
+        for path in files:
+            beyond |= set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        check_tag(ckpts / run / "step1")
+    assert beyond == {"deepspeed.runtime.zero.config.ZeroStageEnum", "deepspeed.runtime.fp16.loss_scaler.LossScaler"}
+
+
+def test_fp16_loss_scaler_reads_back(tmp_path):
+    """The one allowed type no CPU checkpoint holds (DeepSpeed refuses fp16 on CPU): ZeRO-3 stores its
+    DynamicLossScaler as "loss_scaler" under fp16. It reads back whole, its dtype included."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(2.0**16, 1000, 1, 2, False, dtype=torch.float16)
+    torch.save({"loss_scaler": scaler}, tmp_path / "optim.pt")
+    assert vars(load_data(tmp_path / "optim.pt", deepspeed_globals())["loss_scaler"]) == vars(scaler)
+
+
+def _crafted(ckpts, tmp_path, victim, entry):
+    """A copy of the full run's checkpoint (save_dir tmp_path/ckpt) with `entry` added to its file `victim`."""
+    tag = copy_tag(ckpts / "full", "step1", tmp_path / "ckpt")
+    add_entry(os.path.join(tag, victim), "extra", entry)
+    return tmp_path / "ckpt", os.path.join(tag, victim)
+
+
+def test_longstraw_export_refuses_a_file_that_would_run_code(ckpts, tmp_path):
+    """The issue's attack on the installed command: one more entry in the rank-0 model-state file, an object whose
+    unpickling runs a shell command (here: touch a marker). Without the check the command ran and the export
+    exited 0; now it is refused, naming the file and the type, the marker never appears and nothing is written."""
+    marker = tmp_path / "MARKER"
+    save_dir, victim = _crafted(ckpts, tmp_path, MODEL_STATES, RunsCommand(marker))
+    command = os.path.join(os.path.dirname(sys.executable), "longstraw")
+    result = subprocess.run([command, "export", str(save_dir), "--out", str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert f"longstraw export: {victim}: refused before loading: it needs type posix.system" in result.stderr
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_every_file_is_checked_before_any_is_loaded(ckpts, tmp_path):
+    """The same entry in the optimizer-state file (read last by DeepSpeed's parser, first by the old code)."""
+    marker = tmp_path / "MARKER"
+    save_dir, victim = _crafted(ckpts, tmp_path, OPTIM_STATES, RunsCommand(marker))
+    with pytest.raises(SystemExit, match=re.escape(f"{victim}: refused before loading: it needs type posix.system")):
+        main([str(save_dir), "--out", str(tmp_path / "out")])
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_trust_pickle_reads_a_trusted_legacy_file(ckpts, tmp_path):
+    """A harmless object outside the allow-list (argparse.Namespace in the optimizer-state file) stands for a
+    legacy file: refused, naming its type and the opt-in; --trust-pickle exports it, the trained weights bit for
+    bit. The run config's key for resume and train.export_dir is train.trust_pickle (default false)."""
+    save_dir, victim = _crafted(ckpts, tmp_path, OPTIM_STATES, legacy_entry())
+    with pytest.raises(SystemExit, match=re.escape(f"{victim}: refused before loading: it needs type "
+                                                   "argparse.Namespace") + ".*--trust-pickle"):
+        main([str(save_dir), "--out", str(tmp_path / "out")])
+    main([str(save_dir), "--out", str(tmp_path / "out"), "--trust-pickle"])
+    loaded = dict(_load(tmp_path / "out").named_parameters())
+    for name, tensor in torch.load(ckpts / "full.pt").items():
+        assert torch.equal(loaded[name], tensor), name
+    base = ["deepspeed_config=ds.json", "data.path=g.jsonl", "model.shape=s.yaml"]
+    assert load_run_config(None, base).train.trust_pickle is False
+    assert load_run_config(None, [*base, "train.trust_pickle=true"]).train.trust_pickle is True
+
+
+def test_expert_slices_are_read_as_data_even_with_trust_pickle(ckpts, tmp_path):
+    """An expert-slice file (the project's own format: tensors, numbers, strings) that would run code, beside the
+    glm run's shards: the tag check names it; --trust-pickle, which trusts DeepSpeed's files, does not reach the
+    project's own: the slice reader refuses it too. (Real EP slice files: tests/launcher/test_engine.py.)"""
+    marker = tmp_path / "MARKER"
+    tag = copy_tag(ckpts / "glm", "step1", tmp_path / "ckpt")
+    victim = os.path.join(tag, "experts_ep2_rank0.pt")
+    torch.save({"ep_size": 2, "experts": (0, 2), "extra": RunsCommand(marker)}, victim)
+    for trust in ([], ["--trust-pickle"]):
+        with pytest.raises(SystemExit, match=re.escape(f"{victim}: refused before loading: it needs type "
+                                                       "posix.system")):
+            main([str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), *trust])
+    assert not marker.exists() and not (tmp_path / "out").exists()
