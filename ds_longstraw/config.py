@@ -106,14 +106,14 @@ class LongstrawConfig(DeepSpeedConfigModel):
         grpo/cp/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
         "auto" (the default: layer_major where the layer inputs it adds on the pages' tier are at most 1.5x the
         state the transaction keeps there anyway and, on CUDA, what it holds across a layer over the largest
-        shard is at most a quarter of the CP group's smallest GPU; offload/plan.layer_major_fits: Qwen3.6-27B and
+        shard is at most a quarter of the CP group's smallest GPU; offload/auto.layer_major_fits: Qwen3.6-27B and
         GLM-5.2 at their recipes' shapes; turns otherwise).
     prefix_inputs_every: exact mode's layer-major CP prefix pass only: capture keeps the input of every k-th layer
         (layers 0, k, 2k, ...), and the pass recomputes the others of a group of k layers from it, over the shard
         and with the layers' exchanges, into a pool of offload.tier that lives for the group: ceil(L / k) + k - 1
         layers' inputs on the tier instead of L, for about one more forward of the prompt. 1: every layer's; "auto"
         (the default): the smallest k whose added bytes fit the cp_prefix "auto" rule, else the k that adds the
-        fewest (offload/plan.inputs_every_for; `longstraw plan` shows the k it takes).
+        fewest (offload/auto.inputs_every_for; `longstraw plan` shows the k it takes).
     cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
         m mod cp_size = r; queries travel to the pages' owners and partials back, grpo/cp/spread.py; the default:
         0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,

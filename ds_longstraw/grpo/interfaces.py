@@ -24,11 +24,30 @@ only: OwnPages ("lse") and OwnSparsePages ("topk_lse").
 """
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out, lse)
+
+
+class Selected(NamedTuple):
+    """A block of queries of a "topk_lse" layer and the rows each selected: query, the adapter's query tensors
+    ([T, ...] each; None on a rank with no queries of its own in an exchange); positions and valid [T, K] (prompt
+    positions, or a rank's local ones where a function says so)."""
+
+    query: tuple[torch.Tensor, ...] | None
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+class MergedGrad(NamedTuple):
+    """What each party's share of a selected attention's d(query) needs, of the MERGED result: its lse, d(out)
+    and delta = rowsum(d_out * out) - d_lse (kernels.attention.attention_delta)."""
+
+    lse: torch.Tensor
+    d_out: torch.Tensor
+    delta: torch.Tensor
 
 
 class RemoteAttention(Protocol):
@@ -49,6 +68,17 @@ class RemoteSelection(Protocol):
     def candidates(self, layer: int, selector: tuple) -> Partial | None: ...
 
     def attend(self, layer: int, query: tuple, positions: torch.Tensor, valid: torch.Tensor) -> Partial: ...
+
+
+class SelectedRowsPages(Protocol):
+    """What the selected rows' autograd node (cp/kinds/sparse/selection.selected_rows_attention) asks of the
+    pages it reaches: the merged partial of a selected block, and d(query) given the partial and its gradients
+    (sending d(rows) wherever those rows' gradients belong)."""
+
+    def partials(self, layer: int, selected: Selected) -> Partial: ...
+
+    def partial_grads(self, layer: int, selected: Selected, partial: Partial,
+                      d_partial: tuple[torch.Tensor, torch.Tensor | None]) -> list: ...
 
 
 class ReplayPages(Protocol):
@@ -81,10 +111,9 @@ class OwnSparsePages(ReplayPages, Protocol):
 
     def own_candidates(self, layer: int, selector: tuple) -> Partial: ...
 
-    def own_partial(self, layer: int, query: tuple, positions: torch.Tensor, valid: torch.Tensor) -> Partial: ...
+    def own_partial(self, layer: int, selected: Selected) -> Partial: ...
 
-    def own_grads(self, layer: int, query: tuple, positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor,
-                  d_out: torch.Tensor, delta: torch.Tensor) -> list: ...
+    def own_grads(self, layer: int, selected: Selected, merged: MergedGrad) -> list: ...
 
 
 class RecurrentScan(Protocol):

@@ -44,7 +44,8 @@ from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
 from ds_longstraw.grpo.state import PrefixState, capture_prefix
 from ds_longstraw.models.model_shape import shape_from_config
-from ds_longstraw.offload.plan import captured_tokens_per_rank, inputs_every_for, layer_major_fits
+from ds_longstraw.offload.auto import inputs_every_for, layer_major_fits, layout_for, prefix_schedule
+from ds_longstraw.offload.plan import captured_tokens_per_rank
 from ds_longstraw.parallel.experts import is_expert_param
 from ds_longstraw.parallel.groups import CPContext, as_cp_context, local_tokens
 
@@ -329,12 +330,9 @@ def check_combines(specs: Sequence[LayerState], cp_size: int) -> None:
 
 def resolve_layout(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> str:
     """The CP layout this transaction runs ("zigzag" or "contiguous") from longstraw.cp_layout; ValueError (before
-    any work) when zigzag is asked for where it does not run. "auto": zigzag where it runs, but contiguous shards
-    for a family that attends a top-k selection whose exact prefix pass takes the turns: a turn per zigzag piece
-    costs it more than the balanced capture saves (BENCHMARKS.md, "glm_moe_dsa under context parallelism": the
-    turns took 1.25x one process's prefix pass on zigzag shards, 0.78x on contiguous ones, at CP 2). The layout is
-    chosen before any prompt is seen (the engine pads its ranks' shards by it), so it asks the prefix rule on the
-    pages' tier alone: a prompt whose layer-major pass would not fit the device takes the turns on zigzag shards."""
+    any work) when zigzag is asked for where it does not run; "auto": offload/auto.layout_for. The layout is chosen
+    before any prompt is seen (the engine pads its ranks' shards by it), so it asks the prefix rule on the pages'
+    tier alone: a prompt whose layer-major pass would not fit the device takes the turns on zigzag shards."""
     blockers = []
     if longstraw.cp_attention != "lse":
         blockers.append(f"cp_attention {longstraw.cp_attention!r}")
@@ -348,18 +346,15 @@ def resolve_layout(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> str:
         raise ValueError(f"'longstraw.cp_layout' = 'zigzag' does not run with {'; '.join(blockers)}: use 'auto' or "
                          "'contiguous'")
     if longstraw.cp_layout == "auto":
-        if blockers or (uses_selection(adapter.specs) and resolve_prefix(adapter, longstraw) == "turns"):
-            return "contiguous"
-        return "zigzag"
+        return layout_for(blockers, uses_selection(adapter.specs), lambda: resolve_prefix(adapter, longstraw))
     return longstraw.cp_layout
 
 
 def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_per_rank: int | None = None,
                    device_memory: int | None = None) -> str | None:
     """How exact mode's CP prefix pass runs ("layer_major" or "turns"; None in detached mode, which runs none) from
-    longstraw.cp_prefix ("auto": layer_major where it runs and fits offload/plan.layer_major_fits: its added bytes on
-    the pages' tier, and, where a rank's captured tokens and the device's memory are given, what it holds on the
-    device); ValueError (before any work) when layer_major is asked for where it does not run."""
+    longstraw.cp_prefix ("auto": offload/auto.prefix_schedule, with a rank's captured tokens and the device's memory
+    where given); ValueError (before any work) when layer_major is asked for where it does not run."""
     combines = sorted({spec.combine for spec in adapter.specs if not spec.rule.layer_major})
     scan = any(spec.rule.recurrent for spec in adapter.specs)
     # a family with recurrent layers declares whether it runs them layer-major (its layer_major_scan)
@@ -368,16 +363,9 @@ def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_
     if longstraw.cp_prefix == "layer_major" and blockers:
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
-    if longstraw.prefix_grad != "exact":
-        return None  # detached mode runs no prefix pass
-    if longstraw.cp_prefix == "auto":
-        if blockers:
-            return "turns"
-        # where its layer inputs would dwarf the state the transaction keeps anyway, the turns (offload/plan.py)
-        fits = layer_major_fits(_state_shape(adapter), longstraw.segment_tokens, longstraw.prefix_keep_attention,
-                                longstraw.prefix_inputs_every, tokens_per_rank, device_memory)
-        return "layer_major" if fits else "turns"
-    return longstraw.cp_prefix
+    return prefix_schedule(longstraw.prefix_grad, longstraw.cp_prefix, bool(blockers), lambda: layer_major_fits(
+        _state_shape(adapter), longstraw.segment_tokens, longstraw.prefix_keep_attention,
+        longstraw.prefix_inputs_every, tokens_per_rank, device_memory))
 
 
 def group_device_memory(device: torch.device, cp: CPContext) -> int | None:
@@ -396,7 +384,7 @@ def _state_shape(adapter: CausalLMAdapter) -> ModelShape:
 
 
 def resolve_inputs_every(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> int:
-    """longstraw.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/plan.inputs_every_for
+    """longstraw.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/auto.inputs_every_for
     (the same on every rank: a function of the model and settings)."""
     return inputs_every_for(_state_shape(adapter), longstraw.segment_tokens, longstraw.prefix_keep_attention,
                             longstraw.prefix_inputs_every)

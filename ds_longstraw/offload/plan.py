@@ -64,6 +64,16 @@ Routed experts (a model with a MoEShape), `moe_figures`:
 
 from dataclasses import dataclass, field
 
+from ds_longstraw.offload.auto import (
+    gdn_scan_outputs,
+    inputs_every_for,
+    layer_inputs_bytes,
+    layer_major_prefix,
+    layer_major_workspace,
+    recomputed_inputs_bytes,
+    scan_holds,
+)
+
 GiB = 2**30
 _WRITE_QUEUE = 64 << 20
 TIERS = ("none", "cpu", "nvme")
@@ -232,32 +242,6 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
     }
 
 
-def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
-    """Bytes a context-parallel rank holds of one Gated DeltaNet layer's outputs while its capture waits for the
-    layer's exchange: [o(0) | q~] for each of its tokens (a rank whose pieces do not start the prompt; the one that
-    does holds dk less per head for that piece)."""
-    return tokens_per_rank * shape.delta_heads * shape.delta_head_dims * shape.dtype_bytes
-
-
-# "cp_scan": "auto" holds the GDN scan's outputs across the CP exchange where they take at most this fraction of
-# the device's total memory (holds_scan, which the capture asks too).
-SCAN_HOLD_FRACTION = 0.25
-
-
-def holds_scan(cp_scan: str, held_bytes: int, device_memory: int | None) -> bool:
-    """Whether the GDN capture holds its outputs (`held_bytes` for the largest shard) across the exchange:
-    "one_pass", or "auto" where they fit SCAN_HOLD_FRACTION of the device's memory (always when there is no device
-    memory to bound them: off CUDA, or not known). The capture (grpo/cp/capture.py) and the plan both ask this."""
-    if cp_scan != "auto":
-        return cp_scan == "one_pass"
-    return device_memory is None or held_bytes <= SCAN_HOLD_FRACTION * device_memory
-
-
-def scan_holds(shape: ModelShape, tokens_per_rank: int, cp_scan: str, gpu_memory: int | None) -> bool:
-    """holds_scan for a rank of `tokens_per_rank` captured tokens of `shape`."""
-    return holds_scan(cp_scan, gdn_scan_outputs(shape, tokens_per_rank), gpu_memory)
-
-
 def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp: int, tokens_per_rank: int,
                     cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto",
                     keep_attention: bool = False, inputs_every: int = 1) -> dict:
@@ -277,116 +261,6 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp:
     return workspace
 
 
-
-
-# "cp_prefix": "auto" runs the layer-major pass where both memories it adds to hold:
-# - on the pages' tier (host or NVMe, where the longest prompt is decided), the layer inputs kept from capture and
-#   a group's recomputed ones are at most LAYER_MAJOR_STATE_RATIO times what the transaction keeps per rank and
-#   token anyway (pages, gradient pages, carry checkpoints, kept attention): the longest prompt that fits then
-#   shrinks to at most 1 / (1 + 1.5) = 40% of what the turns allow, for a prefix pass about cp_size times shorter;
-# - on the device, what the pass holds across one layer over the rank's shard (layer_major_workspace) takes at most
-#   LAYER_MAJOR_DEVICE_FRACTION of the device's memory, as "cp_scan": "auto" bounds the scan's held outputs (no
-#   bound off CUDA, where the device's memory is the host's). GLM-5.2's absorbed attention holds q, out and d(out)
-#   of 64 heads x 576 a token: 15 GiB a rank at 2M tokens on 32 GPUs, which fits a quarter of a 96 GB H20.
-# "prefix_inputs_every": "auto" takes the smallest k (the fewest recomputed layers) whose added bytes per token,
-# those held on the device included, fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest: Qwen3.6-27B's
-# inputs (64 layers x 5,120 values a token) are 4.4x its state kept, and k = 4 (16 kept + 3 recomputed) fits;
-# no k fits for GLM-5.2, whose fewest are at k = 13.
-LAYER_MAJOR_STATE_RATIO = 1.5
-LAYER_MAJOR_DEVICE_FRACTION = 0.25
-
-
-def layer_major_tier_bytes(shape: ModelShape, every: int) -> int:
-    """Bytes per rank and token the layer-major prefix pass adds on the pages' tier: the layer inputs kept every
-    `every` layers and a group's recomputed ones."""
-    return layer_inputs_bytes(shape, 1, every) + recomputed_inputs_bytes(shape, 1, every)
-
-
-def layer_major_added(shape: ModelShape, every: int) -> int:
-    """Bytes per rank and token the layer-major prefix pass adds in all: on the pages' tier, and what it holds on
-    the device across a layer (what "auto" weighs to choose prefix_inputs_every)."""
-    return layer_major_tier_bytes(shape, every) + layer_major_workspace(shape, 1)
-
-
-def retained_per_token(shape: ModelShape, segment_tokens: int, keep_attention: bool = False) -> float:
-    """What the transaction keeps per rank and token in exact mode anyway (the ratio's denominator)."""
-    return (shape.bytes_per_token + shape.grad_bytes_per_token + shape.carry_total / segment_tokens
-            + (shape.kept_bytes_per_token if keep_attention else 0))
-
-
-def inputs_every_for(shape: ModelShape, segment_tokens: int, keep_attention: bool = False,
-                     every: int | str = "auto") -> int:
-    """prefix_inputs_every as it runs: `every` itself, or for "auto" the smallest k (the fewest recomputed layers)
-    whose added bytes (layer_major_added) fit LAYER_MAJOR_STATE_RATIO, else the k that adds the fewest (then
-    ceil(L / k) + k - 1 layers' inputs, about 2 sqrt(L)). A function of the model and settings alone: every rank
-    decides alike."""
-    if every != "auto":
-        return every
-    layers = max(sum(shape.combine_counts.values()), 1)
-    allowed = LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens, keep_attention)
-    fitting = [k for k in range(1, layers + 1) if layer_major_added(shape, k) <= allowed]
-    return fitting[0] if fitting else min(range(1, layers + 1), key=lambda k: (layer_major_added(shape, k), k))
-
-
-def layer_major_fits(shape: ModelShape, segment_tokens: int, keep_attention: bool = False, every: int | str = "auto",
-                     tokens_per_rank: int | None = None, device_memory: int | None = None) -> bool:
-    """The "auto" rule above: the added bytes per token on the pages' tier at prefix_inputs_every `every` ("auto":
-    inputs_every_for) within LAYER_MAJOR_STATE_RATIO of the transaction's own, and, where both the rank's captured
-    tokens and the device's memory are known, what the pass holds on the device within LAYER_MAJOR_DEVICE_FRACTION
-    of it. Without them the tier's rule alone decides (the CP layout, chosen before a prompt is seen, asks that).
-    A function of the model, the settings, the prompt's length and the device: every rank decides alike."""
-    every = inputs_every_for(shape, segment_tokens, keep_attention, every)
-    tier = layer_major_tier_bytes(shape, every) <= LAYER_MAJOR_STATE_RATIO * retained_per_token(shape, segment_tokens,
-                                                                                           keep_attention)
-    if tokens_per_rank is None or device_memory is None:
-        return tier
-    return tier and layer_major_workspace(shape, tokens_per_rank) <= LAYER_MAJOR_DEVICE_FRACTION * device_memory
-
-
-def layer_major_prefix(shape: ModelShape, cp: int, prefix_grad: str, cp_prefix: str = "auto",
-                       segment_tokens: int = 4096, keep_attention: bool = False, every: int | str = "auto",
-                       tokens_per_rank: int | None = None, device_memory: int | None = None) -> bool:
-    """Whether exact mode's CP prefix pass runs layer-major for this model: where its layers' combines allow it,
-    and under "auto" where it fits the rule above (topology.resolve_prefix decides the same)."""
-    if prefix_grad != "exact" or cp < 2 or cp_prefix == "turns":
-        return False
-    if shape.not_layer_major:
-        return False
-    return cp_prefix == "layer_major" or layer_major_fits(shape, segment_tokens, keep_attention, every,
-                                                          tokens_per_rank, device_memory)
-
-
-def layer_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
-    """The layer inputs over a rank's shard that capture keeps for the layer-major prefix pass (state.input_pool:
-    hidden_size values per token and layer in the model's dtype): of layers 0, every, 2 every, ...
-    (prefix_inputs_every); and with each such base that reuses a selection made by a layer whose input is not kept,
-    that selection (select_topk int32 positions a token: state.selection_bases)."""
-    layers = sum(shape.combine_counts.values())
-    bases = [b for b in range(0, layers, every) if b in shape.reusing
-             and max((layer for layer in shape.selecting if layer < b), default=0) % every]
-    return tokens_per_rank * (shape.hidden_size * shape.dtype_bytes * -(-layers // every)
-                              + len(bases) * shape.select_topk * 4)
-
-
-def recomputed_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int = 1) -> int:
-    """What the layer-major prefix pass's recompute of a group's inputs holds on the pages' tier while the group
-    runs: every - 1 layers' inputs over the shard (prefix_layers.recompute_inputs)."""
-    return tokens_per_rank * shape.hidden_size * shape.dtype_bytes * (min(every, sum(shape.combine_counts.values()))
-                                                                      - 1)
-
-
-def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
-    """What the layer-major prefix pass holds on the device across one layer (grpo/cp/prefix_layers.py): d(output)
-    and d(input) [T, C] in the model's dtype, and the largest layer kind's own: attention q, out and d(out)
-    [T, H D] in the model's dtype with lse [T, H] in float32, or GDN d(o) and d(z) [T, Hv dv] (dv: half of
-    the key + value head dims, as in the families here). An estimate of the larger tensors, not of every
-    temporary."""
-    acc = 8 if shape.dtype_bytes == 8 else 4
-    hidden = 2 * shape.hidden_size * shape.dtype_bytes
-    attention = (3 * shape.attention_heads * shape.attention_head_dim * shape.dtype_bytes
-                 + shape.attention_heads * acc) if shape.attention_heads else 0
-    delta = 2 * shape.delta_heads * (shape.delta_head_dims // 2) * shape.dtype_bytes
-    return tokens_per_rank * (hidden + max(attention, delta))
 
 
 def zigzag_chunks(context: int, cp: int, capture_chunk: int) -> int:

@@ -23,21 +23,16 @@ import sys
 
 from ds_longstraw.config import parse_config
 from ds_longstraw.models.model_shape import load_config, shape_from_config
-from ds_longstraw.offload.plan import (
+from ds_longstraw.offload.auto import (
     LAYER_MAJOR_DEVICE_FRACTION,
     LAYER_MAJOR_STATE_RATIO,
-    TIERS,
-    Cluster,
-    GiB,
     gdn_scan_outputs,
     layer_inputs_bytes,
     layer_major_prefix,
     layer_major_workspace,
-    make_plan,
-    recommended_tier,
     recomputed_inputs_bytes,
-    rollout_figures,
 )
+from ds_longstraw.offload.plan import TIERS, Cluster, GiB, make_plan, recommended_tier, rollout_figures
 from ds_longstraw.sizes import parse_bytes, parse_tokens
 from ds_longstraw.tools.cp_time import predict, predict_sparse
 
@@ -264,7 +259,7 @@ def _render_cp_time(plan, gpu_tflops) -> list:
 
 
 def _prefix_runs(plan) -> str:
-    """How exact mode's CP prefix pass runs at this plan's prompt and GPU (offload/plan.layer_major_prefix)."""
+    """How exact mode's CP prefix pass runs at this plan's prompt and GPU (offload/auto.layer_major_prefix)."""
     lay = plan.cluster
     return "layer_major" if layer_major_prefix(plan.shape, lay.cp, "exact", plan.cp_prefix, plan.capture_chunk,
                                                plan.keep_attention, plan.inputs_every, plan.tokens_per_rank,
@@ -272,11 +267,11 @@ def _prefix_runs(plan) -> str:
 
 
 def _auto_rule(plan) -> str:
-    """The "auto" rule of the prefix schedule, in words (offload/plan.layer_major_fits)."""
+    """The "auto" rule of the prefix schedule, in words (offload/auto.layer_major_fits)."""
     return (f"longstraw.cp_prefix {plan.cp_prefix}: layer-major where the layer inputs it adds on the pages' tier "
             f"are at most {LAYER_MAJOR_STATE_RATIO:g}x the transaction's own retained bytes and what it holds on the "
             f"GPU across a layer at most {LAYER_MAJOR_DEVICE_FRACTION:g} of the GPU's memory, "
-            "offload/plan.layer_major_fits")
+            "offload/auto.layer_major_fits")
 
 
 def _inputs_every(text):

@@ -28,7 +28,7 @@ from reference import reference_step
 
 from ds_longstraw import GRPOObjective, grpo_backward
 from ds_longstraw.models.model_shape import shape_from_config
-from ds_longstraw.offload.plan import gdn_scan_outputs, layer_inputs_bytes
+from ds_longstraw.offload.auto import gdn_scan_outputs, layer_inputs_bytes
 from ds_longstraw.parallel import shard_pieces, visible_prefix
 from ds_longstraw.parallel.groups import local_spans
 
@@ -120,7 +120,7 @@ CASES = [
 for _case in CASES:
     _case["model"] = MODEL
     if _case["mode"] == "exact":  # the layer-major pass, asked for ("auto" takes it only where its layer inputs fit,
-        _case.setdefault("prefix", "layer_major")  # offload/plan.layer_major_fits); the turns cases ask for "turns"
+        _case.setdefault("prefix", "layer_major")  # offload/auto.layer_major_fits); the turns cases ask for "turns"
 BY_NAME = {case["name"]: case for case in CASES}
 
 

@@ -115,7 +115,7 @@ CASES = [
     dict(name="bfloat16-exact", prompt_len=47, response_lens=[5, 3, 4], mode="exact", chunk=5, page=4, block=3,
          dtype="bfloat16", low_precision=True, worlds=(2, 3)),
     # "auto", the default: this model's layer inputs fit the pages' tier's ratio, and nothing bounds what the pass
-    # holds off CUDA, so it runs layer-major on zigzag shards (offload/plan.layer_major_fits)
+    # holds off CUDA, so it runs layer-major on zigzag shards (offload/auto.layer_major_fits)
     dict(name="auto-exact", prompt_len=46, response_lens=[4, 3], mode="exact", chunk=5, page=4, block=3,
          prefix="auto", seed=11, worlds=(2, 3)),
 ]
@@ -260,7 +260,7 @@ def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results
     a token each; with prefix_inputs_every 3 also the selection layer 3 reuses from layer 2, index_topk int32 a
     token), what offload/plan.layer_inputs_bytes gives for the shape; the turns keep none."""
     from ds_longstraw.models.model_shape import shape_from_config
-    from ds_longstraw.offload.plan import layer_inputs_bytes
+    from ds_longstraw.offload.auto import layer_inputs_bytes
 
     world, results = world_results
     config = tiny_glm_moe_dsa().config
@@ -433,7 +433,8 @@ class _RanksPages:
                 yield rank, offset, lo, lat[lo:lo + self.page], rope[lo:lo + self.page]
             offset += lat.shape[0]
 
-    def partials(self, layer, query, positions, valid):
+    def partials(self, layer, selected):
+        query, positions, valid = selected
         out = torch.zeros(query[0].shape, dtype=torch.float64)
         lse = torch.full(query[0].shape[:2], float("-inf"), dtype=torch.float64)
         for _, offset, lo, lat, rope in self._pages():
@@ -441,7 +442,8 @@ class _RanksPages:
             out, lse = merge_partials(out, lse, o, l_)
         return out, lse
 
-    def partial_grads(self, layer, query, positions, valid, out, lse, d_out, d_lse):
+    def partial_grads(self, layer, selected, partial, d_partial):
+        (query, positions, valid), (out, lse), (d_out, d_lse) = selected, partial, d_partial
         delta = attention_delta(out, d_out, d_lse)
         d_query = [torch.zeros_like(q) for q in query]
         for rank, offset, lo, lat, rope in self._pages():

@@ -175,14 +175,14 @@ def test_auto_prefix_weighs_the_layer_inputs_against_the_kept_state():
     from ds_longstraw.arch import adapter_for
     from ds_longstraw.grpo.topology import resolve_inputs_every, resolve_prefix
     from ds_longstraw.models.model_shape import load_config, shape_from_config
-    from ds_longstraw.offload.plan import (
+    from ds_longstraw.offload.auto import (
         LAYER_MAJOR_DEVICE_FRACTION,
         LAYER_MAJOR_STATE_RATIO,
         inputs_every_for,
         layer_major_fits,
         layer_major_workspace,
     )
-    from ds_longstraw.offload.plan import layer_major_prefix as plan_layer_major
+    from ds_longstraw.offload.auto import layer_major_prefix as plan_layer_major
 
     assert (LAYER_MAJOR_STATE_RATIO, LAYER_MAJOR_DEVICE_FRACTION) == (1.5, 0.25)
     adapter = adapter_for(tiny_qwen3_5(layers=3, layer_types=["linear_attention", "full_attention",
@@ -424,7 +424,7 @@ def test_auto_scan_holds_outputs_where_they_fit():
     """"cp_scan": "auto" holds the GDN outputs off CUDA, and on CUDA where they take at most SCAN_HOLD_FRACTION of
     the device (the same rule as the planner's scan_holds); explicit settings are obeyed."""
     from ds_longstraw.grpo.cp.kinds.scan.capture import holds_scan_outputs
-    from ds_longstraw.offload.plan import SCAN_HOLD_FRACTION
+    from ds_longstraw.offload.auto import SCAN_HOLD_FRACTION
 
     cpu, cuda, gib = torch.device("cpu"), torch.device("cuda"), 1 << 30
     auto = LongstrawConfig(cp_size=2)

@@ -52,6 +52,7 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     OwnRows,
     empty_partial,
     merge_partials_as,
+    merged_grad,
     request_candidates,
     request_grads,
     request_partials,
@@ -64,7 +65,7 @@ from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
-    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.interfaces import Partial, Selected
     from ds_longstraw.grpo.lockstep import TurnIterations
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import PagePool, Stager
@@ -127,24 +128,21 @@ class RemotePages:
                valid: torch.Tensor) -> Partial:
         return selected_rows_attention(self, layer, query, positions, valid)
 
-    def partials(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
-                 valid: torch.Tensor) -> Partial:
-        self._header(FORWARD, layer, positions.shape[0], positions.device)
-        result = request_partials(self.cp, self.adapter, layer, query, positions, valid, self.pieces, self.servers)
+    def partials(self, layer: int, selected: Selected) -> Partial:
+        self._header(FORWARD, layer, selected.positions.shape[0], selected.positions.device)
+        result = request_partials(self.cp, self.adapter, layer, selected, self.pieces, self.servers)
         if self.earlier is not None:
-            own = self.earlier.partial(layer, query, positions, valid)
+            own = self.earlier.partial(layer, selected)
             result = merge_partials_as(self.adapter.sparse_geometry(layer), [result, own])
         return result
 
-    def partial_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                      d_lse: torch.Tensor | None) -> list[torch.Tensor]:
-        delta = attention_delta(out, d_out, d_lse)
-        self._header(BACKWARD, layer, positions.shape[0], positions.device)
-        d_query = request_grads(self.cp, self.adapter, layer, query, positions, valid, lse, d_out, delta, self.pieces,
-                                self.servers)
+    def partial_grads(self, layer: int, selected: Selected, partial: Partial,
+                      d_partial: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+        merged = merged_grad(partial, d_partial)
+        self._header(BACKWARD, layer, selected.positions.shape[0], selected.positions.device)
+        d_query = request_grads(self.cp, self.adapter, layer, selected, merged, self.pieces, self.servers)
         if self.earlier is not None:
-            earlier = self.earlier.grads(layer, query, positions, valid, lse, d_out, delta)
+            earlier = self.earlier.grads(layer, selected, merged)
             for total, part in zip(d_query, earlier, strict=True):
                 total += part.to(total.dtype)
         return d_query

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_longstraw.offload.plan import holds_scan
+from ds_longstraw.offload.auto import holds_scan
 from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ Pieces = Sequence[Sequence[tuple[int, int]]]  # every rank's pieces of the promp
 def holds_scan_outputs(longstraw: LongstrawConfig, held_bytes: int, device: torch.device,
                        device_total: int | None = None) -> bool:
     """Whether the GDN capture holds its outputs across the exchange ("one_pass") for a shard whose outputs take
-    `held_bytes`: offload/plan.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
+    `held_bytes`: offload/auto.holds_scan (the planner's rule) against the device's total memory (CUDA; read from
     the device when device_total is None; off CUDA nothing bounds them)."""
     if longstraw.cp_scan == "auto" and device.type == "cuda" and device_total is None:
         device_total = torch.cuda.get_device_properties(device).total_memory

@@ -34,6 +34,7 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     collect_grads,
     exchange_all_at_once,
     key_stager,
+    local_selection,
     row_stager,
     send_grad_requests,
     shard_partial,
@@ -41,8 +42,8 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     streamed_sparse_grads,
 )
 from ds_longstraw.grpo.cp.output_side import output_side
+from ds_longstraw.grpo.interfaces import MergedGrad, Selected
 from ds_longstraw.kernels.attention import attention_delta
-from ds_longstraw.parallel.groups import prompt_to_local
 
 if TYPE_CHECKING:
     from torch.distributed import Work
@@ -140,7 +141,8 @@ def sparse_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: 
             _pad_projections(adapter, layer, chunks)
             geometry = adapter.sparse_geometry(layer)
             query = _cat(queries) if queries else None
-            out, lse = shard_partial(cp, adapter, spec, rows, query, positions, valid, pieces)
+            selected = Selected(query, positions, valid)
+            out, lse = shard_partial(cp, adapter, spec, rows, selected, pieces)
         # (1) the output side: d(out), and d(input) through the residual and the MLP
         d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
         d_out = torch.zeros(out.shape, dtype=geometry.lse_dtype, device=out.device)
@@ -152,7 +154,7 @@ def sparse_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: 
             output_side(adapter, layer, _zero(adapter), 0, out.new_zeros((1, *out.shape[1:])), _zero(adapter),
                         backward, _output_map)
         # (2) the attention's backward, every rank's queries at once: d(query) here, d(rows) at their owners
-        d_query = _sparse_grads(adapter, spec, rows, cp, pieces, query, positions, valid, out, lse, d_out)
+        d_query = _sparse_grads(frame, spec, rows, selected, MergedGrad(lse, d_out, attention_delta(out, d_out, None)))
     finally:
         rows.close()
     del out, d_out
@@ -183,25 +185,22 @@ def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, posit
     return grad_of(x)
 
 
-def _sparse_grads(adapter: CausalLMAdapter, spec: LayerState, rows: Stager, cp: CPContext,
-                  pieces: Sequence[Sequence[tuple[int, int]]], query: tuple[torch.Tensor, ...] | None,
-                  positions: torch.Tensor, valid: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  d_out: torch.Tensor) -> list[torch.Tensor]:
+def _sparse_grads(frame: LayerMajorFrame, spec: LayerState, rows: Stager, selected: Selected,
+                  merged: MergedGrad) -> list[torch.Tensor]:
     """d(query) of this rank's shard: its own rows' share locally, every other owner's by the exchange (every rank
     client and server at once); each owner adds its rows' gradients to its gradient pages."""
-    layer = spec.layer
-    delta = attention_delta(out, d_out, None)
+    adapter, cp, pieces, layer = frame.adapter, frame.cp, frame.pieces, spec.layer
 
     def post(servers: list[int], works: list[Work]) -> None:
-        if query is not None:
-            send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers, works)
+        if selected.query is not None:
+            send_grad_requests(cp, adapter.sparse_geometry(layer), selected, merged, pieces, servers, works)
 
     def collect(servers: list[int]) -> list[torch.Tensor]:
-        if query is None:
+        if selected.query is None:
             return []
-        own = streamed_sparse_grads(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]),
-                                    lse, d_out, delta, rows.pool)
-        return collect_grads(cp, adapter, layer, query, servers, own)
+        own = streamed_sparse_grads(rows, adapter, spec, local_selection(selected, pieces[cp.rank]), merged,
+                                    rows.pool)
+        return collect_grads(cp, adapter, layer, selected.query, servers, own)
 
     return exchange_all_at_once(
         cp, pieces, post,

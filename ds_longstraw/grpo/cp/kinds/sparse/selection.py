@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from ds_longstraw.grpo.cp.kinds.attention.ring import merge_in_order, page_runs
+from ds_longstraw.grpo.interfaces import MergedGrad, Selected
 from ds_longstraw.grpo.state import append_rows, decode_selection, encode_selection
 from ds_longstraw.kernels.attention import attention_delta
 from ds_longstraw.offload import Stager
@@ -65,7 +66,7 @@ if TYPE_CHECKING:
     from ds_longstraw.arch.specs import LayerState, SparseGeometry
     from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.grpo.cp.kinds.base import ShardFrame
-    from ds_longstraw.grpo.interfaces import Partial
+    from ds_longstraw.grpo.interfaces import MergedGrad, Partial
     from ds_longstraw.offload import PagePool
     from ds_longstraw.offload.tiered import TieredPagePool
     from ds_longstraw.parallel.groups import CPContext
@@ -108,6 +109,11 @@ def sparse_servers(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> li
 def sparse_clients(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> list[int]:
     """The ranks whose queries see some key of `rank` (those it answers in the capture)."""
     return [j for j in range(len(pieces)) if rank in sparse_servers(pieces, j)]
+
+
+def local_selection(selected: Selected, pieces: Sequence[tuple[int, int]]) -> Selected:
+    """The selection in the local positions of the owner of `pieces` (invalid where a row is not its own)."""
+    return Selected(selected.query, *prompt_to_local(selected.positions, selected.valid, pieces))
 
 
 def owned_positions(positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[tuple[int, int]],
@@ -178,21 +184,20 @@ def _has_rows(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) ->
 
 
 def streamed_candidates(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selector: tuple[torch.Tensor, ...],
-                        best: tuple[torch.Tensor, torch.Tensor] | None = None, key_start: int = 0,
-                        query_start: int | None = None,
+                        best: tuple[torch.Tensor, torch.Tensor] | None = None, query_start: int | None = None,
                         end: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), at positions
-    key_start ..), page by page; query_start None: every key is visible to every query (they precede them)."""
+    """`best` extended by this rank's selection pages of layer `spec.layer` (tokens [0, end), in its local
+    positions), page by page; query_start None: every key is visible to every query (they precede them)."""
     for lo, _, pages in _runs(stager, spec.layer, spec.select, end):
-        best = adapter.sparse_candidates(spec.layer, selector, pages, key_start + lo, query_start, best)
+        best = adapter.sparse_candidates(spec.layer, selector, pages, lo, query_start, best)
     return best
 
 
-def streamed_sparse_partial(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, query: tuple[torch.Tensor, ...],
-                            positions: torch.Tensor, valid: torch.Tensor) -> Partial:
-    """(out, lse) of the query over its selected rows among this rank's pages (positions and valid in this rank's
-    own positions), page by page, merged by log-sum-exp in order (in the lse's dtype; the output then in the
+def streamed_sparse_partial(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selected: Selected) -> Partial:
+    """(out, lse) of the query over its selected rows among this rank's pages (the selection in this rank's own
+    positions), page by page, merged by log-sum-exp in order (in the lse's dtype; the output then in the
     geometry's); pages holding none are not computed on."""
+    query, positions, valid = selected
     geometry = adapter.sparse_geometry(spec.layer)
     result = empty_partial(geometry, positions.shape[0], positions.device)
     for lo, hi, pages in _runs(stager, spec.layer, spec.row_names):
@@ -202,11 +207,12 @@ def streamed_sparse_partial(stager: Stager, adapter: CausalLMAdapter, spec: Laye
     return result[0].to(geometry.out[1]), result[1]
 
 
-def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, query: tuple[torch.Tensor, ...],
-                          positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                          delta: torch.Tensor, pool: PagePool | TieredPagePool | None = None) -> list[torch.Tensor]:
-    """This rank's pages' share of d(query) given the MERGED lse and delta, page by page (in lse's dtype); with
-    `pool`, each page's d(rows) is added to its gradient pages as it is computed (streams that carry one)."""
+def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selected: Selected,
+                          merged: MergedGrad, pool: PagePool | TieredPagePool | None = None) -> list[torch.Tensor]:
+    """This rank's pages' share of d(query) given the MERGED lse and delta (the selection in this rank's own
+    positions), page by page (in lse's dtype); with `pool`, each page's d(rows) is added to its gradient pages as
+    it is computed (streams that carry one)."""
+    (query, positions, valid), (lse, d_out, delta) = selected, merged
     d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
     grads = {stream.name for stream in spec.streams if stream.grad}
     for lo, hi, pages in _runs(stager, spec.layer, spec.row_names):
@@ -251,15 +257,16 @@ def send_selector(cp: CPContext, selector: tuple[torch.Tensor, ...], servers: It
         _send_all(cp, selector, i, works)
 
 
-def collect_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens: int, device: torch.device,
-                       servers: Iterable[int], server_ends: Mapping[int, Iterable[int]],
-                       pieces: Sequence[Sequence[tuple[int, int]]],
+def collect_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, like: torch.Tensor,
+                       server_ends: Mapping[int, Iterable[int]], pieces: Sequence[Sequence[tuple[int, int]]],
                        best: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`best` merged with every server's candidates (server_ends[i]: the end of its pages each query group sees,
-    as answer_candidates got them), in prompt positions."""
+    """`best` merged with every server's candidates for the queries of `like` (a [T, ...] tensor: their count
+    and device), in prompt positions; server_ends[i]: the end of server i's pages each query group sees, as
+    answer_candidates got them (in server order)."""
     geometry = adapter.sparse_geometry(layer)
-    for i in servers:
+    tokens, device = like.shape[0], like.device
+    for i in server_ends:
         width = candidate_width(geometry, server_ends[i])
         scores = cp.recv((tokens, width), geometry.score_dtype, i, layer, "sparse_candidate_scores", device=device)
         local = cp.recv((tokens, width), torch.int32, i, layer, "sparse_candidates", device=device)
@@ -273,8 +280,7 @@ def request_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, sele
     """Send the selector to every server; their candidates merged (prompt positions), or None when there are none.
     end_of(i): the end of server i's pages that every query sees."""
     send_selector(cp, selector, servers)
-    return collect_candidates(cp, adapter, layer, selector[0].shape[0], selector[0].device, servers,
-                              {i: [end_of(i)] for i in servers}, pieces)
+    return collect_candidates(cp, adapter, layer, selector[0], {i: [end_of(i)] for i in servers}, pieces)
 
 
 def answer_candidates(cp: CPContext, client: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState,
@@ -294,26 +300,27 @@ def answer_candidates(cp: CPContext, client: int, adapter: CausalLMAdapter, stag
     _send_all(cp, (scores, positions.to(torch.int32)), client, works)
 
 
-def _send_query(cp: CPContext, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-                pieces: Sequence[Sequence[tuple[int, int]]], server: int, width: int,
-                works: list[Work] | None = None) -> None:
+def _send_query(cp: CPContext, selected: Selected, pieces: Sequence[Sequence[tuple[int, int]]], server: int,
+                width: int, works: list[Work] | None = None) -> None:
+    query, positions, valid = selected
     _send_all(cp, (*query, owned_positions(positions, valid, pieces[server], width)), server, works)
 
 
 def _recv_query(cp: CPContext, owner: int, adapter: CausalLMAdapter, spec: LayerState,
-                tokens: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+                tokens: int) -> Selected:
+    """The owner's query and its selection in this rank's local positions."""
     geometry = adapter.sparse_geometry(spec.layer)
     query = _recv_all(cp, geometry.query, tokens, owner, spec.layer, "sparse_query", adapter.device)
     local = cp.recv((tokens, geometry.topk), torch.int32, owner, spec.layer, "sparse_positions",
                     device=adapter.device)
-    return (query, *decode_selection(local))
+    return Selected(query, *decode_selection(local))
 
 
-def send_partial_requests(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
-                          positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
-                          servers: Iterable[int], works: list[Work] | None = None) -> None:
+def send_partial_requests(cp: CPContext, geometry: SparseGeometry, selected: Selected,
+                          pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
+                          works: list[Work] | None = None) -> None:
     for i in servers:
-        _send_query(cp, query, positions, valid, pieces, i, adapter.sparse_geometry(layer).topk, works)
+        _send_query(cp, selected, pieces, i, geometry.topk, works)
 
 
 def collect_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens: int, device: torch.device,
@@ -328,30 +335,26 @@ def collect_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens
     return merge_partials_as(geometry, partials)
 
 
-def request_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
-                     positions: torch.Tensor, valid: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
-                     servers: Sequence[int]) -> Partial:
+def request_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, selected: Selected,
+                     pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int]) -> Partial:
     """(out, lse) of the query over the selected rows every server owns, merged in rank order."""
-    send_partial_requests(cp, adapter, layer, query, positions, valid, pieces, servers)
-    return collect_partials(cp, adapter, layer, positions.shape[0], positions.device, servers)
+    send_partial_requests(cp, adapter.sparse_geometry(layer), selected, pieces, servers)
+    return collect_partials(cp, adapter, layer, selected.positions.shape[0], selected.positions.device, servers)
 
 
 def answer_partial(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState, tokens: int,
                    works: list[Work] | None = None) -> None:
     """The owner's query and this rank's positions in, the partial over those rows out."""
-    query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
-    out, lse = streamed_sparse_partial(stager, adapter, spec, query, positions, valid)
+    out, lse = streamed_sparse_partial(stager, adapter, spec, _recv_query(cp, owner, adapter, spec, tokens))
     _send_all(cp, (out, lse), owner, works)
 
 
-def send_grad_requests(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
-                       positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                       delta: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
+def send_grad_requests(cp: CPContext, geometry: SparseGeometry, selected: Selected, merged: MergedGrad,
+                       pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
                        works: list[Work] | None = None) -> None:
-    geometry = adapter.sparse_geometry(layer)
-    acc = geometry.lse_dtype
+    acc, (lse, d_out, delta) = geometry.lse_dtype, merged
     for i in servers:
-        _send_query(cp, query, positions, valid, pieces, i, geometry.topk, works)
+        _send_query(cp, selected, pieces, i, geometry.topk, works)
         _send_all(cp, (d_out.to(geometry.out[1]), torch.stack([lse.to(acc), delta.to(acc)])), i, works)
 
 
@@ -369,14 +372,12 @@ def collect_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tu
     return d_query
 
 
-def request_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tuple[torch.Tensor, ...],
-                  positions: torch.Tensor, valid: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                  delta: torch.Tensor, pieces: Sequence[Sequence[tuple[int, int]]],
-                  servers: Sequence[int]) -> list[torch.Tensor]:
+def request_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, selected: Selected, merged: MergedGrad,
+                  pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int]) -> list[torch.Tensor]:
     """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
     gradients to their gradient pages."""
-    send_grad_requests(cp, adapter, layer, query, positions, valid, lse, d_out, delta, pieces, servers)
-    return collect_grads(cp, adapter, layer, query, servers)
+    send_grad_requests(cp, adapter.sparse_geometry(layer), selected, merged, pieces, servers)
+    return collect_grads(cp, adapter, layer, selected.query, servers)
 
 
 def answer_grads(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: Stager, spec: LayerState, tokens: int,
@@ -384,11 +385,11 @@ def answer_grads(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: St
     """The owner's query, this rank's positions, d_out, lse and delta in; this rank's rows' gradients onto its
     gradient pages; its share of d(query) out."""
     geometry = adapter.sparse_geometry(spec.layer)
-    query, positions, valid = _recv_query(cp, owner, adapter, spec, tokens)
+    selected = _recv_query(cp, owner, adapter, spec, tokens)
     (shape, dtype), acc = geometry.out, geometry.lse_dtype
     d_out = cp.recv((tokens, *shape), dtype, owner, spec.layer, "sparse_d_out", device=adapter.device)
     lse, delta = cp.recv((2, tokens, *shape[:-1]), acc, owner, spec.layer, "sparse_lse_delta", device=adapter.device)
-    shares = streamed_sparse_grads(stager, adapter, spec, query, positions, valid, lse, d_out, delta, stager.pool)
+    shares = streamed_sparse_grads(stager, adapter, spec, selected, MergedGrad(lse, d_out, delta), stager.pool)
     _send_all(cp, [part.to(acc) for part in shares], owner, works)
 
 
@@ -437,7 +438,7 @@ def capture_sparse_layer(frame: ShardFrame, spec: LayerState, normed_1TC: torch.
                                         pieces)
         elif selection is None:
             raise ValueError(f"layer {layer} reuses a selection, but no earlier layer selects")
-        out, lse = shard_partial(cp, adapter, spec, rows, query, *selection, pieces)
+        out, lse = shard_partial(cp, adapter, spec, rows, Selected(query, *selection), pieces)
     finally:
         keys.close()
         rows.close()
@@ -483,7 +484,7 @@ def exchange_candidates(cp: CPContext, adapter: CausalLMAdapter, spec: LayerStat
 
     def collect(servers: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         ends = {i: [end for _, end in _query_groups(mine, pieces[i])] for i in servers}
-        return collect_candidates(cp, adapter, spec.layer, tokens, adapter.device, servers, ends, pieces)
+        return collect_candidates(cp, adapter, spec.layer, torch.empty(tokens, device=adapter.device), ends, pieces)
 
     return exchange_all_at_once(
         cp, pieces, lambda servers, works: send_selector(cp, selector, servers, works),
@@ -537,41 +538,40 @@ def piece_selections(adapter: CausalLMAdapter, layer: int, best: tuple[torch.Ten
             torch.cat([F.pad(valid, (0, width - valid.shape[1]), value=False) for _, valid in parts]))
 
 
-def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager,
-                      query: tuple[torch.Tensor, ...] | None, positions: torch.Tensor, valid: torch.Tensor,
+def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager, selected: Selected,
                       pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
     """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
     whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
+    geometry, positions = adapter.sparse_geometry(spec.layer), selected.positions
     return exchange_all_at_once(
         cp, pieces,
-        lambda servers, works: send_partial_requests(cp, adapter, spec.layer, query, positions, valid, pieces,
-                                                     servers, works),
+        lambda servers, works: send_partial_requests(cp, geometry, selected, pieces, servers, works),
         lambda j, works: answer_partial(cp, j, adapter, stager, spec, sum(hi - lo for lo, hi in pieces[j]), works),
         lambda servers: collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers))
 
 
-def shard_partial(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, rows: Stager,
-                  query: tuple[torch.Tensor, ...] | None, positions: torch.Tensor, valid: torch.Tensor,
+def shard_partial(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, rows: Stager, selected: Selected,
                   pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
-    """The merged (out, lse) of this rank's shard queries over every rank's selected rows (no autograd): the other
-    ranks' partials (exchange_partials), then its own rows'."""
-    out, lse = exchange_partials(cp, adapter, spec, rows, query, positions, valid, pieces)
-    if query is not None:
-        own = streamed_sparse_partial(rows, adapter, spec, query, *prompt_to_local(positions, valid, pieces[cp.rank]))
+    """The merged (out, lse) of this rank's shard queries (selected.query None: it has none) over every rank's
+    selected rows (no autograd): the other ranks' partials (exchange_partials), then its own rows'."""
+    out, lse = exchange_partials(cp, adapter, spec, rows, selected, pieces)
+    if selected.query is not None:
+        own = streamed_sparse_partial(rows, adapter, spec, local_selection(selected, pieces[cp.rank]))
         out, lse = merge_partials_as(adapter.sparse_geometry(spec.layer), [(out, lse), own])
     return out, lse
 
 
 # -- replay and scoring: the same queries on every rank, candidates and partials all-gathered --------------------
 class _SelectedRows(torch.autograd.Function):
-    """Attention of a query over selected rows held elsewhere, as one autograd node: pages.partials(layer, query,
-    positions, valid) -> (out, lse); pages.partial_grads(layer, query, positions, valid, out, lse, d_out, d_lse)
-    -> d(query), sending d(rows) wherever those rows' gradients belong. The rows are constants of the graph."""
+    """Attention of a query over selected rows held elsewhere, as one autograd node (pages: an
+    interfaces.SelectedRowsPages): pages.partials(layer, selected) -> (out, lse); pages.partial_grads(layer,
+    selected, (out, lse), (d_out, d_lse)) -> d(query), sending d(rows) wherever those rows' gradients belong. The
+    rows are constants of the graph."""
 
     @staticmethod
     def forward(ctx: Any, pages: Any, layer: int, positions: torch.Tensor, valid: torch.Tensor,
                 *query: torch.Tensor) -> Partial:
-        out, lse = pages.partials(layer, query, positions, valid)
+        out, lse = pages.partials(layer, Selected(query, positions, valid))
         ctx.save_for_backward(positions, valid, out, lse, *query)
         ctx.pages, ctx.layer = pages, layer
         return out, lse
@@ -580,8 +580,15 @@ class _SelectedRows(torch.autograd.Function):
     def backward(ctx: Any, d_out: torch.Tensor | None, d_lse: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         positions, valid, out, lse, *query = ctx.saved_tensors
         d_out = torch.zeros_like(out) if d_out is None else d_out
-        d_query = ctx.pages.partial_grads(ctx.layer, tuple(query), positions, valid, out, lse, d_out, d_lse)
+        d_query = ctx.pages.partial_grads(ctx.layer, Selected(tuple(query), positions, valid), (out, lse),
+                                          (d_out, d_lse))
         return (None, None, None, None, *(d.to(q.dtype) for d, q in zip(d_query, query, strict=True)))
+
+
+def merged_grad(partial: Partial, d_partial: tuple[torch.Tensor, torch.Tensor | None]) -> MergedGrad:
+    """What every party's share of d(query) needs, from the merged partial (out, lse) and its gradients."""
+    (out, lse), (d_out, d_lse) = partial, d_partial
+    return MergedGrad(lse, d_out, attention_delta(out, d_out, d_lse))
 
 
 def selected_rows_attention(pages: Any, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
@@ -615,19 +622,16 @@ class OwnRows:
         scores, positions = padded_candidates(best, tokens, width, geometry, device)
         return scores, positions.to(torch.int32)
 
-    def partial(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
-                valid: torch.Tensor) -> Partial:
+    def partial(self, layer: int, selected: Selected) -> Partial:
         """(out, lse) of the query over the selected rows among these pages."""
-        own = prompt_to_local(positions, valid, self.pieces)
-        return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer], query, *own)
+        return streamed_sparse_partial(self.rows, self.adapter, self.specs[layer],
+                                       local_selection(selected, self.pieces))
 
-    def grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-              lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
+    def grads(self, layer: int, selected: Selected, merged: MergedGrad) -> list[torch.Tensor]:
         """These pages' share of d(query) given the merged lse and delta; d(rows) stay here, on the gradient pages
-        (exact)."""
-        own = prompt_to_local(positions, valid, self.pieces)
-        return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], query, *own, lse, d_out, delta,
-                                     self.pool if self.grads_to_pages else None)
+        (grads_to_pages)."""
+        return streamed_sparse_grads(self.rows, self.adapter, self.specs[layer], local_selection(selected, self.pieces),
+                                     merged, self.pool if self.grads_to_pages else None)
 
     def close(self) -> None:
         self.rows.close()
@@ -655,13 +659,11 @@ class SparsePagesAttention:
         """This rank's candidates at the width every rank uses (OwnRows.candidates)."""
         return self.own.candidates(layer, selector, min(self.adapter.sparse_geometry(layer).topk, max(self.sizes)))
 
-    def own_partial(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
-                    valid: torch.Tensor) -> Partial:
-        return self.own.partial(layer, query, positions, valid)
+    def own_partial(self, layer: int, selected: Selected) -> Partial:
+        return self.own.partial(layer, selected)
 
-    def own_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-                  lse: torch.Tensor, d_out: torch.Tensor, delta: torch.Tensor) -> list[torch.Tensor]:
-        return self.own.grads(layer, query, positions, valid, lse, d_out, delta)
+    def own_grads(self, layer: int, selected: Selected, merged: MergedGrad) -> list[torch.Tensor]:
+        return self.own.grads(layer, selected, merged)
 
     # -- every rank with the same queries ---------------------------------------------------------------------
     def candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -674,18 +676,15 @@ class SparsePagesAttention:
                valid: torch.Tensor) -> Partial:
         return selected_rows_attention(self, layer, query, positions, valid)
 
-    def partials(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
-                 valid: torch.Tensor) -> Partial:
-        out, lse = self.own_partial(layer, query, positions, valid)
+    def partials(self, layer: int, selected: Selected) -> Partial:
+        out, lse = self.own_partial(layer, selected)
         outs = self.cp.all_gather(out, layer, "sparse_out")
         lses = self.cp.all_gather(lse, layer, "sparse_lse")
         return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
-    def partial_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                      d_lse: torch.Tensor | None) -> list[torch.Tensor]:
-        delta = attention_delta(out, d_out, d_lse)
-        d_query = self.own_grads(layer, query, positions, valid, lse, d_out, delta)
+    def partial_grads(self, layer: int, selected: Selected, partial: Partial,
+                      d_partial: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+        d_query = self.own_grads(layer, selected, merged_grad(partial, d_partial))
         flat = self.cp.all_reduce_(torch.cat([d.reshape(-1) for d in d_query]), layer, "sparse_dq")
         return [piece.view_as(d) for piece, d in zip(flat.split([d.numel() for d in d_query]), d_query, strict=True)]
 

@@ -12,9 +12,10 @@ from ds_longstraw.grpo.cp.kinds.attention.ring import sum_in_order
 from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     merge_partials_as,
     merge_rank_candidates,
+    merged_grad,
     selected_rows_attention,
 )
-from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.grpo.interfaces import MergedGrad, Selected
 
 if TYPE_CHECKING:
     from ds_longstraw.grpo.interfaces import OwnSparsePages, Partial
@@ -40,33 +41,32 @@ class SpreadSparsePagesAttention:
                valid: torch.Tensor) -> Partial:
         return selected_rows_attention(self, layer, query, positions, valid)
 
-    def _full_width(self, layer: int, positions: torch.Tensor,
-                    valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _full_width(self, layer: int, selected: Selected) -> Selected:
         """The selection widened to topk columns (invalid slots): a block's width, min(topk, position + 1), differs
         between ranks (a padded member of one token at position 0 on one, a real block on another), and the
         gather's rows must be alike everywhere."""
+        query, positions, valid = selected
         extra = self.adapter.sparse_geometry(layer).topk - positions.shape[1]
-        return F.pad(positions, (0, extra)), F.pad(valid, (0, extra), value=False)
+        return Selected(query, F.pad(positions, (0, extra)), F.pad(valid, (0, extra), value=False))
 
-    def partials(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
-                 valid: torch.Tensor) -> Partial:
-        positions, valid = self._full_width(layer, positions, valid)
+    def partials(self, layer: int, selected: Selected) -> Partial:
+        query, positions, valid = self._full_width(layer, selected)
         (*q_all, pos_all, valid_all), counts = self.cp.gather_tokens((*query, positions, valid), 0, layer,
                                                                      "spread_query")
-        out, lse = self.pages.own_partial(layer, tuple(q_all), pos_all, valid_all)
+        out, lse = self.pages.own_partial(layer, Selected(tuple(q_all), pos_all, valid_all))
         outs = self.cp.return_tokens(out, counts, 0, layer, "spread_out")
         lses = self.cp.return_tokens(lse, counts, 0, layer, "spread_lse")
         return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
-    def partial_grads(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor, valid: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, d_out: torch.Tensor,
-                      d_lse: torch.Tensor | None) -> list[torch.Tensor]:
-        delta = attention_delta(out, d_out, d_lse)
-        positions, valid = self._full_width(layer, positions, valid)
-        wire = (*query, positions, valid, lse, d_out.to(out.dtype), delta.to(lse.dtype))
+    def partial_grads(self, layer: int, selected: Selected, partial: Partial,
+                      d_partial: tuple[torch.Tensor, torch.Tensor | None]) -> list[torch.Tensor]:
+        lse, d_out, delta = merged_grad(partial, d_partial)
+        query, positions, valid = self._full_width(layer, selected)
+        wire = (*query, positions, valid, lse, d_out.to(partial[0].dtype), delta.to(lse.dtype))
         (*gathered, lse_all, d_out_all, delta_all), counts = self.cp.gather_tokens(wire, 0, layer, "spread_backward")
         q_all, (pos_all, valid_all) = tuple(gathered[: len(query)]), gathered[len(query):]
-        shares = self.pages.own_grads(layer, q_all, pos_all, valid_all, lse_all, d_out_all, delta_all)
+        shares = self.pages.own_grads(layer, Selected(q_all, pos_all, valid_all),
+                                      MergedGrad(lse_all, d_out_all, delta_all))
         return [sum_in_order(self.cp.return_tokens(share, counts, 0, layer, "spread_dq")) for share in shares]
 
     def close(self) -> None:
