@@ -176,13 +176,13 @@ def optimizer_from_block(params, block):
     return cls(params, **{k: v for k, v in options.items() if k in _KNOWN})
 
 
-def check_engine_settings(ds_config, settings):
+def check_engine_settings(ds_config, longstraw):
     """ValueError (before any work) for what the engine does not run with expert slices."""
-    if settings.ep_size == 1:
+    if longstraw.ep_size == 1:
         return
     clip = float(ds_config.get("gradient_clipping", 0.0) or 0.0)
     if clip > 0:
-        raise ValueError(f"'gradient_clipping' = {clip} with 'longstraw.ep_size' = {settings.ep_size}: the engine's "
+        raise ValueError(f"'gradient_clipping' = {clip} with 'longstraw.ep_size' = {longstraw.ep_size}: the engine's "
                          "global gradient norm does not see the expert slices (kept out of ZeRO), so clipping would "
                          "not be global; set it to 0")
     if (ds_config.get("fp16") or {}).get("enabled"):

@@ -41,7 +41,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_longstraw.grpo.prefix_pass import segment_roots
-from ds_longstraw.parallel.groups import segments_in_order  # prompt order: the order the prefix pass's turns index
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -94,14 +93,14 @@ def capture_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext
     if cp is None:
         return ceil_div(tokens, longstraw.segment_tokens)
     # chunks never straddle two of a rank's pieces (parallel/groups.local_spans)
-    return sum(ceil_div(hi - lo, longstraw.segment_tokens) for lo, hi in cp.pieces(tokens)[cp.rank])
+    return sum(ceil_div(hi - lo, longstraw.segment_tokens) for lo, hi in cp.pieces(tokens).mine)
 
 
 def segment_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext) -> tuple:
     """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
     the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix.py)."""
     return tuple(ceil_div(hi - lo, longstraw.segment_tokens)
-                 for _, _, lo, hi in segments_in_order(cp.pieces(prompt_length - 1)))
+                 for _, _, lo, hi in cp.pieces(prompt_length - 1).order)
 
 
 def calls_of(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> GroupCalls:

@@ -47,7 +47,7 @@ from ds_longstraw.models.model_shape import shape_from_config
 from ds_longstraw.offload.auto import inputs_every_for, layer_major_fits, layout_for, prefix_schedule
 from ds_longstraw.offload.plan import captured_tokens_per_rank
 from ds_longstraw.parallel.experts import is_expert_param
-from ds_longstraw.parallel.groups import CPContext, as_cp_context, local_tokens
+from ds_longstraw.parallel.groups import CPContext, as_cp_context
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -282,7 +282,7 @@ class ContextParallel:
         if self.caller_reduces and self.cp.size != 1 and not self.spread:
             # (spread members already weigh N, member_weight: what they injected is N x already)
             _scale_injected_(state, d_final, self.cp.size)
-        shard = replace(reverse, ids=local_tokens(reverse.ids, self.cp.pieces(state.length)[self.cp.rank]),
+        shard = replace(reverse, ids=self.cp.pieces(state.length).local_tokens(reverse.ids),
                         prefix_recompute=longstraw.prefix_recompute_runs)
         if self.prefix_schedule == "layer_major":
             layer_major_prefix_backward(shard, d_final, self.cp, self._resolved(longstraw), schedule)
@@ -302,7 +302,7 @@ class ContextParallel:
         _reduce_and_restore(model, before, self.cp)
 
     def report(self, state: PrefixState, group: GRPOGroup) -> dict:
-        pieces = self.cp.pieces(state.length)[self.cp.rank]
+        pieces = self.cp.pieces(state.length).mine
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
         return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
                            prefix=self.prefix_schedule, inputs_every=self.inputs_every, replayed_tokens=replayed,

@@ -107,6 +107,63 @@ def local_tokens(tokens, pieces):
     return torch.cat([tokens[lo:hi] for lo, hi in pieces])
 
 
+class PromptShards(tuple):
+    """Every rank's pieces of one prompt under a CP layout (shard_pieces: per rank a tuple of (lo, hi), in prompt
+    order), seen from `rank`: what a rank's shard is (its pieces, their local starts, its token count, the ranks'
+    sizes) is asked here instead of re-derived where it is used. Indexing gives a rank's pieces, as the plain list
+    of shard_pieces does."""
+
+    rank: int
+
+    def __new__(cls, pieces, rank: int):
+        shards = super().__new__(cls, (tuple(own) for own in pieces))
+        shards.rank = rank
+        return shards
+
+    def __reduce__(self):
+        return PromptShards, (tuple(self), self.rank)
+
+    @property
+    def mine(self):
+        """This rank's pieces."""
+        return self[self.rank]
+
+    def size(self, rank: int | None = None) -> int:
+        """The tokens a rank owns (default: this one)."""
+        return sum(hi - lo for lo, hi in self[self.rank if rank is None else rank])
+
+    @property
+    def tokens(self) -> int:
+        return self.size()
+
+    @property
+    def sizes(self) -> list[int]:
+        return [self.size(rank) for rank in range(len(self))]
+
+    @property
+    def largest(self) -> int:
+        """The largest shard's tokens (every rank decides alike from it)."""
+        return max(self.sizes)
+
+    @property
+    def starts(self) -> list[int]:
+        """This rank's pieces' first local token, then its end (local_starts)."""
+        return local_starts(self.mine)
+
+    @property
+    def order(self):
+        """Every rank's pieces in prompt order (segments_in_order)."""
+        return segments_in_order(self)
+
+    def to_local(self, positions, valid):
+        """prompt_to_local over this rank's pieces."""
+        return prompt_to_local(positions, valid, self.mine)
+
+    def local_tokens(self, tokens):
+        """This rank's tokens of the prompt-ordered `tokens`, in local order."""
+        return local_tokens(tokens, self.mine)
+
+
 def contiguous_bounds(pieces):
     """[(lo, hi)] per rank when every rank owns one piece (the contiguous layout), else None."""
     return [own[0] for own in pieces] if all(len(own) == 1 for own in pieces) else None
@@ -223,8 +280,9 @@ class CPContext:
         return shard_bounds(length, self.size)
 
     def pieces(self, length):
-        """Per rank, the token ranges it owns under this group's layout (shard_pieces)."""
-        return shard_pieces(length, self.size, self.layout)
+        """Per rank, the token ranges it owns under this group's layout (shard_pieces), seen from this rank
+        (PromptShards: its own pieces, sizes and local starts)."""
+        return PromptShards(shard_pieces(length, self.size, self.layout), self.rank)
 
     # -- collectives (each counts what this rank receives) ---------------------------------------------------
     def all_gather(self, tensor, layer=-1, op="all_gather"):

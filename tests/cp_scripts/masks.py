@@ -32,7 +32,7 @@ def case_group(case):
 
 def _config(case, cp_size, out_dir):
     config = {"prefix_grad": case["mode"], "capture_chunk": case["chunk"], "page_tokens": case["page"],
-              "replay_block": case["block"], "cp_size": cp_size, **case.get("config", {})}
+              "replay_block": case["block"], "cp_size": cp_size, **case.get("longstraw", {})}
     if "tier" in case:
         config["offload"] = {"tier": case["tier"]}
         if case["tier"] == "nvme":

@@ -43,7 +43,7 @@ def case_rollouts(case, cp_size=1, cp_group=None):
 
     model, reference = case_model(case)
     with reference():
-        return generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=dict(case["config"],
+        return generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=dict(case["longstraw"],
                         cp_size=cp_size), cp_group=cp_group, **case["sampling"])
 
 
@@ -53,7 +53,7 @@ def case_train(case, cp_size=1, cp_group=None, reuse=True):
     from ds_longstraw import GRPOObjective, generate, grpo_backward
 
     model, reference = case_model(case)
-    config = dict(case["config"], cp_size=cp_size)
+    config = dict(case["longstraw"], cp_size=cp_size)
     with reference():
         rollouts = generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=config,
                             cp_group=cp_group, keep_capture=reuse, **case["sampling"])

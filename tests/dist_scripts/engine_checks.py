@@ -575,7 +575,7 @@ def check_rollout_lockstep(out_dir):
         for name, param in reference.named_parameters():
             param.copy_(params[name])
     prompt = torch.randint(0, 97, (29 if rank == 0 else 45,), generator=torch.Generator().manual_seed(200 + rank))
-    kwargs = dict(eos_token_id=ROLLOUT["eos_token_id"], seed=7 + rank, config=block("detached"), batched=False)
+    kwargs = dict(eos_token_id=ROLLOUT["eos_token_id"], seed=7 + rank, longstraw=block("detached"), batched=False)
     got = ds_longstraw.generate(engine.module, prompt, 3 - rank, 6, dp_group=engine.data_parallel_group, **kwargs)
     want = ds_longstraw.generate(reference, prompt, 3 - rank, 6, **kwargs)
     out["each_ids"] = [ids.tolist() for ids in got.response_ids]

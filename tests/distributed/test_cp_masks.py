@@ -37,10 +37,10 @@ CASES = [
     # member (the spread replay's lockstep pads whole members: there they are replayed whole)
     dict(name="tool-steps-exact", prompt_len=21, members=[(14, [(0, 4), (6, 11)]), (5, [(1, 2)]), (9, [(2, 9)])],
          mode="exact", chunk=4, page=3, block=2, seed=5, steps=2,
-         config={"cp_replay": "replicated", "member_span_capture": 3}),
+         longstraw={"cp_replay": "replicated", "member_span_capture": 3}),
     dict(name="tool-steps-detached", prompt_len=18, members=[(12, [(3, 12)]), (6, [(0, 5)])], mode="detached",
          chunk=5, page=2, block=3, tier="cpu", seed=6, steps=2,
-         config={"cp_replay": "replicated", "member_span_capture": 3}),
+         longstraw={"cp_replay": "replicated", "member_span_capture": 3}),
     dict(name="nothing-trained-exact", prompt_len=17, members=[(4, [(0, 4)]), (3, [(0, 3)])], mode="exact", chunk=5,
          page=2, block=3, tier="cpu", seed=4),
 ]
@@ -97,7 +97,7 @@ def _scored(name):
     from ds_longstraw.grpo.member_steps import member_steps
 
     case, out = BY_NAME[name], []
-    threshold = case.get("config", {}).get("member_span_capture")
+    threshold = case.get("longstraw", {}).get("member_span_capture")
     group = case_group(case)
     for member in range(group.size):
         scored = torch.ones(group.response_ids[member].numel(), dtype=torch.bool)

@@ -28,10 +28,10 @@ TOL = 1e-8
 # prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
 FAMILIES = {
     "qwen3_5": dict(build=tiny_qwen3_5, reference=float64_model, prompt_len=23,
-                    config={"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}),
+                    longstraw={"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}),
     # index_topk 8 < 44 prompt tokens: the selection is sparse over the prompt's pages and the sample's own rows
     "glm_moe_dsa": dict(build=tiny_glm_moe_dsa, reference=glm_reference, prompt_len=45,
-                        config={"capture_chunk": 7, "page_tokens": 4, "replay_block": 3}),
+                        longstraw={"capture_chunk": 7, "page_tokens": 4, "replay_block": 3}),
 }
 
 
@@ -77,7 +77,7 @@ def _transformers_greedy(model, prompt, max_new, eos=None):
 def test_greedy_matches_transformers_generate(models, family):
     model, prompt = models[family], _prompt(family)
     with FAMILIES[family]["reference"]():
-        ours = generate(model, prompt, 2, 12, temperature=0, longstraw=FAMILIES[family]["config"])
+        ours = generate(model, prompt, 2, 12, temperature=0, longstraw=FAMILIES[family]["longstraw"])
         want = _transformers_greedy(model, prompt, 12)
     assert ours.size == 2
     for ids in ours.response_ids:  # greedy: every sample is the same
@@ -91,11 +91,11 @@ def test_eos_stops_a_sample_like_transformers(models, family):
     """eos = the 5th greedy token (not among the first 4): both decoders stop right after it."""
     model, prompt = models[family], _prompt(family, seed=2)
     with FAMILIES[family]["reference"]():
-        free = generate(model, prompt, 1, 10, temperature=0, longstraw=FAMILIES[family]["config"]).response_ids[0]
+        free = generate(model, prompt, 1, 10, temperature=0, longstraw=FAMILIES[family]["longstraw"]).response_ids[0]
         position = next(i for i in range(4, 10) if int(free[i]) not in free[:i].tolist())
         eos = int(free[position])
         ours = generate(model, prompt, 1, 10, temperature=0, eos_token_id=[96, eos],
-                        longstraw=FAMILIES[family]["config"])
+                        longstraw=FAMILIES[family]["longstraw"])
         want = _transformers_greedy(model, prompt, 10, eos=eos)
     assert torch.equal(ours.response_ids[0], free[: position + 1])
     assert torch.equal(ours.response_ids[0], want[: position + 1]) and (want[position + 1:] == 0).all()
@@ -110,9 +110,9 @@ def test_sampled_logprobs_equal_full_sequence(models, family, temperature, top_p
     model, prompt = models[family], _prompt(family)
     with FAMILIES[family]["reference"]():
         result = generate(model, prompt, 3, 7, temperature=temperature, top_p=top_p, seed=5,
-                          longstraw=FAMILIES[family]["config"])
+                          longstraw=FAMILIES[family]["longstraw"])
         one_token = generate(model, prompt, 1, 1, temperature=temperature, top_p=top_p, seed=5,
-                             longstraw=FAMILIES[family]["config"])
+                             longstraw=FAMILIES[family]["longstraw"])
     assert [ids.numel() for ids in result.response_ids] == [7, 7, 7]
     _assert_logprobs(model, family, prompt, result)
     _assert_logprobs(model, family, prompt, one_token)
@@ -131,7 +131,7 @@ def test_batched_decode_equals_one_sample_at_a_time(models, family, sampling, ti
     ids a quarter of the vocabulary, samples end at different steps. glm_moe_dsa: index_topk 8 < 44 prompt keys,
     so each sample's selection mixes prompt rows and its own rows."""
     model, prompt = models[family], _prompt(family)
-    config = dict(FAMILIES[family]["config"], offload={"tier": tier})
+    config = dict(FAMILIES[family]["longstraw"], offload={"tier": tier})
     assert hasattr(rollout.adapter_for(model), "decode_step")
     with FAMILIES[family]["reference"]():
         batched = generate(model, prompt, 5, 8, longstraw=config, **sampling)
@@ -151,8 +151,8 @@ def test_top_p_keeps_the_nucleus():
     sample then equals greedy decoding."""
     model, prompt = tiny_qwen3_5(), _prompt("qwen3_5")
     with float64_model():
-        nucleus = generate(model, prompt, 2, 6, top_p=1e-6, seed=3, longstraw=FAMILIES["qwen3_5"]["config"])
-        greedy = generate(model, prompt, 1, 6, temperature=0, longstraw=FAMILIES["qwen3_5"]["config"])
+        nucleus = generate(model, prompt, 2, 6, top_p=1e-6, seed=3, longstraw=FAMILIES["qwen3_5"]["longstraw"])
+        greedy = generate(model, prompt, 1, 6, temperature=0, longstraw=FAMILIES["qwen3_5"]["longstraw"])
     for ids in nucleus.response_ids:
         assert torch.equal(ids, greedy.response_ids[0])
 
@@ -172,7 +172,7 @@ def test_sample_by_inverse_cdf():
 
 def test_seed_reproduces_the_samples(models):
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
-    config = FAMILIES["qwen3_5"]["config"]
+    config = FAMILIES["qwen3_5"]["longstraw"]
     with float64_model():
         first = generate(model, prompt, 3, 6, seed=7, longstraw=config)
         again = generate(model, prompt, 3, 6, seed=7, longstraw=config)
@@ -193,7 +193,7 @@ def test_sampled_eos_ends_each_sample(models):
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     eos = list(range(0, 97, 4))  # a quarter of the vocabulary: most samples end within a few tokens
     with float64_model():
-        result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, longstraw=FAMILIES["qwen3_5"]["config"])
+        result = generate(model, prompt, 6, 9, seed=1, eos_token_id=eos, longstraw=FAMILIES["qwen3_5"]["longstraw"])
     assert any(result.finished)
     for ids, ended, logps in zip(result.response_ids, result.finished, result.logprobs, strict=True):
         inside = [int(t) in eos for t in ids[:-1]]
@@ -207,7 +207,7 @@ def test_sampled_eos_ends_each_sample(models):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_host_tier_equals_device_tier(models, family):
     model, prompt = models[family], _prompt(family)
-    config = FAMILIES[family]["config"]
+    config = FAMILIES[family]["longstraw"]
     with FAMILIES[family]["reference"]():
         device = generate(model, prompt, 2, 6, temperature=0.9, seed=4, longstraw=config)
         host = generate(model, prompt, 2, 6, temperature=0.9, seed=4, longstraw=dict(config, offload={"tier": "cpu"}))
@@ -221,7 +221,7 @@ def test_group_trains_on_the_samples(models):
     """Rollouts.group(rewards) is a GRPOGroup whose old log-probs are the samples'; the transaction's replay of those
     samples gives the same log-probs (detached mode: the same captured state, the same weights)."""
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
-    config = FAMILIES["qwen3_5"]["config"]
+    config = FAMILIES["qwen3_5"]["longstraw"]
     with float64_model():
         result = generate(model, prompt, 3, 5, seed=2, longstraw=config)
         group = result.group([1.0, 0.0, 0.5])
@@ -243,11 +243,11 @@ def test_training_config_and_peft_policy(models):
 
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     policy = peft.get_peft_model(tiny_qwen3_5(), peft.LoraConfig(r=4, target_modules=["q_proj", "in_proj_qkv"]))
-    exact = dict(FAMILIES["qwen3_5"]["config"], prefix_grad="exact", prefix_keep_attention=True, prefix_block=2)
+    exact = dict(FAMILIES["qwen3_5"]["longstraw"], prefix_grad="exact", prefix_keep_attention=True, prefix_block=2)
     with float64_model():
-        plain = generate(model, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["config"])
+        plain = generate(model, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["longstraw"])
         trained = generate(model, prompt, 2, 5, seed=9, longstraw=exact)
-        lora = generate(policy, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["config"])
+        lora = generate(policy, prompt, 2, 5, seed=9, longstraw=FAMILIES["qwen3_5"]["longstraw"])
     for other in (trained, lora):
         for a, b in zip(plain.response_ids, other.response_ids, strict=True):
             assert torch.equal(a, b)
@@ -257,22 +257,22 @@ def test_training_config_and_peft_policy(models):
 
 CP_CASES = [
     dict(name="qwen-sampled", family="qwen3_5", prompt_len=23, samples=3, max_new=7,
-         config={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(temperature=0.8, top_p=0.9, seed=11)),
+         longstraw={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(temperature=0.8, top_p=0.9, seed=11)),
     dict(name="qwen-host-eos", family="qwen3_5", prompt_len=20, samples=4, max_new=6, seed=3,
-         config={"capture_chunk": 5, "page_tokens": 4, "offload": {"tier": "cpu"}, "cp_replay": "spread"},
+         longstraw={"capture_chunk": 5, "page_tokens": 4, "offload": {"tier": "cpu"}, "cp_replay": "spread"},
          sampling=dict(seed=2, eos_token_id=list(range(0, 97, 5)))),
     dict(name="glm-sampled", family="glm_moe_dsa", prompt_len=45, samples=2, max_new=6,
-         config={"capture_chunk": 7, "page_tokens": 4}, sampling=dict(seed=4, top_p=0.95)),
+         longstraw={"capture_chunk": 7, "page_tokens": 4}, sampling=dict(seed=4, top_p=0.95)),
     dict(name="glm-greedy", family="glm_moe_dsa", prompt_len=41, samples=1, max_new=9, seed=5,
-         config={"capture_chunk": 6, "page_tokens": 5}, sampling=dict(temperature=0)),
+         longstraw={"capture_chunk": 6, "page_tokens": 5}, sampling=dict(temperature=0)),
     # the on-policy step under CP 2: every rank trains on its own kept shard (detached; exact, host tier; GLM exact)
     dict(name="qwen-train-detached", family="qwen3_5", prompt_len=21, samples=3, max_new=5, rewards=[1.0, 0.0, 0.4],
-         config={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(seed=6)),
+         longstraw={"capture_chunk": 4, "page_tokens": 3}, sampling=dict(seed=6)),
     dict(name="qwen-train-exact", family="qwen3_5", prompt_len=22, samples=2, max_new=4, rewards=[0.0, 1.0],
-         config={"capture_chunk": 4, "page_tokens": 3, "prefix_grad": "exact", "offload": {"tier": "cpu"}},
+         longstraw={"capture_chunk": 4, "page_tokens": 3, "prefix_grad": "exact", "offload": {"tier": "cpu"}},
          sampling=dict(seed=8)),
     dict(name="glm-train-exact", family="glm_moe_dsa", prompt_len=37, samples=2, max_new=4, rewards=[1.0, 0.2],
-         config={"capture_chunk": 6, "page_tokens": 4, "prefix_grad": "exact"}, sampling=dict(seed=9)),
+         longstraw={"capture_chunk": 6, "page_tokens": 4, "prefix_grad": "exact"}, sampling=dict(seed=9)),
 ]
 
 
@@ -339,8 +339,8 @@ def test_cp2_training_reuses_each_ranks_capture(cp_results, case):
     (dict(eos_token_id=[3, 97]), "eos_token_id"),
     (dict(eos_token_id="x"), "eos_token_id"),
     (dict(seed=-3), "seed"),
-    (dict(config={"page_tokens": 0}), "page_tokens"),
-    (dict(config={"cp_size": 2}), "cp_size"),
+    (dict(longstraw={"page_tokens": 0}), "page_tokens"),
+    (dict(longstraw={"cp_size": 2}), "cp_size"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_arguments_are_refused_by_name(models, arguments, name):
     call = dict(prompt_ids=[1, 2, 3], num_samples=1, max_new_tokens=2)
@@ -438,7 +438,7 @@ REUSE_TOL = 1e-12
 
 
 def _reuse_config(mode, tier, tmp_path, monkeypatch=None, family="qwen3_5"):
-    config = dict(FAMILIES[family]["config"], prefix_grad=mode.removesuffix("-keep"),
+    config = dict(FAMILIES[family]["longstraw"], prefix_grad=mode.removesuffix("-keep"),
                   prefix_keep_attention=mode.endswith("-keep"), prefix_block=5 if mode != "detached" else None)
     if tier == "cpu":
         config["offload"] = {"tier": "cpu"}

@@ -185,9 +185,9 @@ ENGINE_SCRIPT = textwrap.dedent("""
         engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=lr),
                                              config=config)
         result = engine.grpo_step(prompts, GRPOObjective(loss_scope="group"), rollout=rollout)
-        groups = rollout_groups(reference, prompts, rollout, step=0, config=block)
+        groups = rollout_groups(reference, prompts, rollout, step=0, longstraw=block)
         reference.zero_grad()
-        losses = [grpo_backward(reference, g, GRPOObjective(), config=block).loss for g in groups]
+        losses = [grpo_backward(reference, g, GRPOObjective(), longstraw=block).loss for g in groups]
         num = den = 0.0
         for name, param in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([param]):

@@ -44,6 +44,28 @@ def test_shard_bounds(length, size):
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_prompt_shards_answer_what_each_use_derived(layout):
+    """PromptShards (what CPContext.pieces gives) against the plain helpers it replaces, on a prompt that no rank
+    count divides; it indexes and pickles (process launches carry it) as the plain list does."""
+    import pickle
+
+    from ds_longstraw.parallel.groups import PromptShards, local_starts, local_tokens, segments_in_order
+
+    plain = shard_pieces(23, 3, layout)
+    tokens = torch.arange(23)
+    for rank in range(3):
+        shards = PromptShards(plain, rank)
+        assert list(shards) == [tuple(own) for own in plain] and shards[rank] == tuple(plain[rank])
+        assert shards.mine == tuple(plain[rank]) and shards.starts == local_starts(plain[rank])
+        assert shards.tokens == sum(hi - lo for lo, hi in plain[rank]) == shards.size(rank)
+        assert shards.sizes == [sum(hi - lo for lo, hi in own) for own in plain] and sum(shards.sizes) == 23
+        assert shards.largest == max(shards.sizes) and shards.order == segments_in_order(plain)
+        assert torch.equal(shards.local_tokens(tokens), local_tokens(tokens, plain[rank]))
+        copy = pickle.loads(pickle.dumps(shards))
+        assert copy == shards and copy.rank == rank and isinstance(copy, PromptShards)
+
+
 @pytest.mark.parametrize("length,size", [(22, 3), (9, 4), (5, 4), (1000, 8), (1, 2)])
 def test_zigzag_pieces_balance_causal_attention(length, size):
     pieces = shard_pieces(length, size, "zigzag")

@@ -38,7 +38,7 @@ from ds_longstraw.grpo.state import (
     open_prefix_state,
     selection_bases,
 )
-from ds_longstraw.parallel.groups import local_spans, local_tokens
+from ds_longstraw.parallel.groups import local_spans
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -59,8 +59,8 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longst
     layer-major prefix pass, prefix_layers.py)."""
     ids_all = prompt_ids[:-1]
     pieces = cp.pieces(ids_all.numel())
-    mine = pieces[cp.rank]
-    ids = local_tokens(ids_all, mine)
+    mine = pieces.mine
+    ids = pieces.local_tokens(ids_all)
     tokens = ids.numel()
     # The pages of this rank's shard live on the configured tier (device, host or NVMe files of this rank); with
     # prefix_keep_attention it keeps the MERGED attention of its tokens (every rank's keys), so the prefix pass
@@ -72,7 +72,7 @@ def cp_capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longst
         spans = local_spans(mine, longstraw.segment_tokens)  # [(a, b, prompt position of a)]
         frame = CaptureFrame(
             adapter, longstraw, cp, pieces, chunks=(schedule or Schedule()).chunks(spans),  # then the dummy chunks
-            state=state, largest=max(sum(hi - lo for lo, hi in own) for own in pieces),
+            state=state, largest=pieces.largest,
             boundaries=[ChunkBoundary(a, b, {}, position) for a, b, position in spans]
             if state.checkpoints is not None else None)
         _capture_layers(frame, ids, progress)

@@ -61,7 +61,7 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
 )
 from ds_longstraw.grpo.lockstep import Schedule, ceil_div, zero_prefix_iteration
 from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
-from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order, visible_prefix
+from ds_longstraw.parallel.groups import piece_index, visible_prefix
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -333,8 +333,7 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
         reverse.prefix_recompute
     pieces = cp.pieces(state.length)
     selects = uses_selection(adapter.specs)
-    order = segments_in_order(pieces)
-    mine = pieces[cp.rank]
+    order, mine = pieces.order, pieces.mine
     shapes = _carry_shapes(state)
     filled = [s for s, (_, _, lo, hi) in enumerate(order) if hi > lo]
     schedule = schedule or Schedule()
@@ -364,7 +363,7 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
         if turn:
             # a "topk_lse" family's past is its turn's piece only; its own earlier pieces are reached like the
             # other ranks' rows (RemotePages' `earlier`)
-            past_start = local_starts(mine)[index] if selects else 0
+            past_start = pieces.starts[index] if selects else 0
             own_earlier = (OwnRows(state.pool, adapter, mine[:index], grads_to_pages=True)
                            if selects and past_start else None)
             remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)

@@ -78,7 +78,7 @@ def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int
     adapter, state, ids, backward = reverse.adapter, reverse.state, reverse.ids, reverse.backward
     chunk, every = longstraw.segment_tokens, longstraw.prefix_inputs_every
     pieces = cp.pieces(state.length)
-    spans = local_spans(pieces[cp.rank], chunk)
+    spans = local_spans(pieces.mine, chunk)
     chunks = (schedule or Schedule()).chunks(spans)
     if [(a, b) for a, b, _ in spans] != [(b.start, b.end) for b in state.boundaries]:
         raise RuntimeError("layer-major prefix pass: the capture's chunks differ from this pass's")

@@ -41,7 +41,7 @@ from ds_longstraw.grpo.state import append_rows, keep_segment_attention
 from ds_longstraw.kernels import attention_with_past, merge_partials, partial_attention
 from ds_longstraw.kernels.attention import KEY_BLOCK, attention_delta, blockwise_grads_from_delta, key_set_grads
 from ds_longstraw.offload import Stager
-from ds_longstraw.parallel.groups import contiguous_bounds, local_starts, visible_prefix
+from ds_longstraw.parallel.groups import contiguous_bounds, visible_prefix
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
@@ -300,8 +300,7 @@ def ring_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec
     KEY_BLOCK keys, attended at once) to what each of its pieces sees. Alive at once: one page in flight out, the
     block being received and the next page's landing buffer."""
     layer, key = spec.layer, spec.streams[0]
-    mine = pieces[cp.rank]
-    starts = local_starts(mine)
+    mine, starts = pieces.mine, pieces.starts
     sizes = [hi - lo for lo, hi in mine]
     out, lse = empty_partial(q_HTD)
     outs, lses = list(out.split(sizes, 1)), list(lse.split(sizes, 1))

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
+from ds_longstraw.parallel.groups import piece_index
 
 if TYPE_CHECKING:
     from ds_longstraw.grpo.cp.kinds.base import LayerMajorFrame
@@ -59,8 +59,7 @@ def prefix_scan_layer(frame: LayerMajorFrame, layer: int, read_input: Callable[[
     pieces, d_final, backward = frame.pieces, frame.d_final_carry.get(layer), frame.backward
     spans = chunks.spans
     width = scan.width
-    mine, order = pieces[cp.rank], segments_in_order(pieces)
-    starts = local_starts(mine)
+    mine, order, starts = pieces.mine, pieces.order, pieces.starts
     owners = [piece_index(mine, position) for _, _, position in spans]  # each chunk's piece
     acc = scan.state_dtype
     device = dy_1TC.device

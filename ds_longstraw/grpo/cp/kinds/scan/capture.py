@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_longstraw.offload.auto import holds_scan
-from ds_longstraw.parallel.groups import local_starts, piece_index, segments_in_order
+from ds_longstraw.parallel.groups import piece_index
 
 if TYPE_CHECKING:
     from ds_longstraw.config import LongstrawConfig
@@ -87,8 +87,7 @@ def capture_scan_layer(frame: CaptureFrame, layer: int,
     scan, chunks, cp, pieces = frame.adapter.recurrent_scan(layer), frame.chunks, frame.cp, frame.pieces
     boundaries, checkpoints, hold = frame.boundaries, frame.state.checkpoints, frame.hold
     width = scan.width
-    mine, order = pieces[cp.rank], segments_in_order(pieces)
-    starts = local_starts(mine)
+    mine, order, starts = pieces.mine, pieces.order, pieces.starts
     spans = chunks.spans
     owners = [piece_index(mine, position) for _, _, position in spans]  # each chunk's piece
     dummy = normed_1TC.new_zeros(1, 1, normed_1TC.shape[-1])

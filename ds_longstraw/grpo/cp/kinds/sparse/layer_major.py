@@ -198,11 +198,11 @@ def _sparse_grads(frame: LayerMajorFrame, spec: LayerState, rows: Stager, select
     def collect(servers: list[int]) -> list[torch.Tensor]:
         if selected.query is None:
             return []
-        own = streamed_sparse_grads(rows, adapter, spec, local_selection(selected, pieces[cp.rank]), merged,
+        own = streamed_sparse_grads(rows, adapter, spec, local_selection(selected, pieces.mine), merged,
                                     rows.pool)
         return collect_grads(cp, adapter, layer, selected.query, servers, own)
 
     return exchange_all_at_once(
         cp, pieces, post,
-        lambda j, works: answer_grads(cp, j, adapter, rows, spec, sum(hi - lo for lo, hi in pieces[j]), works),
+        lambda j, works: answer_grads(cp, j, adapter, rows, spec, pieces.size(j), works),
         collect)

@@ -479,8 +479,7 @@ def exchange_candidates(cp: CPContext, adapter: CausalLMAdapter, spec: LayerStat
     """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
     see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
     (prompt positions; None on a rank without earlier keys elsewhere)."""
-    mine = pieces[cp.rank]
-    tokens = sum(hi - lo for lo, hi in mine)
+    mine, tokens = pieces.mine, pieces.tokens
 
     def collect(servers: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         ends = {i: [end for _, end in _query_groups(mine, pieces[i])] for i in servers}
@@ -497,8 +496,7 @@ def shard_selection(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, k
                     pieces: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
     """The global selection (positions, valid) of this rank's shard at selecting layer `spec.layer` (no autograd):
     the other ranks' candidates (exchange_candidates) merged with its own keys' (causal), piece by piece."""
-    mine = pieces[cp.rank]
-    tokens = sum(hi - lo for lo, hi in mine)
+    mine, tokens = pieces.mine, pieces.tokens
     best = exchange_candidates(cp, adapter, spec, keys, selector, pieces)
     if tokens:
         best = own_causal_candidates(keys, adapter, spec, selector, spans, mine, best)
@@ -546,7 +544,7 @@ def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState,
     return exchange_all_at_once(
         cp, pieces,
         lambda servers, works: send_partial_requests(cp, geometry, selected, pieces, servers, works),
-        lambda j, works: answer_partial(cp, j, adapter, stager, spec, sum(hi - lo for lo, hi in pieces[j]), works),
+        lambda j, works: answer_partial(cp, j, adapter, stager, spec, pieces.size(j), works),
         lambda servers: collect_partials(cp, adapter, spec.layer, positions.shape[0], positions.device, servers))
 
 
@@ -556,7 +554,7 @@ def shard_partial(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, row
     selected rows (no autograd): the other ranks' partials (exchange_partials), then its own rows'."""
     out, lse = exchange_partials(cp, adapter, spec, rows, selected, pieces)
     if selected.query is not None:
-        own = streamed_sparse_partial(rows, adapter, spec, local_selection(selected, pieces[cp.rank]))
+        own = streamed_sparse_partial(rows, adapter, spec, local_selection(selected, pieces.mine))
         out, lse = merge_partials_as(adapter.sparse_geometry(spec.layer), [(out, lse), own])
     return out, lse
 
@@ -650,9 +648,9 @@ class SparsePagesAttention:
                  grads_to_pages: bool = False) -> None:
         self.cp, self.adapter, self.end = cp, adapter, end
         pieces = cp.pieces(end)
-        self.sizes = [sum(hi - lo for lo, hi in own) for own in pieces]
+        self.sizes = pieces.sizes
         # wrap: every replay block walks all layers
-        self.own = self.stager = OwnRows(pool, adapter, pieces[cp.rank], grads_to_pages, wrap=True)  # leaves close it
+        self.own = self.stager = OwnRows(pool, adapter, pieces.mine, grads_to_pages, wrap=True)  # leaves close it
 
     # -- this rank's pages' share (the replicated schedule below, and grpo/cp/spread.py's) ----------------------
     def own_candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
