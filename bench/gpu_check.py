@@ -120,7 +120,8 @@ def planned_mib(kernel, tokens, dtype, **widths):
     holds what the planner counts elsewhere (the call's inputs' gradients: gradient pages, d(hidden), d(weight)),
     so on the fast path the measured peak should exceed this by about those; a measured peak far above says the
     planner undercounts that kernel's scratch."""
-    from ds_longstraw.offload.plan import ModelShape, kernel_workspace
+    from ds_longstraw.offload.plan import kernel_workspace
+    from ds_longstraw.offload.state_shape import ModelShape
 
     shape = ModelShape(name="gpu_check", family="kernel", dtype_bytes=dtype.itemsize, **widths)
     return kernel_workspace(shape, capture_chunk=tokens, replay_block=tokens, prefix_grad="exact")[kernel] / MIB

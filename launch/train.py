@@ -282,8 +282,8 @@ def main(argv=None):
                                               config=ds_config)
     reference = _reference(run, ds_config) if objective.kl_coef > 0 and not run.lora.enabled else None
     # DeepSpeed's data-parallel group is every rank; with cp_size N the N consecutive ranks of a context-parallel
-    # group are one data replica and must bring the same groups (parallel/layout.py).
-    dp_rank, dp_world = engine.longstraw_layout.replica, engine.longstraw_layout.replicas
+    # group are one data replica and must bring the same groups (parallel/parallelism.py).
+    dp_rank, dp_world = engine.longstraw_parallelism.replica, engine.longstraw_parallelism.replicas
 
     start = 0
     if run.train.resume:

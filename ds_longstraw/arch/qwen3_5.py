@@ -202,7 +202,7 @@ class Qwen35Adapter(CausalLMAdapter):
         (out_HTD, lse_HT) of this same segment kept from capture (exact mode's prefix pass), not recomputed. With
         both, remote(q_HTD, known=(out, lse)) passes the merged result through and adds the remote keys' share of
         the gradients in backward. remote_keys: instead of remote (which is then None), the other ranks' keys as a
-        request that runs while the local keys are attended (the prefix pass's turns, grpo/cp/prefix.RemoteKeys),
+        request that runs while the local keys are attended (the prefix pass's turns, grpo/cp/prefix_turns.RemoteKeys),
         forward and backward, merged inside attention_with_past."""
         query, gate, key, value = self.attention_qkv(module, h_1TC, cos, sin)
         past_KTD = [(k.transpose(0, 1), v.transpose(0, 1)) for k, v in past]

@@ -24,7 +24,7 @@ What grpo_step is:
     exact-mode prefix share (topology.py, ContextParallel), so a replica's N ranks sum to N g_replica and DeepSpeed's
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
     per shard chunk count (lockstep.calls_of(..., cp)) so all D N ranks make the same submodule calls, and exact
-    mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix.py).
+    mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix_turns.py).
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
 capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
 responses are sampled from the policy (rollout/step.py); with one rollout prompt per rank the step trains on the
@@ -54,7 +54,7 @@ from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_g
 from ds_longstraw.grpo.topology import resolve_layout
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
 from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective
-from ds_longstraw.parallel.layout import ParallelLayout, build_layout
+from ds_longstraw.parallel.parallelism import Parallelism, build_parallelism
 
 if TYPE_CHECKING:
     import argparse
@@ -99,7 +99,7 @@ class LongstrawEngineMixin:
     """Adds `grpo_step` to whatever engine class `deepspeed.initialize` built (its class stays a subclass)."""
 
     longstraw: LongstrawConfig
-    longstraw_layout = None  # parallel.layout.ParallelLayout: the job's groups and this rank's place, by initialize
+    longstraw_parallelism = None  # parallel.parallelism.Parallelism: the job's groups, this rank's place (initialize)
     longstraw_experts = None  # engine_experts.ExpertSlices (ep_size > 1), built by initialize
 
     def grpo_step(self, group: GRPOGroup | Sequence[GRPOGroup] | torch.Tensor | Sequence[int]
@@ -157,7 +157,7 @@ class LongstrawEngineMixin:
             ref_model = ref_model.module
         longstraw = self.longstraw
         start = time.perf_counter()
-        cp = self.longstraw_layout.cp
+        cp = self.longstraw_parallelism.cp
         if cp is not None:
             _check_same_groups(groups, cp)
         objective = objective or GRPOObjective()
@@ -210,7 +210,7 @@ class LongstrawEngineMixin:
                           skipped=getattr(self, "skipped_steps", 0) != skipped_before, extras=extras)
 
     def _cp_size(self) -> int:
-        return 1 if self.longstraw_layout is None else self.longstraw_layout.cp_size
+        return 1 if self.longstraw_parallelism is None else self.longstraw_parallelism.cp_size
 
     def _loss_scopes(self, objective: GRPOObjective, groups: list[GRPOGroup]) -> list[LossScope]:
         """Each of this rank's groups' LossScope (objective.py): the group alone, weighed 1/len ("group"); this
@@ -236,7 +236,7 @@ class LongstrawEngineMixin:
         collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
         if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
             return [(group, None, True) for group in groups]
-        cp = self.longstraw_layout.cp  # with CP, capture chunks are those of this rank's shard, in the step's layout
+        cp = self.longstraw_parallelism.cp  # with CP, capture chunks are those of this rank's shard, in its layout
         if cp is not None:
             cp.layout = resolve_layout(adapter_for(self.module), longstraw)
         calls = [calls_of(group, longstraw, cp) for group in groups]
@@ -349,8 +349,8 @@ def enable_grpo_step(engine: DeepSpeedEngine, longstraw: LongstrawConfig) -> Lon
         return engine
     engine = _with_grpo_step(engine)
     engine.longstraw = longstraw
-    engine.longstraw_layout = (build_layout(longstraw.cp_size) if longstraw.cp_size > 1
-                               else ParallelLayout(dist.get_world_size(), dist.get_rank()))
+    engine.longstraw_parallelism = (build_parallelism(longstraw.cp_size) if longstraw.cp_size > 1
+                               else Parallelism(dist.get_world_size(), dist.get_rank()))
     return engine
 
 
@@ -401,13 +401,13 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     parallel = longstraw.enabled and (longstraw.cp_size > 1 or longstraw.ep_size > 1)
     if parallel:
         deepspeed.init_distributed()
-    # the CP and EP groups (parallel/layout.py), made before the engine: sharding comes first
-    layout = build_layout(longstraw.cp_size, longstraw.ep_size) if parallel else None
+    # the CP and EP groups (parallel/parallelism.py), made before the engine: sharding comes first
+    parallelism = build_parallelism(longstraw.cp_size, longstraw.ep_size) if parallel else None
     experts = None
     if parallel and longstraw.ep_size > 1:
         # The expert slices leave ZeRO's sight (engine/expert_slices.py); the MoE block is then no ZeRO-3 leaf: its
         # router and shared expert are gathered by their own hooks, and the routed experts are not ZeRO's.
-        experts = ExpertSlices(model, layout.ep_group, layout.expert_dp_group, layout.world)
+        experts = ExpertSlices(model, parallelism.ep_group, parallelism.expert_dp_group, parallelism.world)
         _drop_replaced(kwargs, experts.replaced)
     leaves = zero3_leaf_modules(model) if experts is None else []
     if leaves and _zero_stage(ds_config) == 3:  # before the engine sets its hooks
@@ -418,7 +418,7 @@ def initialize(args: argparse.Namespace | None = None, model: torch.nn.Module | 
     engine, optimizer, loader, scheduler = deepspeed.initialize(args=args, model=model, **kwargs)
     engine = _with_grpo_step(engine)
     engine.longstraw = longstraw
-    engine.longstraw_layout = layout or ParallelLayout(dist.get_world_size(), dist.get_rank())
+    engine.longstraw_parallelism = parallelism or Parallelism(dist.get_world_size(), dist.get_rank())
     if experts is not None:
         experts.world = dist.get_world_size(group=engine.data_parallel_group)
         experts.make_optimizer(client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None,

@@ -9,7 +9,7 @@ the view is made (topology.ContextParallel.replay_view):
   RemoteAttention  "lse" layers: (layer, q_HTD, known=None) -> (out, lse) of the queries over the other ranks'
                    keys (with `known`, the merged result passed through and the remote share of the gradients
                    added in backward); `keys`: None, or (the prefix pass's turns) the request in two halves
-                   that the adapter overlaps with its local attention (grpo/cp/prefix.RemoteKeys)
+                   that the adapter overlaps with its local attention (grpo/cp/prefix_turns.RemoteKeys)
   RemoteSelection  "topk_lse" layers: candidates(layer, selector) of a global top-k selection, then
                    attend(layer, query, positions, valid) -> (out, lse) of the selected rows; `end`: where the
                    remote keys end (the adapter's own past starts there)
@@ -52,16 +52,16 @@ class MergedGrad(NamedTuple):
 
 class RemoteAttention(Protocol):
     """remote_attention of "lse" layers (grpo/cp/cp_attention.PagesAttention, spread.SpreadPagesAttention,
-    prefix.RemotePages, prefix.PageServer)."""
+    prefix_turns.RemotePages, prefix_turns.PageServer)."""
 
-    keys: Callable[[int], Any] | None  # None, or layer -> a request in two halves (prefix.RemoteKeys)
+    keys: Callable[[int], Any] | None  # None, or layer -> a request in two halves (prefix_turns.RemoteKeys)
 
     def __call__(self, layer: int, q_HTD: torch.Tensor, known: Partial | None = None) -> Partial: ...
 
 
 class RemoteSelection(Protocol):
     """remote_attention of "topk_lse" layers (cp_sparse.SparsePagesAttention, spread.SpreadSparsePagesAttention,
-    prefix.RemotePages, prefix.PageServer)."""
+    prefix_turns.RemotePages, prefix_turns.PageServer)."""
 
     end: int  # the remote keys are positions [0, end); the adapter's own past starts there
 

@@ -98,7 +98,7 @@ def capture_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext
 
 def segment_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext) -> tuple:
     """The capture chunks of every CP segment (each rank's pieces, parallel/groups.shard_pieces) in prompt order:
-    the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix.py)."""
+    the prefix iterations of each turn of exact mode's pass (grpo/cp/prefix_turns.py)."""
     return tuple(ceil_div(hi - lo, longstraw.segment_tokens)
                  for _, _, lo, hi in cp.pieces(prompt_length - 1).order)
 
@@ -202,7 +202,7 @@ class ShardChunks:
 
 @dataclass(frozen=True)
 class TurnIterations:
-    """One turn of exact mode's CP prefix pass in turns (grpo/cp/prefix.py) as the lockstep runs it: every rank
+    """One turn of exact mode's CP prefix pass in turns (grpo/cp/prefix_turns.py) as the lockstep runs it: every rank
     makes the same prefix iterations, the owner's `real` chunks (the owner runs them; every other rank mirrors each
     with a zero iteration, which answers the owner's requests where that rank serves it), then the schedule's dummy
     ones (`dummies()`: a zero iteration on every rank) up to the most chunks that segment has on any replica."""

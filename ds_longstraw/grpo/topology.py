@@ -8,7 +8,7 @@ The transaction is written once; it asks its topology for each phase's placement
   replay view    the carry as leaves, the pages staged    the carry as leaves; the pages of every rank reached by
                  a layer at a time (replay.prefix_leaves)  all-gathered (out, lse) partials (grpo/cp/kinds/attention/;
                                                           a global top-k's candidates first: grpo/cp/kinds/sparse/)
-  prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (grpo/cp/prefix.py)
+  prefix         one reverse pass (prefix_pass.py)        a turn per CP segment, last first (grpo/cp/prefix_turns.py)
   reduce         nothing                                  one all-reduce of .grad over the CP group, unless the
                                                           caller reduces (caller_reduces: the DeepSpeed engine)
 
@@ -35,8 +35,8 @@ from ds_longstraw.grpo.cp.capture import cp_capture_prefix
 from ds_longstraw.grpo.cp.kinds import KINDS, LayerKind, kinds_in, unrun
 from ds_longstraw.grpo.cp.kinds.attention.ulysses import check_heads
 from ds_longstraw.grpo.cp.kinds.sparse.selection import check_sparse, uses_selection
-from ds_longstraw.grpo.cp.prefix import cp_prefix_backward
 from ds_longstraw.grpo.cp.prefix_layers import layer_major_prefix_backward
+from ds_longstraw.grpo.cp.prefix_turns import cp_prefix_backward
 from ds_longstraw.grpo.cp.spread import gather_members
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.group import GRPOGroup
     from ds_longstraw.grpo.lockstep import Lockstep
-    from ds_longstraw.offload.plan import ModelShape
+    from ds_longstraw.offload.state_shape import ModelShape
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from ds_longstraw.arch import expert_shape, kernel_dims, replay_graph, specs_for_config
 from ds_longstraw.arch.specs import combine_rule
 from ds_longstraw.models.modeling import MODELS_DIR, config_from_shape, parameter_count
-from ds_longstraw.offload.plan import ModelShape, MoEShape
+from ds_longstraw.offload.state_shape import ModelShape, MoEShape
 
 BUILTIN = {"qwen3.6-27b": "qwen3_6_27b.yaml", "glm-5.2": "glm_5_2.yaml"}
 _DTYPES = {8: torch.float64, 4: torch.float32, 2: torch.bfloat16}

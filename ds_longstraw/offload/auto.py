@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ds_longstraw.offload.plan import ModelShape
+    from ds_longstraw.offload.state_shape import ModelShape
 
 def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
     """Bytes a context-parallel rank holds of one Gated DeltaNet layer's outputs while its capture waits for the

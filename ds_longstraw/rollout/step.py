@@ -319,7 +319,7 @@ def engine_rollouts(engine: DeepSpeedEngine,
             raise ValueError(f"prompts[{i}] holds token id {int(prompt_ids.max())} >= vocab size {vocab}")
     start = time.perf_counter()
     dp_group = engine.data_parallel_group
-    layout = engine.longstraw_layout
+    parallelism = engine.longstraw_parallelism
     # The ranks' module calls are collectives under ZeRO-3 and with sharded experts: they decode in lockstep.
     lockstep = ((engine.zero_optimization_stage() == 3 or engine.longstraw_experts is not None)
                 and dist.get_world_size(group=dp_group) > 1)
@@ -330,7 +330,8 @@ def engine_rollouts(engine: DeepSpeedEngine,
     counts = [None] * dist.get_world_size(group=dp_group)  # every rank's prompts (a CP group's ranks: the same)
     torch.distributed.all_gather_object(counts, len(prompts), group=dp_group)
     keep = all(count == 1 for count in counts)
-    first_index = sum(counts[r * layout.cp_size] for r in range(layout.replica))  # the replicas before this one
+    # the replicas before this one
+    first_index = sum(counts[r * parallelism.cp_size] for r in range(parallelism.replica))
     weights = resolve_zero3_weights(engine, prompts, rollout, dp_group)
     was_training = engine.module.training
     engine.module.eval()
@@ -338,7 +339,7 @@ def engine_rollouts(engine: DeepSpeedEngine,
         with decoding_weights(engine, weights):
             sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
                                       first_index=first_index, longstraw=engine.longstraw,
-                                      cp_group=layout.cp, dp_group=dp_group if lockstep else None,
+                                      cp_group=parallelism.cp, dp_group=dp_group if lockstep else None,
                                       keep_capture=keep)
     finally:
         engine.module.train(was_training)

@@ -133,7 +133,7 @@ def check(mode, stage, seed, family="qwen", **block_options):
     after = engine_params(engine) if stage == 3 else {n: p.detach().clone() for n, p in
                                                        engine.module.named_parameters()}
     before = as_engine_holds(engine, before)
-    cp = engine.longstraw_layout.cp
+    cp = engine.longstraw_parallelism.cp
     ref, ref_loss = reference_step(reference, mode, weights, groups)
     ref = as_engine_holds(engine, {n: p.detach() for n, p in ref.named_parameters()})
     # Controls: the same comparison against references that a wrong CP factor or averaging would approach (the

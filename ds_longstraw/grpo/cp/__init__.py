@@ -4,7 +4,7 @@ The phases walk the model's layers and ask each layer's kind (kinds/, found by t
 cross-rank step; none of these files names a kind:
 capture.py        layer-major capture of a rank's shard
 prefix_layers.py  exact mode's prefix pass layer-major: every rank at once, layer by layer
-prefix.py         exact mode's prefix pass in turns, remote pages served by their owners (kept for comparison)
+prefix_turns.py   exact mode's prefix pass in turns, remote pages served by their owners (kept for comparison)
 spread.py         who replays which member under the replay spread (each rank its own members), results gathered
 output_side.py    a mixer's output side in the prefix pass (gate, residual, MLP) with autograd from its output
 kinds/            one folder per layer kind:

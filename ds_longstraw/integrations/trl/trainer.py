@@ -165,7 +165,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         sample the same completions and split them into the same micro-batches (their processes' seeds and what
         DeepSpeed's setup drew may differ)."""
         engine = self._engine()
-        cp = None if engine is None else engine.longstraw_layout.cp
+        cp = None if engine is None else engine.longstraw_parallelism.cp
         if cp is None:
             return
         states = [torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None]
@@ -215,17 +215,18 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         engine = self._engine()
-        dp_group = layout = None
+        dp_group = parallelism = None
         if engine is not None:
-            layout = engine.longstraw_layout
+            parallelism = engine.longstraw_parallelism
             if engine.zero_optimization_stage() == 3 and self.accelerator.num_processes > 1:
                 dp_group = engine.data_parallel_group  # ZeRO-3's gathers are collectives: decode in lockstep
         completions = self._sampler.sample(
             self.accelerator.unwrap_model(self.model), prompt_ids, num_generations=num_generations,
             max_new_tokens=self.max_completion_length, temperature=self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, eos_token_ids=self.eos_token_ids, seed=self.args.seed,
-            step=self.state.global_step, replica=self.accelerator.process_index if layout is None else layout.replica,
-            dp_group=dp_group, cp_group=None if layout is None else layout.cp)
+            step=self.state.global_step,
+            replica=self.accelerator.process_index if parallelism is None else parallelism.replica,
+            dp_group=dp_group, cp_group=None if parallelism is None else parallelism.cp)
         return completions, None  # sampler log-probs: TRL reads them only for vLLM's importance sampling
 
     # -- one optimizer step as transactions ----------------------------------------------------------------

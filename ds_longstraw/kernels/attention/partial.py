@@ -336,7 +336,7 @@ def attention_with_past(q_HTD, past, k_new_KTD, v_new_KTD, scale, key_block=KEY_
     forward then skips the attention and only records what backward needs; gradients are unchanged.
 
     remote: None, or keys held by other processes, as a request that runs while the local key sets are attended
-    (context parallelism's prefix pass, grpo/cp/prefix.RemoteKeys): post_forward(q) then collect_forward() ->
+    (context parallelism's prefix pass, grpo/cp/prefix_turns.RemoteKeys): post_forward(q) then collect_forward() ->
     their (out, lse), merged in (not with `known`, which is merged over them already); post_backward(q, out, lse,
     dout, dlse) with the MERGED result, then collect_backward() -> their share of dq (their own key gradients go
     where they live).

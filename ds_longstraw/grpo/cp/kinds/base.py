@@ -1,7 +1,7 @@
 """A layer kind: how one way of combining across context-parallel ranks runs (arch/specs.CombineRule names it).
 
 capture (grpo/cp/capture.py), exact mode's layer-major prefix pass (grpo/cp/prefix_layers.py), the turns' page
-server (grpo/cp/prefix.py) and replay (grpo/topology.py) loop over the model's layers and ask each layer's kind,
+server (grpo/cp/prefix_turns.py) and replay (grpo/topology.py) loop over the model's layers and ask each layer's kind,
 found by its spec's `combine` in KINDS; none of them names a kind. A new layer kind is one folder beside attention/,
 scan/ and sparse/ whose LayerKind is registered under its rule's name (register_kind), with its CombineRule
 registered in arch/specs.py's COMBINE_RULES (what the planner and the topology decide by before any module runs).
@@ -30,9 +30,8 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import ChunkBoundary, PrefixState
     from ds_longstraw.offload import Stager
-    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
 
-Pieces = Sequence[Sequence[tuple[int, int]]]  # each rank's pieces of the prompt, (start, end) in prompt order
 Selection = tuple[torch.Tensor, torch.Tensor]  # (positions, valid) of a top-k selection
 
 # The turns' requests (a header of (op, layer, query tokens) travels first)
@@ -49,7 +48,7 @@ class ShardFrame:
     adapter: CausalLMAdapter
     longstraw: LongstrawConfig
     cp: CPContext
-    pieces: Pieces
+    pieces: PromptShards
     chunks: ShardChunks
     state: PrefixState
 
@@ -120,7 +119,7 @@ class LayerKind:
 
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:
-        """Answer a turn owner's request against this rank's pages (the turns' schedule, grpo/cp/prefix.py)."""
+        """Answer a turn owner's request against this rank's pages (the turns' schedule, grpo/cp/prefix_turns.py)."""
         raise RuntimeError(f"rank {cp.rank}: layer {request.layer} ({self.name!r}) takes no page requests "
                            f"(request {request.op} from rank {request.owner})")
 

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import PagePool, Stager
     from ds_longstraw.offload.tiered import TieredPagePool
-    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 
 def attention_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
@@ -162,7 +162,7 @@ class _Requests:
     (groups.visible_prefix), so no header is sent. Sends are posted without blocking in a fixed order per pair of
     ranks, receives in the same order."""
 
-    def __init__(self, cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], chunk: int,
+    def __init__(self, cp: CPContext, pieces: PromptShards, chunk: int,
                  spans: Sequence[tuple[int, int, int]], queries: Sequence[torch.Tensor], results: Sequence[Partial],
                  d_outs: Sequence[torch.Tensor], layer: int,
                  geometry: tuple[int, int, torch.dtype, torch.dtype, torch.device]) -> None:

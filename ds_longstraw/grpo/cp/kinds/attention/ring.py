@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.offload import PagePool
     from ds_longstraw.offload.tiered import TieredPagePool
-    from ds_longstraw.parallel.groups import CPContext, Landing
+    from ds_longstraw.parallel.groups import CPContext, Landing, PromptShards
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -287,7 +287,7 @@ def capture_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, s
 
 
 def ring_remote_partial(cp: CPContext, q_HTD: torch.Tensor, stager: Stager, spec: LayerState, scale: float,
-                        pieces: Sequence[Sequence[tuple[int, int]]], chunk: int) -> Partial:
+                        pieces: PromptShards, chunk: int) -> Partial:
     """(out, lse) of this rank's shard queries over the keys of every other rank that precede them, for a layout
     whose ranks own several pieces (zigzag; no autograd). Every rank is busy at once: in step t = 1..N-1 rank r
     sends the pages that rank r+t needs to it and receives those it needs from rank r-t (mod N), page by page.

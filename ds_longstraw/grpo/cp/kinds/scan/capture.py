@@ -55,7 +55,6 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import CarryCheckpoints, ChunkBoundary, PooledCarryCheckpoints
 
-Pieces = Sequence[Sequence[tuple[int, int]]]  # every rank's pieces of the prompt (groups.shard_pieces)
 
 
 def holds_scan_outputs(longstraw: LongstrawConfig, held_bytes: int, device: torch.device,

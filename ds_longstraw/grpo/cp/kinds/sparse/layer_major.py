@@ -22,7 +22,7 @@ lockstep.ShardChunks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import Stager
-    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 
 class Selections:
@@ -65,7 +65,7 @@ class Selections:
     with the base's input (state.read_selection)."""
 
     def __init__(self, adapter: CausalLMAdapter, state: PrefixState, chunks: ShardChunks, cp: CPContext,
-                 pieces: Sequence[Sequence[tuple[int, int]]],
+                 pieces: PromptShards,
                  input_of: Callable[[int], Callable[[int, int], torch.Tensor]], every: int = 1) -> None:
         self.adapter, self.state, self.chunks, self.cp, self.pieces = adapter, state, chunks, cp, pieces
         self.spans = chunks.spans

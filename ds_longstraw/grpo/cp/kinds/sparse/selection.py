@@ -29,7 +29,7 @@ Three places, as for "lse" layers (cp_attention.py):
            same ranks and partials come back the same way (capture_sparse_layer).
   replay   every rank replays every member identically: candidates and partials are all-gathered and merged in rank
            order, so every rank gets the same bits; d(query) is all-reduced (SparsePagesAttention).
-  prefix   (exact) the rank in its turn asks the ranks holding keys before its piece (prefix.py's RemotePages and
+  prefix   (exact) the rank in its turn asks the ranks holding keys before its piece (prefix_turns.py's RemotePages and
            serve; its own earlier pieces through OwnRows): the payloads are request_* here, the owners' side
            answer_*.
 A rank reads its own pages from its tier page by page through a stager (one page read ahead), the selection's
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.interfaces import MergedGrad, Partial
     from ds_longstraw.offload import PagePool
     from ds_longstraw.offload.tiered import TieredPagePool
-    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 COMBINE = "topk_lse"
 # Keys scored per candidates call: consecutive pages are scored together up to this many (each call merges its
@@ -97,7 +97,7 @@ def check_sparse(specs: Iterable[LayerState], longstraw: LongstrawConfig, cp_siz
                          "to false")
 
 
-def sparse_servers(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> list[int]:
+def sparse_servers(pieces: PromptShards, rank: int) -> list[int]:
     """The ranks holding keys that some query of `rank` sees (every earlier key is seen): on contiguous shards the
     earlier non-empty ranks; on zigzag ones every other rank with a key before `rank`'s last piece."""
     starts = [lo for lo, hi in pieces[rank] if hi > lo]
@@ -106,7 +106,7 @@ def sparse_servers(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> li
     return [i for i in range(len(pieces)) if i != rank and visible_prefix(pieces[i], starts[-1]) > 0]
 
 
-def sparse_clients(pieces: Sequence[Sequence[tuple[int, int]]], rank: int) -> list[int]:
+def sparse_clients(pieces: PromptShards, rank: int) -> list[int]:
     """The ranks whose queries see some key of `rank` (those it answers in the capture)."""
     return [j for j in range(len(pieces)) if rank in sparse_servers(pieces, j)]
 
@@ -228,7 +228,7 @@ def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerS
     return d_query
 
 
-# -- requests and answers, point to point (capture, and the prefix pass through prefix.py) ------------------------
+# -- requests and answers, point to point (capture, and the prefix pass through prefix_turns.py) ------------------
 # A client's queries travel to the servers (the ranks holding keys they see); a server answers in its own LOCAL
 # positions (its pages' order) and the client, which knows every rank's pieces, maps them to prompt positions. The
 # capture sends with isend (every rank is client and server at once, so no send may wait for its receiver); the
@@ -258,7 +258,7 @@ def send_selector(cp: CPContext, selector: tuple[torch.Tensor, ...], servers: It
 
 
 def collect_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, like: torch.Tensor,
-                       server_ends: Mapping[int, Iterable[int]], pieces: Sequence[Sequence[tuple[int, int]]],
+                       server_ends: Mapping[int, Iterable[int]], pieces: PromptShards,
                        best: tuple[torch.Tensor, torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`best` merged with every server's candidates for the queries of `like` (a [T, ...] tensor: their count
@@ -275,7 +275,7 @@ def collect_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, like
 
 
 def request_candidates(cp: CPContext, adapter: CausalLMAdapter, layer: int, selector: tuple[torch.Tensor, ...],
-                       pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int],
+                       pieces: PromptShards, servers: Sequence[int],
                        end_of: Callable[[int], int]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Send the selector to every server; their candidates merged (prompt positions), or None when there are none.
     end_of(i): the end of server i's pages that every query sees."""
@@ -300,7 +300,7 @@ def answer_candidates(cp: CPContext, client: int, adapter: CausalLMAdapter, stag
     _send_all(cp, (scores, positions.to(torch.int32)), client, works)
 
 
-def _send_query(cp: CPContext, selected: Selected, pieces: Sequence[Sequence[tuple[int, int]]], server: int,
+def _send_query(cp: CPContext, selected: Selected, pieces: PromptShards, server: int,
                 width: int, works: list[Work] | None = None) -> None:
     query, positions, valid = selected
     _send_all(cp, (*query, owned_positions(positions, valid, pieces[server], width)), server, works)
@@ -317,7 +317,7 @@ def _recv_query(cp: CPContext, owner: int, adapter: CausalLMAdapter, spec: Layer
 
 
 def send_partial_requests(cp: CPContext, geometry: SparseGeometry, selected: Selected,
-                          pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
+                          pieces: PromptShards, servers: Iterable[int],
                           works: list[Work] | None = None) -> None:
     for i in servers:
         _send_query(cp, selected, pieces, i, geometry.topk, works)
@@ -336,7 +336,7 @@ def collect_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, tokens
 
 
 def request_partials(cp: CPContext, adapter: CausalLMAdapter, layer: int, selected: Selected,
-                     pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int]) -> Partial:
+                     pieces: PromptShards, servers: Sequence[int]) -> Partial:
     """(out, lse) of the query over the selected rows every server owns, merged in rank order."""
     send_partial_requests(cp, adapter.sparse_geometry(layer), selected, pieces, servers)
     return collect_partials(cp, adapter, layer, selected.positions.shape[0], selected.positions.device, servers)
@@ -350,7 +350,7 @@ def answer_partial(cp: CPContext, owner: int, adapter: CausalLMAdapter, stager: 
 
 
 def send_grad_requests(cp: CPContext, geometry: SparseGeometry, selected: Selected, merged: MergedGrad,
-                       pieces: Sequence[Sequence[tuple[int, int]]], servers: Iterable[int],
+                       pieces: PromptShards, servers: Iterable[int],
                        works: list[Work] | None = None) -> None:
     acc, (lse, d_out, delta) = geometry.lse_dtype, merged
     for i in servers:
@@ -373,7 +373,7 @@ def collect_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, query: tu
 
 
 def request_grads(cp: CPContext, adapter: CausalLMAdapter, layer: int, selected: Selected, merged: MergedGrad,
-                  pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int]) -> list[torch.Tensor]:
+                  pieces: PromptShards, servers: Sequence[int]) -> list[torch.Tensor]:
     """Every server's share of d(query) (given the merged lse and delta), summed; the servers add their rows'
     gradients to their gradient pages."""
     send_grad_requests(cp, adapter.sparse_geometry(layer), selected, merged, pieces, servers)
@@ -455,7 +455,7 @@ def _query_groups(client_pieces: Sequence[tuple[int, int]],
     return [(hi - lo, visible_prefix(server_pieces, lo)) for lo, hi in client_pieces]
 
 
-def exchange_all_at_once(cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]],
+def exchange_all_at_once(cp: CPContext, pieces: PromptShards,
                          post: Callable[[list[int], list[Work]], Any], answer: Callable[[int, list[Work]], Any],
                          collect: Callable[[list[int]], Any]) -> Any:
     """One exchange with every rank client and server at once: post(servers, works) sends this rank's requests to
@@ -475,7 +475,7 @@ def exchange_all_at_once(cp: CPContext, pieces: Sequence[Sequence[tuple[int, int
 
 def exchange_candidates(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager,
                         selector: tuple[torch.Tensor, ...] | None,
-                        pieces: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+                        pieces: PromptShards) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every rank at once: its selectors go to the ranks holding keys they see, it answers the ranks whose queries
     see its keys (their pieces' visible prefixes of its pages), and the candidates it gets merge into its shard's
     (prompt positions; None on a rank without earlier keys elsewhere)."""
@@ -493,7 +493,7 @@ def exchange_candidates(cp: CPContext, adapter: CausalLMAdapter, spec: LayerStat
 
 def shard_selection(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, keys: Stager,
                     selector: tuple[torch.Tensor, ...] | None, spans: Sequence[tuple[int, int, int]],
-                    pieces: Sequence[Sequence[tuple[int, int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+                    pieces: PromptShards) -> tuple[torch.Tensor, torch.Tensor]:
     """The global selection (positions, valid) of this rank's shard at selecting layer `spec.layer` (no autograd):
     the other ranks' candidates (exchange_candidates) merged with its own keys' (causal), piece by piece."""
     mine, tokens = pieces.mine, pieces.tokens
@@ -537,7 +537,7 @@ def piece_selections(adapter: CausalLMAdapter, layer: int, best: tuple[torch.Ten
 
 
 def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, stager: Stager, selected: Selected,
-                      pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
+                      pieces: PromptShards) -> Partial:
     """Every rank at once: its queries and selections go to the ranks holding keys they see, it answers the ranks
     whose queries see its keys, and the partials it gets merge in rank order (an empty partial where none)."""
     geometry, positions = adapter.sparse_geometry(spec.layer), selected.positions
@@ -549,7 +549,7 @@ def exchange_partials(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState,
 
 
 def shard_partial(cp: CPContext, adapter: CausalLMAdapter, spec: LayerState, rows: Stager, selected: Selected,
-                  pieces: Sequence[Sequence[tuple[int, int]]]) -> Partial:
+                  pieces: PromptShards) -> Partial:
     """The merged (out, lse) of this rank's shard queries (selected.query None: it has none) over every rank's
     selected rows (no autograd): the other ranks' partials (exchange_partials), then its own rows'."""
     out, lse = exchange_partials(cp, adapter, spec, rows, selected, pieces)

@@ -1,4 +1,4 @@
-"""parallel/layout.py: the job's groups as every caller reads them, on 4 real gloo ranks.
+"""parallel/parallelism.py: the job's groups as every caller reads them, on 4 real gloo ranks.
 
 Consecutive ranks form CP groups (replica = rank // cp_size); expert parallelism groups consecutive ranks alike and
 is the CP group under CP; the ranks holding the same expert slice (rank mod ep_size) form its expert-data-parallel
@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from dist_scripts.launching import free_port
 
-from ds_longstraw.parallel.layout import ParallelLayout, build_layout, check_sizes
+from ds_longstraw.parallel.parallelism import Parallelism, build_parallelism, check_sizes
 
 WORLD = 4
 LAYOUTS = [(2, 1), (1, 2), (2, 2), (4, 1)]  # (cp_size, ep_size)
@@ -27,9 +27,9 @@ def _worker(rank, port, out):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     seen = []
     for cp_size, ep_size in LAYOUTS:  # every rank builds every layout alike (new_group is collective)
-        layout = build_layout(cp_size, ep_size)
-        seen.append((layout.replica, layout.replicas, _ranks(layout.cp_group), _ranks(layout.ep_group),
-                     _ranks(layout.expert_dp_group)))
+        parallelism = build_parallelism(cp_size, ep_size)
+        seen.append((parallelism.replica, parallelism.replicas, _ranks(parallelism.cp_group),
+                     _ranks(parallelism.ep_group), _ranks(parallelism.expert_dp_group)))
     with open(os.path.join(out, f"rank{rank}.json"), "w") as handle:
         json.dump(seen, handle)
     dist.barrier()
@@ -78,5 +78,5 @@ def test_sizes_that_do_not_divide_the_world_are_refused():
 
 
 def test_one_rank_layout_without_groups():
-    layout = ParallelLayout(world=8, rank=5, cp_size=2)
-    assert (layout.replica, layout.replicas, layout.cp_group) == (2, 4, None)
+    parallelism = Parallelism(world=8, rank=5, cp_size=2)
+    assert (parallelism.replica, parallelism.replicas, parallelism.cp_group) == (2, 4, None)

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.offload import PagePool, Stager
     from ds_longstraw.offload.tiered import TieredPagePool
-    from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 
 
@@ -84,7 +84,7 @@ class RemotePages:
     positions up to the segment, so it starts at the turn's piece. (interfaces.RemoteAttention, whose `keys` it
     offers, and interfaces.RemoteSelection.)"""
 
-    def __init__(self, cp: CPContext, pieces: Sequence[Sequence[tuple[int, int]]], servers: Sequence[int],
+    def __init__(self, cp: CPContext, pieces: PromptShards, servers: Sequence[int],
                  adapter: CausalLMAdapter | None = None, start: int = 0, earlier: OwnRows | None = None) -> None:
         self.cp, self.pieces, self.servers, self.adapter = cp, pieces, servers, adapter
         self.end, self.earlier = start, earlier

@@ -1,12 +1,13 @@
-"""The job's parallel layout: its dimensions and this rank's place in them, built once and asked by every caller.
+"""The job's parallelism: its dimensions and this rank's place in them, built once and asked by every caller.
+("Layout" in this package means one thing only: how a prompt is sharded over a CP group, the "cp_layout" setting.)
 
 Ranks are laid out with context parallelism innermost: consecutive ranks [k N, (k+1) N) form context-parallel
 group k, which is data-parallel replica k (N = cp_size; every rank of a CP group holds the same group of the
 batch). Expert parallelism over E ranks groups consecutive ranks [j E, (j+1) E) the same way, and is the CP group
 itself under context parallelism; the ranks holding the same expert slice (r mod E alike) form its expert-data-
-parallel group. `build_layout` makes every group (torch.distributed.new_group is collective: every rank calls it
-alike); the engine keeps the result at engine.longstraw_layout, and the launcher and the rollout step read a
-replica's index from it instead of working it out again.
+parallel group. `build_parallelism` makes every group (torch.distributed.new_group is collective: every rank
+calls it alike); the engine keeps the result at engine.longstraw_parallelism, and the launcher and the rollout
+step read a replica's index from it instead of working it out again.
 """
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from ds_longstraw.parallel.groups import CPContext
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
+class Parallelism:
     """world ranks, this rank; cp_size ranks per context-parallel group (cp: this rank's CPContext, None when
     cp_size is 1); ep_size ranks per expert-parallel group (ep_group, expert_dp_group: this rank's, None when
     ep_size is 1)."""
@@ -53,8 +54,8 @@ def check_sizes(world: int, cp_size: int, ep_size: int) -> None:
             raise ValueError(f"'longstraw.{key}' = {size} does not divide the world size {world}")
 
 
-def build_layout(cp_size: int = 1, ep_size: int = 1) -> ParallelLayout:
-    """This rank's ParallelLayout over the initialised default process group (module docstring)."""
+def build_parallelism(cp_size: int = 1, ep_size: int = 1) -> Parallelism:
+    """This rank's Parallelism over the initialised default process group (module docstring)."""
     world, rank = dist.get_world_size(), dist.get_rank()
     check_sizes(world, cp_size, ep_size)
     cp = None
@@ -74,4 +75,4 @@ def build_layout(cp_size: int = 1, ep_size: int = 1) -> ParallelLayout:
             group = dist.new_group(list(range(offset, world, ep_size)))
             if rank % ep_size == offset:
                 expert_dp = group
-    return ParallelLayout(world, rank, cp_size, ep_size, cp, ep_group, expert_dp)
+    return Parallelism(world, rank, cp_size, ep_size, cp, ep_group, expert_dp)
