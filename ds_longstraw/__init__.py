@@ -13,9 +13,10 @@ from ds_longstraw.arch import shard_experts  # noqa: E402
 from ds_longstraw.config import LongstrawConfig, parse_config  # noqa: E402
 from ds_longstraw.engine.engine import StepResult, initialize  # noqa: E402
 from ds_longstraw.group import GRPOGroup  # noqa: E402
+from ds_longstraw.grpo.shared import grpo_backward_shared  # noqa: E402
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward  # noqa: E402
 from ds_longstraw.objective import GRPOObjective  # noqa: E402
 from ds_longstraw.rollout.generate import Rollouts, generate  # noqa: E402
 
 __all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "Rollouts", "StepResult", "generate",
-           "grpo_backward", "initialize", "parse_config", "shard_experts"]
+           "grpo_backward", "grpo_backward_shared", "initialize", "parse_config", "shard_experts"]

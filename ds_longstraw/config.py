@@ -84,6 +84,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
         then its steps last to first with autograd, each captured span a step of replay_block tokens, so its graph
         is one step's instead of the whole response's; the gradient is unchanged (the member's own context stays
         exact in both modes). None: every member is replayed whole.
+    shared_prefix_min: grpo_backward_shared captures the leading span the step's prompts share (a document several
+        questions ask of) once, where it reaches this many tokens and the groups do not say it themselves
+        (GRPOGroup.shared_prefix); below it each group captures its whole prompt. Default 1024: one replay
+        block's tokens, below which a capture costs about what the tree's bookkeeping saves. None: only where said.
     page_tokens: tokens per page of retained per-token state.
     cp_size: context-parallel ranks the prompt is sharded over; cp_attention: how queries meet remote pages.
     cp_layout: under context parallelism, how the prompt's tokens are laid out over the ranks: "zigzag" (the prompt
@@ -103,7 +107,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         layer by layer top to bottom, grpo/cp/prefix_layers.py: each rank keeps layer inputs over its shard from
         capture, every prefix_inputs_every-th, on offload.tier, reported as retained "layer_inputs"), "turns" (the
         prompt's segments right to left, one owner at a time while the others answer its requests,
-        grpo/cp/prefix.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
+        grpo/cp/prefix_turns.py: memory one chunk's graph; the schedule before layer-major, kept for comparison) or
         "auto" (the default: layer_major where the layer inputs it adds on the pages' tier are at most 1.5x the
         state the transaction keeps there anyway and, on CUDA, what it holds across a layer over the largest
         shard is at most a quarter of the CP group's smallest GPU; offload/auto.layer_major_fits: Qwen3.6-27B and
@@ -130,6 +134,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_keep_attention: bool = False
     replay_block: int = Field(1024, gt=0)
     member_span_capture: int | None = Field(1024, gt=0)
+    shared_prefix_min: int | None = Field(1024, gt=0)
     page_tokens: int = Field(1024, gt=0)
     offload: OffloadConfig = Field(default_factory=OffloadConfig)
     cp_size: int = Field(1, ge=1)

@@ -78,6 +78,9 @@ class GRPOGroup:
     old_logprobs: list | None = None
     response_masks: list | None = None
     sampling_logprobs: list | None = None
+    # how many leading prompt tokens are a document that other groups of the step share (grpo_backward_shared
+    # captures it once for all of them); None: found from the prompts where the call finds it (grpo/document.py)
+    shared_prefix: int | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_ids("prompt_ids", self.prompt_ids)
@@ -105,6 +108,10 @@ class GRPOGroup:
             self.old_logprobs = self._as_logprobs("old_logprobs", self.old_logprobs)
         if self.sampling_logprobs is not None:
             self.sampling_logprobs = self._as_logprobs("sampling_logprobs", self.sampling_logprobs)
+        if self.shared_prefix is not None and not (
+                isinstance(self.shared_prefix, int) and 1 <= self.shared_prefix < self.prompt_ids.numel()):
+            raise ValueError(f"shared_prefix must be a token count in [1, {self.prompt_ids.numel() - 1}] (the "
+                             f"prompt's last token is replayed), got {self.shared_prefix!r}")
 
     def _as_logprobs(self, name: str, values: list) -> list:
         """One float64 log-prob per response token and member, finite at every trained token."""

@@ -1,6 +1,8 @@
 """The GRPO transaction: capture, score, replay, prefix pass, reduce, over a topology.
 
 transaction.py   grpo_backward: the transaction, written once over a topology
+shared.py        grpo_backward_shared: the groups of a step that share a document, as one tree transaction
+document.py      the shared document: where it ends, its captures (the tree's root), the groups' d(state) summed
 topology.py      Topology, OneRank and ContextParallel, build_topology: where the prompt lives, what each phase
                  exchanges
 interfaces.py    what replay's attention reaches on other ranks (RemoteAttention, RemoteSelection)

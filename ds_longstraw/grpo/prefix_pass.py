@@ -21,7 +21,7 @@ import torch
 
 from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.memory import return_freed_host_memory
-from ds_longstraw.offload import StagedPast, Stager, staged_saves
+from ds_longstraw.offload import Stager, node_past, staged_saves
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -71,13 +71,17 @@ def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.T
     piece's), last first, from d_final_carry (layer -> d(its carry) after them). Returns d(carry) at the start of
     the captured tokens (empty at the prompt start)."""
     state = reverse.state
-    stager = Stager(state.pool, stream_names(reverse.adapter.specs))
+    names = stream_names(reverse.adapter.specs)
+    stager = Stager(state.pool, names)
+    # a tree's node (grpo/document.py): its segments attend its ancestors' pages too, whose gradients go to them
+    ancestors = [(Stager(node.pool, names), node.length) for node in state.lineage()[:-1]]
     boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
-            return _reverse_chunks(reverse, stager, segments, d_final_carry)
+            return _reverse_chunks(reverse, stager, ancestors, segments, d_final_carry)
     finally:
-        stager.close()
+        for each in (stager, *(ancestor for ancestor, _ in ancestors)):
+            each.close()
 
 
 def _segments_ahead(state: PrefixState, boundaries: Sequence[ChunkBoundary]) -> Generator[
@@ -113,11 +117,12 @@ def _begin_segment(state: PrefixState, boundary: ChunkBoundary, in_flight: list[
     return carry, kept
 
 
-def _reverse_chunks(reverse: ReversePass, stager: Stager,
+def _reverse_chunks(reverse: ReversePass, stager: Stager, ancestors: Sequence[tuple[Stager, int]],
                     segments: Iterable[tuple[ChunkBoundary, dict[int, tuple[torch.Tensor, ...]],
                                              dict[int, tuple[torch.Tensor, ...]] | None]],
                     d_final_carry: dict[int, tuple[torch.Tensor, ...]]) -> dict[int, tuple[torch.Tensor, ...]]:
-    """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first."""
+    """segments: (boundary, checkpointed carry, kept attention or None) of every segment, last first; ancestors:
+    (stager, tokens) of a tree node's ancestors, whose pages its segments attend."""
     adapter, state, ids, backward, timings = reverse.adapter, reverse.state, reverse.ids, reverse.backward, \
         reverse.timings
     pool = state.pool
@@ -129,8 +134,8 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager,
         # the prompt start has no checkpoint: zeros there, nothing to carry further back
         carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                  for layer, parts in checkpointed.items()}
-        past = StagedPast(stager, reverse.past_start, start, grads_to_pages=True)
-        with torch.enable_grad(), staged_saves(stager):
+        past = node_past(ancestors, stager, start, grads_to_pages=True, past_start=reverse.past_start)
+        with torch.enable_grad(), staged_saves(stager, *(ancestor for ancestor, _ in ancestors)):
             started = time.perf_counter()
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
             out = adapter.forward_segment(ids[start:end], position, carry, past,

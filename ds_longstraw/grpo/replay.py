@@ -25,7 +25,7 @@ from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import Schedule
 from ds_longstraw.grpo.member_steps import member_steps, replay_in_steps
 from ds_longstraw.grpo.memory import return_freed_host_memory
-from ds_longstraw.offload import StagedPast, Stager, staged_saves
+from ds_longstraw.offload import Stager, node_past, staged_saves
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Mapping, Sequence
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ds_longstraw.group import GRPOGroup
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.objective import ScaledObjective, ScopedObjective
+    from ds_longstraw.offload import ChainedPast, StagedPast
 
 
 class ResponsePast(dict):
@@ -54,26 +55,31 @@ class PrefixLeaves:
     onto gradient pages (exact mode)."""
 
     carry: dict  # layer -> tuple of tensors
-    past: StagedPast | ResponsePast  # layer -> list of row tuples (ResponsePast: context parallelism)
-    stager: object = None  # the stager of this rank's pages, closed by release()
+    past: StagedPast | ChainedPast | ResponsePast  # layer -> list of row tuples (Chained: a tree's node; Response: CP)
+    stager: object = None  # the stager of this rank's pages (a tree node: a tuple, one per node), closed by release()
     # while a member's forward runs: autograd's saved-tensor hooks of a StagedPast (staged pages saved as handles,
     # re-staged in backward), or none
     saves: Callable[[], AbstractContextManager] = nullcontext
 
     def release(self) -> None:
         """Drop every staged layer (in-flight reads complete first)."""
-        if self.stager is not None:
-            self.stager.close()
+        for stager in self.stager if isinstance(self.stager, tuple) else (self.stager,):
+            if stager is not None:
+                stager.close()
 
 
 def prefix_leaves(adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> PrefixLeaves:
     """Replay's view of the captured state. prefix_grad "exact": the carry tensors are leaves, and the pages'
     gradients go to the pool's gradient pages as each block's backward produces them."""
-    # wrap: every block walks all layers, so the read-ahead after the last layer is the first one.
-    stager = Stager(state.pool, stream_names(adapter.specs), wrap=True)
-    past = StagedPast(stager, 0, state.length, grads_to_pages=prefix_grad == "exact")
-    return PrefixLeaves(carry=carry_leaves(state.carry, prefix_grad), past=past, stager=stager,
-                        saves=partial(staged_saves, stager))
+    # wrap: every block walks all layers, so the read-ahead after the last layer is the first one. A tree's node
+    # (grpo/document.py) reads its ancestors' pages before its own, one stager each.
+    stagers = [Stager(node.pool, stream_names(adapter.specs), wrap=True) for node in state.lineage()]
+    nodes = state.lineage()
+    ancestors = [(each, node.length) for each, node in zip(stagers[:-1], nodes[:-1], strict=True)]
+    past = node_past(ancestors, stagers[-1], state.length, grads_to_pages=prefix_grad == "exact")
+    return PrefixLeaves(carry=carry_leaves(state.carry, prefix_grad), past=past,
+                        stager=stagers[0] if len(stagers) == 1 else tuple(stagers),
+                        saves=partial(staged_saves, *stagers))
 
 
 def carry_leaves(carry: Mapping[int, Iterable[torch.Tensor]], prefix_grad: str) -> dict[int, tuple[torch.Tensor, ...]]:

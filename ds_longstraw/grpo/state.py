@@ -17,7 +17,7 @@ import torch
 from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.lockstep import ceil_div
 from ds_longstraw.grpo.memory import return_freed_host_memory
-from ds_longstraw.offload import PagePool, StagedPast, Stager, make_pool
+from ds_longstraw.offload import PagePool, Stager, make_pool, node_past
 from ds_longstraw.offload.pages import ReadyRead
 
 if TYPE_CHECKING:
@@ -55,6 +55,13 @@ class PrefixState:
     # exact mode's layer-major prefix pass under context parallelism (grpo/cp/prefix_layers.py): every layer's
     # input hidden states over this rank's shard, on a pool of offload.tier (stream INPUT_STREAM); None otherwise
     input_pool: PagePool | None = None
+    # a tree's child (grpo/document.py): the capture whose tokens precede this one's (its pages are this one's
+    # past, its final carry this one's first); None for a root. A child's offset is where its parent ends.
+    parent: PrefixState | None = None
+
+    def lineage(self) -> list[PrefixState]:
+        """The root first, ..., this state: whose pages a token after this capture sees, in position order."""
+        return ([] if self.parent is None else self.parent.lineage()) + [self]
 
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by the specs' labels, plus exact mode's carry checkpoints and kept
@@ -366,20 +373,25 @@ def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, toke
 
 def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
                    prefix_grad: str = "detached", progress: Callable[[int], object] | None = None,
-                   rank: int = 0) -> PrefixState:
+                   rank: int = 0, parent: PrefixState | None = None) -> PrefixState:
     """Capture prompt_ids[:-1] under no_grad into a PrefixState (one rank, token-major: chunk by chunk through
-    every layer)."""
+    every layer). parent: None, or the capture of the tokens before these (a tree's node, grpo/document.py):
+    this one then starts at the parent's end, from its final carry, with its pages before its own as the past;
+    the parent is neither changed nor released here."""
     ids = prompt_ids[:-1]
     length = ids.numel()
     # The tier (device, host or NVMe pages) comes from longstraw.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
-    state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank)
+    offset = 0 if parent is None else parent.offset + parent.length
+    state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank, offset=offset)
+    state.parent = parent
     pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
     paged = [spec for spec in adapter.specs if spec.streams]
     names = stream_names(adapter.specs)
     chunk = longstraw.segment_tokens  # exact mode: the prefix pass's autograd segment
+    ancestors = [(Stager(node.pool, names), node.length) for node in state.lineage()[:-1]]
     try:
-        carry = {}
+        carry = {} if parent is None else dict(parent.carry)
         stager = Stager(pool, names)
         with torch.no_grad():
             for index, start in enumerate(range(0, length, chunk)):
@@ -387,8 +399,8 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
                 if checkpoints is not None:  # exact mode: the prefix pass starts its segments here
                     saved = checkpoints.save(index, carry) if carry else {}
                     state.boundaries.append(ChunkBoundary(start, end, saved))
-                past = StagedPast(stager, 0, start)
-                out = adapter.forward_segment(ids[start:end], start, carry, past)
+                past = node_past(ancestors, stager, start)
+                out = adapter.forward_segment(ids[start:end], offset + start, carry, past)
                 carry = _detached_carry(out.carry)
                 for spec in paged:
                     append_rows(pool, spec, out.rows[spec.layer])
@@ -403,5 +415,8 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
     except BaseException:
         state.release()  # page files are removed on error as on success
         raise
+    finally:
+        for ancestor, _ in ancestors:
+            ancestor.close()
     state.carry = carry
     return state

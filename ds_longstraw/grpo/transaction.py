@@ -15,7 +15,7 @@ crosses ranks from the topology (topology.py); how this rank pads its calls unde
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,8 +25,9 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.lockstep import Schedule, padded_to_common
 from ds_longstraw.grpo.memory import PhaseMeter
-from ds_longstraw.grpo.prefix_pass import ReversePass
+from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import MemberReplay, final_carry_grads, replay_group, score_group
+from ds_longstraw.grpo.state import capture_prefix
 from ds_longstraw.grpo.topology import OneRank, Topology, build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective, ScopedObjective, check_member_scopes
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.config import LongstrawConfig
+    from ds_longstraw.grpo.document import SharedDocument
     from ds_longstraw.grpo.lockstep import Lockstep
     from ds_longstraw.grpo.state import PrefixState
     from ds_longstraw.parallel.groups import CPContext
@@ -91,23 +93,30 @@ def _progress_bar(enabled: bool, total: int, desc: str) -> AbstractContextManage
 
 
 def _capture(adapter: CausalLMAdapter, group: GRPOGroup, longstraw: LongstrawConfig, prefix_grad: str, desc: str,
-             topology: Topology, schedule: Schedule) -> PrefixState:
+             topology: Topology, schedule: Schedule, parent: PrefixState | None = None) -> PrefixState:
+    """The group's prompt captured; with `parent` (a shared document's capture, one rank) only what follows it."""
     with _progress_bar(longstraw.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
-        return topology.capture(adapter, group.prompt_ids, longstraw, prefix_grad, schedule,
-                                progress=None if bar is None else bar.update)
+        progress = None if bar is None else bar.update
+        if parent is not None:
+            return capture_prefix(adapter, group.prompt_ids[parent.offset + parent.length:], longstraw, prefix_grad,
+                                  progress, parent=parent)
+        return topology.capture(adapter, group.prompt_ids, longstraw, prefix_grad, schedule, progress=progress)
 
 
 def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, longstraw: LongstrawConfig,
-                    topology: Topology | None = None, schedule: Schedule | None = None) -> list[torch.Tensor]:
-    """Reference log-probs of every member, without a graph; the reference state is freed before returning."""
+                    topology: Topology | None = None, schedule: Schedule | None = None,
+                    parent: PrefixState | None = None) -> list[torch.Tensor]:
+    """Reference log-probs of every member, without a graph; the reference state is freed before returning (with
+    `parent`, a shared document's reference capture: only the group's own part of it)."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
     members = topology.replay_members(group)
-    state = _capture(adapter, group, longstraw, "detached", "capture (reference)", topology, schedule)
+    state = _capture(adapter, group, longstraw, "detached", "capture (reference)", topology, schedule, parent)
     try:
         view = topology.replay_view(adapter, state, "detached")
         try:
-            source = MemberReplay(adapter, view.leaves, state.length, longstraw.replay_block, view.remote_attention)
+            source = MemberReplay(adapter, view.leaves, group.prompt_ids.numel() - 1, longstraw.replay_block,
+                                  view.remote_attention)
             scores = score_group(source, group, schedule=schedule, members=members)
             return topology.collect_members(scores, members, group.size)
         finally:
@@ -174,6 +183,11 @@ class Request:
     backward: Callable[[torch.Tensor], object] | None
     caller_reduces: bool
     lockstep: Lockstep | None
+    # a group of grpo_backward_shared (shared.py): the document its prompt starts with, captured already (its
+    # capture is the parent of this group's; exact mode adds this group's d(carry at the document's end) to it),
+    # and the members' reference log-probs, scored already under the document's reference capture
+    document: SharedDocument | None = None
+    ref_logprobs: list | None = None
 
 
 def _transaction(request: Request, capture: Rollouts | None,
@@ -228,14 +242,16 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
     meter = PhaseMeter(adapter.device)
     advantages = objective.advantages(group)
 
-    ref_logprobs = None
-    if objective.needs_reference:
+    document = request.document
+    ref_logprobs = request.ref_logprobs
+    if objective.needs_reference and ref_logprobs is None:
         with meter.phase("reference"), topology.phase("reference"), reference_policy(model, ref_model) as reference:
             ref_logprobs = score_reference(reference, group, longstraw, topology, schedule)
 
     if reused is None:
         with meter.phase("capture"), topology.phase("capture"):
-            state = _capture(adapter, group, longstraw, longstraw.prefix_grad, "capture", topology, schedule)
+            state = _capture(adapter, group, longstraw, longstraw.prefix_grad, "capture", topology, schedule,
+                             None if document is None else document.policy)
     else:
         state = reused  # generate's capture (keep_capture): same prompt, weights and config
     prefix_seconds = {}  # exact mode: the prefix pass's forward and backward seconds
@@ -244,8 +260,8 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
         before = topology.begin_gradients(model)
         with meter.phase("replay"), topology.phase("replay"):
             view = topology.replay_view(adapter, state, longstraw.prefix_grad)
-            source = MemberReplay(adapter, view.leaves, state.length, longstraw.replay_block, view.remote_attention,
-                                  span_capture=longstraw.member_span_capture)
+            source = MemberReplay(adapter, view.leaves, group.prompt_ids.numel() - 1, longstraw.replay_block,
+                                  view.remote_attention, span_capture=longstraw.member_span_capture)
             loss, logprobs, stepped = replay_group(source, group, objective, advantages, ref_logprobs,
                                                    backward=backward, schedule=schedule, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
@@ -257,9 +273,13 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             with meter.phase("prefix"), topology.phase("prefix"):
                 d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
                 with _progress_bar(longstraw.progress and topology.size == 1, state.length, "prefix pass") as bar:
-                    reverse = ReversePass(adapter, state, group.prompt_ids[:-1], backward=backward,
+                    reverse = ReversePass(adapter, state, group.prompt_ids[state.offset:-1], backward=backward,
                                           progress=None if bar is None else bar.update, timings=prefix_seconds)
-                    topology.prefix(reverse, d_final, longstraw, schedule)
+                    if document is None:
+                        topology.prefix(reverse, d_final, longstraw, schedule)
+                    else:  # the group's own part; the document's pass runs once, from every group's d(carry)
+                        reverse = replace(reverse, prefix_recompute=longstraw.prefix_recompute_runs)
+                        document.add_carry_grads(prefix_backward(reverse, d_final))
         grad_page_bytes = state.pool.grad_bytes()
         del view
         if topology.reduces:  # context parallelism, unless the caller reduces

@@ -6,9 +6,9 @@ from .io_engine import PageFileError
 from .nvme_pool import NvmePagePool
 from .page_table import PageEntry, PageTable
 from .pages import PagePool
-from .staged_past import StagedPast, staged_saves
+from .staged_past import ChainedPast, StagedPast, node_past, staged_saves
 from .stager import Stager
 from .states import PageState
 
 __all__ = ["HostPagePool", "NvmePagePool", "PageEntry", "PageFileError", "PagePool", "PageState", "PageTable",
-           "StagedPast", "Stager", "make_pool", "staged_saves"]
+           "ChainedPast", "StagedPast", "Stager", "make_pool", "node_past", "staged_saves"]

@@ -123,33 +123,80 @@ class StagedPast(Mapping):
         return copy
 
 
-class _Handle:
-    __slots__ = ("key", "name", "size", "stride", "offset")
+class ChainedPast(Mapping):
+    """A tree node's past (grpo/document.py): its ancestors' pages, then its own, each a StagedPast over its own
+    pool and in position order, then the segments appended later (earlier replay blocks), read by the adapters as
+    a StagedPast is. Parts holding no tokens are left out; each part routes its pages' gradients to its own pool's
+    gradient pages where it was made to."""
 
-    def __init__(self, key: tuple[int, int, int], name: str, tensor: torch.Tensor) -> None:
-        self.key, self.name = key, name
+    def __init__(self, parts: Sequence[StagedPast]) -> None:
+        self.parts = [part for part in parts if part.end > part.start]
+        self._later = {layer: [] for layer in parts[-1]}
+
+    def __getitem__(self, layer: int) -> list[Sequence[torch.Tensor]]:
+        later = self._later[layer]  # KeyError for layers without pages, as a dict would
+        return [part[layer][0] for part in self.parts] + later
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._later)
+
+    def __len__(self) -> int:
+        return len(self._later)
+
+    def append(self, layer: int, segment: Sequence[torch.Tensor]) -> None:
+        self._later[layer].append(segment)
+
+    def fresh(self) -> ChainedPast:
+        copy = ChainedPast.__new__(ChainedPast)
+        copy.parts = [part.fresh() for part in self.parts]
+        copy._later = {layer: [] for layer in self._later}
+        return copy
+
+
+def node_past(ancestors: Sequence[tuple[Stager, int]], stager: Stager, start: int, grads_to_pages: bool = False,
+              past_start: int = 0) -> StagedPast | ChainedPast:
+    """The past of a capture's local tokens from `start`: its ancestors' pages whole ((their stager, their
+    tokens), root first; none for a prompt's only capture), then its own [past_start, start); grads_to_pages:
+    each pool's gradient pages get its pages' gradients."""
+    own = StagedPast(stager, past_start, start, grads_to_pages=grads_to_pages)
+    if not ancestors:
+        return own
+    return ChainedPast([StagedPast(each, 0, tokens, grads_to_pages=grads_to_pages) for each, tokens in ancestors]
+                       + [own])
+
+
+class _Handle:
+    __slots__ = ("stager", "key", "name", "size", "stride", "offset")
+
+    def __init__(self, stager: Stager, key: tuple[int, int, int], name: str, tensor: torch.Tensor) -> None:
+        self.stager, self.key, self.name = stager, key, name
         self.size, self.stride, self.offset = tensor.size(), tensor.stride(), tensor.storage_offset()
 
 
 @contextmanager
-def staged_saves(stager: Stager) -> Iterator[None]:
-    """While active, autograd saves staged pages as handles and re-stages them in backward (see module doc).
+def staged_saves(*stagers: Stager) -> Iterator[None]:
+    """While active, autograd saves staged pages as handles and re-stages them in backward (see module doc); a
+    tree node's past stages its ancestors' pages and its own through one stager each, all of them given here.
 
     Only the forward needs to run inside: the hooks are bound to the saved tensors when they are packed.
     """
-    if not stager.pool.copies_on_read:
+    copying = [stager for stager in stagers if stager.pool.copies_on_read]
+    if not copying:
         yield
         return
 
     def pack(tensor: torch.Tensor) -> torch.Tensor | _Handle:
-        owner = stager.owner_of(tensor)
-        return tensor if owner is None else _Handle(*owner, tensor)
+        for stager in copying:
+            owner = stager.owner_of(tensor)
+            if owner is not None:
+                return _Handle(stager, *owner, tensor)
+        return tensor
 
     def unpack(saved: torch.Tensor | _Handle) -> torch.Tensor:
         if not isinstance(saved, _Handle):
             return saved
         layer, start, end = saved.key
-        base = stager.get(layer, start, end)[saved.name]
+        base = saved.stager.get(layer, start, end)[saved.name]
         return base.as_strided(saved.size, saved.stride, saved.offset)
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
