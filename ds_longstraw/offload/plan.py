@@ -131,6 +131,7 @@ class Plan:
     member_span_capture: int | None = 1024  # the longstraw block's: spans of at least this many tokens run in steps
     member_steps: bool = False  # whether the span runs in steps (member_replay): then the graph is the actions'
     tool_rows: int = 0  # bytes of the span's rows and their gradients in steps, counted in replay_graph
+    groups_per_document: int = 1  # groups whose prompts share this context's document (grpo_backward_shared)
     trains: str = "lora"  # "lora" (adapters on a frozen body) or "full" (every weight)
     replay_graph: int | None = 0  # bytes of one member's graph (replay_graph_bytes); None: not known for the family
     trained_grads: int = 0  # "full": the trained weights' gradients on this rank (their share, as the weights')

@@ -85,6 +85,8 @@ def _parser():
     p.add_argument("--tool-tokens", type=parse_tokens, default=0,
                    help="an untrained span (a tool output) inside that member: from --member-span-capture tokens "
                         "up it runs in steps, its rows counted, its graph not")
+    p.add_argument("--groups-per-document", type=int, default=1,
+                   help="groups of a step whose prompts are this document and a question each (grpo_backward_shared)")
     p.add_argument("--member-span-capture", type=_span_capture, default=1024,
                    help="longstraw.member_span_capture (none: every member replayed whole)")
     p.add_argument("--trains", choices=("lora", "full"), default="lora",
@@ -182,6 +184,7 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
         lines.append("layer_major_prefix: what exact mode's layer-major CP prefix pass holds across a layer (beside "
                      "the layer_inputs kept with the pages); --cp-prefix turns holds one chunk's graph instead, and "
                      "keeps no layer inputs, for the time of one GPU's pass.")
+    lines += _render_document(plan)
     lines += _render_moe(plan)
     lines += _render_rollout(plan)
     lines += _render_cp_time(plan, gpu_tflops)
@@ -197,6 +200,21 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
         lines.append(f"Recommended: \"offload\": {json.dumps(block)} (the first tier that fits the transaction"
                      f"{decoding}, fastest first).")
     return "\n".join(lines)
+
+
+def _render_document(plan) -> list:
+    """What a document shared by several groups changes (docs/trees.md): the captures per step, not the memory."""
+    n = plan.groups_per_document
+    if n == 1:
+        return []
+    if plan.cluster.cp > 1:
+        return ["", f"{n} groups per document: at CP {plan.cluster.cp} each group still captures the whole prompt "
+                "(grpo_backward_shared runs on one rank so far), so a step captures the document "
+                f"{n} times; the figures above are one group's."]
+    passes = " and runs one reverse pass over it" if plan.prefix_grad == "exact" else ""
+    return ["", f"{n} groups per document (grpo_backward_shared): a step captures the document once instead of {n} "
+            f"times{passes}, each question as its child; the figures above hold (the document's pages and one "
+            "question's at a time: measured 1.00-1.02x one group's peak, BENCHMARKS.md)."]
 
 
 def _graph_line(plan) -> str:
@@ -426,7 +444,8 @@ def as_dict(plan) -> dict:
             "max_context": plan.max_context, "workspace_bytes": plan.workspace, "rollout": plan.rollout or None,
             "response_tokens": plan.response_tokens, "trains": plan.trains, "replay_graph_bytes": plan.replay_graph,
             "trained_grad_bytes": plan.trained_grads, "tool_tokens": plan.tool_tokens,
-            "member_steps": plan.member_steps, "tool_rows_bytes": plan.tool_rows}
+            "member_steps": plan.member_steps, "tool_rows_bytes": plan.tool_rows,
+            "groups_per_document": plan.groups_per_document}
 
 
 def main(argv=None) -> int:
@@ -462,6 +481,9 @@ def main(argv=None) -> int:
                          longstraw.prefix_keep_attention, args.kept_attention_tier, longstraw.cp_scan,
                          longstraw.cp_prefix, longstraw.prefix_inputs_every, args.response_tokens, args.trains,
                          args.tool_tokens, longstraw.member_span_capture)
+        if args.groups_per_document < 1:
+            raise ValueError(f"--groups-per-document {args.groups_per_document}: at least 1 group asks of a document")
+        plan.groups_per_document = args.groups_per_document
         if args.gpu_tflops <= 0:
             raise ValueError(f"--gpu-tflops {args.gpu_tflops}: a GPU's peak is positive")
         if args.new_tokens is not None:

@@ -635,3 +635,22 @@ def test_a_tool_span_in_steps_counts_its_rows_not_its_graph(capsys):
     assert "16,384-token tool span in steps" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--model", "qwen3.6-27b", "--context", "256K", "--tool-tokens", "-5"])
+
+
+def test_groups_per_document_change_the_captures_not_the_memory(capsys):
+    """--groups-per-document N: the memory is one group's (the document's pages and one question's at a time),
+    the step captures the document once on one rank; under CP the groups still capture it each (said so)."""
+    base = ["--model", "qwen3.6-27b", "--context", "256K", "--gpu-memory", "141G", "--host-memory", "1T", "--json"]
+    assert main([*base, "--gpus", "1"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert main([*base, "--gpus", "1", "--groups-per-document", "4"]) == 0
+    shared = json.loads(capsys.readouterr().out)
+    assert shared["groups_per_document"] == 4 and alone["groups_per_document"] == 1
+    assert shared["needs"] == alone["needs"] and shared["retained_bytes_per_rank"] == alone["retained_bytes_per_rank"]
+    assert main([*base[:-1], "--gpus", "1", "--groups-per-document", "4", "--prefix-grad", "exact"]) == 0
+    text = capsys.readouterr().out
+    assert "captures the document once instead of 4 times and runs one reverse pass over it" in text
+    assert main([*base[:-1], "--gpus", "2", "--groups-per-document", "3"]) == 0
+    assert "each group still captures the whole prompt" in capsys.readouterr().out
+    assert main([*base, "--groups-per-document", "0"]) == 2
+    assert "--groups-per-document 0" in capsys.readouterr().err
