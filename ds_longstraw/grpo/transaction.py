@@ -272,8 +272,10 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
         if longstraw.prefix_grad == "exact":
             with meter.phase("prefix"), topology.phase("prefix"):
                 d_final = topology.collect_final_carry_grads(final_carry_grads(view.leaves))
+                # prompt[:-1] (under CP the topology takes this rank's shard of it); under a document, what follows it
+                ids = group.prompt_ids[0 if document is None else document.tokens:-1]
                 with _progress_bar(longstraw.progress and topology.size == 1, state.length, "prefix pass") as bar:
-                    reverse = ReversePass(adapter, state, group.prompt_ids[state.offset:-1], backward=backward,
+                    reverse = ReversePass(adapter, state, ids, backward=backward,
                                           progress=None if bar is None else bar.update, timings=prefix_seconds)
                     if document is None:
                         topology.prefix(reverse, d_final, longstraw, schedule)
