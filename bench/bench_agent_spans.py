@@ -86,6 +86,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tools", default="0,8192,16384")
     parser.add_argument("--modes", default="detached,exact")
+    parser.add_argument("--paths", default="whole,steps",
+                        help="which paths to run (the whole replay at 65,536 tool tokens takes most of an hour)")
+    parser.add_argument("--whole-up-to", type=int, default=None,
+                        help="run the whole path only at L up to this (the steps path at every L)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None, help="PNG of the replay peak and step time against L")
     parser.add_argument("--from-json", default=None, help="plot and tabulate a saved run instead of running")
@@ -105,7 +109,9 @@ def main(argv=None):
     rows = []
     for mode in args.modes.split(","):
         for tools in (int(t) for t in args.tools.split(",")):
-            for path in ("whole", "steps"):
+            for path in args.paths.split(","):
+                if path == "whole" and args.whole_up_to is not None and tools > args.whole_up_to:
+                    continue
                 row = run_fresh(tools, mode, path)
                 row["tool_pages_bytes"] = tool_pages_bytes(tools) if path == "steps" else 0
                 rows.append(row)

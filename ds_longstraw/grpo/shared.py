@@ -15,6 +15,7 @@ lockstep are refused by name.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ds_longstraw.arch import adapter_for, expert_parallel
@@ -65,23 +66,24 @@ def grpo_backward_shared(model: torch.nn.Module, groups: Sequence[GRPOGroup], ob
     if longstraw.cp_size > 1 or expert_parallel(model) is not None:
         raise ValueError(f"a shared document runs on one rank so far: 'longstraw.cp_size' = {longstraw.cp_size}"
                          f"{'' if expert_parallel(model) is None else ', experts sharded'}")
+    # what every group's transaction shares (one rank: no process groups; the caller reduces where it backwards)
+    common = Request(model, None, objective, longstraw, ref_model, None, None, backward, backward is not None, None)
     with kernel_mode(longstraw.kernels):
-        return _shared_step(model, groups, objective, longstraw, ref_model, backward, scopes, tokens)
+        return _shared_step(common, groups, scopes, SharedDocument(tokens))
 
 
-def _shared_step(model: torch.nn.Module, groups: list[GRPOGroup], objective: GRPOObjective,
-                 longstraw: LongstrawConfig, ref_model: torch.nn.Module | None,
-                 backward: Callable[[torch.Tensor], object] | None, scopes: list, tokens: int) -> list[GroupResult]:
+def _shared_step(common: Request, groups: list[GRPOGroup], scopes: list, document: SharedDocument
+                 ) -> list[GroupResult]:
+    model, objective, longstraw, backward = common.model, common.objective, common.longstraw, common.backward
     adapter = adapter_for(model)
     for group in groups:
         group.check_vocab(adapter.vocab_size)
-    document = SharedDocument(tokens)
-    root_ids = groups[0].prompt_ids[:tokens + 1]  # capture_prefix takes prompt[:-1]: the document's tokens
-    report = {"tokens": tokens, "groups": len(groups)}
+    root_ids = groups[0].prompt_ids[:document.tokens + 1]  # capture_prefix takes prompt[:-1]: the document's
+    report = {"tokens": document.tokens, "groups": len(groups)}
     try:
         ref_logprobs = [None] * len(groups)
         if objective.needs_reference:
-            with reference_policy(model, ref_model) as reference:
+            with reference_policy(model, common.ref_model) as reference:
                 document.reference = capture_prefix(adapter_for(reference), root_ids, longstraw, "detached")
                 ref_logprobs = [score_reference(reference, group, longstraw, parent=document.reference)
                                 for group in groups]
@@ -93,12 +95,12 @@ def _shared_step(model: torch.nn.Module, groups: list[GRPOGroup], objective: GRP
         report["retained_bytes"] = document.policy.retained_bytes()
         results = []
         for group, scope, ref in zip(groups, scopes, ref_logprobs, strict=True):
-            request = Request(model, group, objective, longstraw, ref_model, None, None, backward,
-                              backward is not None, None, document=document, ref_logprobs=ref)
+            request = replace(common, group=group, document=document, ref_logprobs=ref)
             results.append(_transaction(request, None, scope))
         if longstraw.prefix_grad == "exact":
             started = time.perf_counter()
-            reverse = ReversePass(adapter, document.policy, root_ids[:-1], backward=backward)
+            reverse = ReversePass(adapter, document.policy, root_ids[:-1], backward=backward,
+                                  prefix_recompute=longstraw.prefix_recompute_runs)
             prefix_backward(reverse, document.d_carry)
             report["prefix_seconds"] = time.perf_counter() - started
     finally:

@@ -92,9 +92,12 @@ def _progress_bar(enabled: bool, total: int, desc: str) -> AbstractContextManage
     return tqdm(total=total, desc=desc, unit="tok", unit_scale=True, leave=False)
 
 
-def _capture(adapter: CausalLMAdapter, group: GRPOGroup, longstraw: LongstrawConfig, prefix_grad: str, desc: str,
+def _capture(adapter: CausalLMAdapter, group: GRPOGroup, longstraw: LongstrawConfig, reference: bool,
              topology: Topology, schedule: Schedule, parent: PrefixState | None = None) -> PrefixState:
-    """The group's prompt captured; with `parent` (a shared document's capture, one rank) only what follows it."""
+    """The group's prompt captured for the policy (in its gradient mode) or the reference (detached); with
+    `parent` (a shared document's capture, one rank) only what follows it."""
+    prefix_grad = "detached" if reference else longstraw.prefix_grad
+    desc = "capture (reference)" if reference else "capture"
     with _progress_bar(longstraw.progress and topology.size == 1, group.prompt_ids.numel() - 1, desc) as bar:
         progress = None if bar is None else bar.update
         if parent is not None:
@@ -111,7 +114,7 @@ def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, longstraw: Lon
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
     members = topology.replay_members(group)
-    state = _capture(adapter, group, longstraw, "detached", "capture (reference)", topology, schedule, parent)
+    state = _capture(adapter, group, longstraw, True, topology, schedule, parent)
     try:
         view = topology.replay_view(adapter, state, "detached")
         try:
@@ -250,7 +253,7 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
 
     if reused is None:
         with meter.phase("capture"), topology.phase("capture"):
-            state = _capture(adapter, group, longstraw, longstraw.prefix_grad, "capture", topology, schedule,
+            state = _capture(adapter, group, longstraw, False, topology, schedule,
                              None if document is None else document.policy)
     else:
         state = reused  # generate's capture (keep_capture): same prompt, weights and config
