@@ -102,6 +102,7 @@ def step_metrics(step, result, world):
         "groups_per_rank": len(result.groups), "responses_rank0": sum(len(g.logprobs) for g in result.groups),
         "dp_world": world, "peak_bytes_rank0": max(g.peak_bytes for g in result.groups),
         "phase_seconds_rank0": {k: round(v, 4) for k, v in phases.items()}, "skipped": result.skipped,
+        "members_in_steps_rank0": sum(g.extras.get("members_in_steps", 0) for g in result.groups),
         **({"mean_reward": result.extras["mean_reward"], "rollout_seconds_rank0":
             round(result.extras["rollout_seconds"], 4),
             "capture_reused_rank0": all(g.extras.get("capture_reused") for g in result.groups),

@@ -8,7 +8,8 @@ each kind (its *calls*):
     capture chunks c = ceil((len(prompt) - 1) / segment)   (segment: capture_chunk, capped by prefix_block in
                                                             exact mode; also the reference capture, and exact
                                                             mode's prefix pass: one forward + backward per chunk)
-    members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block)
+    members G, and per member replay blocks b_m = ceil(len(response_m) / replay_block), and whether the member
+    runs in steps (member_steps.py: a long tool span)
 
 (one `forward_segment` walks every layer whatever its token count). Ranks agree on the common calls (the
 element-wise maximum; `common_calls`) and each pads its own transaction up to it with dummy work of the same
@@ -20,6 +21,10 @@ structure, whose results are thrown away and whose gradients are exactly zero:
     carries zeros; the graph has the structure of a longer response, so the backward gathers match too;
   - members: dummy members (dummy tokens from the real captured state, loss 0 * sum(log p)) with the common
     block counts, backward like a real member;
+  - members in steps: where any rank's member of a slot runs in steps, every rank runs that slot in steps of one
+    replay block each over the padded length, every step scored (the same calls: a forward without a graph of
+    each block, then each block's forward and backward, last first); the gradient is unchanged (a member's steps
+    are its own function differentiated in pieces, whatever the cut);
   - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
 Under context parallelism the layer-major capture and prefix pass call each submodule once per chunk of the rank's
 shard, layer by layer: every such loop walks `Schedule.chunks(spans)` (ShardChunks), this rank's real chunks and
@@ -40,6 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_longstraw.grpo.member_steps import Step, member_steps
 from ds_longstraw.grpo.prefix_pass import segment_roots
 
 if TYPE_CHECKING:
@@ -66,16 +72,23 @@ class GroupCalls:
     chunks: int  # capture chunks
     blocks: tuple  # replay blocks per member
     segments: tuple = ()  # context parallelism: the capture chunks of each CP segment, in prompt order
+    stepped: tuple = ()  # per member slot: 1 where the member runs in steps (member_steps.py), else 0 (or absent)
 
     def encode(self) -> list:
-        return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments]
+        return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments,
+                len(self.stepped), *self.stepped]
 
     @staticmethod
     def decode(code: Sequence[int]) -> GroupCalls:
         members = code[1]
         blocks = tuple(code[2:2 + members])
         rest = code[2 + members:]
-        return GroupCalls(code[0], blocks, tuple(rest[1:1 + rest[0]]) if rest else ())
+        segments = tuple(rest[1:1 + rest[0]]) if rest else ()
+        rest = rest[1 + rest[0]:] if rest else []
+        return GroupCalls(code[0], blocks, segments, tuple(rest[1:1 + rest[0]]) if rest else ())
+
+    def in_steps(self, slot: int) -> bool:
+        return slot < len(self.stepped) and bool(self.stepped[slot])
 
 
 def replayed_members(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> list:
@@ -106,10 +119,13 @@ def segment_chunks(prompt_length: int, longstraw: LongstrawConfig, cp: CPContext
 def calls_of(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> GroupCalls:
     """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
     segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
+    members = replayed_members(group, longstraw, cp)
+    stepped = tuple(int(member_steps(group.mask(m), longstraw.member_span_capture, longstraw.replay_block) is not None)
+                    for m in members)
     return GroupCalls(chunks=capture_chunks(group.prompt_ids.numel(), longstraw, cp),
-                      blocks=tuple(ceil_div(group.response_ids[m].numel(), longstraw.replay_block)
-                                   for m in replayed_members(group, longstraw, cp)),
-                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), longstraw, cp))
+                      blocks=tuple(ceil_div(group.response_ids[m].numel(), longstraw.replay_block) for m in members),
+                      segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), longstraw, cp),
+                      stepped=stepped if any(stepped) else ())  # () where no member runs in steps
 
 
 def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
@@ -118,7 +134,9 @@ def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
     return GroupCalls(chunks=max(s.chunks for s in counts),
                       blocks=tuple(max(s.blocks[m] if m < len(s.blocks) else 0 for s in counts)
                                    for m in range(members)),
-                      segments=tuple(max(column) for column in zip(*(s.segments for s in counts), strict=True)))
+                      segments=tuple(max(column) for column in zip(*(s.segments for s in counts), strict=True)),
+                      stepped=tuple(int(any(s.in_steps(m) for s in counts)) for m in range(members))
+                      if any(s.stepped for s in counts) else ())
 
 
 def common_calls(local_calls: Sequence[GroupCalls], process_group: ProcessGroup | None = None) -> list:
@@ -245,10 +263,19 @@ class Schedule:
                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return inputs, targets
 
+    def member_steps(self, member: int, mask: torch.Tensor, span_capture: int | None,
+                     block: int) -> list[Step] | None:
+        """The steps a member (slot `member`, training mask `mask`) runs in, or None (replayed whole): its own
+        (member_steps.py) without padding."""
+        return member_steps(mask, span_capture, block)
+
     def replay_dummy_members(self, replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
+                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True,
+                             in_steps: Callable[[list[Step], torch.Tensor, torch.Tensor], object] | None = None
+                             ) -> None:
         """After the group's members: the members other ranks have and this one lacks (replay(inputs, targets):
-        a member's log-probs, replay.MemberReplay)."""
+        a member's log-probs, replay.MemberReplay; in_steps(steps, inputs, targets): a dummy member of a slot
+        that runs in steps, whose loss is 0)."""
 
     # -- decoding (rollout.generate; decode_lockstep.DecodeLockstep pads it) --------------------------------------
     def sample_slots(self, num_samples: int) -> int:
@@ -306,6 +333,16 @@ class Lockstep(Schedule):
         pad = torch.full((extra,), PAD_TOKEN, dtype=inputs.dtype, device=inputs.device)
         return torch.cat([inputs, pad]), torch.cat([targets, pad.to(targets.device)])
 
+    def member_steps(self, member: int, mask: torch.Tensor, span_capture: int | None,
+                     block: int) -> list[Step] | None:
+        """Where any rank's member of this slot runs in steps, this rank's member does too: one replay block a
+        step over its padded length (pad_member), every step scored, so that every rank makes the same calls;
+        elsewhere None (replayed whole, the blocks padded)."""
+        if not self.common.in_steps(member):
+            return None
+        length = self._padded_length(member, mask.numel())
+        return [Step(start, min(length, start + block), True) for start in range(0, length, block)]
+
     def dummy_members(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(member slot, inputs, targets) of the members this rank lacks."""
         for member in range(len(self.local.blocks), len(self.common.blocks)):
@@ -314,10 +351,16 @@ class Lockstep(Schedule):
             yield member, ids, ids
 
     def replay_dummy_members(self, replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True) -> None:
+                             backward: Callable[[torch.Tensor], object] | None = None, train: bool = True,
+                             in_steps: Callable[[list[Step], torch.Tensor, torch.Tensor], object] | None = None
+                             ) -> None:
         """Replay the dummy members (replay(inputs, targets): replay.MemberReplay) and, with grad, back-propagate
-        0 * sum(log p) like a member's loss share."""
-        for _, inputs, targets in self.dummy_members():
+        0 * sum(log p) like a member's loss share; a slot that runs in steps through in_steps(steps, inputs,
+        targets)."""
+        for member, inputs, targets in self.dummy_members():
+            if train and in_steps is not None and self.common.in_steps(member):
+                in_steps(self.member_steps(member, targets, None, self.longstraw.replay_block), inputs, targets)
+                continue
             with torch.enable_grad() if train else torch.no_grad():
                 logp = replay(inputs, targets)
                 if train and logp.requires_grad:

@@ -20,8 +20,10 @@ in both modes. Memory: one step's graph plus the member's rows and their gradien
 instead of the whole response's graph. Time: the response runs forward twice (the captured spans' steps skip the
 vocabulary projection both times).
 
-Under a lockstep that pads module calls across ranks (ZeRO-3, the spread CP replay) a member is replayed whole, as
-the padding counts it (replay.replay_group decides).
+Under a lockstep that pads module calls across ranks (ZeRO-3 through the engine, the spread CP replay) the ranks
+agree per member slot (lockstep.GroupCalls.stepped): where any rank's member of a slot runs in steps, every rank
+runs that slot in steps of one replay block each over the padded length, every step scored, so that they make the
+same calls; the others are replayed whole (lockstep.Lockstep.member_steps, replay.replay_group).
 """
 
 from __future__ import annotations

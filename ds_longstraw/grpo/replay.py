@@ -23,7 +23,7 @@ import torch
 from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import Schedule
-from ds_longstraw.grpo.member_steps import member_steps, replay_in_steps
+from ds_longstraw.grpo.member_steps import replay_in_steps
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import Stager, node_past, staged_saves
 
@@ -150,23 +150,22 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
     them ran in steps: member_steps.py).
     """
     schedule = schedule or Schedule()
-    # a lockstep counts every member's module calls as a whole replay makes them: members in steps only without one
-    span_capture = source.span_capture if type(schedule) is Schedule else None
     logprobs, loss, stepped = [], 0.0, 0
     for slot, member in enumerate(range(group.size) if members is None else members):
         inputs, targets = member_inputs(group, member)
         ref = None if ref_logprobs is None else ref_logprobs[member]
-        steps = member_steps(group.mask(member), span_capture, source.block)
+        real = targets.numel()
+        # a lockstep may run this slot in steps on every rank, over the padded length (lockstep.py)
+        steps = schedule.member_steps(slot, group.mask(member), source.span_capture, source.block)
+        inputs, targets = schedule.pad_member(slot, inputs, targets)
         if steps is not None:
-            share_of = partial(_member_share, objective, group, member, advantages, ref)
+            share_of = partial(_real_share, objective, group, member, advantages, ref, real)
             share, logp = replay_in_steps(source, steps, inputs, targets, share_of, objective.needs_entropy,
                                           backward)
             loss += share
-            logprobs.append(logp.double().cpu())
+            logprobs.append(logp[:real].double().cpu())
             stepped += 1
             continue
-        real = targets.numel()
-        inputs, targets = schedule.pad_member(slot, inputs, targets)
         with torch.enable_grad():
             replayed = replay_member(source, inputs, targets, with_entropy=objective.needs_entropy)
             logp, entropy = replayed if objective.needs_entropy else (replayed, None)
@@ -178,8 +177,21 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
         logprobs.append(logp.detach().double().cpu())
         del logp, entropy, share
         return_freed_host_memory(source.adapter.device)
-    schedule.replay_dummy_members(source, backward)
+    schedule.replay_dummy_members(source, backward, in_steps=partial(_dummy_in_steps, source, backward))
     return loss, logprobs, stepped
+
+
+def _real_share(objective: ScopedObjective | ScaledObjective, group: GRPOGroup, member: int, advantages: torch.Tensor,
+                ref: torch.Tensor | None, real: int, logp: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+    """The member's share from the log-probs (and entropies) of its real tokens, a lockstep's padding cut off."""
+    return _member_share(objective, group, member, advantages, ref, logp[:real],
+                         None if entropy is None else entropy[:real])
+
+
+def _dummy_in_steps(source: MemberReplay, backward: Callable | None, steps: list, inputs: torch.Tensor,
+                    targets: torch.Tensor) -> None:
+    """A dummy member of a slot that runs in steps: its calls, a loss of 0."""
+    replay_in_steps(source, steps, inputs, targets, lambda logp, entropy: logp.sum() * 0.0, False, backward)
 
 
 def _member_share(objective: ScopedObjective | ScaledObjective, group: GRPOGroup, member: int,

@@ -79,7 +79,30 @@ def _grad_sink(pool: PagePool | TieredPagePool, layer: int, name: str,
     return sink
 
 
-class StagedPast(Mapping):
+class _AppendedSegments(Mapping):
+    """What both pasts below share: layer -> segments, the layers being those with pages; segments appended after
+    the pages (earlier replay blocks) with append(), none in a fresh() copy (one per replayed member). A copy
+    shares the pages' parts, which nothing appends to."""
+
+    _later: dict
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._later)
+
+    def __len__(self) -> int:
+        return len(self._later)
+
+    def append(self, layer: int, segment: Sequence[torch.Tensor]) -> None:
+        self._later[layer].append(segment)
+
+    def fresh(self) -> _AppendedSegments:
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy._later = {layer: [] for layer in self._later}
+        return copy
+
+
+class StagedPast(_AppendedSegments):
     """layer -> [(K, V) of prompt tokens [start, end) (staged on access), *segments appended later].
 
     grads_to_pages: the prompt segment is differentiable and its gradient lands on the pool's gradient pages
@@ -107,23 +130,9 @@ class StagedPast(Mapping):
             pair = PagesPair(pair, _block_sink(pool, layer, names, self.start))
         return [pair, *later]
 
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._later)
-
-    def __len__(self) -> int:
-        return len(self._later)
-
-    def append(self, layer: int, segment: Sequence[torch.Tensor]) -> None:
-        self._later[layer].append(segment)
-
-    def fresh(self) -> StagedPast:
-        copy = StagedPast.__new__(StagedPast)
-        copy.__dict__.update(self.__dict__)
-        copy._later = {layer: [] for layer in self._later}
-        return copy
 
 
-class ChainedPast(Mapping):
+class ChainedPast(_AppendedSegments):
     """A tree node's past (grpo/document.py): its ancestors' pages, then its own, each a StagedPast over its own
     pool and in position order, then the segments appended later (earlier replay blocks), read by the adapters as
     a StagedPast is. Parts holding no tokens are left out; each part routes its pages' gradients to its own pool's
@@ -136,21 +145,6 @@ class ChainedPast(Mapping):
     def __getitem__(self, layer: int) -> list[Sequence[torch.Tensor]]:
         later = self._later[layer]  # KeyError for layers without pages, as a dict would
         return [part[layer][0] for part in self.parts] + later
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self._later)
-
-    def __len__(self) -> int:
-        return len(self._later)
-
-    def append(self, layer: int, segment: Sequence[torch.Tensor]) -> None:
-        self._later[layer].append(segment)
-
-    def fresh(self) -> ChainedPast:
-        copy = ChainedPast.__new__(ChainedPast)
-        copy.parts = [part.fresh() for part in self.parts]
-        copy._later = {layer: [] for layer in self._later}
-        return copy
 
 
 def node_past(ancestors: Sequence[tuple[Stager, int]], stager: Stager, start: int, grads_to_pages: bool = False,

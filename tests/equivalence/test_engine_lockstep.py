@@ -104,3 +104,49 @@ def test_shapes_and_bad_lockstep():
     assert most_calls([GroupCalls(1, (2,)), GroupCalls(3, (1, 1, 4))]) == GroupCalls(3, (2, 1, 4))
     with pytest.raises(ValueError, match="exceeds"):
         Lockstep(GroupCalls(2, (1,)), GroupCalls(1, (1,)), longstraw)
+
+
+def _tool_group(seed, prompt_len, members):
+    """members: [(length, [(lo, hi) untrained spans])]."""
+    from masked_loss import masks_from_spans
+
+    gen = torch.Generator().manual_seed(seed)
+    return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
+                     [torch.randint(0, 97, (n,), generator=gen) for n, _ in members],
+                     rewards=torch.rand(len(members), generator=gen).tolist(),
+                     response_masks=masks_from_spans(members))
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_members_in_steps_keep_the_ranks_in_lockstep(mode):
+    """A member with a long tool span runs in steps (member_steps.py); where one rank's member of a slot does, every
+    rank runs that slot in steps of one block, so the module calls still match: group a's first member is in
+    steps, b's members are not, the dummy group has none; the three make the same calls, and each one's results
+    are its plain transaction's (float64: relative 1e-10, the steps differentiate the same function in pieces)."""
+    longstraw = parse_config({**BLOCK, "prefix_grad": mode, "member_span_capture": 3})
+    model = tiny_qwen3_5(torch.float32, seed=0)
+    objective = GRPOObjective()
+    a = _tool_group(1, 14, [(9, [(1, 6)]), (4, [])])
+    b = _tool_group(2, 10, [(5, []), (7, [(2, 4)]), (2, [])])
+    calls_a, calls_b = calls_of(a, longstraw), calls_of(b, longstraw)
+    assert calls_a.stepped == (1, 0) and calls_b.stepped == ()  # b: a 2-token span, below the threshold of 3
+    common = most_calls([calls_a, calls_b])
+    assert common.stepped == (1, 0, 0) and common.blocks == (3, 3, 1)
+    traces = [_trace(model, g, Lockstep(calls_of(g, longstraw), common, longstraw), longstraw, objective, None)
+              for g in (a, b, dummy_group())]
+    assert traces[0] == traces[1] == traces[2]
+    assert _trace(model, b, None, longstraw, objective, None) != traces[1]
+    double = tiny_qwen3_5(torch.float64, seed=3)
+    with float64_model():
+        for group in (a, b):
+            plain_grads, plain = grads_of(double, lambda g=group: grpo_backward(double, g, objective,
+                                                                                longstraw=longstraw))
+            padded_grads, padded = grads_of(double, lambda g=group: grpo_backward(
+                double, g, objective, longstraw=longstraw,
+                lockstep=Lockstep(calls_of(g, longstraw), common, longstraw)))
+            assert padded.extras["members_in_steps"] == 1  # slot 0 runs in steps on every rank
+            assert relative_l2(padded_grads, plain_grads) < 1e-10
+            assert padded.loss == pytest.approx(plain.loss, rel=1e-10)
+            for x, y in zip(padded.logprobs, plain.logprobs, strict=True):
+                trained = y != 0  # a captured span's log-probs are not computed on the plain path (0)
+                assert x.shape == y.shape and torch.allclose(x[trained], y[trained], rtol=0, atol=1e-10)

@@ -3,7 +3,9 @@ trajectories whose responses hold masked tool spans ("response_masks" in token-i
 
   The data: 4 groups of 3 responses, context-only spans at the start, middle and end of responses; one member
   with no trained token; one whole group with none (its rank contributes a zero gradient to that step's average).
-  Ranks bring groups of different shapes, so ZeRO-3's lockstep pads members and blocks.
+  Ranks bring groups of different shapes, so ZeRO-3's lockstep pads members and blocks; tool spans of 3+ tokens
+  run in steps (member_span_capture 3, grpo/member_steps.py), so the ranks' slots in steps differ too and the
+  lockstep runs a slot in steps on both ranks where either's member does.
   Chain: final weights after 2 AdamW steps == a single process that, per step, averages over the two ranks' groups
   (the same JSONL rows, ds_longstraw.tools.data order) the gradients of grpo_backward with the masks, then steps;
   and != the same reference with the masks dropped (the launcher path must carry them to the loss).
@@ -23,7 +25,8 @@ pytestmark = pytest.mark.slow
 
 RUN = os.path.join(REPO, "configs", "run", "quickstart.yaml")
 SHAPE = os.path.join(REPO, "configs", "models", "tiny_qwen3_5.yaml")
-BLOCK = {"enabled": True, "prefix_grad": "exact", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8}
+BLOCK = {"enabled": True, "prefix_grad": "exact", "capture_chunk": 16, "replay_block": 4, "page_tokens": 8,
+         "member_span_capture": 3}
 OPTIM = {"lr": 1e-3, "eps": 1.0, "weight_decay": 0.01}
 STEPS = 2
 
@@ -106,8 +109,9 @@ def _reference(tmp, drop_masks=False, replicas=2):
                 if drop_masks:
                     group = GRPOGroup(group.prompt_ids, group.response_ids, rewards=group.rewards)
                 grpo_backward(model, group, longstraw=BLOCK)
-            for name, p in model.named_parameters():
-                total[name] = total.get(name, 0.0) + p.grad / replicas
+            for name, p in model.named_parameters():  # a group with nothing trained, in steps, runs no backward
+                grad = torch.zeros_like(p) if p.grad is None else p.grad
+                total[name] = total.get(name, 0.0) + grad / replicas
         for name, p in model.named_parameters():
             p.grad = total[name]
         optimizer.step()
@@ -133,3 +137,4 @@ def test_masked_training_takes_the_reference_steps(run, one_thread):
     with open(run / "masks.jsonl") as handle:
         metrics = [json.loads(line) for line in handle]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["dp_world"] == 2 for m in metrics)
+    assert all(m["members_in_steps_rank0"] >= 1 for m in metrics)  # rank 0's tool spans ran in steps
