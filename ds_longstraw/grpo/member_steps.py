@@ -24,6 +24,11 @@ Under a lockstep that pads module calls across ranks (ZeRO-3 through the engine,
 agree per member slot (lockstep.GroupCalls.stepped): where any rank's member of a slot runs in steps, every rank
 runs that slot in steps of one replay block each over the padded length, every step scored, so that they make the
 same calls; the others are replayed whole (lockstep.Lockstep.member_steps, replay.replay_group).
+
+The earlier steps' rows stay one segment per replay block in a step's past. Tried: joined into one leaf per row
+tensor, read as one segment, the replay peak was 1.25x L = 0's plus the tool pages at 16,384 tool tokens and 2.85x
+at 65,536 (the attention over that segment is one call over every earlier key, whose work grows with them; per
+block, each call stays a block's).
 """
 
 from __future__ import annotations
@@ -176,30 +181,15 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
     return blocks, carry, scores
 
 
-def _response_rows(recorded: Recorded) -> dict[int, tuple[torch.Tensor, ...]]:
-    """Every step's rows, layer by layer, as one leaf per row tensor over the whole response (token-major, response
-    positions): a step reads the earlier steps' rows as one slice of them, and what the later steps' backward
-    leaves on a step's slice of their .grad is that step's d(rows). Pass 1's per-block tensors are dropped as each
-    layer is joined."""
-    blocks = {}
-    for step in recorded.rows:
-        for layer, parts in step.items():
-            blocks.setdefault(layer, []).extend(parts)
-    recorded.rows = []
-    rows = {}
-    for layer in list(blocks):
-        parts = blocks.pop(layer)
-        rows[layer] = tuple(torch.cat(column).requires_grad_(True) for column in zip(*parts, strict=True))
-        del parts
-    return rows
-
-
 def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
              recorded: Recorded, d_scores: tuple, backward: Callable | None) -> None:
     """Pass 2: the steps last to first, each with autograd, its outputs given their gradients (module docstring)."""
     leaves, carries = source.leaves, recorded.carries
     d_logp, d_entropy = d_scores
-    rows = _response_rows(recorded)
+    # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
+    row_leaves = [{layer: [tuple(t.detach().requires_grad_(True) for t in parts) for parts in blocks]
+                   for layer, blocks in step.items()} for step in recorded.rows]
+    recorded.rows = []
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
         step = steps[index]
@@ -209,9 +199,10 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
             carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
                      for layer, parts in carries[index].items()}
         past = leaves.past.fresh()
-        if step.start:  # the earlier steps' rows: one segment, so the step's graph keeps one partial for them
-            for layer, parts in rows.items():
-                past.append(layer, tuple(part[:step.start] for part in parts))
+        for earlier in row_leaves[:index]:
+            for layer, blocks in earlier.items():
+                for parts in blocks:
+                    past.append(layer, parts)
         with torch.enable_grad(), leaves.saves():
             out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
             outputs, grads = [], []
@@ -221,14 +212,11 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                 if scores[1] is not None:
                     outputs.append(scores[1])
                     grads.append(d_entropy[step.start:step.end])
-            for layer, blocks in out_rows.items():  # d(rows): what the later steps left on them
-                offset = step.start
-                for parts in blocks:
-                    end = offset + parts[0].shape[0]
-                    for part, leaf in zip(parts, rows[layer], strict=True):
+            for layer, blocks in out_rows.items():
+                for parts, leaves_of_block in zip(blocks, row_leaves[index][layer], strict=True):
+                    for part, leaf in zip(parts, leaves_of_block, strict=True):
                         outputs.append(part)
-                        grads.append(None if leaf.grad is None else leaf.grad[offset:end])
-                    offset = end
+                        grads.append(leaf.grad)
             if d_carry is not None:
                 for layer, parts in end_carry.items():
                     for part, grad in zip(parts, d_carry[layer], strict=True):
@@ -237,5 +225,6 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
             inject_gradients(outputs, grads, backward)
         if index > 0:
             d_carry = {layer: tuple(t.grad for t in parts) for layer, parts in carry.items()}
+        row_leaves[index] = {}  # its gradient is spent
         del out_rows, end_carry, scores, outputs, grads, carry, past
         return_freed_host_memory(source.adapter.device)
