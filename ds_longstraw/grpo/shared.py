@@ -8,8 +8,8 @@
                summed over the groups and whose d(document rows) land on the document's gradient pages
     prefix     (exact mode) one reverse pass over the document from the summed d(state)
 Gradients accumulate into .grad as the groups' separate transactions would; the document's pages and one group's
-suffix are alive at a time (docs/trees.md). One rank so far: context parallelism, expert parallelism and a ZeRO-3
-lockstep are refused by name.
+suffix are alive at a time (docs/trees.md). One rank so far: context parallelism and sharded experts are refused
+by name, and it takes no ZeRO-3 lockstep (data-parallel ranks with different documents).
 """
 
 from __future__ import annotations
