@@ -74,7 +74,7 @@ def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.T
     names = stream_names(reverse.adapter.specs)
     stager = Stager(state.pool, names)
     # a tree's node (grpo/document.py): its segments attend its ancestors' pages too, whose gradients go to them
-    ancestors = [(Stager(node.pool, names), node.length) for node in state.lineage()[:-1]]
+    ancestors = state.ancestor_stagers(names)
     boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:

@@ -73,12 +73,13 @@ def prefix_leaves(adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str
     gradients go to the pool's gradient pages as each block's backward produces them."""
     # wrap: every block walks all layers, so the read-ahead after the last layer is the first one. A tree's node
     # (grpo/document.py) reads its ancestors' pages before its own, one stager each.
-    stagers = [Stager(node.pool, stream_names(adapter.specs), wrap=True) for node in state.lineage()]
-    nodes = state.lineage()
-    ancestors = [(each, node.length) for each, node in zip(stagers[:-1], nodes[:-1], strict=True)]
-    past = node_past(ancestors, stagers[-1], state.length, grads_to_pages=prefix_grad == "exact")
+    names = stream_names(adapter.specs)
+    ancestors = state.ancestor_stagers(names, wrap=True)
+    own = Stager(state.pool, names, wrap=True)
+    stagers = [*(each for each, _ in ancestors), own]
+    past = node_past(ancestors, own, state.length, grads_to_pages=prefix_grad == "exact")
     return PrefixLeaves(carry=carry_leaves(state.carry, prefix_grad), past=past,
-                        stager=stagers[0] if len(stagers) == 1 else tuple(stagers),
+                        stager=own if len(stagers) == 1 else tuple(stagers),
                         saves=partial(staged_saves, *stagers))
 
 

@@ -63,6 +63,11 @@ class PrefixState:
         """The root first, ..., this state: whose pages a token after this capture sees, in position order."""
         return ([] if self.parent is None else self.parent.lineage()) + [self]
 
+    def ancestor_stagers(self, names: Mapping[int, Sequence[str]], wrap: bool = False) -> list[tuple[Stager, int]]:
+        """(a stager of its pages, its tokens) of each ancestor, root first (none for a root): what
+        offload.node_past reads before this state's own pages. The caller closes the stagers."""
+        return [(Stager(node.pool, names, wrap=wrap), node.length) for node in self.lineage()[:-1]]
+
     def retained_bytes(self) -> dict:
         """Bytes kept for later tokens, by the specs' labels, plus exact mode's carry checkpoints and kept
         attention ("carry_checkpoints", "kept_attention_pages")."""
@@ -389,7 +394,7 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
     paged = [spec for spec in adapter.specs if spec.streams]
     names = stream_names(adapter.specs)
     chunk = longstraw.segment_tokens  # exact mode: the prefix pass's autograd segment
-    ancestors = [(Stager(node.pool, names), node.length) for node in state.lineage()[:-1]]
+    ancestors = state.ancestor_stagers(names)
     try:
         carry = {} if parent is None else dict(parent.carry)
         stager = Stager(pool, names)
