@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ds_longstraw.offload.kind_costs import AttentionCost, KindCost, ScanCost, SparseCost
+
 
 @dataclass(frozen=True)
 class CombineRule:
@@ -38,6 +40,7 @@ class CombineRule:
     layer_major   exact mode's layer-major prefix pass runs it (else the turns)
     recurrent     a carry folded across ranks in prompt order (the capture may hold the scan's outputs)
     selects       attends a global top-k selection that a later layer may reuse (`select` empty)
+    cost          its bytes for the planner and its seconds for the CP time model (offload/kind_costs.py)
     """
 
     name: str
@@ -45,10 +48,11 @@ class CombineRule:
     layer_major: bool = True
     recurrent: bool = False
     selects: bool = False
+    cost: KindCost = KindCost()
 
 
-# name -> its rule; register_combine_rule adds one (a new layer kind: its rule here, its cross-rank code as a
-# grpo/cp/kinds/ layer kind of the same name)
+# name -> its rule; register_combine_rule adds one (a new layer kind: its rule here with its cost, its cross-rank
+# code as a grpo/cp/kinds/ layer kind of the same name)
 COMBINE_RULES: dict[str, CombineRule] = {}
 
 
@@ -68,7 +72,8 @@ def combine_rule(name: str) -> CombineRule:
     return rule
 
 
-for _rule in (CombineRule("lse"), CombineRule("affine_scan", recurrent=True), CombineRule("topk_lse", selects=True),
+for _rule in (CombineRule("lse", cost=AttentionCost()), CombineRule("affine_scan", recurrent=True, cost=ScanCost()),
+              CombineRule("topk_lse", selects=True, cost=SparseCost()),
               # nothing crosses ranks; the layer-major pass has no layer code for it
               CombineRule("none", layer_major=False)):
     register_combine_rule(_rule)

@@ -78,6 +78,7 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
     shape.not_layer_major = tuple(sorted(name for name in shape.combine_counts if not combine_rule(name).layer_major))
+    shape.kind_costs = {name: combine_rule(name).cost for name in shape.combine_counts}
     shape.params = parameter_count(config) if parameters else 0
     for name, value in kernel_dims(config).items():  # what the kernels' workspaces scale with
         setattr(shape, name, value)

@@ -23,10 +23,9 @@ if TYPE_CHECKING:
     from ds_longstraw.offload.state_shape import ModelShape
 
 def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
-    """Bytes a context-parallel rank holds of one Gated DeltaNet layer's outputs while its capture waits for the
-    layer's exchange: [o(0) | q~] for each of its tokens (a rank whose pieces do not start the prompt; the one that
-    does holds dk less per head for that piece)."""
-    return tokens_per_rank * shape.delta_heads * shape.delta_head_dims * shape.dtype_bytes
+    """Bytes a context-parallel rank holds of one layer's outputs while its capture waits for the layer's exchange:
+    the largest its kinds hold (KindCost.capture_held; the Gated DeltaNet scan's [o(0) | q~] for each token)."""
+    return max((cost.capture_held(shape, tokens_per_rank) for cost in shape.kind_costs.values()), default=0)
 
 
 # "cp_scan": "auto" holds the GDN scan's outputs across the CP exchange where they take at most this fraction of
@@ -144,16 +143,12 @@ def recomputed_inputs_bytes(shape: ModelShape, tokens_per_rank: int, every: int 
 
 def layer_major_workspace(shape: ModelShape, tokens_per_rank: int) -> int:
     """What the layer-major prefix pass holds on the device across one layer (grpo/cp/prefix_layers.py): d(output)
-    and d(input) [T, C] in the model's dtype, and the largest layer kind's own: attention q, out and d(out)
-    [T, H D] in the model's dtype with lse [T, H] in float32, or GDN d(o) and d(z) [T, Hv dv] (dv: half of
-    the key + value head dims, as in the families here). An estimate of the larger tensors, not of every
+    and d(input) [T, C] in the model's dtype, and the largest layer kind's own (KindCost.layer_major_held:
+    attention's q, out, d(out) and lse, GDN's d(o) and d(z)). An estimate of the larger tensors, not of every
     temporary."""
-    acc = 8 if shape.dtype_bytes == 8 else 4
     hidden = 2 * shape.hidden_size * shape.dtype_bytes
-    attention = (3 * shape.attention_heads * shape.attention_head_dim * shape.dtype_bytes
-                 + shape.attention_heads * acc) if shape.attention_heads else 0
-    delta = 2 * shape.delta_heads * (shape.delta_head_dims // 2) * shape.dtype_bytes
-    return tokens_per_rank * (hidden + max(attention, delta))
+    own = max((cost.layer_major_held(shape) for cost in shape.kind_costs.values()), default=0)
+    return tokens_per_rank * (hidden + own)
 
 
 def layout_for(blockers: Sequence[str], selects: bool, prefix: Callable[[], str | None]) -> str:

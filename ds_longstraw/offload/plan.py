@@ -65,7 +65,6 @@ Routed experts (a model with a MoEShape), `moe_figures`:
 from dataclasses import dataclass, field
 
 from ds_longstraw.offload.auto import (
-    gdn_scan_outputs,
     inputs_every_for,
     layer_inputs_bytes,
     layer_major_prefix,
@@ -73,6 +72,7 @@ from ds_longstraw.offload.auto import (
     recomputed_inputs_bytes,
     scan_holds,
 )
+from ds_longstraw.offload.kind_costs import delta_rule_floats
 from ds_longstraw.offload.state_shape import ModelShape
 
 GiB = 2**30
@@ -143,21 +143,7 @@ class Plan:
 REPLAY_BLOCK = 1024
 VOCAB_CHUNK = 8192
 LIBRARY_KEY_BLOCK = 16384
-# The gated delta rule's chunk (kernels/gated_delta/chunked.chunk_gated_delta_rule's chunk_size).
-DELTA_CHUNK = 64
-
-
-def delta_rule_floats(head_dims: int, backward: bool, chunk: int = DELTA_CHUNK) -> int:
-    """float32 values of the chunked gated delta rule's scratch per token per value head, s = dk + dv: the
-    chunk's per-token rows (a multiple of s), its [c, c] matrices (of c) and its per-chunk states
-    (dk dv / c <= s^2 / 4c), forward alone or forward + backward. The multiples are fitted as upper bounds to
-    fresh-process peaks of the project's kernel at (dk = dv = 128, c = 64), (64, 64) and (64, 32): 1.1x to 1.3x
-    above them, as a peak moves by about 5% from run to run; tests/unit/test_planner.py measures a shape again. fla's
-    kernel (CUDA) keeps less: this counts the kernel every device has."""
-    s = head_dims
-    if backward:
-        return 16 * s + s * s // chunk + 32 * chunk
-    return 8 * s + s * s // (2 * chunk) + 12 * chunk
+# The gated delta rule's chunk and scratch: offload/kind_costs.DELTA_CHUNK, delta_rule_floats.
 
 
 def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK,
@@ -193,10 +179,10 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp:
     if layer_major_prefix(shape, cp, prefix_grad, cp_prefix, capture_chunk, keep_attention, inputs_every,
                           tokens_per_rank, gpu_memory):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)
-    if cp > 1 and shape.delta_heads and scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory):
-        augmented = shape.delta_head_dims + shape.delta_head_dims // 2
-        workspace["gdn_scan"] = (gdn_scan_outputs(shape, tokens_per_rank) + shape.delta_heads * 4 * capture_chunk
-                                 * delta_rule_floats(augmented, backward=False))
+    if cp > 1:
+        holds = scan_holds(shape, tokens_per_rank, cp_scan, gpu_memory)
+        for cost in shape.kind_costs.values():
+            workspace.update(cost.capture_workspace(shape, tokens_per_rank, capture_chunk, holds))
     return workspace
 
 

@@ -54,6 +54,9 @@ class ModelShape:
     # a replayed member's autograd graph: {"lora" | "full": (bytes per response token, bytes per member)}, the
     # family's (arch.replay_graph); empty where the family declares none
     replay_graph: dict = field(default_factory=dict)
+    # combine rule -> its cost under context parallelism (offload/kind_costs.py), for the rules of combine_counts
+    # that declare one (arch/specs.CombineRule.cost)
+    kind_costs: dict = field(default_factory=dict)
 
     @property
     def select_layers(self) -> int:
@@ -66,3 +69,13 @@ class ModelShape:
     @property
     def carry_total(self) -> int:
         return sum(self.carry_bytes.values())
+
+    @property
+    def active_params(self) -> float:
+        """The parameters a prompt token runs through: all but the embeddings and the head (untied), the routed
+        experts at k of their count."""
+        dense = self.params - 2 * self.vocab_size * self.hidden_size
+        if self.moe:
+            moe = self.moe
+            dense -= moe.layers * moe.routed_params * (1 - moe.experts_per_token / moe.experts)
+        return dense

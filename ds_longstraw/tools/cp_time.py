@@ -1,6 +1,8 @@
 """Predicted seconds per phase of the context-parallel schedules, for `longstraw plan` (a model, not a measurement).
 
-What the prediction is made from (one H200, bf16; BENCHMARKS.md):
+Each layer kind predicts its own layers' seconds (offload/kind_costs.py: the cost its combine rule carries); a
+model's prediction is their sum, scaled to the GPU. What the kinds' figures are made from (one H200, bf16;
+BENCHMARKS.md):
   - "GRPO steps of the Qwen3.6-27B layer shape": 4 layers of the 27B (3 Gated DeltaNet + 1 full attention, hidden
     5,120) took 0.97 s at 65,536 and 5.12 s at 262,144 prompt tokens. A fit t(L) = a L + b L^2 through the two
     points gives a (every layer's per-token work, 4 layers) and b (one attention layer's causal attention per L^2).
@@ -24,9 +26,9 @@ N ranks (T = L / N tokens each), with the model's own layer counts:
            summary, a recurrence over [dS | X] of about twice the rule's cost: + 2R x scan_layers x T; with
            prefix_inputs_every k, the recompute of the other layers' inputs: + (k - 1) / k of a rank's forward.
 
-A family whose layers attend a global top-k selection ("topk_lse", glm_moe_dsa) is `predict_sparse`'s, from the
-H200 Triton figures ("The Triton kernels on the H200"): the DSA selection of 1,024 queries over 16K keys (32
-indexer heads of 128, k = 2,048) took 2.2 ms, so Q per (query, key) pair and selecting layer; the sparse absorbed
+Layers that attend a global top-k selection ("topk_lse", glm_moe_dsa) are modelled from the H200 Triton figures
+("The Triton kernels on the H200"): the DSA selection of 1,024 queries over 16K keys (32 indexer heads of 128,
+k = 2,048) took 2.2 ms, so Q per (query, key) pair and selecting layer; the sparse absorbed
 MLA (64 heads, latent 512 + rope 64, 2,048 rows a query) 16.8 ms forward and 46.2 ms forward + backward for 1,024
 queries, so S and S' per query and layer; both scaled linearly to other widths. The dense work (projections, the
 experts a token is routed to, norms) is D per active parameter and token: the 27B fit's a / 4 over one Qwen3.6-27B
@@ -39,29 +41,23 @@ layer's parameters (its 4 benchmarked layers weigh 7.6 GiB in bf16 with the embe
            with prefix_inputs_every k, + (k - 1) / k of a rank's zigzag capture (the recompute of the other layers'
            inputs runs the capture's layers again, their selections included)
 What it leaves out: communication (the exchanges overlap compute only in part; the experts' all-to-all), the
-replay, kernel efficiency at other shapes, and any other family (`predict` returns None without both attention
-and Gated DeltaNet layers, `predict_sparse` without selecting layers).
+replay, kernel efficiency at other shapes, and any layer kind without a time model (`predict` returns None where
+one of the model's kinds has none).
 """
 
 from dataclasses import dataclass
 
-H200_TFLOPS = 989.0
-# The fit through BENCHMARKS.md's two H200 points (t(65,536) = 0.97 s, t(262,144) = 5.12 s, 4 layers)
-_L1, _T1, _L2, _T2 = 65536, 0.97, 262144, 5.12
-ATTENTION_S_PER_L2 = (_T2 - _T1 * _L2 / _L1) / (_L2 * _L2 - _L1 * _L2)  # b
-LINEAR_S_PER_TOKEN_LAYER = (_T1 - ATTENTION_S_PER_L2 * _L1 * _L1) / _L1 / 4  # a / 4
-RECURRENCE_S_PER_TOKEN = 1.05e-3 / 8192  # R: fla's forward, Qwen3.6-27B's 48 value heads
-IN_PROJ_SHARE = 16480 / (16480 + 5120 + 3 * 17408)  # P / (a / 4)
-
-
-# The sparse family's figures (see the module docstring)
-SELECT_S_PER_PAIR = 2.2e-3 / (1024 * 16384)  # Q, at SELECT_WIDTH
-SELECT_WIDTH = 32 * 128  # indexer heads x indexer head dim
-SPARSE_S_PER_QUERY = 16.8e-3 / 1024  # S, at SPARSE_WIDTH
-SPARSE_BACKWARD_S_PER_QUERY = 46.2e-3 / 1024  # S' (forward + backward), at SPARSE_WIDTH
-SPARSE_WIDTH = 64 * (512 + 64) * 2048  # heads x (latent + rope) x rows a query
-QWEN_LAYER_PARAMS = (7.6 * 2**30 / 2 - 2 * 248320 * 5120) / 4  # one Qwen3.6-27B layer of the benchmarked four
-DENSE_S_PER_PARAM_TOKEN = LINEAR_S_PER_TOKEN_LAYER / QWEN_LAYER_PARAMS  # D
+from ds_longstraw.offload.kind_costs import (  # noqa: F401  (the figures, read here by the planner and its tests)
+    ATTENTION_S_PER_L2,
+    DENSE_S_PER_PARAM_TOKEN,
+    H200_TFLOPS,
+    IN_PROJ_SHARE,
+    LINEAR_S_PER_TOKEN_LAYER,
+    RECURRENCE_S_PER_TOKEN,
+    KindSeconds,
+    Phases,
+)
+from ds_longstraw.offload.state_shape import ModelShape
 
 
 @dataclass(frozen=True)
@@ -70,53 +66,29 @@ class PhaseSeconds:
     prefix: float | None  # None: the schedule has no such prefix pass for this family
 
 
-def predict(layers: int, attention_layers: int, scan_layers: int, context: int, cp: int, gpu_tflops: float,
-            inputs_every: int = 1) -> dict:
+def predict(shape: ModelShape, context: int, cp: int, gpu_tflops: float, inputs_every: int = 1) -> dict | None:
     """{"before": PhaseSeconds (contiguous shards, two-pass GDN scan, prefix in turns), "now": PhaseSeconds (zigzag,
-    one pass, prefix layer-major), "turns_prefix": seconds (the prefix in turns on the zigzag layout)} per rank.
-    attention_layers: the layers that combine across ranks by "lse" (full attention), scan_layers: by "affine_scan"
-    (Gated DeltaNet); None without both (a family this model does not describe). inputs_every: the layer-major
-    pass recomputes the inputs of all but every inputs_every-th layer, (k - 1) / k of a forward more."""
-    if not attention_layers or not scan_layers:
+    one pass, prefix layer-major), "turns_prefix": seconds (the prefix in turns on the zigzag layout)} per rank:
+    the sum of the model's layer kinds' seconds (KindCost.seconds), scaled by the GPUs' peaks; None where a kind
+    has no time model or the model no layers. inputs_every: the layer-major pass recomputes the inputs of all but
+    every inputs_every-th layer, (k - 1) / k of their forward more."""
+    if not shape.combine_counts or unmodelled(shape):
         return None
+    total = KindSeconds(0.0, 0.0, 0.0, 0.0, 0.0)
+    for rule, layers in shape.combine_counts.items():
+        total = total + _seconds(shape, rule, Phases(shape, layers, context, cp))
     scale = H200_TFLOPS / gpu_tflops
-    tokens = context / cp
-    linear = LINEAR_S_PER_TOKEN_LAYER * layers * tokens
-    attention = ATTENTION_S_PER_L2 * attention_layers * context * context
-    projections = IN_PROJ_SHARE * LINEAR_S_PER_TOKEN_LAYER
-    scan = scan_layers * tokens
-    before = linear + attention * (2 * cp - 1) / cp ** 2 + (2 * RECURRENCE_S_PER_TOKEN + projections) * scan
-    now = linear + attention / cp + RECURRENCE_S_PER_TOKEN * scan
-    turns = 3 * (LINEAR_S_PER_TOKEN_LAYER * layers * context + attention)
-    recompute = (inputs_every - 1) / inputs_every * (linear + attention / cp)
-    layer_major = 3 * (linear + attention / cp) + 2 * RECURRENCE_S_PER_TOKEN * scan + recompute
-    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
-                                                                                       layer_major * scale),
-            "turns_prefix": turns * scale}
+    layer_major = total.layer_major + (inputs_every - 1) / inputs_every * total.recompute
+    return {"before": PhaseSeconds(total.capture_before * scale, total.turns * scale),
+            "now": PhaseSeconds(total.capture_now * scale, layer_major * scale), "turns_prefix": total.turns * scale}
 
 
-def predict_sparse(layers: int, select_layers: int, active_params: float, context: int, cp: int, gpu_tflops: float,
-                   select_width: int, sparse_width: int, inputs_every: int = 1) -> dict:
-    """{"before": PhaseSeconds (contiguous shards, prefix in turns), "now": PhaseSeconds (zigzag, prefix
-    layer-major), "turns_prefix": seconds} per rank for a family whose `layers` attend a global top-k selection
-    that `select_layers` of them make (None without any). active_params: the dense parameters a prompt token runs
-    through (the routed experts at k of their count; no embeddings or head); select_width: indexer heads x head
-    dim; sparse_width: heads x (latent + rope) x rows a query; inputs_every: the layer-major pass recomputes the
-    inputs of all but every inputs_every-th layer, (k - 1) / k of a capture more."""
-    if not select_layers:
-        return None
-    scale = H200_TFLOPS / gpu_tflops
-    tokens = context / cp
-    dense = DENSE_S_PER_PARAM_TOKEN * active_params
-    pair = SELECT_S_PER_PAIR * select_width / SELECT_WIDTH * select_layers
-    width = sparse_width / SPARSE_WIDTH * layers
-    per_token = (dense + SPARSE_S_PER_QUERY * width) * tokens
-    before = per_token + pair * context * context * (2 * cp - 1) / (2 * cp * cp)
-    now = per_token + pair * context * context / (2 * cp)
-    turns = 3 * dense * context + SPARSE_BACKWARD_S_PER_QUERY * width * context + pair * context * context / 2
-    recompute = (inputs_every - 1) / inputs_every * now
-    layer_major = ((3 * dense + SPARSE_BACKWARD_S_PER_QUERY * width) * tokens + pair * context * context / (2 * cp)
-                   + recompute)
-    return {"before": PhaseSeconds(before * scale, turns * scale), "now": PhaseSeconds(now * scale,
-                                                                                       layer_major * scale),
-            "turns_prefix": turns * scale}
+def unmodelled(shape: ModelShape) -> list[str]:
+    """The combine rules of the model's layers whose kind has no time model."""
+    return sorted(rule for rule, layers in shape.combine_counts.items()
+                  if _seconds(shape, rule, Phases(shape, layers, 2, 1)) is None)
+
+
+def _seconds(shape: ModelShape, rule: str, at: Phases) -> KindSeconds | None:
+    cost = shape.kind_costs.get(rule)
+    return None if cost is None else cost.seconds(at)

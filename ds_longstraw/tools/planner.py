@@ -34,7 +34,7 @@ from ds_longstraw.offload.auto import (
 )
 from ds_longstraw.offload.plan import TIERS, Cluster, GiB, make_plan, recommended_tier, rollout_figures
 from ds_longstraw.sizes import parse_bytes, parse_tokens
-from ds_longstraw.tools.cp_time import predict, predict_sparse
+from ds_longstraw.tools.cp_time import predict, unmodelled
 
 
 def _memory(text: str) -> int:
@@ -244,16 +244,15 @@ def _bytes(n):
 def _render_cp_time(plan, gpu_tflops) -> list:
     """The CP schedules' predicted seconds per phase per rank (ds_longstraw/tools/cp_time.py says how), and the memory
     each schedule adds per rank."""
-    lay, counts = plan.cluster, plan.shape.combine_counts
+    lay = plan.cluster
     if lay.cp < 2:
         return []
-    times = predict(sum(counts.values()), counts.get("lse", 0), counts.get("affine_scan", 0), plan.context, lay.cp,
-                    gpu_tflops, plan.inputs_every)
-    if times is None and plan.shape.select_layers:
-        return _render_sparse_cp_time(plan, gpu_tflops)
+    times = predict(plan.shape, plan.context, lay.cp, gpu_tflops, plan.inputs_every)
     if times is None:
-        return ["", f"(No CP time prediction for {plan.shape.family}: ds_longstraw/tools/cp_time.py models attention + "
-                "Gated DeltaNet layers, and layers that attend a top-k selection.)"]
+        return ["", f"(No CP time prediction for {plan.shape.family}: its layers that combine by "
+                f"{unmodelled(plan.shape)} have no time model, offload/kind_costs.py.)"]
+    if plan.shape.select_layers:
+        return _render_sparse_cp_time(plan, gpu_tflops, times)
     before, now = times["before"], times["now"]
     tokens = plan.tokens_per_rank
     scan = gdn_scan_outputs(plan.shape, tokens) if plan.shape.delta_heads else 0
@@ -300,16 +299,6 @@ def _span_capture(text):
     return None if text.lower() in ("none", "null") else parse_tokens(text)
 
 
-def active_params(shape) -> float:
-    """The parameters a prompt token runs through: all but the embeddings and the head (untied), the routed experts
-    at k of their count."""
-    dense = shape.params - 2 * shape.vocab_size * shape.hidden_size
-    if shape.moe:
-        moe = shape.moe
-        dense -= moe.layers * moe.routed_params * (1 - moe.experts_per_token / moe.experts)
-    return dense
-
-
 def _layer_major_advice(plan, runs) -> list:
     """Where "auto" takes the turns but exact mode's layer-major pass fits these machines anyway (its added bytes
     outweigh the ratio, not the budgets), the line that says so: its tier and longest prompt beside the turns'."""
@@ -333,12 +322,9 @@ def _layer_major_advice(plan, runs) -> list:
             f"{exact('turns').max_context[tier]:,} in turns)."]
 
 
-def _render_sparse_cp_time(plan, gpu_tflops) -> list:
-    """The CP time table of a family whose layers attend a global top-k selection (cp_time.predict_sparse)."""
-    shape, lay = plan.shape, plan.cluster
-    times = predict_sparse(shape.combine_counts.get("topk_lse", 0), shape.select_layers, active_params(shape),
-                           plan.context, lay.cp, gpu_tflops, shape.index_width,
-                           shape.attention_heads * shape.attention_head_dim * shape.select_topk, plan.inputs_every)
+def _render_sparse_cp_time(plan, gpu_tflops, times) -> list:
+    """The CP time table of a model whose layers attend a global top-k selection (cp_time.predict's `times`)."""
+    shape = plan.shape
     before, now = times["before"], times["now"]
     tokens, every = plan.tokens_per_rank, plan.inputs_every
     inputs = layer_inputs_bytes(shape, tokens, every) + recomputed_inputs_bytes(shape, tokens, every)
@@ -354,7 +340,7 @@ def _render_sparse_cp_time(plan, gpu_tflops) -> list:
             f"Exact mode here runs the prefix pass {runs.replace('_', '-')} ({_auto_rule(plan)}), keeping every "
             f"{every}-th layer's input (longstraw.prefix_inputs_every "
             f"{plan.inputs_every_asked}; a base that reuses a selection made in a group below keeps it too). "
-            f"{active_params(shape) / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
+            f"{shape.active_params / 1e9:,.1f}B active parameters a token. The selection's scoring is the quadratic "
             "part: zigzag shards give every rank L^2 / 2N of its (query, key) pairs, where contiguous ones give the "
             "last rank (2N - 1) / N^2 of the L^2 / 2. From BENCHMARKS.md's H200 figures scaled by the GPUs' peaks "
             "(ds_longstraw/tools/cp_time.py); communication (the experts' all-to-all included) and replay not "

@@ -1,7 +1,8 @@
 """A new layer kind is one folder: a kind registered from this file, no file of the package touched, runs under
 CP 2 in float64 and equals full-sequence autograd.
 
-The kind, "counted_lse", is attention with its calls counted: its rule registered in arch/specs.COMBINE_RULES, its
+The kind, "counted_lse", is attention with its calls counted: its rule registered in arch/specs.COMBINE_RULES with
+attention's cost (offload/kind_costs.AttentionCost: the bytes the planner and the "auto" rules weigh), its
 adapter contract (arch/contract.KIND_CONTRACTS) the attention layers', its cross-rank code AttentionKind's with every
 call written to a log per rank. The qwen3_5 family's attention layers are declared with it (a family entry whose
 specs say "counted_lse"), so capture, replay, the layer-major prefix pass and the turns' page server can only run
@@ -45,6 +46,7 @@ def _register_counted_kind(log_dir, rank):
     from ds_longstraw.arch.specs import CombineRule, register_combine_rule
     from ds_longstraw.grpo.cp.kinds import register_kind
     from ds_longstraw.grpo.cp.kinds.attention import AttentionKind
+    from ds_longstraw.offload.kind_costs import AttentionCost
 
     log = os.path.join(log_dir, f"kind.rank{rank}.txt")
 
@@ -60,7 +62,7 @@ def _register_counted_kind(log_dir, rank):
     methods = ("capture", "forward", "backward", "answer", "replay_pages")
     Counted = type("CountedAttentionKind", (AttentionKind,),
                    {"name": COUNTED, **{method: counted(method) for method in methods}})
-    register_combine_rule(CombineRule(COUNTED))
+    register_combine_rule(CombineRule(COUNTED, cost=AttentionCost()))
     KIND_CONTRACTS[COUNTED] = DenseAttentionLayers
     register_kind(Counted())
 

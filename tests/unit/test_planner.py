@@ -465,11 +465,18 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     layer-major one 3x a rank's zigzag share plus the GDN adjoint summaries; for a family that selects, the
     selection's pairs are L^2 (2N - 1) / 2N^2 on the last contiguous rank against L^2 / 2N on zigzag ones, and the
     Triton figures give its per-pair and per-query costs; the CLI prints both tables."""
+    from ds_longstraw.offload.kind_costs import AttentionCost, KindCost, ScanCost, SparseCost
+    from ds_longstraw.offload.state_shape import ModelShape
     from ds_longstraw.tools import cp_time
+
+    def hybrid(attention_rule="lse"):  # the benchmarked four layers of the 27B: 1 attention + 3 Gated DeltaNet
+        return ModelShape(name="four", family="qwen3_5", dtype_bytes=2,
+                          combine_counts={attention_rule: 1, "affine_scan": 3},
+                          kind_costs={attention_rule: AttentionCost(), "affine_scan": ScanCost()})
 
     fit = [4 * cp_time.LINEAR_S_PER_TOKEN_LAYER * n + cp_time.ATTENTION_S_PER_L2 * n * n for n in (65536, 262144)]
     assert fit == pytest.approx([0.97, 5.12], rel=1e-12)
-    times = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS)
+    times = cp_time.predict(hybrid(), 262144, 2, cp_time.H200_TFLOPS)
     a4, b, r = cp_time.LINEAR_S_PER_TOKEN_LAYER, cp_time.ATTENTION_S_PER_L2, cp_time.RECURRENCE_S_PER_TOKEN
     attention, tokens = b * 262144 ** 2, 131072
     assert times["now"].capture == pytest.approx(4 * a4 * tokens + attention / 2 + 3 * r * tokens, rel=1e-12)
@@ -479,12 +486,17 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
                                                                            rel=1e-12)
     assert times["now"].prefix == pytest.approx(3 * (4 * a4 * tokens + attention / 2) + 2 * r * 3 * tokens,
                                                 rel=1e-12)
-    strided = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS, inputs_every=4)
+    strided = cp_time.predict(hybrid(), 262144, 2, cp_time.H200_TFLOPS, inputs_every=4)
     assert strided["now"].prefix - times["now"].prefix == pytest.approx(0.75 * (4 * a4 * tokens + attention / 2),
                                                                         rel=1e-12)
-    slower = cp_time.predict(4, 1, 3, 262144, 2, cp_time.H200_TFLOPS / 2)
+    slower = cp_time.predict(hybrid(), 262144, 2, cp_time.H200_TFLOPS / 2)
     assert slower["now"].capture == pytest.approx(2 * times["now"].capture, rel=1e-12)
-    assert cp_time.predict(78, 0, 0, 262144, 2, 148.0) is None
+    # the seconds hang on the kind, not on its rule's name: a new rule with attention's cost predicts as "lse"
+    assert cp_time.predict(hybrid("windowed"), 262144, 2, cp_time.H200_TFLOPS) == times
+    # a kind without a time model: no prediction, and the rule is named
+    unknown = dataclasses.replace(hybrid(), combine_counts={"lse": 1, "affine_scan": 2, "counted": 1},
+                                  kind_costs={**hybrid().kind_costs, "counted": KindCost()})
+    assert cp_time.predict(unknown, 262144, 2, 148.0) is None and cp_time.unmodelled(unknown) == ["counted"]
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-memory", "96GB",
                  "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
@@ -505,7 +517,11 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
                  "--host-memory", "1TB"]) == 0
     out = capsys.readouterr().out
     assert "Exact mode here runs the prefix pass turns (longstraw.cp_prefix auto" in out
-    sparse = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048)
+    # 78 layers attending a top-k selection that 21 make, 40B active parameters a token (no embeddings counted)
+    dsa = ModelShape(name="dsa", family="glm_moe_dsa", dtype_bytes=2, combine_counts={"topk_lse": 78},
+                     kind_costs={"topk_lse": SparseCost()}, params=40e9, selecting=tuple(range(21)),
+                     index_width=32 * 128, attention_heads=64, attention_head_dim=576, select_topk=2048)
+    sparse = cp_time.predict(dsa, 262144, 4, cp_time.H200_TFLOPS)
     pair = 2.2e-3 / (1024 * 16384) * 21
     per_token = (cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 16.8e-3 / 1024 * 78) * 65536
     assert sparse["now"].capture == pytest.approx(per_token + pair * 262144 ** 2 / 8, rel=1e-12)
@@ -513,11 +529,10 @@ def test_cp_time_prediction_follows_its_stated_model(capsys):
     assert sparse["turns_prefix"] == sparse["before"].prefix
     assert sparse["now"].prefix == pytest.approx(
         (3 * cp_time.DENSE_S_PER_PARAM_TOKEN * 40e9 + 46.2e-3 / 1024 * 78) * 65536 + pair * 262144 ** 2 / 8, rel=1e-12)
-    strided = cp_time.predict_sparse(78, 21, 40e9, 262144, 4, cp_time.H200_TFLOPS, 32 * 128, 64 * 576 * 2048,
-                                     inputs_every=8)
+    strided = cp_time.predict(dsa, 262144, 4, cp_time.H200_TFLOPS, inputs_every=8)
     # the recompute of 7 of every 8 layers' inputs: 7/8 of the zigzag capture again
     assert strided["now"].prefix - sparse["now"].prefix == pytest.approx(7 / 8 * sparse["now"].capture, rel=1e-12)
-    assert cp_time.predict_sparse(78, 0, 40e9, 262144, 4, 148.0, 1, 1) is None
+    assert cp_time.predict(dataclasses.replace(dsa, combine_counts={}), 262144, 4, 148.0) is None
     assert main(["--model", "qwen3.6-27b", "--context", "2M", "--gpus", "8", "--gpu-tflops", "0"]) == 2
     assert "--gpu-tflops 0.0" in capsys.readouterr().err
 
@@ -654,3 +669,38 @@ def test_groups_per_document_change_the_captures_not_the_memory(capsys):
     assert "each group still captures the whole prompt" in capsys.readouterr().out
     assert main([*base, "--groups-per-document", "0"]) == 2
     assert "--groups-per-document 0" in capsys.readouterr().err
+
+
+def test_the_planner_asks_each_layer_kind_for_its_bytes():
+    """offload/kind_costs.py: the bytes the CP schedules add are the kinds' own, found through the model's rules,
+    not through their names. Qwen3.6-27B's attention layers declared under a new rule that carries attention's cost
+    plan byte for byte as the built-in; under a rule whose cost is the base (holds nothing), the layer-major pass
+    holds only d(output) and d(input) of those layers and the plan's workspace changes by exactly that; a rule
+    without a scan's cost holds no GDN outputs across the exchange."""
+    from ds_longstraw.offload.auto import gdn_scan_outputs, layer_major_workspace
+    from ds_longstraw.offload.kind_costs import AttentionCost, KindCost
+
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+
+    def renamed(rule, cost, old="lse"):
+        counts = {(rule if name == old else name): n for name, n in qwen.combine_counts.items()}
+        costs = {(rule if name == old else name): c for name, c in qwen.kind_costs.items()}
+        return dataclasses.replace(qwen, combine_counts=counts, kind_costs={**costs, rule: cost})
+
+    cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=141 * GiB, host_memory=2048 * GiB,
+                      nvme_free=10 * 2**40)
+    built_in = make_plan(qwen, 2 * 2**20, 8, "exact", cluster, cp_scan="one_pass")
+    windowed = make_plan(renamed("windowed", AttentionCost()), 2 * 2**20, 8, "exact", cluster, cp_scan="one_pass")
+    assert windowed.workspace == built_in.workspace and windowed.max_context == built_in.max_context
+    tokens = 2**18
+    attention_own = 3 * 24 * 256 * 2 + 24 * 4  # q, out, d(out) [24 x 256] in bf16, lse in float32
+    gdn_own = 2 * 48 * 128 * 2  # d(o), d(z) [48 x 128] in bf16
+    assert attention_own > gdn_own
+    assert layer_major_workspace(qwen, tokens) - layer_major_workspace(renamed("plain", KindCost()), tokens) == (
+        tokens * (attention_own - gdn_own))
+    assert gdn_scan_outputs(qwen, tokens) == tokens * 48 * 256 * 2
+    assert gdn_scan_outputs(renamed("plain", KindCost(), old="affine_scan"), tokens) == 0
+    scanless = make_plan(renamed("plain", KindCost(), old="affine_scan"), 2 * 2**20, 8, "detached", cluster,
+                         cp_scan="one_pass")
+    assert "gdn_scan" in make_plan(qwen, 2 * 2**20, 8, "detached", cluster, cp_scan="one_pass").workspace
+    assert "gdn_scan" not in scanless.workspace
