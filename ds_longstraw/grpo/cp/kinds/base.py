@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ds_longstraw.grpo.lockstep import ShardChunks
     from ds_longstraw.grpo.state import ChunkBoundary, PrefixState
     from ds_longstraw.offload import Stager
+    from ds_longstraw.offload.kind_costs import KindCost
     from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 Selection = tuple[torch.Tensor, torch.Tensor]  # (positions, valid) of a top-k selection
@@ -98,6 +99,12 @@ class LayerKind:
     such a model before any work: arch/specs.CombineRule)."""
 
     name = ""
+
+    @property
+    def cost(self) -> KindCost:
+        """Its bytes for the planner and its seconds for the CP time model: the cost its rule carries
+        (arch/specs.CombineRule.cost, offload/kind_costs.py), read where no module runs yet."""
+        return combine_rule(self.name).cost
 
     def begin_capture(self, frame: CaptureFrame) -> None:
         """Once before the capture's first layer, where the model has layers of this kind."""
