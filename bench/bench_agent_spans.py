@@ -7,7 +7,8 @@ The small qwen3_5 shape (8 layers, float32); a 4,096-token prompt; G = 4; each m
 tokens (response_masks False), 128 action tokens; grpo_backward's defaults otherwise. Each configuration runs in a
 fresh process (one intra-op thread); memory is the kernel's high-water mark (VmHWM) over the replay phase, above
 the process's resident set before the step (the phase meter resets the mark at each phase start). "pages" is what
-the planner counts for one member's tool span kept in steps: its rows of every paged layer and their gradients.
+the planner counts for one member's tool span kept in steps: its rows of every paged layer, their gradients and
+the carry at each step's start (offload/plan.member_replay).
 """
 
 import argparse
@@ -61,16 +62,18 @@ def run_one(tools, mode, path):
 
 
 def tool_pages_bytes(tools):
-    """One member's tool span in steps, as the planner counts it: the rows of every paged layer (the specs'
-    bytes per token) and their gradients."""
+    """One member's tool span in steps, as the planner counts it (offload/plan.member_replay): the rows of every
+    paged layer (the specs' bytes per token), their gradients, and the carry at each step's start."""
     import torch
 
     from ds_longstraw.models.model_shape import shape_from_config
     from ds_longstraw.models.modeling import MODELS_DIR, config_from_shape, load_shape
+    from ds_longstraw.offload.plan import member_replay
 
     config = config_from_shape(load_shape(MODELS_DIR / "small_qwen3_5.yaml"))
     shape = shape_from_config("small", config, dtype_bytes=torch.float32.itemsize, parameters=False)
-    return 2 * tools * sum(shape.page_bytes_per_token.values())
+    member = member_replay(shape, ACTION, tools, 1024)
+    return member["tool_rows"] + member["tool_carries"]
 
 
 def run_fresh(tools, mode, path):

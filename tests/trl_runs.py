@@ -31,12 +31,15 @@ def tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
 
 
-def prompts_dataset(count: int, length: int, vocab_size: int, seed: int = 0):
+def prompts_dataset(count: int, length: int, vocab_size: int, seed: int = 0, document: int = 0):
+    """`count` prompts of `length` words; with `document`, their first `document` words are the same (a document
+    each prompt asks its own question of)."""
     from datasets import Dataset
 
     generator = torch.Generator().manual_seed(seed)
-    rows = [" ".join(f"w{int(t)}" for t in torch.randint(FIRST_WORD, vocab_size, (length,), generator=generator))
-            for _ in range(count)]
+    shared = torch.randint(FIRST_WORD, vocab_size, (document,), generator=generator)
+    rows = [" ".join(f"w{int(t)}" for t in torch.cat([shared, torch.randint(
+        FIRST_WORD, vocab_size, (length - document,), generator=generator)])) for _ in range(count)]
     return Dataset.from_dict({"prompt": rows})
 
 
@@ -113,7 +116,7 @@ def save_tiny_model(path: str, dtype: torch.dtype = torch.float64, seed: int = 0
 
 
 def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int = 4, prompt_len: int = 24,
-          vocab_size: int = 48, tool_masks: bool = False, dtype: torch.dtype = torch.float64,
+          vocab_size: int = 48, tool_masks: bool = False, document: int = 0, dtype: torch.dtype = torch.float64,
           longstraw: dict | None = None, lora: bool = False, rollout: object = "seeded",
           on_trainer: object = None, trainer_kwargs: dict | None = None, **config: object) -> dict:
     """One training run; returns the trained weights (name -> tensor on CPU). lora: a peft LoRA on the attention
@@ -132,7 +135,7 @@ def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int
 
         kwargs["peft_config"] = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
     trainer = trainer_class(model=model_path, reward_funcs=[reward_even_words], args=args,
-                            train_dataset=prompts_dataset(prompts, prompt_len, vocab_size),
+                            train_dataset=prompts_dataset(prompts, prompt_len, vocab_size, document=document),
                             processing_class=tokenizer(vocab_size), **kwargs)
     if on_trainer is not None:
         on_trainer(trainer)

@@ -25,6 +25,10 @@ What grpo_step is:
     average over D N ranks is (1/D) sum_k g_k, the average over replicas. Under ZeRO-3 the CP capture is padded
     per shard chunk count (lockstep.calls_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix_turns.py).
+  - groups whose prompts share a document (GRPOGroup.shared_prefix, or a common prefix of at least
+    longstraw.shared_prefix_min tokens) run as one tree transaction that captures it once (grpo/shared.py), where
+    no lockstep pads the ranks' calls (ZeRO 0-2, or one data-parallel rank) and without CP or sharded experts;
+    otherwise each group captures its whole prompt as before.
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
 capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
 responses are sampled from the policy (rollout/step.py); with one rollout prompt per rank the step trains on the
@@ -50,7 +54,9 @@ from ds_longstraw.engine.config import load_ds_config, read_block
 from ds_longstraw.engine.expert_slices import ExpertSlices, check_engine_settings, without_expert_params
 from ds_longstraw.engine.safe_load import check_checkpoint
 from ds_longstraw.group import GRPOGroup
+from ds_longstraw.grpo.document import document_tokens
 from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_group
+from ds_longstraw.grpo.shared import grpo_backward_shared
 from ds_longstraw.grpo.topology import resolve_layout
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward
 from ds_longstraw.objective import GRPOObjective, LossScope, ScaledObjective
@@ -173,6 +179,15 @@ class LongstrawEngineMixin:
 
         experts = self.longstraw_experts
         with self.coalesce_grad_reduction():
+            if self._shares_a_document(groups, plan, captures):
+                # one tree transaction: the document the groups' prompts share captured once (grpo/shared.py)
+                for slot, result in enumerate(grpo_backward_shared(self.module, groups, objective,
+                                                                   longstraw=longstraw, ref_model=ref_model,
+                                                                   backward=backward, loss_scopes=scopes)):
+                    if loss_scopes is None:
+                        result.loss /= scopes[slot].weight
+                    results.append(result)
+                plan = []
             for slot, (item, lockstep, real) in enumerate(plan):
                 # The normaliser and weight go on the loss shares, not on what is back-propagated: exact mode's
                 # prefix pass back-propagates injected gradients that already carry them. A dummy group's are 0.
@@ -228,6 +243,17 @@ class LongstrawEngineMixin:
         tokens, members = (round(c / cp_size) for c in counts.tolist())
         replicas = dist.get_world_size(group=self.data_parallel_group) // cp_size
         return [LossScope(tokens, members, weight=float(replicas))] * len(groups)
+
+    def _shares_a_document(self, groups: list[GRPOGroup], plan: list, captures: list | None) -> bool:
+        """Whether this rank's groups run as one tree transaction over the document their prompts share
+        (grpo/document.document_tokens): where nothing pads the ranks' module calls (no lockstep: ZeRO 0-2, or one
+        data-parallel rank), no context parallelism or sharded experts, and no kept capture to take. Otherwise
+        each group captures its whole prompt, the document included, as before (docs/trees.md)."""
+        if len(groups) < 2 or captures or self.longstraw_parallelism.cp is not None:
+            return False
+        if self.longstraw_experts is not None or any(lockstep is not None for _, lockstep, _ in plan):
+            return False
+        return document_tokens(groups, self.longstraw.shared_prefix_min) is not None
 
     def _lockstep_plan(self, groups: list[GRPOGroup]) -> list[tuple[GRPOGroup, Lockstep | None, bool]]:
         """[(group, Lockstep or None, real)]: this rank's groups, padded under ZeRO-3 with data parallelism to the

@@ -16,9 +16,11 @@ offload/plan.MIN_CAPTURED_STEP, at most replay_block tokens), and
      prompt) and, in exact mode, the prompt pages' gradients collect where a whole member's replay puts them.
 
 The gradient is the whole member's (the same function, differentiated in pieces): a member's own context is exact
-in both modes. Memory: one step's graph plus the member's rows and their gradients, flat in the span's length,
-instead of the whole response's graph. Time: the response runs forward twice (the captured spans' steps skip the
-vocabulary projection both times).
+in both modes. Memory: one step's graph plus the member's rows, their gradients and each step's start carry, flat
+in the span's length, instead of the whole response's graph. A later step's attention adds d(rows) to each earlier
+block's gradient in place, one key block at a time, through the block's sink (RowLeaves), instead of returning
+every earlier block's dK/dV at once through autograd. Time: the response runs forward twice (the captured spans'
+steps skip the vocabulary projection both times).
 
 Under a lockstep that pads module calls across ranks (ZeRO-3 through the engine, the spread CP replay) the ranks
 agree per member slot (lockstep.GroupCalls.stepped): where any rank's member of a slot runs in steps, every rank
@@ -43,6 +45,7 @@ from ds_longstraw.grpo.memory import return_freed_host_memory
 
 # How long a captured span's steps are: the planner sizes them by the same rule (offload/plan.member_replay)
 from ds_longstraw.offload.plan import captured_step
+from ds_longstraw.offload.staged_past import PagesPair
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -187,8 +190,8 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
     leaves, carries = source.leaves, recorded.carries
     d_logp, d_entropy = d_scores
     # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
-    row_leaves = [{layer: [tuple(t.detach().requires_grad_(True) for t in parts) for parts in blocks]
-                   for layer, blocks in step.items()} for step in recorded.rows]
+    row_leaves = [{layer: [RowLeaves(parts) for parts in blocks] for layer, blocks in step.items()}
+                  for step in recorded.rows]
     recorded.rows = []
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
@@ -201,8 +204,8 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
         past = leaves.past.fresh()
         for earlier in row_leaves[:index]:
             for layer, blocks in earlier.items():
-                for parts in blocks:
-                    past.append(layer, parts)
+                for leaves_of_block in blocks:
+                    past.append(layer, leaves_of_block.pair)
         with torch.enable_grad(), leaves.saves():
             out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
             outputs, grads = [], []
@@ -214,9 +217,8 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                     grads.append(d_entropy[step.start:step.end])
             for layer, blocks in out_rows.items():
                 for parts, leaves_of_block in zip(blocks, row_leaves[index][layer], strict=True):
-                    for part, leaf in zip(parts, leaves_of_block, strict=True):
-                        outputs.append(part)
-                        grads.append(leaf.grad)
+                    outputs += parts
+                    grads += leaves_of_block.grads()
             if d_carry is not None:
                 for layer, parts in end_carry.items():
                     for part, grad in zip(parts, d_carry[layer], strict=True):
@@ -228,3 +230,32 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
         row_leaves[index] = {}  # its gradient is spent
         del out_rows, end_carry, scores, outputs, grads, carry, past
         return_freed_host_memory(source.adapter.device)
+
+
+class RowLeaves:
+    """An earlier step block's rows as leaves, read by the later steps' attention: its pair (a PagesPair) carries a
+    sink that an attention kernel taking it (kernels.attention_with_past's sinks) adds d(rows) to one key block at
+    a time, in place, instead of returning every earlier block's dK/dV at once through autograd (what the kernel
+    does not take, say a layer whose attention reads no sink, lands on the leaves' .grad as before)."""
+
+    def __init__(self, parts: tuple) -> None:
+        self.leaves = tuple(t.detach().requires_grad_(True) for t in parts)
+        self.summed: list[torch.Tensor | None] = [None] * len(parts)
+        self.pair = PagesPair(self.leaves, self._sink)
+
+    def _sink(self, offset: int, *grads_KTD: torch.Tensor) -> None:
+        for index, grad_KTD in enumerate(grads_KTD):
+            rows = grad_KTD.transpose(0, 1)
+            if self.summed[index] is None:
+                self.summed[index] = torch.zeros_like(self.leaves[index])
+            self.summed[index][offset:offset + rows.shape[0]] += rows
+
+    def grads(self) -> list[torch.Tensor | None]:
+        """d(rows) per part: what the sink summed and what autograd left on the leaf."""
+        out = []
+        for leaf, summed in zip(self.leaves, self.summed, strict=True):
+            if leaf.grad is None or summed is None:
+                out.append(summed if leaf.grad is None else leaf.grad)
+            else:
+                out.append(leaf.grad + summed)
+        return out

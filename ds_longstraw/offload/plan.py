@@ -131,6 +131,7 @@ class Plan:
     member_span_capture: int | None = 1024  # the longstraw block's: spans of at least this many tokens run in steps
     member_steps: bool = False  # whether the span runs in steps (member_replay): then the graph is the actions'
     tool_rows: int = 0  # bytes of the span's rows and their gradients in steps, counted in replay_graph
+    tool_carries: int = 0  # bytes of the carries kept at its steps' starts, counted in replay_graph
     groups_per_document: int = 1  # groups whose prompts share this context's document (grpo_backward_shared)
     trains: str = "lora"  # "lora" (adapters on a frozen body) or "full" (every weight)
     replay_graph: int | None = 0  # bytes of one member's graph (replay_graph_bytes); None: not known for the family
@@ -258,15 +259,19 @@ def captured_step(longest_region: int, replay_block: int = REPLAY_BLOCK) -> int:
 def member_replay(shape: ModelShape, response_tokens: int, tool_tokens: int, span_capture: int | None,
                   replay_block: int = REPLAY_BLOCK) -> dict[str, int | bool]:
     """What one member's replay holds beside the kernels: {"steps": whether it runs in steps, "graph_tokens": the
-    tokens its graph spans, "tool_rows": the bytes of its tool span's rows and their gradients (in steps)}.
-    response_tokens: its trained (action) tokens; tool_tokens: its untrained span."""
+    tokens its graph spans, "tool_rows": the bytes of its tool span's rows and their gradients, "tool_carries": the
+    carry kept at each step's start (in steps: one per step of the span and one for the actions after it; the
+    first step's is the prompt's)}. response_tokens: its trained (action) tokens; tool_tokens: its untrained
+    span."""
     if tool_tokens < 0:
         raise ValueError(f"tool_tokens must be >= 0, got {tool_tokens}")
     steps = span_capture is not None and tool_tokens >= span_capture
     if not steps:
-        return {"steps": False, "graph_tokens": response_tokens + tool_tokens, "tool_rows": 0}
-    return {"steps": True, "graph_tokens": max(response_tokens, captured_step(response_tokens, replay_block)),
-            "tool_rows": 2 * tool_tokens * sum(shape.page_bytes_per_token.values())}
+        return {"steps": False, "graph_tokens": response_tokens + tool_tokens, "tool_rows": 0, "tool_carries": 0}
+    step = captured_step(response_tokens, replay_block)
+    return {"steps": True, "graph_tokens": max(response_tokens, step),
+            "tool_rows": 2 * tool_tokens * sum(shape.page_bytes_per_token.values()),
+            "tool_carries": (-(-tool_tokens // step) + 1) * shape.carry_total}
 
 
 def _needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
@@ -343,8 +348,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
                 keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
                 response_tokens=response_tokens, trains=trains, tool_tokens=tool_tokens,
                 member_span_capture=member_span_capture,
-                member_steps=member["steps"], tool_rows=member["tool_rows"],
-                replay_graph=None if graph is None else graph + member["tool_rows"])
+                member_steps=member["steps"], tool_rows=member["tool_rows"], tool_carries=member["tool_carries"],
+                replay_graph=None if graph is None else graph + member["tool_rows"] + member["tool_carries"])
     plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")

@@ -227,7 +227,8 @@ def _graph_line(plan) -> str:
     tools = ""
     if plan.tool_tokens:
         tools = (f", with a {plan.tool_tokens:,}-token tool span in steps (its rows and their gradients, "
-                 f"{_gib(plan.tool_rows)}, counted; its graph not)" if plan.member_steps else
+                 f"{_gib(plan.tool_rows)}, and its steps' start carries, {_gib(plan.tool_carries)}, counted; its "
+                 "graph not)" if plan.member_steps else
                  f", with a {plan.tool_tokens:,}-token tool span replayed whole (--member-span-capture)")
     return (f"GPU also includes one replayed member's autograd graph, {_gib(plan.replay_graph)} for a "
             f"{plan.response_tokens:,}-token response (--response-tokens){tools},{grads} training {trains} "
@@ -431,6 +432,7 @@ def as_dict(plan) -> dict:
             "response_tokens": plan.response_tokens, "trains": plan.trains, "replay_graph_bytes": plan.replay_graph,
             "trained_grad_bytes": plan.trained_grads, "tool_tokens": plan.tool_tokens,
             "member_steps": plan.member_steps, "tool_rows_bytes": plan.tool_rows,
+            "tool_carry_bytes": plan.tool_carries,
             "groups_per_document": plan.groups_per_document}
 
 

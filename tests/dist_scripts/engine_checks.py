@@ -53,6 +53,8 @@ gradient_clipping 0):
               the single-process SGD steps on the averaged gradients; then generate(dp_group=, batched=False) with 3
               samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights
   rollout_ep  the two rollout steps on the tiny glm_moe_dsa with "ep_size": 2 (decode dispatches in lockstep)
+  shared_document  ZeRO-2, exact, KL: each rank's two groups share a document of its own, captured once per rank
+              (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
 """
 
 import argparse
@@ -562,6 +564,47 @@ def rollout_steps(model, ep_size, steps, vocab):
     return out, engine, reference
 
 
+def document_groups(seed, document, questions, response_lens):
+    """Groups whose prompts are one `document`-token document and a question of their own of each length."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 97, (document,), generator=gen)
+    return [GRPOGroup(torch.cat([shared, torch.randint(0, 97, (q,), generator=gen)]),
+                      [torch.randint(0, 97, (n,), generator=gen) for n in response_lens],
+                      rewards=torch.rand(len(response_lens), generator=gen).tolist()) for q in questions]
+
+
+def check_shared_document(out_dir):
+    """ZeRO-2 (no lockstep), exact mode, KL: each rank's two groups share a document of its own (rank 0: 40
+    tokens, questions of 5 and 9; rank 1: 33 tokens, questions of 7 and 3); grpo_step captures each rank's document
+    once (the groups' extras say so) and the step == SGD on the mean of the four groups' gradients, each group's
+    from a plain grpo_backward that captures its whole prompt."""
+    rank = dist.get_rank()
+    model = tiny_qwen3_5(torch.float32, seed=11)
+    ref_model = tiny_qwen3_5(torch.float32, seed=12)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    objective = GRPOObjective(loss_scope="group", kl_coef=0.2)
+    config = ds_config("exact")
+    config["zero_optimization"] = {"stage": 2}
+    config["longstraw"]["shared_prefix_min"] = 16
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    groups = [document_groups(60, 40, [5, 9], [3, 6]), document_groups(61, 33, [7, 3], [4, 2, 5])]
+    result = engine.grpo_step(groups[rank], objective, ref_model=ref_model)
+    documents = [g.extras.get("document", {}).get("tokens") for g in result.groups]
+    grads = {}
+    for group in groups[0] + groups[1]:
+        reference.zero_grad(set_to_none=True)
+        grpo_backward(reference, group, objective, longstraw=block("exact"), ref_model=ref_model)
+        for name, p in reference.named_parameters():
+            grads[name] = grads.get(name, 0.0) + 0.25 * p.grad
+    for name, p in reference.named_parameters():
+        p.grad = grads[name]
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    rel = step_error({n: p.detach().clone() for n, p in engine.module.named_parameters()}, reference, before)
+    return {"rel": rel, "documents": documents}
+
+
 def check_rollout_lockstep(out_dir):
     """Step 1: rank 0 two prompts, rank 1 one (an idle slot; captured again for training); step 2: one prompt each,
     of different capture chunks (chunk 16: 2 and 3), trained on the rollout captures padded alike. Then generate
@@ -635,7 +678,7 @@ CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": 
           "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
           "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export,
           "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep,
-          "objective_step": check_objective_step}
+          "objective_step": check_objective_step, "shared_document": check_shared_document}
 
 
 def run_checks(checks, file_prefix, **context):

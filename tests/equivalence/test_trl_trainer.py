@@ -64,6 +64,58 @@ def test_same_weights_as_trl(checkpoint, tmp_path, name):
     assert _both(checkpoint, tmp_path, **CASES[name]) < TOLERANCE
 
 
+def test_tool_outputs_in_steps(checkpoint, tmp_path, monkeypatch):
+    """TRL's tool masks with spans past the longstraw block's member_span_capture: those completions take the
+    captured path (grpo/member_steps.py) with nothing else changed in the script, and the weights still equal TRL's
+    own trainer's (which keeps every tool token's graph)."""
+    from ds_longstraw.grpo import replay as replay_module
+
+    stepped, original = [], replay_module.replay_in_steps
+
+    def counted(*args, **kwargs):
+        stepped.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(replay_module, "replay_in_steps", counted)
+    longstraw = {**EXACT, "member_span_capture": 2}
+    assert _both(checkpoint, tmp_path, longstraw=longstraw, loss_type="grpo", tool_masks=True, max_steps=2,
+                 max_completion_length=12) < TOLERANCE
+    assert stepped
+
+
+@pytest.mark.parametrize("mode", ["exact", "detached"])
+def test_prompts_sharing_a_document(checkpoint, tmp_path, monkeypatch, mode):
+    """Prompts that open with the same 16-word document and ask their own 8-word question: a generation batch's
+    groups capture the document once (grpo/shared.py) without any change to the script, and the weights equal TRL's
+    own trainer's (exact mode; with beta, so the reference follows the tree too). Detached mode holds the document's
+    state constant, as it holds a prompt's: its update equals the same trainer's without the sharing."""
+    from ds_longstraw.grpo import shared
+
+    documents, original = [], shared._shared_step
+
+    def counted(common, groups, scopes, document):
+        documents.append((len(groups), document.tokens))
+        return original(common, groups, scopes, document)
+
+    monkeypatch.setattr(shared, "_shared_step", counted)
+    case = dict(loss_type="dapo", beta=0.3, max_steps=2, document=16, prompt_len=24)
+    if mode == "exact":
+        assert _both(checkpoint, tmp_path, longstraw={**EXACT, "shared_prefix_min": 8}, **case) < TOLERANCE
+    else:
+        path, initial = checkpoint
+        detached = {"prefix_grad": "detached"}
+        alone = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "alone"),
+                               longstraw={**detached, "shared_prefix_min": None}, **case)
+        assert documents == []
+        torch.manual_seed(0)
+        together = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "shared"),
+                                  longstraw={**detached, "shared_prefix_min": 8}, **case)
+        assert trl_runs.update_difference(initial, together, alone) < TOLERANCE
+    # every step's groups shared the 16-word document (the longest common prefix: one word more where the
+    # questions happen to open alike)
+    assert documents and all(groups >= 2 and tokens >= 16 for groups, tokens in documents)
+
+
 def test_detached_mode_differs(checkpoint, tmp_path):
     """The check can fail: detached mode's gradient (prompt state constant) is not TRL's full-sequence one."""
     assert _both(checkpoint, tmp_path, longstraw={"prefix_grad": "detached"}, loss_type="dapo") > 1e-4

@@ -24,6 +24,8 @@ chains); each rank writes its measurements, asserted here:
               and two steps (the second trained on the rollouts' padded captures, its weights gathered whole for
               decoding by "zero3_weights" "auto": no ZeRO-3 gather while it decodes) == the single-process steps
   rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
+  shared_document  ZeRO-2, exact, KL: each rank's two groups share a document, which grpo_step captures once per
+              rank (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -170,6 +172,14 @@ def test_zero_stage_2_and_missing_gradients(results):
     for r in _check(results, "zero2"):
         assert r["rel"] < TOL, r
         assert r["fill"] < 1e-6, r
+
+
+def test_groups_sharing_a_document_capture_it_once_per_rank(results):
+    """Rank 0's groups share a 40-token document, rank 1's a 33-token one: each group's extras name it (the tree
+    ran), and the step is the plain transactions' averaged step."""
+    for rank, r in enumerate(_check(results, "shared_document")):
+        assert r["rel"] < TOL, r
+        assert r["documents"] == [[40, 40], [33, 33]][rank], r
 
 
 @pytest.mark.parametrize("name", ["lora", "qlora"])

@@ -623,9 +623,9 @@ def test_zigzag_chunks_match_the_capture_chunks(context, cp, chunk):
 
 def test_a_tool_span_in_steps_counts_its_rows_not_its_graph(capsys):
     """A member's tool span from member_span_capture tokens up runs in steps (grpo/member_steps.py): the plan
-    counts its rows and their gradients (2 x L x the page bytes per token) and a graph over the actions, as the
-    schedule cuts the steps; below the threshold, or with member_span_capture None, the graph spans the whole
-    response."""
+    counts its rows and their gradients (2 x L x the page bytes per token), the carry at each step's start and a
+    graph over the actions, as the schedule cuts the steps; below the threshold, or with member_span_capture None,
+    the graph spans the whole response."""
     from ds_longstraw.grpo.member_steps import member_steps
     from ds_longstraw.offload.plan import member_replay, replay_graph_bytes
 
@@ -637,7 +637,9 @@ def test_a_tool_span_in_steps_counts_its_rows_not_its_graph(capsys):
     short = make_plan(qwen, 262144, 4, "detached", cluster, tool_tokens=512)
     assert steps.member_steps and not whole.member_steps and not short.member_steps
     assert steps.tool_rows == 2 * 16384 * per_token
-    assert steps.replay_graph == replay_graph_bytes(qwen, 1024, "lora") + steps.tool_rows
+    # 1,024-token steps (the action region's length) over the span, and the actions after it
+    assert steps.tool_carries == (16 + 1) * qwen.carry_total > 0
+    assert steps.replay_graph == replay_graph_bytes(qwen, 1024, "lora") + steps.tool_rows + steps.tool_carries
     assert whole.replay_graph == replay_graph_bytes(qwen, 1024 + 16384, "lora")
     assert short.replay_graph == replay_graph_bytes(qwen, 1024 + 512, "lora")
     assert steps.replay_graph < whole.replay_graph / 10
@@ -645,6 +647,9 @@ def test_a_tool_span_in_steps_counts_its_rows_not_its_graph(capsys):
     mask = torch.tensor([True] * 50 + [False] * 2000 + [True] * 50)
     cut = {step.end - step.start for step in member_steps(mask, 1024, 1024) if not step.scored}
     assert max(cut) == member_replay(qwen, 50, 2000, 1024)["graph_tokens"] == 256
+    # and its carries are the schedule's: one per step but the first (the prompt's carry)
+    assert member_replay(qwen, 50, 2000, 1024)["tool_carries"] == (len(member_steps(mask, 1024, 1024)) - 1) * (
+        qwen.carry_total)
     main(["--model", "qwen3.6-27b", "--context", "256K", "--gpus", "1", "--gpu-memory", "141G",
           "--tool-tokens", "16K"])
     assert "16,384-token tool span in steps" in capsys.readouterr().out

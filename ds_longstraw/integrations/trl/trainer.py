@@ -11,9 +11,11 @@ What changes, when the DeepSpeed config carries a "longstraw" block (without Dee
   - training_step: at the first micro-step of each optimizer step the whole generation batch (TRL's shuffled
     micro-batches) is grouped by prompt and each group runs one transaction (grpo_backward) with TRL's
     advantages, loss mask and sampler log-probs, every member normalised over its own micro-batch (scopes.py);
-    under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. The
-    other micro-steps of the optimizer step have nothing left to do. The loss returned is TRL's loss summed over
-    the micro-batches (what TRL's Trainer adds up for its log).
+    under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. Prompts
+    that share a document (a common prefix of at least the block's shared_prefix_min tokens) share its capture
+    (grpo/shared.py; under DeepSpeed where engine.grpo_step runs them so). The other micro-steps of the optimizer
+    step have nothing left to do. The loss returned is TRL's loss summed over the micro-batches (what TRL's
+    Trainer adds up for its log).
 Context parallelism ("cp_size" N in the block, under DeepSpeed): consecutive processes form a CP group; TRL's
 sampler is wrapped so that a group's processes receive copies of one batch (replicas.py) and each prompt is
 sharded over them; DeepSpeed averages over every process, as under ds_longstraw.initialize.
@@ -279,11 +281,15 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 result = engine.grpo_step([g.group for g in groups], objective=objective, ref_model=ref_model,
                                           loss_scopes=[g.scopes for g in groups], captures=captures)
                 return result.groups
+            from ds_longstraw.grpo.shared import grpo_backward_shared
             from ds_longstraw.grpo.transaction import grpo_backward
 
+            if captures is None:  # prompts that share a document share its capture (grpo/shared.py)
+                return grpo_backward_shared(self.model, [g.group for g in groups], objective,
+                                            longstraw=self.longstraw, ref_model=ref_model,
+                                            loss_scopes=[g.scopes for g in groups])
             return [grpo_backward(self.model, g.group, objective, longstraw=self.longstraw, ref_model=ref_model,
-                                  loss_scope=g.scopes, capture=None if captures is None else captures[i])
-                    for i, g in enumerate(groups)]
+                                  loss_scope=g.scopes, capture=captures[i]) for i, g in enumerate(groups)]
         finally:
             if self._sampler is not None:
                 self._sampler.release()  # a capture no group took (a later iteration's weights differ)
