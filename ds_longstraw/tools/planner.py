@@ -209,12 +209,15 @@ def _render_document(plan) -> list:
         return []
     if plan.cluster.cp > 1:
         return ["", f"{n} groups per document: at CP {plan.cluster.cp} each group still captures the whole prompt "
-                "(grpo_backward_shared runs on one rank so far), so a step captures the document "
+                "(a shared document runs without context parallelism so far), so a step captures the document "
                 f"{n} times; the figures above are one group's."]
     passes = " and runs one reverse pass over it" if plan.prefix_grad == "exact" else ""
+    lockstep = (" Through engine.grpo_step this holds on one data-parallel rank or under ZeRO 0-2; under ZeRO-3 "
+                "with several ranks the lockstep pads calls group by group and each group captures the document."
+                if plan.cluster.gpus > 1 else "")
     return ["", f"{n} groups per document (grpo_backward_shared): a step captures the document once instead of {n} "
             f"times{passes}, each question as its child; the figures above hold (the document's pages and one "
-            "question's at a time: measured 1.00-1.02x one group's peak, BENCHMARKS.md)."]
+            f"question's at a time: measured 1.00-1.02x one group's peak, BENCHMARKS.md).{lockstep}"]
 
 
 def _graph_line(plan) -> str:

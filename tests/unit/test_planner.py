@@ -672,6 +672,10 @@ def test_groups_per_document_change_the_captures_not_the_memory(capsys):
     assert "captures the document once instead of 4 times and runs one reverse pass over it" in text
     assert main([*base[:-1], "--gpus", "2", "--groups-per-document", "3"]) == 0
     assert "each group still captures the whole prompt" in capsys.readouterr().out
+    # data parallel: shared where no ZeRO-3 lockstep pads the ranks' calls (engine.grpo_step), said so
+    assert main([*base[:-1], "--gpus", "2", "--cp", "1", "--groups-per-document", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "captures the document once instead of 3 times" in text and "ZeRO-3 with several ranks" in text
     assert main([*base, "--groups-per-document", "0"]) == 2
     assert "--groups-per-document 0" in capsys.readouterr().err
 
