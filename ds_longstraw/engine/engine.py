@@ -26,9 +26,9 @@ What grpo_step is:
     per shard chunk count (lockstep.calls_of(..., cp)) so all D N ranks make the same submodule calls, and exact
     mode's CP prefix turns are mirrored by the ranks not in turn (grpo/cp/prefix_turns.py).
   - groups whose prompts share a document (GRPOGroup.shared_prefix, or a common prefix of at least
-    longstraw.shared_prefix_min tokens) run as one tree transaction that captures it once (grpo/shared.py), where
-    no lockstep pads the ranks' calls (ZeRO 0-2, or one data-parallel rank) and without CP or sharded experts;
-    otherwise each group captures its whole prompt as before.
+    longstraw.shared_prefix_min tokens) capture it once: as one tree transaction (grpo/shared.py) where no lockstep
+    pads the ranks' calls (ZeRO 0-2, or one data-parallel rank) and without CP or sharded experts; otherwise as one
+    group over the document whose members open with their group's question (grpo/flat_document.py).
 What it is not: no gradient accumulation across calls (gradient_accumulation_steps must be 1), no reuse of a
 capture across steps. Groups come in with their responses and rewards, or, with `rollout=`, as prompts whose
 responses are sampled from the policy (rollout/step.py); with one rollout prompt per rank the step trains on the
@@ -55,6 +55,7 @@ from ds_longstraw.engine.expert_slices import ExpertSlices, check_engine_setting
 from ds_longstraw.engine.safe_load import check_checkpoint
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.grpo.document import document_tokens
+from ds_longstraw.grpo.flat_document import can_flatten, flatten, split
 from ds_longstraw.grpo.lockstep import Lockstep, calls_of, common_calls, dummy_group
 from ds_longstraw.grpo.shared import grpo_backward_shared
 from ds_longstraw.grpo.topology import resolve_layout
@@ -169,38 +170,43 @@ class LongstrawEngineMixin:
         objective = objective or GRPOObjective()
         for item in groups:
             objective.check_group(item)
-        plan = self._lockstep_plan(groups)
         scopes = self._loss_scopes(objective, groups) if loss_scopes is None else list(loss_scopes)
+        route, tokens = self._document_route(groups, objective, captures)
+        flat = flatten(groups, tokens, objective, scopes) if route == "flat" else None
+        plan = [] if route == "tree" else self._lockstep_plan([flat.group] if flat else groups)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
 
         def backward(loss: torch.Tensor) -> None:
             self.backward(loss, scale_wrt_gas=False)
 
+        def keep(slot: int, result: GroupResult) -> None:
+            if loss_scopes is None:  # this rank's part of the loss (the weight is DeepSpeed's average)
+                result.loss /= scopes[slot].weight
+            results.append(result)
+
         experts = self.longstraw_experts
         with self.coalesce_grad_reduction():
-            if self._shares_a_document(groups, plan, captures):
-                # one tree transaction: the document the groups' prompts share captured once (grpo/shared.py)
+            if route == "tree":  # the document captured once, each question as its child (grpo/shared.py)
                 for slot, result in enumerate(grpo_backward_shared(self.module, groups, objective,
                                                                    longstraw=longstraw, ref_model=ref_model,
                                                                    backward=backward, loss_scopes=scopes)):
-                    if loss_scopes is None:
-                        result.loss /= scopes[slot].weight
-                    results.append(result)
-                plan = []
+                    keep(slot, result)
             for slot, (item, lockstep, real) in enumerate(plan):
                 # The normaliser and weight go on the loss shares, not on what is back-propagated: exact mode's
                 # prefix pass back-propagates injected gradients that already carry them. A dummy group's are 0.
+                scope = (flat.scopes if flat else scopes[slot]) if real else None
                 result = grpo_backward(self.module, item, objective if real else ScaledObjective(objective, 0.0),
                                        longstraw=longstraw, ref_model=ref_model, cp_group=cp, backward=backward,
                                        caller_reduces=True, lockstep=lockstep,
                                        ep_group=None if experts is None else experts.ep.process_group,
                                        capture=captures[slot] if captures and slot < len(captures) else None,
-                                       loss_scope=scopes[slot] if real else None)
-                if real:
-                    if loss_scopes is None:  # this rank's part of the loss (the weight is DeepSpeed's average)
-                        result.loss /= scopes[slot].weight
-                    results.append(result)
+                                       loss_scope=scope)
+                if real and flat is not None:  # the document's groups, each its own result (flat_document.py)
+                    for index, part in enumerate(split(flat, result, groups, objective)):
+                        keep(index, part)
+                elif real:
+                    keep(slot, result)
             _fill_missing_grads(self)
         if experts is not None:
             experts.reduce_()
@@ -244,23 +250,35 @@ class LongstrawEngineMixin:
         replicas = dist.get_world_size(group=self.data_parallel_group) // cp_size
         return [LossScope(tokens, members, weight=float(replicas))] * len(groups)
 
-    def _shares_a_document(self, groups: list[GRPOGroup], plan: list, captures: list | None) -> bool:
-        """Whether this rank's groups run as one tree transaction over the document their prompts share
-        (grpo/document.document_tokens): where nothing pads the ranks' module calls (no lockstep: ZeRO 0-2, or one
-        data-parallel rank), no context parallelism or sharded experts, and no kept capture to take. Otherwise
-        each group captures its whole prompt, the document included, as before (docs/trees.md)."""
-        if len(groups) < 2 or captures or self.longstraw_parallelism.cp is not None:
-            return False
-        if self.longstraw_experts is not None or any(lockstep is not None for _, lockstep, _ in plan):
-            return False
-        return document_tokens(groups, self.longstraw.shared_prefix_min) is not None
+    def _document_route(self, groups: list[GRPOGroup], objective: GRPOObjective,
+                        captures: list | None) -> tuple[str | None, int | None]:
+        """How this rank's groups whose prompts share a document (grpo/document.document_tokens) run, and the
+        document's tokens: "tree" (captured once, each question as its child: grpo/shared.py) where nothing pads
+        the ranks' calls (no lockstep: ZeRO 0-2 or one data-parallel rank) and nothing shards the prompt or the
+        experts; else "flat" (one group over the document, each member opening with its question:
+        flat_document.py: exact mode); (None, None) without a document, with kept captures to take, or where the
+        flat form is not the groups' step (detached mode, an entropy term). Every rank of a CP group holds the same
+        groups and decides alike."""
+        if len(groups) < 2 or captures:
+            return None, None
+        tokens = document_tokens(groups, self.longstraw.shared_prefix_min)
+        if tokens is None:
+            return None, None
+        if not self._pads_calls() and self.longstraw_parallelism.cp is None and self.longstraw_experts is None:
+            return "tree", tokens
+        return ("flat", tokens) if can_flatten(objective, self.longstraw.prefix_grad) else (None, None)
+
+    def _pads_calls(self) -> bool:
+        """Whether the ranks pad their module calls to each other's (lockstep.py): their calls are collectives
+        (ZeRO-3's gathers, sharded experts' dispatches) and there are several data-parallel ranks."""
+        collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
+        return collective_calls and dist.get_world_size(group=self.data_parallel_group) > 1
 
     def _lockstep_plan(self, groups: list[GRPOGroup]) -> list[tuple[GRPOGroup, Lockstep | None, bool]]:
         """[(group, Lockstep or None, real)]: this rank's groups, padded under ZeRO-3 with data parallelism to the
         slots and calls every rank runs, dummy groups (not real: their loss weighs 0) filling missing slots."""
         longstraw = self.longstraw
-        collective_calls = self.zero_optimization_stage() == 3 or self.longstraw_experts is not None
-        if not collective_calls or dist.get_world_size(group=self.data_parallel_group) == 1:
+        if not self._pads_calls():
             return [(group, None, True) for group in groups]
         cp = self.longstraw_parallelism.cp  # with CP, capture chunks are those of this rank's shard, in its layout
         if cp is not None:

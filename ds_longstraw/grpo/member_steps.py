@@ -239,16 +239,20 @@ class RowLeaves:
     does not take, say a layer whose attention reads no sink, lands on the leaves' .grad as before)."""
 
     def __init__(self, parts: tuple) -> None:
-        self.leaves = tuple(t.detach().requires_grad_(True) for t in parts)
-        self.summed: list[torch.Tensor | None] = [None] * len(parts)
-        self.pair = PagesPair(self.leaves, self._sink)
+        leaves = tuple(t.detach().requires_grad_(True) for t in parts)
+        summed: list[torch.Tensor | None] = [None] * len(parts)
 
-    def _sink(self, offset: int, *grads_KTD: torch.Tensor) -> None:
-        for index, grad_KTD in enumerate(grads_KTD):
-            rows = grad_KTD.transpose(0, 1)
-            if self.summed[index] is None:
-                self.summed[index] = torch.zeros_like(self.leaves[index])
-            self.summed[index][offset:offset + rows.shape[0]] += rows
+        # A closure over the leaves and the sums, not a bound method: the pair holds the sink, and a sink holding
+        # this object would make a reference cycle that keeps every block's rows and gradients alive until the
+        # garbage collector runs (measured: the rows of every earlier member still held by the next one).
+        def sink(offset: int, *grads_KTD: torch.Tensor) -> None:
+            for index, grad_KTD in enumerate(grads_KTD):
+                rows = grad_KTD.transpose(0, 1)
+                if summed[index] is None:
+                    summed[index] = torch.zeros_like(leaves[index])
+                summed[index][offset:offset + rows.shape[0]] += rows
+
+        self.leaves, self.summed, self.pair = leaves, summed, PagesPair(leaves, sink)
 
     def grads(self) -> list[torch.Tensor | None]:
         """d(rows) per part: what the sink summed and what autograd left on the leaf."""

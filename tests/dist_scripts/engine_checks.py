@@ -55,6 +55,8 @@ gradient_clipping 0):
   rollout_ep  the two rollout steps on the tiny glm_moe_dsa with "ep_size": 2 (decode dispatches in lockstep)
   shared_document  ZeRO-2, exact, KL: each rank's two groups share a document of its own, captured once per rank
               (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
+  shared_document_zero3  ZeRO-3, exact, KL: rank 0's two groups share a document, run as one group over it
+              (grpo/flat_document.py) padded against rank 1's one group; the step == the average
 """
 
 import argparse
@@ -573,11 +575,13 @@ def document_groups(seed, document, questions, response_lens):
                       rewards=torch.rand(len(response_lens), generator=gen).tolist()) for q in questions]
 
 
-def check_shared_document(out_dir):
-    """ZeRO-2 (no lockstep), exact mode, KL: each rank's two groups share a document of its own (rank 0: 40
-    tokens, questions of 5 and 9; rank 1: 33 tokens, questions of 7 and 3); grpo_step captures each rank's document
-    once (the groups' extras say so) and the step == SGD on the mean of the four groups' gradients, each group's
-    from a plain grpo_backward that captures its whole prompt."""
+def check_shared_document(out_dir, stage=2):
+    """Exact, KL. ZeRO-2 (no lockstep): each rank's two groups share a document of its own (rank 0: 40 tokens,
+    questions of 5 and 9; rank 1: 33 tokens, questions of 7 and 3), which grpo_step captures once per rank as a
+    tree (grpo/shared.py). ZeRO-3 (stage 3, lockstep): rank 0's two groups share its document, rank 1 brings one
+    group; rank 0's run as one group over the document (grpo/flat_document.py), padded against rank 1's. Either
+    way the step == SGD on the data-parallel average of plain grpo_backward gradients, each group capturing its
+    whole prompt."""
     rank = dist.get_rank()
     model = tiny_qwen3_5(torch.float32, seed=11)
     ref_model = tiny_qwen3_5(torch.float32, seed=12)
@@ -585,24 +589,29 @@ def check_shared_document(out_dir):
     before = snapshot(model)
     objective = GRPOObjective(loss_scope="group", kl_coef=0.2)
     config = ds_config("exact")
-    config["zero_optimization"] = {"stage": 2}
+    if stage == 2:
+        config["zero_optimization"] = {"stage": 2}
     config["longstraw"]["shared_prefix_min"] = 16
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=config)
     groups = [document_groups(60, 40, [5, 9], [3, 6]), document_groups(61, 33, [7, 3], [4, 2, 5])]
+    if stage == 3:
+        groups[1] = groups[1][:1]
     result = engine.grpo_step(groups[rank], objective, ref_model=ref_model)
     documents = [g.extras.get("document", {}).get("tokens") for g in result.groups]
+    how = [g.extras.get("document", {}).get("questions", "captured") for g in result.groups]
     grads = {}
-    for group in groups[0] + groups[1]:
-        reference.zero_grad(set_to_none=True)
-        grpo_backward(reference, group, objective, longstraw=block("exact"), ref_model=ref_model)
-        for name, p in reference.named_parameters():
-            grads[name] = grads.get(name, 0.0) + 0.25 * p.grad
+    for mine in groups:
+        for group in mine:
+            reference.zero_grad(set_to_none=True)
+            grpo_backward(reference, group, objective, longstraw=block("exact"), ref_model=ref_model)
+            for name, p in reference.named_parameters():
+                grads[name] = grads.get(name, 0.0) + 0.5 / len(mine) * p.grad
     for name, p in reference.named_parameters():
         p.grad = grads[name]
     torch.optim.SGD(reference.parameters(), lr=0.1).step()
-    rel = step_error({n: p.detach().clone() for n, p in engine.module.named_parameters()}, reference, before)
-    return {"rel": rel, "documents": documents}
+    after = gathered(engine) if stage == 3 else {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return {"rel": step_error(after, reference, before), "documents": documents, "how": how}
 
 
 def check_rollout_lockstep(out_dir):
@@ -678,7 +687,8 @@ CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": 
           "zero2": check_zero2, "lora": check_lora, "qlora": check_qlora, "glm": check_glm, "ep": check_ep,
           "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export,
           "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep,
-          "objective_step": check_objective_step, "shared_document": check_shared_document}
+          "objective_step": check_objective_step, "shared_document": check_shared_document,
+          "shared_document_zero3": lambda out: check_shared_document(out, stage=3)}
 
 
 def run_checks(checks, file_prefix, **context):

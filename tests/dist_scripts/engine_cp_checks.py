@@ -36,6 +36,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
   rollout ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids: replica 0 two prompts, replica 1 one (an idle
           decode slot, shard captures padded, ghost steps); then one prompt each of different lengths (trained on
           the kept shard captures, padded alike): samples == one process's, two steps == the averages
+  document  ZeRO-3, exact, W = 4: replica 0's two groups share a document, run as one group over it
+          (grpo/flat_document.py), padded against replica 1's C
 Controls (single process, so a check can fail): the engine's step measured against a reference without the prefix
 pass's gradient (exact) and against equal group weights (W = 4) must be far off.
 """
@@ -51,6 +53,7 @@ from deepspeed import comm as dist  # noqa: E402
 from engine_checks import (  # noqa: E402
     EP_MODEL,
     as_engine_holds,
+    document_groups,
     engine_params,
     make_group,
     run_checks,
@@ -196,6 +199,31 @@ def check_rollout(out_dir):
     return out
 
 
+def check_document(out_dir):
+    """ZeRO-3, exact, CP 2, W = 4: replica 0's two groups share a 40-token document (questions of 5 and 9 tokens),
+    replica 1 brings C. grpo_step runs replica 0's as one group over the document (grpo/flat_document.py: sharded
+    over the CP group as any prompt, each member opening with its question), padded against replica 1's group:
+    the step == SGD on (g_D1 + g_D2)/4 + g_C/2 of plain single-process transactions."""
+    model = tiny_qwen3_5(torch.float32, seed=8)
+    reference = copy.deepcopy(model)
+    before = snapshot(model)
+    config = ds_config("exact", 3, cp_prefix="layer_major")
+    config["longstraw"]["shared_prefix_min"] = 16
+    engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                         config=config)
+    first, second = document_groups(63, 40, [5, 9], [3, 2, 4])
+    groups = {"D1": first, "D2": second, "C": make_group(*GROUPS["C"])}
+    mine = [[first, second], [groups["C"]]][dist.get_rank() // CP]
+    result = engine.grpo_step(mine, GRPOObjective(loss_scope="group"))
+    after = engine_params(engine)
+    before = as_engine_holds(engine, before)
+    weights = {"D1": 0.25, "D2": 0.25, "C": 0.5}
+    ref, _ = reference_step(reference, "exact", weights, groups)
+    ref = as_engine_holds(engine, {n: p.detach() for n, p in ref.named_parameters()})
+    return {"rel": step_error(after, ref, before), "rank_groups": len(result.groups),
+            "documents": [g.extras.get("document", {}).get("questions") for g in result.groups]}
+
+
 CHECKS = {"zero3": lambda out: check("detached", 3, 0),
           "zero2": lambda out: check("exact", 2, 1, cp_prefix="layer_major"),
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses", cp_prefix="layer_major"),
@@ -205,7 +233,7 @@ CHECKS = {"zero3": lambda out: check("detached", 3, 0),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2, cp_prefix="layer_major"),
           "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major",
                                            inputs_every=2),
-          "rollout": check_rollout}
+          "rollout": check_rollout, "document": check_document}
 
 
 if __name__ == "__main__":

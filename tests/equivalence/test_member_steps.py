@@ -23,8 +23,10 @@ from models import cache_continuation_logprobs, float64_model, full_sequence_log
 from reference import reference_step
 
 from ds_longstraw import GRPOGroup, GRPOObjective, grpo_backward
+from ds_longstraw.grpo import member_steps as member_steps_module
 from ds_longstraw.grpo import replay as replay_module
-from ds_longstraw.grpo.member_steps import RowLeaves, Step, member_steps
+from ds_longstraw.grpo.member_steps import Step, member_steps
+from ds_longstraw.offload.staged_past import PagesPair
 
 TOL = 1e-8
 THRESHOLD = 4  # member_span_capture in these cases: tool spans of 4+ tokens are captured
@@ -75,13 +77,16 @@ def row_sinks(monkeypatch):
     (member_steps.RowLeaves): qwen3_5's attention takes it; GLM's absorbed MLA does not, and its rows' gradients
     reach the leaves through autograd."""
     calls = []
-    original = RowLeaves._sink
 
-    def counted(self, *args):
-        calls.append(1)
-        return original(self, *args)
+    class CountedPair(PagesPair):
+        def __new__(cls, pair, grad_sink):
+            def counted(*args):
+                calls.append(1)
+                return grad_sink(*args)
 
-    monkeypatch.setattr(RowLeaves, "_sink", counted)
+            return super().__new__(cls, pair, counted)
+
+    monkeypatch.setattr(member_steps_module, "PagesPair", CountedPair)
     return calls
 
 
@@ -159,3 +164,21 @@ def test_steps_follow_the_spans():
     assert member_steps(torch.ones(6, dtype=torch.bool), 1, 3) is None
     assert member_steps(torch.zeros(5, dtype=torch.bool), 5, 2) == [Step(0, 2, False), Step(2, 4, False),
                                                                     Step(4, 5, False)]
+
+
+def test_no_rows_outlive_their_member():
+    """Each earlier block's rows and gradients go with its reverse step by reference counting alone: nothing of
+    member_steps.RowLeaves waits for the garbage collector (a sink that held its RowLeaves made a cycle that kept
+    every block's rows of a member alive into the next members' replay)."""
+    import gc
+
+    model = tiny_qwen3_5()
+    group = masked_group(12, [(16, [(2, 12)]), (14, [(1, 10)])], seed=4)
+    gc.collect()
+    gc.disable()
+    try:
+        grpo_backward(model, group, GRPOObjective(), longstraw=_config("detached", 3, None, THRESHOLD))
+        alive = [o for o in gc.get_objects() if isinstance(o, member_steps_module.RowLeaves)]
+    finally:
+        gc.enable()
+    assert alive == []

@@ -147,6 +147,59 @@ def test_glm_shared_document_equals_the_reference(documents, mode):
         assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("case", ["three-questions", "tool-spans-in-steps", "kl-reference", "seq-mean-nvme"])
+def test_the_flat_form_equals_the_groups_alone(case, tmp_path):
+    """grpo/flat_document.py (what engine.grpo_step runs in exact mode where ranks pad their calls or shard the
+    prompt): the groups as one group over the document, each member opening with its question masked out, its
+    group's advantage and LossScope, and old log-probs padded over the question; then split back. Its gradient is
+    the groups' own transactions' sum and each group's loss and log-probs are its own transaction's. In detached
+    mode the two differ (a question's state is a constant of its group's prompt, a member's context is not), so the
+    engine does not flatten there: the last assertion shows the difference."""
+    mode = "exact"
+    from ds_longstraw.grpo.flat_document import flatten, split
+
+    model, ref_model = tiny_qwen3_5(), tiny_qwen3_5(seed=7)
+    doc, questions, members, kwargs, tier, span, _ = CASES[case]
+    groups = _groups(doc, questions, members, seed=len(case))
+    gen = torch.Generator().manual_seed(11)
+    for group in groups:  # the sampler's log-probs (two iterations' clipping reads them)
+        group.old_logprobs = [-torch.rand(r.numel(), generator=gen, dtype=torch.float64) for r in group.response_ids]
+    reference = ref_model if kwargs.get("kl_coef") else None
+    config = _config(mode, tier, span)
+    if tier == "nvme":
+        config["offload"] = {"tier": "nvme", "nvme_path": str(tmp_path)}
+    objective = GRPOObjective(**kwargs)
+    scopes = [objective.scope_of([group], weight=0.5) for group in groups]
+    flat = flatten(groups, doc, objective, scopes)
+    assert flat.group.prompt_ids.numel() == doc and flat.group.size == sum(g.size for g in groups)
+    with float64_model():
+        alone, alone_results = grads_of(model, lambda: [
+            grpo_backward(model, group, objective, longstraw=config, ref_model=reference, loss_scope=scope)
+            for group, scope in zip(groups, scopes, strict=True)])
+        grads, merged = grads_of(model, lambda: grpo_backward(model, flat.group, objective, longstraw=config,
+                                                              ref_model=reference, loss_scope=flat.scopes))
+    assert relative_l2(grads, alone) <= TOL
+    results = split(flat, merged, groups, objective)
+    assert merged.loss == pytest.approx(sum(r.loss for r in results), rel=1e-12, abs=1e-12)
+    for result, alone_result in zip(results, alone_results, strict=True):
+        assert result.loss == pytest.approx(alone_result.loss, rel=1e-12, abs=1e-12)
+        torch.testing.assert_close(result.advantages, alone_result.advantages.to(result.advantages.dtype))
+        for mine, theirs in zip(result.logprobs, alone_result.logprobs, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-11)
+        if reference is not None:
+            for mine, theirs in zip(result.ref_logprobs, alone_result.ref_logprobs, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-11)
+        assert result.extras["document"]["tokens"] == doc
+    if case == "three-questions":
+        detached = {**config, "prefix_grad": "detached"}
+        with float64_model():
+            apart, _ = grads_of(model, lambda: [grpo_backward(model, g, objective, longstraw=detached, loss_scope=s)
+                                                for g, s in zip(groups, scopes, strict=True)])
+            flat_detached, _ = grads_of(model, lambda: grpo_backward(model, flat.group, objective, longstraw=detached,
+                                                                     loss_scope=flat.scopes))
+        assert relative_l2(flat_detached, apart) > 1e-4
+
+
 def test_a_missing_share_is_seen(monkeypatch):
     """The tolerance can tell: dropping the last group's d(state at the document's end) moves the gradient far
     beyond it (the sum of every group's share is what makes exact mode exact)."""

@@ -25,7 +25,8 @@ chains); each rank writes its measurements, asserted here:
               decoding by "zero3_weights" "auto": no ZeRO-3 gather while it decodes) == the single-process steps
   rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
   shared_document  ZeRO-2, exact, KL: each rank's two groups share a document, which grpo_step captures once per
-              rank (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
+              rank (grpo/shared.py); ZeRO-3: rank 0's two groups share one and run as one group over it
+              (grpo/flat_document.py), padded against rank 1's one group; the step == the plain average
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -175,11 +176,16 @@ def test_zero_stage_2_and_missing_gradients(results):
 
 
 def test_groups_sharing_a_document_capture_it_once_per_rank(results):
-    """Rank 0's groups share a 40-token document, rank 1's a 33-token one: each group's extras name it (the tree
-    ran), and the step is the plain transactions' averaged step."""
+    """ZeRO-2: rank 0's groups share a 40-token document, rank 1's a 33-token one, each captured once as a tree.
+    ZeRO-3: rank 0's two groups run as one group over their document, padded against rank 1's single group. Each
+    group's extras say how; the step is the plain transactions' averaged step either way."""
     for rank, r in enumerate(_check(results, "shared_document")):
         assert r["rel"] < TOL, r
-        assert r["documents"] == [[40, 40], [33, 33]][rank], r
+        assert r["documents"] == [[40, 40], [33, 33]][rank] and r["how"] == ["captured"] * 2, r
+    for rank, r in enumerate(_check(results, "shared_document_zero3")):
+        assert r["rel"] < TOL, r
+        assert r["documents"] == [[40, 40], [None]][rank], r
+        assert r["how"] == [["replayed with each member"] * 2, ["captured"]][rank], r
 
 
 @pytest.mark.parametrize("name", ["lora", "qlora"])
