@@ -258,8 +258,10 @@ class RowLeaves:
         """d(rows) per part: what the sink summed and what autograd left on the leaf."""
         out = []
         for leaf, summed in zip(self.leaves, self.summed, strict=True):
-            if leaf.grad is None or summed is None:
-                out.append(summed if leaf.grad is None else leaf.grad)
+            if leaf.grad is None:
+                out.append(summed)
+            elif summed is None:
+                out.append(leaf.grad)
             else:
                 out.append(leaf.grad + summed)
         return out

@@ -72,7 +72,7 @@ from ds_longstraw.offload.auto import (
     recomputed_inputs_bytes,
     scan_holds,
 )
-from ds_longstraw.offload.kind_costs import delta_rule_floats
+from ds_longstraw.offload.kind_costs import delta_rule_floats  # the gated delta rule's scratch (and its chunk)
 from ds_longstraw.offload.state_shape import ModelShape
 
 GiB = 2**30
@@ -144,7 +144,6 @@ class Plan:
 REPLAY_BLOCK = 1024
 VOCAB_CHUNK = 8192
 LIBRARY_KEY_BLOCK = 16384
-# The gated delta rule's chunk and scratch: offload/kind_costs.DELTA_CHUNK, delta_rule_floats.
 
 
 def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = REPLAY_BLOCK,

@@ -131,7 +131,6 @@ class StagedPast(_AppendedSegments):
         return [pair, *later]
 
 
-
 class ChainedPast(_AppendedSegments):
     """A tree node's past (grpo/document.py): its ancestors' pages, then its own, each a StagedPast over its own
     pool and in position order, then the segments appended later (earlier replay blocks), read by the adapters as
