@@ -53,6 +53,10 @@ class GRPOObjective:
     member i (tokens the group's response_masks mark True; masked-out tokens add nothing and their old, reference
     and sampling log-probs are never read).
 
+    Log-probs: logp_t = log softmax(z / temperature)[token] of the logits z at the token's position; the
+      transaction scores the policy, the reference and (num_iterations > 1 in a trainer) the old log-probs alike,
+      so temperature is the one the responses were sampled at (TRL's `temperature`). Not a top-p / top-k
+      truncation: the log-probs are of the whole tempered softmax, as TRL's and vLLM's.
     Advantages (unless the group gives them): A_i = (r_i - mean r) / (std_unbiased r + advantage_eps), without the
       division when scale_rewards is False. A group of one has no std: group_of_one "zero" gives A = 0, "reward"
       gives r / (1 + advantage_eps) (verl: mean 0, std 1), or r unscaled.
@@ -106,6 +110,7 @@ class GRPOObjective:
     rollout_correction: str | None = None
     rollout_correction_min: float | None = None
     rollout_correction_max: float | None = 3.0
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         for name, allowed in (("loss_agg", LOSS_AGGS), ("loss_scope", LOSS_SCOPES), ("policy_loss", POLICY_LOSSES),
@@ -125,6 +130,10 @@ class GRPOObjective:
             raise ValueError(f"clip_ratio_c must be > 1 (it bounds the loss above the clipped ratio), "
                              f"got {self.clip_ratio_c!r}")
         _check_number("cispo_ratio_max", self.cispo_ratio_max)
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or not (
+                0 < self.temperature < math.inf):
+            raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it), got "
+                             f"{self.temperature!r}")
         if self.cispo_ratio_max <= 0:
             raise ValueError(f"cispo_ratio_max must be > 0, got {self.cispo_ratio_max!r}")
         if self.clip_ratio_c is not None and self.policy_loss != "clip":

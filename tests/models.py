@@ -135,21 +135,23 @@ def member_entropies(logits_TV):
     return torch.distributions.Categorical(logits=logits_TV.to(acc)).entropy()
 
 
-def full_sequence_logprobs(model, prompt, responses, entropies=None):
+def full_sequence_logprobs(model, prompt, responses, entropies=None, temperature=1.0):
     """Reference for exact mode: each member as one prompt+response forward with autograd (no cache). entropies: a
-    list that receives each member's entropies (differentiable) alongside."""
+    list that receives each member's entropies (differentiable) alongside. temperature: the logits are divided by
+    it first (TRL's scoring at its sampling temperature)."""
     logps = []
     for response in responses:
-        logits = model(torch.cat([prompt, response]).unsqueeze(0), use_cache=False).logits[0]
+        logits = model(torch.cat([prompt, response]).unsqueeze(0), use_cache=False).logits[0] / temperature
         logps.append(member_logprobs(logits[prompt.numel() - 1:-1], response))
         if entropies is not None:
             entropies.append(member_entropies(logits[prompt.numel() - 1:-1]))
     return logps
 
 
-def cache_continuation_logprobs(model, prompt, responses, entropies=None):
+def cache_continuation_logprobs(model, prompt, responses, entropies=None, temperature=1.0):
     """Reference for detached mode: a no-grad prefill of prompt[:-1] into a transformers cache, then each member
-    continues from a copy of it with autograd on [prompt[-1], response[:-1]] (entropies: as full_sequence_logprobs)."""
+    continues from a copy of it with autograd on [prompt[-1], response[:-1]] (entropies, temperature: as
+    full_sequence_logprobs)."""
     import copy
 
     from transformers import DynamicCache
@@ -161,7 +163,7 @@ def cache_continuation_logprobs(model, prompt, responses, entropies=None):
     for response in responses:
         member_cache = _functional_recurrent_updates(copy.deepcopy(cache))
         ids = torch.cat([prompt[-1:], response[:-1]]).unsqueeze(0)
-        logits = model(ids, past_key_values=member_cache, use_cache=True).logits[0]
+        logits = model(ids, past_key_values=member_cache, use_cache=True).logits[0] / temperature
         logps.append(member_logprobs(logits, response))
         if entropies is not None:
             entropies.append(member_entropies(logits))

@@ -34,6 +34,12 @@ CASES = {
         lambda b: TRLLoss("cispo", epsilon_high=1.1, vllm_importance_sampling_correction=True)(
             b.logps, b.mask, b.trl_adv, old=b.old,
             importance_ratio=trl_rollout_ratio(b.old, b.sampling, b.mask, "token_truncate"))),
+    # scored at TRL's sampling temperature: the policy's and the reference's log-probs and the entropies are of
+    # logits / 0.7 (the reference's too: the case's references are computed at the objective's temperature)
+    "trl-dapo-temperature-kl-entropy": (
+        dict(temperature=0.7, kl_coef=0.04, entropy_coef=0.05, advantage_eps=1e-4),
+        lambda b: TRLLoss("dapo", beta=0.04, entropy_coef=0.05)(b.logps, b.mask, b.trl_adv, old=b.old, ref=b.ref,
+                                                                 entropies=b.entropies)),
     "verl-dual-clip-low-var-kl-entropy": (
         dict(clip_ratio_c=3.0, kl_coef=0.05, kl_estimator="low_var_kl", entropy_coef=0.02,
              loss_agg="seq-mean-token-mean"),

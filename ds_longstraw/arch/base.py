@@ -80,10 +80,15 @@ class CausalLMAdapter:
     # full [T, V] logits then log_softmax. A class attribute, so a test or a user can force the reference with
     # `CausalLMAdapter.logprobs_vocab_chunk = None` (adapters are made per call).
     logprobs_vocab_chunk = VOCAB_CHUNK
+    # The temperature the log-probs are scored at (softmax of logits / temperature): the transaction sets it on its
+    # adapter from the objective's `temperature` (TRL's), so that every log-prob it takes (replay, reference, a
+    # member's steps) is at the sampling temperature. 1: the model's own distribution.
+    logprobs_temperature = 1.0
 
     def logprobs(self, hidden_1TC, targets, with_entropy=False):
-        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64);
-        with_entropy: (log p(targets), the softmax's entropy at each token), for an entropy bonus.
+        """log p(targets) from hidden states before the final norm (log-softmax in float32, float64 if float64) at
+        `logprobs_temperature`; with_entropy: (log p(targets), the softmax's entropy at each token), for an entropy
+        bonus.
 
         With a plain nn.Linear LM head the vocabulary is walked in chunks (forward and backward), so no [T, V]
         logits exist: at Qwen3.6's 248,320-token vocabulary those are about 1 GB per 1,024 tokens in float32, and
@@ -97,13 +102,14 @@ class CausalLMAdapter:
             record("log-probs", "full_logits")
             logits = self.lm_head(normed_1TC)[0]
             acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            logp_TV = torch.log_softmax(logits.to(acc), dim=-1)
+            logp_TV = torch.log_softmax(logits.to(acc) / self.logprobs_temperature, dim=-1)
             logp = logp_TV.gather(-1, targets.to(logits.device).unsqueeze(-1)).squeeze(-1)
             return (logp, -(logp_TV.exp() * logp_TV).sum(dim=-1)) if with_entropy else logp
-        return head_logprobs(self.lm_head, normed_1TC[0], targets, self.logprobs_vocab_chunk, with_entropy)
+        return head_logprobs(self.lm_head, normed_1TC[0], targets, self.logprobs_vocab_chunk, with_entropy,
+                             self.logprobs_temperature)
 
 
-def head_logprobs(head, hidden_TC, targets_T, vocab_chunk, with_entropy=False):
+def head_logprobs(head, hidden_TC, targets_T, vocab_chunk, with_entropy=False, temperature=1.0):
     """chunked_logprobs through a plain nn.Linear head, run AS the head's module call: the call's hooks are what
     ZeRO-3 gathers a partitioned weight in (pre-forward) and gathers it again in backward (a hook on the call's
     output, before this backward reads the saved weight), releasing it after the gradient has been accumulated (a
@@ -114,7 +120,7 @@ def head_logprobs(head, hidden_TC, targets_T, vocab_chunk, with_entropy=False):
     kernel = chunked_logprobs_entropy if with_entropy else chunked_logprobs
 
     def chunked_forward(hidden_TC, targets_T):
-        return kernel(hidden_TC, head.weight, targets_T, head.bias, vocab_chunk)
+        return kernel(hidden_TC, head.weight, targets_T, head.bias, vocab_chunk, temperature)
 
     head.forward = chunked_forward  # an instance attribute: nn.Module.__call__ runs it between the hooks
     try:

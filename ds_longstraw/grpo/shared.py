@@ -85,8 +85,8 @@ def _shared_step(common: Request, groups: list[GRPOGroup], scopes: list, documen
         if objective.needs_reference:
             with reference_policy(model, common.ref_model) as reference:
                 document.reference = capture_prefix(adapter_for(reference), root_ids, longstraw, "detached")
-                ref_logprobs = [score_reference(reference, group, longstraw, parent=document.reference)
-                                for group in groups]
+                ref_logprobs = [score_reference(reference, group, longstraw, parent=document.reference,
+                                                temperature=objective.temperature) for group in groups]
             document.reference.release()
             document.reference = None
         started = time.perf_counter()

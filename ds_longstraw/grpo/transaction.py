@@ -108,11 +108,12 @@ def _capture(adapter: CausalLMAdapter, group: GRPOGroup, longstraw: LongstrawCon
 
 def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, longstraw: LongstrawConfig,
                     topology: Topology | None = None, schedule: Schedule | None = None,
-                    parent: PrefixState | None = None) -> list[torch.Tensor]:
-    """Reference log-probs of every member, without a graph; the reference state is freed before returning (with
-    `parent`, a shared document's reference capture: only the group's own part of it)."""
+                    parent: PrefixState | None = None, temperature: float = 1.0) -> list[torch.Tensor]:
+    """Reference log-probs of every member at `temperature` (the objective's), without a graph; the reference state
+    is freed before returning (with `parent`, a shared document's reference capture: only the group's own part)."""
     topology, schedule = topology or OneRank(), schedule or Schedule()
     adapter = adapter_for(ref_model)
+    adapter.logprobs_temperature = temperature
     members = topology.replay_members(group)
     state = _capture(adapter, group, longstraw, True, topology, schedule, parent)
     try:
@@ -226,6 +227,7 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
     ref_model, cp_group, ep_group, backward = request.ref_model, request.cp_group, request.ep_group, request.backward
     caller_reduces, lockstep = request.caller_reduces, request.lockstep
     adapter = adapter_for(model)
+    adapter.logprobs_temperature = objective.temperature  # replay's log-probs at the sampling temperature
     group.check_vocab(adapter.vocab_size)
     if objective.needs_reference and ref_model is None and not hasattr(model, "disable_adapter"):
         raise ValueError("kl_coef > 0 needs ref_model, or a peft policy whose adapters can be disabled")
@@ -249,7 +251,8 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
     ref_logprobs = request.ref_logprobs
     if objective.needs_reference and ref_logprobs is None:
         with meter.phase("reference"), topology.phase("reference"), reference_policy(model, ref_model) as reference:
-            ref_logprobs = score_reference(reference, group, longstraw, topology, schedule)
+            ref_logprobs = score_reference(reference, group, longstraw, topology, schedule,
+                                           temperature=objective.temperature)
 
     if reused is None:
         with meter.phase("capture"), topology.phase("capture"):

@@ -457,7 +457,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         chosen_G, keep = [], []
         # the step's tokens in one exchange
         for row, (sample, chosen) in enumerate(zip(active, choose(drawn), strict=True)):
-            logps[sample].append(torch.log_softmax(logits_GV[row], dim=-1)[chosen])
+            logps[sample].append(torch.log_softmax(logits_GV[row] / (temperature or 1.0), dim=-1)[chosen])
             ids[sample].append(chosen)
             if chosen in eos:
                 ended[sample] = True
@@ -493,7 +493,7 @@ def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch
         # greedy draws nothing; a sample draws one uniform per step from its own stream
         uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
         chosen = choose([_sample(logits_V, temperature, top_p, uniform)])[0]
-        logps.append(torch.log_softmax(logits_V, dim=-1)[chosen])
+        logps.append(torch.log_softmax(logits_V / (temperature or 1.0), dim=-1)[chosen])
         ids.append(chosen)
         if not schedule.keeps_decoding(chosen not in eos, adapter.device):
             break

@@ -22,13 +22,14 @@ def _start(model, group, objective, longstraw, ref_model):
     longstraw = parse_config(longstraw)
     objective = objective or GRPOObjective()
     adapter = adapter_for(model)
+    adapter.logprobs_temperature = objective.temperature  # as the transaction scores them
     group.check_vocab(adapter.vocab_size)
     meter = PhaseMeter(adapter.device)
     ref_logprobs = None
     with meter.phase("reference"):
         if objective.kl_coef > 0:
             with reference_policy(model, ref_model) as reference:
-                ref_logprobs = score_reference(reference, group, longstraw)
+                ref_logprobs = score_reference(reference, group, longstraw, temperature=objective.temperature)
     return objective, adapter, meter, objective.advantages(group), ref_logprobs
 
 

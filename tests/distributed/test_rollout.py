@@ -2,10 +2,12 @@
 
 Equivalence chains (float64 tiny models; qwen3_5 under float64_model(), glm_moe_dsa under glm_reference()):
   generate(temperature=0) == transformers' model.generate(do_sample=False), token for token (eos included)
-  generate(...).logprobs == full-sequence log-softmax of prompt + response (tests/models.py full_sequence_logprobs)
+  generate(...).logprobs == full-sequence log-softmax of prompt + response at the sampling temperature (logits /
+      temperature; greedy: 1) (tests/models.py full_sequence_logprobs)
   generate(seed=s) == generate(seed=s); generate(seed=s) != generate(seed=s + 1)
   generate(host tier) == generate(device tier); generate(CP 2), every rank == generate(one rank)
-  grpo_backward(rollouts.group(rewards)).logprobs == rollouts.logprobs (the transaction's replay of the samples)
+  grpo_backward(rollouts.group(rewards)).logprobs == rollouts.logprobs (the transaction's replay of the samples, at
+      the objective's temperature = the sampling temperature)
 Tolerance: relative 1e-8 on log-probs (the issue's contract). Both sides are float64 and differ only in the order of
 their sums (one token per forward against one forward of the whole sequence; CP merges partials by LSE): measured
 ~2e-16 here. Token ids are compared exactly: a sample drawn by inverse CDF changes only when a uniform lands within
@@ -57,9 +59,10 @@ def _relative(a, b):
     return float(((a - b).abs() / b.abs()).max())
 
 
-def _assert_logprobs(model, family, prompt, result):
+def _assert_logprobs(model, family, prompt, result, temperature=1.0):
+    """The samples' log-probs == the full sequence's at the sampling temperature (greedy, 0: the model's own)."""
     with FAMILIES[family]["reference"](), torch.no_grad():
-        reference = full_sequence_logprobs(model, prompt, result.response_ids)
+        reference = full_sequence_logprobs(model, prompt, result.response_ids, temperature=temperature or 1.0)
     for member, (got, want) in enumerate(zip(result.logprobs, reference, strict=True)):
         assert got.dtype == torch.float64 and got.shape == want.shape
         error = _relative(got, want)
@@ -106,7 +109,8 @@ def test_eos_stops_a_sample_like_transformers(models, family):
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9), (1.3, 0.05)],
                          ids=["t1", "t0.7-p0.9", "t1.3-p0.05"])
 def test_sampled_logprobs_equal_full_sequence(models, family, temperature, top_p):
-    """Log-probs at temperature 1 whatever the sampling temperature and nucleus; G = 3, responses of 1..7 tokens."""
+    """Log-probs at the sampling temperature (logits / temperature), whatever the nucleus (no top-p truncation);
+    G = 3, responses of 1..7 tokens."""
     model, prompt = models[family], _prompt(family)
     with FAMILIES[family]["reference"]():
         result = generate(model, prompt, 3, 7, temperature=temperature, top_p=top_p, seed=5,
@@ -114,8 +118,8 @@ def test_sampled_logprobs_equal_full_sequence(models, family, temperature, top_p
         one_token = generate(model, prompt, 1, 1, temperature=temperature, top_p=top_p, seed=5,
                              longstraw=FAMILIES[family]["longstraw"])
     assert [ids.numel() for ids in result.response_ids] == [7, 7, 7]
-    _assert_logprobs(model, family, prompt, result)
-    _assert_logprobs(model, family, prompt, one_token)
+    _assert_logprobs(model, family, prompt, result, temperature)
+    _assert_logprobs(model, family, prompt, one_token, temperature)
     assert torch.equal(one_token.response_ids[0], result.response_ids[0][:1])  # sample 0's stream, whatever G
 
 
@@ -143,7 +147,7 @@ def test_batched_decode_equals_one_sample_at_a_time(models, family, sampling, ti
         assert torch.equal(a, b), (a.tolist(), b.tolist())
     for a, b in zip(batched.logprobs, each.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    _assert_logprobs(model, family, prompt, batched)
+    _assert_logprobs(model, family, prompt, batched, sampling.get("temperature", 1.0))
 
 
 def test_top_p_keeps_the_nucleus():
@@ -217,16 +221,18 @@ def test_host_tier_equals_device_tier(models, family):
         assert _relative(b, a) <= TOL
 
 
-def test_group_trains_on_the_samples(models):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_group_trains_on_the_samples(models, temperature):
     """Rollouts.group(rewards) is a GRPOGroup whose old log-probs are the samples'; the transaction's replay of those
-    samples gives the same log-probs (detached mode: the same captured state, the same weights)."""
+    samples gives the same log-probs (detached mode: the same captured state, the same weights), the objective
+    scoring at the temperature the samples were drawn at."""
     model, prompt = models["qwen3_5"], _prompt("qwen3_5")
     config = FAMILIES["qwen3_5"]["longstraw"]
     with float64_model():
-        result = generate(model, prompt, 3, 5, seed=2, longstraw=config)
+        result = generate(model, prompt, 3, 5, seed=2, longstraw=config, temperature=temperature)
         group = result.group([1.0, 0.0, 0.5])
         model.zero_grad(set_to_none=True)
-        trained = grpo_backward(model, group, GRPOObjective(), longstraw=config)
+        trained = grpo_backward(model, group, GRPOObjective(temperature=temperature), longstraw=config)
         model.zero_grad(set_to_none=True)
     assert isinstance(result, Rollouts) and group.size == 3
     assert torch.equal(group.prompt_ids, prompt)
@@ -296,7 +302,8 @@ def test_cp2_equals_one_rank(cp_results, case):
             assert torch.equal(got, want), f"rank {rank} sample {member}: {got.tolist()} != {want.tolist()}"
         for member, (got, want) in enumerate(zip(result["logprobs"], reference.logprobs, strict=True)):
             assert _relative(got, want) <= TOL, f"rank {rank} sample {member}"
-    _assert_logprobs(case_model(case)[0], case["family"], case_prompt(case), reference)
+    _assert_logprobs(case_model(case)[0], case["family"], case_prompt(case), reference,
+                     case["sampling"].get("temperature", 1.0))
     if "rewards" not in case:  # one exchange of the first rank's tokens per decode step for all the samples
         steps = max(len(ids) for ids in reference.response_ids)
         drawn_seed = "seed" not in case["sampling"]

@@ -45,13 +45,15 @@ def _assert_case(model, ref_model, case, mode, context):
     group = objective_group(model, context=context)
     logprob_fn = cache_continuation_logprobs if mode == "detached" else full_sequence_logprobs
     config = {"prefix_grad": mode, "capture_chunk": 6, "page_tokens": 4, "replay_block": 4}
+    temperature = objective.temperature  # the references score logits / temperature, as TRL does
     with context():
         with torch.no_grad():
-            refs = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids)]
+            refs = [lp.detach() for lp in logprob_fn(ref_model, group.prompt_ids, group.response_ids,
+                                                     temperature=temperature)]
 
         def reference():
             entropies = []
-            logps = logprob_fn(model, group.prompt_ids, group.response_ids, entropies)
+            logps = logprob_fn(model, group.prompt_ids, group.response_ids, entropies, temperature=temperature)
             loss = peer(Batch(group, objective, logps, refs if objective.kl_coef else None, entropies))
             loss.backward()
             return float(loss.detach())

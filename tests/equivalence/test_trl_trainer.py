@@ -38,6 +38,12 @@ CASES = {
     "dr_grpo-masked-truncation": dict(loss_type="dr_grpo", mask_truncated_completions=True),
     # peft LoRA: only the adapters train; the reference is the model with its adapters disabled, in both trainers
     "dapo-lora-beta": dict(loss_type="dapo", beta=0.3, max_steps=2, lora=True),
+    # TRL scores every log-prob at its sampling temperature (logits / 0.7): the policy's, the reference's (beta) and
+    # the old ones (two iterations), over two steps; 1.3 on the other side of 1
+    "dapo-temperature-0.7-beta-two-iterations": dict(loss_type="dapo", temperature=0.7, beta=0.3, num_iterations=2,
+                                                     max_steps=2),
+    "grpo-temperature-1.3-bias-corrected-kl": dict(loss_type="grpo", temperature=1.3, beta=0.3,
+                                                   use_bias_correction_kl=True),
 }
 
 
@@ -121,9 +127,11 @@ def test_detached_mode_differs(checkpoint, tmp_path):
     assert _both(checkpoint, tmp_path, longstraw={"prefix_grad": "detached"}, loss_type="dapo") > 1e-4
 
 
-def test_generate_from_capture(checkpoint, tmp_path):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_generate_from_capture(checkpoint, tmp_path, temperature):
     """generate_from_capture: the completions are sampled from the captured prompt and every step trains on that
-    capture (one prompt pass per step); TRL's own trainer, given the same completions, takes the same steps."""
+    capture (one prompt pass per step); TRL's own trainer, given the same completions, takes the same steps (at
+    temperature 0.7 both score logits / 0.7, and the samples are drawn at it)."""
     path, initial = checkpoint
     calls, reused = [], []
 
@@ -143,7 +151,8 @@ def test_generate_from_capture(checkpoint, tmp_path):
         trainer._sampler.sample, trainer._run_groups = recording_sample, recording_run
 
     # one prompt per generation batch (2 x 2 rows = its 4 generations), so its capture is kept
-    case = dict(loss_type="dapo", max_steps=2, per_device_train_batch_size=2, max_completion_length=5)
+    case = dict(loss_type="dapo", max_steps=2, per_device_train_batch_size=2, max_completion_length=5,
+                temperature=temperature)
     ours = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=EXACT, rollout=None,
                           on_trainer=record, trainer_kwargs={"generate_from_capture": True}, **case)
     assert len(calls) == 2 and reused == [True, True]

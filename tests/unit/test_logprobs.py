@@ -172,6 +172,42 @@ def test_float32_within_twice_the_plain_error():
         assert c_err <= 2 * p_err + floor, f"{name}: chunked error {c_err:.3g} vs plain {p_err:.3g}"
 
 
+def _tempered_log_softmax(hidden, weight, targets, bias, temperature):
+    """The sampler's log-probs as TRL scores them (its _get_per_token_logps_and_entropies): the logits divided by
+    the temperature, log_softmax, gather; written here, not the kernel module's reference."""
+    logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained-head", "frozen-head"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_temperature_values_and_gradients_match_tempered_log_softmax(temperature, bias, frozen):
+    """log softmax(z / tau) over 63 tokens and 111 ids in chunks of 17, values and every gradient (a frozen head:
+    d(hidden) from the forward's direction), float64 to TOL64 (only the summation order differs). tau = 0.7 and
+    1.3 bracket 1, so a missing 1 / tau on either the logits or the gradient is off by ~40%."""
+    hidden, weight, bias_v, targets, dlogp = _inputs(63, 111, bias=bias)
+    if frozen:
+        weight = weight.detach()
+        bias_v = None if bias_v is None else bias_v.detach()
+    leaves = [t for t in (hidden, weight, bias_v) if t is not None and t.requires_grad]
+
+    def values_and_grads(fn, **kwargs):
+        logp = fn(hidden, weight, targets, bias_v, temperature=temperature, **kwargs)
+        return logp.detach(), torch.autograd.grad((logp * dlogp).sum(), leaves)
+
+    got, got_grads = values_and_grads(chunked_logprobs, vocab_chunk=17)
+    want, want_grads = values_and_grads(_tempered_log_softmax)
+    plain, _ = values_and_grads(logprobs_reference)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOL64)
+    torch.testing.assert_close(plain, want, rtol=0, atol=TOL64)
+    assert len(got_grads) == (1 if frozen else 3 if bias else 2)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=TOL64)
+    untempered = chunked_logprobs(hidden, weight, targets, bias_v, vocab_chunk=17).detach()
+    assert (untempered - want).abs().max() > 1e-2  # the check can fail: tau changes the log-probs
+
+
 def test_input_checks():
     hidden, weight, _, targets, _ = _inputs(4, 10, bias=False)
     with pytest.raises(ValueError, match="vocab_chunk"):
@@ -182,6 +218,9 @@ def test_input_checks():
         chunked_logprobs(hidden.unsqueeze(0), weight, targets)
     with pytest.raises(ValueError, match=r"bias: expected \[10\], got \(9,\)"):
         chunked_logprobs(hidden, weight, targets, torch.zeros(9, dtype=hidden.dtype))
+    for bad in (0.0, -0.5, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=f"temperature must be a finite number > 0.*got {bad!r}"):
+            chunked_logprobs(hidden, weight, targets, temperature=bad)
 
 
 # ---- the adapter path -------------------------------------------------------------------------------------------

@@ -69,6 +69,32 @@ def test_float64_equals_torch_distributions(chunk, bias, use):
         torch.testing.assert_close(a, c, rtol=TOL64, atol=TOL64)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("temperature", [0.7, 1.6])
+def test_temperature_equals_torch_distributions_of_tempered_logits(temperature, bias):
+    """At a temperature: Categorical(logits / tau)'s log_prob and entropy, values and gradients, float64, chunks
+    of 7 over 100 ids (the plain reference too)."""
+    hidden, weight, b, targets, weights = _inputs(torch.float64, bias)
+
+    def tempered_library(h, w, bb, t):
+        logits = torch.nn.functional.linear(h, w, bb) / temperature
+        distribution = torch.distributions.Categorical(logits=logits)
+        return distribution.log_prob(t), distribution.entropy()
+
+    def chunked(h, w, t, bb):
+        return chunked_logprobs_entropy(h, w, t, bb, vocab_chunk=7, temperature=temperature)
+
+    def plain(h, w, t, bb):
+        return logprobs_entropy_reference(h, w, t, bb, temperature=temperature)
+
+    theirs = _values_and_grads(_library, hidden, weight, b, targets, weights)  # at tau = 1: must differ
+    want = _values_and_grads(lambda h, w, t, bb: tempered_library(h, w, bb, t), hidden, weight, b, targets, weights)
+    for fn in (chunked, plain):
+        for a, c in zip(_values_and_grads(fn, hidden, weight, b, targets, weights), want, strict=True):
+            torch.testing.assert_close(a, c, rtol=TOL64, atol=TOL64)
+    assert (want[1] - theirs[1]).abs().max() > 1e-2
+
+
 def test_plain_reference_equals_torch_distributions():
     hidden, weight, b, targets, weights = _inputs(torch.float64)
     mine = _values_and_grads(logprobs_entropy_reference, hidden, weight, b, targets, weights)

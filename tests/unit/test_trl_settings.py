@@ -13,7 +13,6 @@ MISSING_MODEL = "/nonexistent/model"
 REFUSED = [
     ("loss_type", "sapo"),
     ("loss_type", "vespo"),
-    ("temperature", 0.7),
     ("delta", 2.0),
     ("top_entropy_quantile", 0.5),
     ("entropy_coef", 0.01),
@@ -38,8 +37,8 @@ def test_unmapped_setting_is_refused(tmp_path, name, value):
 
 
 def test_every_refusal_is_named_at_once(tmp_path):
-    with pytest.raises(ValueError, match=r"temperature = 0\.7.*delta = 2\.0"):
-        _trainer(tmp_path, longstraw={}, temperature=0.7, delta=2.0)
+    with pytest.raises(ValueError, match=r"delta = 2\.0.*cast_lm_head_to_fp32 = True"):
+        _trainer(tmp_path, longstraw={}, delta=2.0, cast_lm_head_to_fp32=True)
 
 
 def test_expert_parallel_block_is_refused(tmp_path):
@@ -90,6 +89,8 @@ def test_the_mapping(tmp_path):
                                                                                       norm_length)
         assert (objective.kl_coef, objective.kl_estimator, objective.clip_low) == (0.1, "k3", 0.1)
         assert objective.clip_high == 0.3 and (loss_type != "cispo" or objective.cispo_ratio_max == 0.3)
+        assert objective.temperature == 1.0
+    assert objective_from_trl(trl_runs.grpo_config(str(tmp_path), temperature=0.7)).temperature == 0.7
 
 
 @pytest.mark.parametrize(("name", "value"), [("top_k", 5), ("repetition_penalty", 1.1), ("min_p", 0.1)])

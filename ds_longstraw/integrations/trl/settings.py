@@ -15,6 +15,8 @@ What maps (TRL 1.16's GRPOConfig -> objective.GRPOObjective; the normalisation's
   scale_rewards, multi_objective_aggregation, mask_truncated_completions, num_generations, reward_weights:
                                  TRL computes the advantages and masks; the groups carry them as given.
   num_iterations                 old log-probs: the transaction's own log-probs of the first iteration.
+  temperature                    temperature: every log-prob the transaction takes (policy, reference, old) is of
+                                 logits / temperature, as TRL scores them; generate_from_capture samples at it.
 Everything else of the loss is refused, naming the setting and its value, before the model is touched.
 """
 
@@ -37,8 +39,6 @@ def _refusals(args: Any) -> list[tuple[str, Any, str]]:
 
     if args.loss_type not in LOSS_AGG:
         refuse("loss_type", args.loss_type, f"the transaction runs {sorted(LOSS_AGG)}")
-    if args.temperature != 1.0:
-        refuse("temperature", args.temperature, "the transaction's log-probs are the model's at temperature 1")
     if args.delta is not None:
         refuse("delta", args.delta, "no two-sided clip of the ratio in the objective")
     if args.top_entropy_quantile < 1.0:
@@ -76,7 +76,7 @@ def objective_from_trl(args: Any, use_vllm: bool | None = None) -> GRPOObjective
     fields: dict[str, Any] = dict(clip_low=args.epsilon, clip_high=epsilon_high, kl_coef=args.beta,
                                   kl_estimator="k3", kl_ratio_weighted=bool(args.use_bias_correction_kl),
                                   ratio_level=args.importance_sampling_level, loss_agg=LOSS_AGG[args.loss_type],
-                                  empty_members="count")
+                                  empty_members="count", temperature=args.temperature)
     if args.loss_type == "cispo":
         fields.update(policy_loss="cispo", cispo_ratio_max=epsilon_high)
     if args.loss_type == "dr_grpo":

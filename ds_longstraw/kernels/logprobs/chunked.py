@@ -20,10 +20,16 @@ the [T, C] direction; the backward is then one multiplication by dlogp, with no 
 weight not read again (under ZeRO-3 not needed again). Matmuls per block: 2 instead of 3 (the plain path's 2).
 Where d(weight) or d(bias) is needed the backward must recompute the logits anyway and computes d(hidden) there.
 
+At a sampling temperature tau the softmax is over z / tau (TRL divides the logits by its `temperature` before the
+log-softmax): each chunk's logits are divided by tau in the accumulation dtype, and since d(z / tau) / dz = 1 / tau
+the backward divides each chunk's dz (and a frozen head's direction) by tau. tau = 1 is the untouched path.
+
 Precision matches the plain path of the model: each chunk's matmul runs in the inputs' dtype (so a logit is the
 same number the full matmul gives), the softmax arithmetic in float32 (float64 for float64 inputs), and d(hidden)
 is summed over chunks in that accumulation dtype.
 """
+
+import math
 
 import torch
 
@@ -54,11 +60,15 @@ def _acc(dtype):
 USE_TRITON_STEPS = True
 
 
-def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1):
-    """Logits of ids v0..v1-1, computed like the full matmul, in the inputs' dtype."""
+def _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, temperature=1.0):
+    """Logits of ids v0..v1-1, computed like the full matmul, in the inputs' dtype; at a temperature other than 1
+    divided by it in the accumulation dtype (the division after the matmul, as the plain path: dividing the hidden
+    states first would round them again in a low-precision dtype)."""
     z_Tc = hidden_TC @ weight_VC[v0:v1].T
     if bias_V is not None:
         z_Tc = z_Tc + bias_V[v0:v1]
+    if temperature != 1.0:
+        z_Tc = z_Tc.to(_acc(hidden_TC.dtype)) / temperature
     return z_Tc
 
 
@@ -102,9 +112,10 @@ def _steps(hidden_TC, need_bias=False):
     return forward_step_reference, backward_step_reference
 
 
-def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_direction=False):
+def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_direction=False, temperature=1.0):
     """(log p(targets) [T], lse [T], direction [T, C] or None) in the accumulation dtype, by an online log-sum-exp
-    over vocabulary chunks; with_direction: also d log p / d hidden (module docstring), for a frozen head."""
+    over vocabulary chunks of the logits / temperature; with_direction: also d log p / d hidden (module docstring),
+    for a frozen head."""
     acc = _acc(hidden_TC.dtype)
     tokens, vocab = hidden_TC.shape[0], weight_VC.shape[0]
     max_T = torch.full((tokens,), float("-inf"), dtype=acc, device=hidden_TC.device)
@@ -116,7 +127,7 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_directio
     record("log-probs", "chunked" if forward_step is forward_step_reference else "chunked_triton_steps")
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1)
+        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, temperature)
         p_Tc, rescale_T = forward_step(z_Tc, targets_T, v0, max_T, sum_T, target_T, with_direction)
         if with_direction:
             # Like the plain backward: the softmax weights are cast to the inputs' dtype before the matmul.
@@ -126,10 +137,12 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, with_directio
     direction_TC = None
     if with_direction:
         direction_TC = weight_VC[targets_T].to(acc) - expected_TC / sum_T.unsqueeze(-1)
+        if temperature != 1.0:
+            direction_TC = direction_TC / temperature
     return target_T - lse_T, lse_T, direction_TC
 
 
-def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chunk, need):
+def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chunk, need, temperature=1.0):
     """Gradients of sum(dlogp * log p) w.r.t. (hidden, weight, bias), chunk by chunk; None where not `need`ed."""
     dlogp_T = dlogp_T.to(_acc(hidden_TC.dtype))
     _, backward_step = _steps(hidden_TC, need[2])
@@ -137,12 +150,13 @@ def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, vocab_chu
     def chunk_dz(z_Tc, v0):  # dz = dlogp * (onehot(target) - softmax), on the recomputed logits
         return backward_step(z_Tc, targets_T, v0, lse_T, dlogp_T)
 
-    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz)
+    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz, temperature)
 
 
-def backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz):
+def backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz, temperature=1.0):
     """(d hidden, d weight, d bias) from the logits' gradient chunk by chunk: chunk_dz(z_Tc, v0) turns one chunk's
-    recomputed logits (ids v0 ..) into their gradient, in the accumulation dtype; None where not `need`ed."""
+    recomputed logits (ids v0 .., divided by the temperature) into their gradient, in the accumulation dtype, which
+    is then divided by the temperature (the chain rule through z / temperature); None where not `need`ed."""
     need_hidden, need_weight, need_bias = need
     acc = _acc(hidden_TC.dtype)
     vocab = weight_VC.shape[0]
@@ -151,7 +165,9 @@ def backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_
     dbias_V = _uninitialised(bias_V) if need_bias else None
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        dz_Tc = chunk_dz(_chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1), v0)
+        dz_Tc = chunk_dz(_chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, temperature), v0)
+        if temperature != 1.0:
+            dz_Tc = dz_Tc / temperature
         if need_bias:
             dbias_V[v0:v1] = dz_Tc.sum(dim=0)
         # Like the plain path's backward: the logits' gradient is cast to the inputs' dtype before the matmuls.
@@ -166,14 +182,15 @@ def backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_
 
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, frozen_head):
+    def forward(ctx, hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, frozen_head, temperature):
         logp_T, lse_T, direction_TC = _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk,
-                                               with_direction=frozen_head)
+                                               with_direction=frozen_head, temperature=temperature)
         if frozen_head:  # backward needs the direction only: neither the head nor the hidden states stay alive
             ctx.save_for_backward(direction_TC)
         else:
             ctx.save_for_backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T)
         ctx.vocab_chunk, ctx.frozen_head, ctx.hidden_dtype = vocab_chunk, frozen_head, hidden_TC.dtype
+        ctx.temperature = temperature
         return logp_T
 
     @staticmethod
@@ -181,11 +198,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if ctx.frozen_head:
             (direction_TC,) = ctx.saved_tensors
             dhidden = (dlogp_T.to(direction_TC.dtype).unsqueeze(-1) * direction_TC).to(ctx.hidden_dtype)
-            return dhidden, None, None, None, None, None
+            return dhidden, None, None, None, None, None, None
         hidden_TC, weight_VC, bias_V, targets_T, lse_T = ctx.saved_tensors
         dhidden, dweight, dbias = _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, dlogp_T, ctx.vocab_chunk,
-                                            ctx.needs_input_grad[:3])
-        return dhidden, dweight, dbias, None, None, None
+                                            ctx.needs_input_grad[:3], ctx.temperature)
+        return dhidden, dweight, dbias, None, None, None, None
 
 
 def _frozen_head(hidden_TC, weight_VC, bias_V):
@@ -194,10 +211,11 @@ def _frozen_head(hidden_TC, weight_VC, bias_V):
     return torch.is_grad_enabled() and hidden_TC.requires_grad and not head_trains
 
 
-def check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk):
+def check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk, temperature=1.0):
     """ValueError naming what is wrong with a log-prob kernel's inputs (this one's and triton_fused.py's)."""
     if vocab_chunk is None or vocab_chunk <= 0:
         raise ValueError(f"vocab_chunk must be a positive number of ids, got {vocab_chunk!r}")
+    check_temperature(temperature)
     if hidden_TC.dim() != 2 or weight_VC.dim() != 2 or targets_T.dim() != 1:
         raise ValueError(f"expected hidden [T, C], weight [V, C], targets [T]; got {tuple(hidden_TC.shape)}, "
                          f"{tuple(weight_VC.shape)}, {tuple(targets_T.shape)}")
@@ -208,25 +226,34 @@ def check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk):
         raise ValueError(f"bias: expected [{weight_VC.shape[0]}], got {tuple(bias_V.shape)}")
 
 
-def chunked_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK):
-    """log softmax(hidden @ weight.T + bias)[t, targets[t]] for each token t, as [T] in float32 (float64 for
-    float64 inputs): the same numbers as `logprobs_reference`, computed over `vocab_chunk` ids at a time with an
-    online log-sum-exp in forward and per-chunk recomputation in backward, so no [T, V] tensor is ever made.
+def check_temperature(temperature):
+    """ValueError unless `temperature` (what the logits are divided by) is a finite number > 0."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be a finite number > 0 (the logits are divided by it), got "
+                         f"{temperature!r}")
+
+
+def chunked_logprobs(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK, temperature=1.0):
+    """log softmax((hidden @ weight.T + bias) / temperature)[t, targets[t]] for each token t, as [T] in float32
+    (float64 for float64 inputs): the same numbers as `logprobs_reference`, computed over `vocab_chunk` ids at a
+    time with an online log-sum-exp in forward and per-chunk recomputation in backward, so no [T, V] tensor is ever
+    made. temperature: the sampling temperature the log-probs are scored at (TRL's `temperature`; 1: the model's
+    own distribution); not a top-p or top-k truncation, which no log-prob here applies.
 
     Differentiable w.r.t. hidden, weight and bias. A trainable head's weight is saved for backward as given: a
     ZeRO-3 partitioned weight must be gathered in forward and again in backward, which DeepSpeed's hooks do when
     this runs inside the head module's call (ds_longstraw.arch.base.head_logprobs). A frozen head's backward does
     not read it.
     """
-    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk)
+    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk, temperature)
     targets_T = targets_T.to(device=hidden_TC.device, dtype=torch.long)
     return _ChunkedLogprobs.apply(hidden_TC, weight_VC, bias_V, targets_T, int(vocab_chunk),
-                                  _frozen_head(hidden_TC, weight_VC, bias_V))
+                                  _frozen_head(hidden_TC, weight_VC, bias_V), float(temperature))
 
 
-def logprobs_reference(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=None):
-    """Plain reference with chunked_logprobs' signature: full [T, V] logits, log_softmax in float32 (float64 for
-    float64 inputs), then gather. vocab_chunk is ignored."""
+def logprobs_reference(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=None, temperature=1.0):
+    """Plain reference with chunked_logprobs' signature: full [T, V] logits divided by the temperature, log_softmax
+    in float32 (float64 for float64 inputs), then gather. vocab_chunk is ignored."""
     logits_TV = torch.nn.functional.linear(hidden_TC, weight_VC, bias_V)
-    logp_TV = torch.log_softmax(logits_TV.to(_acc(logits_TV.dtype)), dim=-1)
+    logp_TV = torch.log_softmax(logits_TV.to(_acc(logits_TV.dtype)) / temperature, dim=-1)
     return logp_TV.gather(-1, targets_T.to(logits_TV.device).long().unsqueeze(-1)).squeeze(-1)

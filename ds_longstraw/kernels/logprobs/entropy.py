@@ -15,6 +15,10 @@ so d(hidden), d(weight) and d(bias) accumulate chunk by chunk, as in chunked.py.
 cost is one running sum per token in forward and one product per logit in backward; the logits are computed the
 same number of times (a chunk's logits serve both outputs).
 
+At a temperature tau every z above is the logits divided by tau (chunked.py's _chunk_logits), H is the entropy of
+that tempered softmax, and each chunk's dz is divided by tau once more on its way to the matmuls (chunked.py's
+backward_over_chunks).
+
 Precision as chunked.py: each chunk's matmul in the inputs' dtype, the softmax arithmetic in float32 (float64 for
 float64 inputs).
 """
@@ -25,7 +29,7 @@ from ..dispatch import record
 from .chunked import VOCAB_CHUNK, _acc, _chunk_logits, _in_chunk, backward_over_chunks, check_logprob_inputs
 
 
-def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
+def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, temperature=1.0):
     """(log p(targets), entropy, lse, E) [T] each, in the accumulation dtype."""
     acc = _acc(hidden_TC.dtype)
     tokens, vocab = hidden_TC.shape[0], weight_VC.shape[0]
@@ -35,7 +39,7 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
     target_T = torch.zeros(tokens, dtype=acc, device=hidden_TC.device)
     for v0 in range(0, vocab, vocab_chunk):
         v1 = min(vocab, v0 + vocab_chunk)
-        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1).to(acc)
+        z_Tc = _chunk_logits(hidden_TC, weight_VC, bias_V, v0, v1, temperature).to(acc)
         inside_T, column_T = _in_chunk(targets_T, v0, v1)
         target_T = torch.where(inside_T, z_Tc.gather(-1, column_T.unsqueeze(-1)).squeeze(-1), target_T)
         new_max_T = torch.maximum(max_T, z_Tc.amax(dim=-1))
@@ -50,7 +54,8 @@ def _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
     return target_T - lse_T, lse_T - expected_T, lse_T, expected_T
 
 
-def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T, dlogp_T, dentropy_T, vocab_chunk, need):
+def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T, dlogp_T, dentropy_T, vocab_chunk, need,
+              temperature=1.0):
     """Gradients of sum(dlogp log p + dentropy H) w.r.t. (hidden, weight, bias), chunk by chunk."""
     acc = lse_T.dtype
     dlogp_T, dentropy_T = dlogp_T.to(acc).unsqueeze(-1), dentropy_T.to(acc).unsqueeze(-1)
@@ -65,15 +70,16 @@ def _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T, dlogp_
         inside_T, column_T = _in_chunk(targets_T, v0, v0 + dz_Tc.shape[1])
         return dz_Tc.scatter_add_(-1, column_T.unsqueeze(-1), torch.where(inside_T.unsqueeze(-1), dlogp_T, 0.0))
 
-    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz)
+    return backward_over_chunks(hidden_TC, weight_VC, bias_V, vocab_chunk, need, chunk_dz, temperature)
 
 
 class _ChunkedLogprobsEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk):
-        logp_T, entropy_T, lse_T, expected_T = _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk)
+    def forward(ctx, hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk, temperature):
+        logp_T, entropy_T, lse_T, expected_T = _forward(hidden_TC, weight_VC, bias_V, targets_T, vocab_chunk,
+                                                        temperature)
         ctx.save_for_backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T)
-        ctx.vocab_chunk = vocab_chunk
+        ctx.vocab_chunk, ctx.temperature = vocab_chunk, temperature
         return logp_T, entropy_T
 
     @staticmethod
@@ -82,25 +88,25 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
         dlogp_T = torch.zeros_like(lse_T) if dlogp_T is None else dlogp_T
         dentropy_T = torch.zeros_like(lse_T) if dentropy_T is None else dentropy_T
         grads = _backward(hidden_TC, weight_VC, bias_V, targets_T, lse_T, expected_T, dlogp_T, dentropy_T,
-                          ctx.vocab_chunk, ctx.needs_input_grad[:3])
-        return (*grads, None, None)
+                          ctx.vocab_chunk, ctx.needs_input_grad[:3], ctx.temperature)
+        return (*grads, None, None, None)
 
 
-def chunked_logprobs_entropy(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK):
-    """(log softmax(z)[t, targets[t]], entropy of softmax(z)[t]) for each token t, z = hidden @ weight.T + bias, as
-    two [T] tensors in float32 (float64 for float64 inputs), both differentiable w.r.t. hidden, weight and bias; the
+def chunked_logprobs_entropy(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK, temperature=1.0):
+    """(log softmax(z)[t, targets[t]], entropy of softmax(z)[t]) for each token t, z = (hidden @ weight.T + bias) /
+    temperature (chunked_logprobs' temperature), as two [T] tensors in float32 (float64 for float64 inputs), both differentiable w.r.t. hidden, weight and bias; the
     same numbers as `logprobs_entropy_reference`, computed `vocab_chunk` ids at a time (module docstring). Run it
     inside the head's module call under ZeRO-3, as chunked_logprobs (ds_longstraw.arch.base.head_logprobs)."""
-    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk)
+    check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk, temperature)
     record("log-probs", "chunked_entropy")
     targets_T = targets_T.to(device=hidden_TC.device, dtype=torch.long)
-    return _ChunkedLogprobsEntropy.apply(hidden_TC, weight_VC, bias_V, targets_T, int(vocab_chunk))
+    return _ChunkedLogprobsEntropy.apply(hidden_TC, weight_VC, bias_V, targets_T, int(vocab_chunk), float(temperature))
 
 
-def logprobs_entropy_reference(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=None):
-    """Plain reference with chunked_logprobs_entropy's signature: full [T, V] logits, log_softmax in float32 (float64
-    for float64 inputs), gather, and -sum p log p. vocab_chunk is ignored."""
+def logprobs_entropy_reference(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=None, temperature=1.0):
+    """Plain reference with chunked_logprobs_entropy's signature: full [T, V] logits divided by the temperature,
+    log_softmax in float32 (float64 for float64 inputs), gather, and -sum p log p. vocab_chunk is ignored."""
     logits_TV = torch.nn.functional.linear(hidden_TC, weight_VC, bias_V)
-    logp_TV = torch.log_softmax(logits_TV.to(_acc(logits_TV.dtype)), dim=-1)
+    logp_TV = torch.log_softmax(logits_TV.to(_acc(logits_TV.dtype)) / temperature, dim=-1)
     entropy_T = -(logp_TV.exp() * logp_TV).sum(dim=-1)
     return logp_TV.gather(-1, targets_T.to(logits_TV.device).long().unsqueeze(-1)).squeeze(-1), entropy_T
