@@ -76,6 +76,8 @@ class GRPOObjective:
       it by w_t (TRL's use_bias_correction_kl); added as kl_coef kl_t.
     Entropy bonus (entropy_coef > 0): - entropy_coef H_t, H_t the policy's entropy at the token's position,
       computed over the vocabulary in chunks (no [tokens, vocab] tensor in forward or backward).
+    report_entropy: the transaction also returns every member's H_t (GroupResult.entropies, detached) for a metric
+      (TRL logs the mean entropy); it changes no loss.
     Token loss l_t = pg_t + kl_coef kl_t - entropy_coef H_t; the loss is sum_i sum_t l_t c_i with
       "token-mean"               c_i = 1 / N
       "seq-mean-token-mean"      c_i = 1 / (M n_i)
@@ -111,6 +113,7 @@ class GRPOObjective:
     rollout_correction_min: float | None = None
     rollout_correction_max: float | None = 3.0
     temperature: float = 1.0
+    report_entropy: bool = False
 
     def __post_init__(self) -> None:
         for name, allowed in (("loss_agg", LOSS_AGGS), ("loss_scope", LOSS_SCOPES), ("policy_loss", POLICY_LOSSES),
@@ -159,6 +162,11 @@ class GRPOObjective:
     @property
     def needs_entropy(self) -> bool:
         return self.entropy_coef > 0
+
+    @property
+    def computes_entropy(self) -> bool:
+        """Whether replay computes the policy's entropies: for the loss, or for report_entropy's metric."""
+        return self.needs_entropy or self.report_entropy
 
     def check_group(self, group: GRPOGroup) -> None:
         """Fail before any work when the group lacks what the options read."""

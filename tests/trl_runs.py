@@ -118,11 +118,13 @@ def save_tiny_model(path: str, dtype: torch.dtype = torch.float64, seed: int = 0
 def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int = 4, prompt_len: int = 24,
           vocab_size: int = 48, tool_masks: bool = False, document: int = 0, dtype: torch.dtype = torch.float64,
           longstraw: dict | None = None, lora: bool = False, rollout: object = "seeded",
-          on_trainer: object = None, trainer_kwargs: dict | None = None, **config: object) -> dict:
+          on_trainer: object = None, trainer_kwargs: dict | None = None, logs: list | None = None,
+          **config: object) -> dict:
     """One training run; returns the trained weights (name -> tensor on CPU). lora: a peft LoRA on the attention
     and MLP projections; the weights returned are then the adapters', before ("initial/<name>") and after.
     rollout: "seeded" (rollout_func above), a rollout_func, or None (the trainer's own generation); on_trainer:
-    called with the trainer before it trains; trainer_kwargs: more constructor arguments."""
+    called with the trainer before it trains; trainer_kwargs: more constructor arguments; logs: a list that receives
+    the trainer's log history (one dict per logged step)."""
     args = grpo_config(output_dir, model_init_kwargs={"dtype": dtype}, **config)
     kwargs = {} if longstraw is None else {"longstraw": longstraw}
     kwargs.update(trainer_kwargs or {})
@@ -142,6 +144,8 @@ def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int
     before = _full_weights(trainer) if lora else {}
     with in_float64() if dtype == torch.float64 else contextlib.nullcontext():
         trainer.train()
+    if logs is not None:
+        logs.extend(trainer.state.log_history)
     after = _full_weights(trainer)
     if lora:  # the adapters alone: the base weights are frozen
         return {**{f"initial/{n}": w for n, w in before.items() if "lora_" in n},

@@ -101,6 +101,7 @@ def split(flat: FlatDocument, result: GroupResult, groups: Sequence[GRPOGroup],
     losses = [0.0] * len(groups)
     logprobs = [[None] * g.size for g in groups]
     ref_logprobs = None if result.ref_logprobs is None else [[None] * g.size for g in groups]
+    entropies = None if result.entropies is None else [[None] * g.size for g in groups]
     for i, (k, m, q) in enumerate(flat.origin):
         ref = None if result.ref_logprobs is None else result.ref_logprobs[i]
         with torch.no_grad():
@@ -109,8 +110,11 @@ def split(flat: FlatDocument, result: GroupResult, groups: Sequence[GRPOGroup],
         logprobs[k][m] = result.logprobs[i][q:]
         if ref_logprobs is not None:
             ref_logprobs[k][m] = ref[q:]
+        if entropies is not None:
+            entropies[k][m] = result.entropies[i][q:]
     report = {"tokens": flat.tokens, "groups": len(groups), "questions": "replayed with each member"}
     return [replace(result, loss=losses[k], logprobs=logprobs[k],
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[k],
+                    entropies=None if entropies is None else entropies[k],
                     advantages=torch.stack([advantages[i] for i, (g, _, _) in enumerate(flat.origin) if g == k]),
                     extras={**result.extras, "document": report}) for k in range(len(groups))]

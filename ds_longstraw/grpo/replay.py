@@ -140,7 +140,7 @@ def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Te
 def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObjective | ScaledObjective,
                  advantages: torch.Tensor, ref_logprobs: Sequence[torch.Tensor] | None, *,
                  backward: Callable | None = None, schedule: Schedule | None = None,
-                 members: list | None = None) -> tuple[float, list[torch.Tensor], int]:
+                 members: list | None = None) -> tuple[float, list[torch.Tensor], int, list | None]:
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
@@ -148,10 +148,13 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
     (dummy tokens and members; results unchanged); members: the members to replay (default all; a spread CP
     replay: this rank's share), whose positions in the list are the schedule's member slots.
     Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64, how many of
-    them ran in steps: member_steps.py).
+    them ran in steps: member_steps.py, and with objective.report_entropy their entropies likewise, None for a
+    member that ran in steps, else None).
     """
     schedule = schedule or Schedule()
     logprobs, loss, stepped = [], 0.0, 0
+    with_entropy = objective.computes_entropy
+    entropies = [] if objective.report_entropy else None
     for slot, member in enumerate(range(group.size) if members is None else members):
         inputs, targets = member_inputs(group, member)
         ref = None if ref_logprobs is None else ref_logprobs[member]
@@ -165,21 +168,25 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
                                           backward)
             loss += share
             logprobs.append(logp[:real].double().cpu())
+            if entropies is not None:
+                entropies.append(None)  # member_steps returns no entropies
             stepped += 1
             continue
         with torch.enable_grad():
-            replayed = replay_member(source, inputs, targets, with_entropy=objective.needs_entropy)
-            logp, entropy = replayed if objective.needs_entropy else (replayed, None)
+            replayed = replay_member(source, inputs, targets, with_entropy=with_entropy)
+            logp, entropy = replayed if with_entropy else (replayed, None)
             logp, entropy = logp[:real], None if entropy is None else entropy[:real]
             share = _member_share(objective, group, member, advantages, ref, logp, entropy)
             if share.requires_grad:
                 share.backward() if backward is None else backward(share)
         loss += float(share.detach())
         logprobs.append(logp.detach().double().cpu())
+        if entropies is not None:
+            entropies.append(entropy.detach().double().cpu())
         del logp, entropy, share
         return_freed_host_memory(source.adapter.device)
     schedule.replay_dummy_members(source, backward, in_steps=partial(_dummy_in_steps, source, backward))
-    return loss, logprobs, stepped
+    return loss, logprobs, stepped, entropies
 
 
 def _real_share(objective: ScopedObjective | ScaledObjective, group: GRPOGroup, member: int, advantages: torch.Tensor,

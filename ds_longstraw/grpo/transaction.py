@@ -62,6 +62,9 @@ class GroupResult:
     retained_bytes: dict  # by layer type
     grad_page_bytes: int = 0
     extras: dict = field(default_factory=dict)
+    # objective.report_entropy: per member, the policy's entropy at each response token, detached, float64 on CPU
+    # (None for a member that ran in steps); else None
+    entropies: list | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -268,10 +271,14 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             view = topology.replay_view(adapter, state, longstraw.prefix_grad)
             source = MemberReplay(adapter, view.leaves, group.prompt_ids.numel() - 1, longstraw.replay_block,
                                   view.remote_attention, span_capture=longstraw.member_span_capture)
-            loss, logprobs, stepped = replay_group(source, group, objective, advantages, ref_logprobs,
-                                                   backward=backward, schedule=schedule, members=members)
+            loss, logprobs, stepped, entropies = replay_group(source, group, objective, advantages, ref_logprobs,
+                                                              backward=backward, schedule=schedule, members=members)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
+            if entropies is not None:  # a member that ran in steps has none: NaN, so that a CP gather takes tensors
+                entropies = topology.collect_members([torch.full_like(lp, float("nan")) if e is None else e
+                                                      for lp, e in zip(logprobs, entropies, strict=True)],
+                                                     members, group.size)
             logprobs = topology.collect_members(logprobs, members, group.size)
         topology.after_replay(model)
 
@@ -302,4 +309,5 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
     if ep is not None:
         extras["ep"] = ep.report()
     return GroupResult(loss=loss, logprobs=logprobs, ref_logprobs=ref_logprobs, advantages=advantages,
-                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras)
+                       phases=meter.phases, retained_bytes=retained, grad_page_bytes=grad_page_bytes, extras=extras,
+                       entropies=entropies)

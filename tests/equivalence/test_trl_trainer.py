@@ -122,6 +122,52 @@ def test_prompts_sharing_a_document(checkpoint, tmp_path, monkeypatch, mode):
     assert documents and all(groups >= 2 and tokens >= 16 for groups, tokens in documents)
 
 
+# TRL's per-micro-batch metrics, averaged over each logged step's micro-batches by TRL's log()
+METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
+           "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio")
+METRIC_CASES = {
+    # epsilon 0.01: the second iteration's ratios (one SGD step away) leave [0.99, 1.01] on some tokens
+    "dapo-temperature-beta-two-iterations": dict(loss_type="dapo", temperature=0.7, beta=0.3, num_iterations=2,
+                                                 max_steps=2, epsilon=0.01),
+    "gspo-bias-corrected-kl-tools": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.3,
+                                         use_bias_correction_kl=True, tool_masks=True, num_iterations=2, max_steps=2,
+                                         epsilon=0.002),
+    "cispo-two-iterations": dict(loss_type="cispo", epsilon_high=1.0, num_iterations=2, max_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", list(METRIC_CASES))
+def test_logged_metrics_equal_trls(checkpoint, tmp_path, name):
+    """The metrics TRL's own trainer logs at each step (kl, entropy, the clip ratios) are logged alike, by TRL's
+    definitions, from the transactions' log-probs and entropies (float64: the same terms summed in another order,
+    1e-10 relative; a clip share is a count over a count, which TRL takes in float32). The clips bite in the second
+    iteration (checked), so a wrong weight or bound shows; the transaction's own metrics are logged beside them."""
+    path, _ = checkpoint
+    case = METRIC_CASES[name]
+    theirs, ours = [], []
+    torch.manual_seed(0)
+    trl_runs.train(GRPOTrainer, path, str(tmp_path / "trl"), logs=theirs, **case)
+    trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=EXACT, logs=ours, **case)
+    theirs, ours = [e for e in theirs if "entropy" in e], [e for e in ours if "entropy" in e]
+    assert len(theirs) == len(ours) == case["max_steps"]
+    compared = set()
+    for step, (want, got) in enumerate(zip(theirs, ours, strict=True)):
+        for key in METRICS:
+            if key not in want:
+                assert key not in got, (step, key)
+                continue
+            compared.add(key)
+            # TRL takes the clip shares of .float() indicators: float32 sums and quotient of small counts, within
+            # 2 float32 roundings (6e-8 each) of the exact share computed here
+            rel = 2e-7 if "clip" in key else 1e-10
+            assert got[key] == pytest.approx(want[key], rel=rel, abs=1e-12), (step, key, got[key], want[key])
+        assert got["longstraw/capture_seconds"] > 0 and got["longstraw/pages_bytes"] > 0
+        assert got["longstraw/capture_reused"] == 0.0
+    assert "entropy" in compared and ("kl" in compared) == ("beta" in case)
+    clip_keys = [k for k in compared if "clip" in k and not k.endswith("_min")]
+    assert any(theirs[-1][k] > 0 for k in clip_keys), {k: theirs[-1][k] for k in clip_keys}
+
+
 def test_detached_mode_differs(checkpoint, tmp_path):
     """The check can fail: detached mode's gradient (prompt state constant) is not TRL's full-sequence one."""
     assert _both(checkpoint, tmp_path, longstraw={"prefix_grad": "detached"}, loss_type="dapo") > 1e-4
@@ -153,9 +199,12 @@ def test_generate_from_capture(checkpoint, tmp_path, temperature):
     # one prompt per generation batch (2 x 2 rows = its 4 generations), so its capture is kept
     case = dict(loss_type="dapo", max_steps=2, per_device_train_batch_size=2, max_completion_length=5,
                 temperature=temperature)
+    logs = []
     ours = trl_runs.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"), longstraw=EXACT, rollout=None,
-                          on_trainer=record, trainer_kwargs={"generate_from_capture": True}, **case)
+                          on_trainer=record, trainer_kwargs={"generate_from_capture": True}, logs=logs, **case)
     assert len(calls) == 2 and reused == [True, True]
-    assert {len(c) for _, completions in calls for c in completions} != {5}  # some samples ended with eos
+    assert [e["longstraw/capture_reused"] for e in logs if "longstraw/capture_reused" in e] == [1.0, 1.0]
+    if temperature == 1.0:  # some samples ended with eos (at 0.7, the sharper softmax, none happens to)
+        assert {len(c) for _, completions in calls for c in completions} != {case["max_completion_length"]}
     theirs = trl_runs.train(GRPOTrainer, path, str(tmp_path / "trl"), rollout=trl_runs.replayed(calls), **case)
     assert trl_runs.update_difference(initial, ours, theirs) < TOLERANCE

@@ -76,7 +76,8 @@ def objective_from_trl(args: Any, use_vllm: bool | None = None) -> GRPOObjective
     fields: dict[str, Any] = dict(clip_low=args.epsilon, clip_high=epsilon_high, kl_coef=args.beta,
                                   kl_estimator="k3", kl_ratio_weighted=bool(args.use_bias_correction_kl),
                                   ratio_level=args.importance_sampling_level, loss_agg=LOSS_AGG[args.loss_type],
-                                  empty_members="count", temperature=args.temperature)
+                                  empty_members="count", temperature=args.temperature,
+                                  report_entropy=True)  # TRL logs the mean entropy (metrics.py)
     if args.loss_type == "cispo":
         fields.update(policy_loss="cispo", cispo_ratio_max=epsilon_high)
     if args.loss_type == "dr_grpo":

@@ -36,6 +36,7 @@ from trl import GRPOTrainer
 
 from ds_longstraw.config import LongstrawConfig, parse_config
 from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
+from ds_longstraw.integrations.trl.metrics import transaction_metrics, trl_metrics
 from ds_longstraw.integrations.trl.replicas import replica_sampler
 from ds_longstraw.integrations.trl.sampling import CaptureSampler
 from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
@@ -295,18 +296,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self._sampler.release()  # a capture no group took (a later iteration's weights differ)
 
     def _log_transactions(self, groups: list[PromptGroup], results: list) -> None:
-        """TRL's "kl" metric (mean k3 over trained tokens, every process) from the transactions' log-probs, and with
-        generate_from_capture the share of groups that trained on their kept capture."""
-        if self._sampler is not None:
-            reused = sum(bool(result.extras.get("capture_reused")) for result in results)
-            self._metrics["train"]["longstraw/capture_reused"].append(reused / max(len(results), 1))
-        if self.beta == 0.0:
-            return
-        total = torch.zeros(2, dtype=torch.float64, device=self.accelerator.device)
-        for entry, result in zip(groups, results, strict=True):
-            for member, (logp, ref) in enumerate(zip(result.logprobs, result.ref_logprobs, strict=True)):
-                mask = entry.group.mask(member)
-                delta = (ref - logp)[mask]
-                total += torch.stack([(torch.exp(delta) - delta - 1).sum(), delta.new_tensor(delta.numel())]).to(total)
-        total = self.accelerator.reduce(total, reduction="sum")
-        self._metrics["train"]["kl"].append(float(total[0] / total[1].clamp(min=1.0)))
+        """TRL's metrics (kl, entropy, clip ratios: one value per micro-batch, by TRL's definitions) and the
+        transaction's own (capture seconds, pages' bytes, captures reused) from the step's results (metrics.py)."""
+        device = self.accelerator.device
+        per_micro_batch = trl_metrics(self._buffered_inputs, groups, results, self.longstraw_objective,
+                                      reduce=lambda x: self.accelerator.reduce(x, reduction="sum"),
+                                      gather=self.accelerator.gather, device=device)
+        for name, values in per_micro_batch.items():
+            self._metrics["train"][name].extend(values)
+        for name, value in transaction_metrics(results, gather=self.accelerator.gather, device=device).items():
+            self._metrics["train"][name].append(value)
