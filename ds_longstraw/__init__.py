@@ -16,7 +16,8 @@ from ds_longstraw.group import GRPOGroup  # noqa: E402
 from ds_longstraw.grpo.shared import grpo_backward_shared  # noqa: E402
 from ds_longstraw.grpo.transaction import GroupResult, grpo_backward  # noqa: E402
 from ds_longstraw.objective import GRPOObjective  # noqa: E402
+from ds_longstraw.rollout.environment import Environment  # noqa: E402
 from ds_longstraw.rollout.generate import Rollouts, generate  # noqa: E402
 
-__all__ = ["GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "Rollouts", "StepResult", "generate",
-           "grpo_backward", "grpo_backward_shared", "initialize", "parse_config", "shard_experts"]
+__all__ = ["Environment", "GRPOGroup", "GRPOObjective", "GroupResult", "LongstrawConfig", "Rollouts", "StepResult",
+           "generate", "grpo_backward", "grpo_backward_shared", "initialize", "parse_config", "shard_experts"]

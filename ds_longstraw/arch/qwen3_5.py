@@ -22,7 +22,7 @@ from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, me
 from ds_longstraw.kernels.dispatch import record
 
 from .base import CausalLMAdapter, SegmentOutput
-from .decode import decode_attention
+from .decode import decode_attention, own_valid
 from .family import Family
 from .qwen3_5_graph import replay_graph
 from .qwen3_5_scan import forward_replaced
@@ -328,17 +328,22 @@ class Qwen35Adapter(CausalLMAdapter):
         return out
 
     # -- a decode step of G samples at once (ds_longstraw.rollout.generate) --------------------------------------------
-    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None):
-        """One token of each of G sequences at the same `position` that share the prompt's state (arch/decode.py).
+    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None, own_lengths=None):
+        """One token of each of G sequences that share the prompt's state (arch/decode.py), at `position` (an int
+        for all, or [G] positions: samples whose responses hold observations of different lengths).
 
         carry: layer -> (recurrent state [G, ...], conv tail [G, ...]), each sample's own; past: layer -> the prompt's
         (K, V) segments, shared (a StagedPast, or empty under context parallelism, where remote_attention reaches
-        them as in forward_segment); own: layer -> (K, V) [S, G, K, D], each sample's earlier response rows.
-        Returns hidden [G, 1, C] (before the final norm), carry [G, ...] per layer, and rows: layer -> this step's
-        (K, V) [G, K, D]."""
+        them as in forward_segment); own: layer -> (K, V) [S, G, K, D], each sample's earlier response rows (sample g
+        has the first own_lengths[g] of them; None: all S). Returns hidden [G, 1, C] (before the final norm), carry
+        [G, ...] per layer, and rows: layer -> this step's (K, V) [G, K, D]."""
         hidden = self.body.embed_tokens(ids_G.to(self.device).view(-1, 1))
-        cos, sin = self.rotary(hidden, position)
+        if isinstance(position, torch.Tensor):
+            cos, sin = self.body.rotary_emb(hidden, position.to(self.device).view(-1, 1))
+        else:
+            cos, sin = self.rotary(hidden, position)
         out = SegmentOutput(hidden=None)
+        valid_SG = None
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
             h = self.mixer_input(index, hidden)
             if self.layer_types[index] == LINEAR_ATTENTION:
@@ -349,9 +354,11 @@ class Qwen35Adapter(CausalLMAdapter):
                 query, gate, key, value = self.attention_qkv(module, h, cos, sin)  # [G, H or K, 1, D]
                 key, value = key[:, :, 0], value[:, :, 0]
                 own_k, own_v = own.get(index, (key[None][:0], value[None][:0]))
+                if valid_SG is None and own_lengths is not None:
+                    valid_SG = own_valid(own_lengths.to(self.device), own_k.shape[0])
                 remote = None if remote_attention is None else partial(remote_attention, index)
                 out_GHD = decode_attention(query[:, :, 0], past.get(index, []), torch.cat([own_k, key[None]]),
-                                           torch.cat([own_v, value[None]]), module.scaling, remote)
+                                           torch.cat([own_v, value[None]]), module.scaling, remote, valid_SG)
                 mixed = module.o_proj(out_GHD.reshape(out_GHD.shape[0], 1, -1) * torch.sigmoid(gate))
                 out.rows[index] = (key, value)
             hidden = self.mlp_residual(index, hidden + mixed)

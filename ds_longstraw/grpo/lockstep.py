@@ -282,9 +282,11 @@ class Schedule:
         """How many samples a one-at-a-time decode walks: this rank's own."""
         return num_samples
 
-    def keeps_decoding(self, running: bool, device: torch.device) -> bool:
-        """After a decode step: whether to take another, given whether this rank still has a sample running."""
-        return running
+    def next_step(self, running: bool, captures: int, device: torch.device) -> tuple[bool, int]:
+        """After a decode step: (whether to take another, how many observation forwards to make before it), given
+        whether this rank still has a sample running and how many observations it captures now
+        (rollout/environment.py)."""
+        return running, captures
 
 
 class Lockstep(Schedule):

@@ -15,9 +15,12 @@ decode: how many prompts each brings, each prompt's length (its capture chunks),
                    stepping the ghost (one dummy token decoded from the prompt's state, through the same forward and
                    head) until none runs or max_new_tokens is reached. One-at-a-time decoding (generate's plain
                    reference) walks the most samples any rank has, the extra ones ghosts.
+    observations   with an environment (rollout/environment.py) a step's samples that drew a stop id have their
+                   observations captured, one segment forward each; the same all-reduce carries each rank's count,
+                   and a rank short of the most pads with one-token ghost segment forwards (no head).
 
 What a rank samples is what it would sample alone: padding feeds no real sample's inputs, and every sample draws
-from its own generator. Cost: one one-element all-reduce per decode step, and ghost forwards on ranks whose samples
+from its own generator. Cost: one two-element all-reduce per decode step, and ghost forwards on ranks whose samples
 stopped early (they would wait for the slowest rank anyway). Not needed without ZeRO-3 and sharded experts, nor
 with one rank.
 """
@@ -50,10 +53,10 @@ class DecodeLockstep(Lockstep):
     def sample_slots(self, num_samples) -> int:
         return self.common_samples
 
-    def keeps_decoding(self, running, device) -> bool:
-        flag = torch.tensor([1 if running else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.process_group)
-        return bool(flag.item())
+    def next_step(self, running, captures, device) -> tuple[bool, int]:
+        flags = torch.tensor([1 if running else 0, captures], dtype=torch.int64, device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.process_group)
+        return bool(flags[0].item()), int(flags[1].item())
 
 
 def decode_locksteps(prompts, num_samples, longstraw, cp, process_group) -> list:

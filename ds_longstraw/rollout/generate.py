@@ -59,6 +59,7 @@ from ds_longstraw.grpo.topology import build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.parallel.experts import check_expert_parallel
 from ds_longstraw.rollout.decode_lockstep import decode_locksteps
+from ds_longstraw.rollout.environment import Environment, TurnRules, check_environment, observer
 from ds_longstraw.seeds import splitmix64
 
 if TYPE_CHECKING:
@@ -75,10 +76,13 @@ if TYPE_CHECKING:
 @dataclass
 class Rollouts:
     """G samples of one prompt. response_ids: G 1-D LongTensors (each ends with an eos id where one was sampled);
-    logprobs: G float64 tensors, each sampled token's log-prob under the model at temperature 1 (no top-p
-    truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs; finished: whether each
-    sample ended with eos (else it stopped at max_new_tokens); seed: the seed that reproduces the samples (drawn
-    at random when none was given); phases: name -> memory.PhaseStats of "capture" and "decode"."""
+    logprobs: G float64 tensors, each sampled token's log-prob under the model at the sampling temperature (greedy:
+    1; no top-p truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs (0.0 at an
+    observation's tokens); finished: whether each sample ended with eos, or its environment ended it (else it stopped
+    at max_new_tokens or max_turns); seed: the seed that reproduces the samples (drawn at random when none was
+    given); phases: name -> memory.PhaseStats of "capture" and "decode". With an environment
+    (rollout/environment.py): response_masks, G boolean tensors (True: an action token the policy sampled, False: an
+    observation's), and turns, the observations each sample got; without one response_masks is None and turns all 0."""
 
     prompt_ids: torch.Tensor
     response_ids: list
@@ -87,6 +91,8 @@ class Rollouts:
     seed: int
     phases: dict = field(default_factory=dict)
     capture: KeptCapture | None = None  # keep_capture=True: the captured prompt state, until taken or released
+    response_masks: list | None = None
+    turns: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -94,7 +100,9 @@ class Rollouts:
 
     def group(self, rewards: torch.Tensor | Sequence[float]) -> GRPOGroup:
         """The GRPO group of these samples with `rewards` [G], the sampled log-probs as its old log-probs."""
-        return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs))
+        masks = None if self.response_masks is None else list(self.response_masks)
+        return GRPOGroup(self.prompt_ids, list(self.response_ids), rewards=rewards, old_logprobs=list(self.logprobs),
+                         response_masks=masks)
 
     def release(self) -> None:
         """Drop the kept capture (its pages and page files), if any is still held; safe to call twice."""
@@ -204,7 +212,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
              eos_token_id: int | Iterable[int] | None = None, seed: int | None = None,
              longstraw: LongstrawConfig | dict[str, Any] | None = None,
              cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
-             keep_capture: bool = False, batched: bool = True, lockstep: Schedule | None = None) -> Rollouts:
+             keep_capture: bool = False, batched: bool = True, lockstep: Schedule | None = None,
+             environment: Environment | None = None, max_turns: int | None = None) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (longstraw: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -226,6 +235,10 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     with Rollouts.release() or a `with` block when not training on it.
     batched: decode the samples' steps as one batch (the adapter's decode_step: qwen3_5 and glm_moe_dsa); False
     decodes them one after another (the plain reference; the same tokens and log-probs up to rounding).
+    environment: None (one turn), or what answers a sample's tool calls with observations (rollout/environment.py:
+    `stop_ids` and `observe(sample, response_ids)`); the samples' responses then hold their actions and
+    observations, max_new_tokens caps both together, max_turns the observations per sample, and
+    Rollouts.response_masks marks the actions.
     """
     prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
     longstraw = parse_config(longstraw)
@@ -235,6 +248,7 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     bad = [token for token in eos if token >= adapter.vocab_size]
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
+    stops = check_environment(environment, max_turns, eos, adapter.vocab_size)
     if lockstep is not None and dp_group is not None:
         raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
     longstraw, topology = _decode_setup(model, adapter, longstraw, cp_group, keep_capture, prompt_ids.numel())
@@ -244,8 +258,10 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
         raise ValueError("generate: this lockstep is an idle slot's (decode_idle_slot runs it)")
     choose = _first_rank_token(topology, adapter.device)
     seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
-    return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples, max_new_tokens,
-                     temperature, top_p, eos, seed, choose, keep_capture, batched, lockstep)
+    ask = None if environment is None else observer(environment, topology, adapter.vocab_size)
+    rules = TurnRules(max_new_tokens, eos, stops, max_turns, ask)
+    return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples, Sampling(temperature, top_p, seed,
+                     choose), rules, keep_capture, batched, lockstep)
 
 
 def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens: int, *,
@@ -260,8 +276,8 @@ def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens:
     adapter = adapter_for(model)
     longstraw, topology = _decode_setup(model, adapter, parse_config(longstraw), cp_group, keep_capture,
                                                IDLE_PROMPT.numel())
-    _generate(model, adapter, topology, longstraw, IDLE_PROMPT, 0, max_new_tokens, 0.0, 1.0, (), 0,
-              lambda tokens: list(tokens), False, batched, lockstep)
+    _generate(model, adapter, topology, longstraw, IDLE_PROMPT, 0, Sampling(0.0, 1.0, 0, list),
+              TurnRules(max_new_tokens, ()), False, batched, lockstep)
 
 
 def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, longstraw: LongstrawConfig,
@@ -306,14 +322,11 @@ def decode_lockstep_for(model: torch.nn.Module, prompts: Sequence[torch.Tensor],
 
 
 def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topology,
-              longstraw: LongstrawConfig, prompt_ids: torch.Tensor, num_samples: int, max_new_tokens: int,
-              temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
-              choose: Callable[[list[int]], list[int]], keep_capture: bool, batched: bool,
-              schedule: Schedule) -> Rollouts:
+              longstraw: LongstrawConfig, prompt_ids: torch.Tensor, num_samples: int, sampling: Sampling,
+              rules: TurnRules, keep_capture: bool, batched: bool, schedule: Schedule) -> Rollouts:
     """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
     meter = PhaseMeter(adapter.device)
-    responses, logprobs, finished = [], [], []
-    kept = None
+    kept, samples = None, []
     with torch.no_grad(), kernel_mode(longstraw.kernels):
         with meter.phase("capture"), topology.phase("capture"):
             state = topology.capture(adapter, prompt_ids, longstraw, longstraw.prefix_grad, schedule)
@@ -322,12 +335,8 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
                 view = topology.replay_view(adapter, state, "detached")
                 try:
                     decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
-                    samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, max_new_tokens,
-                                     temperature, top_p, eos, seed, choose, schedule)
-                    for ids, logps, ended in samples:
-                        responses.append(ids)
-                        logprobs.append(logps)
-                        finished.append(ended)
+                    samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, sampling, rules,
+                                     schedule)
                 finally:
                     view.leaves.release()
             if keep_capture:
@@ -335,8 +344,11 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success
-    return Rollouts(prompt_ids=prompt_ids, response_ids=responses, logprobs=logprobs, finished=finished, seed=seed,
-                    phases=meter.phases, capture=kept)
+    ids, logprobs, finished, masks, turns = (list(column) for column in zip(*samples, strict=True)) if samples \
+        else ([],) * 5
+    return Rollouts(prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs, finished=finished,
+                    seed=sampling.seed, phases=meter.phases, capture=kept,
+                    response_masks=None if rules.ask is None else masks, turns=turns)
 
 
 def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int, max_new_tokens: int,
@@ -362,28 +374,40 @@ def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int,
     return prompt_ids, eos
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a generate call draws its tokens: temperature (0: greedy), top_p, the samples' seed, and choose (the
+    tokens every rank takes: _first_rank_token)."""
+
+    temperature: float
+    top_p: float
+    seed: int
+    choose: Callable[[list[int]], list[int]]
+
+
 class _ResponseRows:
     """One sample's own rows of every paged layer, token-major, in buffers that double when full: appending a token
-    costs O(1) amortised, and attention sees the response as one segment after the prompt's pages (a list of
-    one-token segments would make every attention call merge one partial per generated token)."""
+    costs O(1) amortised (an observation's rows are appended at once), and attention sees the response as one segment
+    after the prompt's pages (a list of one-token segments would make every attention call merge one partial per
+    generated token)."""
 
     def __init__(self) -> None:
         self.buffers, self.length = {}, 0
 
-    def append(self, rows: dict[int, tuple[torch.Tensor, ...]]) -> None:
-        """rows: layer -> tuple of one token's rows [1, ...] per stream."""
+    def append(self, rows: dict[int, tuple[torch.Tensor, ...]], tokens: int = 1) -> None:
+        """rows: layer -> tuple of the rows [tokens, ...] per stream (a decoded token, or an observation's)."""
         for layer, parts in rows.items():
             buffers = self.buffers.get(layer)
-            if buffers is None or buffers[0].shape[0] == self.length:
-                capacity = max(16, 2 * self.length)
+            if buffers is None or buffers[0].shape[0] < self.length + tokens:
+                capacity = max(16, 2 * self.length, self.length + tokens)
                 grown = tuple(_new_buffer(part, capacity) for part in parts)
                 if buffers is not None:
                     for new, old in zip(grown, buffers, strict=True):
                         new[: self.length] = old[: self.length]
                 self.buffers[layer] = buffers = grown
             for buffer, part in zip(buffers, parts, strict=True):
-                buffer[self.length: self.length + part.shape[0]] = part
-        self.length += 1
+                buffer[self.length: self.length + tokens] = part
+        self.length += tokens
 
     def past(self, leaves: PrefixLeaves) -> StagedPast | ResponsePast:
         """The past a decode step attends: the prompt's pages (or none: context parallelism reaches them remotely),
@@ -400,113 +424,153 @@ def _new_buffer(part: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
-                 max_new_tokens: int, temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
-                 choose: Callable[[list[int]], list[int]],
-                 schedule: Schedule) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
-    """The samples one after another (the plain reference of _decode_batch): [(ids, log-probs, ended)] per sample.
+                 sampling: Sampling, rules: TurnRules, schedule: Schedule) -> list[tuple]:
+    """The samples one after another (the plain reference of _decode_batch): [Response.result()] per sample.
     Under a lockstep the sample slots other ranks have and this one lacks are decoded as ghosts."""
     samples = []
     for sample in range(schedule.sample_slots(num_samples)):
         if sample < num_samples:
-            samples.append(_decode(adapter, view, start, first, max_new_tokens, temperature, top_p, eos,
-                                   _generator(seed, sample), choose, schedule))
+            samples.append(_decode(adapter, view, start, first, sample, sampling, rules, schedule))
         else:
-            _ghost_steps(adapter, view, start, max_new_tokens, False, schedule)
+            _ghost_steps(adapter, view, start, rules.max_new_tokens, False, schedule)
         return_freed_host_memory(adapter.device)
     return samples
 
 
 def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
-                  max_new_tokens: int, temperature: float, top_p: float, eos: tuple[int, ...], seed: int,
-                  choose: Callable[[list[int]], list[int]],
-                  schedule: Schedule) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+                  sampling: Sampling, rules: TurnRules, schedule: Schedule) -> list[tuple]:
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
-    all the samples still running; a sample that draws eos leaves the batch (its carry and rows are dropped).
-    Each sample draws from its own generator in the same order as _decode, so the tokens are the sequential
-    path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
-    Returns [(ids, log-probs, ended)] per sample."""
-    generators = [_generator(seed, sample) for sample in range(num_samples)]
+    all the samples still running; a sample that ends leaves the batch (its carry and rows are dropped). A sample
+    the environment answers has its observation captured onto its own rows (one segment forward, no head) and
+    decodes on from its own position: the samples' own rows share one position-major buffer, sample r's first
+    lengths[r] of them its own. Each sample draws from its own generator in the same order as _decode, so the
+    tokens are the sequential path's. Under a lockstep, steps this rank takes with no sample running are ghost
+    steps. Returns [Response.result()] per sample."""
+    max_new = rules.max_new_tokens
+    generators = [_generator(sampling.seed, sample) for sample in range(num_samples)]
+    responses = [rules.response() for _ in range(num_samples)]
     active = list(range(num_samples))  # the samples in the batch, in batch order
-    ids, logps, ended = [[] for _ in active], [[] for _ in active], [False] * num_samples
+    lengths = torch.zeros(num_samples, dtype=torch.long)  # own rows of each sample in the batch (fed tokens)
     # every sample starts from the prompt's carry: its own copy, [G, ...]
     carry = {layer: tuple(t.expand(num_samples, *t.shape[1:]).clone() for t in parts)
              for layer, parts in view.leaves.carry.items()}
     rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
     tokens = first.view(1).expand(num_samples)
-    for step in range(max_new_tokens):
+    for step in range(max_new):
         if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
-            _ghost_steps(adapter, view, start, max_new_tokens - step, True, schedule)
+            _ghost_steps(adapter, view, start, max_new - step, True, schedule)
             break
-        past = view.leaves.past.fresh()
-        own = {layer: tuple(buffer[:step] for buffer in buffers) for layer, buffers in rows.items()}
-        out = adapter.decode_step(tokens, start + step, carry, past, own, view.remote_attention)
+        longest = int(lengths.max())
+        aligned = bool((lengths == longest).all())  # no observation yet: one position for all, nothing masked
+        own = {layer: tuple(buffer[:longest] for buffer in buffers) for layer, buffers in rows.items()}
+        out = adapter.decode_step(tokens, start + longest if aligned else start + lengths, carry,
+                                  view.leaves.past.fresh(), own, view.remote_attention, None if aligned else lengths)
         carry = dict(out.carry)
+        at = longest if aligned else (lengths.to(adapter.device), torch.arange(len(active), device=adapter.device))
         for layer, parts in out.rows.items():
             if layer not in rows:
-                rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new_tokens) for part in parts)
+                rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new) for part in parts)
             for buffer, part in zip(rows[layer], parts, strict=True):
-                buffer[step] = part
+                buffer[at] = part
+        lengths += 1
         logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
-        del out, past, own
+        del out, own
         return_freed_host_memory(adapter.device)  # a step's scattered small temporaries (G times one sample's)
-        drawn = []
-        for row, sample in enumerate(active):
-            uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generators[sample],
-                                                                    dtype=torch.float64))
-            drawn.append(_sample(logits_GV[row], temperature, top_p, uniform))
-        chosen_G, keep = [], []
+        drawn = [_draw(logits_GV[row], sampling, generators[sample]) for row, sample in enumerate(active)]
+        keep, next_tokens, captures = [], [], []
         # the step's tokens in one exchange
-        for row, (sample, chosen) in enumerate(zip(active, choose(drawn), strict=True)):
-            logps[sample].append(torch.log_softmax(logits_GV[row] / (temperature or 1.0), dim=-1)[chosen])
-            ids[sample].append(chosen)
-            if chosen in eos:
-                ended[sample] = True
-            else:
+        for row, (sample, chosen) in enumerate(zip(active, sampling.choose(drawn), strict=True)):
+            logp = torch.log_softmax(logits_GV[row] / (sampling.temperature or 1.0), dim=-1)[chosen]
+            segment, token = rules.step(sample, responses[sample], chosen, logp)
+            if segment:
+                captures.append((row, segment))
+            if not responses[sample].ended:
                 keep.append(row)
-                chosen_G.append(chosen)
+                next_tokens.append(token)
+        running, common = schedule.next_step(bool(keep), len(captures), adapter.device)
+        for row, segment in captures:
+            _capture_into_batch(adapter, view, start, row, segment, carry, rows, lengths)
+        _ghost_captures(adapter, view, start, common - len(captures))
         if len(keep) < len(active):  # finished samples leave the batch
             index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
             carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}
             rows = {layer: tuple(b.index_select(1, index) for b in buffers) for layer, buffers in rows.items()}
+            lengths = lengths[index.cpu()]
             active = [active[row] for row in keep]
-        if not schedule.keeps_decoding(bool(active), adapter.device):
+        if not running:
             break
-        tokens = torch.tensor(chosen_G)
-    return [(torch.tensor(ids[g], dtype=torch.long), torch.stack(logps[g]), ended[g]) for g in range(num_samples)]
+        tokens = torch.tensor(next_tokens)
+    return [response.result() for response in responses]
 
 
-def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, max_new_tokens: int,
-            temperature: float, top_p: float, eos: tuple[int, ...], generator: torch.Generator,
-            choose: Callable[[list[int]], list[int]], schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """One sample: (response ids, their log-probs at temperature 1 in float64, whether it ended with eos). Under a
-    lockstep the steps after its eos that other ranks still take are ghost steps."""
-    carry, rows = dict(view.leaves.carry), _ResponseRows()
-    token, ids, logps = first.view(1), [], []
-    for step in range(max_new_tokens):
-        if ids and ids[-1] in eos:  # it stopped while another rank decodes
-            _ghost_steps(adapter, view, start, max_new_tokens - step, False, schedule)
+def _capture_into_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, row: int, segment: list[int],
+                        carry: dict, rows: dict, lengths: torch.Tensor) -> None:
+    """Batch row `row`'s observation tokens `segment` through the model in one forward without autograd, from its
+    carry and own rows; its new rows join its own, its carry and length move past them (in place)."""
+    length = int(lengths[row])
+    past = view.leaves.past.fresh()
+    for layer, buffers in rows.items():
+        past.append(layer, tuple(buffer[:length, row] for buffer in buffers))
+    mine = {layer: tuple(t[row: row + 1] for t in parts) for layer, parts in carry.items()}
+    out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + length, mine, past,
+                                  view.remote_attention)
+    for layer, parts in out.rows.items():
+        for buffer, part in zip(rows[layer], parts, strict=True):
+            buffer[length: length + part.shape[0], row] = part
+    for layer, parts in out.carry.items():
+        for kept, new in zip(carry[layer], parts, strict=True):
+            kept[row] = new[0]
+    lengths[row] += len(segment)
+
+
+def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, sample: int,
+            sampling: Sampling, rules: TurnRules, schedule: Schedule) -> tuple:
+    """One sample: its Response.result(). Under a lockstep the steps after it ends that other ranks still take
+    are ghost steps."""
+    carry, rows, response = dict(view.leaves.carry), _ResponseRows(), rules.response()
+    generator = _generator(sampling.seed, sample)
+    token = first.view(1)
+    for step in range(rules.max_new_tokens):
+        if response.ended:  # it stopped while another rank decodes
+            _ghost_steps(adapter, view, start, rules.max_new_tokens - step, False, schedule)
             break
-        out = adapter.forward_segment(token, start + step, carry, rows.past(view.leaves), view.remote_attention)
+        out = adapter.forward_segment(token, start + rows.length, carry, rows.past(view.leaves),
+                                      view.remote_attention)
         carry = dict(out.carry)
         rows.append(out.rows)
         logits_V = adapter.lm_head(adapter.body.norm(out.hidden))[0, -1].double().cpu()
-        # greedy draws nothing; a sample draws one uniform per step from its own stream
-        uniform = 0.0 if temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
-        chosen = choose([_sample(logits_V, temperature, top_p, uniform)])[0]
-        logps.append(torch.log_softmax(logits_V / (temperature or 1.0), dim=-1)[chosen])
-        ids.append(chosen)
-        if not schedule.keeps_decoding(chosen not in eos, adapter.device):
+        chosen = sampling.choose([_draw(logits_V, sampling, generator)])[0]
+        logp = torch.log_softmax(logits_V / (sampling.temperature or 1.0), dim=-1)[chosen]
+        segment, fed = rules.step(sample, response, chosen, logp)
+        running, common = schedule.next_step(not response.ended, 1 if segment else 0, adapter.device)
+        if segment:
+            out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + rows.length, carry,
+                                          rows.past(view.leaves), view.remote_attention)
+            carry = dict(out.carry)
+            rows.append(out.rows, len(segment))
+        _ghost_captures(adapter, view, start, common - (1 if segment else 0))
+        if not running:
             break
-        token = torch.tensor([chosen])
-    return torch.tensor(ids, dtype=torch.long), torch.stack(logps), bool(ids[-1] in eos)
+        token = torch.tensor([fed])
+    return response.result()
+
+
+def _draw(logits_V: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
+    """A sample's token from its step's float64 logits: greedy draws nothing; a sample draws one uniform per step
+    from its own stream."""
+    uniform = 0.0 if sampling.temperature == 0 else float(torch.rand((), generator=generator, dtype=torch.float64))
+    return _sample(logits_V, sampling.temperature, sampling.top_p, uniform)
 
 
 def _ghost_steps(adapter: CausalLMAdapter, view: ReplayView, start: int, steps: int, batched: bool,
                  schedule: Schedule) -> None:
-    """At most `steps` ghost steps, until no rank of the schedule has a sample running (decode_lockstep.py)."""
+    """At most `steps` ghost steps, until no rank of the schedule has a sample running (decode_lockstep.py), each
+    followed by the ghost observation forwards that pad the step's to the other ranks'."""
     for _ in range(steps):
         _ghost_step(adapter, view, start, batched)
-        if not schedule.keeps_decoding(False, adapter.device):
+        running, captures = schedule.next_step(False, 0, adapter.device)
+        _ghost_captures(adapter, view, start, captures)
+        if not running:
             return
 
 
@@ -522,6 +586,14 @@ def _ghost_step(adapter: CausalLMAdapter, view: ReplayView, start: int, batched:
     else:
         out = adapter.forward_segment(token, start, carry, _ResponseRows().past(view.leaves), view.remote_attention)
     adapter.lm_head(adapter.body.norm(out.hidden))
+
+
+def _ghost_captures(adapter: CausalLMAdapter, view: ReplayView, start: int, count: int) -> None:
+    """`count` observation forwards whose results are thrown away: one dummy token from the prompt's state through
+    the segment forward (no head), as a real observation's capture calls the model (decode_lockstep.py)."""
+    for _ in range(count):
+        adapter.forward_segment(torch.full((1,), PAD_TOKEN, dtype=torch.long), start, dict(view.leaves.carry),
+                                _ResponseRows().past(view.leaves), view.remote_attention)
 
 
 def _sample(logits_V: torch.Tensor, temperature: float, top_p: float, uniform: float) -> int:

@@ -7,7 +7,8 @@ new_group (not the default group: generate must use the group it is given), run 
 imports (as tests/cp_scripts/harness.py does, whose fork_ranks this uses).
 
 A case is a dict: name, family ("qwen3_5" or "glm_moe_dsa"), prompt_len, samples, max_new, config (the longstraw
-block without cp_size), and generate's keyword arguments in `sampling` (temperature, top_p, eos_token_id, seed).
+block without cp_size), and generate's keyword arguments in `sampling` (temperature, top_p, eos_token_id, seed,
+max_turns); a case with `environment` (tests/turn_envs.ToolTable's arguments) decodes multi-turn.
 A case with `rewards` also trains on its rollouts (case_train): generate(keep_capture=True), then grpo_backward on
 rollouts.group(rewards) with capture=rollouts; the rank's file then holds the parameter gradients too.
 """
@@ -42,9 +43,14 @@ def case_rollouts(case, cp_size=1, cp_group=None):
     from ds_longstraw import generate
 
     model, reference = case_model(case)
+    sampling = dict(case["sampling"])
+    if "environment" in case:  # a multi-turn case: tests/turn_envs.ToolTable's arguments
+        from turn_envs import ToolTable
+
+        sampling["environment"] = ToolTable(**case["environment"])
     with reference():
         return generate(model, case_prompt(case), case["samples"], case["max_new"], longstraw=dict(case["longstraw"],
-                        cp_size=cp_size), cp_group=cp_group, **case["sampling"])
+                        cp_size=cp_size), cp_group=cp_group, **sampling)
 
 
 def case_train(case, cp_size=1, cp_group=None, reuse=True):
@@ -81,6 +87,7 @@ def worker(rank, world, cases, out_dir):
             exchanges = sum(n for (_, _, op), n in cp.traffic.messages.items() if op == "rollout_token")
         torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
                     "finished": result.finished, "seed": result.seed, "grads": grads, "extras": extras,
+                    "response_masks": result.response_masks, "turns": result.turns,
                     "token_exchanges": exchanges}, os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
 
 

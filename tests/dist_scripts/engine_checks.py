@@ -51,7 +51,9 @@ gradient_clipping 0):
               decoding; step 1's "auto" is granted none, zero3_whole_budget 0, and decodes per call);
               each rank's samples == single-process rollout_groups at the same seeds and the weights ==
               the single-process SGD steps on the averaged gradients; then generate(dp_group=, batched=False) with 3
-              samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights
+              samples on rank 0 and 2 on rank 1 == single-process generate on the engine's weights; then
+              generate(dp_group=, environment=) batched and not, the ranks' samples taking different turns ==
+              single-process generate, with the same module calls on both ranks
   rollout_ep  the two rollout steps on the tiny glm_moe_dsa with "ep_size": 2 (decode dispatches in lockstep)
   shared_document  ZeRO-2, exact, KL: each rank's two groups share a document of its own, captured once per rank
               (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
@@ -633,6 +635,47 @@ def check_rollout_lockstep(out_dir):
     out["each_ids"] = [ids.tolist() for ids in got.response_ids]
     out["each_ref_ids"] = [ids.tolist() for ids in want.response_ids]
     out["each_logprob_diff"] = max(float((a - b).abs().max()) for a, b in zip(got.logprobs, want.logprobs, strict=True))
+    out.update(_turn_rollouts(engine, reference, prompt))
+    return out
+
+
+def _turn_rollouts(engine, reference, prompt):
+    """generate(dp_group=, environment=) batched and one sample at a time: rank 0 decodes 2 samples, rank 1 3, each
+    rank's tool table answering with observations of its own lengths, so the ranks' samples take different turns
+    and capture different observations per step; against single-process generate on the engine's weights. Counts
+    every module call each rank makes while it decodes (the lockstep pads them to the same)."""
+    from turn_envs import ToolTable
+
+    rank = dist.get_rank()
+    stops, lengths = tuple(range(2, 97, 5)), ((3, 0, 6, 1), (9, 2, 1))[rank]
+    kwargs = dict(temperature=0.9, top_p=0.95, seed=11 + rank, longstraw=block("detached"), max_turns=3)
+    calls = [0]
+
+    def count(*_):
+        calls[0] += 1
+
+    out = {"turns": [], "turns_ref": [], "turn_ids": [], "turn_ref_ids": [], "turn_masks_equal": [],
+           "turn_logprob_diff": [], "turn_calls": []}
+    for batched in (True, False):
+        hooks = [m.register_forward_pre_hook(count) for m in engine.module.modules()]
+        calls[0] = 0
+        try:
+            got = ds_longstraw.generate(engine.module, prompt, 2 + rank, 24, dp_group=engine.data_parallel_group,
+                                        environment=ToolTable(stops, lengths), batched=batched, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        want = ds_longstraw.generate(reference, prompt, 2 + rank, 24, environment=ToolTable(stops, lengths),
+                                     batched=batched, **kwargs)
+        out["turns"].append(got.turns)
+        out["turns_ref"].append(want.turns)
+        out["turn_ids"].append([ids.tolist() for ids in got.response_ids])
+        out["turn_ref_ids"].append([ids.tolist() for ids in want.response_ids])
+        out["turn_masks_equal"].append(all(torch.equal(a, b) for a, b in zip(got.response_masks,
+                                                                              want.response_masks, strict=True)))
+        out["turn_logprob_diff"].append(max(float((a - b).abs().max())
+                                            for a, b in zip(got.logprobs, want.logprobs, strict=True)))
+        out["turn_calls"].append(calls[0])
     return out
 
 

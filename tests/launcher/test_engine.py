@@ -226,6 +226,14 @@ def test_rollouts_decode_in_lockstep(results, name):
             # the same float32 weights (gathered by ZeRO-3) through the same ops: equal up to a few ulps
             assert r["each_logprob_diff"] < 1e-6, r
         assert [len(r["each_ids"]) for r in checks] == [3, 2]
+        # generate(dp_group=, environment=): each rank's multi-turn samples are its own alone, batched and not
+        for r in checks:
+            assert r["turn_ids"] == r["turn_ref_ids"] and r["turns"] == r["turns_ref"], r
+            assert all(r["turn_masks_equal"]) and max(r["turn_logprob_diff"]) < 1e-6, r
+        turns = [r["turns"][0] for r in checks]
+        assert turns[0] != turns[1] and max(max(t) for t in turns) >= 2, turns  # the ranks' turns differ
+        # the lockstep pads decode steps and observation forwards alike: the same module calls on both ranks
+        assert checks[0]["turn_calls"] == checks[1]["turn_calls"], [r["turn_calls"] for r in checks]
         # the same submodule calls on both ranks, whatever each sampled: the lockstep itself
         assert checks[0]["decode_fetches"][0] == checks[1]["decode_fetches"][0]
 
