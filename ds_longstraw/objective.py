@@ -21,12 +21,15 @@ if TYPE_CHECKING:
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 LOSS_SCOPES = ("group", "rank", "step")
-POLICY_LOSSES = ("clip", "cispo")
+POLICY_LOSSES = ("clip", "cispo", "sapo", "vespo")
 RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 EMPTY_MEMBERS = ("count", "skip")
 GROUP_OF_ONE = ("zero", "reward")
+
+# VESPO (TRL's get_gamma_weights): the sequence's log-ratio is clamped to [log 1e-8, 20], each token's to +-20 first
+VESPO_LOG_MIN, VESPO_LOG_MAX = math.log(1e-8), 20.0
 
 # verl's low_var_kl (its kl_penalty "low_var_kl", which its "k3" names too) clamps ref - logp to +-20 before the
 # estimator and the estimate to +-10.
@@ -67,10 +70,24 @@ class GRPOObjective:
       "clip"  pg_t = -min(w_t A_i, clamp(w_t, 1 - clip_low, 1 + clip_high) A_i); with clip_ratio_c (dual clip,
               A_i < 0 only) pg_t = min(pg_t, -A_i clip_ratio_c)
       "cispo" pg_t = -sg(min(w_t, cispo_ratio_max)) A_i logp_t (sg: no gradient through the weight)
+      "sapo"  pg_t = -sigmoid(tau (w_t - 1)) 4 / tau A_i, tau = sapo_temperature_pos where A_i > 0, else _neg (a soft
+              gate in place of the clip; TRL's "sapo")
+      "vespo" pg_t = -sg(phi_i) A_i logp_t, phi_i = exp(lambda + k log W_i - lambda W_i) (1 at W = 1; 0 where it
+              overflows), log W_i = clamp(sum_t clamp(logp_t - old_t, +-20) + log rho_i, log 1e-8, 20) over the
+              member's trained tokens (always token-level log-ratios), (k, lambda) = (vespo_k_pos, vespo_lambda_pos)
+              where A_i >= 0, else the _neg pair; rho_i, with rollout_correction, the sum over its tokens of
+              clamp(log rho_t, log 1e-8, 20) (one rho for the "sequence_" modes), folded into W instead of the
+              product below (TRL's "vespo")
+      two_sided_clip (clip only, TRL's delta): w_t in the unclipped term is capped at it first:
+              pg_t = -min(min(w_t, two_sided_clip) A_i, clamp(w_t, ...) A_i)
+    Off-policy mask (off_policy_mask, DeepSeek-V3.2's sequence mask, TRL's off_policy_mask_threshold): a member
+      with A_i < 0 whose mean over trained tokens of (s_t - sg(logp_t)) exceeds it has pg_t = 0 (s: the sampling
+      log-probs where the group gives them, else old; NaN counts as 0).
     Rollout correction (rollout_correction, from the group's sampling_logprobs s: what the rollout engine
       sampled with): rho_t = exp(old_t - s_t) per token, or rho = exp(sum_t (old_t - s_t)) per member for the
       "sequence_" modes; "_truncate" caps rho at rollout_correction_max (and floors it at rollout_correction_min),
-      "_mask" sets rho = 0 outside [rollout_correction_min, rollout_correction_max]; pg_t *= rho (no gradient).
+      "_mask" sets rho = 0 outside [rollout_correction_min, rollout_correction_max]; pg_t *= rho (no gradient;
+      "vespo" takes rho into its weight instead).
     KL penalty (kl_coef > 0), d_t = ref_t - logp_t: "k1" -d_t, "k2" d_t^2 / 2, "k3" exp(d_t) - d_t - 1,
       "low_var_kl" verl's k3: of d clamped to [-20, 20], then clamped to [-10, 10]; kl_ratio_weighted multiplies
       it by w_t (TRL's use_bias_correction_kl); added as kl_coef kl_t.
@@ -114,6 +131,14 @@ class GRPOObjective:
     rollout_correction_max: float | None = 3.0
     temperature: float = 1.0
     report_entropy: bool = False
+    two_sided_clip: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask: float | None = None
 
     def __post_init__(self) -> None:
         for name, allowed in (("loss_agg", LOSS_AGGS), ("loss_scope", LOSS_SCOPES), ("policy_loss", POLICY_LOSSES),
@@ -126,6 +151,19 @@ class GRPOObjective:
                              f"got {self.rollout_correction!r}")
         for name in ("clip_low", "clip_high", "kl_coef", "entropy_coef", "advantage_eps"):
             _check_number(name, getattr(self, name))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check_number(name, getattr(self, name))
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _check_number(name, getattr(self, name))
+            if getattr(self, name) == 0:
+                raise ValueError(f"{name} must be > 0 (the soft gate divides by it), got 0")
+        if self.off_policy_mask is not None and (isinstance(self.off_policy_mask, bool) or not isinstance(
+                self.off_policy_mask, (int, float)) or not math.isfinite(self.off_policy_mask)):
+            raise ValueError(f"off_policy_mask must be None or a finite number, got {self.off_policy_mask!r}")
+        if self.two_sided_clip is not None:
+            _check_number("two_sided_clip", self.two_sided_clip)
+            if self.policy_loss != "clip":
+                raise ValueError(f"two_sided_clip caps the clip loss's ratio; policy_loss is {self.policy_loss!r}")
         for name in ("clip_ratio_c", "rollout_correction_min", "rollout_correction_max"):
             if getattr(self, name) is not None:
                 _check_number(name, getattr(self, name))
@@ -222,17 +260,31 @@ class GRPOObjective:
         if self.ratio_level == "sequence":
             log_w = (log_w.mean() if log_w.numel() else log_w.sum()).expand_as(logp)
         ratio = torch.exp(log_w)
-        if self.policy_loss == "cispo":
-            loss = -torch.clamp(ratio, max=self.cispo_ratio_max).detach() * advantage * logp
-        else:
-            clipped = torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)
-            loss = -torch.minimum(ratio * advantage, clipped * advantage)
-            if self.clip_ratio_c is not None and advantage < 0:
-                loss = torch.clamp(loss, max=-advantage * self.clip_ratio_c)
+        rho = None
         if self.rollout_correction is not None:
             if sampling_logp is None:
                 raise ValueError(f"rollout_correction {self.rollout_correction!r} needs sampling log-probs")
-            loss = loss * self._rollout_weight(old.detach(), sampling_logp.to(logp))
+            rho = self._rollout_weight(old.detach(), sampling_logp.to(logp))
+        if self.policy_loss == "cispo":
+            loss = -torch.clamp(ratio, max=self.cispo_ratio_max).detach() * advantage * logp
+        elif self.policy_loss == "sapo":
+            tau = self.sapo_temperature_pos if advantage > 0 else self.sapo_temperature_neg
+            loss = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantage
+        elif self.policy_loss == "vespo":
+            loss = -self._vespo_weight(logp.detach() - old, rho, advantage) * advantage * logp
+        else:
+            clipped = torch.clamp(ratio, 1.0 - self.clip_low, 1.0 + self.clip_high)
+            unclipped = ratio if self.two_sided_clip is None else torch.clamp(ratio, max=self.two_sided_clip)
+            loss = -torch.minimum(unclipped * advantage, clipped * advantage)
+            if self.clip_ratio_c is not None and advantage < 0:
+                loss = torch.clamp(loss, max=-advantage * self.clip_ratio_c)
+        if self.off_policy_mask is not None and advantage < 0:
+            source = old if sampling_logp is None else sampling_logp.to(logp)
+            drift = torch.nan_to_num(source - logp.detach(), nan=0.0)
+            if drift.numel() and float(drift.mean()) > self.off_policy_mask:
+                loss = loss * 0.0  # dropped: off-policy and negative (TRL keeps A >= 0 or drift <= threshold)
+        if rho is not None and self.policy_loss != "vespo":
+            loss = loss * rho
         if self.kl_coef > 0:
             if ref_logp is None:
                 raise ValueError("kl_coef > 0 needs reference log-probs")
@@ -253,6 +305,19 @@ class GRPOObjective:
             delta = torch.clamp(delta, -LOW_VAR_KL_DELTA, LOW_VAR_KL_DELTA)
             return torch.clamp(torch.exp(delta) - delta - 1.0, -LOW_VAR_KL_BOUND, LOW_VAR_KL_BOUND)
         return torch.exp(delta) - delta - 1.0
+
+    def _vespo_weight(self, log_ratio: torch.Tensor, rho: torch.Tensor | None, advantage: float) -> torch.Tensor:
+        """phi_i of "vespo" (class docstring), a constant."""
+        log_w = torch.clamp(log_ratio, -20.0, 20.0).sum()
+        if rho is not None:
+            log_rho = torch.clamp(torch.log(rho), VESPO_LOG_MIN, VESPO_LOG_MAX)
+            log_w = log_w + (log_rho[:1].sum() if self.rollout_correction.startswith("sequence") else log_rho.sum())
+        log_w = torch.clamp(log_w, VESPO_LOG_MIN, VESPO_LOG_MAX)
+        k, lam = ((self.vespo_k_pos, self.vespo_lambda_pos) if advantage >= 0
+                  else (self.vespo_k_neg, self.vespo_lambda_neg))
+        lam = max(lam, 1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+        return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0).detach()
 
     def _rollout_weight(self, old: torch.Tensor, sampling: torch.Tensor) -> torch.Tensor:
         """rho: per token, or one per member broadcast over its tokens; a constant."""

@@ -40,6 +40,38 @@ CASES = {
         dict(temperature=0.7, kl_coef=0.04, entropy_coef=0.05, advantage_eps=1e-4),
         lambda b: TRLLoss("dapo", beta=0.04, entropy_coef=0.05)(b.logps, b.mask, b.trl_adv, old=b.old, ref=b.ref,
                                                                  entropies=b.entropies)),
+    # TRL's two-sided clip (delta 1.3: objective_group's ratios reach 1.79, so the cap bites on positive advantages)
+    "trl-dapo-two-sided-clip-kl": (
+        dict(two_sided_clip=1.3, kl_coef=0.04, kl_ratio_weighted=True, advantage_eps=1e-4),
+        lambda b: TRLLoss("dapo", delta=1.3, beta=0.04, use_bias_correction_kl=True)(b.logps, b.mask, b.trl_adv,
+                                                                                      old=b.old, ref=b.ref)),
+    # SAPO's gate temperatures 0.75 and 1.25: TRL's torch.where(A > 0, pos, neg) of two Python floats is a float32
+    # tensor, so its temperatures are float32 roundings (1.05, its default, is off by 2e-8): these are exact there
+    "trl-sapo-sequence-ratio": (
+        dict(policy_loss="sapo", loss_agg="seq-mean-token-mean", ratio_level="sequence", sapo_temperature_pos=0.75,
+             sapo_temperature_neg=1.25, advantage_eps=1e-4),
+        lambda b: TRLLoss("sapo", importance_sampling_level="sequence", sapo_temperature_pos=0.75,
+                          sapo_temperature_neg=1.25)(b.logps, b.mask, b.trl_adv, old=b.old)),
+    # VESPO with vLLM's token truncation folded into its weight (not multiplied after it)
+    "trl-vespo-token-truncate": (
+        dict(policy_loss="vespo", rollout_correction="token_truncate", vespo_k_pos=1.5, vespo_lambda_neg=2.5,
+             advantage_eps=1e-4),
+        lambda b: TRLLoss("vespo", vllm_importance_sampling_correction=True, vespo_k_pos=1.5, vespo_lambda_neg=2.5)(
+            b.logps, b.mask, b.trl_adv, old=b.old,
+            importance_ratio=trl_rollout_ratio(b.old, b.sampling, b.mask, "token_truncate"))),
+    "trl-vespo-sequence-mask": (
+        dict(policy_loss="vespo", rollout_correction="sequence_mask", rollout_correction_max=2.0,
+             rollout_correction_min=0.1, advantage_eps=1e-4),
+        lambda b: TRLLoss("vespo", vllm_importance_sampling_correction=True)(
+            b.logps, b.mask, b.trl_adv, old=b.old,
+            importance_ratio=trl_rollout_ratio(b.old, b.sampling, b.mask, "sequence_mask", 0.1, 2.0))),
+    # DeepSeek-V3.2's off-policy sequence mask on the sampler's log-probs: threshold 0.05 drops some negative members
+    "trl-grpo-off-policy-mask": (
+        dict(loss_agg="seq-mean-token-mean", off_policy_mask=0.05, rollout_correction="token_truncate",
+             advantage_eps=1e-4),
+        lambda b: TRLLoss("grpo", off_policy_mask_threshold=0.05, vllm_importance_sampling_correction=True)(
+            b.logps, b.mask, b.trl_adv, old=b.old, sampling=b.sampling,
+            importance_ratio=trl_rollout_ratio(b.old, b.sampling, b.mask, "token_truncate"))),
     "verl-dual-clip-low-var-kl-entropy": (
         dict(clip_ratio_c=3.0, kl_coef=0.05, kl_estimator="low_var_kl", entropy_coef=0.02,
              loss_agg="seq-mean-token-mean"),

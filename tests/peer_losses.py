@@ -38,7 +38,9 @@ class TRLLoss:
 
     def __init__(self, loss_type="dapo", epsilon=0.2, epsilon_high=None, beta=0.0, importance_sampling_level="token",
                  use_bias_correction_kl=False, entropy_coef=0.0, max_completion_length=None,
-                 gradient_accumulation_steps=1, vllm_importance_sampling_correction=False):
+                 gradient_accumulation_steps=1, vllm_importance_sampling_correction=False, delta=None,
+                 off_policy_mask_threshold=None, **loss_args):
+        """loss_args: GRPOConfig's sapo_temperature_* and vespo_* (TRL's defaults where not given)."""
         self.loss_type, self.beta, self.importance_sampling_level = loss_type, beta, importance_sampling_level
         self.epsilon_low, self.epsilon_high = epsilon, epsilon if epsilon_high is None else epsilon_high
         self.entropy_coef, self.use_adaptive_entropy = entropy_coef, False
@@ -46,20 +48,27 @@ class TRLLoss:
         self.max_completion_length = max_completion_length
         self.current_gradient_accumulation_steps = gradient_accumulation_steps
         self.use_vllm = self.vllm_importance_sampling_correction = vllm_importance_sampling_correction
-        self.aux_loss_enabled, self.top_entropy_quantile, self.off_policy_mask_threshold = False, 1.0, None
-        self.args = SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=None,
-                                    steps_per_generation=gradient_accumulation_steps)
+        self.aux_loss_enabled, self.top_entropy_quantile = False, 1.0
+        self.off_policy_mask_threshold = off_policy_mask_threshold
+        defaults = dict(sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0,
+                        vespo_k_neg=3.0, vespo_lambda_neg=2.0)
+        self.args = SimpleNamespace(use_bias_correction_kl=use_bias_correction_kl, delta=delta,
+                                    steps_per_generation=gradient_accumulation_steps, **{**defaults, **loss_args})
         self.accelerator, self.model = _OneProcess(), SimpleNamespace(training=True)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    get_off_policy_mask = staticmethod(GRPOTrainer.get_off_policy_mask)
+    get_gamma_weights = staticmethod(GRPOTrainer.get_gamma_weights)
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         return model
 
     def __call__(self, logps, mask, advantages, old=None, ref=None, entropies=None, importance_ratio=None,
-                 num_items_in_batch=None):
+                 num_items_in_batch=None, sampling=None):
         """The loss of one micro-batch: logps, entropies [B, T] (differentiable), mask [B, T] (0/1), advantages [B],
         old/ref [B, T] or None, importance_ratio [B, T] or [B, 1] (vLLM's), num_items_in_batch: the generation
-        batch's trained tokens (default: this micro-batch's)."""
+        batch's trained tokens (default: this micro-batch's), sampling [B, T]: the sampler's log-probs (vLLM's; the
+        off-policy mask reads them)."""
         batch, length = logps.shape
         entropies = torch.zeros_like(logps) if entropies is None else entropies
         inputs = {"prompt_ids": torch.zeros(batch, 1, dtype=torch.long), "prompt_mask": torch.ones(batch, 1),
@@ -67,6 +76,8 @@ class TRLLoss:
                   "advantages": advantages, "old_per_token_logps": old, "ref_per_token_logps": ref,
                   "importance_sampling_ratio": importance_ratio,
                   "num_items_in_batch": mask.sum() if num_items_in_batch is None else num_items_in_batch}
+        if sampling is not None:
+            inputs["sampling_per_token_logps"] = sampling
         return GRPOTrainer._compute_loss(self, (logps, entropies, None), inputs)
 
 

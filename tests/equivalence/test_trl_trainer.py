@@ -44,6 +44,14 @@ CASES = {
                                                      max_steps=2),
     "grpo-temperature-1.3-bias-corrected-kl": dict(loss_type="grpo", temperature=1.3, beta=0.3,
                                                    use_bias_correction_kl=True),
+    # the second iteration's ratios (one SGD step away) pass delta 1.002 on some tokens: the cap bites
+    "dapo-delta-two-iterations": dict(loss_type="dapo", delta=1.002, epsilon=0.05, num_iterations=2, max_steps=2),
+    # SAPO's gate temperatures exact in float32 (tests/objective_cases.py says why)
+    "sapo-two-iterations": dict(loss_type="sapo", sapo_temperature_pos=0.75, sapo_temperature_neg=1.25,
+                                num_iterations=2, max_steps=2),
+    "vespo-two-iterations-beta": dict(loss_type="vespo", vespo_k_pos=1.5, num_iterations=2, max_steps=2, beta=0.3),
+    # threshold 0: a negative-advantage member whose log-probs rose since the first iteration is dropped
+    "grpo-off-policy-mask": dict(loss_type="grpo", off_policy_mask_threshold=0.0, num_iterations=2, max_steps=2),
 }
 
 
@@ -124,7 +132,7 @@ def test_prompts_sharing_a_document(checkpoint, tmp_path, monkeypatch, mode):
 
 # TRL's per-micro-batch metrics, averaged over each logged step's micro-batches by TRL's log()
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
-           "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio")
+           "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
 METRIC_CASES = {
     # epsilon 0.01: the second iteration's ratios (one SGD step away) leave [0.99, 1.01] on some tokens
     "dapo-temperature-beta-two-iterations": dict(loss_type="dapo", temperature=0.7, beta=0.3, num_iterations=2,
@@ -133,6 +141,8 @@ METRIC_CASES = {
                                          use_bias_correction_kl=True, tool_masks=True, num_iterations=2, max_steps=2,
                                          epsilon=0.002),
     "cispo-two-iterations": dict(loss_type="cispo", epsilon_high=1.0, num_iterations=2, max_steps=2),
+    "dapo-delta-two-iterations": dict(loss_type="dapo", delta=1.002, epsilon=0.001, num_iterations=2, max_steps=2),
+    "vespo-two-iterations": dict(loss_type="vespo", num_iterations=2, max_steps=2),
 }
 
 
@@ -164,6 +174,9 @@ def test_logged_metrics_equal_trls(checkpoint, tmp_path, name):
         assert got["longstraw/capture_seconds"] > 0 and got["longstraw/pages_bytes"] > 0
         assert got["longstraw/capture_reused"] == 0.0
     assert "entropy" in compared and ("kl" in compared) == ("beta" in case)
+    if case["loss_type"] == "vespo":  # the weight moved off phi(1) = 1 in the second iteration
+        assert theirs[-1]["vespo/phi_seq_mean"] != 1.0
+        return
     clip_keys = [k for k in compared if "clip" in k and not k.endswith("_min")]
     assert any(theirs[-1][k] > 0 for k in clip_keys), {k: theirs[-1][k] for k in clip_keys}
 

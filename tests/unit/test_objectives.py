@@ -261,6 +261,10 @@ def test_empty_members_count_or_skip():
     (dict(cispo_ratio_max=0.0), "cispo_ratio_max"), (dict(policy_loss="cispo", clip_ratio_c=3.0), "clip_ratio_c"),
     (dict(rollout_correction="token_mask", rollout_correction_max=None), "rollout_correction"),
     (dict(rollout_correction_min=4.0, rollout_correction_max=3.0), "rollout_correction_min"),
+    (dict(temperature=0.0), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(two_sided_clip=-1.0), "two_sided_clip"), (dict(policy_loss="sapo", two_sided_clip=2.0), "two_sided_clip"),
+    (dict(sapo_temperature_neg=0.0), "sapo_temperature_neg"), (dict(vespo_lambda_pos=-1.0), "vespo_lambda_pos"),
+    (dict(off_policy_mask=float("nan")), "off_policy_mask"),
 ])
 def test_bad_values_are_refused_naming_the_key(settings, key):
     with pytest.raises(ValueError, match=key):

@@ -11,13 +11,9 @@ from tests import trl_runs
 MISSING_MODEL = "/nonexistent/model"
 
 REFUSED = [
-    ("loss_type", "sapo"),
-    ("loss_type", "vespo"),
-    ("delta", 2.0),
     ("top_entropy_quantile", 0.5),
     ("entropy_coef", 0.01),
     ("use_adaptive_entropy", True),
-    ("off_policy_mask_threshold", 0.5),
     ("cast_lm_head_to_fp32", True),
     ("steps_per_generation", 4),
 ]
@@ -37,8 +33,8 @@ def test_unmapped_setting_is_refused(tmp_path, name, value):
 
 
 def test_every_refusal_is_named_at_once(tmp_path):
-    with pytest.raises(ValueError, match=r"delta = 2\.0.*cast_lm_head_to_fp32 = True"):
-        _trainer(tmp_path, longstraw={}, delta=2.0, cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match=r"top_entropy_quantile = 0\.5.*cast_lm_head_to_fp32 = True"):
+        _trainer(tmp_path, longstraw={}, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True)
 
 
 def test_expert_parallel_block_is_refused(tmp_path):
@@ -81,7 +77,8 @@ def test_the_mapping(tmp_path):
     """What each loss type becomes (the equivalence tests prove the values; this pins the names)."""
     cases = {"grpo": ("clip", "seq-mean-token-mean", None), "dapo": ("clip", "token-mean", None),
              "dr_grpo": ("clip", "seq-mean-token-sum-norm", 6), "luspo": ("clip", "seq-mean-token-sum-norm", 1),
-             "cispo": ("cispo", "token-mean", None), "bnpo": ("clip", "token-mean", None)}
+             "cispo": ("cispo", "token-mean", None), "bnpo": ("clip", "token-mean", None),
+             "sapo": ("sapo", "seq-mean-token-mean", None), "vespo": ("vespo", "token-mean", None)}
     for loss_type, (policy_loss, loss_agg, norm_length) in cases.items():
         objective = objective_from_trl(trl_runs.grpo_config(str(tmp_path), loss_type=loss_type, beta=0.1,
                                                             epsilon=0.1, epsilon_high=0.3))
@@ -91,6 +88,10 @@ def test_the_mapping(tmp_path):
         assert objective.clip_high == 0.3 and (loss_type != "cispo" or objective.cispo_ratio_max == 0.3)
         assert objective.temperature == 1.0
     assert objective_from_trl(trl_runs.grpo_config(str(tmp_path), temperature=0.7)).temperature == 0.7
+    clipped = objective_from_trl(trl_runs.grpo_config(str(tmp_path), delta=1.5, off_policy_mask_threshold=0.1))
+    assert (clipped.two_sided_clip, clipped.off_policy_mask) == (1.5, 0.1)
+    # TRL's delta caps the clip loss types' ratio only
+    assert objective_from_trl(trl_runs.grpo_config(str(tmp_path), loss_type="cispo", delta=1.5)).two_sided_clip is None
 
 
 @pytest.mark.parametrize(("name", "value"), [("top_k", 5), ("repetition_penalty", 1.1), ("min_p", 0.1)])

@@ -12,15 +12,16 @@ of sums and counts (TRL's global_masked_mean); at the sequence level the clip sh
 row of the micro-batch, an untrained one as unclipped, as TRL's (B, 1) tensors do):
   kl                      exp(ref - logp) - (ref - logp) - 1, times w with use_bias_correction_kl (beta != 0 only)
   entropy                 the policy's entropy at each token, at the sampling temperature
-  clip_ratio/low_mean     w < 1 - epsilon_low and A < 0        (clip loss types)
+  clip_ratio/low_mean     w < 1 - epsilon_low and A < 0        (clip loss types; w capped at delta first)
   clip_ratio/high_mean    w > 1 + epsilon_high and A > 0
   clip_ratio/region_mean  either
   clip_ratio/low_min      the least per-sequence low share over the micro-batch's sequences on every process
                           (token level: each sequence's mean over its trained tokens; untrained ones left out)
   clip_ratio/high_max     the greatest per-sequence high share
   cispo_clip_ratio        w > epsilon_high and A > 0              (cispo)
-Not here: the entropy of a member that ran in steps (grpo/member_steps.py returns none: left out of the mean),
-vespo's and the adaptive entropy's metrics (those settings are refused).
+  vespo/phi_seq_mean      VESPO's weight phi (objective.py), per sequence (an untrained one: 1)       (vespo)
+sapo logs none of the clip metrics (as TRL). Not here: the entropy of a member that ran in steps
+(grpo/member_steps.py returns none: left out of the mean), the adaptive entropy's metrics (refused).
 
 The transaction's own, one value per optimizer step (transaction_metrics):
   longstraw/capture_seconds  the step's prompt (and shared document) captures on this process, the slowest process
@@ -39,7 +40,8 @@ from ds_longstraw.integrations.trl.batch import Member, PromptGroup
 from ds_longstraw.objective import GRPOObjective
 
 # the reduced means, in the order of the sums tensor's second axis
-MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
+MEANS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio",
+         "vespo/phi_seq_mean")
 
 
 def _member_values(groups: Sequence[PromptGroup], results: Sequence[Any]) -> dict[Member, dict]:
@@ -54,7 +56,8 @@ def _member_values(groups: Sequence[PromptGroup], results: Sequence[Any]) -> dic
             old = logp if group.old_logprobs is None else group.old_logprobs[i].double()
             ref = None if result.ref_logprobs is None else result.ref_logprobs[i].double()[mask]
             entropy = None if result.entropies is None else result.entropies[i].double()[mask]
-            values[member] = dict(logp=logp[mask], old=old[mask], ref=ref, entropy=entropy,
+            sampling = None if group.sampling_logprobs is None else group.sampling_logprobs[i].double()[mask]
+            values[member] = dict(logp=logp[mask], old=old[mask], ref=ref, entropy=entropy, sampling=sampling,
                                   advantage=float(result.advantages[i]))
     return values
 
@@ -76,9 +79,10 @@ def trl_metrics(chunks: Sequence[dict], groups: Sequence[PromptGroup], results: 
     for k in range(count):
         for row in range(rows):
             member = values.get(Member(k, row))
-            if member is None:  # no trained token: a sequence-level weight of 1, unclipped
+            if member is None:  # no trained token: a sequence-level weight of 1, unclipped; phi(1) = 1
+                sums[k, 6] += 1.0
                 if sequence:
-                    sums[k, 2:, 1] += 1.0
+                    sums[k, 2:6, 1] += 1.0
                     low_seq[k, row] = high_seq[k, row] = 0.0
                 continue
             logp, advantage = member["logp"], member["advantage"]
@@ -93,6 +97,13 @@ def trl_metrics(chunks: Sequence[dict], groups: Sequence[PromptGroup], results: 
             if member["entropy"] is not None:
                 entropy = member["entropy"][~torch.isnan(member["entropy"])]  # NaN: a member that ran in steps
                 sums[k, 1] += torch.stack([entropy.sum(), entropy.new_tensor(float(entropy.numel()))])
+            if objective.policy_loss == "vespo":
+                rho = None if objective.rollout_correction is None else objective._rollout_weight(
+                    member["old"], member["sampling"])
+                phi = objective._vespo_weight(log_w, rho, advantage)
+                sums[k, 6] += torch.stack([phi, phi.new_tensor(1.0)])
+            if objective.two_sided_clip is not None:  # TRL caps its ratio before it counts the clips
+                w = torch.clamp(w, max=objective.two_sided_clip)
             low = (w < low_bound) & (advantage < 0)
             high = (w > high_bound) & (advantage > 0)
             cispo = (w > objective.cispo_ratio_max) & (advantage > 0)
@@ -112,6 +123,9 @@ def trl_metrics(chunks: Sequence[dict], groups: Sequence[PromptGroup], results: 
         metrics["entropy"] = means[:, 1].tolist()
     if objective.policy_loss == "cispo":
         metrics["cispo_clip_ratio"] = means[:, 5].tolist()
+    if objective.policy_loss == "vespo":
+        metrics["vespo/phi_seq_mean"] = means[:, 6].tolist()
+    if objective.policy_loss != "clip":
         return metrics
     metrics["clip_ratio/low_mean"] = means[:, 2].tolist()
     metrics["clip_ratio/high_mean"] = means[:, 3].tolist()

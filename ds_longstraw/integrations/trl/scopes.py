@@ -13,7 +13,8 @@ factor on its summed token losses) in TRL 1.16's _compute_loss is
   dr_grpo   1 / (A B max_completion_length)                         seq-mean-token-sum-norm, members A B
   luspo     1 / (A B)                                               seq-mean-token-sum-norm (length 1), members A B
   dapo,     P S / (A max(N, 1))                                     token-mean, tokens max(N, 1), weight P S / A
-  cispo
+  cispo, vespo
+  sapo      as grpo
 and DeepSpeed (or nothing, on one process) then averages the P processes' gradients as it does TRL's.
 """
 
@@ -29,9 +30,9 @@ def trl_scope(loss_type: str, *, micro_batch_members: int, micro_batch_tokens: i
     members = accumulation * micro_batch_members
     if loss_type == "bnpo":
         return LossScope(tokens=accumulation * max(micro_batch_tokens, 1), members=members)
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         return LossScope(tokens=max(batch_tokens, 1), members=members,
                          weight=processes * steps_per_generation / accumulation)
-    if loss_type in ("grpo", "dr_grpo", "luspo"):
+    if loss_type in ("grpo", "dr_grpo", "luspo", "sapo"):
         return LossScope(tokens=accumulation * micro_batch_tokens, members=members)
     raise ValueError(f"loss_type {loss_type!r} has no LossScope (integrations/trl/settings.py lists those that map)")

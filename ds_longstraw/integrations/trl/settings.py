@@ -10,6 +10,10 @@ What maps (TRL 1.16's GRPOConfig -> objective.GRPOObjective; the normalisation's
             dr_grpo              loss_agg seq-mean-token-sum-norm, norm_length = max_completion_length
             luspo                loss_agg seq-mean-token-sum-norm, norm_length = 1 (each member's token sum)
             cispo                policy_loss cispo, cispo_ratio_max = epsilon_high, loss_agg token-mean
+            sapo                 policy_loss sapo (sapo_temperature_pos/_neg), loss_agg seq-mean-token-mean
+            vespo                policy_loss vespo (vespo_k_pos, _lambda_pos, _k_neg, _lambda_neg), token-mean
+  delta                          two_sided_clip (the clip loss types; TRL ignores it for cispo, sapo, vespo)
+  off_policy_mask_threshold      off_policy_mask (on the sampler's log-probs where TRL keeps them, else the old)
   vllm_importance_sampling_*     rollout_correction (mode), rollout_correction_min/_max (clip_min/_max), from the
                                  sampler's log-probs TRL keeps (use_vllm with the correction on)
   scale_rewards, multi_objective_aggregation, mask_truncated_completions, num_generations, reward_weights:
@@ -27,7 +31,9 @@ from typing import Any
 from ds_longstraw.objective import GRPOObjective
 
 LOSS_AGG = {"grpo": "seq-mean-token-mean", "bnpo": "token-mean", "dapo": "token-mean", "cispo": "token-mean",
-            "dr_grpo": "seq-mean-token-sum-norm", "luspo": "seq-mean-token-sum-norm"}
+            "dr_grpo": "seq-mean-token-sum-norm", "luspo": "seq-mean-token-sum-norm", "sapo": "seq-mean-token-mean",
+            "vespo": "token-mean"}
+CLIP_LOSSES = ("grpo", "bnpo", "dapo", "dr_grpo", "luspo")  # the loss types TRL's delta applies to
 
 
 def _refusals(args: Any) -> list[tuple[str, Any, str]]:
@@ -39,8 +45,6 @@ def _refusals(args: Any) -> list[tuple[str, Any, str]]:
 
     if args.loss_type not in LOSS_AGG:
         refuse("loss_type", args.loss_type, f"the transaction runs {sorted(LOSS_AGG)}")
-    if args.delta is not None:
-        refuse("delta", args.delta, "no two-sided clip of the ratio in the objective")
     if args.top_entropy_quantile < 1.0:
         refuse("top_entropy_quantile", args.top_entropy_quantile, "no entropy masking in the objective")
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
@@ -48,8 +52,6 @@ def _refusals(args: Any) -> list[tuple[str, Any, str]]:
                        else ("use_adaptive_entropy", True))
         refuse(name, value, "TRL's entropy bonus is a per-micro-batch token mean whatever the loss type; the "
                             "objective's entropy_coef shares each loss type's normalisation")
-    if args.off_policy_mask_threshold is not None:
-        refuse("off_policy_mask_threshold", args.off_policy_mask_threshold, "no off-policy sequence mask")
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel", True, "the transaction computes the loss itself")
     if args.cast_lm_head_to_fp32:
@@ -80,6 +82,16 @@ def objective_from_trl(args: Any, use_vllm: bool | None = None) -> GRPOObjective
                                   report_entropy=True)  # TRL logs the mean entropy (metrics.py)
     if args.loss_type == "cispo":
         fields.update(policy_loss="cispo", cispo_ratio_max=epsilon_high)
+    if args.loss_type == "sapo":
+        fields.update(policy_loss="sapo", sapo_temperature_pos=args.sapo_temperature_pos,
+                      sapo_temperature_neg=args.sapo_temperature_neg)
+    if args.loss_type == "vespo":
+        fields.update(policy_loss="vespo", vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos,
+                      vespo_k_neg=args.vespo_k_neg, vespo_lambda_neg=args.vespo_lambda_neg)
+    if args.delta is not None and args.loss_type in CLIP_LOSSES:
+        fields["two_sided_clip"] = args.delta
+    if args.off_policy_mask_threshold is not None:
+        fields["off_policy_mask"] = args.off_policy_mask_threshold
     if args.loss_type == "dr_grpo":
         fields["norm_length"] = args.max_completion_length
     if args.loss_type == "luspo":
