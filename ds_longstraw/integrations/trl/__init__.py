@@ -6,7 +6,8 @@
 With a "longstraw" block in the DeepSpeed config (or, without DeepSpeed, `longstraw={...}`), each optimizer step's
 generation batch is grouped by prompt and every group runs as one transaction: trainer.py says what changes and
 what stays TRL's; settings.py which TRL settings map onto the objective and which are refused; scopes.py how TRL's
-per-micro-batch normalisation becomes each member's LossScope. docs/trl.md is the user's page.
+per-micro-batch normalisation becomes each member's LossScope; metrics.py TRL's metrics from the transactions.
+docs/trl.md is the user's page.
 """
 
 from ds_longstraw.integrations.trl.settings import objective_from_trl
