@@ -63,3 +63,8 @@ def _full_forward_greedy(model, context, max_new, stops):
             ids = torch.cat([context, torch.tensor(new, dtype=torch.long)]).unsqueeze(0)
             new.append(int(model(ids, use_cache=False).logits[0, -1].argmax()))
     return new
+
+
+def tool_table(prompt_ids):
+    """A rollout block's environment factory (`environment: turn_envs:tool_table`): a ToolTable per prompt."""
+    return ToolTable(range(2, 97, 5), lengths=(3, 0, 6, 1, 9, 2, int(prompt_ids[0]) % 5))

@@ -62,11 +62,11 @@ class Adapter(Protocol):
         """Tokens `ids` at positions start.. through every layer, from `carry` and `past` (grad mode as the caller
         set it): hidden states, the new rows of each paged layer, the carry after the segment."""
 
-    def decode_step(self, ids_G: torch.Tensor, position: int | torch.Tensor, carry: dict, past: dict, own: dict,
-                    remote_attention: Any = None, own_lengths: torch.Tensor | None = None) -> SegmentOutput:
+    def decode_step(self, ids_G: torch.Tensor, position: int | torch.Tensor, carry: dict, past: dict, own: Any,
+                    remote_attention: Any = None, slots: list[int] | None = None) -> SegmentOutput:
         """One token for each of G samples at `position` (one for all, or [G]), over the shared prompt's `past` and
-        each sample's `own` rows [S, G, ...] (own_lengths [G]: sample g has only the first own_lengths[g] of them;
-        None: all S)."""
+        each sample's own rows (`own`: arch/decode.OwnRows, the samples in `slots`; the step's rows are written
+        there and attended with them)."""
 
     def mixer_input(self, index: int, hidden_1TC: torch.Tensor) -> torch.Tensor:
         """Layer `index`'s normalised input to its token mixer (attention or recurrence)."""

@@ -2,17 +2,16 @@
 
 The G samples of one prompt (rollout/generate.py) all start from the prompt, so their queries meet the prompt's keys
 as one block of G queries that each see every prompt key: one partial per prompt page segment (or the remote partial
-under context parallelism), read once for the whole batch. Each sample's own keys (its response so far and this
-step's) are its alone: a batched dense partial per sample. Samples whose responses differ in length (an
-environment's observations, rollout/environment.py) sit at different positions: their own keys share one
-position-major buffer, each sample's first rows valid and the rest masked (own_valid_SG). The two partials merge by
-log-sum-exp (kernels.merge_partials). This file holds the full-attention (K/V pages) form; glm_moe_dsa's sparse form
-(each sample's own top-k over the prompt's and its own indexer keys, then the absorbed attention's two partials) is
-in arch/glm_moe_dsa.py beside its segment forward.
+under context parallelism), read once for the whole batch. Each sample's own keys (its response so far, its
+observations' included, and this step's) are its alone: one partial per sample over its rows in OwnRows, where they
+lie contiguous (no copy per step, and samples at different positions, after observations of different lengths,
+need no mask). The partials merge by log-sum-exp (kernels.merge_partials). This file holds OwnRows and the
+full-attention (K/V pages) form; glm_moe_dsa's sparse form (each sample's own top-k over the prompt's and its own
+indexer keys, then the absorbed attention's two partials) is in arch/glm_moe_dsa.py beside its segment forward.
 
 Legend: G samples (queries, one per sample), H/K query/kv heads (head h reads kv head h // (H // K)), D head dim,
-S own keys per sample, T prompt keys of a segment. q_GHD [G, H, D]; prompt segments token-major [T, K, D]; own keys
-position-major [S, G, K, D]; out_GHD [G, H, D], lse_GH [G, H].
+T keys of a segment (a prompt page segment, or a sample's own rows). q_GHD [G, H, D]; segments token-major
+[T, K, D]; out_GHD [G, H, D], lse_GH [G, H].
 """
 
 import torch
@@ -20,40 +19,99 @@ import torch
 from ds_longstraw.kernels import merge_partials, partial_attention
 
 
-def own_valid(own_lengths_G, rows):
-    """valid_SG [rows + 1, G]: which of the own keys each sample's query sees, where sample g has own_lengths_G[g]
-    earlier rows at the buffer's start and this step's key last (None: every sample has all `rows`)."""
-    if own_lengths_G is None:
-        return None
-    earlier_SG = torch.arange(rows, device=own_lengths_G.device).unsqueeze(1) < own_lengths_G.unsqueeze(0)
-    return torch.cat([earlier_SG, earlier_SG.new_ones((1, own_lengths_G.numel()))])
+class OwnRows:
+    """Each sample's own rows of every paged layer: one buffer per stream, sample-major [samples, capacity, ...], the
+    first lengths[g] rows of slot g written (its response so far). A decode step writes its token's rows at each
+    running slot's length (write) and reads each slot's rows as one contiguous view (rows); an observation's rows
+    are written at once (extend). A slot that stops keeps its place: nothing is copied when the batch shrinks.
+    new_buffer(part, shape): an uninitialised tensor like `part` (rollout/generate.py's, which tests poison)."""
+
+    def __init__(self, samples, capacity, new_buffer=None):
+        self.samples, self.capacity = samples, capacity
+        self.new_buffer = new_buffer or (lambda part, shape: part.new_empty(shape))
+        self.buffers = {}  # layer -> tuple of [samples, capacity, ...] per stream
+        self.lengths = [0] * samples
+
+    def _buffers(self, layer, parts):
+        buffers = self.buffers.get(layer)
+        if buffers is None:
+            buffers = tuple(self.new_buffer(part, (self.samples, self.capacity, *part.shape[1:])) for part in parts)
+            self.buffers[layer] = buffers
+        return buffers
+
+    def write(self, layer, slots, parts):
+        """This step's rows (a tuple of [len(slots), ...] per stream) at each slot's length; advance() counts them."""
+        at = torch.tensor([self.lengths[slot] for slot in slots], device=parts[0].device)
+        where = torch.tensor(slots, device=parts[0].device)
+        for buffer, part in zip(self._buffers(layer, parts), parts, strict=True):
+            buffer[where, at] = part
+
+    def extend(self, layer, slot, parts):
+        """Rows of several tokens (a tuple of token-major [T, ...]) at slot's length; advance() counts them."""
+        length = self.lengths[slot]
+        for buffer, part in zip(self._buffers(layer, parts), parts, strict=True):
+            buffer[slot, length: length + part.shape[0]] = part
+
+    def advance(self, slot, tokens=1):
+        self.lengths[slot] += tokens
+
+    def rows(self, layer, slot, extra=0):
+        """Slot's own rows of `layer` (a tuple of token-major views, `extra` rows past its length: the step's own,
+        written but not yet counted); () where the layer has none yet."""
+        buffers = self.buffers.get(layer)
+        if buffers is None:
+            return ()
+        return tuple(buffer[slot, : self.lengths[slot] + extra] for buffer in buffers)
+
+    def batch_rows(self, layer, slots, extra=0):
+        """The slots' rows of `layer` as one batch (a tuple of [len(slots), T, ...] views) where they form one run of
+        slots with one length (every sample of a one-turn rollout until the first stops), else None."""
+        buffers = self.buffers.get(layer)
+        lengths = {self.lengths[slot] for slot in slots}
+        if buffers is None or len(lengths) != 1 or list(slots) != list(range(slots[0], slots[0] + len(slots))):
+            return None
+        end = lengths.pop() + extra
+        return tuple(buffer[slots[0]: slots[0] + len(slots), :end] for buffer in buffers)
+
+    def past(self, past, slot):
+        """`past` (a fresh copy of the prompt's) with slot's own rows appended: what a segment forward from the
+        slot's state attends to (an observation's capture)."""
+        for layer in self.buffers:
+            past.append(layer, self.rows(layer, slot))
+        return past
 
 
-def own_partial(q_GHD, k_SGKD, v_SGKD, scale, valid_SG=None):
-    """(out_GHD, lse_GH) of each sample's query over its own keys only (plain dense attention: every own key
-    precedes or is the query's token; valid_SG masks the rows a sample does not have). Scores and softmax in float32
-    (float64 for float64 models)."""
+def own_partial(q_GHD, k_GTKD, v_GTKD, scale):
+    """(out_GHD, lse_GH) of each sample's query over its own keys [G, T, K, D], every sample T of them (plain dense
+    attention, no mask: every own key precedes or is the query's token). Scores and softmax in float32 (float64 for
+    float64 models)."""
     groups, heads, dim = q_GHD.shape
-    kv_heads = k_SGKD.shape[2]
+    kv_heads = k_GTKD.shape[2]
     acc = torch.float64 if q_GHD.dtype == torch.float64 else torch.float32
     q_GKRD = q_GHD.reshape(groups, kv_heads, heads // kv_heads, dim).to(acc)
-    scores_GKRS = torch.einsum("gkrd,sgkd->gkrs", q_GKRD, k_SGKD.to(acc)) * scale
-    if valid_SG is not None:  # every sample sees at least its own step's key: no row is all -inf
-        scores_GKRS = scores_GKRS.masked_fill(~valid_SG.t()[:, None, None, :], float("-inf"))
-        # rows a sample does not have were never written: 0 * NaN would reach its output
-        v_SGKD = v_SGKD.masked_fill(~valid_SG[:, :, None, None], 0)
-    lse_GKR = torch.logsumexp(scores_GKRS, dim=-1)
-    probs_GKRS = torch.exp(scores_GKRS - lse_GKR.unsqueeze(-1))
-    out_GKRD = torch.einsum("gkrs,sgkd->gkrd", probs_GKRS, v_SGKD.to(acc))
+    scores_GKRT = torch.einsum("gkrd,gtkd->gkrt", q_GKRD, k_GTKD.to(acc)) * scale
+    lse_GKR = torch.logsumexp(scores_GKRT, dim=-1)
+    probs_GKRT = torch.exp(scores_GKRT - lse_GKR.unsqueeze(-1))
+    out_GKRD = torch.einsum("gkrt,gtkd->gkrd", probs_GKRT, v_GTKD.to(acc))
     return out_GKRD.reshape(groups, heads, -1).to(q_GHD.dtype), lse_GKR.reshape(groups, heads)
 
 
-def decode_attention(q_GHD, shared, k_SGKD, v_SGKD, scale, remote=None, valid_SG=None):
+def decode_attention(q_GHD, shared, own, scale, remote=None):
     """Attention of G single-token queries over the keys they share (`shared`: token-major (K, V) segments of the
     prompt; `remote`: None, or a callable q_HTD -> (out_HTD, lse_HT) over prompt keys on other ranks) and over each
-    one's own keys [S, G, K, D] (valid_SG: None, all of them; else the ones each sample has, own_valid).
-    Returns out_GHD."""
-    out_GHD, lse_GH = own_partial(q_GHD, k_SGKD, v_SGKD, scale, valid_SG)
+    one's own keys, this step's key last: `own` is (K, V) [G, T, K, D] where the samples have T each
+    (OwnRows.batch_rows: one dense batched partial), else a list of each sample's (K, V) [T_g, K, D] (one partial
+    per sample, OwnRows.rows). Returns out_GHD."""
+    if isinstance(own, tuple):
+        out_GHD, lse_GH = own_partial(q_GHD, *own, scale)
+    else:
+        outs, lses = [], []
+        for g, (k_TKD, v_TKD) in enumerate(own):  # every sample has at least this step's key
+            part_HTD, part_lse_HT = partial_attention(q_GHD[g].unsqueeze(1), k_TKD.transpose(0, 1),
+                                                      v_TKD.transpose(0, 1), scale)
+            outs.append(part_HTD[:, 0])
+            lses.append(part_lse_HT[:, 0])
+        out_GHD, lse_GH = torch.stack(outs), torch.stack(lses)
     q_HGD = q_GHD.transpose(0, 1).contiguous()
     for k_TKD, v_TKD in shared:
         if k_TKD.shape[0] == 0:

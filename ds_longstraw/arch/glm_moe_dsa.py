@@ -365,26 +365,30 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         return out
 
     # -- a decode step of G samples at once (ds_longstraw.rollout.generate) --------------------------------------------
-    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None, own_lengths=None):
+    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None, slots=None):
         """One token of each of G sequences that share the prompt's rows (arch/decode.py), at `position` (an int for
         all, or [G] positions: samples whose responses hold observations of different lengths).
 
         The G tokens run as one segment of G tokens for everything that is per token (projections, indexer inputs,
         norms, the MoE block), each at its sample's position. Per full indexer layer each sample selects its own
         canonical top-k among the prompt's indexer keys (one candidates pass for all samples over the shared pages,
-        or remote_attention.candidates under context parallelism) and its own response keys (`own`), merged in
-        canonical order as dsa_select does; the absorbed attention then takes the prompt rows' partial (page by
-        page, or remote_attention.attend) and its own rows' partial, merged by LSE. carry: unused; past: layer ->
-        the prompt's row tuples (shared); own: layer -> each sample's earlier response rows [S, G, ...] per stream
-        (sample g has the first own_lengths[g] of them, at the positions just before its own; None: all S).
-        Returns hidden [G, 1, C] (before the final norm) and rows: layer -> this step's rows [G, ...] per stream."""
+        or remote_attention.candidates under context parallelism) and its own response keys, merged in canonical
+        order as dsa_select does; the absorbed attention then takes the prompt rows' partial (page by page, or
+        remote_attention.attend) and its own selected rows' partial, merged by LSE. carry: unused; past: layer ->
+        the prompt's row tuples (shared); own: arch/decode.OwnRows, each sample's earlier response rows (at the
+        positions just before its own) in slots `slots` (None: 0 .. G-1): this step's rows are written there at
+        each slot's length (the caller advances the lengths). Returns hidden [G, 1, C] (before the final norm) and
+        rows: layer -> this step's rows [G, ...] per stream."""
         tokens = ids_G.numel()
+        slots = list(range(tokens)) if slots is None else slots
         hidden = self.embed(ids_G)  # [1, G, C]: the samples as the tokens of one segment
         position_G = (position.to(hidden.device) if isinstance(position, torch.Tensor)
                       else torch.full((tokens,), position, device=hidden.device))
         cos, sin = self.body.rotary_emb(hidden, position_G.view(1, tokens))
+        # each sample's own rows sit at the positions just before its own: the first at position - length
+        first_own = [int(position_G[g]) - own.lengths[slot] for g, slot in enumerate(slots)]
         out = SegmentOutput(hidden=None)
-        selection, own_at = None, None
+        selection = None
         for index, layer in enumerate(self.layers[: len(self.specs)]):
             module = layer.self_attn
             h = layer.input_layernorm(hidden)
@@ -392,21 +396,19 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
             rows = (latent, k_rope)
             shared = list(past.get(index, []))
             first = 0 if remote_attention is None else remote_attention.end
-            mine = own.get(index)
-            if own_at is None:
-                own_at = _own_positions(position_G, 0 if mine is None else mine[0].shape[0], own_lengths)
             if module.indexer is not None:
                 query, weights, key = self.indexer_inputs(module.indexer, h, q_resid, cos, sin)
                 rows = (latent, k_rope, key)
-                own_keys = key[None] if mine is None else torch.cat([mine[2], key[None]])
-                selection = _decode_selection(module.indexer, query, weights, shared, first, own_keys,
-                                              remote_attention, index, position_G, own_at)
+            own.write(index, slots, rows)
+            mine = [own.rows(index, slot, extra=1) for slot in slots]
+            if module.indexer is not None:
+                selection = _decode_selection(module.indexer, query, weights, shared, first,
+                                              [rows_g[2] for rows_g in mine], first_own, remote_attention, index,
+                                              position_G)
             w_uk, w_uv = self.absorbed_maps(module)
             q_lat = torch.einsum("thn,rhn->thr", q_nope, w_uk)
-            own_lat = latent[None] if mine is None else torch.cat([mine[0], latent[None]])
-            own_rope = k_rope[None] if mine is None else torch.cat([mine[1], k_rope[None]])
-            o_lat = _decode_attention(q_lat, q_rope, shared, first, own_lat, own_rope, selection, module.scaling,
-                                      remote_attention, index, own_at)
+            o_lat = _decode_attention(q_lat, q_rope, shared, first, mine, first_own, selection, module.scaling,
+                                      remote_attention, index)
             mixed = module.o_proj(torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, tokens, -1))
             hidden = self.mlp_residual(index, hidden + mixed)
             out.rows[index] = rows
@@ -414,23 +416,11 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         return out
 
 
-def _own_positions(position_G, rows, own_lengths):
-    """(positions [G, rows + 1], valid [G, rows + 1]) of each sample's own keys: its earlier rows, the last
-    own_lengths[g] positions before its own (None: all `rows`), then this step's key at position_G[g]. Rows a sample
-    does not have are invalid (their positions are placeholders)."""
-    lengths_G = (torch.full_like(position_G, rows) if own_lengths is None
-                 else own_lengths.to(position_G.device))
-    index_S = torch.arange(rows + 1, device=position_G.device)
-    positions = (position_G - lengths_G).unsqueeze(1) + index_S
-    positions[:, -1] = position_G
-    valid = (index_S < lengths_G.unsqueeze(1)) | (index_S == rows)
-    return positions, valid
-
-
-def _decode_selection(indexer, query, weights, shared, first, own_keys, remote, index, position_G, own_at):
+def _decode_selection(indexer, query, weights, shared, first, own_keys, first_own, remote, index, position_G):
     """(positions, valid) [G, min(topk, last position + 1)]: each sample's canonical top-k among the prompt's
-    indexer keys (the shared segments from position `first`; before it, remote's) and its own keys own_keys
-    [S, G, D] at own_at's positions (own_at: _own_positions; invalid rows score -inf: no candidate)."""
+    indexer keys (the shared segments from position `first`; before it, remote's) and its own keys (own_keys[g]
+    [T_g, D] at positions first_own[g] ..; the candidates of a sample with fewer own keys than another's padded
+    with -inf: none)."""
     topk, scale = indexer.index_topk, indexer.softmax_scale
     best = None if remote is None else remote.candidates(index, (query, weights))
     start = first
@@ -438,31 +428,40 @@ def _decode_selection(indexer, query, weights, shared, first, own_keys, remote, 
         best = dsa.extend_candidates(best, query, weights, piece[2], start, None, topk, scale)
         start += piece[0].shape[0]
     acc = score_dtype(query.dtype)
-    own_positions, own_valid = own_at
+    width = max(keys.shape[0] for keys in own_keys)
+    scores_GS = torch.full((query.shape[0], width), float("-inf"), dtype=acc, device=query.device)
+    positions_GS = torch.zeros((query.shape[0], width), dtype=torch.long, device=query.device)
     with torch.no_grad():  # as the model's indexer: no gradient
-        scores_GIS = torch.relu(torch.einsum("gid,sgd->gis", query.to(acc), own_keys.to(acc)) * scale)
-        scores_GS = torch.einsum("gi,gis->gs", weights.to(acc), scores_GIS).masked_fill(~own_valid, float("-inf"))
+        for g, keys_TD in enumerate(own_keys):
+            scores_IT = torch.relu(torch.einsum("id,td->it", query[g].to(acc), keys_TD.to(acc)) * scale)
+            scores_GS[g, : keys_TD.shape[0]] = torch.einsum("i,it->t", weights[g].to(acc), scores_IT)
+            positions_GS[g, : keys_TD.shape[0]] = torch.arange(first_own[g], first_own[g] + keys_TD.shape[0],
+                                                               device=query.device)
     if best is None:
         best = dsa.no_candidates(query.shape[0], acc, query.device)
-    best = dsa.merge_candidates((best[0].to(acc), best[1]), (scores_GS, own_positions), topk)
+    best = dsa.merge_candidates((best[0].to(acc), best[1]), (scores_GS, positions_GS), topk)
     return dsa.candidates_selection(best, min(topk, int(position_G.max()) + 1))
 
 
-def _decode_attention(q_lat, q_rope, shared, first, own_lat, own_rope, selection, scale, remote, index, own_at):
+def _decode_attention(q_lat, q_rope, shared, first, own, first_own, selection, scale, remote, index):
     """o_lat [G, H, R] of each sample over its selected rows: the prompt's (the shared segments from `first`, and
-    remote's before it) and its own (own_lat [S, G, R], own_rope [S, G, E] at own_at's positions, _own_positions)."""
+    remote's before it) and its own (own[g]: its rows (latent [T_g, R], k_rope [T_g, E], ...) at positions
+    first_own[g] ..; only the selected ones are read)."""
     positions, valid = selection
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
-    own_positions, own_valid = own_at
-    # a row the sample does not have may share a position with one it has: only its valid rows can be chosen
-    chosen_GS = ((positions.unsqueeze(-1) == own_positions.unsqueeze(1)) & valid.unsqueeze(-1)).any(1) & own_valid
-    scores = torch.einsum("ghr,sgr->ghs", q_lat.to(acc), own_lat.to(acc))
-    scores = (scores + torch.einsum("ghe,sge->ghs", q_rope.to(acc), own_rope.to(acc))) * scale
-    scores = scores.masked_fill(~chosen_GS.unsqueeze(1), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
-    # rows a sample does not have were never written: 0 * NaN would reach its output
-    out = torch.einsum("ghs,sgr->ghr", probs, own_lat.to(acc).masked_fill(~own_valid.t().unsqueeze(-1), 0))
+    outs, lses = [], []
+    for g, rows_g in enumerate(own):
+        count = rows_g[0].shape[0]
+        mine = valid[g] & (positions[g] >= first_own[g]) & (positions[g] < first_own[g] + count)
+        chosen = positions[g][mine] - first_own[g]
+        lat_SR, rope_SE = rows_g[0][chosen].to(acc), rows_g[1][chosen].to(acc)
+        scores_HS = (torch.einsum("hr,sr->hs", q_lat[g].to(acc), lat_SR)
+                     + torch.einsum("he,se->hs", q_rope[g].to(acc), rope_SE)) * scale
+        lse_H = torch.logsumexp(scores_HS, dim=-1)  # -inf where none of its own rows was selected
+        probs_HS = torch.exp(scores_HS - torch.where(torch.isinf(lse_H), torch.zeros_like(lse_H), lse_H).unsqueeze(-1))
+        outs.append(torch.einsum("hs,sr->hr", probs_HS, lat_SR))
+        lses.append(lse_H)
+    out, lse = torch.stack(outs), torch.stack(lses)
     start = first
     for piece in shared:
         part, part_lse = sparse_mla.page_partial(q_lat, q_rope, piece[0], piece[1], start, positions, valid, scale)

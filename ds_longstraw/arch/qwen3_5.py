@@ -22,7 +22,7 @@ from ds_longstraw.kernels import attention_with_past, chunk_gated_delta_rule, me
 from ds_longstraw.kernels.dispatch import record
 
 from .base import CausalLMAdapter, SegmentOutput
-from .decode import decode_attention, own_valid
+from .decode import decode_attention
 from .family import Family
 from .qwen3_5_graph import replay_graph
 from .qwen3_5_scan import forward_replaced
@@ -328,22 +328,23 @@ class Qwen35Adapter(CausalLMAdapter):
         return out
 
     # -- a decode step of G samples at once (ds_longstraw.rollout.generate) --------------------------------------------
-    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None, own_lengths=None):
+    def decode_step(self, ids_G, position, carry, past, own, remote_attention=None, slots=None):
         """One token of each of G sequences that share the prompt's state (arch/decode.py), at `position` (an int
         for all, or [G] positions: samples whose responses hold observations of different lengths).
 
         carry: layer -> (recurrent state [G, ...], conv tail [G, ...]), each sample's own; past: layer -> the prompt's
         (K, V) segments, shared (a StagedPast, or empty under context parallelism, where remote_attention reaches
-        them as in forward_segment); own: layer -> (K, V) [S, G, K, D], each sample's earlier response rows (sample g
-        has the first own_lengths[g] of them; None: all S). Returns hidden [G, 1, C] (before the final norm), carry
+        them as in forward_segment); own: arch/decode.OwnRows, each sample's earlier response rows, in slots `slots`
+        (the batch rows' slots; None: 0 .. G-1): this step's (K, V) are written there at each slot's length (the
+        caller advances the lengths) and attended with them. Returns hidden [G, 1, C] (before the final norm), carry
         [G, ...] per layer, and rows: layer -> this step's (K, V) [G, K, D]."""
+        slots = list(range(ids_G.numel())) if slots is None else slots
         hidden = self.body.embed_tokens(ids_G.to(self.device).view(-1, 1))
         if isinstance(position, torch.Tensor):
             cos, sin = self.body.rotary_emb(hidden, position.to(self.device).view(-1, 1))
         else:
             cos, sin = self.rotary(hidden, position)
         out = SegmentOutput(hidden=None)
-        valid_SG = None
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
             h = self.mixer_input(index, hidden)
             if self.layer_types[index] == LINEAR_ATTENTION:
@@ -353,12 +354,10 @@ class Qwen35Adapter(CausalLMAdapter):
                 module = layer.self_attn
                 query, gate, key, value = self.attention_qkv(module, h, cos, sin)  # [G, H or K, 1, D]
                 key, value = key[:, :, 0], value[:, :, 0]
-                own_k, own_v = own.get(index, (key[None][:0], value[None][:0]))
-                if valid_SG is None and own_lengths is not None:
-                    valid_SG = own_valid(own_lengths.to(self.device), own_k.shape[0])
+                own.write(index, slots, (key, value))
+                mine = own.batch_rows(index, slots, extra=1) or [own.rows(index, slot, extra=1) for slot in slots]
                 remote = None if remote_attention is None else partial(remote_attention, index)
-                out_GHD = decode_attention(query[:, :, 0], past.get(index, []), torch.cat([own_k, key[None]]),
-                                           torch.cat([own_v, value[None]]), module.scaling, remote, valid_SG)
+                out_GHD = decode_attention(query[:, :, 0], past.get(index, []), mine, module.scaling, remote)
                 mixed = module.o_proj(out_GHD.reshape(out_GHD.shape[0], 1, -1) * torch.sigmoid(gate))
                 out.rows[index] = (key, value)
             hidden = self.mlp_residual(index, hidden + mixed)

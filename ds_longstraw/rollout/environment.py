@@ -10,6 +10,8 @@ in one forward without autograd, from the sample's own carry and rows, onto the 
 later actions attend to); decoding then resumes from its last token. Samples that wait on no observation keep
 decoding in the same batch, each at its own position.
 
+    capture       an observation's tokens run in forwards of at most the longstraw block's capture_chunk tokens, as
+                  the prompt's capture does (a decode lockstep pads the forwards, not the observations)
     turn          an action (ended by a stop id) and its observation; max_turns (None: no limit) caps the
                   observations a sample gets: a stop id drawn past it ends the sample, unfinished
     budget        max_new_tokens caps the whole response, actions and observations: an observation that does not
@@ -28,7 +30,7 @@ chat-template parser (token ids in, token ids out; integrations/trl maps TRL's t
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
@@ -129,6 +131,20 @@ class TurnRules:
     stops: tuple[int, ...] = ()
     max_turns: int | None = None
     ask: Callable[[int, list[int]], list[int] | None] | None = None
+    # an observation runs through the model in forwards of at most this many tokens (the longstraw block's
+    # capture_chunk, as the prompt's capture): its activations are a chunk's, not the whole observation's
+    chunk: int = 1 << 62
+    # seconds and tokens of the observations' forwards so far (generate reports the seconds as its "observations"
+    # phase, inside "decode")
+    captured: list = field(default_factory=lambda: [0.0, 0])
+
+    def note_captured(self, seconds: float, tokens: int) -> None:
+        self.captured[0] += seconds
+        self.captured[1] += tokens
+
+    def forwards(self, segment: list[int]) -> list[list[int]]:
+        """The forwards an observation's captured tokens run in (chunk tokens each)."""
+        return [segment[i: i + self.chunk] for i in range(0, len(segment), self.chunk)]
 
     def response(self) -> Response:
         return Response(self.max_new_tokens, self.eos, self.stops, self.max_turns)

@@ -35,13 +35,15 @@ the tokens sorted by probability (ties: lower id first). Ranks of a context-para
 the ranks' calls cannot drift apart even where a uniform lands on a rounding boundary.
 
 Legend: V vocabulary, G samples still in the batch; rows are token-major [T, ...] per stream of a paged layer, as
-the adapter returns them; the batched path keeps each layer's rows position-major [max_new_tokens, G, ...].
+the adapter returns them; the batched path keeps each sample's rows in its slot of arch/decode.OwnRows
+([G, max_new_tokens, ...] per stream).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -51,10 +53,11 @@ import torch
 import torch.distributed as dist
 
 from ds_longstraw.arch import adapter_for, expert_parallel
+from ds_longstraw.arch.decode import OwnRows
 from ds_longstraw.config import parse_config
 from ds_longstraw.group import GRPOGroup, as_ids
 from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
-from ds_longstraw.grpo.memory import PhaseMeter, return_freed_host_memory
+from ds_longstraw.grpo.memory import PhaseMeter, PhaseStats, return_freed_host_memory
 from ds_longstraw.grpo.topology import build_topology
 from ds_longstraw.kernels.dispatch import kernel_mode
 from ds_longstraw.parallel.experts import check_expert_parallel
@@ -80,9 +83,10 @@ class Rollouts:
     1; no top-p truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs (0.0 at an
     observation's tokens); finished: whether each sample ended with eos, or its environment ended it (else it stopped
     at max_new_tokens or max_turns); seed: the seed that reproduces the samples (drawn at random when none was
-    given); phases: name -> memory.PhaseStats of "capture" and "decode". With an environment
-    (rollout/environment.py): response_masks, G boolean tensors (True: an action token the policy sampled, False: an
-    observation's), and turns, the observations each sample got; without one response_masks is None and turns all 0."""
+    given); phases: name -> memory.PhaseStats of "capture" and "decode" (and "observations", the seconds of the
+    observations' forwards within "decode"). With an environment (rollout/environment.py): response_masks, G boolean
+    tensors (True: an action token the policy sampled, False: an observation's), and turns, the observations each
+    sample got; without one response_masks is None and turns all 0."""
 
     prompt_ids: torch.Tensor
     response_ids: list
@@ -259,7 +263,7 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     choose = _first_rank_token(topology, adapter.device)
     seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
     ask = None if environment is None else observer(environment, topology, adapter.vocab_size)
-    rules = TurnRules(max_new_tokens, eos, stops, max_turns, ask)
+    rules = TurnRules(max_new_tokens, eos, stops, max_turns, ask, longstraw.capture_chunk)
     return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples, Sampling(temperature, top_p, seed,
                      choose), rules, keep_capture, batched, lockstep)
 
@@ -344,6 +348,8 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success
+    if rules.ask is not None:  # the observations' forwards, inside "decode": seconds only (its peak is decode's)
+        meter.phases["observations"] = PhaseStats(seconds=rules.captured[0], peak_measured=False)
     ids, logprobs, finished, masks, turns = (list(column) for column in zip(*samples, strict=True)) if samples \
         else ([],) * 5
     return Rollouts(prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs, finished=finished,
@@ -418,9 +424,10 @@ class _ResponseRows:
         return past
 
 
-def _new_buffer(part: torch.Tensor, capacity: int) -> torch.Tensor:
-    """Room for `capacity` rows like `part`'s (uninitialised: only the rows written are ever read; tests poison it)."""
-    return part.new_empty((capacity, *part.shape[1:]))
+def _new_buffer(part: torch.Tensor, shape: int | tuple) -> torch.Tensor:
+    """Room for rows like `part`'s: `shape` a capacity of rows (part's row shape after it) or a whole shape
+    (uninitialised: only the rows written are ever read; tests poison it)."""
+    return part.new_empty((shape, *part.shape[1:]) if isinstance(shape, int) else shape)
 
 
 def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
@@ -440,41 +447,35 @@ def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: 
 def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
                   sampling: Sampling, rules: TurnRules, schedule: Schedule) -> list[tuple]:
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
-    all the samples still running; a sample that ends leaves the batch (its carry and rows are dropped). A sample
-    the environment answers has its observation captured onto its own rows (one segment forward, no head) and
-    decodes on from its own position: the samples' own rows share one position-major buffer, sample r's first
-    lengths[r] of them its own. Each sample draws from its own generator in the same order as _decode, so the
-    tokens are the sequential path's. Under a lockstep, steps this rank takes with no sample running are ghost
-    steps. Returns [Response.result()] per sample."""
+    all the samples still running; a sample that ends leaves the batch (its carry is dropped, its rows stay in their
+    slot: nothing is copied). Each sample's own rows lie in its slot of arch/decode.OwnRows, so a sample the
+    environment answered, whose observation was captured onto its rows (one segment forward, no head), decodes on
+    from its own position. Each sample draws from its own generator in the same order as _decode, so the tokens
+    are the sequential path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
+    Returns [Response.result()] per sample."""
     max_new = rules.max_new_tokens
     generators = [_generator(sampling.seed, sample) for sample in range(num_samples)]
     responses = [rules.response() for _ in range(num_samples)]
-    active = list(range(num_samples))  # the samples in the batch, in batch order
-    lengths = torch.zeros(num_samples, dtype=torch.long)  # own rows of each sample in the batch (fed tokens)
+    active = list(range(num_samples))  # the samples in the batch, in batch order (each its own slot of `own`)
+    own = OwnRows(num_samples, max_new, _new_buffer)
     # every sample starts from the prompt's carry: its own copy, [G, ...]
     carry = {layer: tuple(t.expand(num_samples, *t.shape[1:]).clone() for t in parts)
              for layer, parts in view.leaves.carry.items()}
-    rows = {}  # layer -> the samples' own rows, position-major [max_new_tokens, G, ...] per stream
     tokens = first.view(1).expand(num_samples)
     for step in range(max_new):
         if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
             _ghost_steps(adapter, view, start, max_new - step, True, schedule)
             break
-        longest = int(lengths.max())
-        aligned = bool((lengths == longest).all())  # no observation yet: one position for all, nothing masked
-        own = {layer: tuple(buffer[:longest] for buffer in buffers) for layer, buffers in rows.items()}
-        out = adapter.decode_step(tokens, start + longest if aligned else start + lengths, carry,
-                                  view.leaves.past.fresh(), own, view.remote_attention, None if aligned else lengths)
+        lengths = [own.lengths[sample] for sample in active]
+        # no observation yet: one position for all
+        position = start + lengths[0] if len(set(lengths)) == 1 else start + torch.tensor(lengths)
+        out = adapter.decode_step(tokens, position, carry, view.leaves.past.fresh(), own, view.remote_attention,
+                                  active)
+        for sample in active:
+            own.advance(sample)
         carry = dict(out.carry)
-        at = longest if aligned else (lengths.to(adapter.device), torch.arange(len(active), device=adapter.device))
-        for layer, parts in out.rows.items():
-            if layer not in rows:
-                rows[layer] = tuple(_new_buffer(part.unsqueeze(0), max_new) for part in parts)
-            for buffer, part in zip(rows[layer], parts, strict=True):
-                buffer[at] = part
-        lengths += 1
         logits_GV = adapter.lm_head(adapter.body.norm(out.hidden))[:, -1].double().cpu()
-        del out, own
+        del out
         return_freed_host_memory(adapter.device)  # a step's scattered small temporaries (G times one sample's)
         drawn = [_draw(logits_GV[row], sampling, generators[sample]) for row, sample in enumerate(active)]
         keep, next_tokens, captures = [], [], []
@@ -483,19 +484,20 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
             logp = torch.log_softmax(logits_GV[row] / (sampling.temperature or 1.0), dim=-1)[chosen]
             segment, token = rules.step(sample, responses[sample], chosen, logp)
             if segment:
-                captures.append((row, segment))
+                captures.append((row, sample, segment))
             if not responses[sample].ended:
                 keep.append(row)
                 next_tokens.append(token)
-        running, common = schedule.next_step(bool(keep), len(captures), adapter.device)
-        for row, segment in captures:
-            _capture_into_batch(adapter, view, start, row, segment, carry, rows, lengths)
-        _ghost_captures(adapter, view, start, common - len(captures))
+        forwards = [(row, sample, piece) for row, sample, segment in captures for piece in rules.forwards(segment)]
+        running, common = schedule.next_step(bool(keep), len(forwards), adapter.device)
+        began = time.perf_counter()
+        for row, sample, piece in forwards:
+            _capture_into_slot(adapter, view, start, row, sample, piece, carry, own)
+        rules.note_captured(time.perf_counter() - began, sum(len(piece) for *_, piece in forwards))
+        _ghost_captures(adapter, view, start, common - len(forwards))
         if len(keep) < len(active):  # finished samples leave the batch
             index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
             carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}
-            rows = {layer: tuple(b.index_select(1, index) for b in buffers) for layer, buffers in rows.items()}
-            lengths = lengths[index.cpu()]
             active = [active[row] for row in keep]
         if not running:
             break
@@ -503,24 +505,19 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
     return [response.result() for response in responses]
 
 
-def _capture_into_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, row: int, segment: list[int],
-                        carry: dict, rows: dict, lengths: torch.Tensor) -> None:
-    """Batch row `row`'s observation tokens `segment` through the model in one forward without autograd, from its
-    carry and own rows; its new rows join its own, its carry and length move past them (in place)."""
-    length = int(lengths[row])
-    past = view.leaves.past.fresh()
-    for layer, buffers in rows.items():
-        past.append(layer, tuple(buffer[:length, row] for buffer in buffers))
+def _capture_into_slot(adapter: CausalLMAdapter, view: ReplayView, start: int, row: int, sample: int,
+                       segment: list[int], carry: dict, own: OwnRows) -> None:
+    """Sample `sample`'s (batch row `row`) observation tokens `segment` through the model in one forward without
+    autograd, from its carry and own rows; its new rows join its own, its carry moves past them (in place)."""
     mine = {layer: tuple(t[row: row + 1] for t in parts) for layer, parts in carry.items()}
-    out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + length, mine, past,
-                                  view.remote_attention)
+    out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + own.lengths[sample], mine,
+                                  own.past(view.leaves.past.fresh(), sample), view.remote_attention)
     for layer, parts in out.rows.items():
-        for buffer, part in zip(rows[layer], parts, strict=True):
-            buffer[length: length + part.shape[0], row] = part
+        own.extend(layer, sample, parts)
+    own.advance(sample, len(segment))
     for layer, parts in out.carry.items():
         for kept, new in zip(carry[layer], parts, strict=True):
             kept[row] = new[0]
-    lengths[row] += len(segment)
 
 
 def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, sample: int,
@@ -542,13 +539,16 @@ def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch
         chosen = sampling.choose([_draw(logits_V, sampling, generator)])[0]
         logp = torch.log_softmax(logits_V / (sampling.temperature or 1.0), dim=-1)[chosen]
         segment, fed = rules.step(sample, response, chosen, logp)
-        running, common = schedule.next_step(not response.ended, 1 if segment else 0, adapter.device)
-        if segment:
-            out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + rows.length, carry,
+        forwards = rules.forwards(segment)
+        running, common = schedule.next_step(not response.ended, len(forwards), adapter.device)
+        began = time.perf_counter()
+        for piece in forwards:
+            out = adapter.forward_segment(torch.tensor(piece, dtype=torch.long), start + rows.length, carry,
                                           rows.past(view.leaves), view.remote_attention)
             carry = dict(out.carry)
-            rows.append(out.rows, len(segment))
-        _ghost_captures(adapter, view, start, common - (1 if segment else 0))
+            rows.append(out.rows, len(piece))
+        rules.note_captured(time.perf_counter() - began, len(segment))
+        _ghost_captures(adapter, view, start, common - len(forwards))
         if not running:
             break
         token = torch.tensor([fed])
@@ -582,7 +582,7 @@ def _ghost_step(adapter: CausalLMAdapter, view: ReplayView, start: int, batched:
     carry = dict(view.leaves.carry)
     if batched:
         past = view.leaves.past.fresh()
-        out = adapter.decode_step(token, start, carry, past, {}, view.remote_attention)
+        out = adapter.decode_step(token, start, carry, past, OwnRows(1, 1, _new_buffer), view.remote_attention)
     else:
         out = adapter.forward_segment(token, start, carry, _ResponseRows().past(view.leaves), view.remote_attention)
     adapter.lm_head(adapter.body.norm(out.hidden))

@@ -13,6 +13,11 @@
       zero3_whole_budget: 0.8                   # auto: the share of free device memory "whole" may fill
       prompts: ds_longstraw.tasks.recall:prompt # launch/train.py only, optional: function(seed, index, **prompt_args)
       prompt_args: {prompt_tokens: 64}          # (without `prompts` the step's prompts come from data.path's JSONL)
+      environment: null                         # optional "package.module:function", called function(prompt_ids):
+                                                # the Environment that answers that prompt's samples' tool calls
+                                                # (rollout/environment.py); max_new_tokens then caps actions and
+                                                # observations together, and the groups mask the observations
+      max_turns: null                           # with an environment: the observations per sample (null: no cap)
 
 Per prompt: `generate` decodes G samples from the prompt captured once, with the policy's current weights (under
 the DeepSpeed engine its module, whose ZeRO-3 hooks gather the weights as they are used), the run's "longstraw"
@@ -55,7 +60,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from ds_longstraw.config import parse_block
 from ds_longstraw.group import as_ids
@@ -70,6 +75,7 @@ if TYPE_CHECKING:
     from ds_longstraw.config import LongstrawConfig
     from ds_longstraw.group import GRPOGroup
     from ds_longstraw.parallel.groups import CPContext
+    from ds_longstraw.rollout.environment import Environment
     from ds_longstraw.rollout.generate import Rollouts
 
 BLOCK = "rollout"
@@ -111,6 +117,8 @@ class RolloutConfig(DeepSpeedConfigModel):
     zero3_whole_budget: float = Field(0.8, ge=0, le=1, allow_inf_nan=False)
     prompts: str | None = None
     prompt_args: dict[str, Any] = Field(default_factory=dict)
+    environment: str | None = None
+    max_turns: int | None = Field(None, ge=0)
 
     @field_validator("reward")
     @classmethod
@@ -125,6 +133,20 @@ class RolloutConfig(DeepSpeedConfigModel):
             load_callable(value, f"{BLOCK}.prompts")
         return value
 
+    @field_validator("environment")
+    @classmethod
+    def _environment_imports(cls, value: str | None) -> str | None:
+        if value is not None:
+            load_callable(value, f"{BLOCK}.environment")
+        return value
+
+    @model_validator(mode="after")
+    def _turns_need_an_environment(self) -> RolloutConfig:
+        if self.max_turns is not None and self.environment is None:
+            raise ValueError(f"'{BLOCK}.max_turns' = {self.max_turns} is given without '{BLOCK}.environment' (it "
+                             "caps an environment's observations)")
+        return self
+
     @field_validator("eos_token_id")
     @classmethod
     def _eos_ids(cls, value: int | list[int] | None) -> int | list[int] | None:
@@ -138,6 +160,12 @@ class RolloutConfig(DeepSpeedConfigModel):
 
     def prompt_function(self) -> Callable[..., torch.Tensor | Sequence[int]] | None:
         return None if self.prompts is None else load_callable(self.prompts, f"{BLOCK}.prompts")
+
+    def environment_for(self, prompt_ids: torch.Tensor) -> Environment | None:
+        """The environment of one prompt's samples (None without one)."""
+        if self.environment is None:
+            return None
+        return load_callable(self.environment, f"{BLOCK}.environment")(prompt_ids)
 
 
 def parse_rollout(block: RolloutConfig | dict[str, Any]) -> RolloutConfig:
@@ -213,7 +241,8 @@ def rollout_samples(model: torch.nn.Module,
             samples = generate(model, prompts[j], rollout.num_samples, rollout.max_new_tokens,
                                temperature=rollout.temperature, top_p=rollout.top_p,
                                eos_token_id=rollout.eos_token_id, seed=sample_seed(rollout.seed, step, first_index + j),
-                               longstraw=longstraw, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule)
+                               longstraw=longstraw, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule,
+                               environment=rollout.environment_for(prompts[j]), max_turns=rollout.max_turns)
             sampled.append((None, samples))
             rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
             sampled[-1] = (samples.group(rewards), samples)

@@ -40,8 +40,8 @@ FAMILIES = {
 @pytest.fixture(autouse=True)
 def poisoned_rows(monkeypatch):
     """Response-row buffers start as NaN: only rows written may be read."""
-    def poisoned(part, capacity):
-        return part.new_full((capacity, *part.shape[1:]), float("nan"))
+    def poisoned(part, shape):
+        return part.new_full((shape, *part.shape[1:]) if isinstance(shape, int) else shape, float("nan"))
 
     monkeypatch.setattr(rollout, "_new_buffer", poisoned)
 

@@ -36,8 +36,8 @@ STOPS = tuple(range(2, 97, 5))
 
 @pytest.fixture(autouse=True)
 def poisoned_rows(monkeypatch):
-    def poisoned(part, capacity):
-        return part.new_full((capacity, *part.shape[1:]), float("nan"))
+    def poisoned(part, shape):
+        return part.new_full((shape, *part.shape[1:]) if isinstance(shape, int) else shape, float("nan"))
 
     monkeypatch.setattr(rollout, "_new_buffer", poisoned)
 
@@ -237,3 +237,30 @@ def test_the_kept_capture_trains_multi_turn_samples(models, family, mode):
     assert "capture" not in reused.phases and "capture" in again.phases
     error = relative_l2(got, want)
     assert error <= 1e-8, f"relative L2 {error:.3e}"
+
+
+def test_the_rollout_block_runs_an_environment(models):
+    """The `rollout:` block's environment ("package.module:function", one environment per prompt) and max_turns reach
+    generate: rollout_groups' groups are generate's with that environment at the block's seeds, observations
+    masked; max_turns without an environment, and an environment that does not import, are refused by key."""
+    from turn_envs import tool_table
+
+    from ds_longstraw.rollout.step import parse_rollout, rollout_groups, sample_seed
+
+    block = dict(source="internal", num_samples=3, max_new_tokens=24, reward="rewards:mod3_reward",
+                 environment="turn_envs:tool_table", max_turns=2, seed=9)
+    model, prompts = models["qwen3_5"], [_prompt("qwen3_5", seed=s) for s in (1, 2)]
+    config = FAMILIES["qwen3_5"]["longstraw"]
+    with float64_model():
+        groups = rollout_groups(model, prompts, block, step=3, longstraw=config)
+        for j, (group, prompt) in enumerate(zip(groups, prompts, strict=True)):
+            want = generate(model, prompt, 3, 24, seed=sample_seed(9, 3, j), longstraw=config,
+                            environment=tool_table(prompt), max_turns=2)
+            assert all(torch.equal(a, b) for a, b in zip(group.response_ids, want.response_ids, strict=True))
+            assert all(torch.equal(a, b) for a, b in zip(group.response_masks, want.response_masks, strict=True))
+            assert max(want.turns) <= 2
+    assert any(not bool(m.all()) for group in groups for m in group.response_masks)
+    with pytest.raises(ValueError, match="rollout.max_turns"):
+        parse_rollout({k: v for k, v in block.items() if k != "environment"})
+    with pytest.raises(ValueError, match="rollout.environment"):
+        parse_rollout(dict(block, environment="turn_envs:no_such_factory"))
