@@ -55,8 +55,13 @@ def run_one(kind, prompt, samples, turns, observation, actions):
     import torch
 
     from ds_longstraw.arch import adapter_for
-    from ds_longstraw.grpo.memory import (host_current_bytes, host_peak_bytes, require_host_peaks, reset_host_peak,
-                                          return_freed_host_memory)
+    from ds_longstraw.grpo.memory import (
+        host_current_bytes,
+        host_peak_bytes,
+        require_host_peaks,
+        reset_host_peak,
+        return_freed_host_memory,
+    )
     from ds_longstraw.models.shapes import build_named
     from ds_longstraw.rollout.generate import generate
 
