@@ -94,9 +94,10 @@ class _ChunkedLogprobsEntropy(torch.autograd.Function):
 
 def chunked_logprobs_entropy(hidden_TC, weight_VC, targets_T, bias_V=None, vocab_chunk=VOCAB_CHUNK, temperature=1.0):
     """(log softmax(z)[t, targets[t]], entropy of softmax(z)[t]) for each token t, z = (hidden @ weight.T + bias) /
-    temperature (chunked_logprobs' temperature), as two [T] tensors in float32 (float64 for float64 inputs), both differentiable w.r.t. hidden, weight and bias; the
-    same numbers as `logprobs_entropy_reference`, computed `vocab_chunk` ids at a time (module docstring). Run it
-    inside the head's module call under ZeRO-3, as chunked_logprobs (ds_longstraw.arch.base.head_logprobs)."""
+    temperature (chunked_logprobs' temperature), as two [T] tensors in float32 (float64 for float64 inputs), both
+    differentiable w.r.t. hidden, weight and bias; the same numbers as `logprobs_entropy_reference`, computed
+    `vocab_chunk` ids at a time (module docstring). Run it inside the head's module call under ZeRO-3, as
+    chunked_logprobs (ds_longstraw.arch.base.head_logprobs)."""
     check_logprob_inputs(hidden_TC, weight_VC, targets_T, bias_V, vocab_chunk, temperature)
     record("log-probs", "chunked_entropy")
     targets_T = targets_T.to(device=hidden_TC.device, dtype=torch.long)
