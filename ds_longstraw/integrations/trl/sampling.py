@@ -37,17 +37,22 @@ class CaptureSampler:
 
     def sample(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], *, num_generations: int,
                max_new_tokens: int, temperature: float, top_p: float, eos_token_ids: Sequence[int], seed: int,
-               step: int, replica: int, dp_group: Any = None, cp_group: Any = None) -> list[list[int]]:
+               step: int, replica: int, dp_group: Any = None, cp_group: Any = None,
+               tool_loop: Any = None) -> list[list[int]]:
         """Completions for TRL's local batch `prompt_ids` (each prompt num_generations times, in runs), in order.
         replica: this process's data-parallel replica (its process index, or its CP group's); cp_group: the
-        CPContext its prompts are sharded over (its ranks sample alike)."""
+        CPContext its prompts are sharded over (its ranks sample alike). tool_loop: TRL's tool loop over these rows
+        (tools.ToolLoop): each prompt's samples then decode their turns with its environment (TRL's eos ids end a
+        turn, not the sample) and the loop keeps their turns, messages and masks."""
         from ds_longstraw.rollout.generate import decode_idle_slot, decode_schedules, generate
         from ds_longstraw.rollout.step import sample_seed
 
         self.release()  # a capture of the last step's weights is of no use now
         occurrences: dict[tuple, int] = {}  # each prompt, in order of first appearance, and how often it comes
-        for ids in prompt_ids:
+        rows: dict[tuple, list[int]] = {}  # each prompt's rows, in order: its samples' rows
+        for row, ids in enumerate(prompt_ids):
             occurrences[tuple(ids)] = occurrences.get(tuple(ids), 0) + 1
+            rows.setdefault(tuple(ids), []).append(row)
         prompts = [torch.tensor(ids, dtype=torch.long) for ids in occurrences]
         counts = set(occurrences.values())
         if counts != {num_generations}:
@@ -65,11 +70,16 @@ class CaptureSampler:
                     decode_idle_slot(model, schedule, max_new_tokens, longstraw=self.longstraw, cp_group=cp_group,
                                      keep_capture=keep)
                     continue
-                rollouts = generate(model, prompts[j], num_generations, max_new_tokens, temperature=temperature,
-                                    top_p=top_p, eos_token_id=list(eos_token_ids),
-                                    seed=sample_seed(seed, step, replica * len(prompts) + j),
-                                    longstraw=self.longstraw, cp_group=cp_group, keep_capture=keep, lockstep=schedule)
                 key = tuple(prompts[j].tolist())
+                turns = {} if tool_loop is None else dict(environment=tool_loop.environment(rows[key]),
+                                                          max_turns=tool_loop.max_turns)
+                rollouts = generate(model, prompts[j], num_generations, max_new_tokens, temperature=temperature,
+                                    top_p=top_p, eos_token_id=None if turns else list(eos_token_ids),
+                                    seed=sample_seed(seed, step, replica * len(prompts) + j),
+                                    longstraw=self.longstraw, cp_group=cp_group, keep_capture=keep, lockstep=schedule,
+                                    **turns)
+                if tool_loop is not None:
+                    tool_loop.finish(rows[key], rollouts)
                 sampled[key] = [r.tolist() for r in rollouts.response_ids]
                 if keep:
                     self.kept[key] = rollouts

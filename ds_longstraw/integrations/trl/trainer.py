@@ -27,6 +27,7 @@ per step needs DeepSpeed's engine).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ from ds_longstraw.integrations.trl.metrics import transaction_metrics, trl_metri
 from ds_longstraw.integrations.trl.replicas import replica_sampler
 from ds_longstraw.integrations.trl.sampling import CaptureSampler
 from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
+from ds_longstraw.integrations.trl.tools import ToolLoop, async_tool_names
 
 BLOCK = "longstraw"
 
@@ -94,21 +96,34 @@ def _check_context_parallel(args: Any, longstraw: LongstrawConfig, ds_config: di
                          "would count each replica's rewards cp_size times")
 
 
-def _check_capture_generation(args: Any, kwargs: dict) -> None:
-    """generate_from_capture's refusals (sampling.py): what TRL's own generation would honour and it does not."""
+def _check_capture_generation(args: Any, kwargs: dict, longstraw: LongstrawConfig | None = None) -> None:
+    """generate_from_capture's refusals (sampling.py, tools.py): what TRL's own generation would honour and it does
+    not. TRL's tool loop (`tools`, `environment_factory`) maps, except async tools, a processor (multimodal) and
+    context parallelism (tools.py says why)."""
     refused = [(name, value) for name, value, default in (
         ("use_vllm", args.use_vllm, False), ("rollout_func", kwargs.get("rollout_func"), None),
-        ("tools", kwargs.get("tools"), None), ("environment_factory", kwargs.get("environment_factory"), None),
         ("top_k", args.top_k, 0), ("min_p", args.min_p, None), ("repetition_penalty", args.repetition_penalty, 1.0),
         ("use_transformers_continuous_batching", args.use_transformers_continuous_batching, False))
         if value not in (default, None)]
     batch = args.per_device_train_batch_size * args.steps_per_generation
     if batch % args.num_generations:
         refused.append(("per_device_train_batch_size x steps_per_generation", batch))
+    tools, factory = kwargs.get("tools"), kwargs.get("environment_factory")
+    if tools or factory:
+        names = async_tool_names(tools, factory)
+        if names:
+            refused.append(("async tools", names))
+        if longstraw is not None and longstraw.cp_size > 1:
+            refused.append((f"tools with '{BLOCK}.cp_size'", longstraw.cp_size))
+    from transformers import ProcessorMixin
+
+    if isinstance(kwargs.get("processing_class"), ProcessorMixin):
+        refused.append(("processing_class", type(kwargs["processing_class"]).__name__))
     if refused:
         lines = "; ".join(f"{name} = {value!r}" for name, value in refused)
-        raise ValueError(f"generate_from_capture samples with ds_longstraw.generate (temperature, top_p, eos; each "
-                         f"process's batch whole groups of num_generations = {args.num_generations}): {lines}")
+        raise ValueError(f"generate_from_capture samples with ds_longstraw.generate (temperature, top_p, eos, TRL's "
+                         f"sync tools on text; each process's batch whole groups of num_generations = "
+                         f"{args.num_generations}): {lines}")
 
 
 class LongStrawGRPOTrainer(GRPOTrainer):
@@ -125,18 +140,21 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if longstraw is not None:
                 check_trl_settings(training_args)
             if generate_from_capture:
-                _check_capture_generation(training_args, kwargs)
+                _check_capture_generation(training_args, kwargs, longstraw)
         super().__init__(*args, **kwargs)
         if training_args is None:
             longstraw = _read_block(self.args, given)
             if generate_from_capture:
-                _check_capture_generation(self.args, kwargs)
+                _check_capture_generation(self.args, kwargs, longstraw)
+        if generate_from_capture:
+            self._check_probed_tools()
         if generate_from_capture and longstraw is None:
             raise ValueError("generate_from_capture needs the 'longstraw' block (the DeepSpeed config's or longstraw=)")
         self.longstraw = longstraw
         self._skip_scoring = False
         self._old_logprobs: dict[Member, torch.Tensor] = {}
         self._sampler = CaptureSampler(longstraw) if generate_from_capture else None
+        self._tool_loop: ToolLoop | None = None  # generate_from_capture with tools: the batch's turns (tools.py)
         if longstraw is None:
             return
         self.longstraw_objective = objective_from_trl(self.args, use_vllm=self.use_vllm)
@@ -146,6 +164,20 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             raise ValueError(f"{self.accelerator.num_processes} processes without DeepSpeed: LongStrawGRPOTrainer "
                              "needs a DeepSpeed config (with the 'longstraw' block) to reduce once per step")
         self._set_leaf_modules()
+
+    def _check_probed_tools(self) -> None:
+        """What could not be seen before TRL built them: a processor loaded from the model's path, and async tool
+        methods of environments whose factory is not a class (TRL probed one instance of each)."""
+        refused = []
+        if self._is_vlm:
+            refused.append(("processing_class", type(self.processing_class).__name__))
+        names = [tool.__name__ for tool in self.tools if inspect.iscoroutinefunction(tool)]
+        if names:
+            refused.append(("async tools", names))
+        if refused:
+            lines = "; ".join(f"{name} = {value!r}" for name, value in refused)
+            raise ValueError(f"generate_from_capture samples with ds_longstraw.generate (TRL's sync tools on text): "
+                             f"{lines}")
 
     # -- context parallelism: a CP group's processes hold copies of one replica's batch ---------------------------
     def _get_train_sampler(self, dataset: Any = None) -> Any:
@@ -223,14 +255,28 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             parallelism = engine.longstraw_parallelism
             if engine.zero_optimization_stage() == 3 and self.accelerator.num_processes > 1:
                 dp_group = engine.data_parallel_group  # ZeRO-3's gathers are collectives: decode in lockstep
+        # TRL's tool loop (tools.py): every turn decodes here from the capture; TRL's _generate then parses the
+        # first turns and _tool_call_loop (below) hands it the rest
+        tool_loop = ToolLoop.from_trainer(self, prompt_ids) if self.tools else None
         completions = self._sampler.sample(
             self.accelerator.unwrap_model(self.model), prompt_ids, num_generations=num_generations,
             max_new_tokens=self.max_completion_length, temperature=self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, eos_token_ids=self.eos_token_ids, seed=self.args.seed,
             step=self.state.global_step,
             replica=self.accelerator.process_index if parallelism is None else parallelism.replica,
-            dp_group=dp_group, cp_group=None if parallelism is None else parallelism.cp)
+            dp_group=dp_group, cp_group=None if parallelism is None else parallelism.cp, tool_loop=tool_loop)
+        if tool_loop is not None:
+            self._tool_loop = tool_loop
+            completions = tool_loop.first_turns()
         return completions, None  # sampler log-probs: TRL reads them only for vLLM's importance sampling
+
+    def _tool_call_loop(self, prompts: list, prompt_ids: list, completion_ids: list, completions: list,
+                        logprobs: Any, images: Any, multimodal_fields: Any) -> tuple:
+        loop, self._tool_loop = self._tool_loop, None
+        if loop is None:  # TRL generated the first turns (no capture sampling): its own loop
+            return super()._tool_call_loop(prompts, prompt_ids, completion_ids, completions, logprobs, images,
+                                           multimodal_fields)
+        return loop.trl_outputs(logprobs)
 
     # -- one optimizer step as transactions ----------------------------------------------------------------
     def training_step(self, model: torch.nn.Module, inputs: Any, num_items_in_batch: Any = None) -> torch.Tensor:
