@@ -7,6 +7,8 @@ per step. Seeds are rollout/step.sample_seed(args.seed, global step, prompt inde
 samples alike on any number of processes. Under ZeRO-3 the processes decode in lockstep (their module calls are
 collectives; rollout/decode_lockstep.py) and keep a capture only when every one holds a single prompt, as the
 engine's rollouts do (several kept prompts would hold their pages at once); otherwise the step captures again.
+With TRL's tool loop (tools.py) every sample decodes all its turns from the capture: TRL's eos ids end a turn and
+ask the loop's environment, which answers with TRL's tool messages or ends the sample.
 """
 
 from __future__ import annotations
