@@ -129,7 +129,8 @@ def _check_capture_generation(args: Any, kwargs: dict, longstraw: LongstrawConfi
 class LongStrawGRPOTrainer(GRPOTrainer):
     """GRPOTrainer's arguments, plus `longstraw`: the longstraw block where no DeepSpeed config carries them
     (module docstring), and `generate_from_capture`: sample the completions from the captured prompt and train the
-    step on that capture (sampling.py) instead of TRL's generation. Without a block it is TRL's GRPOTrainer."""
+    step on that capture (sampling.py) instead of TRL's generation, every turn of TRL's tool loop included
+    (tools.py). Without a block it is TRL's GRPOTrainer."""
 
     def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None,
                  generate_from_capture: bool = False, **kwargs: Any) -> None:
@@ -247,6 +248,7 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids: list, images: Any, multimodal_fields: Any, num_generations: int,
                               has_tool_images: bool = False) -> tuple:
         if self._sampler is None or not self.model.training:
+            self._tool_loop = None  # TRL's own loop runs (evaluation): nothing of an earlier batch's may answer it
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
                                                  has_tool_images)
         engine = self._engine()
