@@ -13,7 +13,8 @@ each prompt's samples decode from its capture (ds_longstraw.generate) with `envi
                     name or another call type becomes {"error": ...} and counts as a failure; every call counts),
                     and returns the tool messages' ids from TRL's own _get_tool_suffix_ids; None for a turn without
                     a tool call
-    max_turns       max_tool_calling_iterations: a turn past it is not parsed for calls (TRL's loop has stopped)
+    max_turns       max_tool_calling_iterations: a turn past it is parsed (its message) but its calls do not run
+                    (TRL's loop has stopped)
     overlong        TRL runs the calls, then drops results that would take the completion past
                     max_completion_length (or prompt + completion to max_position_embeddings) and ends the sample
                     with its completion as it is: observe() runs and counts them too, and returns None
