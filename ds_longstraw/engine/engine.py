@@ -138,7 +138,9 @@ class LongstrawEngineMixin:
                 raise ValueError("grpo_step: give rollout= (which keeps its own captures) or captures=, not both")
             from ds_longstraw.rollout.step import engine_rollouts
 
-            group, extras, captures = engine_rollouts(self, group, rollout)
+            # the old log-probs at the temperature the objective scores at, whatever the rollout samples at
+            temperature = 1.0 if objective is None else objective.temperature
+            group, extras, captures = engine_rollouts(self, group, rollout, temperature)
         try:
             return self._grpo_step(group, objective, ref_model, extras, captures, loss_scopes)
         finally:  # a kept capture the step did not take (an error before its transaction): its pages go

@@ -242,6 +242,7 @@ class Schedule:
     capture_pad = 0  # extra capture chunks of dummy calls
     idle = False  # decoding: a prompt slot this rank has no prompt for (decode_lockstep.py)
     capture_padded_to = None  # decoding: the chunks every rank's capture of the slot calls (None: not padded)
+    pads_calls = False  # whether this schedule pads module calls to other ranks' (a Lockstep does)
 
     def chunks(self, spans: Iterable[tuple[int, int, int]]) -> ShardChunks:
         """A context-parallel rank's chunks of its shard (spans), padded with capture_pad dummy ones."""
@@ -291,6 +292,8 @@ class Schedule:
 
 class Lockstep(Schedule):
     """How one rank pads one group's transaction up to the common calls (see the module docstring)."""
+
+    pads_calls = True
 
     def __init__(self, local: GroupCalls, common: GroupCalls, longstraw: LongstrawConfig) -> None:
         if local.chunks > common.chunks or len(local.blocks) > len(common.blocks) or any(

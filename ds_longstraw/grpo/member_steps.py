@@ -64,6 +64,16 @@ class MemberReplay(Protocol):
     remote_attention: RemoteAttention | RemoteSelection | None
 
 
+class KeptSteps(Protocol):
+    """What pass 1 reads of steps kept elsewhere (kept_spans.KeptSpans: it names this module, not the other way)."""
+
+    carries: dict  # input position -> the carry there
+
+    def covers(self, step: Step) -> bool: ...
+
+    def rows(self, first: int, end: int) -> dict: ...
+
+
 @dataclass(frozen=True)
 class Step:
     start: int  # input positions [start, end) of the member's response
@@ -109,12 +119,14 @@ def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[
 
 def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
                     share_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], with_entropy: bool,
-                    backward: Callable | None = None) -> tuple[float, torch.Tensor]:
+                    backward: Callable | None = None, kept: KeptSteps | None = None) -> tuple[float, torch.Tensor]:
     """The member's loss share (a float) and its log-probs (detached; 0 at captured positions, which no loss reads),
     its gradients accumulated as a whole replay's would be (module docstring). share_of(log-probs, entropies or
-    None): the member's share of the loss from every target's values."""
+    None): the member's share of the loss from every target's values. kept: what generate kept of the member's
+    observations (grpo/kept_spans.py): pass 1 takes the captured steps it covers from there instead of running
+    them."""
     with torch.no_grad():
-        recorded, logp, entropy = _forward(source, steps, inputs, targets, with_entropy)
+        recorded, logp, entropy = _forward(source, steps, inputs, targets, with_entropy, kept)
     # d(loss)/d(log-probs) (and entropies) on the recorded values: the objective is any function of them
     logp_leaf = logp.requires_grad_(True)
     entropy_leaf = None if entropy is None else entropy.requires_grad_(True)
@@ -137,8 +149,9 @@ class Recorded:
 
 
 def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
-             with_entropy: bool) -> tuple[Recorded, torch.Tensor, torch.Tensor | None]:
-    """Pass 1, no graph: what pass 2 reads, and the scored log-probs (and entropies) of every target."""
+             with_entropy: bool, kept: KeptSteps | None = None) -> tuple[Recorded, torch.Tensor, torch.Tensor | None]:
+    """Pass 1, no graph: what pass 2 reads, and the scored log-probs (and entropies) of every target; a captured
+    step `kept` covers is taken from it (its rows, the carry at its end), not run."""
     adapter, leaves = source.adapter, source.leaves
     carry = {layer: tuple(t.detach() for t in parts) for layer, parts in leaves.carry.items()}
     past = leaves.past.fresh()
@@ -147,6 +160,14 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
     entropy = torch.zeros_like(logp) if with_entropy else None
     for step in steps:
         carries.append(carry)
+        if kept is not None and kept.covers(step):
+            out_rows = _kept_blocks(kept, step, source.block)
+            for layer, blocks in out_rows.items():
+                for parts in blocks:
+                    past.append(layer, parts)
+            rows.append(out_rows)
+            carry = dict(kept.carries[step.end])
+            continue
         out_rows, carry, scores = _run_step(source, step, inputs, targets, carry, past, with_entropy)
         rows.append(out_rows)
         if step.scored:
@@ -157,6 +178,13 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                 entropy = entropy.to(step_entropy.dtype)
                 entropy[step.start:step.end] = step_entropy
     return Recorded(rows, carries), logp, entropy
+
+
+def _kept_blocks(kept: KeptSteps, step: Step, block: int) -> dict:
+    """A kept step's rows by layer, cut into the replay blocks _run_step would make (pass 2 pairs them up)."""
+    rows = kept.rows(step.start, step.end)
+    return {layer: [tuple(part[offset: offset + block] for part in parts)
+                    for offset in range(0, step.end - step.start, block)] for layer, parts in rows.items()}
 
 
 def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: torch.Tensor, carry: dict,

@@ -140,13 +140,15 @@ def member_inputs(group: GRPOGroup, member: int) -> tuple[torch.Tensor, torch.Te
 def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObjective | ScaledObjective,
                  advantages: torch.Tensor, ref_logprobs: Sequence[torch.Tensor] | None, *,
                  backward: Callable | None = None, schedule: Schedule | None = None,
-                 members: list | None = None) -> tuple[float, list[torch.Tensor], int, list | None]:
+                 members: list | None = None, kept: list | None = None) -> tuple[float, list[torch.Tensor], int,
+                                                                                  list | None]:
     """Replay every member one at a time WITH autograd, back-propagate its loss share, drop its graph.
 
     backward: how a share is back-propagated (default loss.backward(); the DeepSpeed engine passes its own);
     schedule: a lockstep.Schedule; under ZeRO-3 a Lockstep, which pads this rank's module calls to the other ranks'
     (dummy tokens and members; results unchanged); members: the members to replay (default all; a spread CP
-    replay: this rank's share), whose positions in the list are the schedule's member slots.
+    replay: this rank's share), whose positions in the list are the schedule's member slots; kept: per member,
+    what generate kept of its observations (grpo/kept_spans.KeptSpans) or None (not under a schedule that pads).
     Returns (the replayed members' loss as a float, their log-probs detached on the CPU in float64, how many of
     them ran in steps: member_steps.py, and with objective.report_entropy their entropies likewise, None for a
     member that ran in steps, else None).
@@ -161,11 +163,15 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
         real = targets.numel()
         # a lockstep may run this slot in steps on every rank, over the padded length (lockstep.py)
         steps = schedule.member_steps(slot, group.mask(member), source.span_capture, source.block)
+        spans = None if kept is None or kept[member] is None or steps is None else kept[member]
+        kept_steps = None if spans is None else spans.steps(targets, group.mask(member), source.span_capture,
+                                                            source.block)
+        steps = steps if kept_steps is None else kept_steps
         inputs, targets = schedule.pad_member(slot, inputs, targets)
         if steps is not None:
             share_of = partial(_real_share, objective, group, member, advantages, ref, real)
             share, logp = replay_in_steps(source, steps, inputs, targets, share_of, objective.needs_entropy,
-                                          backward)
+                                          backward, None if kept_steps is None else spans)
             loss += share
             logprobs.append(logp[:real].double().cpu())
             if entropies is not None:

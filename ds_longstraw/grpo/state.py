@@ -58,6 +58,9 @@ class PrefixState:
     # a tree's child (grpo/document.py): the capture whose tokens precede this one's (its pages are this one's
     # past, its final carry this one's first); None for a root. A child's offset is where its parent ends.
     parent: PrefixState | None = None
+    # generate's kept capture of a multi-turn rollout: per sample, what its observations' forwards left
+    # (grpo/kept_spans.KeptSpans: their rows and carries), which the members' first pass takes; None otherwise
+    kept_spans: list | None = None
 
     def lineage(self) -> list[PrefixState]:
         """The root first, ..., this state: whose pages a token after this capture sees, in position order."""
@@ -134,6 +137,7 @@ class PrefixState:
             pool.release()
         self.carry.clear()
         self.boundaries.clear()
+        self.kept_spans = None
 
 
 class PendingReads:

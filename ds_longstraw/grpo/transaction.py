@@ -271,8 +271,11 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             view = topology.replay_view(adapter, state, longstraw.prefix_grad)
             source = MemberReplay(adapter, view.leaves, group.prompt_ids.numel() - 1, longstraw.replay_block,
                                   view.remote_attention, span_capture=longstraw.member_span_capture)
+            # generate's kept observations (grpo/kept_spans.py) where nothing pads or exchanges per forward
+            kept = None if schedule.pads_calls or view.remote_attention is not None else state.kept_spans
             loss, logprobs, stepped, entropies = replay_group(source, group, objective, advantages, ref_logprobs,
-                                                              backward=backward, schedule=schedule, members=members)
+                                                              backward=backward, schedule=schedule, members=members,
+                                                              kept=kept)
             view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
             if entropies is not None:  # a member that ran in steps has none: NaN, so that a CP gather takes tensors

@@ -47,6 +47,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,7 @@ from ds_longstraw.arch import adapter_for, expert_parallel
 from ds_longstraw.arch.decode import OwnRows
 from ds_longstraw.config import parse_config
 from ds_longstraw.group import GRPOGroup, as_ids
+from ds_longstraw.grpo.kept_spans import KeptSpans
 from ds_longstraw.grpo.lockstep import PAD_TOKEN, Schedule
 from ds_longstraw.grpo.memory import PhaseMeter, PhaseStats, return_freed_host_memory
 from ds_longstraw.grpo.topology import build_topology
@@ -217,7 +219,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
              longstraw: LongstrawConfig | dict[str, Any] | None = None,
              cp_group: dist.ProcessGroup | CPContext | None = None, dp_group: dist.ProcessGroup | None = None,
              keep_capture: bool = False, batched: bool = True, lockstep: Schedule | None = None,
-             environment: Environment | None = None, max_turns: int | None = None) -> Rollouts:
+             environment: Environment | None = None, max_turns: int | None = None,
+             score_temperature: float | None = None) -> Rollouts:
     """Sample `num_samples` responses of at most `max_new_tokens` tokens to `prompt_ids` (1-D, at least 2 tokens).
 
     The prompt is captured once (longstraw: the "longstraw" block, whose capture_chunk, page_tokens and offload tier
@@ -243,6 +246,9 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     `stop_ids` and `observe(sample, response_ids)`); the samples' responses then hold their actions and
     observations, max_new_tokens caps both together, max_turns the observations per sample, and
     Rollouts.response_masks marks the actions.
+    score_temperature: the temperature of the returned log-probs (None: the sampling temperature, 1 for greedy);
+    set it to the training objective's temperature where that differs from the sampling one (a rollout block that
+    samples hotter than it trains), so that the group's old log-probs are the policy's at the loss's temperature.
     """
     prompt_ids, eos = _check_arguments(prompt_ids, num_samples, max_new_tokens, temperature, top_p, eos_token_id, seed)
     longstraw = parse_config(longstraw)
@@ -253,6 +259,9 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     if bad:
         raise ValueError(f"eos_token_id {bad[0]} >= vocab size {adapter.vocab_size}")
     stops = check_environment(environment, max_turns, eos, adapter.vocab_size)
+    if score_temperature is not None and (isinstance(score_temperature, bool) or not isinstance(
+            score_temperature, (int, float)) or not (math.isfinite(score_temperature) and score_temperature > 0)):
+        raise ValueError(f"score_temperature must be None or a finite number > 0, got {score_temperature!r}")
     if lockstep is not None and dp_group is not None:
         raise ValueError("generate: give dp_group or lockstep (a slot of decode_schedules over that group), not both")
     longstraw, topology = _decode_setup(model, adapter, longstraw, cp_group, keep_capture, prompt_ids.numel())
@@ -263,9 +272,13 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     choose = _first_rank_token(topology, adapter.device)
     seed = choose([secrets.randbits(62)])[0] if seed is None else seed  # under CP: the first rank's, as its tokens
     ask = None if environment is None else observer(environment, topology, adapter.vocab_size)
-    rules = TurnRules(max_new_tokens, eos, stops, max_turns, ask, longstraw.capture_chunk)
-    return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples, Sampling(temperature, top_p, seed,
-                     choose), rules, keep_capture, batched, lockstep)
+    # observations in forwards of capture_chunk tokens; a kept capture's at most a replay block each: the training
+    # step's captured steps are those forwards (grpo/kept_spans.py), each its graph in pass 2
+    chunk = min(longstraw.capture_chunk, longstraw.replay_block) if keep_capture else longstraw.capture_chunk
+    rules = TurnRules(max_new_tokens, eos, stops, max_turns, ask, chunk)
+    scored = (temperature or 1.0) if score_temperature is None else score_temperature
+    return _generate(model, adapter, topology, longstraw, prompt_ids, num_samples,
+                     Sampling(temperature, top_p, seed, choose, scored), rules, keep_capture, batched, lockstep)
 
 
 def decode_idle_slot(model: torch.nn.Module, lockstep: Schedule, max_new_tokens: int, *,
@@ -338,9 +351,15 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
             with meter.phase("decode"), topology.phase("decode"):
                 view = topology.replay_view(adapter, state, "detached")
                 try:
-                    decode = _decode_batch if batched and hasattr(adapter, "decode_step") else _decode_each
-                    samples = decode(adapter, view, state.length, prompt_ids[-1], num_samples, sampling, rules,
-                                     schedule)
+                    if batched and hasattr(adapter, "decode_step"):
+                        # a kept capture of a multi-turn rollout keeps its observations for the training step
+                        kept_spans = [None] * num_samples if keep_capture and rules.ask is not None else None
+                        samples = _decode_batch(adapter, view, state.length, prompt_ids[-1], num_samples, sampling,
+                                                rules, schedule, kept_spans)
+                        state.kept_spans = kept_spans
+                    else:
+                        samples = _decode_each(adapter, view, state.length, prompt_ids[-1], num_samples, sampling,
+                                               rules, schedule)
                 finally:
                     view.leaves.release()
             if keep_capture:
@@ -382,13 +401,14 @@ def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int,
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a generate call draws its tokens: temperature (0: greedy), top_p, the samples' seed, and choose (the
-    tokens every rank takes: _first_rank_token)."""
+    """How a generate call draws its tokens: temperature (0: greedy), top_p, the samples' seed, choose (the tokens
+    every rank takes: _first_rank_token), and the temperature its log-probs are reported at."""
 
     temperature: float
     top_p: float
     seed: int
     choose: Callable[[list[int]], list[int]]
+    score_temperature: float = 1.0
 
 
 class _ResponseRows:
@@ -445,15 +465,17 @@ def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: 
 
 
 def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
-                  sampling: Sampling, rules: TurnRules, schedule: Schedule) -> list[tuple]:
+                  sampling: Sampling, rules: TurnRules, schedule: Schedule, kept: list | None = None) -> list[tuple]:
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
     all the samples still running; a sample that ends leaves the batch (its carry is dropped, its rows stay in their
     slot: nothing is copied). Each sample's own rows lie in its slot of arch/decode.OwnRows, so a sample the
     environment answered, whose observation was captured onto its rows (one segment forward, no head), decodes on
     from its own position. Each sample draws from its own generator in the same order as _decode, so the tokens
     are the sequential path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
-    Returns [Response.result()] per sample."""
+    Returns [Response.result()] per sample; kept (a list of num_samples): filled with each sample's
+    grpo/kept_spans.KeptSpans, its observations' rows and carries for its training step."""
     max_new = rules.max_new_tokens
+    records = [([], {}) for _ in range(num_samples)]  # per sample: its observation forwards, the carries around them
     generators = [_generator(sampling.seed, sample) for sample in range(num_samples)]
     responses = [rules.response() for _ in range(num_samples)]
     active = list(range(num_samples))  # the samples in the batch, in batch order (each its own slot of `own`)
@@ -481,7 +503,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         keep, next_tokens, captures = [], [], []
         # the step's tokens in one exchange
         for row, (sample, chosen) in enumerate(zip(active, sampling.choose(drawn), strict=True)):
-            logp = torch.log_softmax(logits_GV[row] / (sampling.temperature or 1.0), dim=-1)[chosen]
+            logp = torch.log_softmax(logits_GV[row] / sampling.score_temperature, dim=-1)[chosen]
             segment, token = rules.step(sample, responses[sample], chosen, logp)
             if segment:
                 captures.append((row, sample, segment))
@@ -492,7 +514,8 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         running, common = schedule.next_step(bool(keep), len(forwards), adapter.device)
         began = time.perf_counter()
         for row, sample, piece in forwards:
-            _capture_into_slot(adapter, view, start, row, sample, piece, carry, own)
+            _capture_into_slot(adapter, view, start, row, sample, piece, carry, own,
+                               None if kept is None else records[sample])
         rules.note_captured(time.perf_counter() - began, sum(len(piece) for *_, piece in forwards))
         _ghost_captures(adapter, view, start, common - len(forwards))
         if len(keep) < len(active):  # finished samples leave the batch
@@ -502,15 +525,30 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         if not running:
             break
         tokens = torch.tensor(next_tokens)
-    return [response.result() for response in responses]
+    results = [response.result() for response in responses]
+    if kept is not None:
+        for sample, ((pieces, carries), (ids, _, _, mask, _)) in enumerate(zip(records, results, strict=True)):
+            kept[sample] = KeptSpans(pieces, carries, partial(_slot_rows, own, sample), ids, mask)
+    return results
+
+
+def _slot_rows(own: OwnRows, sample: int, first: int, end: int) -> dict:
+    """Sample `sample`'s own rows of inputs [first, end), by layer (KeptSpans.rows)."""
+    return {layer: tuple(buffer[sample, first:end] for buffer in buffers) for layer, buffers in own.buffers.items()}
 
 
 def _capture_into_slot(adapter: CausalLMAdapter, view: ReplayView, start: int, row: int, sample: int,
-                       segment: list[int], carry: dict, own: OwnRows) -> None:
+                       segment: list[int], carry: dict, own: OwnRows, record: tuple | None = None) -> None:
     """Sample `sample`'s (batch row `row`) observation tokens `segment` through the model in one forward without
-    autograd, from its carry and own rows; its new rows join its own, its carry moves past them (in place)."""
+    autograd, from its carry and own rows; its new rows join its own, its carry moves past them (in place).
+    record: (pieces, carries) to which this forward's input positions and the sample's carry before and after it
+    are added (a kept capture's KeptSpans), or None."""
+    first = own.lengths[sample]
     mine = {layer: tuple(t[row: row + 1] for t in parts) for layer, parts in carry.items()}
-    out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + own.lengths[sample], mine,
+    if record is not None:
+        record[0].append((first, first + len(segment)))
+        record[1][first] = {layer: tuple(t.clone() for t in parts) for layer, parts in mine.items()}
+    out = adapter.forward_segment(torch.tensor(segment, dtype=torch.long), start + first, mine,
                                   own.past(view.leaves.past.fresh(), sample), view.remote_attention)
     for layer, parts in out.rows.items():
         own.extend(layer, sample, parts)
@@ -518,6 +556,8 @@ def _capture_into_slot(adapter: CausalLMAdapter, view: ReplayView, start: int, r
     for layer, parts in out.carry.items():
         for kept, new in zip(carry[layer], parts, strict=True):
             kept[row] = new[0]
+    if record is not None:
+        record[1][first + len(segment)] = {layer: tuple(t.clone() for t in parts) for layer, parts in out.carry.items()}
 
 
 def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, sample: int,
@@ -537,7 +577,7 @@ def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch
         rows.append(out.rows)
         logits_V = adapter.lm_head(adapter.body.norm(out.hidden))[0, -1].double().cpu()
         chosen = sampling.choose([_draw(logits_V, sampling, generator)])[0]
-        logp = torch.log_softmax(logits_V / (sampling.temperature or 1.0), dim=-1)[chosen]
+        logp = torch.log_softmax(logits_V / sampling.score_temperature, dim=-1)[chosen]
         segment, fed = rules.step(sample, response, chosen, logp)
         forwards = rules.forwards(segment)
         running, common = schedule.next_step(not response.ended, len(forwards), adapter.device)

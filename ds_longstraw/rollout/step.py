@@ -22,8 +22,11 @@
 Per prompt: `generate` decodes G samples from the prompt captured once, with the policy's current weights (under
 the DeepSpeed engine its module, whose ZeRO-3 hooks gather the weights as they are used), the run's "longstraw"
 block as config and the engine's context-parallel group; the reward function scores each (prompt, response); the
-group is `Rollouts.group(rewards)`, so its old log-probs are the sampling policy's. Training on it then captures
-the prompt again (generate releases its capture).
+group is `Rollouts.group(rewards)`, so its old log-probs are the sampling policy's, at the temperature the step's
+objective scores at (engine.grpo_step: GRPOObjective.temperature, 1 by default), not the rollout's sampling
+temperature, so that a block sampling hotter than it trains (the recall task's 2.0) starts on-policy at a ratio of
+1. Training on it then captures the prompt again (generate releases its capture), or with one prompt per rank
+takes its kept capture.
 
 Seeds: prompt i of step s samples with seed `sample_seed(seed, s, i)`, i counting over the data-parallel replicas
 (replica r holds i = n_0 + ... + n_(r-1) onwards, n_q the prompts replica q brings: r k .. r k + k - 1 with k
@@ -219,11 +222,12 @@ def rollout_samples(model: torch.nn.Module,
                     rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
                     longstraw: LongstrawConfig | dict[str, Any] | None = None,
                     cp_group: ProcessGroup | CPContext | None = None, dp_group: ProcessGroup | None = None,
-                    keep_capture: bool = False) -> list:
+                    keep_capture: bool = False, score_temperature: float | None = None) -> list:
     """[(GRPOGroup, Rollouts)] as `rollout_groups`; with keep_capture each Rollouts keeps its prompt's capture for
     grpo_backward(..., capture=) (the caller trains on it or releases it; on error here every kept one goes).
     dp_group: the ranks that decode in lockstep, each with its own prompts (generate's dp_group): a rank with fewer
-    prompts than another pads its calls with idle slots."""
+    prompts than another pads its calls with idle slots. score_temperature: the temperature of the groups' old
+    log-probs (generate's; None: the sampling temperature)."""
     from ds_longstraw.rollout.generate import decode_idle_slot, decode_schedules, generate
 
     rollout = parse_rollout(rollout)
@@ -242,7 +246,8 @@ def rollout_samples(model: torch.nn.Module,
                                temperature=rollout.temperature, top_p=rollout.top_p,
                                eos_token_id=rollout.eos_token_id, seed=sample_seed(rollout.seed, step, first_index + j),
                                longstraw=longstraw, cp_group=cp_group, keep_capture=keep_capture, lockstep=schedule,
-                               environment=rollout.environment_for(prompts[j]), max_turns=rollout.max_turns)
+                               environment=rollout.environment_for(prompts[j]), max_turns=rollout.max_turns,
+                               score_temperature=score_temperature)
             sampled.append((None, samples))
             rewards = [_reward(reward, rollout, samples.prompt_ids, response) for response in samples.response_ids]
             sampled[-1] = (samples.group(rewards), samples)
@@ -326,8 +331,8 @@ def decoding_weights(engine: DeepSpeedEngine, how: str) -> Iterator[None]:
 
 def engine_rollouts(engine: DeepSpeedEngine,
                     prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
-                    rollout: RolloutConfig | dict[str, Any]) -> tuple[list[GRPOGroup], dict[str, Any],
-                                                                      list[Rollouts | None]]:
+                    rollout: RolloutConfig | dict[str, Any],
+                    score_temperature: float = 1.0) -> tuple[list[GRPOGroup], dict[str, Any], list[Rollouts | None]]:
     """(groups, extras, captures) for `engine.grpo_step(prompts, rollout=...)`: this rank's prompts sampled with the
     engine's module, its "longstraw" block and CP group; the seed's step is engine.global_steps (restored on
     resume), the prompt index counts over data-parallel replicas. extras: "rewards" (this rank's, per group),
@@ -369,7 +374,7 @@ def engine_rollouts(engine: DeepSpeedEngine,
             sampled = rollout_samples(engine.module, prompts, rollout, step=engine.global_steps,
                                       first_index=first_index, longstraw=engine.longstraw,
                                       cp_group=parallelism.cp, dp_group=dp_group if lockstep else None,
-                                      keep_capture=keep)
+                                      keep_capture=keep, score_temperature=score_temperature)
     finally:
         engine.module.train(was_training)
     groups = [group for group, _ in sampled]

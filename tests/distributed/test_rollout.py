@@ -581,3 +581,31 @@ def rollouts_with_prompt(rollouts, prompt):
     from ds_longstraw import GRPOGroup
 
     return GRPOGroup(prompt, list(rollouts.response_ids), rewards=[1.0, 0.0])
+
+
+def test_score_temperature_sets_the_old_logprobs_temperature(models):
+    """generate(temperature=0.7, score_temperature=1.0): the same tokens, log-probs at temperature 1 (full-sequence
+    log-softmax of the unscaled logits, 1e-8); rollout_samples passes it on, so a rollout block sampling at 2.0 for
+    an objective at 1.0 (engine.grpo_step's case: the recall task's) gives old log-probs at 1.0; a bad value is
+    refused by name."""
+    from ds_longstraw.rollout.step import rollout_samples, sample_seed
+
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    config = FAMILIES["qwen3_5"]["longstraw"]
+    with float64_model():
+        hot = generate(model, prompt, 2, 5, temperature=0.7, seed=3, longstraw=config)
+        scored = generate(model, prompt, 2, 5, temperature=0.7, seed=3, longstraw=config, score_temperature=1.0)
+        block = dict(source="internal", num_samples=2, max_new_tokens=4, temperature=2.0,
+                     reward="rewards:mod3_reward", seed=1)
+        (group, _), = rollout_samples(model, [prompt], block, step=0, longstraw=config, score_temperature=1.0)
+        sampled = generate(model, prompt, 2, 4, temperature=2.0, seed=sample_seed(1, 0, 0), longstraw=config)
+    assert all(torch.equal(a, b) for a, b in zip(hot.response_ids, scored.response_ids, strict=True))
+    _assert_logprobs(model, "qwen3_5", prompt, hot, 0.7)
+    _assert_logprobs(model, "qwen3_5", prompt, scored, 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(group.response_ids, sampled.response_ids, strict=True))
+    with float64_model(), torch.no_grad():
+        want = full_sequence_logprobs(model, prompt, group.response_ids)
+    for got, expected in zip(group.old_logprobs, want, strict=True):
+        assert _relative(got, expected) <= TOL
+    with pytest.raises(ValueError, match="score_temperature"):
+        generate(model, prompt, 1, 2, score_temperature=0.0)

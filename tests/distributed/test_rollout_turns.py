@@ -264,3 +264,44 @@ def test_the_rollout_block_runs_an_environment(models):
         parse_rollout({k: v for k, v in block.items() if k != "environment"})
     with pytest.raises(ValueError, match="rollout.environment"):
         parse_rollout(dict(block, environment="turn_envs:no_such_factory"))
+
+
+@pytest.mark.parametrize("family,mode", [("qwen3_5", "exact"), ("glm_moe_dsa", "detached")])
+def test_the_kept_observations_are_not_forwarded_again(models, family, mode, monkeypatch):
+    """With generate's kept capture, the training step's forwards without autograd cover only the actions' steps of
+    the members that run in steps: their observations (captured spans) come from the rollout, not a second forward;
+    with autograd every response token runs once (pass 2, the backward's recompute; exact mode's prefix pass adds
+    the prompt's). Counted by wrapping the adapter's segment forward; the step that captures again forwards the
+    prompt and every observation without autograd besides."""
+    from ds_longstraw.arch import adapter_for
+    from ds_longstraw.grpo.member_steps import member_steps
+
+    model, prompt = models[family], _prompt(family, seed=7)
+    config = dict(FAMILIES[family]["longstraw"], prefix_grad=mode, member_span_capture=4)
+    adapter_class = type(adapter_for(model))
+    counts = {True: 0, False: 0}
+    real = adapter_class.forward_segment
+
+    def counted(self, ids, *args, **kwargs):
+        counts[torch.is_grad_enabled()] += ids.numel()
+        return real(self, ids, *args, **kwargs)
+
+    with FAMILIES[family]["reference"]():
+        result = generate(model, prompt, 3, 30, seed=5, longstraw=config, environment=ToolTable(STOPS),
+                          keep_capture=True)
+        group = result.group([1.0, 0.0, 0.5])
+        monkeypatch.setattr(adapter_class, "forward_segment", counted)
+        grpo_backward(model, group, GRPOObjective(), longstraw=config, capture=result)
+        kept = dict(counts)
+        counts.update({True: 0, False: 0})
+        grpo_backward(model, group, GRPOObjective(), longstraw=config)
+        model.zero_grad(set_to_none=True)
+    steps = [member_steps(group.mask(m), 4, config["replay_block"]) for m in range(group.size)]
+    assert any(s is not None for s in steps)
+    scored = sum(step.end - step.start for member in steps if member for step in member if step.scored)
+    captured = sum(step.end - step.start for member in steps if member for step in member if not step.scored)
+    assert captured > 0
+    tokens = sum(ids.numel() for ids in group.response_ids) + (prompt.numel() - 1 if mode == "exact" else 0)
+    assert kept == {False: scored, True: tokens}, (kept, scored, tokens)
+    # capturing again: the prompt's capture (prompt[:-1]) and the observations run without autograd too
+    assert counts[False] == kept[False] + captured + prompt.numel() - 1 and counts[True] == tokens
