@@ -24,7 +24,6 @@ same keys per step.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -99,12 +98,9 @@ def run_one(kind, prompt, samples, turns, observation, actions):
 
 
 def run_fresh(arguments):
-    command = [sys.executable, os.path.abspath(__file__), "--one", json.dumps(arguments)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=3600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from ds_longstraw.tools.bench import fresh_json
+
+    return fresh_json(__file__, arguments, timeout=3600)
 
 
 def main(argv=None):

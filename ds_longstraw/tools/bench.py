@@ -251,6 +251,18 @@ def plot_rows(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def fresh_json(script, arguments, timeout=1800):
+    """The last JSON line printed by `python script --one JSON(arguments)`, run in a fresh process as the benchmarks
+    measure: one intra-op thread, freed blocks of 1 MiB and more handed back to the kernel (MALLOC_MMAP_THRESHOLD_),
+    warnings off. RuntimeError with the process's stderr when it fails."""
+    command = [sys.executable, os.path.abspath(script), "--one", json.dumps(arguments)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def write_section(path, name, text):
     """Replace the text between <!-- bench:NAME --> and <!-- /bench:NAME --> in a markdown file (appending the
     section when it is not there yet), so each benchmark rewrites only its own table."""

@@ -18,8 +18,8 @@ shows up as NaN log-probs.
 import pytest
 import torch
 from cp_scripts.rollout_ranks import case_model, case_prompt, case_rollouts, run_rollouts
-from glm_models import glm_reference, tiny_glm_moe_dsa
 from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
+from rollout_families import FAMILIES, family_prompt, poison_rows
 
 import ds_longstraw.rollout.generate as rollout
 from ds_longstraw import GRPOObjective, Rollouts, generate, grpo_backward
@@ -27,23 +27,11 @@ from ds_longstraw.config import parse_config
 from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, calls_of
 
 TOL = 1e-8
-# prompt[:-1] of 22 and 44 tokens: neither chunk nor page size divides them
-FAMILIES = {
-    "qwen3_5": dict(build=tiny_qwen3_5, reference=float64_model, prompt_len=23,
-                    longstraw={"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}),
-    # index_topk 8 < 44 prompt tokens: the selection is sparse over the prompt's pages and the sample's own rows
-    "glm_moe_dsa": dict(build=tiny_glm_moe_dsa, reference=glm_reference, prompt_len=45,
-                        longstraw={"capture_chunk": 7, "page_tokens": 4, "replay_block": 3}),
-}
 
 
 @pytest.fixture(autouse=True)
 def poisoned_rows(monkeypatch):
-    """Response-row buffers start as NaN: only rows written may be read."""
-    def poisoned(part, shape):
-        return part.new_full((shape, *part.shape[1:]) if isinstance(shape, int) else shape, float("nan"))
-
-    monkeypatch.setattr(rollout, "_new_buffer", poisoned)
+    poison_rows(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +39,7 @@ def models():
     return {name: family["build"]() for name, family in FAMILIES.items()}
 
 
-def _prompt(family, seed=1):
-    return torch.randint(0, 97, (FAMILIES[family]["prompt_len"],), generator=torch.Generator().manual_seed(seed))
+_prompt = family_prompt
 
 
 def _relative(a, b):

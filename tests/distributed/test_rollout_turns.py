@@ -15,31 +15,20 @@ sample does not have share the batched buffer with rows it has, and must never r
 import pytest
 import torch
 from cp_scripts.rollout_ranks import case_rollouts, run_rollouts
-from glm_models import glm_reference, tiny_glm_moe_dsa
-from models import float64_model, full_sequence_logprobs, tiny_qwen3_5
+from models import float64_model, full_sequence_logprobs
+from rollout_families import FAMILIES, family_prompt, poison_rows
 from turn_envs import ToolTable, transformers_turns
 
-import ds_longstraw.rollout.generate as rollout
 from ds_longstraw import GRPOObjective, generate, grpo_backward
 
 TOL = 1e-8
-FAMILIES = {
-    "qwen3_5": dict(build=tiny_qwen3_5, reference=float64_model, prompt_len=23,
-                    longstraw={"capture_chunk": 5, "page_tokens": 4, "replay_block": 3}),
-    # index_topk 8 < 44 prompt tokens: each sample's selection mixes prompt rows, its actions' and its observations'
-    "glm_moe_dsa": dict(build=tiny_glm_moe_dsa, reference=glm_reference, prompt_len=45,
-                        longstraw={"capture_chunk": 7, "page_tokens": 4, "replay_block": 3}),
-}
 # a fifth of the vocabulary ends an action: the tiny random models draw one every few tokens
 STOPS = tuple(range(2, 97, 5))
 
 
 @pytest.fixture(autouse=True)
 def poisoned_rows(monkeypatch):
-    def poisoned(part, shape):
-        return part.new_full((shape, *part.shape[1:]) if isinstance(shape, int) else shape, float("nan"))
-
-    monkeypatch.setattr(rollout, "_new_buffer", poisoned)
+    poison_rows(monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +36,7 @@ def models():
     return {name: family["build"]() for name, family in FAMILIES.items()}
 
 
-def _prompt(family, seed=1):
-    return torch.randint(0, 97, (FAMILIES[family]["prompt_len"],), generator=torch.Generator().manual_seed(seed))
+_prompt = family_prompt
 
 
 def _assert_action_logprobs(model, family, prompt, result):
