@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ RATIO_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
 ROLLOUT_CORRECTIONS = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 EMPTY_MEMBERS = ("count", "skip")
+ENTROPY_AGGS = ("loss", "scope")
 GROUP_OF_ONE = ("zero", "reward")
 
 # VESPO (TRL's get_gamma_weights): the sequence's log-ratio is clamped to [log 1e-8, 20], each token's to +-20 first
@@ -40,14 +41,21 @@ LOW_VAR_KL_DELTA, LOW_VAR_KL_BOUND = 20.0, 10.0
 class LossScope:
     """What a step's loss is normalised over: the trained tokens and the members counted by the members' mean,
     summed over the groups (and ranks) of the scope, and a weight on every share (the engine: the number of
-    data-parallel replicas, whose gradients DeepSpeed averages where the loss wants their sum)."""
+    data-parallel replicas, whose gradients DeepSpeed averages where the loss wants their sum).
+
+    Per member, for a trainer that normalises its own way (integrations/trl/scopes.py): entropy_weight, the factor
+    on the member's summed entropies of entropy_agg "scope" (TRL: 1 / (accumulation x the micro-batch's tokens));
+    policy_tokens, a bool mask over the member's response tokens outside which the policy term is 0 (TRL's
+    top_entropy_quantile; the KL term and the normalisation's counts keep every trained token)."""
 
     tokens: int
     members: int
     weight: float = 1.0
+    entropy_weight: float = 0.0
+    policy_tokens: torch.Tensor | None = field(default=None, compare=False)
 
     def __add__(self, other: LossScope) -> LossScope:
-        return LossScope(self.tokens + other.tokens, self.members + other.members, self.weight)
+        return LossScope(self.tokens + other.tokens, self.members + other.members, self.weight, self.entropy_weight)
 
 
 @dataclass
@@ -92,7 +100,10 @@ class GRPOObjective:
       "low_var_kl" verl's k3: of d clamped to [-20, 20], then clamped to [-10, 10]; kl_ratio_weighted multiplies
       it by w_t (TRL's use_bias_correction_kl); added as kl_coef kl_t.
     Entropy bonus (entropy_coef > 0): - entropy_coef H_t, H_t the policy's entropy at the token's position,
-      computed over the vocabulary in chunks (no [tokens, vocab] tensor in forward or backward).
+      computed over the vocabulary in chunks (no [tokens, vocab] tensor in forward or backward). entropy_agg
+      "loss": the bonus shares the loss's normalisation (in l_t below); "scope": member i's share gains
+      - entropy_coef e_i sum_t H_t over its trained tokens (those of its LossScope's policy_tokens where given),
+      e_i its LossScope's entropy_weight (TRL's bonus: a per-micro-batch token mean whatever the loss type).
     report_entropy: the transaction also returns every member's H_t (GroupResult.entropies, detached) for a metric
       (TRL logs the mean entropy); it changes no loss.
     Token loss l_t = pg_t + kl_coef kl_t - entropy_coef H_t; the loss is sum_i sum_t l_t c_i with
@@ -119,6 +130,7 @@ class GRPOObjective:
     kl_estimator: str = "k3"
     kl_ratio_weighted: bool = False
     entropy_coef: float = 0.0
+    entropy_agg: str = "loss"
     loss_agg: str = "token-mean"
     norm_length: int | None = None
     loss_scope: str = "step"
@@ -143,7 +155,8 @@ class GRPOObjective:
     def __post_init__(self) -> None:
         for name, allowed in (("loss_agg", LOSS_AGGS), ("loss_scope", LOSS_SCOPES), ("policy_loss", POLICY_LOSSES),
                               ("ratio_level", RATIO_LEVELS), ("kl_estimator", KL_ESTIMATORS),
-                              ("empty_members", EMPTY_MEMBERS), ("group_of_one", GROUP_OF_ONE)):
+                              ("empty_members", EMPTY_MEMBERS), ("group_of_one", GROUP_OF_ONE),
+                              ("entropy_agg", ENTROPY_AGGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.rollout_correction is not None and self.rollout_correction not in ROLLOUT_CORRECTIONS:
@@ -253,8 +266,10 @@ class GRPOObjective:
     # -- token losses -----------------------------------------------------------------------------------------
     def token_losses(self, logp: torch.Tensor, advantage: float, old_logp: torch.Tensor | None = None,
                      ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
-                     sampling_logp: torch.Tensor | None = None) -> torch.Tensor:
-        """l_t of one member's trained tokens (logp and entropy differentiable; old, ref and sampling constants)."""
+                     sampling_logp: torch.Tensor | None = None,
+                     policy_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """l_t of one member's trained tokens (logp and entropy differentiable; old, ref and sampling constants);
+        policy_tokens: where the policy term counts (LossScope's), default everywhere."""
         old = logp.detach() if old_logp is None else old_logp.to(logp)
         log_w = logp - old
         if self.ratio_level == "sequence":
@@ -283,6 +298,8 @@ class GRPOObjective:
             drift = torch.nan_to_num(source - logp.detach(), nan=0.0)
             if drift.numel() and float(drift.mean()) > self.off_policy_mask:
                 loss = loss * 0.0  # dropped: off-policy and negative (TRL keeps A >= 0 or drift <= threshold)
+        if policy_tokens is not None:
+            loss = loss * policy_tokens.to(loss)  # TRL multiplies its entropy mask in here (before rho and KL)
         if rho is not None and self.policy_loss != "vespo":
             loss = loss * rho
         if self.kl_coef > 0:
@@ -290,7 +307,7 @@ class GRPOObjective:
                 raise ValueError("kl_coef > 0 needs reference log-probs")
             kl = self._kl(ref_logp.to(logp) - logp)
             loss = loss + self.kl_coef * (kl * ratio if self.kl_ratio_weighted else kl)
-        if self.entropy_coef > 0:
+        if self.entropy_coef > 0 and self.entropy_agg == "loss":
             if entropy is None:
                 raise ValueError("entropy_coef > 0 needs the policy's entropies")
             loss = loss - self.entropy_coef * entropy.to(logp)
@@ -340,13 +357,22 @@ class GRPOObjective:
         NaN old log-prob, say) reaches the value or the gradient; their logp entries get a zero gradient."""
         old = None if group.old_logprobs is None else group.old_logprobs[member]
         sampling = None if group.sampling_logprobs is None else group.sampling_logprobs[member]
+        policy_tokens = None if scope is None else scope.policy_tokens
         if group.response_masks is not None:
             mask = group.response_masks[member]
             logp = logp[mask.to(logp.device)]
-            old, ref_logp, entropy, sampling = (None if x is None else x[mask.to(x.device)]
-                                                for x in (old, ref_logp, entropy, sampling))
-        tokens = self.token_losses(logp, float(advantages[member]), old, ref_logp, entropy, sampling)
-        return tokens.sum() * self.member_weight(group, member, scope)
+            old, ref_logp, entropy, sampling, policy_tokens = (
+                None if x is None else x[mask.to(x.device)] for x in (old, ref_logp, entropy, sampling, policy_tokens))
+        tokens = self.token_losses(logp, float(advantages[member]), old, ref_logp, entropy, sampling, policy_tokens)
+        share = tokens.sum() * self.member_weight(group, member, scope)
+        if self.entropy_agg == "scope" and self.entropy_coef > 0 and scope is not None and scope.entropy_weight:
+            if entropy is None:
+                raise ValueError("entropy_coef > 0 needs the policy's entropies")
+            entropy = entropy.to(logp)
+            if policy_tokens is not None:
+                entropy = entropy * policy_tokens.to(entropy)
+            share = share - self.entropy_coef * scope.entropy_weight * entropy.sum()
+        return share
 
     def group_loss(self, group: GRPOGroup, logps: Sequence[torch.Tensor],
                    ref_logps: Sequence[torch.Tensor] | None = None,

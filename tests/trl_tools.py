@@ -177,8 +177,8 @@ def recording(trainer: object, outputs: list, reused: list) -> None:
         outputs.append(out)
         return out
 
-    def recording_run(groups):
-        results = run_groups(groups)
+    def recording_run(groups, *rest):
+        results = run_groups(groups, *rest)
         reused.extend(result.extras.get("capture_reused", False) for result in results)
         return results
 

@@ -52,6 +52,32 @@ CASES = {
     "vespo-two-iterations-beta": dict(loss_type="vespo", vespo_k_pos=1.5, num_iterations=2, max_steps=2, beta=0.3),
     # threshold 0: a negative-advantage member whose log-probs rose since the first iteration is dropped
     "grpo-off-policy-mask": dict(loss_type="grpo", off_policy_mask_threshold=0.0, num_iterations=2, max_steps=2),
+    # steps_per_generation: one generation batch (4 micro-batches) over two optimizer steps: the second step's
+    # members are off-policy, their old log-probs the generation's weights' (clipped at epsilon 0.01)
+    "dapo-steps-per-generation-4": dict(loss_type="dapo", steps_per_generation=4, epsilon=0.01, max_steps=2,
+                                        beta=0.3),
+    "grpo-steps-per-generation-4-two-iterations": dict(loss_type="grpo", steps_per_generation=4, epsilon=0.01,
+                                                       num_iterations=2, max_steps=4),
+    # 3 micro-batches for steps of 2: the second step trains the first generation's last micro-batch (old log-probs
+    # of the first step's weights) and the next generation's first (made in that step: ratio 1)
+    "bnpo-steps-per-generation-3": dict(loss_type="bnpo", steps_per_generation=3, epsilon=0.01, max_steps=3),
+    # a generation per micro-step, two in each optimizer step (no old log-probs, as TRL's)
+    "dapo-steps-per-generation-1": dict(loss_type="dapo", steps_per_generation=1, max_steps=2, beta=0.3),
+    # TRL's entropy bonus: a per-micro-batch token mean over the trained tokens whatever the loss type
+    "dapo-entropy-coef": dict(loss_type="dapo", entropy_coef=0.05, max_steps=2),
+    "grpo-entropy-coef-tools-two-iterations": dict(loss_type="grpo", entropy_coef=0.05, tool_masks=True,
+                                                   num_iterations=2, max_steps=2),
+    # the adaptive controller: off in the first step (no entropy measured yet), then on and growing (target 10
+    # nats: above this model's entropy), over three steps
+    "bnpo-adaptive-entropy": dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.05,
+                                  entropy_coef_delta=0.02, entropy_target=10.0, max_steps=3),
+    # TRL's top_entropy_quantile: the policy term only on the micro-batch's highest-entropy tokens (an entropy pass
+    # before the transactions); with the entropy bonus over the same tokens, and with beta (its KL keeps every token)
+    "dapo-top-entropy-quantile": dict(loss_type="dapo", top_entropy_quantile=0.4, max_steps=2, beta=0.3),
+    "grpo-top-entropy-quantile-bonus-tools": dict(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=0.05,
+                                                  tool_masks=True, num_iterations=2, max_steps=2),
+    "bnpo-top-entropy-quantile-steps-per-generation": dict(loss_type="bnpo", top_entropy_quantile=0.3,
+                                                           steps_per_generation=4, epsilon=0.01, max_steps=2),
 }
 
 
@@ -132,7 +158,8 @@ def test_prompts_sharing_a_document(checkpoint, tmp_path, monkeypatch, mode):
 
 # TRL's per-micro-batch metrics, averaged over each logged step's micro-batches by TRL's log()
 METRICS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/high_mean",
-           "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean")
+           "clip_ratio/high_max", "clip_ratio/region_mean", "cispo_clip_ratio", "vespo/phi_seq_mean", "policy_loss",
+           "entropy_coef")
 METRIC_CASES = {
     # epsilon 0.01: the second iteration's ratios (one SGD step away) leave [0.99, 1.01] on some tokens
     "dapo-temperature-beta-two-iterations": dict(loss_type="dapo", temperature=0.7, beta=0.3, num_iterations=2,
@@ -143,6 +170,15 @@ METRIC_CASES = {
     "cispo-two-iterations": dict(loss_type="cispo", epsilon_high=1.0, num_iterations=2, max_steps=2),
     "dapo-delta-two-iterations": dict(loss_type="dapo", delta=1.002, epsilon=0.001, num_iterations=2, max_steps=2),
     "vespo-two-iterations": dict(loss_type="vespo", num_iterations=2, max_steps=2),
+    # the entropy bonus logs policy_loss per micro-batch and the (adaptive) coefficient per step
+    "grpo-adaptive-entropy-steps-per-generation": dict(loss_type="grpo", use_adaptive_entropy=True,
+                                                       entropy_coef=0.05, entropy_coef_delta=0.02,
+                                                       entropy_target=10.0, max_steps=2, steps_per_generation=4,
+                                                       epsilon=0.01),
+    "dapo-top-entropy-quantile-bonus": dict(loss_type="dapo", top_entropy_quantile=0.5, entropy_coef=0.05,
+                                            num_iterations=2, max_steps=2, epsilon=0.01),
+    "dapo-entropy-coef-beta": dict(loss_type="dapo", entropy_coef=0.05, beta=0.3, max_steps=2, num_iterations=2,
+                                   epsilon=0.01),
 }
 
 
@@ -174,11 +210,49 @@ def test_logged_metrics_equal_trls(checkpoint, tmp_path, name):
         assert got["longstraw/capture_seconds"] > 0 and got["longstraw/pages_bytes"] > 0
         assert got["longstraw/capture_reused"] == 0.0
     assert "entropy" in compared and ("kl" in compared) == ("beta" in case)
+    bonus = "entropy_coef" in case or "use_adaptive_entropy" in case
+    assert ({"policy_loss", "entropy_coef"} <= compared) == bonus
+    if case.get("use_adaptive_entropy"):  # the controller moved the coefficient
+        assert theirs[-1]["entropy_coef"] != case["entropy_coef"]
     if case["loss_type"] == "vespo":  # the weight moved off phi(1) = 1 in the second iteration
         assert theirs[-1]["vespo/phi_seq_mean"] != 1.0
         return
     clip_keys = [k for k in compared if "clip" in k and not k.endswith("_min")]
     assert any(theirs[-1][k] > 0 for k in clip_keys), {k: theirs[-1][k] for k in clip_keys}
+
+
+def test_steps_per_generation_old_logprobs_matter(checkpoint, tmp_path, monkeypatch):
+    """The check can fail: with steps_per_generation 4 the second optimizer step trains members generated before the
+    first step; scored with the current weights as their old log-probs (ratio 1, no clip) instead of the
+    generation's, the update is another."""
+    from ds_longstraw.integrations.trl import trainer as trainer_module
+
+    original = trainer_module.prompt_groups
+    monkeypatch.setattr(trainer_module, "prompt_groups",
+                        lambda *args, **kwargs: original(*args, **{**kwargs, "old_logprobs": {}}))
+    assert _both(checkpoint, tmp_path, **CASES["dapo-steps-per-generation-4"]) > 1e-4
+
+
+def test_entropy_bonus_normalisation_matters(checkpoint, tmp_path, monkeypatch):
+    """The check can fail: the entropy bonus normalised as the dapo loss (the objective's entropy_agg "loss") in
+    place of TRL's per-micro-batch token mean takes another step."""
+    import dataclasses
+
+    from ds_longstraw.integrations.trl import trainer as trainer_module
+
+    original = trainer_module.objective_from_trl
+    monkeypatch.setattr(trainer_module, "objective_from_trl",
+                        lambda *a, **k: dataclasses.replace(original(*a, **k), entropy_agg="loss"))
+    assert _both(checkpoint, tmp_path, **CASES["dapo-entropy-coef"]) > 1e-4
+
+
+def test_top_entropy_quantile_mask_matters(checkpoint, tmp_path, monkeypatch):
+    """The check can fail: without the entropy pass's mask (every trained token in the policy term) the update is
+    another."""
+    from ds_longstraw.integrations.trl.trainer import LongStrawGRPOTrainer as Trainer
+
+    monkeypatch.setattr(Trainer, "_entropy_masks", lambda self, *args: None)
+    assert _both(checkpoint, tmp_path, **CASES["dapo-top-entropy-quantile"]) > 1e-4
 
 
 def test_detached_mode_differs(checkpoint, tmp_path):
@@ -202,8 +276,8 @@ def test_generate_from_capture(checkpoint, tmp_path, temperature):
             calls.append((prompt_ids, completions))
             return completions
 
-        def recording_run(groups):
-            results = run_groups(groups)
+        def recording_run(groups, *rest):
+            results = run_groups(groups, *rest)
             reused.extend(result.extras.get("capture_reused", False) for result in results)
             return results
 

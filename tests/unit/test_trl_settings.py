@@ -11,11 +11,8 @@ from tests import trl_runs
 MISSING_MODEL = "/nonexistent/model"
 
 REFUSED = [
-    ("top_entropy_quantile", 0.5),
-    ("entropy_coef", 0.01),
-    ("use_adaptive_entropy", True),
+    ("entropy_coef", -0.01),
     ("cast_lm_head_to_fp32", True),
-    ("steps_per_generation", 4),
 ]
 
 
@@ -33,8 +30,8 @@ def test_unmapped_setting_is_refused(tmp_path, name, value):
 
 
 def test_every_refusal_is_named_at_once(tmp_path):
-    with pytest.raises(ValueError, match=r"top_entropy_quantile = 0\.5.*cast_lm_head_to_fp32 = True"):
-        _trainer(tmp_path, longstraw={}, top_entropy_quantile=0.5, cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match=r"entropy_coef = -0\.01.*cast_lm_head_to_fp32 = True"):
+        _trainer(tmp_path, longstraw={}, entropy_coef=-0.01, cast_lm_head_to_fp32=True)
 
 
 def test_expert_parallel_block_is_refused(tmp_path):

@@ -10,13 +10,14 @@ share is 0 whatever the normalisation, and they still count in their micro-batch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ds_longstraw.group import GRPOGroup
 from ds_longstraw.integrations.trl.scopes import trl_scope
+from ds_longstraw.objective import LossScope
 
 
 @dataclass(frozen=True)
@@ -48,41 +49,52 @@ def _response_length(completion_ids: torch.Tensor, completion_mask: torch.Tensor
 
 def prompt_groups(chunks: Sequence[dict[str, Any]], *, loss_type: str, accumulation: int, processes: int,
                   steps_per_generation: int, pad_token_id: int | None,
-                  old_logprobs: dict[Member, torch.Tensor] | None = None) -> list[PromptGroup]:
-    """The generation batch's members grouped by prompt (first appearance order), each with TRL's advantage, loss
-    mask, sampler log-probs (where TRL keeps them), old log-probs (`old_logprobs`, from an earlier iteration) and
-    its micro-batch's LossScope."""
+                  old_logprobs: dict[Member, torch.Tensor] | None = None, scored: int = 0,
+                  policy_masks: Sequence[torch.Tensor] | None = None) -> list[PromptGroup]:
+    """An optimizer step's members grouped by prompt (first appearance order), each with TRL's advantage, loss
+    mask, sampler log-probs (where TRL keeps them), old log-probs (`old_logprobs`: the generation's weights', for
+    the members that have them; a prompt's members with and without them form two groups) and its micro-batch's
+    LossScope. The last `scored` chunks are scored, not trained: their members' LossScope has weight 0 (a share of
+    0; the transaction returns their log-probs, the old log-probs of a later step). policy_masks: per chunk, TRL's
+    entropy mask (rows x completion positions; top_entropy_quantile): each member's LossScope.policy_tokens, and
+    the tokens the entropy bonus averages over."""
     by_prompt: dict[tuple, dict[str, list]] = {}
     for index, chunk in enumerate(chunks):
         loss_mask = chunk["completion_mask"]
         if chunk.get("tool_mask") is not None:
             loss_mask = loss_mask * chunk["tool_mask"]
         loss_mask = loss_mask.bool()
+        policy_mask = None if policy_masks is None or index >= len(policy_masks) else policy_masks[index]
         scope = trl_scope(loss_type, micro_batch_members=int(loss_mask.shape[0]),
                           micro_batch_tokens=int(loss_mask.sum()), accumulation=accumulation,
                           batch_tokens=int(chunk["num_items_in_batch"]), processes=processes,
-                          steps_per_generation=steps_per_generation)
+                          steps_per_generation=steps_per_generation,
+                          entropy_tokens=None if policy_mask is None else int((loss_mask.cpu() & policy_mask).sum()))
+        if index >= len(chunks) - scored:
+            scope = LossScope(tokens=1, members=1, weight=0.0)
         sampling = chunk.get("sampling_per_token_logps")
         for row in range(loss_mask.shape[0]):
             if not loss_mask[row].any():
                 continue
             prompt = chunk["prompt_ids"][row][chunk["prompt_mask"][row].bool()].cpu()
             length = _response_length(chunk["completion_ids"][row], chunk["completion_mask"][row], pad_token_id)
-            entry = by_prompt.setdefault(tuple(prompt.tolist()), {"prompt": prompt, "responses": [], "masks": [],
-                                                                  "advantages": [], "sampling": [], "members": [],
-                                                                  "scopes": []})
             member = Member(index, row)
+            has_old = old_logprobs is not None and member in old_logprobs
+            entry = by_prompt.setdefault((tuple(prompt.tolist()), has_old), {
+                "prompt": prompt, "responses": [], "masks": [], "advantages": [], "sampling": [], "members": [],
+                "scopes": [], "has_old": has_old})
             entry["responses"].append(chunk["completion_ids"][row, :length].cpu())
             entry["masks"].append(loss_mask[row, :length].cpu())
             entry["advantages"].append(float(chunk["advantages"][row]))
             entry["sampling"].append(None if sampling is None else sampling[row, :length].detach().cpu())
             entry["members"].append(member)
-            entry["scopes"].append(scope)
+            entry["scopes"].append(scope if policy_mask is None or scope.weight == 0.0
+                                   else replace(scope, policy_tokens=policy_mask[row, :length]))
     groups = []
     for entry in by_prompt.values():
         masks = entry["masks"]
         old = None
-        if old_logprobs is not None:
+        if entry["has_old"]:
             old = [old_logprobs[member] for member in entry["members"]]
         sampling = None if entry["sampling"][0] is None else entry["sampling"]
         group = GRPOGroup(entry["prompt"], entry["responses"], advantages=entry["advantages"],

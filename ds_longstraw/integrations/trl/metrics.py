@@ -32,6 +32,7 @@ The transaction's own, one value per optimizer step (transaction_metrics):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -154,3 +155,42 @@ def transaction_metrics(results: Sequence[Any], *, gather: Callable[[torch.Tenso
     every = gather(local.to(device)).cpu()
     return {"longstraw/capture_seconds": float(every[:, 0].max()), "longstraw/pages_bytes": float(every[:, 1].max()),
             "longstraw/capture_reused": float(every[:, 2].sum() / every[:, 3].sum().clamp(min=1.0))}
+
+
+
+def entropy_bonus_metrics(count: int, groups: Sequence[PromptGroup], results: Sequence[Any],
+                          objective: GRPOObjective, *, loss_type: str, accumulation: int,
+                          reduce: Callable[[torch.Tensor], torch.Tensor],
+                          gather: Callable[[torch.Tensor], torch.Tensor], device: Any = None) -> tuple[list, float]:
+    """What TRL logs and steers with its entropy bonus on, from an optimizer step's `count` trained micro-batches
+    (Member.chunk < count; the others were scored only): per micro-batch its policy loss (TRL's `policy_loss`: the
+    loss without the bonus, before the accumulation's division for the per-micro-batch loss types; each process's,
+    averaged over processes), and the step's entropy over the tokens the bonus acts on, every process (the adaptive
+    controller's world entropy)."""
+    policy = replace(objective, entropy_coef=0.0)
+    losses = torch.zeros(count, dtype=torch.float64)
+    entropy = torch.zeros(2, dtype=torch.float64)
+    for entry, result in zip(groups, results, strict=True):
+        group = entry.group
+        for i, member in enumerate(entry.members):
+            if member.chunk >= count:
+                continue
+            scope, mask = entry.scopes[i], group.mask(i)
+
+            def pick(values: list | None, i: int = i, mask: torch.Tensor = mask) -> torch.Tensor | None:
+                return None if values is None else values[i].double()[mask]
+
+            tokens = None if scope.policy_tokens is None else scope.policy_tokens[mask]
+            losses[member.chunk] += policy.token_losses(
+                pick(result.logprobs), float(result.advantages[i]), pick(group.old_logprobs),
+                pick(result.ref_logprobs), None, pick(group.sampling_logprobs), tokens).sum() * policy.member_weight(
+                group, i, scope)
+            if result.entropies is not None:
+                h = pick(result.entropies)
+                kept = ~torch.isnan(h) if tokens is None else tokens.bool() & ~torch.isnan(h)
+                entropy += torch.stack([h[kept].sum(), h.new_tensor(float(kept.sum()))])
+    if loss_type not in ("dapo", "cispo", "vespo"):  # TRL logs these before dividing by the accumulation
+        losses *= accumulation
+    every = gather(losses.view(1, count).to(device)).cpu()
+    totals = reduce(entropy.to(device)).cpu()
+    return every.mean(0).tolist(), float(totals[0] / totals[1].clamp(min=1.0))

@@ -24,15 +24,21 @@ from ds_longstraw.objective import LossScope
 
 
 def trl_scope(loss_type: str, *, micro_batch_members: int, micro_batch_tokens: int, accumulation: int,
-              batch_tokens: int, processes: int, steps_per_generation: int) -> LossScope:
+              batch_tokens: int, processes: int, steps_per_generation: int,
+              entropy_tokens: int | None = None) -> LossScope:
     """The LossScope of a member drawn into a micro-batch of `micro_batch_members` members holding
-    `micro_batch_tokens` trained tokens (the table above; batch_tokens: TRL's num_items_in_batch)."""
+    `micro_batch_tokens` trained tokens (the table above; batch_tokens: TRL's num_items_in_batch). Its
+    entropy_weight is TRL's entropy bonus's, 1 / (A max(n_H, 1)) whatever the loss type, n_H the micro-batch's
+    trained tokens the bonus averages over (`entropy_tokens`: those above the entropy quantile; default all)."""
     members = accumulation * micro_batch_members
+    n_entropy = micro_batch_tokens if entropy_tokens is None else entropy_tokens
+    entropy_weight = 1.0 / (accumulation * max(n_entropy, 1))
     if loss_type == "bnpo":
-        return LossScope(tokens=accumulation * max(micro_batch_tokens, 1), members=members)
+        return LossScope(tokens=accumulation * max(micro_batch_tokens, 1), members=members,
+                         entropy_weight=entropy_weight)
     if loss_type in ("dapo", "cispo", "vespo"):
         return LossScope(tokens=max(batch_tokens, 1), members=members,
-                         weight=processes * steps_per_generation / accumulation)
+                         weight=processes * steps_per_generation / accumulation, entropy_weight=entropy_weight)
     if loss_type in ("grpo", "dr_grpo", "luspo", "sapo"):
-        return LossScope(tokens=accumulation * micro_batch_tokens, members=members)
+        return LossScope(tokens=accumulation * micro_batch_tokens, members=members, entropy_weight=entropy_weight)
     raise ValueError(f"loss_type {loss_type!r} has no LossScope (integrations/trl/settings.py lists those that map)")

@@ -45,21 +45,12 @@ def _refusals(args: Any) -> list[tuple[str, Any, str]]:
 
     if args.loss_type not in LOSS_AGG:
         refuse("loss_type", args.loss_type, f"the transaction runs {sorted(LOSS_AGG)}")
-    if args.top_entropy_quantile < 1.0:
-        refuse("top_entropy_quantile", args.top_entropy_quantile, "no entropy masking in the objective")
-    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
-        name, value = (("entropy_coef", args.entropy_coef) if args.entropy_coef != 0.0
-                       else ("use_adaptive_entropy", True))
-        refuse(name, value, "TRL's entropy bonus is a per-micro-batch token mean whatever the loss type; the "
-                            "objective's entropy_coef shares each loss type's normalisation")
+    if args.entropy_coef < 0.0:
+        refuse("entropy_coef", args.entropy_coef, "the objective's entropy bonus is >= 0")
     if getattr(args, "use_liger_kernel", False):
         refuse("use_liger_kernel", True, "the transaction computes the loss itself")
     if args.cast_lm_head_to_fp32:
         refuse("cast_lm_head_to_fp32", True, "the transaction's log-probs come from its own chunked pass")
-    if args.steps_per_generation != args.gradient_accumulation_steps:
-        refuse("steps_per_generation", args.steps_per_generation,
-               f"one generation batch per optimizer step (gradient_accumulation_steps = "
-               f"{args.gradient_accumulation_steps}): a group's members must train in one step")
     return refused
 
 
@@ -79,7 +70,8 @@ def objective_from_trl(args: Any, use_vllm: bool | None = None) -> GRPOObjective
                                   kl_estimator="k3", kl_ratio_weighted=bool(args.use_bias_correction_kl),
                                   ratio_level=args.importance_sampling_level, loss_agg=LOSS_AGG[args.loss_type],
                                   empty_members="count", temperature=args.temperature,
-                                  report_entropy=True)  # TRL logs the mean entropy (metrics.py)
+                                  report_entropy=True,  # TRL logs the mean entropy (metrics.py)
+                                  entropy_coef=args.entropy_coef, entropy_agg="scope")  # TRL's bonus: scopes.py
     if args.loss_type == "cispo":
         fields.update(policy_loss="cispo", cispo_ratio_max=epsilon_high)
     if args.loss_type == "sapo":

@@ -27,6 +27,7 @@ per step needs DeepSpeed's engine).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import time
 from collections.abc import Iterator
@@ -37,7 +38,7 @@ from trl import GRPOTrainer
 
 from ds_longstraw.config import LongstrawConfig, parse_config
 from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
-from ds_longstraw.integrations.trl.metrics import transaction_metrics, trl_metrics
+from ds_longstraw.integrations.trl.metrics import entropy_bonus_metrics, transaction_metrics, trl_metrics
 from ds_longstraw.integrations.trl.replicas import replica_sampler
 from ds_longstraw.integrations.trl.sampling import CaptureSampler
 from ds_longstraw.integrations.trl.settings import check_trl_settings, objective_from_trl
@@ -153,7 +154,13 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             raise ValueError("generate_from_capture needs the 'longstraw' block (the DeepSpeed config's or longstraw=)")
         self.longstraw = longstraw
         self._skip_scoring = False
-        self._old_logprobs: dict[Member, torch.Tensor] = {}
+        # the optimizer step's micro-batches so far, (generation, index in its batch); the generations made in it;
+        # TRL's buffered generation batches by number; old log-probs by (generation, index, row)
+        self._window: list[tuple[int, int]] = []
+        self._fresh: list[int] = []
+        self._generation = 0
+        self._generations: dict[int, list] = {}
+        self._old_logprobs: dict[tuple[int, int, int], torch.Tensor] = {}
         self._sampler = CaptureSampler(longstraw) if generate_from_capture else None
         self._tool_loop: ToolLoop | None = None  # generate_from_capture with tools: the batch's turns (tools.py)
         if longstraw is None:
@@ -164,6 +171,10 @@ class LongStrawGRPOTrainer(GRPOTrainer):
         if self.accelerator.num_processes > 1 and self.is_deepspeed_enabled is False:
             raise ValueError(f"{self.accelerator.num_processes} processes without DeepSpeed: LongStrawGRPOTrainer "
                              "needs a DeepSpeed config (with the 'longstraw' block) to reduce once per step")
+        if self.top_entropy_quantile < 1.0 and (longstraw.cp_size > 1 or (
+                self.accelerator.num_processes > 1 and self.accelerator.state.deepspeed_plugin.zero_stage == 3)):
+            raise ValueError(f"top_entropy_quantile = {self.top_entropy_quantile!r} under ZeRO-3 on several processes "
+                             f"or with cp_size > 1: its entropy pass (entropies.py) runs each process's prompts alone")
         self._set_leaf_modules()
 
     def _check_probed_tools(self) -> None:
@@ -286,10 +297,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
         start = time.perf_counter()
         accumulation = self.current_gradient_accumulation_steps
-        if self._step % accumulation == 0:
-            model.train()
-            self._same_randomness_in_cp_group()
-            self._prepare_inputs(inputs)  # TRL's generation (every generate_every micro-steps) and its buffer
+        model.train()
+        self._buffer_micro_batch(inputs)
+        if len(self._window) == accumulation:  # the optimizer step's last micro-step: its micro-batches are known
             loss = self._transactions(accumulation)
         else:
             loss = torch.zeros((), device=self.accelerator.device)
@@ -300,27 +310,97 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             self._current_train_step_time = 0.0
         return loss
 
+    def _buffer_micro_batch(self, inputs: Any) -> None:
+        """TRL's _prepare_inputs for this micro-step (it generates every steps_per_generation x num_iterations
+        micro-steps and hands out the generation batch's micro-batch _step % steps_per_generation); the micro-batch
+        joins the optimizer step's window, named (generation, index) so that its old log-probs can be found."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            self._same_randomness_in_cp_group()
+        before = self._buffered_inputs
+        self._prepare_inputs(inputs)  # TRL's generation (when due) and its buffer
+        if self._buffered_inputs is not before:
+            self._generation += 1
+            self._generations[self._generation] = self._buffered_inputs
+            self._fresh.append(self._generation)
+        self._window.append((self._generation, self._step % self.args.steps_per_generation))
+
     def _transactions(self, accumulation: int) -> torch.Tensor:
-        iteration = (self._step // self.args.steps_per_generation) % self.num_iterations
-        if iteration == 0:
-            self._old_logprobs = {}
-        groups = prompt_groups(self._buffered_inputs, loss_type=self.loss_type, accumulation=accumulation,
+        """The window's micro-batches as transactions. Old log-probs (TRL's, at the generation's weights): a
+        generation made in this window has this window's weights, so its members train with none (ratio 1, as TRL's
+        old log-probs of the same weights); its micro-batches that train in a later window (steps_per_generation >
+        gradient_accumulation_steps, or num_iterations > 1) are replayed here too, with a share of 0, for their
+        log-probs: the old log-probs those later windows use."""
+        window, fresh = self._window, set(self._fresh)
+        self._window, self._fresh = [], []
+        trained = set(window)
+        scored = [(g, c) for g in sorted(fresh) for c in range(len(self._generations[g])) if (g, c) not in trained]
+        names = window + scored
+        chunks = [self._generations[g][c] for g, c in names]
+        old = {}
+        for k, (g, c) in enumerate(window):
+            if g in fresh:
+                continue
+            for row in range(int(chunks[k]["completion_mask"].shape[0])):
+                if (g, c, row) in self._old_logprobs:
+                    old[Member(k, row)] = self._old_logprobs[(g, c, row)]
+        objective = self.longstraw_objective
+        if self.use_adaptive_entropy:  # TRL's controller: the coefficient applies while the entropy is at or below
+            coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0
+            objective = dataclasses.replace(objective, entropy_coef=coef)
+        groups = prompt_groups(chunks, loss_type=self.loss_type, accumulation=accumulation,
                                processes=self.accelerator.num_processes,
                                steps_per_generation=self.args.steps_per_generation,
-                               pad_token_id=self._tokenizer.pad_token_id,
-                               old_logprobs=self._old_logprobs if iteration > 0 else None)
-        results = self._run_groups(groups)
-        if iteration == 0 and self.num_iterations > 1:
-            for entry, result in zip(groups, results, strict=True):
-                for member, logprobs in zip(entry.members, result.logprobs, strict=True):
-                    self._old_logprobs[member] = logprobs
-        self._log_transactions(groups, results)
+                               pad_token_id=self._tokenizer.pad_token_id, old_logprobs=old, scored=len(scored),
+                               policy_masks=self._entropy_masks(chunks[:len(window)], old, accumulation))
+        results = self._run_groups(groups, objective)
+        for entry, result in zip(groups, results, strict=True):
+            for member, logprobs in zip(entry.members, result.logprobs, strict=True):
+                g, c = names[member.chunk]
+                if g in fresh:
+                    self._old_logprobs.setdefault((g, c, member.row), logprobs)
+        # only the latest generation is trained again (its buffer is TRL's)
+        self._generations = {g: b for g, b in self._generations.items() if g == self._generation}
+        self._old_logprobs = {key: v for key, v in self._old_logprobs.items() if key[0] == self._generation}
+        self._log_transactions(chunks[:len(window)], groups, results, objective)
+        if self._entropy_bonus_enabled:
+            self._entropy_bonus_step(len(window), groups, results, objective, accumulation)
         loss = sum(result.loss for result in results)
         return torch.tensor(float(loss), device=self.accelerator.device)
 
-    def _run_groups(self, groups: list[PromptGroup]) -> list:
+    def _entropy_bonus_step(self, count: int, groups: list[PromptGroup], results: list, objective: Any,
+                            accumulation: int) -> None:
+        """TRL's entropy bonus bookkeeping at the optimizer step's end: its policy_loss per micro-batch, the adaptive
+        controller's update from the step's entropy (every process) and the coefficient it logs."""
+        losses, world_entropy = entropy_bonus_metrics(
+            count, groups, results, objective, loss_type=self.loss_type, accumulation=accumulation,
+            reduce=lambda x: self.accelerator.reduce(x, reduction="sum"), gather=self.accelerator.gather,
+            device=self.accelerator.device)
+        self._metrics["train"]["policy_loss"].extend(losses)
+        if self.use_adaptive_entropy:
+            if world_entropy <= self.args.entropy_target:
+                self.entropy_coef = min(self.entropy_coef + self.args.entropy_coef_delta, self.args.entropy_coef_max)
+            else:
+                self.entropy_coef = max(self.entropy_coef - self.args.entropy_coef_delta, self.args.entropy_coef_min)
+            self._last_world_entropy = world_entropy
+        self._metrics["train"]["entropy_coef"].append(self.entropy_coef)
+
+    def _entropy_masks(self, chunks: list[dict], old: dict, accumulation: int) -> list | None:
+        """top_entropy_quantile < 1: per trained micro-batch, TRL's entropy mask (None otherwise; entropies.py)."""
+        if self.top_entropy_quantile >= 1.0:
+            return None
+        from ds_longstraw.integrations.trl.entropies import entropy_masks, score_entropies
+
+        groups = prompt_groups(chunks, loss_type=self.loss_type, accumulation=accumulation,
+                               processes=self.accelerator.num_processes,
+                               steps_per_generation=self.args.steps_per_generation,
+                               pad_token_id=self._tokenizer.pad_token_id, old_logprobs=old)
+        entropies = score_entropies(self.accelerator.unwrap_model(self.model), groups, self.longstraw,
+                                    self.longstraw_objective.temperature)
+        return entropy_masks(chunks, entropies, self.get_high_entropy_mask, self.top_entropy_quantile)
+
+    def _run_groups(self, groups: list[PromptGroup], objective: Any) -> list:
         ref_model = self.ref_model if self.beta != 0.0 else None
-        objective = self.longstraw_objective
         # generate_from_capture: each group takes its prompt's kept capture (taken and released by the transaction)
         captures = None if self._sampler is None else [self._sampler.take(g.group.prompt_ids) for g in groups]
         try:
@@ -343,11 +423,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             if self._sampler is not None:
                 self._sampler.release()  # a capture no group took (a later iteration's weights differ)
 
-    def _log_transactions(self, groups: list[PromptGroup], results: list) -> None:
-        """TRL's metrics (kl, entropy, clip ratios: one value per micro-batch, by TRL's definitions) and the
-        transaction's own (capture seconds, pages' bytes, captures reused) from the step's results (metrics.py)."""
+    def _log_transactions(self, chunks: list[dict], groups: list[PromptGroup], results: list, objective: Any) -> None:
+        """TRL's metrics (kl, entropy, clip ratios: one value per trained micro-batch `chunks`, by TRL's
+        definitions) and the transaction's own (capture seconds, pages' bytes, captures reused) from the step's
+        results (metrics.py)."""
         device = self.accelerator.device
-        per_micro_batch = trl_metrics(self._buffered_inputs, groups, results, self.longstraw_objective,
+        per_micro_batch = trl_metrics(chunks, groups, results, objective,
                                       reduce=lambda x: self.accelerator.reduce(x, reduction="sum"),
                                       gather=self.accelerator.gather, device=device)
         for name, values in per_micro_batch.items():
