@@ -21,7 +21,9 @@ row of the micro-batch, an untrained one as unclipped, as TRL's (B, 1) tensors d
   cispo_clip_ratio        w > epsilon_high and A > 0              (cispo)
   vespo/phi_seq_mean      VESPO's weight phi (objective.py), per sequence (an untrained one: 1)       (vespo)
 sapo logs none of the clip metrics (as TRL). Not here: the entropy of a member that ran in steps
-(grpo/member_steps.py returns none: left out of the mean), the adaptive entropy's metrics (refused).
+(grpo/member_steps.py returns none: left out of the mean).
+With the entropy bonus on (entropy_bonus_metrics): policy_loss per micro-batch (the loss without the bonus, TRL's
+normaliser before the accumulation's division; averaged over processes) and entropy_coef once per step.
 
 The transaction's own, one value per optimizer step (transaction_metrics):
   longstraw/capture_seconds  the step's prompt (and shared document) captures on this process, the slowest process

@@ -21,7 +21,17 @@ What maps (TRL 1.16's GRPOConfig -> objective.GRPOObjective; the normalisation's
   num_iterations                 old log-probs: the transaction's own log-probs of the first iteration.
   temperature                    temperature: every log-prob the transaction takes (policy, reference, old) is of
                                  logits / temperature, as TRL scores them; generate_from_capture samples at it.
-Everything else of the loss is refused, naming the setting and its value, before the model is touched.
+  steps_per_generation           the trainer runs each optimizer step's micro-batches (trainer.py); old log-probs of
+                                 a later step's members: their generation step's, from a replay with a share of 0.
+  entropy_coef                   entropy_coef, entropy_agg "scope": LossScope.entropy_weight = 1 / (A max(n, 1)),
+                                 TRL's per-micro-batch token mean whatever the loss type (scopes.py)
+  use_adaptive_entropy,          the step's entropy_coef from TRL's controller (its own attributes, so its checkpoint
+  entropy_coef_min/_max/_delta,  file still works), updated from the step's entropy over every process
+  entropy_target
+  top_entropy_quantile           LossScope.policy_tokens: TRL's get_high_entropy_mask over an entropy pass before the
+                                 transactions (entropies.py; one more detached capture and forward per step)
+Everything else of the loss is refused, naming the setting and its value, before the model is touched (a negative
+entropy_coef, cast_lm_head_to_fp32, use_liger_kernel, other loss types).
 """
 
 from __future__ import annotations

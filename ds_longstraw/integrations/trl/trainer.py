@@ -8,14 +8,14 @@ What changes, when the DeepSpeed config carries a "longstraw" block (without Dee
     its generation and rewards only): the reference is scored inside each transaction without a graph, and with
     num_iterations > 1 the old log-probs are the transaction's own log-probs of the generation's first iteration
     (the same weights TRL would score them with).
-  - training_step: at the first micro-step of each optimizer step the whole generation batch (TRL's shuffled
-    micro-batches) is grouped by prompt and each group runs one transaction (grpo_backward) with TRL's
-    advantages, loss mask and sampler log-probs, every member normalised over its own micro-batch (scopes.py);
+  - training_step: at the last micro-step of each optimizer step the micro-batches TRL handed its micro-steps
+    (with steps_per_generation = the accumulation, the whole generation batch) are grouped by prompt and each group
+    runs one transaction (grpo_backward) with TRL's advantages, loss mask and sampler log-probs, every member normalised over its own micro-batch (scopes.py);
     under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. Prompts
     that share a document (a common prefix of at least the block's shared_prefix_min tokens) share its capture
-    (grpo/shared.py; under DeepSpeed where engine.grpo_step runs them so). The other micro-steps of the optimizer
-    step have nothing left to do. The loss returned is TRL's loss summed over the micro-batches (what TRL's
-    Trainer adds up for its log).
+    (grpo/shared.py; under DeepSpeed where engine.grpo_step runs them so). The earlier micro-steps of the optimizer
+    step only take their micro-batch (TRL's _prepare_inputs, which generates when due). The loss returned is TRL's
+    loss summed over the micro-batches (what TRL's Trainer adds up for its log).
 Context parallelism ("cp_size" N in the block, under DeepSpeed): consecutive processes form a CP group; TRL's
 sampler is wrapped so that a group's processes receive copies of one batch (replicas.py) and each prompt is
 sharded over them; DeepSpeed averages over every process, as under ds_longstraw.initialize.
