@@ -10,7 +10,8 @@ What changes, when the DeepSpeed config carries a "longstraw" block (without Dee
     (the same weights TRL would score them with).
   - training_step: at the last micro-step of each optimizer step the micro-batches TRL handed its micro-steps
     (with steps_per_generation = the accumulation, the whole generation batch) are grouped by prompt and each group
-    runs one transaction (grpo_backward) with TRL's advantages, loss mask and sampler log-probs, every member normalised over its own micro-batch (scopes.py);
+    runs one transaction (grpo_backward) with TRL's advantages, loss mask and sampler log-probs, every member
+    normalised over its own micro-batch (scopes.py);
     under DeepSpeed all groups go through engine.grpo_step: one gradient reduction and one optimizer step. Prompts
     that share a document (a common prefix of at least the block's shared_prefix_min tokens) share its capture
     (grpo/shared.py; under DeepSpeed where engine.grpo_step runs them so). The earlier micro-steps of the optimizer
