@@ -90,8 +90,8 @@ def capture_case(model: str, root: str, initial: dict) -> dict:
             calls.append((prompt_ids, completions))
             return completions
 
-        def recording_run(groups: list) -> list:
-            results = run_groups(groups)
+        def recording_run(groups: list, *rest: object) -> list:
+            results = run_groups(groups, *rest)
             reused.extend(float(result.extras.get("capture_reused", False)) for result in results)
             return results
 
