@@ -41,10 +41,25 @@ class OwnRows:
 
     def write(self, layer, slots, parts):
         """This step's rows (a tuple of [len(slots), ...] per stream) at each slot's length; advance() counts them."""
+        buffers = self._buffers(layer, parts)
+        run = self._run(slots)
+        if run is not None:  # one run of slots at one length: a slice, no index tensors
+            first, length = run
+            for buffer, part in zip(buffers, parts, strict=True):
+                buffer[first: first + len(slots), length] = part
+            return
         at = torch.tensor([self.lengths[slot] for slot in slots], device=parts[0].device)
         where = torch.tensor(slots, device=parts[0].device)
-        for buffer, part in zip(self._buffers(layer, parts), parts, strict=True):
+        for buffer, part in zip(buffers, parts, strict=True):
             buffer[where, at] = part
+
+    def _run(self, slots):
+        """(first slot, length) where `slots` are consecutive and all at one length, else None."""
+        first, length = slots[0], self.lengths[slots[0]]
+        for offset, slot in enumerate(slots):
+            if slot != first + offset or self.lengths[slot] != length:
+                return None
+        return first, length
 
     def extend(self, layer, slot, parts):
         """Rows of several tokens (a tuple of token-major [T, ...]) at slot's length; advance() counts them."""
@@ -67,11 +82,11 @@ class OwnRows:
         """The slots' rows of `layer` as one batch (a tuple of [len(slots), T, ...] views) where they form one run of
         slots with one length (every sample of a one-turn rollout until the first stops), else None."""
         buffers = self.buffers.get(layer)
-        lengths = {self.lengths[slot] for slot in slots}
-        if buffers is None or len(lengths) != 1 or list(slots) != list(range(slots[0], slots[0] + len(slots))):
+        run = None if buffers is None else self._run(slots)
+        if run is None:
             return None
-        end = lengths.pop() + extra
-        return tuple(buffer[slots[0]: slots[0] + len(slots), :end] for buffer in buffers)
+        first, length = run
+        return tuple(buffer[first: first + len(slots), : length + extra] for buffer in buffers)
 
     def past(self, past, slot):
         """`past` (a fresh copy of the prompt's) with slot's own rows appended: what a segment forward from the
