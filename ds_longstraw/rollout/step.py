@@ -208,13 +208,15 @@ def rollout_groups(model: torch.nn.Module,
                    prompts: torch.Tensor | Sequence[int] | Sequence[torch.Tensor | Sequence[int]],
                    rollout: RolloutConfig | dict[str, Any], *, step: int, first_index: int = 0,
                    longstraw: LongstrawConfig | dict[str, Any] | None = None,
-                   cp_group: ProcessGroup | CPContext | None = None) -> list:
+                   cp_group: ProcessGroup | CPContext | None = None, score_temperature: float | None = None) -> list:
     """GRPOGroups of `prompts` (one or a list of 1-D ids) sampled from `model` as the `rollout` block says: for
     prompt j, `rollout.num_samples` samples seeded sample_seed(rollout.seed, step, first_index + j), rewarded by
-    `rollout.reward`, their log-probs as old log-probs. longstraw: the "longstraw" block (capture chunks, pages, tier);
-    cp_group: the context-parallel group the prompt is sharded over (None: one rank)."""
+    `rollout.reward`, their log-probs as old log-probs (at score_temperature; None: the sampling temperature;
+    engine.grpo_step takes its objective's). longstraw: the "longstraw" block (capture chunks, pages, tier); cp_group:
+    the context-parallel group the prompt is sharded over (None: one rank)."""
     return [group for group, _ in rollout_samples(model, prompts, rollout, step=step, first_index=first_index,
-                                                   longstraw=longstraw, cp_group=cp_group)]
+                                                   longstraw=longstraw, cp_group=cp_group,
+                                                   score_temperature=score_temperature)]
 
 
 def rollout_samples(model: torch.nn.Module,

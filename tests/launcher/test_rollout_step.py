@@ -343,8 +343,9 @@ def test_launcher_rollouts_train_on_the_rollout_capture_in_lockstep(tmp_path):
         for replica in range(2):  # launch/train.py's prompt index (step W + r) k + j; the seed's index r k + j
             model.zero_grad(set_to_none=True)
             prompts = [recall.prompt(rollout["seed"], step * 2 + replica, **args)]
+            # old log-probs at the objective's temperature (1), as engine.grpo_step takes them; the block samples at 2
             for group in rollout_groups(model, prompts, rollout, step=step, first_index=replica,
-                                        longstraw=RECALL_BLOCK):
+                                        longstraw=RECALL_BLOCK, score_temperature=objective.temperature):
                 if replica == 0:  # what train.samples recorded: rank 0's samples, before the step's update
                     assert recorded[step]["response_ids"] == [ids.tolist() for ids in group.response_ids]
                     assert recorded[step]["rewards"] == group.rewards.tolist()
