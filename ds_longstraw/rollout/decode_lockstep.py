@@ -16,8 +16,9 @@ decode: how many prompts each brings, each prompt's length (its capture chunks),
                    head) until none runs or max_new_tokens is reached. One-at-a-time decoding (generate's plain
                    reference) walks the most samples any rank has, the extra ones ghosts.
     observations   with an environment (rollout/environment.py) a step's samples that drew a stop id have their
-                   observations captured, one segment forward each; the same all-reduce carries each rank's count,
-                   and a rank short of the most pads with one-token ghost segment forwards (no head).
+                   observations captured, in segment forwards of capture_chunk tokens; the same all-reduce carries
+                   each rank's count of those forwards, and a rank short of the most pads with one-token ghost
+                   segment forwards (no head).
 
 What a rank samples is what it would sample alone: padding feeds no real sample's inputs, and every sample draws
 from its own generator. Cost: one two-element all-reduce per decode step, and ghost forwards on ranks whose samples

@@ -134,13 +134,12 @@ class TurnRules:
     # an observation runs through the model in forwards of at most this many tokens (the longstraw block's
     # capture_chunk, as the prompt's capture): its activations are a chunk's, not the whole observation's
     chunk: int = 1 << 62
-    # seconds and tokens of the observations' forwards so far (generate reports the seconds as its "observations"
-    # phase, inside "decode")
-    captured: list = field(default_factory=lambda: [0.0, 0])
+    # seconds of the observations' forwards so far (generate reports them as its "observations" phase, inside
+    # "decode")
+    captured: list = field(default_factory=lambda: [0.0])
 
-    def note_captured(self, seconds: float, tokens: int) -> None:
+    def note_captured(self, seconds: float) -> None:
         self.captured[0] += seconds
-        self.captured[1] += tokens
 
     def forwards(self, segment: list[int]) -> list[list[int]]:
         """The forwards an observation's captured tokens run in (chunk tokens each)."""

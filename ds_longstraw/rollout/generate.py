@@ -516,7 +516,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         for row, sample, piece in forwards:
             _capture_into_slot(adapter, view, start, row, sample, piece, carry, own,
                                None if kept is None else records[sample])
-        rules.note_captured(time.perf_counter() - began, sum(len(piece) for *_, piece in forwards))
+        rules.note_captured(time.perf_counter() - began)
         _ghost_captures(adapter, view, start, common - len(forwards))
         if len(keep) < len(active):  # finished samples leave the batch
             index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
@@ -587,7 +587,7 @@ def _decode(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch
                                           rows.past(view.leaves), view.remote_attention)
             carry = dict(out.carry)
             rows.append(out.rows, len(piece))
-        rules.note_captured(time.perf_counter() - began, len(segment))
+        rules.note_captured(time.perf_counter() - began)
         _ghost_captures(adapter, view, start, common - len(forwards))
         if not running:
             break
