@@ -115,6 +115,16 @@ def save_tiny_model(path: str, dtype: torch.dtype = torch.float64, seed: int = 0
     return path
 
 
+def save_tiny_glm(path: str, dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int = 48) -> str:
+    """A tiny random glm_moe_dsa (tests/glm_models.py: MLA + DSA, MoE with 6 routed experts and a dense first
+    layer) saved as a checkpoint."""
+    from tests.glm_models import tiny_glm_moe_dsa
+
+    model = tiny_glm_moe_dsa(dtype=dtype, seed=seed, vocab_size=vocab_size, pad_token_id=PAD, eos_token_id=EOS)
+    model.save_pretrained(path)
+    return path
+
+
 def train(trainer_class: type, model_path: str, output_dir: str, *, prompts: int = 4, prompt_len: int = 24,
           vocab_size: int = 48, tool_masks: bool = False, document: int = 0, dtype: torch.dtype = torch.float64,
           longstraw: dict | None = None, lora: bool = False, rollout: object = "seeded",
@@ -186,15 +196,23 @@ def in_float64():
 
 
 def _full_weights(trainer: object) -> dict:
-    """The whole weights (ZeRO-3 partitions gathered) on CPU."""
+    """The whole weights (ZeRO-3 partitions gathered; expert slices joined over their EP group) on CPU."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     if getattr(trainer, "is_deepspeed_enabled", False) and trainer.accelerator.state.deepspeed_plugin.zero_stage == 3:
         import deepspeed
 
         params = list(model.parameters())
         with deepspeed.zero.GatheredParameters(params):
-            return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+            weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    else:
+        weights = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    experts = getattr(trainer, "_experts", None)  # ep_size > 1: each process holds its slice (EP rank order)
+    if experts is not None:
+        slices = [None] * experts.ep.size
+        torch.distributed.all_gather_object(slices, {n: p.detach().cpu() for n, p in experts.params.items()},
+                                            group=experts.ep.process_group)
+        weights.update({n: torch.cat([part[n] for part in slices]) for n in experts.params})
+    return weights
 
 
 def update_difference(initial: dict, ours: dict, theirs: dict) -> float:

@@ -381,13 +381,16 @@ def _with_grpo_step(engine: DeepSpeedEngine) -> LongstrawEngine:
     return engine
 
 
-def enable_grpo_step(engine: DeepSpeedEngine, longstraw: LongstrawConfig) -> LongstrawEngine:
+def enable_grpo_step(engine: DeepSpeedEngine, longstraw: LongstrawConfig,
+                     parallelism: Parallelism | None = None) -> LongstrawEngine:
     """`grpo_step` on an engine built elsewhere (accelerate's, for a trainer), with the block's context-parallel
     groups (consecutive ranks, as `initialize` makes them; built here, a collective: every rank calls this alike).
-    Not with expert slices, which must leave ZeRO before the engine exists (`initialize`). Idempotent."""
-    if longstraw.ep_size > 1:
+    Expert slices must leave ZeRO before the engine exists: with ep_size > 1 the caller built `parallelism` and
+    sharded the experts with it before the engine, and sets engine.longstraw_experts (integrations/trl/experts.py).
+    Idempotent."""
+    if longstraw.ep_size > 1 and parallelism is None:
         raise ValueError(f"'longstraw.ep_size' = {longstraw.ep_size}: expert slices leave ZeRO before the engine is "
-                         "built, which only ds_longstraw.initialize does")
+                         "built (ds_longstraw.initialize, or the caller's parallelism and ExpertSlices)")
     if engine.zero_optimization_stage() not in (1, 2, 3):
         raise ValueError(f"'zero_optimization.stage' = {engine.zero_optimization_stage()}: grpo_step reduces through "
                          "DeepSpeed's coalesce_grad_reduction, which needs ZeRO stage 1, 2 or 3")
@@ -395,8 +398,10 @@ def enable_grpo_step(engine: DeepSpeedEngine, longstraw: LongstrawConfig) -> Lon
         return engine
     engine = _with_grpo_step(engine)
     engine.longstraw = longstraw
-    engine.longstraw_parallelism = (build_parallelism(longstraw.cp_size) if longstraw.cp_size > 1
-                               else Parallelism(dist.get_world_size(), dist.get_rank()))
+    if parallelism is None:
+        parallelism = (build_parallelism(longstraw.cp_size) if longstraw.cp_size > 1
+                       else Parallelism(dist.get_world_size(), dist.get_rank()))
+    engine.longstraw_parallelism = parallelism
     return engine
 
 

@@ -5,6 +5,9 @@ Each case trains TRL's own trainer, then ours, from the same checkpoint, data, s
 "longstraw" block); rank 0 writes, per case, || our update - TRL's || / || TRL's || with the weights gathered whole.
 The processes' prompts differ (TRL's sampler splits the generation batch), and a prompt's members are split over
 the two processes, so each process runs its own transactions and DeepSpeed's one reduction averages them.
+Two cases have TRL's own trainer on ONE process as the reference, trained by the caller before the launch: context
+parallelism (CP_CASE: one replica over the two processes) and GLM with expert parallelism (EP_CASE: two replicas,
+the reference holding both processes' rows, EP_REFERENCE). The last case only checks a refusal.
 
     TRL_CHECKS_DIR=DIR accelerate launch --num_processes 2 tests/dist_scripts/trl_checks.py OUT_JSON
 """
@@ -55,6 +58,8 @@ def main() -> None:
     results = {}
     # whole, before any trainer: once a DeepSpeed ZeRO-3 config is live, from_pretrained builds partitioned weights
     initial = trl_runs.initial_weights(model, dtype=torch.float32)
+    glm = os.path.join(root, "glm")  # the expert-parallel case's, saved by the caller too (trl_runs.save_tiny_glm)
+    glm_initial = trl_runs.initial_weights(glm, dtype=torch.float32)
     for name, case in CASES.items():
         _barrier()
         weights = {}
@@ -66,6 +71,8 @@ def main() -> None:
         results[name] = trl_runs.update_difference(initial, weights["ours"], weights["trl"])
     results.update(capture_case(model, root, initial))
     results.update(context_parallel_case(model, root, initial))
+    results.update(expert_parallel_case(glm, root, glm_initial))
+    results.update(refusal_case(model, root))
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(results, handle)
@@ -125,6 +132,54 @@ def context_parallel_case(model: str, root: str, initial: dict) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         ours = trl_runs.train(LongStrawGRPOTrainer, model, output_dir, dtype=torch.float32, deepspeed=path, **CP_CASE)
     return {"context-parallel": trl_runs.update_difference(initial, ours, reference)}
+
+
+# the same generation batch (4 prompts x 4 generations) as the reference's one process with twice the rows
+EP_CASE = dict(loss_type="dapo", beta=0.3, max_steps=2)
+EP_REFERENCE = dict(EP_CASE, per_device_train_batch_size=8)
+
+
+def expert_parallel_case(model: str, root: str, initial: dict) -> dict:
+    """GLM (glm_moe_dsa, 6 routed experts) with "ep_size" 2: each process holds 3 experts of every MoE block, out
+    of ZeRO, and the routed pairs go to their owners; TRL's reference model (beta > 0) is a ZeRO-3 engine whose MoE
+    blocks are leaf modules, set before TRL builds it. The two processes are two data-parallel replicas; TRL's own
+    trainer on ONE process with both processes' rows (the caller ran it, no DeepSpeed: ep_reference.pt) is the
+    reference. Both run transformers' indexer with its canonical top-k (tests/glm_models.glm_reference)."""
+    from tests.glm_models import glm_reference
+
+    reference = torch.load(os.path.join(root, "ep_reference.pt"))
+    path = ds_config(os.path.join(root, "ep-ours.json"), {"prefix_grad": "exact", "ep_size": 2})
+    seen = {}
+
+    def record(trainer: object) -> None:  # before training: what TRL's reference engine and the policy hold
+        import deepspeed
+
+        from ds_longstraw.arch.glm_moe_dsa_experts import moe_blocks
+
+        seen["expert-slices"] = len(trainer._experts.params)
+        seen["reference-moe-leaves"] = sum(deepspeed.utils.z3_leaf_module(block)
+                                           for block in moe_blocks(trainer.ref_model.module))
+        seen["policy-moe-leaves"] = sum(deepspeed.utils.z3_leaf_module(block) for block in moe_blocks(trainer.model))
+
+    _barrier()
+    with tempfile.TemporaryDirectory() as output_dir, glm_reference():
+        ours = trl_runs.train(LongStrawGRPOTrainer, model, output_dir, dtype=torch.float32, deepspeed=path,
+                              on_trainer=record, **EP_CASE)
+    return {"expert-parallel": trl_runs.update_difference(initial, ours, reference), **seen}
+
+
+def refusal_case(model: str, root: str) -> dict:
+    """top_entropy_quantile < 1 under ZeRO-3 on two processes: refused at construction, naming the setting (its
+    entropy pass would run each process's prompts alone, and ZeRO-3's gathers are collectives)."""
+    path = ds_config(os.path.join(root, "quantile-ours.json"), True)
+    _barrier()
+    with tempfile.TemporaryDirectory() as output_dir:
+        try:
+            trl_runs.train(LongStrawGRPOTrainer, model, output_dir, dtype=torch.float32, deepspeed=path,
+                           top_entropy_quantile=0.5)
+        except ValueError as error:
+            return {"top-entropy-quantile-refused": str(error)}
+    return {"top-entropy-quantile-refused": None}
 
 
 def _barrier() -> None:

@@ -4,10 +4,12 @@ tests/dist_scripts/trl_checks.py trains both trainers per case in one launch (fl
 seeds and completions) and reports || our update - TRL's || / || TRL's ||. Tolerance 1e-5, float32: the two sum
 the same terms in different orders (a prompt's members on two processes, DeepSpeed's reduce-scatter against TRL's
 per-micro-batch backward), a few ulps per step; measured 0.8e-6 .. 1.3e-6. A member normalised over the wrong
-micro-batch or process count, or an optimizer step not taken, shows up at 1e-2 or more. The last case samples with
+micro-batch or process count, or an optimizer step not taken, shows up at 1e-2 or more. One case samples with
 generate_from_capture (the two processes decode in lockstep under ZeRO-3) and trains on the kept captures; TRL's
-trainer replays each process's completions. The last trains with "cp_size" 2 (one replica, each prompt sharded
-over the two processes) against TRL's own trainer on one process.
+trainer replays each process's completions. Then "cp_size" 2 (one replica, each prompt sharded over the two
+processes) against TRL's own trainer on one process, and GLM (glm_moe_dsa) with "ep_size" 2 (each process holds
+half the routed experts, out of ZeRO; two data-parallel replicas) against TRL's own trainer on one process with
+both processes' rows. Last, top_entropy_quantile under ZeRO-3 on two processes is refused at construction.
 """
 
 import json
@@ -32,10 +34,17 @@ def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
     # the context-parallel case's reference: TRL's own trainer on one process (its replica's data), no DeepSpeed
     sys.path.insert(0, os.path.join(REPO, "tests", "dist_scripts"))
     from trl import GRPOTrainer
-    from trl_checks import CP_CASE
+    from trl_checks import CP_CASE, EP_REFERENCE
+
+    from tests.glm_models import glm_reference
 
     torch.save(trl_runs.train(GRPOTrainer, str(tmp_path / "model"), str(tmp_path / "reference"), dtype=torch.float32,
                               **CP_CASE), tmp_path / "cp_reference.pt")
+    # the expert-parallel case's reference: TRL's own trainer on one process (both replicas' rows), no DeepSpeed
+    trl_runs.save_tiny_glm(str(tmp_path / "glm"), dtype=torch.float32)
+    with glm_reference():  # transformers' indexer picks ties canonically, as the adapter does
+        torch.save(trl_runs.train(GRPOTrainer, str(tmp_path / "glm"), str(tmp_path / "glm_reference"),
+                                  dtype=torch.float32, **EP_REFERENCE), tmp_path / "ep_reference.pt")
     out, log = tmp_path / "out.json", tmp_path / "log.txt"
     env = {**launcher_env(), "TRL_CHECKS_DIR": str(tmp_path), "DS_ACCELERATOR": "cpu", "TRL_EXPERIMENTAL_SILENCE": "1"}
     command = [ACCELERATE, "launch", "--use_deepspeed", "--zero_stage", "3", "--num_processes", "2",
@@ -48,9 +57,18 @@ def test_same_weights_as_trl_under_accelerate_zero3(tmp_path):
     results = json.loads(out.read_text())
     # generate_from_capture: every group of both processes trained on the capture its samples were decoded from
     assert results.pop("capture-reused-share") == 1.0
+    # expert parallelism: each process holds 2 slices (gate_up_proj, down_proj) of each of the 3 MoE blocks, the
+    # policy's blocks are no ZeRO-3 leaves (their experts are out of ZeRO) and TRL's reference engine's are (set
+    # before TRL built it)
+    assert (results.pop("expert-slices"), results.pop("policy-moe-leaves"), results.pop("reference-moe-leaves")) \
+        == (6, 0, 3)
+    assert "top_entropy_quantile = 0.5 under ZeRO-3" in (results.pop("top-entropy-quantile-refused") or "")
     assert set(results) == {"dapo-two-steps", "grpo-beta-two-iterations", "bnpo-tools", "grpo-split-prompts",
-                            "generate-from-capture", "context-parallel"}
+                            "generate-from-capture", "context-parallel", "expert-parallel"}
     for name, difference in results.items():
+        # expert-parallel holds to the same 1e-5 (measured 1.3e-6): besides the summation orders above, its routed
+        # pairs are computed on their expert's process and summed on the token's, and its float32 router picks the
+        # same experts on both sides; the slices' gradients summed instead of averaged over the two replicas: 0.29
         assert difference < TOL, (name, difference)
 
 

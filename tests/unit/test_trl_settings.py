@@ -34,9 +34,25 @@ def test_every_refusal_is_named_at_once(tmp_path):
         _trainer(tmp_path, longstraw={}, entropy_coef=-0.01, cast_lm_head_to_fp32=True)
 
 
-def test_expert_parallel_block_is_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"'longstraw\.ep_size' = 2"):
+def test_expert_parallel_needs_deepspeed(tmp_path):
+    with pytest.raises(ValueError, match=r"'longstraw\.ep_size' = 2 needs DeepSpeed"):
         _trainer(tmp_path, longstraw={"ep_size": 2})
+
+
+def test_expert_parallel_refusals_are_named_at_once(tmp_path):
+    """What ep_size > 1 does not run through the trainer (integrations/trl/experts.py), before the model loads."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3}, "longstraw": {"ep_size": 2},
+                                  "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                  "gradient_clipping": "auto"}))
+    with pytest.raises(ValueError, match=r"'longstraw\.ep_size' = 2 .*world size = 1 .*max_grad_norm or "
+                                         r"gradient_clipping\) = 1\.0 .*rollout_func = None .*save_strategy = "
+                                         r"'steps' .*top_entropy_quantile = 0\.5"):
+        _trainer(tmp_path, deepspeed=str(config), max_grad_norm=1.0, save_strategy="steps", top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match=r"generate_from_capture = True"):
+        args = trl_runs.grpo_config(str(tmp_path), deepspeed=str(config))
+        LongStrawGRPOTrainer(model=MISSING_MODEL, reward_funcs=[trl_runs.reward_even_words], args=args,
+                             train_dataset=trl_runs.prompts_dataset(4, 8, 32), generate_from_capture=True)
 
 
 def test_context_parallel_needs_deepspeed_and_whole_groups(tmp_path):

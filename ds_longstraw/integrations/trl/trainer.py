@@ -20,9 +20,12 @@ What changes, when the DeepSpeed config carries a "longstraw" block (without Dee
 Context parallelism ("cp_size" N in the block, under DeepSpeed): consecutive processes form a CP group; TRL's
 sampler is wrapped so that a group's processes receive copies of one batch (replicas.py) and each prompt is
 sharded over them; DeepSpeed averages over every process, as under ds_longstraw.initialize.
-What it is not (refused, naming the setting): settings.py's list; expert parallelism (ep_size > 1: the expert
-slices must leave ZeRO before accelerate builds the engine); several processes without DeepSpeed (one reduction
-per step needs DeepSpeed's engine).
+Expert parallelism ("ep_size" E, under DeepSpeed; experts.py): consecutive processes form EP groups, the policy's
+routed experts are sharded over them and taken out of ZeRO before accelerate builds the engine, and the engine's
+step reduces and steps them; under ZeRO-3 the MoE blocks of TRL's reference model (and, without EP, the policy's)
+are ZeRO-3 leaf modules, set before each engine is built.
+What it is not (refused, naming the setting): settings.py's list; experts.py's list under expert parallelism;
+several processes without DeepSpeed (one reduction per step needs DeepSpeed's engine).
 """
 
 from __future__ import annotations
@@ -39,6 +42,13 @@ from trl import GRPOTrainer
 
 from ds_longstraw.config import LongstrawConfig, parse_config
 from ds_longstraw.integrations.trl.batch import Member, PromptGroup, prompt_groups
+from ds_longstraw.integrations.trl.experts import (
+    attach_experts,
+    check_expert_parallel,
+    leaves_before_reference_engine,
+    set_leaf_modules,
+    shard_policy_experts,
+)
 from ds_longstraw.integrations.trl.metrics import entropy_bonus_metrics, transaction_metrics, trl_metrics
 from ds_longstraw.integrations.trl.replicas import replica_sampler
 from ds_longstraw.integrations.trl.sampling import CaptureSampler
@@ -74,9 +84,9 @@ def _read_block(args: Any, given: dict | LongstrawConfig | None) -> LongstrawCon
     longstraw = parse_config(given)
     if not longstraw.enabled:
         return None
-    if longstraw.ep_size > 1:
-        raise ValueError(f"'{BLOCK}.ep_size' = {longstraw.ep_size}: expert slices must leave ZeRO before the engine is "
-                         "built, and accelerate builds it; LongStrawGRPOTrainer runs data and context parallelism")
+    if longstraw.ep_size > 1 and ds_config is None:
+        raise ValueError(f"'{BLOCK}.ep_size' = {longstraw.ep_size} needs DeepSpeed (GRPOConfig(deepspeed=...)): the "
+                         "expert slices reduce and step beside its engine")
     if longstraw.cp_size > 1:
         _check_context_parallel(args, longstraw, ds_config)
     return longstraw
@@ -134,6 +144,9 @@ class LongStrawGRPOTrainer(GRPOTrainer):
     step on that capture (sampling.py) instead of TRL's generation, every turn of TRL's tool loop included
     (tools.py). Without a block it is TRL's GRPOTrainer."""
 
+    _parallelism = None  # parallel.parallelism.Parallelism with ep_size > 1 (experts.py), else enable_grpo_step's
+    _experts = None  # engine.expert_slices.ExpertSlices: the policy's experts sharded over the EP group
+
     def __init__(self, *args: Any, longstraw: dict | LongstrawConfig | None = None,
                  generate_from_capture: bool = False, **kwargs: Any) -> None:
         training_args = kwargs.get("args", args[2] if len(args) > 2 else None)
@@ -142,9 +155,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             longstraw = _read_block(training_args, given)
             if longstraw is not None:
                 check_trl_settings(training_args)
+                check_expert_parallel(training_args, longstraw, _deepspeed_config(training_args), kwargs,
+                                      generate_from_capture)
             if generate_from_capture:
                 _check_capture_generation(training_args, kwargs, longstraw)
-        super().__init__(*args, **kwargs)
+        with leaves_before_reference_engine() if longstraw is not None else contextlib.nullcontext():
+            super().__init__(*args, **kwargs)
         if training_args is None:
             longstraw = _read_block(self.args, given)
             if generate_from_capture:
@@ -176,7 +192,12 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                 self.accelerator.num_processes > 1 and self.accelerator.state.deepspeed_plugin.zero_stage == 3)):
             raise ValueError(f"top_entropy_quantile = {self.top_entropy_quantile!r} under ZeRO-3 on several processes "
                              f"or with cp_size > 1: its entropy pass (entropies.py) runs each process's prompts alone")
-        self._set_leaf_modules()
+        # expert parallelism: the policy's experts leave ZeRO now, before accelerate builds its engine (experts.py)
+        if longstraw.ep_size > 1:
+            self._parallelism, self._experts = shard_policy_experts(self.accelerator.unwrap_model(self.model),
+                                                                    longstraw)
+        elif self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            set_leaf_modules(self.accelerator.unwrap_model(self.model))  # before accelerate builds the engine
 
     def _check_probed_tools(self) -> None:
         """What could not be seen before TRL built them: a processor loaded from the model's path, and async tool
@@ -201,12 +222,16 @@ class LongStrawGRPOTrainer(GRPOTrainer):
                                per_process=self.args.per_device_train_batch_size * self.args.steps_per_generation)
 
     def _engine(self) -> Any:
-        """accelerate's DeepSpeed engine with grpo_step and the block's CP groups (enable_grpo_step), or None."""
+        """accelerate's DeepSpeed engine with grpo_step, the block's CP groups (enable_grpo_step) and, with
+        ep_size > 1, the policy's expert slices (experts.py), or None."""
         if not self.is_deepspeed_enabled:
             return None
         from ds_longstraw.engine.engine import enable_grpo_step
 
-        return enable_grpo_step(self.model_wrapped, self.longstraw)
+        engine = enable_grpo_step(self.model_wrapped, self.longstraw, self._parallelism)
+        if self._experts is not None and engine.longstraw_experts is None:
+            attach_experts(engine, self._experts, self.args.weight_decay)
+        return engine
 
     def _same_randomness_in_cp_group(self) -> None:
         """A CP group's processes copy its first rank's random state before TRL generates and shuffles: they must
@@ -224,18 +249,6 @@ class LongStrawGRPOTrainer(GRPOTrainer):
             torch.cuda.set_rng_state_all(states[1])
 
     # -- TRL's generation without its scoring ------------------------------------------------------------------
-    def _set_leaf_modules(self) -> None:
-        """ZeRO-3 gathers the family's leaf modules whole (arch registry); set before accelerate builds the engine."""
-        if not self.is_deepspeed_enabled:
-            return
-        import deepspeed
-
-        from ds_longstraw.arch import zero3_leaf_modules
-
-        leaves = zero3_leaf_modules(self.accelerator.unwrap_model(self.model))
-        if leaves:
-            deepspeed.utils.set_z3_leaf_modules(self.model, leaves)
-
     @contextlib.contextmanager
     def _without_scoring(self) -> Iterator[None]:
         """TRL's _generate_and_score_completions with its old, reference and importance-sampling forwards off."""
