@@ -374,8 +374,10 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         canonical top-k among the prompt's indexer keys (one candidates pass for all samples over the shared pages,
         or remote_attention.candidates under context parallelism) and its own response keys, merged in canonical
         order as dsa_select does; the absorbed attention then takes the prompt rows' partial (page by page, or
-        remote_attention.attend) and its own selected rows' partial, merged by LSE. carry: unused; past: layer ->
-        the prompt's row tuples (shared); own: arch/decode.OwnRows, each sample's earlier response rows (at the
+        remote_attention.attend) and its own selected rows' partial, merged by LSE. The own rows' scores and partial
+        are one batched call while the samples' slots are one run at one length (OwnRows.batch_rows: every sample
+        of a one-turn rollout until one stops), else one call per sample. carry: unused; past: layer -> the
+        prompt's row tuples (shared); own: arch/decode.OwnRows, each sample's earlier response rows (at the
         positions just before its own) in slots `slots` (None: 0 .. G-1): this step's rows are written there at
         each slot's length (the caller advances the lengths). Returns hidden [G, 1, C] (before the final norm) and
         rows: layer -> this step's rows [G, ...] per stream."""
@@ -400,11 +402,13 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                 query, weights, key = self.indexer_inputs(module.indexer, h, q_resid, cos, sin)
                 rows = (latent, k_rope, key)
             own.write(index, slots, rows)
-            mine = [own.rows(index, slot, extra=1) for slot in slots]
+            # one run of slots at one length (a one-turn rollout until a sample stops): [G, T, ...] per stream, one
+            # batched call; else each sample's rows, one call per sample (the plain reference)
+            mine = own.batch_rows(index, slots, extra=1) or [own.rows(index, slot, extra=1) for slot in slots]
             if module.indexer is not None:
-                selection = _decode_selection(module.indexer, query, weights, shared, first,
-                                              [rows_g[2] for rows_g in mine], first_own, remote_attention, index,
-                                              position_G)
+                own_keys = mine[2] if isinstance(mine, tuple) else [rows_g[2] for rows_g in mine]
+                selection = _decode_selection(module.indexer, query, weights, shared, first, own_keys, first_own,
+                                              remote_attention, index, position_G)
             w_uk, w_uv = self.absorbed_maps(module)
             q_lat = torch.einsum("thn,rhn->thr", q_nope, w_uk)
             o_lat = _decode_attention(q_lat, q_rope, shared, first, mine, first_own, selection, module.scaling,
@@ -418,15 +422,41 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
 
 def _decode_selection(indexer, query, weights, shared, first, own_keys, first_own, remote, index, position_G):
     """(positions, valid) [G, min(topk, last position + 1)]: each sample's canonical top-k among the prompt's
-    indexer keys (the shared segments from position `first`; before it, remote's) and its own keys (own_keys[g]
-    [T_g, D] at positions first_own[g] ..; the candidates of a sample with fewer own keys than another's padded
-    with -inf: none)."""
+    indexer keys (the shared segments from position `first`; before it, remote's) and its own keys at positions
+    first_own[g] .. (own_keys: [G, T, D], every sample T of them, _own_candidates_batched; or a list of each
+    sample's [T_g, D], _own_candidates_each), merged in canonical order."""
     topk, scale = indexer.index_topk, indexer.softmax_scale
     best = None if remote is None else remote.candidates(index, (query, weights))
     start = first
     for piece in shared:
         best = dsa.extend_candidates(best, query, weights, piece[2], start, None, topk, scale)
         start += piece[0].shape[0]
+    acc = score_dtype(query.dtype)
+    own_candidates = _own_candidates_batched if isinstance(own_keys, torch.Tensor) else _own_candidates_each
+    scores_GS, positions_GS = own_candidates(query, weights, own_keys, first_own, scale)
+    if best is None:
+        best = dsa.no_candidates(query.shape[0], acc, query.device)
+    best = dsa.merge_candidates((best[0].to(acc), best[1]), (scores_GS, positions_GS), topk)
+    return dsa.candidates_selection(best, min(topk, int(position_G.max()) + 1))
+
+
+def _own_candidates_batched(query, weights, own_keys, first_own, scale):
+    """(scores [G, T], positions [G, T]) of each sample's own indexer keys own_keys [G, T, D] (every sample T of
+    them, at positions first_own[g] ..), as the model's indexer scores them (ReLU of the heads' scores, weighted
+    sum), in score_dtype. query [G, I, D], weights [G, I]. One call for all G samples."""
+    acc = score_dtype(query.dtype)
+    with torch.no_grad():  # as the model's indexer: no gradient
+        scores_GIT = torch.relu(torch.einsum("gid,gtd->git", query.to(acc), own_keys.to(acc)) * scale)
+        scores_GT = torch.einsum("gi,git->gt", weights.to(acc), scores_GIT)
+    first_G = torch.tensor(first_own, dtype=torch.long, device=query.device)
+    positions_GT = first_G.unsqueeze(1) + torch.arange(own_keys.shape[1], device=query.device)
+    return scores_GT, positions_GT
+
+
+def _own_candidates_each(query, weights, own_keys, first_own, scale):
+    """_own_candidates_batched one sample at a time (the plain reference, and the path for samples with different
+    numbers of own keys: own_keys[g] [T_g, D]): (scores [G, S], positions [G, S]) with S the most keys of any
+    sample, a sample's missing candidates padded with -inf (none)."""
     acc = score_dtype(query.dtype)
     width = max(keys.shape[0] for keys in own_keys)
     scores_GS = torch.full((query.shape[0], width), float("-inf"), dtype=acc, device=query.device)
@@ -437,16 +467,58 @@ def _decode_selection(indexer, query, weights, shared, first, own_keys, first_ow
             scores_GS[g, : keys_TD.shape[0]] = torch.einsum("i,it->t", weights[g].to(acc), scores_IT)
             positions_GS[g, : keys_TD.shape[0]] = torch.arange(first_own[g], first_own[g] + keys_TD.shape[0],
                                                                device=query.device)
-    if best is None:
-        best = dsa.no_candidates(query.shape[0], acc, query.device)
-    best = dsa.merge_candidates((best[0].to(acc), best[1]), (scores_GS, positions_GS), topk)
-    return dsa.candidates_selection(best, min(topk, int(position_G.max()) + 1))
+    return scores_GS, positions_GS
 
 
 def _decode_attention(q_lat, q_rope, shared, first, own, first_own, selection, scale, remote, index):
     """o_lat [G, H, R] of each sample over its selected rows: the prompt's (the shared segments from `first`, and
-    remote's before it) and its own (own[g]: its rows (latent [T_g, R], k_rope [T_g, E], ...) at positions
-    first_own[g] ..; only the selected ones are read)."""
+    remote's before it) and its own at positions first_own[g] .. (own: a tuple (latent [G, T, R], k_rope [G, T, E],
+    ...), every sample T rows, _own_partial_batched; or a list of each sample's tuple (latent [T_g, R], k_rope
+    [T_g, E], ...), _own_partial_each)."""
+    acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+    own_partial = _own_partial_batched if isinstance(own, tuple) else _own_partial_each
+    out, lse = own_partial(q_lat, q_rope, own, first_own, selection, scale)
+    positions, valid = selection
+    start = first
+    for piece in shared:
+        part, part_lse = sparse_mla.page_partial(q_lat, q_rope, piece[0], piece[1], start, positions, valid, scale)
+        out, lse = merge_partials(out, lse, part.to(acc), part_lse.to(acc))
+        start += piece[0].shape[0]
+    if remote is not None:
+        part, part_lse = remote.attend(index, (q_lat, q_rope), positions, valid)
+        out, lse = merge_partials(out, lse, part.to(acc), part_lse.to(acc))
+    return out.to(q_lat.dtype)
+
+
+def _own_partial_batched(q_lat, q_rope, own, first_own, selection, scale):
+    """(o_lat [G, H, R], lse [G, H]) in max(float32, dtype) of each sample's query (q_lat [G, H, R], q_rope
+    [G, H, E]) over the own rows it selected (selection: (positions, valid) [G, W]) among own = (latent [G, T, R],
+    k_rope [G, T, E], ...), every sample T rows at positions first_own[g] ..; (0, -inf) where it selected none.
+    One dense call for all G samples: every own row is scored and those not selected masked, as the decode did
+    before OwnRows (T, the response so far, is at most max_new_tokens; a gather of the W selected slots would read
+    fewer rows only once T exceeds W)."""
+    positions, valid = selection
+    lat_GTR, rope_GTE = own[0], own[1]
+    groups, rows = lat_GTR.shape[:2]
+    acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
+    first_G = torch.tensor(first_own, dtype=torch.long, device=q_lat.device)
+    offset_GW = positions - first_G.unsqueeze(1)
+    inside_GW = valid & (offset_GW >= 0) & (offset_GW < rows)
+    # selected own rows by offset; the slots outside them land in a spare column T, dropped
+    chosen_GT = torch.zeros((groups, rows + 1), dtype=torch.bool, device=q_lat.device)
+    chosen_GT = chosen_GT.scatter_(1, torch.where(inside_GW, offset_GW, rows), True)[:, :rows]
+    lat_GTR = lat_GTR.to(acc)
+    scores_GHT = (torch.einsum("ghr,gtr->ght", q_lat.to(acc), lat_GTR)
+                  + torch.einsum("ghe,gte->ght", q_rope.to(acc), rope_GTE.to(acc))) * scale
+    scores_GHT = scores_GHT.masked_fill(~chosen_GT.unsqueeze(1), float("-inf"))
+    lse_GH = torch.logsumexp(scores_GHT, dim=-1)  # -inf where none of its own rows was selected
+    probs_GHT = torch.exp(scores_GHT - torch.where(torch.isinf(lse_GH), torch.zeros_like(lse_GH), lse_GH).unsqueeze(-1))
+    return torch.einsum("ght,gtr->ghr", probs_GHT, lat_GTR), lse_GH
+
+
+def _own_partial_each(q_lat, q_rope, own, first_own, selection, scale):
+    """_own_partial_batched one sample at a time (the plain reference, and the path for samples with different
+    numbers of own rows: own[g] = (latent [T_g, R], k_rope [T_g, E], ...)); reads only the rows each selected."""
     positions, valid = selection
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
     outs, lses = [], []
@@ -461,16 +533,7 @@ def _decode_attention(q_lat, q_rope, shared, first, own, first_own, selection, s
         probs_HS = torch.exp(scores_HS - torch.where(torch.isinf(lse_H), torch.zeros_like(lse_H), lse_H).unsqueeze(-1))
         outs.append(torch.einsum("hs,sr->hr", probs_HS, lat_SR))
         lses.append(lse_H)
-    out, lse = torch.stack(outs), torch.stack(lses)
-    start = first
-    for piece in shared:
-        part, part_lse = sparse_mla.page_partial(q_lat, q_rope, piece[0], piece[1], start, positions, valid, scale)
-        out, lse = merge_partials(out, lse, part.to(acc), part_lse.to(acc))
-        start += piece[0].shape[0]
-    if remote is not None:
-        part, part_lse = remote.attend(index, (q_lat, q_rope), positions, valid)
-        out, lse = merge_partials(out, lse, part.to(acc), part_lse.to(acc))
-    return out.to(q_lat.dtype)
+    return torch.stack(outs), torch.stack(lses)
 
 
 def _past_start(index, past, start, remote):
