@@ -17,7 +17,8 @@ offload/plan.MIN_CAPTURED_STEP, at most replay_block tokens), and
 
 The gradient is the whole member's (the same function, differentiated in pieces): a member's own context is exact
 in both modes. Memory: one step's graph plus the member's rows, their gradients and each step's start carry, flat
-in the span's length, instead of the whole response's graph. A later step's attention adds d(rows) to each earlier
+in the span's length, instead of the whole response's graph; those are kept in one buffer per stream for the
+whole member (member_buffers.py), not one host allocation per block, which broke up the heap. A later step's attention adds d(rows) to each earlier
 block's gradient in place, one key block at a time, through the block's sink (RowLeaves), instead of returning
 every earlier block's dK/dV at once through autograd. Time: the response runs forward twice (the captured spans'
 steps skip the vocabulary projection both times).
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from ds_longstraw.arch.base import inject_gradients
+from ds_longstraw.grpo.member_buffers import MemberBuffers
 from ds_longstraw.grpo.memory import return_freed_host_memory
 
 # How long a captured span's steps are: the planner sizes them by the same rule (offload/plan.member_replay)
@@ -119,14 +121,17 @@ def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[
 
 def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
                     share_of: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], with_entropy: bool,
-                    backward: Callable | None = None, kept: KeptSteps | None = None) -> tuple[float, torch.Tensor]:
+                    backward: Callable | None = None, kept: KeptSteps | None = None,
+                    buffered: bool = True) -> tuple[float, torch.Tensor]:
     """The member's loss share (a float) and its log-probs (detached; 0 at captured positions, which no loss reads),
     its gradients accumulated as a whole replay's would be (module docstring). share_of(log-probs, entropies or
     None): the member's share of the loss from every target's values. kept: what generate kept of the member's
     observations (grpo/kept_spans.py): pass 1 takes the captured steps it covers from there instead of running
-    them."""
+    them. buffered: keep the rows, carries and row gradients in one buffer per stream (member_buffers.py); False,
+    the plain form, keeps each as it came."""
+    buffers = MemberBuffers(steps[0].start, steps[-1].end, len(steps)) if buffered else None
     with torch.no_grad():
-        recorded, logp, entropy = _forward(source, steps, inputs, targets, with_entropy, kept)
+        recorded, logp, entropy = _forward(source, steps, inputs, targets, with_entropy, kept, buffers)
     # d(loss)/d(log-probs) (and entropies) on the recorded values: the objective is any function of them
     logp_leaf = logp.requires_grad_(True)
     entropy_leaf = None if entropy is None else entropy.requires_grad_(True)
@@ -142,24 +147,29 @@ def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tenso
 @dataclass
 class Recorded:
     """What pass 1 keeps for pass 2: per step, its rows (layer -> its blocks' row tuples, token-major) and the
-    carry at its start (layer -> tensors), detached."""
+    carry at its start (layer -> tensors), detached; the buffers they are views of (None: kept as they came)."""
 
     rows: list[dict]
     carries: list[dict]
+    buffers: MemberBuffers | None = None
 
 
 def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
-             with_entropy: bool, kept: KeptSteps | None = None) -> tuple[Recorded, torch.Tensor, torch.Tensor | None]:
+             with_entropy: bool, kept: KeptSteps | None = None,
+             buffers: MemberBuffers | None = None) -> tuple[Recorded, torch.Tensor, torch.Tensor | None]:
     """Pass 1, no graph: what pass 2 reads, and the scored log-probs (and entropies) of every target; a captured
-    step `kept` covers is taken from it (its rows, the carry at its end), not run."""
+    step `kept` covers is taken from it (its rows, the carry at its end), not run. What this pass computes is kept
+    in `buffers` where given (what `kept` holds already lives there)."""
     adapter, leaves = source.adapter, source.leaves
     carry = {layer: tuple(t.detach() for t in parts) for layer, parts in leaves.carry.items()}
     past = leaves.past.fresh()
     rows, carries = [], []
     logp = torch.zeros(targets.numel(), dtype=torch.float32, device=adapter.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    for step in steps:
-        carries.append(carry)
+    computed = False  # whether `carry` was computed here (the prefix's and kept ones live elsewhere already)
+    for index, step in enumerate(steps):
+        carries.append(buffers.keep_carry(index, carry) if computed and buffers is not None else carry)
+        computed = True
         if kept is not None and kept.covers(step):
             out_rows = _kept_blocks(kept, step, source.block)
             for layer, blocks in out_rows.items():
@@ -167,8 +177,9 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
                     past.append(layer, parts)
             rows.append(out_rows)
             carry = dict(kept.carries[step.end])
+            computed = False
             continue
-        out_rows, carry, scores = _run_step(source, step, inputs, targets, carry, past, with_entropy)
+        out_rows, carry, scores = _run_step(source, step, inputs, targets, carry, past, with_entropy, buffers)
         rows.append(out_rows)
         if step.scored:
             step_logp, step_entropy = scores
@@ -177,7 +188,7 @@ def _forward(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
             if entropy is not None:
                 entropy = entropy.to(step_entropy.dtype)
                 entropy[step.start:step.end] = step_entropy
-    return Recorded(rows, carries), logp, entropy
+    return Recorded(rows, carries, buffers), logp, entropy
 
 
 def _kept_blocks(kept: KeptSteps, step: Step, block: int) -> dict:
@@ -188,11 +199,11 @@ def _kept_blocks(kept: KeptSteps, step: Step, block: int) -> dict:
 
 
 def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: torch.Tensor, carry: dict,
-              past: Any, with_entropy: bool) -> tuple[dict, dict, tuple | None]:
+              past: Any, with_entropy: bool, buffers: MemberBuffers | None = None) -> tuple[dict, dict, tuple | None]:
     """One step a replay block at a time over `past` (a fresh copy of the leaves' past: the prefix and the earlier
     steps' rows), to which its blocks' rows are appended as they come: (its rows by layer, a tuple of token-major
-    tensors per block, the very tensors appended: no copy; its end carry; (log-probs, entropies or None) where it
-    is scored)."""
+    tensors per block, the very tensors appended: copied into `buffers` first where given; its end carry;
+    (log-probs, entropies or None) where it is scored)."""
     adapter, block = source.adapter, source.block
     carry = dict(carry)
     blocks, logps, entropies = {}, [], []
@@ -201,6 +212,8 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
         out = adapter.forward_segment(inputs[offset:end], source.start + offset, carry, past, source.remote_attention)
         carry = dict(out.carry)
         for layer, parts in out.rows.items():
+            if buffers is not None:
+                parts = buffers.keep_row(layer, offset, parts)
             past.append(layer, parts)
             blocks.setdefault(layer, []).append(parts)
         if step.scored:
@@ -218,8 +231,11 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
     leaves, carries = source.leaves, recorded.carries
     d_logp, d_entropy = d_scores
     # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
-    row_leaves = [{layer: [RowLeaves(parts) for parts in blocks] for layer, blocks in step.items()}
-                  for step in recorded.rows]
+    buffers, block = recorded.buffers, source.block
+    row_leaves = [{layer: [RowLeaves(parts, None if buffers is None else _grad_views(buffers, layer, first))
+                           for first, parts in zip(range(step.start, step.end, block), blocks, strict=True)]
+                   for layer, blocks in rows.items()}
+                  for step, rows in zip(steps, recorded.rows, strict=True)]
     recorded.rows = []
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
@@ -260,13 +276,20 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
         return_freed_host_memory(source.adapter.device)
 
 
+def _grad_views(buffers: MemberBuffers, layer: int, first: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """RowLeaves' grad_of for the block of `layer` whose first input is `first`: its rows' zeroed views in the
+    member's buffers."""
+    return lambda part, like: buffers.row_grad(layer, part, first, like)
+
+
 class RowLeaves:
     """An earlier step block's rows as leaves, read by the later steps' attention: its pair (a PagesPair) carries a
     sink that an attention kernel taking it (kernels.attention_with_past's sinks) adds d(rows) to one key block at
     a time, in place, instead of returning every earlier block's dK/dV at once through autograd (what the kernel
-    does not take, say a layer whose attention reads no sink, lands on the leaves' .grad as before)."""
+    does not take, say a layer whose attention reads no sink, lands on the leaves' .grad as before). grad_of(part,
+    like): the zeroed tensor part `part`'s d(rows) sums into (member_buffers.py); None: a zeros_like of the leaf."""
 
-    def __init__(self, parts: tuple) -> None:
+    def __init__(self, parts: tuple, grad_of: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> None:
         leaves = tuple(t.detach().requires_grad_(True) for t in parts)
         summed: list[torch.Tensor | None] = [None] * len(parts)
 
@@ -277,7 +300,8 @@ class RowLeaves:
             for index, grad_KTD in enumerate(grads_KTD):
                 rows = grad_KTD.transpose(0, 1)
                 if summed[index] is None:
-                    summed[index] = torch.zeros_like(leaves[index])
+                    like = leaves[index]
+                    summed[index] = torch.zeros_like(like) if grad_of is None else grad_of(index, like)
                 summed[index][offset:offset + rows.shape[0]] += rows
 
         self.leaves, self.summed, self.pair = leaves, summed, PagesPair(leaves, sink)

@@ -182,3 +182,50 @@ def test_no_rows_outlive_their_member():
     finally:
         gc.enable()
     assert alive == []
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_buffers_equal_the_plain_form(qwen, monkeypatch, mode):
+    """The member's kept rows, carries and row gradients in one buffer per stream (grpo/member_buffers.py) give
+    the gradient of the plain form, each kept as it came (buffered=False), and every kept row block and start
+    carry a stepped member computes is a view of its stream's one buffer (what keeps the host heap whole)."""
+    from ds_longstraw.grpo import member_buffers
+
+    model, _ = qwen
+    prompt_len, members, block, _, _, _ = CASES["spans-start-middle-end"]
+    group = masked_group(prompt_len, members, seed=3)
+    kept = []
+
+    class Recording(member_buffers.MemberBuffers):
+        def keep_row(self, layer, position, parts):
+            views = super().keep_row(layer, position, parts)
+            kept.extend(("row", layer, i, v.untyped_storage().data_ptr()) for i, v in enumerate(views))
+            return views
+
+        def keep_carry(self, index, carry):
+            views = super().keep_carry(index, carry)
+            kept.extend(("carry", layer, i, v.untyped_storage().data_ptr())
+                        for layer, parts in views.items() for i, v in enumerate(parts))
+            return views
+
+    monkeypatch.setattr(member_steps_module, "MemberBuffers", Recording)
+    original = replay_module.replay_in_steps
+    with float64_model():
+        buffered, result = grads_of(model, lambda: grpo_backward(
+            model, group, GRPOObjective(), longstraw=_config(mode, block, None, THRESHOLD)))
+        monkeypatch.setattr(replay_module, "replay_in_steps",
+                            lambda *args, **kwargs: original(*args, **kwargs, buffered=False))
+        plain, plain_result = grads_of(model, lambda: grpo_backward(
+            model, group, GRPOObjective(), longstraw=_config(mode, block, None, THRESHOLD)))
+    # the same values, summed in the same order: only the storage differs
+    assert relative_l2(buffered, plain) <= 1e-12
+    assert result.loss == plain_result.loss
+    rows = {entry[:3] for entry in kept if entry[0] == "row"}
+    carries = {entry[:3] for entry in kept if entry[0] == "carry"}
+    assert rows and carries
+    # two stepped members: per stream, one buffer each (the same stream's views of one member share a storage)
+    storages = {}
+    for kind, layer, part, pointer in kept:
+        storages.setdefault((kind, layer, part), set()).add(pointer)
+    assert all(len(pointers) <= 2 for pointers in storages.values())
+    assert sum(1 for entry in kept if entry[0] == "row") > 2 * len(rows)
