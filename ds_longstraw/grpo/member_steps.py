@@ -18,10 +18,10 @@ offload/plan.MIN_CAPTURED_STEP, at most replay_block tokens), and
 The gradient is the whole member's (the same function, differentiated in pieces): a member's own context is exact
 in both modes. Memory: one step's graph plus the member's rows, their gradients and each step's start carry, flat
 in the span's length, instead of the whole response's graph; those are kept in one buffer per stream for the
-whole member (member_buffers.py), not one host allocation per block, which broke up the heap. A later step's attention adds d(rows) to each earlier
-block's gradient in place, one key block at a time, through the block's sink (RowLeaves), instead of returning
-every earlier block's dK/dV at once through autograd. Time: the response runs forward twice (the captured spans'
-steps skip the vocabulary projection both times).
+whole member (member_buffers.py), not one host allocation per block, which broke up the heap. A later step's
+attention adds d(rows) to each earlier block's gradient in place, one key block at a time, through the block's
+sink (RowLeaves), instead of returning every earlier block's dK/dV at once through autograd. Time: the response
+runs forward twice (the captured spans' steps skip the vocabulary projection both times).
 
 Under a lockstep that pads module calls across ranks (ZeRO-3 through the engine, the spread CP replay) the ranks
 agree per member slot (lockstep.GroupCalls.stepped): where any rank's member of a slot runs in steps, every rank
