@@ -69,7 +69,12 @@ class GRPOGroup:
     the policy's own (it counts in the loss), False where it is context only, e.g. a tool's output in an agent
     trajectory (it still runs through the model: it attends, is attended to and feeds the recurrent state, but
     adds no loss term). None trains every token. A member whose mask is all False contributes no loss. Old
-    log-probs at masked-out tokens are ignored (they may be NaN where the sampler wrote none)."""
+    log-probs at masked-out tokens are ignored (they may be NaN where the sampler wrote none).
+
+    held_prefixes: optional list of G token counts: member m's first held_prefixes[m] response tokens are context
+    whose state is held constant, as a prompt's is in detached mode (no gradient reaches the weights through their
+    rows or recurrent state; the tokens after them read both). They must be masked out of the loss. A group
+    sharing a document under a lockstep opens each member with its question held so (grpo/flat_document.py)."""
 
     prompt_ids: torch.Tensor
     response_ids: list
@@ -81,6 +86,7 @@ class GRPOGroup:
     # how many leading prompt tokens are a document that other groups of the step share (grpo_backward_shared
     # captures it once for all of them); None: found from the prompts where the call finds it (grpo/document.py)
     shared_prefix: int | None = None
+    held_prefixes: list | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = as_ids("prompt_ids", self.prompt_ids)
@@ -108,6 +114,8 @@ class GRPOGroup:
             self.old_logprobs = self._as_logprobs("old_logprobs", self.old_logprobs)
         if self.sampling_logprobs is not None:
             self.sampling_logprobs = self._as_logprobs("sampling_logprobs", self.sampling_logprobs)
+        if self.held_prefixes is not None:
+            self.held_prefixes = self._as_held(self.held_prefixes)
         if self.shared_prefix is not None and not (
                 isinstance(self.shared_prefix, int) and 1 <= self.shared_prefix < self.prompt_ids.numel()):
             raise ValueError(f"shared_prefix must be a token count in [1, {self.prompt_ids.numel() - 1}] (the "
@@ -136,6 +144,25 @@ class GRPOGroup:
     def response_tokens(self) -> int:
         """Tokens replayed (every response token, trained or not)."""
         return sum(r.numel() for r in self.response_ids)
+
+    def _as_held(self, values: list) -> list:
+        """One count per member, within its response and masked out of the loss."""
+        if len(values) != self.size:
+            raise ValueError(f"held_prefixes has {len(values)} entries but there are {self.size} responses")
+        out = []
+        for i, value in enumerate(values):
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= self.response_ids[i].numel():
+                raise ValueError(f"held_prefixes[{i}] must be a token count in [0, {self.response_ids[i].numel()}], "
+                                 f"got {value!r}")
+            if value and self.mask(i)[:value].any():
+                raise ValueError(f"held_prefixes[{i}] = {value} covers tokens response_masks[{i}] trains: a held "
+                                 "span adds no loss term, so mask it out")
+            out.append(value)
+        return out
+
+    def held(self, member: int) -> int:
+        """How many leading response tokens of member `member` are held constant (0 without held_prefixes)."""
+        return 0 if self.held_prefixes is None else self.held_prefixes[member]
 
     def mask(self, member: int) -> torch.Tensor:
         """Member `member`'s response mask (all True when the group has none)."""

@@ -174,7 +174,7 @@ class LongstrawEngineMixin:
             objective.check_group(item)
         scopes = self._loss_scopes(objective, groups) if loss_scopes is None else list(loss_scopes)
         route, tokens = self._document_route(groups, objective, captures)
-        flat = flatten(groups, tokens, objective, scopes) if route == "flat" else None
+        flat = flatten(groups, tokens, objective, scopes, longstraw.prefix_grad) if route == "flat" else None
         plan = [] if route == "tree" else self._lockstep_plan([flat.group] if flat else groups)
         skipped_before = getattr(self, "skipped_steps", 0)
         results: list[GroupResult] = []
@@ -258,8 +258,8 @@ class LongstrawEngineMixin:
         document's tokens: "tree" (captured once, each question as its child: grpo/shared.py) where nothing pads
         the ranks' calls (no lockstep: ZeRO 0-2 or one data-parallel rank) and nothing shards the prompt or the
         experts; else "flat" (one group over the document, each member opening with its question:
-        flat_document.py: exact mode); (None, None) without a document, with kept captures to take, or where the
-        flat form is not the groups' step (detached mode, an entropy term). Every rank of a CP group holds the same
+        flat_document.py); (None, None) without a document, with kept captures to take, or where the flat form is
+        not the groups' step (an entropy term). Every rank of a CP group holds the same
         groups and decides alike."""
         if len(groups) < 2 or captures:
             return None, None
@@ -268,7 +268,7 @@ class LongstrawEngineMixin:
             return None, None
         if not self._pads_calls() and self.longstraw_parallelism.cp is None and self.longstraw_experts is None:
             return "tree", tokens
-        return ("flat", tokens) if can_flatten(objective, self.longstraw.prefix_grad) else (None, None)
+        return ("flat", tokens) if can_flatten(objective) else (None, None)
 
     def _pads_calls(self) -> bool:
         """Whether the ranks pad their module calls to each other's (lockstep.py): their calls are collectives

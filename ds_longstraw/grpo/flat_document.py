@@ -17,9 +17,11 @@ groups' separate transactions' sum (tests/equivalence/test_shared_document.py, f
 once per rank, sharded under context parallelism as any prompt; each question is replayed with each of its group's
 members (or in steps without a graph where it reaches longstraw.member_span_capture tokens) instead of captured
 once per group: G question forwards per group, with graph, for a question that is short beside its document.
-Exact mode only: in detached mode a group's question belongs to its prompt, whose state is a constant, while a
-member's own context is differentiated, so the two forms' gradients differ there; the engine then runs the groups
-separately, as it does for an objective with an entropy term (whose losses are not recomputed from log-probs).
+In detached mode a group's question belongs to its prompt, whose state is a constant, while a member's own context
+is differentiated: there each member holds its question (GRPOGroup.held_prefixes), so the question's rows and
+recurrent state are constants to its response, as the prompt's are, and the member runs in steps (member_steps.py):
+the question forward without a graph, then the response with one. An objective with an entropy term keeps the
+groups apart (their losses are not recomputed from log-probs).
 """
 
 from __future__ import annotations
@@ -50,17 +52,17 @@ class FlatDocument:
     tokens: int  # the document's
 
 
-def can_flatten(objective: GRPOObjective, prefix_grad: str) -> bool:
-    """Whether the flat form is the groups' own step: exact mode (in detached mode a group's question is part of
-    its prompt, whose state is a constant, while a member's own context is differentiated) and no entropy term
-    (`split` recovers each group's loss from log-probs alone)."""
-    return prefix_grad == "exact" and not objective.needs_entropy
+def can_flatten(objective: GRPOObjective) -> bool:
+    """Whether the flat form is the groups' own step: no entropy term (`split` recovers each group's loss from
+    log-probs alone)."""
+    return not objective.needs_entropy
 
 
 def flatten(groups: Sequence[GRPOGroup], tokens: int, objective: GRPOObjective,
-            scopes: Sequence[LossScope | Sequence[LossScope]]) -> FlatDocument:
+            scopes: Sequence[LossScope | Sequence[LossScope]], prefix_grad: str = "exact") -> FlatDocument:
     """The groups (whose prompts share their first `tokens` tokens: grpo/document.document_tokens) as one group over
-    the document; scopes: each group's LossScope, or one per member."""
+    the document; scopes: each group's LossScope, or one per member; prefix_grad "detached": each member holds its
+    question (module docstring)."""
     responses, masks, advantages, member_scopes, origin = [], [], [], [], []
     old, sampling = [], []
     for k, group in enumerate(groups):
@@ -77,9 +79,10 @@ def flatten(groups: Sequence[GRPOGroup], tokens: int, objective: GRPOObjective,
             pad = torch.zeros(q, dtype=torch.float64)
             old.append(None if group.old_logprobs is None else torch.cat([pad, group.old_logprobs[m]]))
             sampling.append(None if group.sampling_logprobs is None else torch.cat([pad, group.sampling_logprobs[m]]))
+    held = [q for _, _, q in origin] if prefix_grad == "detached" else None
     merged = GRPOGroup(groups[0].prompt_ids[:tokens], responses, advantages=advantages, response_masks=masks,
                        old_logprobs=_all_or_none(old, "old_logprobs"),
-                       sampling_logprobs=_all_or_none(sampling, "sampling_logprobs"))
+                       sampling_logprobs=_all_or_none(sampling, "sampling_logprobs"), held_prefixes=held)
     return FlatDocument(merged, member_scopes, origin, tokens)
 
 
@@ -112,7 +115,8 @@ def split(flat: FlatDocument, result: GroupResult, groups: Sequence[GRPOGroup],
             ref_logprobs[k][m] = ref[q:]
         if entropies is not None:
             entropies[k][m] = result.entropies[i][q:]
-    report = {"tokens": flat.tokens, "groups": len(groups), "questions": "replayed with each member"}
+    questions = "held by each member" if merged.held_prefixes is not None else "replayed with each member"
+    report = {"tokens": flat.tokens, "groups": len(groups), "questions": questions}
     return [replace(result, loss=losses[k], logprobs=logprobs[k],
                     ref_logprobs=None if ref_logprobs is None else ref_logprobs[k],
                     entropies=None if entropies is None else entropies[k],

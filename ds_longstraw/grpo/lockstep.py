@@ -24,7 +24,9 @@ structure, whose results are thrown away and whose gradients are exactly zero:
   - members in steps: where any rank's member of a slot runs in steps, every rank runs that slot in steps of one
     replay block each over the padded length, every step scored (the same calls: a forward without a graph of
     each block, then each block's forward and backward, last first); the gradient is unchanged (a member's steps
-    are its own function differentiated in pieces, whatever the cut);
+    are its own function differentiated in pieces, whatever the cut). Where some rank's member of the slot holds a
+    prefix (GRPOGroup.held_prefixes), every rank also cuts its steps where that prefix ends, and a rank's steps
+    inside its own held prefix run their backward with zero gradient;
   - prefix (exact): extra one-token forwards with the same outputs as a chunk and a zero surrogate backward.
 Under context parallelism the layer-major capture and prefix pass call each submodule once per chunk of the rank's
 shard, layer by layer: every such loop walks `Schedule.chunks(spans)` (ShardChunks), this rank's real chunks and
@@ -73,19 +75,34 @@ class GroupCalls:
     blocks: tuple  # replay blocks per member
     segments: tuple = ()  # context parallelism: the capture chunks of each CP segment, in prompt order
     stepped: tuple = ()  # per member slot: 1 where the member runs in steps (member_steps.py), else 0 (or absent)
+    # per member slot: the held prefixes' lengths (GRPOGroup.held_prefixes) that end a step, sorted (common calls:
+    # every rank's); () where no member holds one
+    held: tuple = ()
 
     def encode(self) -> list:
+        held = [value for cuts in self.held for value in (len(cuts), *cuts)]
         return [self.chunks, len(self.blocks), *self.blocks, len(self.segments), *self.segments,
-                len(self.stepped), *self.stepped]
+                len(self.stepped), *self.stepped, len(self.held), *held]
 
     @staticmethod
     def decode(code: Sequence[int]) -> GroupCalls:
         members = code[1]
         blocks = tuple(code[2:2 + members])
-        rest = code[2 + members:]
-        segments = tuple(rest[1:1 + rest[0]]) if rest else ()
-        rest = rest[1 + rest[0]:] if rest else []
-        return GroupCalls(code[0], blocks, segments, tuple(rest[1:1 + rest[0]]) if rest else ())
+        rest = list(code[2 + members:])
+        segments, stepped, held = (), (), []
+        if rest:
+            segments, rest = tuple(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
+        if rest:
+            stepped, rest = tuple(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
+        if rest:
+            slots, rest = rest[0], rest[1:]
+            for _ in range(slots):
+                held.append(tuple(rest[1:1 + rest[0]]))
+                rest = rest[1 + rest[0]:]
+        return GroupCalls(code[0], blocks, segments, stepped, tuple(held))
+
+    def held_cuts(self, slot: int) -> tuple:
+        return self.held[slot] if slot < len(self.held) else ()
 
     def in_steps(self, slot: int) -> bool:
         return slot < len(self.stepped) and bool(self.stepped[slot])
@@ -120,12 +137,15 @@ def calls_of(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None 
     """cp: None, or this rank's parallel.CPContext: the chunks of this rank's shard (capture_chunks) and of every CP
     segment, and the blocks those of the members it replays (replayed_members), in order: member slots."""
     members = replayed_members(group, longstraw, cp)
-    stepped = tuple(int(member_steps(group.mask(m), longstraw.member_span_capture, longstraw.replay_block) is not None)
+    stepped = tuple(int(member_steps(group.mask(m), longstraw.member_span_capture, longstraw.replay_block,
+                                     group.held(m)) is not None)
                     for m in members)
+    held = tuple((group.held(m),) if group.held(m) else () for m in members)
     return GroupCalls(chunks=capture_chunks(group.prompt_ids.numel(), longstraw, cp),
                       blocks=tuple(ceil_div(group.response_ids[m].numel(), longstraw.replay_block) for m in members),
                       segments=() if cp is None else segment_chunks(group.prompt_ids.numel(), longstraw, cp),
-                      stepped=stepped if any(stepped) else ())  # () where no member runs in steps
+                      stepped=stepped if any(stepped) else (),  # () where no member runs in steps
+                      held=held if any(held) else ())
 
 
 def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
@@ -136,7 +156,9 @@ def most_calls(counts: Sequence[GroupCalls]) -> GroupCalls:
                                    for m in range(members)),
                       segments=tuple(max(column) for column in zip(*(s.segments for s in counts), strict=True)),
                       stepped=tuple(int(any(s.in_steps(m) for s in counts)) for m in range(members))
-                      if any(s.stepped for s in counts) else ())
+                      if any(s.stepped for s in counts) else (),
+                      held=tuple(tuple(sorted({c for s in counts for c in s.held_cuts(m)})) for m in range(members))
+                      if any(s.held for s in counts) else ())
 
 
 def common_calls(local_calls: Sequence[GroupCalls], process_group: ProcessGroup | None = None) -> list:
@@ -265,10 +287,10 @@ class Schedule:
         return inputs, targets
 
     def member_steps(self, member: int, mask: torch.Tensor, span_capture: int | None,
-                     block: int) -> list[Step] | None:
-        """The steps a member (slot `member`, training mask `mask`) runs in, or None (replayed whole): its own
-        (member_steps.py) without padding."""
-        return member_steps(mask, span_capture, block)
+                     block: int, held: int = 0) -> list[Step] | None:
+        """The steps a member (slot `member`, training mask `mask`, `held` leading tokens held) runs in, or None
+        (replayed whole): its own (member_steps.py) without padding."""
+        return member_steps(mask, span_capture, block, held)
 
     def replay_dummy_members(self, replay: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                              backward: Callable[[torch.Tensor], object] | None = None, train: bool = True,
@@ -325,8 +347,10 @@ class Lockstep(Schedule):
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member: int, length: int) -> int:
+        """At least the slot's common blocks, and past every rank's held prefix of the slot (each a step's end)."""
         blocks = self.common.blocks[member]
-        return max(length, (blocks - 1) * self.longstraw.replay_block + 1)
+        return max(length, (blocks - 1) * self.longstraw.replay_block + 1,
+                   *(cut + 1 for cut in self.common.held_cuts(member)))
 
     def pad_member(self, member: int, inputs: torch.Tensor,
                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,14 +363,19 @@ class Lockstep(Schedule):
         return torch.cat([inputs, pad]), torch.cat([targets, pad.to(targets.device)])
 
     def member_steps(self, member: int, mask: torch.Tensor, span_capture: int | None,
-                     block: int) -> list[Step] | None:
+                     block: int, held: int = 0) -> list[Step] | None:
         """Where any rank's member of this slot runs in steps, this rank's member does too: one replay block a
-        step over its padded length (pad_member), every step scored, so that every rank makes the same calls;
-        elsewhere None (replayed whole, the blocks padded)."""
+        step over its padded length (pad_member), also cut where any rank's held prefix of the slot ends, every
+        step scored, so that every rank makes the same calls (this rank's steps inside its own `held` tokens are
+        held); elsewhere None (replayed whole, the blocks padded)."""
         if not self.common.in_steps(member):
             return None
+        # the same cuts inside every rank's padded length: the common blocks' starts and every rank's held ends
+        cuts = sorted({*range(0, self.common.blocks[member] * block, block), *self.common.held_cuts(member)})
         length = self._padded_length(member, mask.numel())
-        return [Step(start, min(length, start + block), True) for start in range(0, length, block)]
+        if held and held not in cuts:
+            raise ValueError(f"lockstep: member slot {member}'s held prefix {held} is not among the common cuts {cuts}")
+        return [Step(a, b, True, held=b <= held) for a, b in zip(cuts, [*cuts[1:], length], strict=True)]
 
     def dummy_members(self) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """(member slot, inputs, targets) of the members this rank lacks."""

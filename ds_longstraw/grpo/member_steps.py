@@ -81,14 +81,21 @@ class Step:
     start: int  # input positions [start, end) of the member's response
     end: int
     scored: bool  # whether its targets' log-probs are computed (False: a captured span's, untrained)
+    # inside the member's held prefix (GRPOGroup.held_prefixes): its rows and end carry are constants to the steps
+    # after it, and it has no reverse pass of its own (a lockstep's, scored, runs one of zero gradient for the calls)
+    held: bool = False
 
 
-def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[Step] | None:
+def member_steps(mask: torch.Tensor, threshold: int | None, block: int, held: int = 0) -> list[Step] | None:
     """The steps of a member whose targets' training mask is `mask` (True: in the loss), or None where no
     untrained run reaches `threshold` tokens (None: never) and the member is replayed whole. Each region between
     captured runs is one scored step (a short untrained run stays in its region); a captured run is cut into steps
     as long as the longest region, at least MIN_CAPTURED_STEP and at most `block` (replay_block) tokens: the
-    member's graph is then its longest region's, what its replay without the span would keep."""
+    member's graph is then its longest region's, what its replay without the span would keep. held: the member's
+    leading tokens held constant (GRPOGroup.held_prefixes), always a captured run of their own, whatever their
+    length, whose steps are `held`."""
+    if held:
+        return _with_held(mask, threshold, block, held)
     if threshold is None:
         return None
     values = mask.tolist()
@@ -117,6 +124,16 @@ def member_steps(mask: torch.Tensor, threshold: int | None, block: int) -> list[
     if position < len(values):
         steps.append(Step(position, len(values), True))
     return steps
+
+
+def _with_held(mask: torch.Tensor, threshold: int | None, block: int, held: int) -> list[Step]:
+    """member_steps of a member whose first `held` tokens are held: those in steps of `block` tokens, then the
+    rest's own steps (one scored step where it has no captured run)."""
+    steps = [Step(s, min(held, s + block), False, held=True) for s in range(0, held, block)]
+    if held == mask.numel():
+        return steps
+    rest = member_steps(mask[held:], threshold, block) or [Step(0, mask.numel() - held, True)]
+    return steps + [Step(held + step.start, held + step.end, step.scored) for step in rest]
 
 
 def replay_in_steps(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
@@ -227,12 +244,16 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
 
 def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targets: torch.Tensor,
              recorded: Recorded, d_scores: tuple, backward: Callable | None) -> None:
-    """Pass 2: the steps last to first, each with autograd, its outputs given their gradients (module docstring)."""
+    """Pass 2: the steps last to first, each with autograd, its outputs given their gradients (module docstring).
+    A held step's rows and end carry are constants to the steps after it; it runs no reverse pass, or, where a
+    lockstep scores it (the other ranks' step of the slot may be trained), one of zero gradient, for the calls."""
     leaves, carries = source.leaves, recorded.carries
     d_logp, d_entropy = d_scores
-    # every step's rows as leaves: what the later steps' backward leaves on them is the step's d(rows)
+    # every step's rows as leaves (a held step's as constants): what the later steps' backward leaves on them is
+    # the step's d(rows)
     buffers, block = recorded.buffers, source.block
-    row_leaves = [{layer: [RowLeaves(parts, None if buffers is None else _grad_views(buffers, layer, first))
+    row_leaves = [{layer: [parts if step.held else
+                           RowLeaves(parts, None if buffers is None else _grad_views(buffers, layer, first))
                            for first, parts in zip(range(step.start, step.end, block), blocks, strict=True)]
                    for layer, blocks in rows.items()}
                   for step, rows in zip(steps, recorded.rows, strict=True)]
@@ -240,7 +261,13 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
     d_carry = None  # d(end carry) of the step in turn, from the step after it
     for index in reversed(range(len(steps))):
         step = steps[index]
-        if index == 0:
+        if step.held and not step.scored:
+            row_leaves[index] = {}
+            continue
+        constant_start = step.held or (index > 0 and steps[index - 1].held)
+        if constant_start:
+            carry = {layer: tuple(t.detach() for t in parts) for layer, parts in carries[index].items()}
+        elif index == 0:
             carry = dict(leaves.carry)  # the prefix's leaves (exact mode collects d(carry after the prompt) there)
         else:
             carry = {layer: tuple(t.detach().requires_grad_(True) for t in parts)
@@ -249,28 +276,31 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
         for earlier in row_leaves[:index]:
             for layer, blocks in earlier.items():
                 for leaves_of_block in blocks:
-                    past.append(layer, leaves_of_block.pair)
+                    past.append(layer, leaves_of_block.pair if isinstance(leaves_of_block, RowLeaves)
+                                else leaves_of_block)
         with torch.enable_grad(), leaves.saves():
             out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
             outputs, grads = [], []
             if scores is not None:
                 outputs.append(scores[0])
-                grads.append(None if d_logp is None else d_logp[step.start:step.end])
+                held_zero = torch.zeros_like(scores[0]) if step.held else None
+                grads.append(held_zero if step.held or d_logp is None else d_logp[step.start:step.end])
                 if scores[1] is not None:
                     outputs.append(scores[1])
-                    grads.append(d_entropy[step.start:step.end])
+                    grads.append(torch.zeros_like(scores[1]) if step.held else d_entropy[step.start:step.end])
+            # a held step's outputs are roots too, of zero gradient: the same roots as a trained step's, so that
+            # ranks in lockstep walk the same modules backward (arch/base.inject_gradients)
             for layer, blocks in out_rows.items():
                 for parts, leaves_of_block in zip(blocks, row_leaves[index][layer], strict=True):
                     outputs += parts
-                    grads += leaves_of_block.grads()
-            if d_carry is not None:
+                    grads += [None] * len(parts) if step.held else leaves_of_block.grads()
+            if index < len(steps) - 1:
                 for layer, parts in end_carry.items():
-                    for part, grad in zip(parts, d_carry[layer], strict=True):
-                        outputs.append(part)
-                        grads.append(grad)
+                    outputs += parts
+                    grads += [None] * len(parts) if d_carry is None else list(d_carry[layer])
             inject_gradients(outputs, grads, backward)
-        if index > 0:
-            d_carry = {layer: tuple(t.grad for t in parts) for layer, parts in carry.items()}
+        d_carry = None if index == 0 or constant_start else {
+            layer: tuple(t.grad for t in parts) for layer, parts in carry.items()}
         row_leaves[index] = {}  # its gradient is spent
         del out_rows, end_carry, scores, outputs, grads, carry, past
         return_freed_host_memory(source.adapter.device)

@@ -162,7 +162,7 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
         ref = None if ref_logprobs is None else ref_logprobs[member]
         real = targets.numel()
         # a lockstep may run this slot in steps on every rank, over the padded length (lockstep.py)
-        steps = schedule.member_steps(slot, group.mask(member), source.span_capture, source.block)
+        steps = schedule.member_steps(slot, group.mask(member), source.span_capture, source.block, group.held(member))
         spans = None if kept is None or kept[member] is None or steps is None else kept[member]
         kept_steps = None if spans is None else spans.steps(targets, group.mask(member), source.span_capture,
                                                             source.block)

@@ -207,19 +207,14 @@ def _render_document(plan) -> list:
     n = plan.groups_per_document
     if n == 1:
         return []
-    padded = plan.cluster.cp > 1 or plan.cluster.gpus > 1
-    if padded and plan.prefix_grad != "exact":
-        return ["", f"{n} groups per document: with {plan.cluster.gpus} GPUs (CP {plan.cluster.cp}) under ZeRO-3, "
-                "detached mode runs each group on its whole prompt, so a step captures the document "
-                f"{n} times (ZeRO 0-2 without CP shares it); the figures above are one group's."]
     if plan.cluster.cp > 1:
-        return ["", f"{n} groups per document (engine.grpo_step, exact mode): at CP {plan.cluster.cp} the document is "
-                "captured once, sharded as any prompt, and each question replayed with each of its group's members "
-                "(grpo/flat_document.py); the figures above are one group's."]
+        how = ("each question replayed with each of its group's members" if plan.prefix_grad == "exact" else
+               "each question held by each of its group's members (forward without a graph, its state a constant)")
+        return ["", f"{n} groups per document (engine.grpo_step): at CP {plan.cluster.cp} the document is captured "
+                f"once, sharded as any prompt, and {how} (grpo/flat_document.py); the figures above are one group's."]
     passes = " and runs one reverse pass over it" if plan.prefix_grad == "exact" else ""
-    lockstep = (" Through engine.grpo_step under ZeRO-3 with several ranks (exact mode) each question is replayed "
-                "with its group's members instead of captured (grpo/flat_document.py)." if plan.cluster.gpus > 1
-                else "")
+    lockstep = (" Through engine.grpo_step under ZeRO-3 with several ranks each question runs with its group's "
+                "members instead of captured (grpo/flat_document.py)." if plan.cluster.gpus > 1 else "")
     return ["", f"{n} groups per document (grpo_backward_shared): a step captures the document once instead of {n} "
             f"times{passes}, each question as its child; the figures above hold (the document's pages and one "
             f"question's at a time: measured 1.00-1.02x one group's peak, BENCHMARKS.md).{lockstep}"]

@@ -59,6 +59,8 @@ gradient_clipping 0):
               (grpo/shared.py); the step == SGD on the mean of the four groups' plain gradients
   shared_document_zero3  ZeRO-3, exact, KL: rank 0's two groups share a document, run as one group over it
               (grpo/flat_document.py) padded against rank 1's one group; the step == the average
+  shared_document_zero3_detached  the same in detached mode: each merged member holds its question
+              (GRPOGroup.held_prefixes), its steps cut where the question ends, rank 1 padding its calls to them
 """
 
 import argparse
@@ -577,20 +579,20 @@ def document_groups(seed, document, questions, response_lens):
                       rewards=torch.rand(len(response_lens), generator=gen).tolist()) for q in questions]
 
 
-def check_shared_document(out_dir, stage=2):
+def check_shared_document(out_dir, stage=2, mode="exact"):
     """Exact, KL. ZeRO-2 (no lockstep): each rank's two groups share a document of its own (rank 0: 40 tokens,
     questions of 5 and 9; rank 1: 33 tokens, questions of 7 and 3), which grpo_step captures once per rank as a
     tree (grpo/shared.py). ZeRO-3 (stage 3, lockstep): rank 0's two groups share its document, rank 1 brings one
     group; rank 0's run as one group over the document (grpo/flat_document.py), padded against rank 1's. Either
     way the step == SGD on the data-parallel average of plain grpo_backward gradients, each group capturing its
-    whole prompt."""
+    whole prompt. mode "detached": the same with ZeRO-3, rank 0's members holding their questions."""
     rank = dist.get_rank()
     model = tiny_qwen3_5(torch.float32, seed=11)
     ref_model = tiny_qwen3_5(torch.float32, seed=12)
     reference = copy.deepcopy(model)
     before = snapshot(model)
     objective = GRPOObjective(loss_scope="group", kl_coef=0.2)
-    config = ds_config("exact")
+    config = ds_config(mode)
     if stage == 2:
         config["zero_optimization"] = {"stage": 2}
     config["longstraw"]["shared_prefix_min"] = 16
@@ -606,7 +608,7 @@ def check_shared_document(out_dir, stage=2):
     for mine in groups:
         for group in mine:
             reference.zero_grad(set_to_none=True)
-            grpo_backward(reference, group, objective, longstraw=block("exact"), ref_model=ref_model)
+            grpo_backward(reference, group, objective, longstraw=block(mode), ref_model=ref_model)
             for name, p in reference.named_parameters():
                 grads[name] = grads.get(name, 0.0) + 0.5 / len(mine) * p.grad
     for name, p in reference.named_parameters():
@@ -731,7 +733,8 @@ CHECKS = {"same_step": check_same_step, "average": check_average, "checkpoint": 
           "ep_checkpoint": check_ep_checkpoint, "ep_export": check_ep_export,
           "rollout_lockstep": check_rollout_lockstep, "rollout_ep": check_rollout_ep,
           "objective_step": check_objective_step, "shared_document": check_shared_document,
-          "shared_document_zero3": lambda out: check_shared_document(out, stage=3)}
+          "shared_document_zero3": lambda out: check_shared_document(out, stage=3),
+          "shared_document_zero3_detached": lambda out: check_shared_document(out, stage=3, mode="detached")}
 
 
 def run_checks(checks, file_prefix, **context):

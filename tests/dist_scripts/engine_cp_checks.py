@@ -199,15 +199,16 @@ def check_rollout(out_dir):
     return out
 
 
-def check_document(out_dir):
+def check_document(out_dir, mode="exact"):
     """ZeRO-3, exact, CP 2, W = 4: replica 0's two groups share a 40-token document (questions of 5 and 9 tokens),
     replica 1 brings C. grpo_step runs replica 0's as one group over the document (grpo/flat_document.py: sharded
     over the CP group as any prompt, each member opening with its question), padded against replica 1's group:
-    the step == SGD on (g_D1 + g_D2)/4 + g_C/2 of plain single-process transactions."""
+    the step == SGD on (g_D1 + g_D2)/4 + g_C/2 of plain single-process transactions. mode "detached": the same,
+    each member holding its question (GRPOGroup.held_prefixes)."""
     model = tiny_qwen3_5(torch.float32, seed=8)
     reference = copy.deepcopy(model)
     before = snapshot(model)
-    config = ds_config("exact", 3, cp_prefix="layer_major")
+    config = ds_config(mode, 3, cp_prefix="layer_major")
     config["longstraw"]["shared_prefix_min"] = 16
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                          config=config)
@@ -218,7 +219,7 @@ def check_document(out_dir):
     after = engine_params(engine)
     before = as_engine_holds(engine, before)
     weights = {"D1": 0.25, "D2": 0.25, "C": 0.5}
-    ref, _ = reference_step(reference, "exact", weights, groups)
+    ref, _ = reference_step(reference, mode, weights, groups)
     ref = as_engine_holds(engine, {n: p.detach() for n, p in ref.named_parameters()})
     return {"rel": step_error(after, ref, before), "rank_groups": len(result.groups),
             "documents": [g.extras.get("document", {}).get("questions") for g in result.groups]}
@@ -233,7 +234,8 @@ CHECKS = {"zero3": lambda out: check("detached", 3, 0),
           "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2, cp_prefix="layer_major"),
           "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major",
                                            inputs_every=2),
-          "rollout": check_rollout, "document": check_document}
+          "rollout": check_rollout, "document": check_document,
+          "document_detached": lambda out: check_document(out, "detached")}
 
 
 if __name__ == "__main__":

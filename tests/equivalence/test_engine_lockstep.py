@@ -150,3 +150,67 @@ def test_members_in_steps_keep_the_ranks_in_lockstep(mode):
             for x, y in zip(padded.logprobs, plain.logprobs, strict=True):
                 trained = y != 0  # a captured span's log-probs are not computed on the plain path (0)
                 assert x.shape == y.shape and torch.allclose(x[trained], y[trained], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_held_prefixes_keep_the_ranks_in_lockstep(mode):
+    """Members that hold their first tokens (GRPOGroup.held_prefixes: a shared document's question under the
+    flat form in detached mode, grpo/flat_document.py) run in steps; every rank cuts its steps of a slot where any
+    rank's held prefix of that slot ends, and a rank's held steps run a backward of zero gradient where another
+    rank's may be trained. Groups a and b hold different lengths in the same slots, the dummy group none: the three
+    make the same module calls, and each one's results are its plain transaction's (float64, relative 1e-10)."""
+    longstraw = parse_config({**BLOCK, "prefix_grad": mode})
+    model = tiny_qwen3_5(torch.float32, seed=0)
+    objective = GRPOObjective()
+    a = _tool_group(1, 14, [(8, [(0, 7)]), (4, [(0, 1)])])
+    a.held_prefixes = a._as_held([7, 1])
+    # slot 0: a's held prefix ends (7) past b's member, even padded to the slot's 3 blocks (7 tokens): b pads it
+    # past that end, so both make the same steps
+    b = _tool_group(2, 10, [(3, [(0, 2)]), (7, [(0, 5)]), (2, [])])
+    b.held_prefixes = b._as_held([2, 5, 0])
+    calls_a, calls_b = calls_of(a, longstraw), calls_of(b, longstraw)
+    assert calls_a.stepped == (1, 1) and calls_b.stepped == (1, 1, 0)
+    common = most_calls([calls_a, calls_b])
+    assert common.held == ((2, 7), (1, 5), ()) and common.stepped == (1, 1, 0)
+    assert GroupCalls.decode(common.encode()) == common
+    traces = [_trace(model, g, Lockstep(calls_of(g, longstraw), common, longstraw), longstraw, objective, None)
+              for g in (a, b, dummy_group())]
+    assert traces[0] == traces[1] == traces[2]
+    assert _trace(model, b, Lockstep(calls_b, most_calls([calls_b]), longstraw), longstraw, objective,
+                  None) != traces[1]
+    double = tiny_qwen3_5(torch.float64, seed=3)
+    with float64_model():
+        for group in (a, b):
+            plain_grads, plain = grads_of(double, lambda g=group: grpo_backward(double, g, objective,
+                                                                                longstraw=longstraw))
+            padded_grads, padded = grads_of(double, lambda g=group: grpo_backward(
+                double, g, objective, longstraw=longstraw,
+                lockstep=Lockstep(calls_of(g, longstraw), common, longstraw)))
+            assert relative_l2(padded_grads, plain_grads) < 1e-10
+            assert padded.loss == pytest.approx(plain.loss, rel=1e-10)
+
+
+def test_a_held_prefix_is_a_constant():
+    """What holding means: a member holding its first h tokens gets the gradient of a group whose prompt ends with
+    them, in detached mode (their state a constant there too); replayed without the hold, it differs."""
+    longstraw = parse_config({**BLOCK, "prefix_grad": "detached"})
+    model = tiny_qwen3_5(torch.float64, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    prompt, response = torch.randint(0, 97, (11,), generator=gen), torch.randint(0, 97, (9,), generator=gen)
+    mask = torch.ones(9, dtype=torch.bool)
+    mask[:4] = False
+    held = GRPOGroup(prompt, [response], advantages=[0.8], response_masks=[mask], held_prefixes=[4])
+    not_held = GRPOGroup(prompt, [response], advantages=[0.8], response_masks=[mask])
+    longer_prompt = GRPOGroup(torch.cat([prompt, response[:4]]), [response[4:]], advantages=[0.8])
+    with float64_model():
+        grads, result = grads_of(model, lambda: grpo_backward(model, held, GRPOObjective(), longstraw=longstraw))
+        reference, expected = grads_of(model, lambda: grpo_backward(model, longer_prompt, GRPOObjective(),
+                                                                    longstraw=longstraw))
+        other, _ = grads_of(model, lambda: grpo_backward(model, not_held, GRPOObjective(), longstraw=longstraw))
+    assert relative_l2(grads, reference) < 1e-10
+    assert result.loss == pytest.approx(expected.loss, rel=1e-10)
+    assert relative_l2(other, reference) > 1e-4
+    with pytest.raises(ValueError, match=r"held_prefixes\[0\] = 5 covers tokens"):
+        GRPOGroup(prompt, [response], advantages=[0.8], response_masks=[mask], held_prefixes=[5])
+    with pytest.raises(ValueError, match=r"held_prefixes\[0\] must be a token count"):
+        GRPOGroup(prompt, [response], advantages=[0.8], response_masks=[mask], held_prefixes=[10])

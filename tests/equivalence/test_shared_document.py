@@ -147,15 +147,15 @@ def test_glm_shared_document_equals_the_reference(documents, mode):
         assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["exact", "detached"])
 @pytest.mark.parametrize("case", ["three-questions", "tool-spans-in-steps", "kl-reference", "seq-mean-nvme"])
-def test_the_flat_form_equals_the_groups_alone(case):
-    """grpo/flat_document.py (what engine.grpo_step runs in exact mode where ranks pad their calls or shard the
-    prompt): the groups as one group over the document, each member opening with its question masked out, its
-    group's advantage and LossScope, and old log-probs padded over the question; then split back. Its gradient is
-    the groups' own transactions' sum and each group's loss and log-probs are its own transaction's. In detached
-    mode the two differ (a question's state is a constant of its group's prompt, a member's context is not), so the
-    engine does not flatten there: the last assertion shows the difference."""
-    mode = "exact"
+def test_the_flat_form_equals_the_groups_alone(case, mode):
+    """grpo/flat_document.py (what engine.grpo_step runs where ranks pad their calls or shard the prompt): the
+    groups as one group over the document, each member opening with its question masked out, its group's advantage
+    and LossScope, and old log-probs padded over the question; then split back. Its gradient is the groups' own
+    transactions' sum and each group's loss and log-probs are its own transaction's. In detached mode each member
+    holds its question (GRPOGroup.held_prefixes: a question's state is a constant of its group's prompt, a
+    member's own context is not); the last assertion shows that without the hold the two differ."""
     from ds_longstraw.grpo.flat_document import flatten, split
 
     model, ref_model = tiny_qwen3_5(), tiny_qwen3_5(seed=7)
@@ -169,8 +169,9 @@ def test_the_flat_form_equals_the_groups_alone(case):
     config = _config(mode, tier, span)
     objective = GRPOObjective(**kwargs)
     scopes = [objective.scope_of([group], weight=0.5) for group in groups]
-    flat = flatten(groups, doc, objective, scopes)
+    flat = flatten(groups, doc, objective, scopes, mode)
     assert flat.group.prompt_ids.numel() == doc and flat.group.size == sum(g.size for g in groups)
+    assert (flat.group.held_prefixes is not None) == (mode == "detached")
     with float64_model():
         alone, alone_results = grads_of(model, lambda: [
             grpo_backward(model, group, objective, longstraw=config, ref_model=reference, loss_scope=scope)
@@ -189,14 +190,12 @@ def test_the_flat_form_equals_the_groups_alone(case):
             for mine, theirs in zip(result.ref_logprobs, alone_result.ref_logprobs, strict=True):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-11)
         assert result.extras["document"]["tokens"] == doc
-    if case == "three-questions":
-        detached = {**config, "prefix_grad": "detached"}
+    if case == "three-questions" and mode == "detached":
+        not_held = flatten(groups, doc, objective, scopes)  # the questions replayed with autograd
         with float64_model():
-            apart, _ = grads_of(model, lambda: [grpo_backward(model, g, objective, longstraw=detached, loss_scope=s)
-                                                for g, s in zip(groups, scopes, strict=True)])
-            flat_detached, _ = grads_of(model, lambda: grpo_backward(model, flat.group, objective, longstraw=detached,
-                                                                     loss_scope=flat.scopes))
-        assert relative_l2(flat_detached, apart) > 1e-4
+            flat_not_held, _ = grads_of(model, lambda: grpo_backward(model, not_held.group, objective,
+                                                                     longstraw=config, loss_scope=not_held.scopes))
+        assert relative_l2(flat_not_held, alone) > 1e-4
 
 
 def test_a_missing_share_is_seen(monkeypatch):
@@ -244,3 +243,23 @@ def test_what_does_not_run_yet_is_refused_by_name():
     groups = _groups(12, [3, 5], [[(2, [])]] * 2)
     with pytest.raises(ValueError, match="cp_size"):
         grpo_backward_shared(tiny_qwen3_5(), groups, longstraw={"cp_size": 2, "shared_prefix_min": 8})
+
+
+def test_glm_flat_form_holds_the_questions():
+    """glm_moe_dsa in detached mode, the flat form (grpo/flat_document.py): each member holds its question, whose
+    latent and indexer-key rows the response's sparse selection reads as constants; the gradient equals the groups
+    run alone (relative 1e-8, float64)."""
+    from ds_longstraw.grpo.flat_document import flatten
+
+    model = tiny_glm_moe_dsa()
+    groups = _groups(30, [3, 6], [[(6, []), (4, [])], [(5, []), (7, [])]], seed=5)
+    objective = GRPOObjective()
+    scopes = [objective.scope_of([group], weight=0.5) for group in groups]
+    flat = flatten(groups, 30, objective, scopes, "detached")
+    config = _config("detached")
+    with glm_reference():
+        alone, _ = grads_of(model, lambda: [grpo_backward(model, group, objective, longstraw=config, loss_scope=scope)
+                                            for group, scope in zip(groups, scopes, strict=True)])
+        grads, _ = grads_of(model, lambda: grpo_backward(model, flat.group, objective, longstraw=config,
+                                                         loss_scope=flat.scopes))
+    assert relative_l2(grads, alone) <= TOL

@@ -26,7 +26,8 @@ chains); each rank writes its measurements, asserted here:
   rollout_ep  the same on glm_moe_dsa with its experts sharded over the two ranks (every decode step dispatches)
   shared_document  ZeRO-2, exact, KL: each rank's two groups share a document, which grpo_step captures once per
               rank (grpo/shared.py); ZeRO-3: rank 0's two groups share one and run as one group over it
-              (grpo/flat_document.py), padded against rank 1's one group; the step == the plain average
+              (grpo/flat_document.py), padded against rank 1's one group, in both modes (detached: each member
+              holds its question); the step == the plain average
 Tolerance: float32, relative 1e-5 on the parameter update. Measured 5e-7 .. 1.4e-6: the engine's and the
 reference's sums of member gradients run in different orders (DeepSpeed reduce-scatters rank partitions, lockstep
 pads blocks with dummy tokens so blocked matmuls change shape), each step a few float32 ulps; a wrong averaging
@@ -186,6 +187,10 @@ def test_groups_sharing_a_document_capture_it_once_per_rank(results):
         assert r["rel"] < TOL, r
         assert r["documents"] == [[40, 40], [None]][rank], r
         assert r["how"] == [["replayed with each member"] * 2, ["captured"]][rank], r
+    for rank, r in enumerate(_check(results, "shared_document_zero3_detached")):  # the questions held (detached)
+        assert r["rel"] < TOL, r
+        assert r["documents"] == [[40, 40], [None]][rank], r
+        assert r["how"] == [["held by each member"] * 2, ["captured"]][rank], r
 
 
 @pytest.mark.parametrize("name", ["lora", "qlora"])

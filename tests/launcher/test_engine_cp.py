@@ -20,6 +20,7 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   one): the replicas decode in lockstep; samples == one process's, the step == the average
            document  ZeRO-3, exact: replica 0's two groups share a document, run as one group over it sharded
                   over its CP group (grpo/flat_document.py), padded against replica 1's C == the average
+           document_detached  the same in detached mode, each member holding its question
   W = 2  one replica of CP 2: == single-process SGD on (g_A + g_B)/2
            zero3  ZeRO-3, detached
            zero3kept  ZeRO-3, exact, prefix_keep_attention, "cp_prefix": "turns": mirrored turns in which the
@@ -48,7 +49,8 @@ SCRIPT = os.path.join(REPO, "tests", "dist_scripts", "engine_cp_checks.py")
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("engine_cp")
-    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep,zero3spread,rollout,document", 2: "zero3,zero3kept,glm3"}
+    jobs = {4: "zero3,zero2,zero3exact,glm3exact,glm3ep,zero3spread,rollout,document,document_detached",
+            2: "zero3,zero3kept,glm3"}
     dirs, logs, procs = {}, [], []
     for world, checks in jobs.items():
         dirs[world] = out / f"w{world}"
@@ -147,8 +149,12 @@ def test_cp_config_checks_at_the_door():
 
 def test_groups_sharing_a_document_under_cp(results):
     """Replica 0's groups share a document: the flat form ran on both of its CP ranks (each group's result says
-    so) and the step is the plain transactions' average."""
+    so) and the step is the plain transactions' average; in detached mode each member holds its question."""
     for rank, r in enumerate(_check(results, 4, "document")):
         assert r["rel"] < TOL, r
         expected = ["replayed with each member"] * 2 if rank < 2 else [None]
+        assert r["documents"] == expected, r
+    for rank, r in enumerate(_check(results, 4, "document_detached")):
+        assert r["rel"] < TOL, r
+        expected = ["held by each member"] * 2 if rank < 2 else [None]
         assert r["documents"] == expected, r
