@@ -11,7 +11,10 @@ softmax, and the result stays in the latent space (o_lat = P @ c [T, H, R]); the
 Nothing per head is materialised for the keys: each query block gathers its selected rows [Tq, K, R + E] once.
 
 `sparse_latent_attention` keeps memory bounded in backward too: it saves its inputs and its output (no gathered
-rows, no probabilities) and recomputes each query block's rows and probabilities in backward.
+rows, no probabilities) and recomputes each query block's rows and probabilities in backward. Backward (and forward,
+where the queries select at least as many rows as there are) lays the pieces side by side in one row table
+[N, R + E] (latent | rope key), so that a query block's rows are one gather and their gradients one index_add_ at
+the selected positions, into a workspace reused by every block.
 `sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two.
 
 Context parallelism (the rows split over ranks, each read page by page): `page_partial` is the attention over
@@ -79,19 +82,6 @@ def _gather_into(pieces, offsets, flat):
     return out
 
 
-def _scatter_add(grads, offsets, flat, grad_rows):
-    """Add the rows' gradients grad_rows [n, ...] at positions `flat` [n] into `grads` (one tensor per piece, None
-    where no gradient is needed)."""
-    owner = torch.bucketize(flat, torch.tensor(offsets[1:], device=flat.device), right=True)
-    for index, (offset, grad) in enumerate(zip(offsets, grads, strict=True)):
-        if grad is None or grad.shape[0] == 0:
-            continue
-        # every row is added at a clamped index, those of other pieces as exact zeros (no boolean-mask indexing)
-        mine = (owner == index).view(-1, *([1] * (grad_rows.dim() - 1)))
-        rows = torch.where(mine, grad_rows, torch.zeros((), dtype=grad_rows.dtype, device=grad_rows.device))
-        grad.index_add_(0, (flat - offset).clamp(0, grad.shape[0] - 1), rows.to(grad.dtype))
-
-
 # -- sparse absorbed attention ----------------------------------------------------------------------------------
 def _block_scores(q_lat, q_rope, rows_lat, rows_rope, valid, scale, acc):
     """Scores [Tq, H, K] in the accumulation dtype, -inf where not selected."""
@@ -110,6 +100,62 @@ def _finite(lse):
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def _row_table(latents, ropes, acc):
+    """The pieces laid side by side: [N, R + E] in the accumulation dtype, latent then rope-key columns, one row
+    per position from 0."""
+    return torch.cat([torch.cat(list(latents)).to(acc), torch.cat(list(ropes)).to(acc)], dim=-1)
+
+
+def _block_positions(positions, valid):
+    """A query block's selected positions [Tq * K], those of unselected slots replaced by 0: their value is never
+    read (p = 0 there), they are only kept in range."""
+    return torch.where(valid, positions, torch.zeros((), dtype=positions.dtype, device=positions.device)).reshape(-1)
+
+
+def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block):
+    """(o_lat, lse) of `_SparseLatentAttention`, each query block one gather from the row table into a workspace
+    reused by every block (a fresh [Tq, K, R + E] tensor per block is paid again in page faults: it is tens of
+    MiB, so malloc maps it anew) and two batched products."""
+    tokens, heads, rank = q_lat.shape
+    acc, k = _acc(q_lat.dtype), positions.shape[1]
+    table = _row_table(latents, ropes, acc)
+    width = table.shape[-1]
+    q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
+    out = q_lat.new_empty(tokens, heads, rank)
+    lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
+    rows_buf = table.new_empty(min(block, tokens) * k, width)
+    for q0 in range(0, tokens, block):
+        q1 = min(tokens, q0 + block)
+        flat = _block_positions(positions[q0:q1], valid[q0:q1])
+        rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
+        s = torch.bmm(q[q0:q1], rows.transpose(1, 2)).mul_(scale)  # [Tq, H, K]
+        s.masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
+        lse[q0:q1] = torch.logsumexp(s, dim=-1)
+        p = s.sub_(_finite(lse[q0:q1]).unsqueeze(-1)).exp_()
+        out[q0:q1] = torch.bmm(p, rows[..., :rank]).to(out.dtype)
+    return out, lse
+
+
+def _forward_pieces(q_lat, q_rope, latents, ropes, positions, valid, scale, block):
+    """(o_lat, lse) of `_SparseLatentAttention`, each query block gathered piece by piece (_gather_into): no
+    O(N) table, for a few queries over many rows."""
+    offsets, _ = _offsets(latents)
+    tokens, heads, rank = q_lat.shape
+    acc = _acc(q_lat.dtype)
+    out = q_lat.new_empty(tokens, heads, rank)
+    lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
+    for q0 in range(0, tokens, block):
+        q1 = min(tokens, q0 + block)
+        flat = positions[q0:q1].reshape(-1)
+        rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, -1, rank)
+        rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, -1, q_rope.shape[-1])
+        s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], scale, acc)
+        lse[q0:q1] = torch.logsumexp(s, dim=-1)
+        p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))
+        out[q0:q1] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(out.dtype)
+    return out, lse
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     """Forward and backward walk query blocks; backward re-gathers each block's rows and recomputes its
     probabilities from the saved log-sum-exp (nothing [T, K, ...] is saved). Outputs (o_lat, lse); a query with no
@@ -118,21 +164,15 @@ class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
         latents, ropes = list(pieces[:n_pieces]), list(pieces[n_pieces:])
-        offsets, _ = _offsets(latents)
-        tokens, heads, rank = q_lat.shape
-        acc = _acc(q_lat.dtype)
-        out = q_lat.new_empty(tokens, heads, rank)
-        lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
+        tokens, _, rank = q_lat.shape
         block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
-        for q0 in range(0, tokens, block):
-            q1 = min(tokens, q0 + block)
-            flat = positions[q0:q1].reshape(-1)
-            rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, -1, rank)
-            rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, -1, q_rope.shape[-1])
-            s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], scale, acc)
-            lse[q0:q1] = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))
-            out[q0:q1] = torch.einsum("thk,tkr->thr", p, rows_lat.to(acc)).to(out.dtype)
+        # The table costs a copy of the N rows, the piece-by-piece gather T K rows per non-empty piece: the table
+        # for a segment or a replay block over its past, the pieces for a few queries over a long one (decode).
+        filled = sum(1 for piece in latents if piece.shape[0])
+        if sum(piece.shape[0] for piece in latents) <= filled * tokens * positions.shape[1]:
+            out, lse = _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block)
+        else:
+            out, lse = _forward_pieces(q_lat, q_rope, latents, ropes, positions, valid, scale, block)
         triton_attention.save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces)
         ctx.block = block
         return out, lse
@@ -140,43 +180,68 @@ class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q_lat, q_rope, positions, valid, out, lse, latents, ropes = triton_attention.saved_inputs(ctx)
-        pieces = [*latents, *ropes]
-        n = ctx.n_pieces
-        offsets, _ = _offsets(latents)
-        tokens, heads, rank = q_lat.shape
-        rope = q_rope.shape[-1]
-        acc = _acc(q_lat.dtype)
         needs = ctx.needs_input_grad
-        d_q_lat = torch.zeros_like(q_lat, dtype=acc)
-        d_q_rope = torch.zeros_like(q_rope, dtype=acc)
-        # The pieces' gradients are dense (a piece is one tensor of autograd); the rows' gradients are added to them
-        # block by block, so nothing [T, K, ...] lives longer than one query block.
-        d_pieces = [torch.zeros_like(piece, dtype=acc) if need else None
-                    for piece, need in zip(pieces, needs[6:], strict=True)]
-        d_latents, d_ropes = d_pieces[:n], d_pieces[n:]
-        k = positions.shape[1]
-        for q0 in range(0, tokens, ctx.block):
-            q1 = min(tokens, q0 + ctx.block)
-            flat = positions[q0:q1].reshape(-1)
-            rows_lat = _gather_into(latents, offsets, flat).view(q1 - q0, k, rank).to(acc)
-            rows_rope = _gather_into(ropes, offsets, flat).view(q1 - q0, k, rope).to(acc)
-            s = _block_scores(q_lat[q0:q1], q_rope[q0:q1], rows_lat, rows_rope, valid[q0:q1], ctx.scale, acc)
-            p = torch.exp(s - _finite(lse[q0:q1]).unsqueeze(-1))  # [Tq, H, K]
-            d_o = d_out[q0:q1].to(acc)
-            d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
-            delta = (d_o * out[q0:q1].to(acc)).sum(-1, keepdim=True)
-            if d_lse is not None:
-                delta = delta - d_lse[q0:q1].to(acc).unsqueeze(-1)
-            d_s = p * (d_p - delta) * ctx.scale
-            d_q_lat[q0:q1] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
-            d_q_rope[q0:q1] = torch.einsum("thk,tke->the", d_s, rows_rope)
-            d_rows_lat = (torch.einsum("thk,thr->tkr", d_s, q_lat[q0:q1].to(acc))
-                          + torch.einsum("thk,thr->tkr", p, d_o))
-            d_rows_rope = torch.einsum("thk,the->tke", d_s, q_rope[q0:q1].to(acc))
-            _scatter_add(d_latents, offsets, flat, d_rows_lat.reshape(-1, rank))
-            _scatter_add(d_ropes, offsets, flat, d_rows_rope.reshape(-1, rope))
-        d_pieces = [None if d is None else d.to(piece.dtype) for d, piece in zip(d_pieces, pieces, strict=True)]
+        row_grads = any(needs[6:])
+        d_q_lat, d_q_rope, d_table = _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse,
+                                                      d_out, d_lse, ctx.scale, ctx.block, row_grads)
+        d_pieces = [None] * (2 * ctx.n_pieces)
+        if row_grads:
+            rank, lengths = q_lat.shape[-1], [piece.shape[0] for piece in latents]
+            rows = [*torch.split(d_table[:, :rank], lengths), *torch.split(d_table[:, rank:], lengths)]
+            # contiguous: a view of the table would keep all of it alive as long as any piece's gradient
+            d_pieces = [d.contiguous().to(piece.dtype) if need else None
+                        for d, piece, need in zip(rows, [*latents, *ropes], needs[6:], strict=True)]
         return triton_attention.input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces)
+
+
+def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, d_out, d_lse, scale, block,
+                     row_grads):
+    """The torch backward of `_SparseLatentAttention`: (d_q_lat [T, H, R], d_q_rope [T, H, E], d_table [N, R + E]
+    or None), in the accumulation dtype; d_table holds every piece's rows' gradients, latent then rope columns, in
+    position order (N rows in all).
+
+    The pieces are laid side by side once in a table [N, R + E] (latent | rope key, one row per position), so that
+    a query block's rows are one gather of the selected positions and their gradients one index_add_ at the same
+    positions: nothing per piece, no pass over rows that no query selected (the cost is O(N) for the table and the
+    gradient table, which were dense per piece before too, plus O(T K (R + E)) for the selected rows). The queries
+    carry the same layout (q = [q_lat | q_rope], d_o padded with zeros over the rope columns), so that each block is
+    three batched products: scores and d_p together, d_q, and the rows' gradients
+    d_row(t, k) = sum_h d_s(t, h, k) q(t, h) + p(t, h, k) d_o(t, h)."""
+    tokens, heads, rank = q_lat.shape
+    acc = _acc(q_lat.dtype)
+    k = positions.shape[1]
+    table = _row_table(latents, ropes, acc)  # [N, R + E]
+    width = table.shape[-1]
+    q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
+    d_o = d_out.to(acc)
+    delta_all = (d_o * out.to(acc)).sum(-1, keepdim=True)  # [T, H, 1]
+    if d_lse is not None:
+        delta_all = delta_all - d_lse.to(acc).unsqueeze(-1)
+    d_o = torch.nn.functional.pad(d_o, (0, width - rank))  # [T, H, R + E], zeros over the rope columns
+    d_q = torch.empty_like(q)
+    d_table = torch.zeros_like(table) if row_grads else None
+    # One workspace per call, reused by every block: a fresh [Tq, K, R + E] tensor per block is paid again in page
+    # faults (it is tens of MiB, so malloc maps it anew), which cost more than the gather or the product filling it.
+    rows_buf = table.new_empty(min(block, tokens) * k, width)
+    d_rows_buf = table.new_empty(min(block, tokens), k, width) if row_grads else None
+    scores_buf = table.new_empty(min(block, tokens), 2 * heads, k)
+    for q0 in range(0, tokens, block):
+        q1 = min(tokens, q0 + block)
+        flat = _block_positions(positions[q0:q1], valid[q0:q1])
+        rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
+        q_and_d_o = torch.cat([q[q0:q1], d_o[q0:q1]], dim=1)  # [Tq, 2H, R + E]
+        # [s | d_p] [Tq, 2H, K], then in place [p | d_s]: p = exp(s - lse), d_s = p (d_p - delta) scale
+        p_and_d_s = torch.bmm(q_and_d_o, rows.transpose(1, 2), out=scores_buf[:q1 - q0])
+        p, d_s = p_and_d_s[:, :heads], p_and_d_s[:, heads:]
+        p.mul_(scale).masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
+        p.sub_(_finite(lse[q0:q1].to(acc)).unsqueeze(-1)).exp_()
+        d_s.sub_(delta_all[q0:q1]).mul_(p).mul_(scale)
+        torch.bmm(d_s, rows, out=d_q[q0:q1])
+        if row_grads:
+            d_o_and_q = torch.cat([d_o[q0:q1], q[q0:q1]], dim=1)  # pairs p with d_o and d_s with q
+            d_rows = torch.bmm(p_and_d_s.transpose(1, 2), d_o_and_q, out=d_rows_buf[:q1 - q0])  # [Tq, K, R + E]
+            d_table.index_add_(0, flat, d_rows.view(-1, width))
+    return d_q[..., :rank], d_q[..., rank:], d_table
 
 
 def _check(q_lat, q_rope, latents, ropes, positions, valid):
@@ -318,7 +383,8 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
             d_q_rope[rows] = torch.einsum("thk,tke->the", d_s, rows_rope)
             d_rows_lat = torch.einsum("thk,thr->tkr", d_s, q_l) + torch.einsum("thk,thr->tkr", p, d_o)
             d_rows_rope = torch.einsum("thk,the->tke", d_s, q_r)
-            flat = slots[slot_valid]
-            d_lat.index_add_(0, flat, d_rows_lat[slot_valid])
-            d_rope.index_add_(0, flat, d_rows_rope[slot_valid])
+            # every slot is added, an unselected one (slot 0, p = 0) as exact zeros: no boolean-mask compaction
+            flat = slots.reshape(-1)
+            d_lat.index_add_(0, flat, d_rows_lat.reshape(flat.shape[0], -1))
+            d_rope.index_add_(0, flat, d_rows_rope.reshape(flat.shape[0], -1))
     return d_q_lat, d_q_rope, d_lat, d_rope

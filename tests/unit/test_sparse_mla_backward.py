@@ -1,0 +1,141 @@
+"""The torch backward of sparse_latent_attention (one gather and one index_add_ per query block over the pieces laid
+side by side) against plain autograd through gathered rows, in float64.
+
+Equivalence chain: sparse_latent_attention(...) backward == autograd of a plain gather -> scores -> softmax ->
+weighted sum (and its log-sum-exp), for d_q_lat, d_q_rope and every piece's rows.
+
+Cases: many queries selecting the same positions (duplicates that the index_add_ must sum), positions spread over
+several pieces of lengths that are not powers of two, an empty piece, a piece without a gradient, unselected slots,
+query blocks of a few queries whose last block is partial (the reused workspace), an lse gradient, and an offset
+(context parallelism: positions below it are not here).
+"""
+
+import pytest
+import torch
+
+from ds_longstraw.kernels.sparse_mla import attention as sparse_mla
+
+# Both sides compute the same float64 sums in different orders (one product over [latent | rope] vs two; index_add_
+# vs autograd's accumulation of indexing gradients): ~1e-15 on values of order 1-10. A missing term or a row added
+# at a wrong position is of order 1e-1.
+TOL = 1e-12
+
+
+def _plain(q_lat, q_rope, latents, ropes, positions, valid, scale):
+    """(o_lat, lse) by plain autograd: one gather of every query's rows from the concatenated pieces."""
+    rows_lat = torch.cat(latents)[positions]  # [T, K, R]
+    rows_rope = torch.cat(ropes)[positions]
+    s = torch.einsum("thr,tkr->thk", q_lat, rows_lat) + torch.einsum("the,tke->thk", q_rope, rows_rope)
+    s = (s * scale).masked_fill(~valid.unsqueeze(1), float("-inf"))
+    return torch.einsum("thk,tkr->thr", torch.softmax(s, dim=-1), rows_lat), torch.logsumexp(s, dim=-1)
+
+
+def _case(lengths, tokens, heads, k, gen, shared):
+    """Inputs whose selections start with a few `shared` positions (so queries select the same rows) and go on
+    anywhere, with about a fifth of the slots unselected (each query keeps its first)."""
+    total = sum(lengths)
+    popular = torch.randperm(total, generator=gen)[:shared]
+    positions = torch.empty(tokens, k, dtype=torch.long)
+    for t in range(tokens):
+        mine = torch.cat([popular, torch.randperm(total, generator=gen)])
+        positions[t] = _distinct(mine, k)
+    valid = torch.rand(tokens, k, generator=gen) > 0.2
+    valid[:, 0] = True
+    positions = torch.where(valid, positions, torch.zeros_like(positions))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    latents = [randn(n, 6) for n in lengths]
+    ropes = [randn(n, 4) for n in lengths]
+    return randn(tokens, heads, 6), randn(tokens, heads, 4), latents, ropes, positions, valid
+
+
+def _distinct(values, k):
+    """The first k distinct values in order (a query selects a position at most once)."""
+    seen, out = set(), []
+    for v in values.tolist():
+        if v not in seen:
+            seen.add(v)
+            out.append(v)
+        if len(out) == k:
+            break
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("with_lse", [False, True], ids=["out", "out+lse"])
+@pytest.mark.parametrize("offset", [0, 7], ids=["offset0", "offset7"])
+@pytest.mark.parametrize("block", [1, 3, 11], ids=lambda b: f"block{b}")
+def test_backward_matches_plain_autograd_float64(monkeypatch, block, offset, with_lse):
+    heads, k, tokens = 3, 7, 11
+    lengths = [9, 0, 13, 5, 17]
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", block * k * (6 + 4))  # `block` queries per block
+    gen = torch.Generator().manual_seed(block + offset)
+    q_lat, q_rope, latents, ropes, positions, valid = _case(lengths, tokens, heads, k, gen, shared=4)
+    counts = torch.bincount(positions[valid], minlength=sum(lengths))
+    assert int(counts.max()) >= tokens // 2 and int((counts > 0).sum()) > 4 * len(lengths)  # duplicates, spread
+    needs = [True, True, True, True, False, True]  # piece 3 (latent and rope) without a gradient
+    latents = [p.requires_grad_(n) for p, n in zip(latents, needs[1:], strict=True)]
+    ropes = [p.requires_grad_(n) for p, n in zip(ropes, needs[1:], strict=True)]
+    q_lat.requires_grad_()
+    q_rope.requires_grad_()
+    inputs = [q_lat, q_rope, *[p for p in latents + ropes if p.requires_grad]]
+    d_out = torch.randn(tokens, heads, 6, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(tokens, heads, generator=gen, dtype=torch.float64) if with_lse else None
+
+    # with an offset the pieces start there: a third of the selected slots (never a query's first) lie below it,
+    # on other ranks, and are left out
+    remote = (torch.rand(tokens, k, generator=gen) < 0.3) & valid
+    remote[:, 0] = False
+    absolute = torch.where(remote, torch.randint(0, max(offset, 1), (tokens, k), generator=gen), positions + offset)
+    absolute = absolute if offset else positions
+
+    out, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, absolute, valid, 0.6, offset=offset,
+                                                  with_lse=True)
+    here = valid & ~remote if offset else valid
+    plain_out, plain_lse = _plain(q_lat, q_rope, latents, ropes, positions, here, 0.6)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(lse, plain_lse, rtol=0, atol=TOL)
+
+    def loss(o, lse_):
+        return (o * d_out).sum() + ((lse_ * d_lse).sum() if with_lse else 0)
+
+    grads = torch.autograd.grad(loss(out, lse), inputs, allow_unused=True)
+    plain = torch.autograd.grad(loss(plain_out, plain_lse), inputs, allow_unused=True)
+    for grad, ref in zip(grads, plain, strict=True):
+        torch.testing.assert_close(grad, torch.zeros_like(grad) if ref is None else ref, rtol=0, atol=TOL)
+
+
+def test_backward_matches_reference_function(monkeypatch):
+    """The same against sparse_latent_attention_reference (the module's own plain version), pieces needing
+    gradients only, blocks of 4 queries over 10."""
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", 4 * 5 * (6 + 4))
+    gen = torch.Generator().manual_seed(3)
+    q_lat, q_rope, latents, ropes, positions, valid = _case([6, 11, 0, 7], 10, 2, 5, gen, shared=3)
+    inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
+    d_out = torch.randn(10, 2, 6, generator=gen, dtype=torch.float64)
+    results = []
+    for fn in (sparse_mla.sparse_latent_attention, sparse_mla.sparse_latent_attention_reference):
+        out = fn(q_lat, q_rope, latents, ropes, positions, valid, 0.9)
+        results.append((out, torch.autograd.grad(out, inputs, d_out, allow_unused=True)))
+    (out, grads), (ref_out, ref_grads) = results
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=TOL)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, torch.zeros_like(grad) if ref is None else ref, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("lengths", [[0, 41], [19, 0, 23]], ids=["one-piece", "two-pieces"])
+def test_few_queries_over_a_long_past(lengths):
+    """3 queries selecting 5 rows each of 41-42 (decode-like: the forward gathers piece by piece instead of
+    building the row table; backward builds it): values and gradients equal plain autograd."""
+    gen = torch.Generator().manual_seed(len(lengths))
+    q_lat, q_rope, latents, ropes, positions, valid = _case(lengths, 3, 2, 5, gen, shared=2)
+    assert sum(lengths) > sum(1 for n in lengths if n) * positions.numel()  # the piece-by-piece forward
+    inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
+    d_out = torch.randn(3, 2, 6, generator=gen, dtype=torch.float64)
+    out = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, 0.5)
+    plain_out, _ = _plain(q_lat, q_rope, latents, ropes, positions, valid, 0.5)
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=TOL)
+    grads = torch.autograd.grad(out, inputs, d_out)
+    for grad, ref in zip(grads, torch.autograd.grad(plain_out, inputs, d_out), strict=True):
+        torch.testing.assert_close(grad, ref, rtol=0, atol=TOL)
