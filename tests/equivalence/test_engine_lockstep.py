@@ -132,24 +132,39 @@ def test_members_in_steps_keep_the_ranks_in_lockstep(mode):
     assert calls_a.stepped == (1, 0) and calls_b.stepped == ()  # b: a 2-token span, below the threshold of 3
     common = most_calls([calls_a, calls_b])
     assert common.stepped == (1, 0, 0) and common.blocks == (3, 3, 1)
+    assert _trace(model, b, None, longstraw, objective, None) != _same_calls(model, (a, b), common, longstraw,
+                                                                             objective)
+    for padded, plain in _padded_and_plain((a, b), common, longstraw, objective):
+        assert padded.extras["members_in_steps"] == 1  # slot 0 runs in steps on every rank
+        for x, y in zip(padded.logprobs, plain.logprobs, strict=True):
+            trained = y != 0  # a captured span's log-probs are not computed on the plain path (0)
+            assert x.shape == y.shape and torch.allclose(x[trained], y[trained], rtol=0, atol=1e-10)
+
+
+def _same_calls(model, groups, common, longstraw, objective):
+    """The module calls of each group and of a dummy group, padded to `common`: asserted equal, returned once."""
     traces = [_trace(model, g, Lockstep(calls_of(g, longstraw), common, longstraw), longstraw, objective, None)
-              for g in (a, b, dummy_group())]
-    assert traces[0] == traces[1] == traces[2]
-    assert _trace(model, b, None, longstraw, objective, None) != traces[1]
+              for g in (*groups, dummy_group())]
+    assert all(trace == traces[0] for trace in traces)
+    return traces[0]
+
+
+def _padded_and_plain(groups, common, longstraw, objective):
+    """Per group, (result padded to `common`, plain result) in float64, their gradients and losses asserted equal
+    (relative 1e-10: the same function, its padded steps cut differently)."""
     double = tiny_qwen3_5(torch.float64, seed=3)
+    out = []
     with float64_model():
-        for group in (a, b):
+        for group in groups:
             plain_grads, plain = grads_of(double, lambda g=group: grpo_backward(double, g, objective,
                                                                                 longstraw=longstraw))
             padded_grads, padded = grads_of(double, lambda g=group: grpo_backward(
                 double, g, objective, longstraw=longstraw,
                 lockstep=Lockstep(calls_of(g, longstraw), common, longstraw)))
-            assert padded.extras["members_in_steps"] == 1  # slot 0 runs in steps on every rank
             assert relative_l2(padded_grads, plain_grads) < 1e-10
             assert padded.loss == pytest.approx(plain.loss, rel=1e-10)
-            for x, y in zip(padded.logprobs, plain.logprobs, strict=True):
-                trained = y != 0  # a captured span's log-probs are not computed on the plain path (0)
-                assert x.shape == y.shape and torch.allclose(x[trained], y[trained], rtol=0, atol=1e-10)
+            out.append((padded, plain))
+    return out
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
@@ -173,21 +188,10 @@ def test_held_prefixes_keep_the_ranks_in_lockstep(mode):
     common = most_calls([calls_a, calls_b])
     assert common.held == ((2, 7), (1, 5), ()) and common.stepped == (1, 1, 0)
     assert GroupCalls.decode(common.encode()) == common
-    traces = [_trace(model, g, Lockstep(calls_of(g, longstraw), common, longstraw), longstraw, objective, None)
-              for g in (a, b, dummy_group())]
-    assert traces[0] == traces[1] == traces[2]
-    assert _trace(model, b, Lockstep(calls_b, most_calls([calls_b]), longstraw), longstraw, objective,
-                  None) != traces[1]
-    double = tiny_qwen3_5(torch.float64, seed=3)
-    with float64_model():
-        for group in (a, b):
-            plain_grads, plain = grads_of(double, lambda g=group: grpo_backward(double, g, objective,
-                                                                                longstraw=longstraw))
-            padded_grads, padded = grads_of(double, lambda g=group: grpo_backward(
-                double, g, objective, longstraw=longstraw,
-                lockstep=Lockstep(calls_of(g, longstraw), common, longstraw)))
-            assert relative_l2(padded_grads, plain_grads) < 1e-10
-            assert padded.loss == pytest.approx(plain.loss, rel=1e-10)
+    alone = Lockstep(calls_b, most_calls([calls_b]), longstraw)
+    assert _trace(model, b, alone, longstraw, objective, None) != _same_calls(model, (a, b), common, longstraw,
+                                                                              objective)
+    _padded_and_plain((a, b), common, longstraw, objective)
 
 
 def test_a_held_prefix_is_a_constant():
