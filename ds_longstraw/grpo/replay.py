@@ -163,7 +163,8 @@ def replay_group(source: MemberReplay, group: GRPOGroup, objective: ScopedObject
         real = targets.numel()
         # a lockstep may run this slot in steps on every rank, over the padded length (lockstep.py)
         steps = schedule.member_steps(slot, group.mask(member), source.span_capture, source.block, group.held(member))
-        spans = None if kept is None or kept[member] is None or steps is None else kept[member]
+        # what generate kept of the observations; not with a held prefix, whose steps kept spans do not cut
+        spans = None if kept is None or kept[member] is None or steps is None or group.held(member) else kept[member]
         kept_steps = None if spans is None else spans.steps(targets, group.mask(member), source.span_capture,
                                                             source.block)
         steps = steps if kept_steps is None else kept_steps
