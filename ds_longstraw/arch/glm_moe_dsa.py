@@ -31,6 +31,7 @@ from ds_longstraw.kernels import dsa, merge_partials, sparse_mla
 from ds_longstraw.kernels.dsa import score_dtype
 
 from .base import CausalLMAdapter, SegmentOutput
+from .decode import OwnBatch
 from .family import Family
 from .glm_moe_dsa_experts import (
     expert_parallel,
@@ -375,8 +376,9 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         or remote_attention.candidates under context parallelism) and its own response keys, merged in canonical
         order as dsa_select does; the absorbed attention then takes the prompt rows' partial (page by page, or
         remote_attention.attend) and its own selected rows' partial, merged by LSE. The own rows' scores and partial
-        are one batched call while the samples' slots are one run at one length (OwnRows.batch_rows: every sample
-        of a one-turn rollout until one stops), else one call per sample. carry: unused; past: layer -> the
+        are one batched call over the running samples' slots (OwnRows.batch_rows: samples at different lengths
+        padded to the longest, the rows past each one's count masked out; stopped slots between running ones
+        computed and dropped); the per-sample calls are the plain reference. carry: unused; past: layer -> the
         prompt's row tuples (shared); own: arch/decode.OwnRows, each sample's earlier response rows (at the
         positions just before its own) in slots `slots` (None: 0 .. G-1): this step's rows are written there at
         each slot's length (the caller advances the lengths). Returns hidden [G, 1, C] (before the final norm) and
@@ -402,11 +404,11 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                 query, weights, key = self.indexer_inputs(module.indexer, h, q_resid, cos, sin)
                 rows = (latent, k_rope, key)
             own.write(index, slots, rows)
-            # one run of slots at one length (a one-turn rollout until a sample stops): [G, T, ...] per stream, one
-            # batched call; else each sample's rows, one call per sample (the plain reference)
+            # the running slots' rows as one batch (OwnBatch: one batched call), or, where batch_rows is refused
+            # (tests), each sample's rows (one call per sample: the plain reference)
             mine = own.batch_rows(index, slots, extra=1) or [own.rows(index, slot, extra=1) for slot in slots]
             if module.indexer is not None:
-                own_keys = mine[2] if isinstance(mine, tuple) else [rows_g[2] for rows_g in mine]
+                own_keys = mine if isinstance(mine, OwnBatch) else [rows_g[2] for rows_g in mine]
                 selection = _decode_selection(module.indexer, query, weights, shared, first, own_keys, first_own,
                                               remote_attention, index, position_G)
             w_uk, w_uv = self.absorbed_maps(module)
@@ -423,8 +425,8 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
 def _decode_selection(indexer, query, weights, shared, first, own_keys, first_own, remote, index, position_G):
     """(positions, valid) [G, min(topk, last position + 1)]: each sample's canonical top-k among the prompt's
     indexer keys (the shared segments from position `first`; before it, remote's) and its own keys at positions
-    first_own[g] .. (own_keys: [G, T, D], every sample T of them, _own_candidates_batched; or a list of each
-    sample's [T_g, D], _own_candidates_each), merged in canonical order."""
+    first_own[g] .. (own_keys: an OwnBatch whose third stream is the indexer keys, _own_candidates_batched; or a
+    list of each sample's [T_g, D], _own_candidates_each), merged in canonical order."""
     topk, scale = indexer.index_topk, indexer.softmax_scale
     best = None if remote is None else remote.candidates(index, (query, weights))
     start = first
@@ -432,7 +434,7 @@ def _decode_selection(indexer, query, weights, shared, first, own_keys, first_ow
         best = dsa.extend_candidates(best, query, weights, piece[2], start, None, topk, scale)
         start += piece[0].shape[0]
     acc = score_dtype(query.dtype)
-    own_candidates = _own_candidates_batched if isinstance(own_keys, torch.Tensor) else _own_candidates_each
+    own_candidates = _own_candidates_batched if isinstance(own_keys, OwnBatch) else _own_candidates_each
     scores_GS, positions_GS = own_candidates(query, weights, own_keys, first_own, scale)
     if best is None:
         best = dsa.no_candidates(query.shape[0], acc, query.device)
@@ -440,23 +442,32 @@ def _decode_selection(indexer, query, weights, shared, first, own_keys, first_ow
     return dsa.candidates_selection(best, min(topk, int(position_G.max()) + 1))
 
 
-def _own_candidates_batched(query, weights, own_keys, first_own, scale):
-    """(scores [G, T], positions [G, T]) of each sample's own indexer keys own_keys [G, T, D] (every sample T of
-    them, at positions first_own[g] ..), as the model's indexer scores them (ReLU of the heads' scores, weighted
-    sum), in score_dtype. query [G, I, D], weights [G, I]. One call for all G samples."""
+def _own_candidates_batched(query, weights, own, first_own, scale):
+    """(scores [G, W], positions [G, W]) of each running sample's own indexer keys (own: an OwnBatch, OwnRows.
+    batch_rows, its third stream the keys [S, W, D]; a sample's keys at positions first_own[g] ..), as the model's
+    indexer scores them (ReLU of the heads' scores, weighted sum), in score_dtype; past a sample's count, -inf at
+    position 0 (as _own_candidates_each pads). query [G, I, D], weights [G, I]. One call over all S slots, the
+    stopped ones' dropped."""
     acc = score_dtype(query.dtype)
-    with torch.no_grad():  # as the model's indexer: no gradient
-        scores_GIT = torch.relu(torch.einsum("gid,gtd->git", query.to(acc), own_keys.to(acc)) * scale)
-        scores_GT = torch.einsum("gi,git->gt", weights.to(acc), scores_GIT)
+    keys_SWD = own.rows[2]
+    with torch.no_grad():  # as the model's indexer: no gradient; batched matmuls over the keys in place
+        scores_SIW = torch.matmul(own.spread(query, 0.0).to(acc), keys_SWD.to(acc).transpose(1, 2))
+        scores_SIW = scores_SIW.mul_(scale).relu_()
+        scores_GW = own.pick(torch.matmul(own.spread(weights, 0.0).to(acc).unsqueeze(1), scores_SIW).squeeze(1))
     first_G = torch.tensor(first_own, dtype=torch.long, device=query.device)
-    positions_GT = first_G.unsqueeze(1) + torch.arange(own_keys.shape[1], device=query.device)
-    return scores_GT, positions_GT
+    positions_GW = first_G.unsqueeze(1) + torch.arange(keys_SWD.shape[1], device=query.device)
+    counted_SW = own.counted_SW()
+    if counted_SW is not None:
+        counted_GW = own.pick(counted_SW)
+        scores_GW = scores_GW.masked_fill(~counted_GW, float("-inf"))
+        positions_GW = positions_GW.masked_fill(~counted_GW, 0)
+    return scores_GW, positions_GW
 
 
 def _own_candidates_each(query, weights, own_keys, first_own, scale):
-    """_own_candidates_batched one sample at a time (the plain reference, and the path for samples with different
-    numbers of own keys: own_keys[g] [T_g, D]): (scores [G, S], positions [G, S]) with S the most keys of any
-    sample, a sample's missing candidates padded with -inf (none)."""
+    """_own_candidates_batched one sample at a time (the plain reference; own_keys[g] [T_g, D], each sample's own):
+    (scores [G, S], positions [G, S]) with S the most keys of any sample, a sample's missing candidates padded with
+    -inf at position 0 (none)."""
     acc = score_dtype(query.dtype)
     width = max(keys.shape[0] for keys in own_keys)
     scores_GS = torch.full((query.shape[0], width), float("-inf"), dtype=acc, device=query.device)
@@ -472,11 +483,11 @@ def _own_candidates_each(query, weights, own_keys, first_own, scale):
 
 def _decode_attention(q_lat, q_rope, shared, first, own, first_own, selection, scale, remote, index):
     """o_lat [G, H, R] of each sample over its selected rows: the prompt's (the shared segments from `first`, and
-    remote's before it) and its own at positions first_own[g] .. (own: a tuple (latent [G, T, R], k_rope [G, T, E],
-    ...), every sample T rows, _own_partial_batched; or a list of each sample's tuple (latent [T_g, R], k_rope
-    [T_g, E], ...), _own_partial_each)."""
+    remote's before it) and its own at positions first_own[g] .. (own: an OwnBatch of (latent [S, W, R], k_rope
+    [S, W, E], ...), _own_partial_batched; or a list of each sample's tuple (latent [T_g, R], k_rope [T_g, E], ...),
+    _own_partial_each)."""
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
-    own_partial = _own_partial_batched if isinstance(own, tuple) else _own_partial_each
+    own_partial = _own_partial_batched if isinstance(own, OwnBatch) else _own_partial_each
     out, lse = own_partial(q_lat, q_rope, own, first_own, selection, scale)
     positions, valid = selection
     start = first
@@ -491,34 +502,40 @@ def _decode_attention(q_lat, q_rope, shared, first, own, first_own, selection, s
 
 
 def _own_partial_batched(q_lat, q_rope, own, first_own, selection, scale):
-    """(o_lat [G, H, R], lse [G, H]) in max(float32, dtype) of each sample's query (q_lat [G, H, R], q_rope
-    [G, H, E]) over the own rows it selected (selection: (positions, valid) [G, W]) among own = (latent [G, T, R],
-    k_rope [G, T, E], ...), every sample T rows at positions first_own[g] ..; (0, -inf) where it selected none.
-    One dense call for all G samples: every own row is scored and those not selected masked, as the decode did
-    before OwnRows (T, the response so far, is at most max_new_tokens; a gather of the W selected slots would read
-    fewer rows only once T exceeds W)."""
-    positions, valid = selection
-    lat_GTR, rope_GTE = own[0], own[1]
-    groups, rows = lat_GTR.shape[:2]
+    """(o_lat [G, H, R], lse [G, H]) in max(float32, dtype) of each running sample's query (q_lat [G, H, R], q_rope
+    [G, H, E]) over the own rows it selected (selection: (positions, valid) [G, X]) among its rows in own (an
+    OwnBatch, OwnRows.batch_rows: (latent [S, W, R], k_rope [S, W, E], ...), a sample's rows at positions
+    first_own[g] .., those past its count never chosen); (0, -inf) where it selected none. One call over all S
+    slots (the stopped ones' dropped), reading whichever is fewer rows per slot: all W own rows, the unselected
+    masked (a one-turn rollout: W, the response so far, below X = index_topk), or the X selected ones, gathered,
+    the slots that are not its own masked (after observations: W past X)."""
+    positions, valid = own.spread(selection[0], 0), own.spread(selection[1], False)
+    lat_SWR, rope_SWE = own.rows[0], own.rows[1]
+    slots, rows = lat_SWR.shape[:2]
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
-    first_G = torch.tensor(first_own, dtype=torch.long, device=q_lat.device)
-    offset_GW = positions - first_G.unsqueeze(1)
-    inside_GW = valid & (offset_GW >= 0) & (offset_GW < rows)
-    # selected own rows by offset; the slots outside them land in a spare column T, dropped
-    chosen_GT = torch.zeros((groups, rows + 1), dtype=torch.bool, device=q_lat.device)
-    chosen_GT = chosen_GT.scatter_(1, torch.where(inside_GW, offset_GW, rows), True)[:, :rows]
-    lat_GTR = lat_GTR.to(acc)
-    scores_GHT = (torch.einsum("ghr,gtr->ght", q_lat.to(acc), lat_GTR)
-                  + torch.einsum("ghe,gte->ght", q_rope.to(acc), rope_GTE.to(acc))) * scale
-    scores_GHT = scores_GHT.masked_fill(~chosen_GT.unsqueeze(1), float("-inf"))
-    lse_GH = torch.logsumexp(scores_GHT, dim=-1)  # -inf where none of its own rows was selected
-    probs_GHT = torch.exp(scores_GHT - torch.where(torch.isinf(lse_GH), torch.zeros_like(lse_GH), lse_GH).unsqueeze(-1))
-    return torch.einsum("ght,gtr->ghr", probs_GHT, lat_GTR), lse_GH
+    first_S = own.spread(torch.tensor(first_own, dtype=torch.long, device=q_lat.device), 0)
+    counts_S = torch.full((slots,), rows, device=q_lat.device) if own.lengths_S is None else own.lengths_S
+    offset_SX = positions - first_S.unsqueeze(1)
+    inside_SX = valid & (offset_SX >= 0) & (offset_SX < counts_S.unsqueeze(1))
+    if rows <= positions.shape[1]:  # every own row, the selected ones by offset (the rest land in a spare column)
+        chosen_SY = torch.zeros((slots, rows + 1), dtype=torch.bool, device=q_lat.device)
+        chosen_SY = chosen_SY.scatter_(1, torch.where(inside_SX, offset_SX, rows), True)[:, :rows]
+        lat_SYR, rope_SYE = lat_SWR.to(acc), rope_SWE.to(acc)
+    else:  # the selected rows (a canonical selection's positions are distinct); the others read row 0, masked
+        at_SX = torch.where(inside_SX, offset_SX, 0)
+        slot_S1 = torch.arange(slots, device=q_lat.device).unsqueeze(1)
+        chosen_SY, lat_SYR, rope_SYE = inside_SX, lat_SWR[slot_S1, at_SX].to(acc), rope_SWE[slot_S1, at_SX].to(acc)
+    scores_SHY = (torch.einsum("shr,syr->shy", own.spread(q_lat, 0.0).to(acc), lat_SYR)
+                  + torch.einsum("she,sye->shy", own.spread(q_rope, 0.0).to(acc), rope_SYE)) * scale
+    scores_SHY = scores_SHY.masked_fill(~chosen_SY.unsqueeze(1), float("-inf"))
+    lse_SH = torch.logsumexp(scores_SHY, dim=-1)  # -inf where none of its own rows was selected
+    probs_SHY = torch.exp(scores_SHY - torch.where(torch.isinf(lse_SH), torch.zeros_like(lse_SH), lse_SH).unsqueeze(-1))
+    return own.pick(torch.einsum("shy,syr->shr", probs_SHY, lat_SYR)), own.pick(lse_SH)
 
 
 def _own_partial_each(q_lat, q_rope, own, first_own, selection, scale):
-    """_own_partial_batched one sample at a time (the plain reference, and the path for samples with different
-    numbers of own rows: own[g] = (latent [T_g, R], k_rope [T_g, E], ...)); reads only the rows each selected."""
+    """_own_partial_batched one sample at a time (the plain reference; own[g] = (latent [T_g, R], k_rope [T_g, E],
+    ...), each sample's own); reads only the rows each selected."""
     positions, valid = selection
     acc = torch.float64 if q_lat.dtype == torch.float64 else torch.float32
     outs, lses = [], []
