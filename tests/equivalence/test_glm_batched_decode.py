@@ -21,6 +21,7 @@ for other BLAS blockings and still catches a wrong row, position or mask (1e-2 o
 
 import pytest
 import torch
+from call_counts import counting
 from glm_models import glm_reference, tiny_glm_moe_dsa
 from rollout_families import FAMILIES, family_prompt, poison_rows
 
@@ -125,19 +126,6 @@ def test_own_candidates_batched_equal_each(counts, slots):
     torch.testing.assert_close(scores, want_scores, rtol=TOL, atol=TOL * float(want_scores[~padded].abs().max()))
 
 
-def _counting(monkeypatch, names):
-    counts = dict.fromkeys(names, 0)
-    for name in names:
-        real = getattr(glm, name)
-
-        def counted(*args, _name=name, _real=real, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(glm, name, counted)
-    return counts
-
-
 PATHS = ["_own_partial_batched", "_own_partial_each", "_own_candidates_batched", "_own_candidates_each"]
 
 
@@ -161,7 +149,7 @@ def test_one_turn_takes_the_batched_path_and_equals_each(model, monkeypatch):
         return real_step(self, ids_G, *args, **kwargs)
 
     monkeypatch.setattr(glm.GlmMoeDsaAdapter, "decode_step", step)
-    counts = _counting(monkeypatch, PATHS)
+    counts = counting(monkeypatch, glm, PATHS)
     with glm_reference():
         batched = generate(model, prompt, samples, new_tokens, temperature=0.8, seed=2, longstraw=config)
     assert samples in steps and [len(ids) for ids in batched.response_ids] == [new_tokens] * samples

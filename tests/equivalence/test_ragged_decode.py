@@ -22,6 +22,7 @@ out within 6e-16 of its largest entry, lse within 2e-16 of its largest, log-prob
 
 import pytest
 import torch
+from call_counts import counting
 from rollout_families import FAMILIES, family_prompt, poison_rows
 from turn_envs import ToolTable
 
@@ -116,19 +117,6 @@ PATHS = {
 }
 
 
-def _counting(monkeypatch, module, names):
-    counts = dict.fromkeys(names, 0)
-    for name in names:
-        real = getattr(module, name)
-
-        def counted(*args, _name=name, _real=real, **kwargs):
-            counts[_name] += 1
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
-    return counts
-
-
 @pytest.fixture(scope="module")
 def models():
     return {name: family["build"]() for name, family in FAMILIES.items()}
@@ -152,7 +140,7 @@ def test_multi_turn_takes_the_batched_path_and_equals_each(models, family, monke
         return real_step(self, ids_G, position, carry, past, own, remote_attention, slots)
 
     monkeypatch.setattr(adapter, "decode_step", step)
-    counts = _counting(monkeypatch, module, batched_names + each_names)
+    counts = counting(monkeypatch, module, batched_names + each_names)
     config, sampling = FAMILIES[family]["longstraw"], dict(temperature=0.9, top_p=0.95, seed=3,
                                                            eos_token_id=[0, 45, 90])
     with FAMILIES[family]["reference"]():
