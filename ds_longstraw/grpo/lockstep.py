@@ -86,20 +86,13 @@ class GroupCalls:
 
     @staticmethod
     def decode(code: Sequence[int]) -> GroupCalls:
-        members = code[1]
-        blocks = tuple(code[2:2 + members])
-        rest = list(code[2 + members:])
-        segments, stepped, held = (), (), []
-        if rest:
-            segments, rest = tuple(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
-        if rest:
-            stepped, rest = tuple(rest[1:1 + rest[0]]), rest[1 + rest[0]:]
-        if rest:
-            slots, rest = rest[0], rest[1:]
-            for _ in range(slots):
-                held.append(tuple(rest[1:1 + rest[0]]))
-                rest = rest[1 + rest[0]:]
-        return GroupCalls(code[0], blocks, segments, stepped, tuple(held))
+        values = iter(code[1:])
+
+        def counted() -> tuple:  # a count, then that many values (an absent count: none)
+            return tuple(next(values) for _ in range(next(values, 0)))
+
+        blocks, segments, stepped = counted(), counted(), counted()
+        return GroupCalls(code[0], blocks, segments, stepped, tuple(counted() for _ in range(next(values, 0))))
 
     def held_cuts(self, slot: int) -> tuple:
         return self.held[slot] if slot < len(self.held) else ()

@@ -282,12 +282,11 @@ def _reverse(source: MemberReplay, steps: list[Step], inputs: torch.Tensor, targ
             out_rows, end_carry, scores = _run_step(source, step, inputs, targets, carry, past, d_entropy is not None)
             outputs, grads = [], []
             if scores is not None:
-                outputs.append(scores[0])
-                held_zero = torch.zeros_like(scores[0]) if step.held else None
-                grads.append(held_zero if step.held or d_logp is None else d_logp[step.start:step.end])
+                outputs.append(scores[0])  # a gradient of None is zeros (inject_gradients), as a held step's are
+                grads.append(None if step.held or d_logp is None else d_logp[step.start:step.end])
                 if scores[1] is not None:
                     outputs.append(scores[1])
-                    grads.append(torch.zeros_like(scores[1]) if step.held else d_entropy[step.start:step.end])
+                    grads.append(None if step.held else d_entropy[step.start:step.end])
             # a held step's outputs are roots too, of zero gradient: the same roots as a trained step's, so that
             # ranks in lockstep walk the same modules backward (arch/base.inject_gradients)
             for layer, blocks in out_rows.items():
