@@ -106,15 +106,15 @@ def test_shapes_and_bad_lockstep():
         Lockstep(GroupCalls(2, (1,)), GroupCalls(1, (1,)), longstraw)
 
 
-def _tool_group(seed, prompt_len, members):
-    """members: [(length, [(lo, hi) untrained spans])]."""
+def _tool_group(seed, prompt_len, members, held=None):
+    """members: [(length, [(lo, hi) untrained spans])]; held: the members' held prefixes (GRPOGroup.held_prefixes)."""
     from masked_loss import masks_from_spans
 
     gen = torch.Generator().manual_seed(seed)
     return GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
                      [torch.randint(0, 97, (n,), generator=gen) for n, _ in members],
                      rewards=torch.rand(len(members), generator=gen).tolist(),
-                     response_masks=masks_from_spans(members))
+                     response_masks=masks_from_spans(members), held_prefixes=held)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
@@ -177,12 +177,10 @@ def test_held_prefixes_keep_the_ranks_in_lockstep(mode):
     longstraw = parse_config({**BLOCK, "prefix_grad": mode})
     model = tiny_qwen3_5(torch.float32, seed=0)
     objective = GRPOObjective()
-    a = _tool_group(1, 14, [(8, [(0, 7)]), (4, [(0, 1)])])
-    a.held_prefixes = a._as_held([7, 1])
+    a = _tool_group(1, 14, [(8, [(0, 7)]), (4, [(0, 1)])], held=[7, 1])
     # slot 0: a's held prefix ends (7) past b's member, even padded to the slot's 3 blocks (7 tokens): b pads it
     # past that end, so both make the same steps
-    b = _tool_group(2, 10, [(3, [(0, 2)]), (7, [(0, 5)]), (2, [])])
-    b.held_prefixes = b._as_held([2, 5, 0])
+    b = _tool_group(2, 10, [(3, [(0, 2)]), (7, [(0, 5)]), (2, [])], held=[2, 5, 0])
     calls_a, calls_b = calls_of(a, longstraw), calls_of(b, longstraw)
     assert calls_a.stepped == (1, 1) and calls_b.stepped == (1, 1, 0)
     common = most_calls([calls_a, calls_b])
