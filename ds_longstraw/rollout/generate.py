@@ -78,6 +78,19 @@ if TYPE_CHECKING:
     from ds_longstraw.parallel.groups import CPContext
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """One step of the batched decode: `samples` decoded one token each, the longest of them at `context` tokens
+    (prompt and response so far), in `seconds` of wall time and `cpu_seconds` of the process's CPU time (the
+    forward, the head, the draw; the observations' forwards the step started are not counted). CPU time is what
+    the step cost where other work shares the cores."""
+
+    samples: int
+    context: int
+    seconds: float
+    cpu_seconds: float
+
+
 @dataclass
 class Rollouts:
     """G samples of one prompt. response_ids: G 1-D LongTensors (each ends with an eos id where one was sampled);
@@ -88,7 +101,10 @@ class Rollouts:
     given); phases: name -> memory.PhaseStats of "capture" and "decode" (and "observations", the seconds of the
     observations' forwards within "decode"). With an environment (rollout/environment.py): response_masks, G boolean
     tensors (True: an action token the policy sampled, False: an observation's), and turns, the observations each
-    sample got; without one response_masks is None and turns all 0."""
+    sample got; without one response_masks is None and turns all 0. decode_steps: one DecodeStep per step of the
+    batched decode (empty with batched=False): how many samples it decoded, at what context, in how many seconds;
+    a batch decodes fewer tokens per second once samples of different lengths have ended, and these say how fast
+    each step was at the batch it had."""
 
     prompt_ids: torch.Tensor
     response_ids: list
@@ -99,6 +115,7 @@ class Rollouts:
     capture: KeptCapture | None = None  # keep_capture=True: the captured prompt state, until taken or released
     response_masks: list | None = None
     turns: list = field(default_factory=list)
+    decode_steps: list = field(default_factory=list)
 
     @property
     def size(self) -> int:
@@ -343,7 +360,7 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
               rules: TurnRules, keep_capture: bool, batched: bool, schedule: Schedule) -> Rollouts:
     """generate's capture, decode and release, with its arguments checked (num_samples 0: an idle slot's)."""
     meter = PhaseMeter(adapter.device)
-    kept, samples = None, []
+    kept, samples, decode_steps = None, [], []
     with torch.no_grad(), kernel_mode(longstraw.kernels):
         with meter.phase("capture"), topology.phase("capture"):
             state = topology.capture(adapter, prompt_ids, longstraw, longstraw.prefix_grad, schedule)
@@ -355,7 +372,7 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
                         # a kept capture of a multi-turn rollout keeps its observations for the training step
                         kept_spans = [None] * num_samples if keep_capture and rules.ask is not None else None
                         samples = _decode_batch(adapter, view, state.length, prompt_ids[-1], num_samples, sampling,
-                                                rules, schedule, kept_spans)
+                                                rules, schedule, kept_spans, decode_steps)
                         state.kept_spans = kept_spans
                     else:
                         samples = _decode_each(adapter, view, state.length, prompt_ids[-1], num_samples, sampling,
@@ -373,7 +390,7 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
         else ([],) * 5
     return Rollouts(prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs, finished=finished,
                     seed=sampling.seed, phases=meter.phases, capture=kept,
-                    response_masks=None if rules.ask is None else masks, turns=turns)
+                    response_masks=None if rules.ask is None else masks, turns=turns, decode_steps=decode_steps)
 
 
 def _check_arguments(prompt_ids: torch.Tensor | Sequence[int], num_samples: int, max_new_tokens: int,
@@ -465,7 +482,8 @@ def _decode_each(adapter: CausalLMAdapter, view: ReplayView, start: int, first: 
 
 
 def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first: torch.Tensor, num_samples: int,
-                  sampling: Sampling, rules: TurnRules, schedule: Schedule, kept: list | None = None) -> list[tuple]:
+                  sampling: Sampling, rules: TurnRules, schedule: Schedule, kept: list | None = None,
+                  steps: list | None = None) -> list[tuple]:
     """Every sample's step t in one forward (adapter.decode_step): the prompt's pages are read once per step for
     all the samples still running; a sample that ends leaves the batch (its carry is dropped, its rows stay in their
     slot: nothing is copied). Each sample's own rows lie in its slot of arch/decode.OwnRows, so a sample the
@@ -473,7 +491,8 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
     from its own position. Each sample draws from its own generator in the same order as _decode, so the tokens
     are the sequential path's. Under a lockstep, steps this rank takes with no sample running are ghost steps.
     Returns [Response.result()] per sample; kept (a list of num_samples): filled with each sample's
-    grpo/kept_spans.KeptSpans, its observations' rows and carries for its training step."""
+    grpo/kept_spans.KeptSpans, its observations' rows and carries for its training step; steps (a list): gets one
+    DecodeStep per step that decoded a sample."""
     max_new = rules.max_new_tokens
     records = [([], {}) for _ in range(num_samples)]  # per sample: its observation forwards, the carries around them
     generators = [_generator(sampling.seed, sample) for sample in range(num_samples)]
@@ -488,6 +507,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         if not active:  # this rank's samples have all stopped (or it has none) while another rank decodes
             _ghost_steps(adapter, view, start, max_new - step, True, schedule)
             break
+        began, began_cpu = time.perf_counter(), time.process_time()
         lengths = [own.lengths[sample] for sample in active]
         # no observation yet: one position for all
         position = start + lengths[0] if len(set(lengths)) == 1 else start + torch.tensor(lengths)
@@ -512,12 +532,14 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
                 next_tokens.append(token)
         forwards = [(row, sample, piece) for row, sample, segment in captures for piece in rules.forwards(segment)]
         running, common = schedule.next_step(bool(keep), len(forwards), adapter.device)
-        began = time.perf_counter()
+        captured, captured_cpu = time.perf_counter(), time.process_time()
         for row, sample, piece in forwards:
             _capture_into_slot(adapter, view, start, row, sample, piece, carry, own,
                                None if kept is None else records[sample])
-        rules.note_captured(time.perf_counter() - began)
+        rules.note_captured(time.perf_counter() - captured)
         _ghost_captures(adapter, view, start, common - len(forwards))
+        if steps is not None:  # the context: the prompt, the sample's response so far and this step's token
+            steps.append(DecodeStep(len(active), start + max(lengths) + 1, captured - began, captured_cpu - began_cpu))
         if len(keep) < len(active):  # finished samples leave the batch
             index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
             carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}

@@ -97,6 +97,23 @@ def test_batched_turns_equal_one_sample_at_a_time(models, family, tier):
         assert torch.equal(a, b)
     for a, b in zip(batched.logprobs, each.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    _assert_decode_steps(batched, prompt)
+    assert each.decode_steps == []  # one sample at a time takes no batched steps
+
+
+def _assert_decode_steps(result, prompt):
+    """Rollouts.decode_steps: one record per batched step; each step decodes one action token of every sample it
+    counts (observations are captured, not decoded), samples only leave the batch, and the longest context of any
+    step is the prompt and a response up to its last action token (that token's forward attends to all of them)."""
+    steps = result.decode_steps
+    samples = [step.samples for step in steps]
+    assert sum(samples) == sum(int(mask.sum()) for mask in result.response_masks)
+    assert samples[0] == result.size and samples == sorted(samples, reverse=True) and samples[-1] < samples[0]
+    assert steps[0].context == prompt.numel()
+    last_action = max(int(mask.nonzero().max()) for mask in result.response_masks)
+    assert max(step.context for step in steps) == prompt.numel() + last_action
+    assert all(step.seconds > 0 and step.cpu_seconds > 0 for step in steps)
+    assert sum(step.seconds for step in steps) <= result.phases["decode"].seconds - result.phases["observations"].seconds
 
 
 def test_the_budget_cuts_an_observation(models):
