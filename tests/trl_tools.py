@@ -17,6 +17,8 @@ How the loop is made to run with a random tiny model:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 SPECIALS = ["<pad>", "<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -131,6 +133,37 @@ def chat_dataset(count: int, words: int = 6, seed: int = 0):
         PLAIN_WORDS[int(i)] for i in torch.randint(0, len(PLAIN_WORDS), (words,), generator=generator))}]
         for _ in range(count)]
     return Dataset.from_dict({"prompt": rows})
+
+
+def train(trainer_class: type, path: str, output_dir: str, *, tools: bool, environment: bool,
+          dtype: torch.dtype = torch.float64, on_trainer: object = None, logs: list | None = None,
+          trainer_kwargs: dict | None = None, **config: object) -> dict:
+    """One tool-loop run on chat_dataset(4) with chat_tokenizer(): tools (add, divide) and/or the Counter
+    environment; config: GRPOConfig settings (tests/trl_runs.grpo_config; `deepspeed=` a config path under
+    accelerate). float64 runs both trainers in float64 end to end (trl_runs.in_float64). Returns the trained weights
+    whole (ZeRO-3 partitions gathered); on_trainer, logs, trainer_kwargs: as trl_runs.train's."""
+    from tests import trl_runs
+
+    args = trl_runs.grpo_config(output_dir, model_init_kwargs={"dtype": dtype}, **config)
+    kwargs = dict(trainer_kwargs or {})
+    if tools:
+        kwargs["tools"] = [add, divide]
+    if environment:
+        kwargs["environment_factory"] = Counter
+    trainer = trainer_class(model=path, reward_funcs=[trl_runs.reward_even_words], args=args,
+                            train_dataset=chat_dataset(4), processing_class=chat_tokenizer(), **kwargs)
+    if on_trainer is not None:
+        on_trainer(trainer)
+    with trl_runs.in_float64() if dtype == torch.float64 else contextlib.nullcontext():
+        trainer.train()
+    if logs is not None:
+        logs.extend(trainer.state.log_history)
+    return trl_runs._full_weights(trainer)
+
+
+def observation_runs(tool_mask: list) -> int:
+    """How many tool-message runs (tool_mask 0) a completion holds: its turns after the first."""
+    return sum(1 for i in range(len(tool_mask)) if tool_mask[i] == 0 and (i == 0 or tool_mask[i - 1] == 1))
 
 
 def tool_turn_map(prompt_ids: list, completion_ids: list, tool_mask: list) -> dict:

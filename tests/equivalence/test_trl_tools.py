@@ -21,7 +21,6 @@ message's token in the loss, or a dropped result kept, moves it by far more than
 import os
 
 import pytest
-import torch
 
 from ds_longstraw.integrations.trl import LongStrawGRPOTrainer
 from tests import trl_runs, trl_tools
@@ -51,26 +50,6 @@ def checkpoint(tmp_path_factory):
     return path, trl_runs.initial_weights(path)
 
 
-def _train(trainer_class, path, output_dir, *, tools, environment, on_trainer=None, logs=None,
-           trainer_kwargs=None, **config):
-    args = trl_runs.grpo_config(output_dir, model_init_kwargs={"dtype": torch.float64}, **config)
-    kwargs = dict(trainer_kwargs or {})
-    if tools:
-        kwargs["tools"] = [trl_tools.add, trl_tools.divide]
-    if environment:
-        kwargs["environment_factory"] = trl_tools.Counter
-    trainer = trainer_class(model=path, reward_funcs=[trl_runs.reward_even_words], args=args,
-                            train_dataset=trl_tools.chat_dataset(4), processing_class=trl_tools.chat_tokenizer(),
-                            **kwargs)
-    if on_trainer is not None:
-        on_trainer(trainer)
-    with trl_runs.in_float64():
-        trainer.train()
-    if logs is not None:
-        logs.extend(trainer.state.log_history)
-    return trl_runs._full_weights(trainer)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_tool_loop_from_capture_equals_trl(checkpoint, tmp_path, name):
     path, initial = checkpoint
@@ -78,7 +57,7 @@ def test_tool_loop_from_capture_equals_trl(checkpoint, tmp_path, name):
     case = dict(loss_type="dapo", max_steps=2, **{"per_device_train_batch_size": 2, **CASES[name]})
     kept = case["per_device_train_batch_size"] == 2
     ours_out, reused, ours_logs = [], [], []
-    ours = _train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"),
+    ours = trl_tools.train(LongStrawGRPOTrainer, path, str(tmp_path / "ours"),
                   trainer_kwargs={"longstraw": EXACT, "generate_from_capture": True},
                   on_trainer=lambda t: trl_tools.recording(t, ours_out, reused), logs=ours_logs, **case)
     # every group trained on the capture its samples decoded from (where the process held one prompt)
@@ -87,7 +66,7 @@ def test_tool_loop_from_capture_equals_trl(checkpoint, tmp_path, name):
 
     batches = [(out[0], out[1], out[2]) for out in ours_out]  # prompt ids, completion ids, tool mask per row
     theirs_out, theirs_logs = [], []
-    theirs = _train(trl_tools.replaying_trainer(batches, theirs_out), path, str(tmp_path / "trl"),
+    theirs = trl_tools.train(trl_tools.replaying_trainer(batches, theirs_out), path, str(tmp_path / "trl"),
                     logs=theirs_logs, **case)
 
     # TRL's own loop over the same turns built the same completions, masks and messages
@@ -100,7 +79,7 @@ def test_tool_loop_from_capture_equals_trl(checkpoint, tmp_path, name):
 
     # the cases exercise the loop (module docstring)
     masks = [mask for out in ours_out for mask in out[2]]
-    runs = [sum(1 for i in range(len(m)) if m[i] == 0 and (i == 0 or m[i - 1] == 1)) for m in masks]
+    runs = [trl_tools.observation_runs(m) for m in masks]
     messages = [msgs for out in ours_out for msgs in out[3]]
     assert 0 in runs, runs  # a row that called no tool (or whose only result was dropped)
     assert any(r >= 1 for r in runs), runs
