@@ -7,7 +7,9 @@ The processes' prompts differ (TRL's sampler splits the generation batch), and a
 the two processes, so each process runs its own transactions and DeepSpeed's one reduction averages them.
 Two cases have TRL's own trainer on ONE process as the reference, trained by the caller before the launch: context
 parallelism (CP_CASE: one replica over the two processes) and GLM with expert parallelism (EP_CASE: two replicas,
-the reference holding both processes' rows, EP_REFERENCE). The last case only checks a refusal.
+the reference holding both processes' rows, EP_REFERENCE). One case runs TRL's tool loop from the capture
+(tool_loop_case: the processes' samples take different numbers of turns), TRL's trainer replaying each process's
+turns through its own loop. The last case only checks a refusal.
 
     TRL_CHECKS_DIR=DIR accelerate launch --num_processes 2 tests/dist_scripts/trl_checks.py OUT_JSON
 """
@@ -60,6 +62,8 @@ def main() -> None:
     initial = trl_runs.initial_weights(model, dtype=torch.float32)
     glm = os.path.join(root, "glm")  # the expert-parallel case's, saved by the caller too (trl_runs.save_tiny_glm)
     glm_initial = trl_runs.initial_weights(glm, dtype=torch.float32)
+    tools = os.path.join(root, "tools")  # the tool-loop case's, saved by the caller (trl_tools.save_driven_model)
+    tools_initial = trl_runs.initial_weights(tools, dtype=torch.float32)
     for name, case in CASES.items():
         _barrier()
         weights = {}
@@ -70,6 +74,7 @@ def main() -> None:
                                                 deepspeed=config, **case)
         results[name] = trl_runs.update_difference(initial, weights["ours"], weights["trl"])
     results.update(capture_case(model, root, initial))
+    results.update(tool_loop_case(tools, root, tools_initial))
     results.update(context_parallel_case(model, root, initial))
     results.update(expert_parallel_case(glm, root, glm_initial))
     results.update(refusal_case(model, root))
@@ -118,6 +123,61 @@ def capture_case(model: str, root: str, initial: dict) -> dict:
     torch.distributed.all_reduce(reuse)
     return {"generate-from-capture": trl_runs.update_difference(initial, ours, theirs),
             "capture-reused-share": float(reuse[0] / reuse[1])}
+
+
+# one prompt per process per generation batch (2 rows x 2 accumulation steps = its 4 generations: its capture is
+# kept); 48 tokens hold up to three turns with their tool messages (tests/trl_tools.py). One optimizer step (one
+# generation batch) already has the processes take different numbers of turns: a second doubles the case's time
+# (11 s -> 22 s on 2 shared cores) for what the cases above check already
+TOOL_CASE = dict(loss_type="dapo", max_steps=1, per_device_train_batch_size=2, max_completion_length=48)
+
+
+def tool_loop_case(model: str, root: str, initial: dict) -> dict:
+    """generate_from_capture with TRL's tool loop (tools and an environment, tests/trl_tools.py) under ZeRO-3: each
+    process decodes every turn of its prompt's samples from its capture, the two in lockstep, and trains on the kept
+    capture; TRL's own trainer replays each process's turns through its own tool loop (trl_tools.replaying_trainer,
+    as tests/equivalence/test_trl_tools.py does on one process). Also reports whether both built the same
+    completions, masks and messages, the share of groups that took their kept capture, each process's tool-message
+    count per generation batch (the two differ: the processes' samples take different numbers of turns), and the
+    observation forwards the lockstep padded with (ghosts, both processes)."""
+    from ds_longstraw.rollout import generate as generate_module
+    from tests import trl_tools
+
+    ghosts = [0]
+    ghost_captures = generate_module._ghost_captures
+
+    def counting_ghost_captures(adapter: object, view: object, start: int, count: int) -> None:
+        ghosts[0] += count
+        ghost_captures(adapter, view, start, count)
+
+    ours_out, reused = [], []
+    _barrier()
+    generate_module._ghost_captures = counting_ghost_captures
+    try:
+        with tempfile.TemporaryDirectory() as output_dir:
+            ours = trl_tools.train(LongStrawGRPOTrainer, model, output_dir, tools=True, environment=True,
+                                   dtype=torch.float32, trainer_kwargs={"generate_from_capture": True},
+                                   on_trainer=lambda trainer: trl_tools.recording(trainer, ours_out, reused),
+                                   deepspeed=ds_config(os.path.join(root, "tools-ours.json"), True), **TOOL_CASE)
+    finally:
+        generate_module._ghost_captures = ghost_captures
+    theirs_out = []
+    batches = [(out[0], out[1], out[2]) for out in ours_out]  # prompt ids, completion ids, tool mask per row
+    with tempfile.TemporaryDirectory() as output_dir:
+        theirs = trl_tools.train(trl_tools.replaying_trainer(batches, theirs_out), model, output_dir, tools=True,
+                                 environment=True, dtype=torch.float32,
+                                 deepspeed=ds_config(os.path.join(root, "tools-trl.json"), False), **TOOL_CASE)
+    # TRL's own loop over the same turns built the same completions, masks and messages
+    same = [out[:4] for out in ours_out] == [out[:4] for out in theirs_out]
+    observations = [sum(trl_tools.observation_runs(mask) for mask in out[2]) for out in ours_out]
+    counts = torch.tensor([sum(reused), len(reused), int(same), ghosts[0]], dtype=torch.float64)
+    torch.distributed.all_reduce(counts)
+    per_process = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(per_process, observations)
+    return {"tool-loop": trl_runs.update_difference(initial, ours, theirs),
+            "tool-loop-capture-reused-share": float(counts[0] / counts[1]),
+            "tool-loop-same-turns": int(counts[2]), "tool-loop-ghost-observations": int(counts[3]),
+            "tool-loop-observations": per_process}
 
 
 CP_CASE = dict(loss_type="dapo", beta=0.3, max_steps=2)
