@@ -55,27 +55,105 @@ def _index_scores(q_TID, weights_TI, keys_ND, scale):
     return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
 
 
-def merge_candidates(best, part, k):
-    """The k best of two candidate sets (scores [T, n], positions [T, n]) in canonical order (score descending, then
-    position ascending). best is canonical; every position of `part` lies above every position of best, and part is
-    canonical or in position order: a stable descending sort of their concatenation keeps ties in position order.
-    A score of -inf marks no candidate (a key the query cannot see, or padding)."""
+def canonical_top_reference(scores_TN, k, ties_TN=None):
+    """Plain version of canonical_top: a stable sort by ties_TN (where given), then a stable descending sort of the
+    whole rows by score."""
+    index = torch.arange(scores_TN.shape[-1], device=scores_TN.device).expand_as(scores_TN)
+    if ties_TN is not None:
+        index = torch.sort(ties_TN, dim=-1, stable=True).indices
+    order = torch.sort(scores_TN.gather(-1, index), dim=-1, descending=True, stable=True).indices[:, :k]
+    return index.gather(-1, order)
+
+
+def canonical_top(scores_TN, k, ties_TN=None):
+    """Columns [T, min(k, N)] of each row's k best scores in canonical order: score descending, then ties_TN
+    ascending (where given: positions), then column ascending. This is exactly the first k of
+    canonical_top_reference's stable sorts, -inf entries (no candidate) included, but costs a top-k over N and
+    sorts over k instead of sorts over N.
+
+    How: torch.topk of k + 1 finds the k-th and (k+1)-th best scores exactly, but among equal entries it keeps an
+    arbitrary few. Where the two differ the k best are the k + 1 less the last, whatever topk chose among ties above
+    the k-th place; where they are equal (ties straddling the k-th place: equal scores, or -inf where a row holds
+    fewer than k candidates) the row is rebuilt: every entry above the k-th score and the first of those equal to
+    it in (ties, column) order. The k kept columns are then ordered by column, stably by tie, stably by score
+    descending. Scores must not be NaN (an indexer score of finite inputs never is)."""
+    tokens, n = scores_TN.shape
+    if k == 0 or k >= n:  # nothing to leave out: the reference's sort is over at most k
+        return canonical_top_reference(scores_TN, k, ties_TN)
+    values, columns = torch.topk(scores_TN, k + 1, dim=-1, sorted=False)
+    last, kth = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values.unbind(-1)
+    # the (k+1)-th is unique among the k + 1 where it is below the k-th: drop it (column n sorts past the k kept)
+    columns.scatter_(-1, values.argmin(dim=-1, keepdim=True), n)
+    columns = torch.sort(columns, dim=-1).values[:, :k]
+    straddle = last == kth
+    if bool(straddle.any()):
+        rows = straddle.nonzero().squeeze(1)
+        columns[rows] = _boundary_ties(scores_TN[rows], kth[rows].unsqueeze(-1), k,
+                                       None if ties_TN is None else ties_TN[rows])
+    if ties_TN is not None:
+        columns = columns.gather(-1, torch.sort(ties_TN.gather(-1, columns), dim=-1, stable=True).indices)
+    order = torch.sort(scores_TN.gather(-1, columns), dim=-1, descending=True, stable=True).indices
+    return columns.gather(-1, order)
+
+
+def _boundary_ties(scores_RN, kth_R1, k, ties_RN):
+    """Columns [R, k] (ascending) of each row's k best where the k-th score kth_R1 ties with entries past the k-th
+    place: every column above kth_R1, then the first of those equal to it in (ties, column) order."""
+    above = scores_RN > kth_R1
+    equal = scores_RN == kth_R1
+    need_R1 = k - above.sum(dim=-1, keepdim=True)
+    if ties_RN is None:  # column order: the first `need` equal ones
+        take = equal & (equal.cumsum(dim=-1) <= need_R1)
+    else:  # (tie, column) order: the `need` smallest keys tie * N + column among the equal ones (keys distinct)
+        n = scores_RN.shape[-1]
+        keys = torch.where(equal, ties_RN * n + torch.arange(n, device=scores_RN.device),
+                           torch.iinfo(torch.int64).max)
+        most = int(need_R1.max())
+        first = torch.topk(keys, most, dim=-1, largest=False, sorted=True).indices
+        take = torch.zeros_like(equal).scatter_(
+            -1, first, torch.arange(most, device=scores_RN.device).unsqueeze(0) < need_R1)
+    return (above | take).nonzero()[:, 1].view(-1, k)  # exactly k per row, row-major: ascending columns
+
+
+def merge_candidates_reference(best, part, k):
+    """Plain version of merge_candidates: one stable descending sort of the concatenation."""
     cat_scores = torch.cat([best[0], part[0]], dim=-1)
     cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
     order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
     return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
 
 
-def merge_candidate_sets(best, part, k):
-    """The k best of two canonical candidate sets over DISJOINT positions that may interleave (other ranks' zigzag
-    pieces), in canonical order: a sort by position, then a stable one by score descending, so ties keep position
-    order whatever the sets' order. Equal, bit for bit, to merge_candidates where part's positions lie above best's
-    (both give the one total order)."""
+def merge_candidates(best, part, k):
+    """The k best of two candidate sets (scores [T, n], positions [T, n]) in canonical order (score descending, then
+    position ascending). best is canonical; every position of `part` lies above every position of best, and part is
+    canonical or in position order: the order of a stable descending sort of their concatenation, which keeps ties
+    in position order (canonical_top; merge_candidates_reference sorts). A score of -inf marks no candidate (a key
+    the query cannot see, or padding)."""
+    cat_scores = torch.cat([best[0], part[0]], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
+    order = canonical_top(cat_scores, k)
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
+def merge_candidate_sets_reference(best, part, k):
+    """Plain version of merge_candidate_sets: a stable sort by position, then a stable one by score descending."""
     cat_scores = torch.cat([best[0], part[0].to(best[0].dtype)], dim=-1)
     cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
     by_position = torch.sort(cat_pos, dim=-1, stable=True).indices
     cat_scores, cat_pos = cat_scores.gather(-1, by_position), cat_pos.gather(-1, by_position)
     order = torch.sort(cat_scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+
+
+def merge_candidate_sets(best, part, k):
+    """The k best of two canonical candidate sets over DISJOINT positions that may interleave (other ranks' zigzag
+    pieces), in canonical order: score descending, then position ascending, then (padding's repeated positions)
+    place in the concatenation, so ties keep position order whatever the sets' order (canonical_top with the
+    positions as ties; merge_candidate_sets_reference sorts). Equal, bit for bit, to merge_candidates where part's
+    positions lie above best's (both give the one total order)."""
+    cat_scores = torch.cat([best[0], part[0].to(best[0].dtype)], dim=-1)
+    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
+    order = canonical_top(cat_scores, k, cat_pos)
     return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
 
 

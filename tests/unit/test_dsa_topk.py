@@ -1,0 +1,133 @@
+"""The DSA selection's top-k without a sort over every candidate, held to the sorts it replaces, bit for bit.
+
+  canonical_top(scores, k[, ties])     == canonical_top_reference: a stable sort by ties (where given), then a stable
+                                          descending sort by score, first k; -inf entries (no candidate) included
+  merge_candidates(best, part, k)      == merge_candidates_reference (one stable sort of the concatenation)
+  merge_candidate_sets(best, part, k)  == merge_candidate_sets_reference (sort by position, then stably by score)
+  dsa_select (blocked, fast merges)    == dsa_select_reference (one stable sort of the whole score matrix)
+
+Every comparison is torch.equal on scores and positions: the selection is discrete, the fast path only moves the
+same values, so any difference at all is a different selection (no tolerance applies). Cases: scores drawn from a
+few values (many ties, ties straddling the k-th place), rows of -inf only, rows with fewer than k candidates, -0.0
+against 0.0, k of 1, of N - 1 and of N or more, candidates not in position order (zigzag ranks).
+"""
+
+import pytest
+import torch
+
+from ds_longstraw.kernels.dsa import selection as dsa
+
+NEG = float("-inf")
+DTYPES = [pytest.param(torch.float64, id="f64"), pytest.param(torch.float32, id="f32")]
+
+
+def _tied_scores(rows, n, dtype, gen, levels=4):
+    """Scores from `levels` values (ties everywhere), with rows of all -inf, rows of a few finite entries only, and
+    -0.0 beside 0.0 (equal as scores: the sort keeps them in column order)."""
+    scores = torch.randint(0, levels, (rows, n), generator=gen).to(dtype) - 1.0
+    scores[scores == -1.0] = -0.0
+    scores[torch.rand(rows, n, generator=gen) < 0.2] = NEG
+    scores[0] = NEG  # no candidate at all
+    if rows > 1:
+        scores[1, 3:] = NEG  # fewer than k candidates
+    if rows > 2:
+        scores[2] = 1.0  # one value: every place is a tie
+    return scores
+
+
+def _assert_same(mine, plain):
+    assert torch.equal(mine[0], plain[0]) and torch.equal(mine[1], plain[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(1, 1), (13, 1), (13, 5), (13, 12), (13, 13), (13, 40), (97, 31)])
+@pytest.mark.parametrize("levels", [2, 5, 1000])
+def test_canonical_top_equals_the_sorts(dtype, n, k, levels):
+    gen = torch.Generator().manual_seed(n * 100 + k + levels)
+    scores = _tied_scores(9, n, dtype, gen, levels)
+    assert torch.equal(dsa.canonical_top(scores, k), dsa.canonical_top_reference(scores, k))
+    # ties given as positions in any order, repeated where the padding repeats position 0
+    ties = torch.randperm(n, generator=gen).expand(9, n).clone()
+    ties[scores == NEG] = 0
+    assert torch.equal(dsa.canonical_top(scores, k, ties), dsa.canonical_top_reference(scores, k, ties))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ties_straddling_the_kth_place_keep_position_order(dtype):
+    """Hand-made rows where the reference's answer is known: the first of the equal scores by column (no ties
+    given) or by tie then column (ties given)."""
+    scores = torch.tensor([[2.0, 1.0, 1.0, 3.0, 1.0, 1.0],
+                           [NEG, NEG, NEG, NEG, NEG, NEG],
+                           [NEG, 0.0, NEG, -0.0, NEG, NEG]], dtype=dtype)
+    assert dsa.canonical_top(scores, 3).tolist() == [[3, 0, 1], [0, 1, 2], [1, 3, 0]]
+    ties = torch.tensor([[0, 5, 4, 1, 3, 2], [0, 0, 0, 3, 2, 1], [0, 9, 0, 8, 0, 0]])
+    assert dsa.canonical_top(scores, 3, ties).tolist() == [[3, 0, 5], [0, 1, 2], [3, 1, 0]]
+
+
+def _canonical(scores, positions, k):
+    """A canonical candidate set (scores, positions) [T, min(k, n)] from raw scores at positions [n] (a stable
+    sort over the positions in ascending order: score descending, position ascending)."""
+    by_position = torch.sort(positions, stable=True).indices
+    scores, positions = scores[:, by_position], positions[by_position]
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return scores.gather(-1, order), positions.expand(scores.shape[0], -1).gather(-1, order)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("below,above,k", [(0, 11, 4), (7, 11, 4), (7, 11, 7), (3, 5, 16), (20, 1, 8), (30, 70, 29)])
+def test_merge_candidates_equals_its_sort(dtype, below, above, k):
+    """best: canonical over positions 0 .. below-1 (its padding -inf at position 0, as extend_candidates pads);
+    part: the next keys in position order, or canonical, some unseen (-inf, a causal horizon)."""
+    gen = torch.Generator().manual_seed(below * 1000 + above + k)
+    rows = 8
+    best = _canonical(_tied_scores(rows, below, dtype, gen), torch.arange(below), k)
+    pad = max(0, k - best[0].shape[1])  # a query block with fewer candidates, padded with none
+    best = (torch.cat([best[0], torch.full((rows, pad), NEG, dtype=dtype)], dim=-1),
+            torch.cat([best[1], torch.zeros(rows, pad, dtype=torch.long)], dim=-1))
+    raw = _tied_scores(rows, above, dtype, gen)
+    positions = torch.arange(below, below + above)
+    for part in ((raw, positions.unsqueeze(0)), _canonical(raw, positions, k)):
+        _assert_same(dsa.merge_candidates(best, part, k), dsa.merge_candidates_reference(best, part, k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("total,ranks,k", [(12, 2, 4), (24, 3, 5), (40, 2, 16), (10, 2, 12), (96, 3, 33)])
+def test_merge_candidate_sets_equals_its_sorts(dtype, total, ranks, k):
+    """Zigzag ranks' canonical sets (positions interleaved, not in position order), merged in either order, and
+    with -inf padding at repeated position 0."""
+    gen = torch.Generator().manual_seed(total + ranks + k)
+    rows = 7
+    scores = _tied_scores(rows, total, dtype, gen, levels=3)
+    segment = total // (2 * ranks)
+    owned = []
+    for r in range(ranks):  # segments r and 2N-1-r (the last takes the rest)
+        hi = total if r == 0 else (2 * ranks - r) * segment
+        owned.append(torch.cat([torch.arange(r * segment, (r + 1) * segment),
+                                torch.arange((2 * ranks - 1 - r) * segment, hi)]))
+    parts = [_canonical(scores[:, pos], pos, k) for pos in owned]
+    for order in (parts, parts[::-1]):
+        mine = plain = dsa.no_candidates(rows, dtype, "cpu")
+        for part in order:
+            mine = dsa.merge_candidate_sets(mine, part, k)
+            plain = dsa.merge_candidate_sets_reference(plain, part, k)
+            _assert_same(mine, plain)
+        assert torch.equal(mine[0], _canonical(scores, torch.arange(total), k)[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("start,lengths,topk", [(0, [37], 8), (21, [19, 23], 8), (50, [13, 0, 30, 21], 24),
+                                                (5, [9, 11], 64)])
+def test_blocked_selection_with_ties_equals_the_plain_sort(monkeypatch, dtype, start, lengths, topk):
+    """dsa_select over key blocks of 8 and query blocks of 2 (so the running best is merged many times) ==
+    dsa_select_reference, with integer-valued indexer inputs: many scores exactly equal, zeros from the ReLU among
+    them, straddling the k-th place."""
+    monkeypatch.setattr(dsa, "BLOCK_ELEMENTS", 2 * 2 * 8)
+    gen = torch.Generator().manual_seed(start + topk)
+    keys = [torch.randint(-1, 2, (n, 3), generator=gen).to(dtype) for n in lengths]
+    tokens = sum(lengths) - start
+    q = torch.randint(-1, 2, (tokens, 2, 3), generator=gen).to(dtype)
+    weights = torch.randint(1, 3, (tokens, 2), generator=gen).to(dtype)
+    mine = dsa.dsa_select(q, weights, keys, start, topk, 0.5, key_block=8)
+    plain = dsa.dsa_select_reference(q, weights, keys, start, topk, 0.5)
+    assert torch.equal(mine[1], plain[1]) and torch.equal(mine[0], plain[0])
+    assert mine[1].sum(-1).tolist() == [min(topk, start + t + 1) for t in range(tokens)]
