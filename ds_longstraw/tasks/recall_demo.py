@@ -22,18 +22,21 @@ WARMUP = {"steps": 600, "lr": 2e-3, "batch_size": 64, "seed": 0}
 EVAL_LENGTHS = (32, 256)  # the warm-up's own length and the run config's long length
 
 
-def warm_checkpoint(directory, log=print):
+def warm_checkpoint(directory, log=print, *, short=None, recipe=None, eval_lengths=EVAL_LENGTHS, task=None):
     """(path, info) of the warm-up checkpoint, built on first use; info: its accuracies at the short and the long
-    length (held-out prompts), the short length, and the seconds it took to build (0 when reused)."""
-    from ds_longstraw.tasks import recall_warmup
+    length (held-out prompts), the short length, and the seconds it took to build (0 when reused). Another task's
+    warm-up (tasks/reread.py's) passes its module, its sizes at the short length and its recipe (WARMUP's keys)."""
+    from ds_longstraw.tasks import recall, recall_warmup
 
+    short, recipe, task = short or SHORT, recipe or WARMUP, task or recall
     start = time.perf_counter()
-    path = recall_warmup.cached(directory, SHAPE, SHORT, **WARMUP, eval_lengths=EVAL_LENGTHS, log=log)
+    path = recall_warmup.cached(directory, SHAPE, short, **recipe, eval_lengths=tuple(eval_lengths), log=log,
+                                **({} if task is recall else {"task": task}))
     history = json.loads((Path(path) / "recipe.json").read_text())["history"]
     last = history[-1]["accuracy"]
-    return path, {"short_length": SHORT["prompt_tokens"], "accuracy_short": last[str(SHORT["prompt_tokens"])],
+    return path, {"short_length": short["prompt_tokens"], "accuracy_short": last[str(short["prompt_tokens"])],
                   "accuracy_by_length": last, "build_seconds": round(time.perf_counter() - start, 1),
-                  "recipe": {"shape": SHAPE.name, "sizes": SHORT, **WARMUP}}
+                  "recipe": {"shape": SHAPE.name, "sizes": short, **recipe}}
 
 
 def plot(result, info, long_len, path, title):

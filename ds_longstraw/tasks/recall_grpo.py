@@ -9,7 +9,9 @@ the policy's greedy exact-match accuracy is measured on held-out prompts (stream
 trained on) at each evaluation length, through the engine's module (ZeRO-3's hooks gather the weights).
 
 This is launch/train.py's loop (its helpers build the policy and the prompt source) plus the evaluation; it runs on
-one rank (world size 1, gloo) in this process. `python -m ds_longstraw.tasks.recall_grpo --help` runs one.
+one rank (world size 1, gloo) in this process. `python -m ds_longstraw.tasks.recall_grpo --help` runs one. Another
+task's run config (`run_config`, e.g. configs/run/reread_task.yaml) runs the same loop: the held-out prompts come from
+the module its rollout.prompts names (that module's `batch`).
 
     modes:  detached   the prompt's K/V and recurrent state are constants: only the response's own tokens give
                        gradients (for a one-token answer: the last prompt position's forward, nothing before it)
@@ -18,6 +20,7 @@ one rank (world size 1, gloo) in this process. `python -m ds_longstraw.tasks.rec
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import socket
@@ -69,21 +72,26 @@ def _one_rank():
                 os.environ[key] = value
 
 
-def shipped_overrides():
+def shipped_overrides(run_config=RUN_CONFIG):
     """The run config's configs/... paths as the package ships them (it runs from any directory)."""
     from omegaconf import OmegaConf
 
-    run = OmegaConf.load(RUN_CONFIG)
+    run = OmegaConf.load(run_config)
     out = []
     for key in SHIPPED_PATHS:
         first, *rest = OmegaConf.select(run, key).split("/")
-        assert first == "configs" and rest, f"{RUN_CONFIG}: {key} is not a file under configs/"
+        assert first == "configs" and rest, f"{run_config}: {key} is not a file under configs/"
         out.append(f"{key}={CONFIGS_DIR.joinpath(*rest)}")
     return out
 
 
+def task_of(run):
+    """The task module whose prompts the run trains on (the module part of rollout.prompts, 'module:function')."""
+    return importlib.import_module(run.rollout["prompts"].split(":")[0])
+
+
 def train(out_dir, *, warm_dir, prefix_grad, seed, steps, eval_every=10, eval_lengths=(), eval_prompts=EVAL_PROMPTS,
-          overrides=(), log=print) -> dict:
+          overrides=(), run_config=RUN_CONFIG, log=print) -> dict:
     """One GRPO run (module docstring); returns {"prefix_grad", "seed", "steps": [...], "evals": [...]} and writes it
     to out_dir/result.json."""
     if prefix_grad not in PREFIX_GRADS:
@@ -93,8 +101,9 @@ def train(out_dir, *, warm_dir, prefix_grad, seed, steps, eval_every=10, eval_le
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run = load_run_config(RUN_CONFIG, [*shipped_overrides(), f"model.pretrained={warm_dir}", f"model.seed={seed}",
-                                       f"rollout.seed={seed}", f"train.max_steps={steps}", *overrides])
+    run = load_run_config(run_config, [*shipped_overrides(run_config), f"model.pretrained={warm_dir}",
+                                       f"model.seed={seed}", f"rollout.seed={seed}", f"train.max_steps={steps}",
+                                       *overrides])
     ds_config = load_ds_config(run.deepspeed_config)
     ds_config["longstraw"] = {**ds_config["longstraw"], "prefix_grad": prefix_grad}
     read_block(ds_config, world_size=1)
@@ -121,7 +130,7 @@ def _steps_with_evals(run, ds_config, prefix_grad, seed, steps, eval_every, eval
                                   weight_decay=run.optim.weight_decay)
     engine, *_ = ds_longstraw.initialize(model=model, optimizer=optimizer, config=ds_config)
     lengths = list(eval_lengths) or [run.rollout["prompt_args"]["prompt_tokens"]]
-    sets = held_out(dict(run.rollout["prompt_args"]), lengths, eval_prompts)
+    sets = held_out(dict(run.rollout["prompt_args"]), lengths, eval_prompts, task_of(run))
     result = {"prefix_grad": prefix_grad, "seed": seed, "warm_dir": str(run.model.pretrained), "lr": run.optim.lr,
               "groups_per_step": run.data.groups_per_rank, "G": run.rollout["num_samples"],
               "prompt_args": dict(run.rollout["prompt_args"]), "steps": [], "evals": []}
@@ -129,7 +138,7 @@ def _steps_with_evals(run, ds_config, prefix_grad, seed, steps, eval_every, eval
     def record_eval(step):
         acc = {n: round(a, 4) for n, a in evaluate(engine.module, sets).items()}
         result["evals"].append({"step": step, "accuracy": acc})
-        log(f"[recall {prefix_grad} seed {seed}] step {step}: held-out accuracy "
+        log(f"[{task_of(run).__name__.split('.')[-1]} {prefix_grad} seed {seed}] step {step}: held-out accuracy "
             + " ".join(f"@{n} {a:.3f}" for n, a in acc.items()))
 
     record_eval(0)
@@ -155,13 +164,14 @@ def main(argv=None):
     parser.add_argument("--eval-prompts", type=int, default=EVAL_PROMPTS)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--run-config", default=str(RUN_CONFIG), help="the run config (default: the recall task's)")
     parser.add_argument("overrides", nargs="*", help="run-config dotlist overrides, e.g. optim.lr=1e-3")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.eval_lengths.split(",") if x]
     train(args.out, warm_dir=args.warm, prefix_grad=args.prefix_grad, seed=args.seed, steps=args.steps,
           eval_every=args.eval_every, eval_lengths=lengths, eval_prompts=args.eval_prompts,
-          overrides=args.overrides)
+          overrides=args.overrides, run_config=args.run_config)
 
 
 if __name__ == "__main__":

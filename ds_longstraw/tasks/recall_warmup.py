@@ -7,6 +7,7 @@ model trains outside the engine: a transformers forward, a cross-entropy on the 
 
 `warm_up` is deterministic given its arguments (prompts from stream `seed`, weights from `seed`); `cached`
 builds the checkpoint once into a directory (save_pretrained) and reuses it afterwards. Nothing is downloaded.
+The task is a module with recall's `batch(seed, first, count, **sizes)` (recall by default; tasks/reread.py too).
 """
 
 import hashlib
@@ -25,9 +26,9 @@ EVAL_SEED = 10_000
 EVAL_PROMPTS = 256
 
 
-def held_out(sizes, lengths, count=EVAL_PROMPTS) -> dict:
-    """{length: (prompts, answers)}: `count` held-out prompts per length, the task's other sizes from `sizes`."""
-    return {n: recall.batch(EVAL_SEED, 0, count, **{**sizes, "prompt_tokens": n}) for n in lengths}
+def held_out(sizes, lengths, count=EVAL_PROMPTS, task=recall) -> dict:
+    """{length: (prompts, answers)}: `count` held-out prompts of `task` per length, its other sizes from `sizes`."""
+    return {n: task.batch(EVAL_SEED, 0, count, **{**sizes, "prompt_tokens": n}) for n in lengths}
 
 
 def evaluate(model, sets) -> dict:
@@ -40,8 +41,8 @@ def evaluate(model, sets) -> dict:
 
 
 def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None, eval_lengths=(),
-            eval_every=0, eval_prompts=EVAL_PROMPTS, log=print):
-    """A model built from `shape` (random weights from `seed`) trained `steps` AdamW steps on recall prompts of
+            eval_every=0, eval_prompts=EVAL_PROMPTS, task=recall, log=print):
+    """A model built from `shape` (random weights from `seed`) trained `steps` AdamW steps on `task`'s prompts of
     `sizes` (prompt_tokens drawn per step from `lengths` when given); returns (model, history) where history
     holds {"step", "loss", "accuracy": {length: acc}} every `eval_every` steps (and at the end)."""
     from ds_longstraw.models.modeling import build_model
@@ -49,7 +50,7 @@ def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None
     model = build_model(shape=shape, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     lengths = list(lengths or [sizes["prompt_tokens"]])
-    sets = held_out(sizes, eval_lengths, eval_prompts)
+    sets = held_out(sizes, eval_lengths, eval_prompts, task)
     history, start, running = [], time.perf_counter(), None
     gen = torch.Generator().manual_seed(seed)
     warm = max(1, steps // 20)
@@ -58,7 +59,7 @@ def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None
             progress = step / max(1, steps - 1)
             group["lr"] = lr * min(1.0, (step + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         n = lengths[int(torch.randint(0, len(lengths), (), generator=gen))]
-        prompts, answers = recall.batch(seed, step * batch_size, batch_size, **{**sizes, "prompt_tokens": n})
+        prompts, answers = task.batch(seed, step * batch_size, batch_size, **{**sizes, "prompt_tokens": n})
         logits = model(input_ids=prompts).logits[:, -1]
         loss = torch.nn.functional.cross_entropy(logits, answers)
         optimizer.zero_grad()
@@ -83,7 +84,9 @@ def cached(directory, shape, sizes, **kwargs):
     directory = Path(directory)
     shape_text = Path(shape).read_text() if not isinstance(shape, dict) else json.dumps(shape, sort_keys=True)
     recipe = {"shape": hashlib.sha256(shape_text.encode()).hexdigest()[:16], "sizes": sizes,
-              **{k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items() if k != "log"}}
+              **{k: (list(v) if isinstance(v, tuple) else v) for k, v in kwargs.items() if k not in ("log", "task")}}
+    if kwargs.get("task", recall) is not recall:  # recall's recipes predate the argument: theirs stay as they were
+        recipe["task"] = kwargs["task"].__name__
     stamp = directory / "recipe.json"
     if stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe:
         return directory
