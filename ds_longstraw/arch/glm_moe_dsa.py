@@ -50,6 +50,18 @@ LORA_TARGETS = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_pr
                 "down_proj"]
 
 
+def encode_selection(positions, valid):
+    """A selection (positions [T, K] int64, valid [T, K]) as int32 codes [T, K]: the position, -1 where invalid
+    (positions stay below 2^31: prompts are far shorter)."""
+    return torch.where(valid, positions, -1).to(torch.int32)
+
+
+def decode_selection(code):
+    """encode_selection's inverse: (positions [T, K] int64, 0 where invalid as dsa_select leaves them; valid)."""
+    valid = code >= 0
+    return code.clamp(min=0).long(), valid
+
+
 def zero3_leaf_modules(model) -> list:
     """Module classes ZeRO-3 should gather whole (deepspeed.utils.set_z3_leaf_modules): the MoE block (router,
     fused experts, shared expert) is gathered once per call instead of hooking inside it, where the routed experts
@@ -194,10 +206,12 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         maps = proj(eye).view(module.kv_lora_rank, -1, module.qk_nope_head_dim + module.v_head_dim)
         return torch.split(maps, [module.qk_nope_head_dim, module.v_head_dim], dim=-1)
 
-    def attention_forward(self, index, module, h_1TC, cos, sin, start, past, selection, remote=None):
+    def attention_forward(self, index, module, h_1TC, cos, sin, start, past, selection, remote=None, selected=None):
         """One MLA + DSA attention: (output [1, T, C], the segment's rows, the selection (positions, valid) this
         layer used). past: the row tuples before the segment, in position order up to start-1; selection: the
-        last full indexer layer's, for a shared layer.
+        last full indexer layer's, for a shared layer; selected: None, or a full indexer layer's own selection
+        made before from the same inputs (the prefix pass's recompute of the layer in backward), used instead of
+        selecting again.
 
         remote: None (the past starts at position 0), or (context parallelism) the keys before the past, on other
         ranks: remote.end is where they end (the past covers remote.end .. start-1); remote.candidates(index,
@@ -210,10 +224,13 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         rows = (latent, k_rope)
         if module.indexer is not None:
             query, weights, key = self.indexer_inputs(module.indexer, h_1TC, q_resid, cos, sin)
-            keys = [piece[2] for piece in past] + [key]
-            prior = None if remote is None else remote.candidates(index, (query, weights))
-            selection = dsa.dsa_select(query, weights, keys, start, module.indexer.index_topk,
-                                       module.indexer.softmax_scale, offset=offset, prior=prior)
+            if selected is not None:
+                selection = selected
+            else:
+                keys = [piece[2] for piece in past] + [key]
+                prior = None if remote is None else remote.candidates(index, (query, weights))
+                selection = dsa.dsa_select(query, weights, keys, start, module.indexer.index_topk,
+                                           module.indexer.softmax_scale, offset=offset, prior=prior)
             rows = (latent, k_rope, key)
         elif selection is None:
             raise ValueError(f"glm_moe_dsa layer {index}: a shared indexer layer needs an earlier full layer's "
@@ -321,13 +338,22 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         return (d_q_lat, d_q_rope), {LATENT: d_latent, ROPE_KEY: d_rope}
 
     # -- the segment -------------------------------------------------------------------------------------
-    def _layer(self, index, layer, hidden, cos, sin, start, past, positions, valid, remote=None):
-        """One decoder layer: (hidden out, the selection it used (positions, valid), its rows...)."""
+    def _layer(self, index, layer, hidden, cos, sin, start, past, code, remote=None, kept=None):
+        """One decoder layer: (hidden out, the selection it used as int32 codes [T, K] (encode_selection), its
+        rows...). code: the last full indexer layer's selection (None: none yet); kept: None, or the selections
+        (codes) this segment's full indexer layers made, by layer: a layer found there reuses its own instead of
+        selecting again, one not found there adds it."""
         h = layer.input_layernorm(hidden)
-        selection = None if positions is None else (positions, valid)
+        own = None if kept is None else kept.get(index)
+        selection = None if code is None else decode_selection(code)
         mixed, rows, selection = self.attention_forward(index, layer.self_attn, h, cos, sin, start,
-                                                        list(past.get(index, [])), selection, remote)
-        return (self.mlp_residual(index, hidden + mixed), *selection, *rows)
+                                                        list(past.get(index, [])), selection, remote,
+                                                        None if own is None else decode_selection(own))
+        if layer.self_attn.indexer is not None:  # a shared layer passes its input's codes on, the same tensor
+            code = own if own is not None else encode_selection(*selection)
+            if kept is not None:
+                kept[index] = code
+        return (self.mlp_residual(index, hidden + mixed), code, *rows)
 
     def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
                         known_attention=None):
@@ -340,14 +366,22 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         prefix_recompute: keep only each layer's input for backward and recompute the layer there (re-entrant, as
         the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights again; the caller sees to it that no layer's
         forward then makes a remote exchange). known_attention (prefix_keep_attention) is not supported for this
-        family yet."""
+        family yet.
+
+        Between layers a selection travels as int32 codes [T, K] (the position, -1 where none). With
+        prefix_recompute each full indexer layer's codes made in the forward are reused by the layer's recompute in
+        backward instead of selecting again (the same inputs give the same selection): the next layer's checkpoint
+        holds the same tensor as its input anyway, so this keeps no more bytes than that, 4 per selected row and
+        query and full indexer layer (offload/plan.py counts them: "prefix_selections")."""
         if known_attention:
             raise NotImplementedError("glm_moe_dsa: prefix_keep_attention (kept attention) is not supported yet")
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         past = past if past is not None else {}
-        positions = valid = None  # the last full indexer layer's selection
+        code = None  # the last full indexer layer's selection (int32 codes)
+        # the full indexer layers' selections, made in the forward, for their recompute in backward
+        kept = {} if prefix_recompute and torch.is_grad_enabled() else None
         for index, layer in enumerate(self.layers[: len(self.specs)]):
             if prefix_recompute and torch.is_grad_enabled():
                 # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
@@ -356,11 +390,10 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                 if not hidden.requires_grad:
                     hidden = hidden.detach().requires_grad_(True)
                 results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, start, past,
-                                                            positions, valid, remote_attention, use_reentrant=True)
+                                                            code, remote_attention, kept, use_reentrant=True)
             else:
-                results = self._layer(index, layer, hidden, cos, sin, start, past, positions, valid,
-                                      remote_attention)
-            hidden, positions, valid, *rows = results
+                results = self._layer(index, layer, hidden, cos, sin, start, past, code, remote_attention)
+            hidden, code, *rows = results
             out.rows[index] = tuple(rows)
         out.hidden = hidden
         return out

@@ -20,6 +20,11 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                              the dK/dV of one backward call's keys (kernels/attention.LIBRARY_KEY_BLOCK)
                  delta rule  the chunk kernel's float32 scratch: the capture's forward over a capture chunk,
                              forward + backward over a replay block (exact mode: over a capture chunk too)
+                 prefix selections (exact mode where the prefix pass recomputes each layer in backward: one rank,
+                             or prefix_keep_attention; a model with top-k selecting layers) the attention's scratch
+                             plus a capture chunk's selections, int32 [chunk, select_topk] per selecting layer,
+                             which the segment keeps from its forward for its layers' recompute
+                             (arch/glm_moe_dsa.forward_segment)
                  layer-major (exact mode under context parallelism) what the layer-major prefix pass holds across
                              a layer: d(output) and d(input) over the shard, and the layer kind's own
                              (layer_major_workspace)
@@ -167,6 +172,13 @@ def kernel_workspace(shape: ModelShape, capture_chunk: int, replay_block: int = 
     }
 
 
+def prefix_selection_bytes(shape: ModelShape, segment_tokens: int) -> int:
+    """What a prefix-pass segment keeps of its selections for its layers' recompute in backward: int32 positions
+    [segment_tokens, select_topk] per selecting layer (recomputing them instead costs each layer's indexer scores
+    over every earlier key again, the largest part of the layer's recompute at long context)."""
+    return segment_tokens * shape.select_topk * 4 * len(shape.selecting)
+
+
 def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp: int, tokens_per_rank: int,
                     cp_scan: str = "auto", gpu_memory: int | None = None, cp_prefix: str = "auto",
                     keep_attention: bool = False, inputs_every: int = 1) -> dict:
@@ -174,8 +186,11 @@ def phase_workspace(shape: ModelShape, capture_chunk: int, prefix_grad: str, cp:
     scan_holds) the scan's held outputs together with the augmented run's scratch over a capture chunk: its value
     width is dv + dk (dk = dv in the families here, so 1.5 x delta_head_dims). "two_pass" holds nothing across the
     exchange. With the layer-major prefix pass (layer_major_prefix), what it holds across a layer
-    ("layer_major_prefix")."""
+    ("layer_major_prefix"). Where exact mode's prefix pass recomputes each layer and the model selects (top-k
+    layers), the attention's scratch beside the segment's kept selections ("prefix_selections")."""
     workspace = kernel_workspace(shape, capture_chunk, prefix_grad=prefix_grad)
+    if prefix_grad == "exact" and (cp == 1 or keep_attention) and shape.selecting:
+        workspace["prefix_selections"] = workspace["attention"] + prefix_selection_bytes(shape, capture_chunk)
     if layer_major_prefix(shape, cp, prefix_grad, cp_prefix, capture_chunk, keep_attention, inputs_every,
                           tokens_per_rank, gpu_memory):
         workspace["layer_major_prefix"] = layer_major_workspace(shape, tokens_per_rank)

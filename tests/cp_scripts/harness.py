@@ -99,8 +99,8 @@ def _glm_parts(case):
     record, length = [], case["prompt_len"] - 1
     forward, select = GlmMoeDsaAdapter.attention_forward, GlmMoeDsaAdapter.sparse_selection
 
-    def attention_forward(self, index, module, h, cos, sin, start, past, selection, remote=None):
-        result = forward(self, index, module, h, cos, sin, start, past, selection, remote)
+    def attention_forward(self, index, module, h, cos, sin, start, past, selection, remote=None, selected=None):
+        result = forward(self, index, module, h, cos, sin, start, past, selection, remote, selected)
         if module.indexer is not None:
             record.append(("replay" if start >= length else "prefix", index, start, *result[2]))
         return result

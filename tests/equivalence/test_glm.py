@@ -222,8 +222,8 @@ def test_zero_score_ties_select_alike_in_capture_replay_and_reference(monkeypatc
     seen = []  # (phase, layer, first position, positions, valid) of every full indexer layer's selection
     forward = GlmMoeDsaAdapter.attention_forward
 
-    def recording(self, index, module, h, cos, sin, start, past, selection, remote=None):
-        result = forward(self, index, module, h, cos, sin, start, past, selection, remote)
+    def recording(self, index, module, h, cos, sin, start, past, selection, remote=None, selected=None):
+        result = forward(self, index, module, h, cos, sin, start, past, selection, remote, selected)
         if module.indexer is not None:
             phase = "replay" if start >= length else "prompt"
             seen.append((phase, index, start, *(t.clone() for t in result[2])))
@@ -252,6 +252,42 @@ def test_zero_score_ties_select_alike_in_capture_replay_and_reference(monkeypatc
             checked[phase] += 1
     assert member == group.size - 1
     assert checked["prompt"] >= 2 * length and checked["replay"] == 2 * sum(r.numel() for r in group.response_ids)
+
+
+def test_prefix_recompute_reuses_the_forward_selection(model, monkeypatch):
+    """A prefix-pass segment with prefix_recompute selects once per full indexer layer (its forward); the layers'
+    recompute in backward reuses those selections, and every gradient (parameters, the past's pages) equals the
+    segment's plain autograd (prefix_recompute off, which selects once too). Float64, the same functions in the same
+    order: ~1e-16, asserted at 1e-12; a recompute that selected differently would move whole attention rows (>1e-3)."""
+    from call_counts import counting
+
+    from ds_longstraw.kernels import dsa as dsa_package
+
+    adapter = GlmMoeDsaAdapter(model)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (50,), generator=gen)
+    start = 30  # the past: the rows of positions 0 .. 29, with gradients
+    with torch.no_grad():
+        past_out = adapter.forward_segment(ids[:start], 0, {}, None)
+    full = sum(layer.self_attn.indexer is not None for layer in adapter.layers)
+    results = []
+    for recompute in (True, False):
+        past = {layer: [tuple(t.detach().clone().requires_grad_(t.is_floating_point() and n < 2)
+                              for n, t in enumerate(rows))] for layer, rows in past_out.rows.items()}
+        counts = counting(monkeypatch, dsa_package, ["dsa_select"])
+        with glm_reference(), torch.enable_grad():
+            out = adapter.forward_segment(ids[start:], start, {}, past, prefix_recompute=recompute)
+            assert counts["dsa_select"] == full
+            loss = out.hidden.pow(2).sum() + sum(rows[0].sum() for rows in out.rows.values())
+            model.zero_grad(set_to_none=True)
+            loss.backward()  # the re-entrant recompute takes .backward() only (not autograd.grad)
+        assert counts["dsa_select"] == full, "the recompute in backward selects nothing again"
+        leaves = [t for rows in past.values() for t in rows[0] if t.requires_grad]
+        results.append([p.grad for p in model.parameters()] + [t.grad for t in leaves])
+    for mine, plain in zip(*results, strict=True):
+        assert (mine is None) == (plain is None)
+        if mine is not None:
+            torch.testing.assert_close(mine, plain, rtol=0, atol=1e-12)
 
 
 # -- the family math against its plain references -----------------------------------------------------------------

@@ -719,3 +719,20 @@ def test_the_planner_asks_each_layer_kind_for_its_bytes():
                          cp_scan="one_pass")
     assert "gdn_scan" in make_plan(qwen, 2 * 2**20, 8, "detached", cluster, cp_scan="one_pass").workspace
     assert "gdn_scan" not in scanless.workspace
+
+
+def test_exact_prefix_pass_counts_the_selections_it_keeps():
+    """GLM-5.2, exact mode on one rank: a prefix-pass segment keeps each full indexer layer's selection (int32
+    [capture chunk, index_topk], 21 layers) for its layers' recompute, beside the attention's scratch; detached mode
+    and the CP prefix pass (which does not recompute layers there) keep none, nor does a model without top-k
+    layers."""
+    glm = shape_from_config(*load_config("glm-5.2"))
+    assert glm.select_topk == 2048 and len(glm.selecting) == 21
+    one = Cluster(gpus=1, cp=1, gpu_memory=96 * GiB)
+    exact = make_plan(glm, 1 << 17, 8, "exact", one, capture_chunk=4096)
+    assert exact.workspace["prefix_selections"] == exact.workspace["attention"] + 4096 * 2048 * 4 * 21
+    assert "prefix_selections" not in make_plan(glm, 1 << 17, 8, "detached", one, capture_chunk=4096).workspace
+    cp2 = Cluster(gpus=2, cp=2, gpu_memory=96 * GiB)
+    assert "prefix_selections" not in make_plan(glm, 1 << 17, 8, "exact", cp2, capture_chunk=4096).workspace
+    qwen = shape_from_config(*load_config("qwen3.6-27b"))
+    assert "prefix_selections" not in make_plan(qwen, 1 << 17, 8, "exact", one, capture_chunk=4096).workspace
