@@ -113,7 +113,8 @@ def _assert_decode_steps(result, prompt):
     last_action = max(int(mask.nonzero().max()) for mask in result.response_masks)
     assert max(step.context for step in steps) == prompt.numel() + last_action
     assert all(step.seconds > 0 and step.cpu_seconds > 0 for step in steps)
-    assert sum(step.seconds for step in steps) <= result.phases["decode"].seconds - result.phases["observations"].seconds
+    decoding = result.phases["decode"].seconds - result.phases["observations"].seconds
+    assert sum(step.seconds for step in steps) <= decoding
 
 
 def test_the_budget_cuts_an_observation(models):
