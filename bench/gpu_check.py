@@ -32,7 +32,13 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (run with -P, which leaves it out)
 
-from gpu_whole_model import glm_layer_section, plot_whole_qwen, pyplot, whole_qwen_section  # noqa: E402
+from gpu_whole_model import (  # noqa: E402
+    agent_decode_section,
+    glm_layer_section,
+    plot_whole_qwen,
+    pyplot,
+    whole_qwen_section,
+)
 
 MIB = 2 ** 20
 
@@ -577,7 +583,7 @@ SECTIONS = ("attention", "logprobs", "whole_qwen", "glm_layer", "triton", "gated
 # section's steps stop early enough to leave these to the sections after it.
 # The last ones are re-measurements of earlier sessions' figures: cut short, they cost least.
 RESERVE = {"attention": 40, "logprobs": 30, "glm_layer": 45, "triton": 40, "gated_delta": 30, "grpo_step": 90,
-           "whole_qwen": 240}
+           "whole_qwen": 240, "agent_decode": 240}
 
 
 def main(argv=None):
@@ -586,7 +592,8 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_check"))
     parser.add_argument("--budget", type=float, default=330.0, help="seconds for the whole script")
     parser.add_argument("--sections", default=",".join(SECTIONS),
-                        help="of " + ", ".join(SECTIONS + ("grpo_step",)) + " (grpo_step: the 4-layer ladder)")
+                        help="of " + ", ".join(SECTIONS + ("grpo_step", "agent_decode")) + " (grpo_step: the 4-layer "
+                        "ladder; agent_decode: issue 45's turns on the whole 27B shape)")
     args = parser.parse_args(argv)
     started = time.monotonic()
 
@@ -601,7 +608,8 @@ def main(argv=None):
     env = environment(device)
     report = Report(args.out, args.dry_run, env)
     print(f"[gpu_check] {env}", flush=True)
-    models = {"grpo_step": grpo_section, "whole_qwen": whole_qwen_section, "glm_layer": glm_layer_section}
+    models = {"grpo_step": grpo_section, "whole_qwen": whole_qwen_section, "glm_layer": glm_layer_section,
+              "agent_decode": agent_decode_section}
     kernels = {"attention": attention_section, "gated_delta": delta_rule_section, "logprobs": logprobs_section,
                "triton": triton_section}
     from ds_longstraw.kernels.dispatch import paths_taken, reset_paths_taken

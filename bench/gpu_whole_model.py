@@ -215,6 +215,47 @@ def glm_layer_section(report, device, dtype, sizes, deadline):
     del model, steps
 
 
+def agent_decode_section(report, device, dtype, sizes, deadline):
+    """Agent rollouts on the whole Qwen3.6-27B shape (bench/bench_agent_rollouts.py's configurations, weights frozen,
+    no training): G samples taking turns with 8K-token observations after a 16K prompt, and one turn at the context
+    each turn starts at; the turns' full-batch decode steps against the one-turn step at the same context (wall
+    time: each step ends in a device-to-host copy of the logits, so a step's clock includes its kernels). On the
+    CPU's small shape the private observation keys dominate a step; with 27B weights read every step they should
+    not: this measures it."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_agent_rollouts import WALL_CLOCK, matched_speed, measure
+
+    model, config, note = build_model("qwen3_6_27b.yaml", sizes["shape"], device, dtype, lora=False)
+    model.eval()
+    longstraw = {"capture_chunk": sizes["capture_chunk"], "page_tokens": sizes["page_tokens"]}
+    shared = dict(prompt=sizes["prompt"], samples=sizes["group"], turns=sizes["turns"],
+                  observation=sizes["observation"], actions=sizes["actions"], longstraw=longstraw)
+    measure(model, "one_turn", **{**shared, "prompt": sizes["warmup"]})  # compiles the kernels: not reported
+    rows, references = [], []
+    plan = [("turns", None)] + [("one_turn", k) for k in range(sizes["turns"] + 1)]
+    for kind, context_turns in plan:
+        if time.monotonic() > deadline:
+            report.add("agent_decode", {"kind": kind, "context_turns": context_turns, "seconds": "skipped: budget"})
+            continue
+        row = measure(model, kind, context_turns=context_turns, **shared)
+        row.update(context_turns=context_turns, trains=note)
+        (references if kind == "one_turn" else rows).append(row)
+        steps = row.pop("steps")
+        row["decode_steps"] = len(steps)
+        report.add("agent_decode", row)
+        row["steps"] = steps
+        print(f"[gpu_check] agent_decode {kind} at {row['prompt']:,} tokens: "
+              f"{row['full_batch_tokens_per_second']:.1f} tokens/s at a full batch", flush=True)
+    if rows and len(references) >= 2:
+        ratio = matched_speed(rows[0], references, clock=WALL_CLOCK)
+        report.add("agent_decode", {"kind": "summary", "full_batch_speed_vs_one_turn_at_same_context": ratio})
+        print(f"[gpu_check] agent_decode: turns at {ratio:.2f}x one turn at the same context (full batch)",
+              flush=True)
+    del model
+
+
 def sizes_for(dry_run):
     if dry_run:
         tiny_qwen = {"num_hidden_layers": 4, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -230,6 +271,8 @@ def sizes_for(dry_run):
                            "capture_chunk": 32, "tier": "cpu"},
             "glm_layer": {"shape": tiny_glm, "warmup": 48, "prompts": [64], "group": 2, "response": 16,
                           "capture_chunk": 32, "tier": "none"},
+            "agent_decode": {"shape": tiny_qwen, "warmup": 32, "prompt": 64, "observation": 32, "turns": 2,
+                             "group": 2, "actions": 8, "capture_chunk": 32, "page_tokens": 16},
         }
     return {
         # all 64 layers at the shape file's widths; pages on the host (offload.tier "cpu"), G = 4 as in the paper's
@@ -242,6 +285,10 @@ def sizes_for(dry_run):
                                 "indexer_types": ["full", "shared"]},
                       "warmup": 4096, "prompts": [32768], "group": 4, "response": 1024, "capture_chunk": 8192,
                       "tier": "none"},
+        # issue 45's sizes: G = 4, 4 turns of 8,192-token observations after a 16,384-token prompt, bf16 weights
+        # (54 GB) and the samples' rows on the device
+        "agent_decode": {"shape": {}, "warmup": 1024, "prompt": 16384, "observation": 8192, "turns": 4, "group": 4,
+                         "actions": 64, "capture_chunk": 8192, "page_tokens": 1024},
     }
 
 

@@ -16,8 +16,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
-    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, "OUT": ""})
+    # every default section, and agent_decode (issue 45's turns on the 27B shape, run by name)
+    names = "attention,logprobs,whole_qwen,glm_layer,triton,gated_delta,agent_decode"
+    run = subprocess.run(["bash", os.path.join(ROOT, "bench", "gpu_check.sh"), "--dry-run", "--out", str(tmp_path),
+                          "--sections", names], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OUT": ""})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "tests collected" in run.stdout
     # every file that marks a test `cuda` is collected, wherever it lives
@@ -28,7 +31,8 @@ def test_gpu_check_dry_run(tmp_path):
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert report["dry_run"] is True
     sections = report["sections"]
-    assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "glm_layer", "whole_qwen"}
+    assert set(sections) == {"attention", "gated_delta", "logprobs", "triton", "glm_layer", "whole_qwen",
+                             "agent_decode"}
     assert all(section["error"] is None for section in sections.values())
     assert {row["path"] for row in sections["attention"]["rows"]} == {"fast", "fast_token_major_storage",
                                                                        "fast_constant_keys", "peer",
@@ -61,6 +65,12 @@ def test_gpu_check_dry_run(tmp_path):
         for prompt in {row["prompt"] for row in rows}:
             losses = [row["loss"] for row in rows if row["prompt"] == prompt]
             assert max(losses) - min(losses) < 1e-5, losses
+    # the agent rollouts: the turns, one turn at each turn's context, and the same-context ratio
+    agent = sections["agent_decode"]["rows"]
+    assert [(row["kind"], row.get("context_turns")) for row in agent] == [
+        ("turns", None), ("one_turn", 0), ("one_turn", 1), ("one_turn", 2), ("summary", None)]
+    assert agent[0]["turns"] == [2, 2] and agent[0]["full_batch_steps"] > 0
+    assert agent[-1]["full_batch_speed_vs_one_turn_at_same_context"] > 0
     assert (tmp_path / "whole_qwen.png").stat().st_size > 10_000  # the steps' picture (matplotlib: a test extra)
     assert "| prompt |" in (tmp_path / "gpu_check.md").read_text()
 
