@@ -1,0 +1,239 @@
+"""When exact mode pays: GRPO on the reread task (a field the warm-up never asked for), detached against exact.
+
+    python bench/exact_pays_study.py                   # sweep + 3 seeds x {detached, exact}; JSON + PNG under bench/
+    python bench/exact_pays_study.py --lrs 1e-3 --sweep-steps 0 --steps 20 --seeds 0   # one lr, no sweep, shorter
+
+1. The warm-up (ds_longstraw.tasks.reread.WARMUP: "? k" -> the key's first field v at short prompts; built once into
+   runs/reread/warmup by recall_warmup.cached, then reused). GRPO then asks "! k" -> the second field w.
+2. The learning-rate sweep: every lr of --lrs, for each mode, one run of --sweep-steps steps at seed SWEEP_SEED (its
+   own training prompts and samples; the held-out prompts are the study's); each mode keeps the lr whose run ends
+   with the best held-out accuracy at the trained length (the mean of its last two evaluations, so that one noisy
+   evaluation does not decide). The same lrs, steps and rule for both modes.
+3. The study: --seeds x {detached, exact} at each mode's lr, --steps steps each, the held-out accuracy (stream
+   recall_warmup.EVAL_SEED, never trained on) at the trained length and at --long-length every --eval-every steps.
+
+Every run is ds_longstraw.tasks.recall_grpo with configs/run/reread_task.yaml (one rank, gloo, ZeRO-3 on CPU) in its
+own process; the detached and the exact run of one seed (or of one sweep lr) run side by side, one thread each, so
+that their seconds are measured under the same load. Equal seconds: each run's clock is the sum of its steps'
+seconds (rollout + transaction + optimizer; evaluations excluded); a mode's accuracy at S seconds is read off its
+evaluations by linear interpolation in that clock. The fixed-seconds budget is the detached runs' median total, which
+the slower exact runs reach before their last step. Writes bench/results/exact_pays_study.json and
+bench/exact_pays_study.png (accuracy against step and against seconds, both lengths).
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recall_study import run_pair  # noqa: E402 -- two runs side by side, the recall study's helper
+
+RUN_CONFIG = ROOT / "configs" / "run" / "reread_task.yaml"
+SWEEP_SEED = 100
+MODES = ("detached", "exact")
+
+
+def grpo_job(work, name, warm, prefix_grad, seed, steps, lr, args):
+    """(argv, log path) of one recall_grpo run on the reread run config."""
+    lengths = f"{args.length},{args.long_length}"
+    argv = [sys.executable, "-m", "ds_longstraw.tasks.recall_grpo", "--run-config", str(RUN_CONFIG),
+            "--warm", str(warm), "--prefix-grad", prefix_grad, "--seed", str(seed), "--steps", str(steps),
+            "--eval-every", str(args.eval_every), "--eval-lengths", lengths, "--eval-prompts", str(args.eval_prompts),
+            "--threads", "1", "--out", str(work / name), f"optim.lr={lr}",
+            f"rollout.prompt_args.prompt_tokens={args.length}", *args.overrides]
+    return argv, work / f"{name}.log"
+
+
+def load(work, name):
+    result = json.loads((work / name / "result.json").read_text())
+    clock, total = {0: 0.0}, 0.0
+    for step in result["steps"]:
+        total += step["seconds"]
+        clock[step["step"]] = total
+    result["clock"] = [round(clock[e["step"]], 2) for e in result["evals"]]  # seconds of training at each evaluation
+    result["total_seconds"] = round(total, 2)
+    return result
+
+
+def final_accuracy(run, length, last=2):
+    """The mean of the run's last `last` held-out evaluations at `length` (the sweep's criterion)."""
+    return statistics.fmean(e["accuracy"][str(length)] for e in run["evals"][-last:])
+
+
+def at_seconds(run, length, seconds):
+    """Held-out accuracy at `length` after `seconds` of training, linear between evaluations (None past the run)."""
+    points = list(zip(run["clock"], (e["accuracy"][str(length)] for e in run["evals"]), strict=True))
+    for (t0, a0), (t1, a1) in zip(points, points[1:], strict=False):
+        if t0 <= seconds <= t1:
+            return a0 + (a1 - a0) * (seconds - t0) / max(t1 - t0, 1e-9)
+    return None
+
+
+def spread(values):
+    """(mean, min, max) of the seeds' values, rounded."""
+    return {"mean": round(statistics.fmean(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def summarise(runs, lengths, steps_budget, seconds_budget):
+    out = {}
+    for mode in MODES:
+        mine = [r for r in runs if r["prefix_grad"] == mode]
+        out[mode] = {
+            "lr": mine[0]["lr"],
+            "seconds_per_step": spread([r["total_seconds"] / len(r["steps"]) for r in mine]),
+            "at_steps": {str(n): spread([r["evals"][-1]["accuracy"][str(n)] for r in mine]) for n in lengths},
+            "at_seconds": {str(n): spread([at_seconds(r, n, seconds_budget) for r in mine]) for n in lengths},
+        }
+    out["steps_budget"], out["seconds_budget"] = steps_budget, round(seconds_budget, 1)
+    return out
+
+
+def plot(study, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"detached": "tab:blue", "exact": "tab:red"}
+    styles = ["--", ":", "-."]
+    lengths = [study["length"], study["long_length"]]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.2), sharey=True)
+    for row, length in enumerate(lengths):
+        for col, axis_of in enumerate(("step", "seconds")):
+            ax = axes[row][col]
+            for run in study["runs"]:
+                xs = [e["step"] for e in run["evals"]] if axis_of == "step" else run["clock"]
+                ax.plot(xs, [e["accuracy"][str(length)] for e in run["evals"]], styles[run["seed"] % len(styles)],
+                        color=colors[run["prefix_grad"]], marker=".", ms=3, lw=0.8, alpha=0.6,
+                        label=f"{run['prefix_grad']} (lr {run['lr']:g}), seed {run['seed']}")
+            for mode in MODES:  # the seeds' mean: by step directly, by seconds on the detached runs' clock grid
+                mine = [r for r in study["runs"] if r["prefix_grad"] == mode]
+                if axis_of == "step":
+                    xs = [e["step"] for e in mine[0]["evals"]]
+                    ys = [statistics.fmean(r["evals"][i]["accuracy"][str(length)] for r in mine)
+                          for i in range(len(xs))]
+                else:
+                    end = min(r["total_seconds"] for r in mine)
+                    xs = [end * i / 40 for i in range(41)]
+                    ys = [statistics.fmean(at_seconds(r, length, x) for r in mine) for x in xs]
+                ax.plot(xs, ys, "-", color=colors[mode], lw=2.4, label=f"{mode}, mean of seeds")
+            levels = study["levels"]
+            ax.axhline(levels["chance"], color="gray", lw=0.8, ls=":")
+            ax.axhline(levels["random_record"], color="gray", lw=0.8, ls="--")
+            if axis_of == "seconds":
+                ax.axvline(study["summary"]["seconds_budget"], color="black", lw=0.8, ls="--")
+            else:
+                ax.axvline(study["steps"], color="black", lw=0.8, ls="--")
+            ax.set_ylim(0, 1.02)
+            ax.set_xlabel("GRPO step" if axis_of == "step" else "seconds of training (steps only, side by side)")
+            ax.set_ylabel(f"held-out exact match, '! k' at {length} tokens")
+            ax.set_title(f"{'trained' if length == study['length'] else 'longer'} length {length}, by {axis_of}",
+                         fontsize=10)
+    axes[0][0].text(0, study["levels"]["chance"] + 0.01, f"chance 1/values = {study['levels']['chance']:.3f}",
+                    fontsize=8, color="gray")
+    axes[0][0].text(0, study["levels"]["random_record"] + 0.01,
+                    f"random record 1/records = {study['levels']['random_record']:.2f}", fontsize=8, color="gray")
+    axes[0][0].legend(fontsize=7, loc="upper left", ncol=2)
+    fig.suptitle("reread: GRPO asks for the field the warm-up never asked for, detached against exact")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--lrs", default="2e-3,6e-3", help="the sweep's learning rates (one: no sweep)")
+    parser.add_argument("--sweep-steps", type=int, default=15)
+    parser.add_argument("--length", type=int, default=40, help="the trained prompt length")
+    parser.add_argument("--long-length", type=int, default=160, help="the longer held-out length")
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-prompts", type=int, default=256)
+    parser.add_argument("--warm", default=str(ROOT / "runs" / "reread" / "warmup"))
+    parser.add_argument("--work", default=str(ROOT / "runs" / "reread" / "study"))
+    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "exact_pays_study.json"))
+    parser.add_argument("--plot", default=str(ROOT / "bench" / "exact_pays_study.png"))
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from --json")
+    parser.add_argument("overrides", nargs="*", help="run-config overrides for every run, e.g. data.groups_per_rank=4")
+    args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.json).read_text()), args.plot)
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    from ds_longstraw.tasks import recall_demo, reread
+
+    started = time.perf_counter()
+
+    def progress(line):
+        print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True)
+
+    warm, warm_info = recall_demo.warm_checkpoint(args.warm, log=progress, task=reread, short=reread.WARMUP_SIZES,
+                                                  recipe=reread.WARMUP, eval_lengths=reread.WARMUP_EVAL_LENGTHS)
+    progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): '? k' accuracy {warm_info['accuracy_by_length']}")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    lrs = [float(x) for x in args.lrs.split(",")]
+    sweep, chosen = [], {}
+    if len(lrs) > 1 and args.sweep_steps > 0:
+        for lr in lrs:
+            names = [f"sweep_{mode}_lr{lr:g}" for mode in MODES]
+            run_pair([grpo_job(work, name, warm, mode, SWEEP_SEED, args.sweep_steps, lr, args)
+                      for name, mode in zip(names, MODES, strict=True)], 1)
+            for name in names:
+                run = load(work, name)
+                sweep.append({"prefix_grad": run["prefix_grad"], "lr": lr, "evals": run["evals"],
+                              "clock": run["clock"], "criterion": round(final_accuracy(run, args.length), 4)})
+                progress(f"sweep {run['prefix_grad']} lr {lr:g}: accuracy@{args.length} "
+                         + " ".join(f"{e['accuracy'][str(args.length)]:.2f}" for e in run["evals"])
+                         + f" -> criterion {sweep[-1]['criterion']:.3f}")
+        for mode in MODES:
+            best = max((s for s in sweep if s["prefix_grad"] == mode), key=lambda s: (s["criterion"], -s["lr"]))
+            chosen[mode] = best["lr"]
+    else:
+        chosen = {mode: lrs[0] for mode in MODES}
+    progress(f"learning rates: {chosen}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for seed in seeds:
+        run_pair([grpo_job(work, f"{mode}_seed{seed}", warm, mode, seed, args.steps, chosen[mode], args)
+                  for mode in MODES], 1)
+        for mode in MODES:
+            run = load(work, f"{mode}_seed{seed}")
+            progress(f"{mode} seed {seed} (lr {chosen[mode]:g}): accuracy@{args.length} "
+                     + " ".join(f"{e['accuracy'][str(args.length)]:.2f}" for e in run["evals"])
+                     + f"; @{args.long_length} {run['evals'][-1]['accuracy'][str(args.long_length)]:.3f} at the end; "
+                     f"{run['total_seconds'] / len(run['steps']):.2f} s/step")
+    runs = [load(work, f"{mode}_seed{seed}") for seed in seeds for mode in MODES]
+    sizes = runs[0]["prompt_args"]
+    lengths = (args.length, args.long_length)
+    seconds_budget = statistics.median(r["total_seconds"] for r in runs if r["prefix_grad"] == "detached")
+    study = {"length": args.length, "long_length": args.long_length, "steps": args.steps, "seeds": seeds,
+             "warmup": warm_info, "lrs": lrs, "sweep_steps": args.sweep_steps, "sweep_seed": SWEEP_SEED,
+             "chosen_lr": chosen, "sweep": sweep, "overrides": args.overrides,
+             "levels": {"chance": 1 / sizes["values"], "random_record": 1 / sizes["records"],
+                        "warmup": {str(n): runs[0]["evals"][0]["accuracy"][str(n)] for n in lengths}},
+             "summary": summarise(runs, lengths, args.steps, seconds_budget),
+             "wall_seconds": round(time.perf_counter() - started), "runs": runs}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(study, indent=1))
+    plot(study, args.plot)
+    for mode in MODES:
+        s = study["summary"][mode]
+        progress(f"{mode} (lr {s['lr']:g}): at {args.steps} steps "
+                 + ", ".join(f"@{n} {s['at_steps'][str(n)]['mean']:.3f} [{s['at_steps'][str(n)]['min']:.3f}, "
+                             f"{s['at_steps'][str(n)]['max']:.3f}]" for n in lengths)
+                 + f"; at {seconds_budget:.0f} s "
+                 + ", ".join(f"@{n} {s['at_seconds'][str(n)]['mean']:.3f}" for n in lengths)
+                 + f"; {s['seconds_per_step']['mean']:.2f} s/step")
+    progress(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
