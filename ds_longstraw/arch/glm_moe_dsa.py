@@ -338,22 +338,28 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         return (d_q_lat, d_q_rope), {LATENT: d_latent, ROPE_KEY: d_rope}
 
     # -- the segment -------------------------------------------------------------------------------------
-    def _layer(self, index, layer, hidden, cos, sin, start, past, code, remote=None, kept=None):
-        """One decoder layer: (hidden out, the selection it used as int32 codes [T, K] (encode_selection), its
-        rows...). code: the last full indexer layer's selection (None: none yet); kept: None, or the selections
-        (codes) this segment's full indexer layers made, by layer: a layer found there reuses its own instead of
-        selecting again, one not found there adds it."""
+    def _layer(self, index, layer, hidden, cos, sin, start, past, positions, valid, remote=None, selected=None):
+        """One decoder layer: (hidden out, the selection it used (positions, valid), its rows...); selected:
+        attention_forward's."""
         h = layer.input_layernorm(hidden)
-        own = None if kept is None else kept.get(index)
-        selection = None if code is None else decode_selection(code)
+        selection = None if positions is None else (positions, valid)
         mixed, rows, selection = self.attention_forward(index, layer.self_attn, h, cos, sin, start,
-                                                        list(past.get(index, [])), selection, remote,
-                                                        None if own is None else decode_selection(own))
+                                                        list(past.get(index, [])), selection, remote, selected)
+        return (self.mlp_residual(index, hidden + mixed), *selection, *rows)
+
+    def _recomputed_layer(self, index, layer, hidden, cos, sin, start, past, code, remote, kept):
+        """_layer as the prefix pass's re-entrant checkpoint runs it, forward then recompute in backward: the
+        selection comes in and goes out as int32 codes [T, K] (encode_selection: what the checkpoints keep of it
+        between layers), and kept (layer -> codes) holds each full indexer layer's own selection from the forward,
+        which its recompute reuses instead of selecting again (the same inputs give the same selection)."""
+        own = kept.get(index)
+        positions, valid = (None, None) if code is None else decode_selection(code)
+        hidden, positions, valid, *rows = self._layer(index, layer, hidden, cos, sin, start, past, positions, valid,
+                                                      remote, None if own is None else decode_selection(own))
         if layer.self_attn.indexer is not None:  # a shared layer passes its input's codes on, the same tensor
-            code = own if own is not None else encode_selection(*selection)
-            if kept is not None:
-                kept[index] = code
-        return (self.mlp_residual(index, hidden + mixed), code, *rows)
+            code = own if own is not None else encode_selection(positions, valid)
+            kept[index] = code
+        return (hidden, code, *rows)
 
     def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
                         known_attention=None):
@@ -368,20 +374,20 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         forward then makes a remote exchange). known_attention (prefix_keep_attention) is not supported for this
         family yet.
 
-        Between layers a selection travels as int32 codes [T, K] (the position, -1 where none). With
-        prefix_recompute each full indexer layer's codes made in the forward are reused by the layer's recompute in
-        backward instead of selecting again (the same inputs give the same selection): the next layer's checkpoint
-        holds the same tensor as its input anyway, so this keeps no more bytes than that, 4 per selected row and
-        query and full indexer layer (offload/plan.py counts them: "prefix_selections")."""
+        With prefix_recompute a selection travels between the layers' checkpoints as int32 codes [T, K] (the
+        position, -1 where none), and each full indexer layer's codes made in the forward are reused by the layer's
+        recompute in backward instead of selecting again (_recomputed_layer): the next layer's checkpoint holds the
+        same tensor as its input anyway, so this keeps no more bytes than that, 4 per selected row and query and
+        full indexer layer (offload/plan.py counts them: "prefix_selections")."""
         if known_attention:
             raise NotImplementedError("glm_moe_dsa: prefix_keep_attention (kept attention) is not supported yet")
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         past = past if past is not None else {}
-        code = None  # the last full indexer layer's selection (int32 codes)
-        # the full indexer layers' selections, made in the forward, for their recompute in backward
-        kept = {} if prefix_recompute and torch.is_grad_enabled() else None
+        positions = valid = None  # the last full indexer layer's selection
+        code = None  # the same as int32 codes, where each layer is recomputed in backward
+        kept = {}  # the full indexer layers' own selections (codes), from the forward for their recompute
         for index, layer in enumerate(self.layers[: len(self.specs)]):
             if prefix_recompute and torch.is_grad_enabled():
                 # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
@@ -389,11 +395,12 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                 # inner backward, like the parameters.
                 if not hidden.requires_grad:
                     hidden = hidden.detach().requires_grad_(True)
-                results = torch.utils.checkpoint.checkpoint(self._layer, index, layer, hidden, cos, sin, start, past,
-                                                            code, remote_attention, kept, use_reentrant=True)
+                hidden, code, *rows = torch.utils.checkpoint.checkpoint(
+                    self._recomputed_layer, index, layer, hidden, cos, sin, start, past, code, remote_attention,
+                    kept, use_reentrant=True)
             else:
-                results = self._layer(index, layer, hidden, cos, sin, start, past, code, remote_attention)
-            hidden, code, *rows = results
+                hidden, positions, valid, *rows = self._layer(index, layer, hidden, cos, sin, start, past,
+                                                              positions, valid, remote_attention)
             out.rows[index] = tuple(rows)
         out.hidden = hidden
         return out
