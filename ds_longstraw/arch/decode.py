@@ -30,6 +30,12 @@ from ds_longstraw.kernels import merge_partials, partial_attention
 # refuses and the samples take the per-sample calls (one sample 8K rows ahead of three: 9.9 ms batched, 6.3 ms
 # each). Elsewhere (CUDA) a row costs a fraction of a ns against a call's kernel launches: no limit (not measured).
 PADDING_ROWS_PER_CALL = {"cpu": 300}
+# Query heads per kv head at or below which own rows on CPU take two batched products (_own_partial_gemm) instead of
+# the fused flash kernel, which blocks its queries and wastes most of each block's product on 1-4 of them. Measured
+# on one thread, float32, 2 kv heads of 32: 4 samples x 32,800 rows, 2 query heads per kv head: 18.9 ms fused,
+# 10.9 ms here; 4 x 8,192: 4.1 and 2.1 ms. With 8 query heads per kv head (the G samples' queries over the
+# prompt's keys) the fused kernel is the faster: 0.9 against 1.7 ms at 16,384 keys.
+GEMM_QUERY_HEADS = 4
 
 
 @dataclass(frozen=True)
@@ -181,22 +187,26 @@ def own_partial(q_GHD, own, scale):
     """(out_GHD, lse_GH) of each running sample's query over its own keys: own an OwnBatch of (K, V) [S, W, K, D]
     (OwnRows.batch_rows), one batched partial over all S slots, each slot's rows past its count masked out (-inf
     scores) and the stopped slots' results dropped. Every counted own key precedes or is the query's token: no
-    causal mask. On CPU PyTorch's fused flash kernel (one call, the mask as an additive bias; it reads the keys in
-    place, where the dense form's einsum copies them: 3x faster at 4 x 33K keys); elsewhere the dense form
-    (_own_partial_dense). The lse in float32 (float64 for float64 models)."""
+    causal mask. On CPU (float32, float64) with few query heads per kv head, two batched products over the rows in
+    place (_own_partial_gemm); else on CPU PyTorch's fused flash kernel (one call, the mask as an additive bias; it
+    reads the keys in place, where the dense form's einsum copies them: 3x faster at 4 x 33K keys); elsewhere the
+    dense form (_own_partial_dense). The lse in float32 (float64 for float64 models)."""
     acc = torch.float64 if q_GHD.dtype == torch.float64 else torch.float32
     q_SHD = own.spread(q_GHD, 0.0)
-    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    if fused is None or q_GHD.device.type != "cpu" or q_GHD.dtype not in (torch.float32, torch.bfloat16,
-                                                                          torch.float64):
-        out_SHD, lse_SH = _own_partial_dense(q_SHD, own, scale)
-        return own.pick(out_SHD), own.pick(lse_SH)
     k_SWKD, v_SWKD = own.rows
     slots, heads, dim = q_SHD.shape
     kv_heads = k_SWKD.shape[2]
     # the query heads of one kv head stacked as that head's query sequence (kernels/attention/partial.py)
     q_SKRD = q_SHD.reshape(slots, kv_heads, heads // kv_heads, dim)
     counted_SW = own.counted_SW()
+    if _gemm_applies(q_GHD, heads // kv_heads):
+        out_SKRD, lse_SKR = _own_partial_gemm(q_SKRD, k_SWKD, v_SWKD, counted_SW, scale)
+        return own.pick(out_SKRD.reshape(slots, heads, -1)), own.pick(lse_SKR.reshape(slots, heads))
+    fused = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if fused is None or q_GHD.device.type != "cpu" or q_GHD.dtype not in (torch.float32, torch.bfloat16,
+                                                                          torch.float64):
+        out_SHD, lse_SH = _own_partial_dense(q_SHD, own, scale)
+        return own.pick(out_SHD), own.pick(lse_SH)
     bias = None
     if counted_SW is not None:
         bias = torch.zeros(counted_SW.shape, dtype=q_GHD.dtype, device=q_GHD.device)
@@ -205,6 +215,34 @@ def own_partial(q_GHD, own, scale):
                               scale=scale)
     out_SHD, lse_SH = out_SKRD.reshape(slots, heads, -1), lse_SKR.reshape(slots, heads).to(acc)
     return own.pick(out_SHD), own.pick(lse_SH)
+
+
+def _gemm_applies(q, query_heads_per_kv):
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and query_heads_per_kv <= GEMM_QUERY_HEADS)
+
+
+def _own_partial_gemm(q_SKRD, k_SWKD, v_SWKD, counted_SW, scale):
+    """(out_SKRD, lse_SKR) of S slots' queries over their rows in two batched products that read the rows in place
+    as [S, W, K D] (each slot's rows token-major, its kv heads side by side): the queries laid block-diagonally as
+    [S, K R, K D] (query heads r of kv head k in row k R + r, their D values in kv head k's columns, zeros
+    elsewhere), scores [S, K R, W], a softmax along W (counted_SW [S, W]: None, or False at the rows masked out),
+    then [S, K R, W] @ [S, W, K D], of which each kv head's diagonal block is its heads' output. K times the
+    products' arithmetic for one read of the rows, which is what costs at a few queries."""
+    slots, kv_heads, per_kv, dim = q_SKRD.shape
+    q_block = q_SKRD.new_zeros(slots, kv_heads, per_kv, kv_heads, dim)
+    for head in range(kv_heads):
+        q_block[:, head, :, head] = q_SKRD[:, head]
+    scores = torch.bmm(q_block.view(slots, kv_heads * per_kv, kv_heads * dim), k_SWKD.flatten(2).transpose(1, 2))
+    scores.mul_(scale)
+    if counted_SW is not None:
+        scores.masked_fill_(~counted_SW.unsqueeze(1), float("-inf"))
+    top = scores.amax(-1, keepdim=True)  # finite: every running slot counts this step's row
+    probs = scores.sub_(top).exp_()
+    total = probs.sum(-1, keepdim=True)
+    out = torch.bmm(probs, v_SWKD.flatten(2)).view(slots, kv_heads, per_kv, kv_heads, dim)
+    out_SKRD = torch.diagonal(out, dim1=1, dim2=3).permute(0, 3, 1, 2) / total.view(slots, kv_heads, per_kv, 1)
+    return out_SKRD, (top + total.log()).view(slots, kv_heads, per_kv)
 
 
 def _own_partial_dense(q_SHD, own, scale):
@@ -237,13 +275,28 @@ def own_partial_each(q_GHD, own, scale):
     return torch.stack(outs), torch.stack(lses)
 
 
+def own_partial_slots(q_GHD, own, scale):
+    """own_partial_each's fast form: where _own_partial_gemm applies, each sample's rows through it (one slot, no
+    mask); else own_partial_each."""
+    kv_heads = own[0][0].shape[1]
+    if not _gemm_applies(q_GHD, q_GHD.shape[1] // kv_heads):
+        return own_partial_each(q_GHD, own, scale)
+    outs, lses = [], []
+    for g, (k_TKD, v_TKD) in enumerate(own):
+        q_1KRD = q_GHD[g].reshape(1, kv_heads, -1, q_GHD.shape[-1])
+        out_1KRD, lse_1KR = _own_partial_gemm(q_1KRD, k_TKD.unsqueeze(0), v_TKD.unsqueeze(0), None, scale)
+        outs.append(out_1KRD.reshape(q_GHD.shape[1:]))
+        lses.append(lse_1KR.reshape(-1))
+    return torch.stack(outs), torch.stack(lses)
+
+
 def decode_attention(q_GHD, shared, own, scale, remote=None):
     """Attention of G single-token queries over the keys they share (`shared`: token-major (K, V) segments of the
     prompt; `remote`: None, or a callable q_HTD -> (out_HTD, lse_HT) over prompt keys on other ranks) and over each
     one's own keys, this step's key last: `own` is an OwnBatch (OwnRows.batch_rows: one batched partial,
     own_partial), or a list of each sample's (K, V) [T_g, K, D] (OwnRows.rows: one partial per sample,
-    own_partial_each). Returns out_GHD."""
-    own_partial_of = own_partial if isinstance(own, OwnBatch) else own_partial_each
+    own_partial_slots). Returns out_GHD."""
+    own_partial_of = own_partial if isinstance(own, OwnBatch) else own_partial_slots
     out_GHD, lse_GH = own_partial_of(q_GHD, own, scale)
     q_HGD = q_GHD.transpose(0, 1).contiguous()
     for k_TKD, v_TKD in shared:

@@ -6,8 +6,10 @@ Equivalence chains (float64):
   OwnRows.batch_rows: the running slots from the first to the last as one OwnBatch, W = the longest count; each
       running slot's rows past its own count zeroed once (from its first unwritten row), the stopped slots' rows
       never touched (they stay NaN)
-  arch/decode.own_partial(OwnBatch), both forms (the fused CPU kernel with the mask as a bias; the dense einsum
-      used elsewhere) == own_partial_each(each sample's rows, partial_attention): out and lse, at one
+  arch/decode.own_partial(OwnBatch), every form (two batched products over the rows in place, for few query heads
+      per kv head on CPU; the fused CPU kernel with the mask as a bias; the dense einsum used elsewhere), and
+      own_partial_slots (the per-sample path's two products)
+      == own_partial_each(each sample's rows, partial_attention): out and lse, at one
       length, at different lengths, with stopped slots before, between and after the running ones; the buffers are
       NaN past what was written, so a masked row that still reaches a running sample's sum shows up
   generate(environment, batched decode) takes the batched call at every attention layer of every step (qwen3_5:
@@ -94,23 +96,41 @@ def _dense(q_GHD, own, scale):
     return own.pick(out_SHD), own.pick(lse_SH)
 
 
-@pytest.mark.parametrize("form", ["fused-cpu", "dense"])
+@pytest.mark.parametrize("form", ["gemm-cpu", "fused-cpu", "dense"])
 @pytest.mark.parametrize("counts,slots", CASES.values(), ids=CASES.keys())
-def test_own_partial_equals_each(counts, slots, form):
+def test_own_partial_equals_each(counts, slots, form, monkeypatch):
     heads, kv_heads, dim = 6, 2, 8
     own = _own_rows(counts, ((kv_heads, dim), (kv_heads, dim)), seed=sum(counts), slots=slots)
     q_GHD = torch.randn(len(slots), heads, dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    batched = decode.own_partial if form == "fused-cpu" else _dense  # own_partial: the fused kernel on CPU
+    if form == "fused-cpu":  # 3 query heads per kv head take the two products unless the limit is below them
+        monkeypatch.setattr(decode, "GEMM_QUERY_HEADS", 0)
+    calls, real = [], decode._own_partial_gemm
+    monkeypatch.setattr(decode, "_own_partial_gemm", lambda *args: calls.append(1) or real(*args))
+    batched = _dense if form == "dense" else decode.own_partial
     out, lse = batched(q_GHD, own.batch_rows(0, slots, extra=1), 0.35)
+    assert bool(calls) == (form == "gemm-cpu")
     want_out, want_lse = decode.own_partial_each(q_GHD, [own.rows(0, slot, extra=1) for slot in slots], 0.35)
     assert not out.isnan().any() and not lse.isnan().any()
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=TOL * float(want_lse.abs().max()))
     torch.testing.assert_close(out, want_out, rtol=0, atol=TOL * float(want_out.abs().max()))
 
 
+@pytest.mark.parametrize("counts,slots", CASES.values(), ids=CASES.keys())
+def test_own_partial_slots_equals_each(counts, slots):
+    """The per-sample path's fast form (each sample's rows through the two products) == the reference."""
+    heads, kv_heads, dim = 4, 2, 8
+    own = _own_rows(counts, ((kv_heads, dim), (kv_heads, dim)), seed=sum(counts) + 1, slots=slots)
+    q_GHD = torch.randn(len(slots), heads, dim, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    rows = [own.rows(0, slot, extra=1) for slot in slots]
+    out, lse = decode.own_partial_slots(q_GHD, rows, 0.35)
+    want_out, want_lse = decode.own_partial_each(q_GHD, rows, 0.35)
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=TOL * float(want_lse.abs().max()))
+    torch.testing.assert_close(out, want_out, rtol=0, atol=TOL * float(want_out.abs().max()))
+
+
 # per family: the module whose calls are counted, the batched and per-sample calls, and how many of each per step
 PATHS = {
-    "qwen3_5": (decode, ["own_partial"], ["own_partial_each"], qwen.Qwen35Adapter,
+    "qwen3_5": (decode, ["own_partial"], ["own_partial_slots"], qwen.Qwen35Adapter,
                 lambda model: sum(kind == "full_attention" for kind in model.config.layer_types)),
     "glm_moe_dsa": (glm, ["_own_partial_batched", "_own_candidates_batched"],
                     ["_own_partial_each", "_own_candidates_each"], glm.GlmMoeDsaAdapter, None),
