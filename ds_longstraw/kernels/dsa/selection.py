@@ -51,7 +51,8 @@ def _query_block(per_query, tokens):
 # -- selection --------------------------------------------------------------------------------------------------
 def _index_scores(q_TID, weights_TI, keys_ND, scale):
     """sum_i w_i relu(scale * q_i . k) for every (query, key): [T, N] (inputs already in the score dtype)."""
-    scores_TIN = torch.relu(torch.einsum("tid,nd->tin", q_TID, keys_ND) * scale)
+    # in place: the same arithmetic without two more [T, I, N] temporaries (each a fresh allocation on the CPU)
+    scores_TIN = torch.einsum("tid,nd->tin", q_TID, keys_ND).mul_(scale).relu_()
     return torch.einsum("ti,tin->tn", weights_TI, scores_TIN)
 
 
@@ -195,7 +196,7 @@ def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, 
                 scores = _index_scores(q, w, keys, scale)
                 if query_start is not None:
                     query_pos = torch.arange(query_start + q0, query_start + q1, device=device).unsqueeze(1)
-                    scores = scores.masked_fill(positions > query_pos, float("-inf"))
+                    scores.masked_fill_(positions > query_pos, float("-inf"))  # scores: a fresh tensor
                 mine = merge_candidates(mine, (scores, positions), topk)
             out_scores.append(mine[0])
             out_pos.append(mine[1])
