@@ -224,6 +224,7 @@ def main(argv=None):
     parser.add_argument("--observation", type=int, default=8192)
     parser.add_argument("--actions", type=int, default=64, help="tokens per sample of the one-turn rollouts")
     parser.add_argument("--out", default=None, help="the rows as JSON")
+    parser.add_argument("--no-single", action="store_true", help="skip the G = 1 configurations")
     parser.add_argument("--plot", default=None, help="each decode step's CPU time against its context (PNG)")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -247,7 +248,8 @@ def main(argv=None):
         return row
 
     summary = {}
-    for samples in (args.samples, 1):  # G = 1: each sample's context its own in both, the same keys read
+    # G = 1: each sample's context its own in both, the same keys read
+    for samples in (args.samples,) if args.no_single else (args.samples, 1):
         one, turns, long = run("one_turn", samples), run("turns", samples), run("one_turn_long", samples)
         between = [run("one_turn", samples, k) for k in range(1, args.turns)] if samples > 1 else []
         ragged = run("one_turn_long_ragged", samples)
