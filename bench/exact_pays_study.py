@@ -16,9 +16,10 @@ Every run is ds_longstraw.tasks.recall_grpo with configs/run/reread_task.yaml (o
 own process; the detached and the exact run of one seed (or of one sweep lr) run side by side, one thread each, so
 that their seconds are measured under the same load. Equal seconds: each run's clock is the sum of its steps'
 seconds (rollout + transaction + optimizer; evaluations excluded); a mode's accuracy at S seconds is read off its
-evaluations by linear interpolation in that clock. The fixed-seconds budget is the detached runs' median total, which
-the slower exact runs reach before their last step. Writes bench/results/exact_pays_study.json and
-bench/exact_pays_study.png (accuracy against step and against seconds, both lengths).
+evaluations by linear interpolation in that clock. A seed's fixed-seconds budget is the shorter total of its two
+runs (the pair ran under the same load; the machine's load may differ between pairs). Writes
+bench/results/exact_pays_study.json and bench/exact_pays_study.png (accuracy against step and against seconds, both
+lengths). --reuse keeps the runs that finished (a study cut short, or a new summary of the same runs).
 """
 
 import argparse
@@ -47,6 +48,11 @@ def grpo_job(work, name, warm, prefix_grad, seed, steps, lr, args):
             "--threads", "1", "--out", str(work / name), f"optim.lr={lr}",
             f"rollout.prompt_args.prompt_tokens={args.length}", *args.overrides]
     return argv, work / f"{name}.log"
+
+
+def done(work, name, args):
+    """With --reuse, a run whose result.json exists is not run again (its result is read back)."""
+    return args.reuse and (work / name / "result.json").exists()
 
 
 def load(work, name):
@@ -80,6 +86,8 @@ def spread(values):
 
 
 def summarise(runs, lengths, steps_budget, seconds_budget):
+    """Per mode: lr, seconds per step, and mean [min, max] over the seeds of the held-out accuracy at each length
+    after `steps_budget` steps and after `seconds_budget[seed]` seconds of training."""
     out = {}
     for mode in MODES:
         mine = [r for r in runs if r["prefix_grad"] == mode]
@@ -87,9 +95,11 @@ def summarise(runs, lengths, steps_budget, seconds_budget):
             "lr": mine[0]["lr"],
             "seconds_per_step": spread([r["total_seconds"] / len(r["steps"]) for r in mine]),
             "at_steps": {str(n): spread([r["evals"][-1]["accuracy"][str(n)] for r in mine]) for n in lengths},
-            "at_seconds": {str(n): spread([at_seconds(r, n, seconds_budget) for r in mine]) for n in lengths},
+            "at_seconds": {str(n): spread([at_seconds(r, n, seconds_budget[r["seed"]]) for r in mine])
+                           for n in lengths},
         }
-    out["steps_budget"], out["seconds_budget"] = steps_budget, round(seconds_budget, 1)
+    out["steps_budget"] = steps_budget
+    out["seconds_budget"] = {str(seed): round(t, 1) for seed, t in seconds_budget.items()}
     return out
 
 
@@ -119,15 +129,13 @@ def plot(study, path):
                           for i in range(len(xs))]
                 else:
                     end = min(r["total_seconds"] for r in mine)
-                    xs = [end * i / 40 for i in range(41)]
+                    xs = [min(end, end * i / 40) for i in range(41)]
                     ys = [statistics.fmean(at_seconds(r, length, x) for r in mine) for x in xs]
                 ax.plot(xs, ys, "-", color=colors[mode], lw=2.4, label=f"{mode}, mean of seeds")
             levels = study["levels"]
             ax.axhline(levels["chance"], color="gray", lw=0.8, ls=":")
             ax.axhline(levels["random_record"], color="gray", lw=0.8, ls="--")
-            if axis_of == "seconds":
-                ax.axvline(study["summary"]["seconds_budget"], color="black", lw=0.8, ls="--")
-            else:
+            if axis_of == "step":
                 ax.axvline(study["steps"], color="black", lw=0.8, ls="--")
             ax.set_ylim(0, 1.02)
             ax.set_xlabel("GRPO step" if axis_of == "step" else "seconds of training (steps only, side by side)")
@@ -145,6 +153,20 @@ def plot(study, path):
     plt.close(fig)
 
 
+def table(study):
+    """BENCHMARKS.md's table: per mode, mean [min, max] over the seeds at the fixed steps and at the fixed seconds."""
+    summary, lengths = study["summary"], (study["length"], study["long_length"])
+    rows = ["| mode | lr | s / step | " + " | ".join(f"@{n}, {study['steps']} steps" for n in lengths) + " | "
+            + " | ".join(f"@{n}, equal seconds" for n in lengths) + " |",
+            "|---|---:|---:|" + "---:|" * (2 * len(lengths))]
+    for mode in MODES:
+        s = summary[mode]
+        cells = [f"{c['mean']:.3f} [{c['min']:.3f}, {c['max']:.3f}]"
+                 for c in [s["at_steps"][str(n)] for n in lengths] + [s["at_seconds"][str(n)] for n in lengths]]
+        rows.append(f"| {mode} | {s['lr']:g} | {s['seconds_per_step']['mean']:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="0,1,2")
@@ -159,11 +181,14 @@ def main():
     parser.add_argument("--work", default=str(ROOT / "runs" / "reread" / "study"))
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "exact_pays_study.json"))
     parser.add_argument("--plot", default=str(ROOT / "bench" / "exact_pays_study.png"))
-    parser.add_argument("--replot", action="store_true", help="only redraw the plot from --json")
+    parser.add_argument("--reuse", action="store_true", help="keep runs that already wrote their result.json")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot (and the table) from --json")
     parser.add_argument("overrides", nargs="*", help="run-config overrides for every run, e.g. data.groups_per_rank=4")
     args = parser.parse_args()
     if args.replot:
-        plot(json.loads(Path(args.json).read_text()), args.plot)
+        study = json.loads(Path(args.json).read_text())
+        plot(study, args.plot)
+        print(table(study))
         return
     import torch
 
@@ -186,7 +211,7 @@ def main():
         for lr in lrs:
             names = [f"sweep_{mode}_lr{lr:g}" for mode in MODES]
             run_pair([grpo_job(work, name, warm, mode, SWEEP_SEED, args.sweep_steps, lr, args)
-                      for name, mode in zip(names, MODES, strict=True)], 1)
+                      for name, mode in zip(names, MODES, strict=True) if not done(work, name, args)], 1)
             for name in names:
                 run = load(work, name)
                 sweep.append({"prefix_grad": run["prefix_grad"], "lr": lr, "evals": run["evals"],
@@ -203,7 +228,7 @@ def main():
     seeds = [int(s) for s in args.seeds.split(",")]
     for seed in seeds:
         run_pair([grpo_job(work, f"{mode}_seed{seed}", warm, mode, seed, args.steps, chosen[mode], args)
-                  for mode in MODES], 1)
+                  for mode in MODES if not done(work, f"{mode}_seed{seed}", args)], 1)
         for mode in MODES:
             run = load(work, f"{mode}_seed{seed}")
             progress(f"{mode} seed {seed} (lr {chosen[mode]:g}): accuracy@{args.length} "
@@ -213,7 +238,9 @@ def main():
     runs = [load(work, f"{mode}_seed{seed}") for seed in seeds for mode in MODES]
     sizes = runs[0]["prompt_args"]
     lengths = (args.length, args.long_length)
-    seconds_budget = statistics.median(r["total_seconds"] for r in runs if r["prefix_grad"] == "detached")
+    # a seed's fixed seconds: the shorter total of its two runs (they ran side by side, under the same load; the
+    # machine's load differed between seeds, so one clock for all seeds would compare different loads)
+    seconds_budget = {seed: min(r["total_seconds"] for r in runs if r["seed"] == seed) for seed in seeds}
     study = {"length": args.length, "long_length": args.long_length, "steps": args.steps, "seeds": seeds,
              "warmup": warm_info, "lrs": lrs, "sweep_steps": args.sweep_steps, "sweep_seed": SWEEP_SEED,
              "chosen_lr": chosen, "sweep": sweep, "overrides": args.overrides,
@@ -229,9 +256,10 @@ def main():
         progress(f"{mode} (lr {s['lr']:g}): at {args.steps} steps "
                  + ", ".join(f"@{n} {s['at_steps'][str(n)]['mean']:.3f} [{s['at_steps'][str(n)]['min']:.3f}, "
                              f"{s['at_steps'][str(n)]['max']:.3f}]" for n in lengths)
-                 + f"; at {seconds_budget:.0f} s "
+                 + "; at equal seconds "
                  + ", ".join(f"@{n} {s['at_seconds'][str(n)]['mean']:.3f}" for n in lengths)
                  + f"; {s['seconds_per_step']['mean']:.2f} s/step")
+    print(table(study))
     progress(f"wrote {args.json} and {args.plot}")
 
 
