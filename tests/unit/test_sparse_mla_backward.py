@@ -139,3 +139,41 @@ def test_few_queries_over_a_long_past(lengths):
     grads = torch.autograd.grad(out, inputs, d_out)
     for grad, ref in zip(grads, torch.autograd.grad(plain_out, inputs, d_out), strict=True):
         torch.testing.assert_close(grad, ref, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("block", [1, 4, 64], ids=lambda b: f"block{b}")
+def test_pages_merged_equal_plain_autograd(monkeypatch, block):
+    """Context parallelism's form: the rows in pages (lengths 9, 0, 13, 5, 17, as a rank's runs), page_partial per
+    page merged by log-sum-exp == the plain attention's (o_lat, lse); page_grads per page from the MERGED lse and
+    delta = rowsum(d_out * o_lat) - d_lse: d(query) summed over pages and each page's d(rows) == plain autograd's.
+    Duplicate selections, unselected slots and queries with no row in a page included; `block` queries per block
+    of a page's compacted slots."""
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", block * 7 * (6 + 4))
+    heads, k, tokens = 3, 7, 11
+    lengths = [9, 0, 13, 5, 17]
+    gen = torch.Generator().manual_seed(block)
+    q_lat, q_rope, latents, ropes, positions, valid = _case(lengths, tokens, heads, k, gen, shared=4)
+    inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
+    d_out = torch.randn(tokens, heads, 6, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(tokens, heads, generator=gen, dtype=torch.float64)
+    plain_out, plain_lse = _plain(q_lat, q_rope, latents, ropes, positions, valid, 0.6)
+    plain = torch.autograd.grad((plain_out * d_out).sum() + (plain_lse * d_lse).sum(), inputs)
+
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    with torch.no_grad():
+        parts = [sparse_mla.page_partial(q_lat, q_rope, lat, rope, start, positions, valid, 0.6)
+                 for lat, rope, start in zip(latents, ropes, starts, strict=True)]
+        lse = torch.logsumexp(torch.stack([part[1] for part in parts]), dim=0)
+        out = sum(part[0] * torch.exp(part[1] - lse).unsqueeze(-1) for part in parts)
+        torch.testing.assert_close(out, plain_out, rtol=0, atol=TOL)
+        torch.testing.assert_close(lse, plain_lse, rtol=0, atol=TOL)
+        assert any(bool(torch.isinf(part[1]).any()) for part in parts)  # some query has no row in some page
+        delta = (d_out * out).sum(-1) - d_lse
+        grads = [sparse_mla.page_grads(q_lat, q_rope, lat, rope, start, positions, valid, lse, d_out, delta, 0.6)
+                 for lat, rope, start in zip(latents, ropes, starts, strict=True)]
+    torch.testing.assert_close(sum(g[0] for g in grads), plain[0], rtol=0, atol=TOL)
+    torch.testing.assert_close(sum(g[1] for g in grads), plain[1], rtol=0, atol=TOL)
+    pages = len(lengths)
+    for page, g in enumerate(grads):
+        torch.testing.assert_close(g[2], plain[2 + page], rtol=0, atol=TOL)
+        torch.testing.assert_close(g[3], plain[2 + pages + page], rtol=0, atol=TOL)

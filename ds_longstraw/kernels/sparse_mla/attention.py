@@ -112,7 +112,7 @@ def _block_positions(positions, valid):
     return torch.where(valid, positions, torch.zeros((), dtype=positions.dtype, device=positions.device)).reshape(-1)
 
 
-def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block):
+def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block, out_dtype=None):
     """(o_lat, lse) of `_SparseLatentAttention`, each query block one gather from the row table into a workspace
     reused by every block (a fresh [Tq, K, R + E] tensor per block is paid again in page faults: it is tens of
     MiB, so malloc maps it anew) and two batched products."""
@@ -121,7 +121,7 @@ def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block
     table = _row_table(latents, ropes, acc)
     width = table.shape[-1]
     q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
-    out = q_lat.new_empty(tokens, heads, rank)
+    out = q_lat.new_empty(tokens, heads, rank, dtype=out_dtype or q_lat.dtype)
     lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
     rows_buf = table.new_empty(min(block, tokens) * k, width)
     for q0 in range(0, tokens, block):
@@ -195,7 +195,7 @@ class _SparseLatentAttention(torch.autograd.Function):
 
 
 def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, d_out, d_lse, scale, block,
-                     row_grads):
+                     row_grads, delta=None):
     """The torch backward of `_SparseLatentAttention`: (d_q_lat [T, H, R], d_q_rope [T, H, E], d_table [N, R + E]
     or None), in the accumulation dtype; d_table holds every piece's rows' gradients, latent then rope columns, in
     position order (N rows in all).
@@ -214,9 +214,12 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
     width = table.shape[-1]
     q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
     d_o = d_out.to(acc)
-    delta_all = (d_o * out.to(acc)).sum(-1, keepdim=True)  # [T, H, 1]
-    if d_lse is not None:
-        delta_all = delta_all - d_lse.to(acc).unsqueeze(-1)
+    if delta is not None:
+        delta_all = delta.to(acc).unsqueeze(-1)
+    else:
+        delta_all = (d_o * out.to(acc)).sum(-1, keepdim=True)  # [T, H, 1]
+        if d_lse is not None:
+            delta_all = delta_all - d_lse.to(acc).unsqueeze(-1)
     d_o = torch.nn.functional.pad(d_o, (0, width - rank))  # [T, H, R + E], zeros over the rope columns
     d_q = torch.empty_like(q)
     d_table = torch.zeros_like(table) if row_grads else None
@@ -295,10 +298,12 @@ def sparse_latent_attention_reference(q_lat, q_rope, latents, ropes, positions, 
 
 # -- one page of rows at a time (context parallelism: the rows' owner computes their partial) -----------------------
 def _page_slots(positions, valid, page_start, page_tokens):
-    """The selected positions of a query block that lie in the page [page_start, page_start + page_tokens):
-    (active queries [A] (those with at least one), slots [A, m] (rows of the page), slot_valid [A, m]) with m the
-    most any query has there, or None when no query has one. Only those rows are gathered: a page costs what its
-    share of the selection costs, not a dense pass over its rows."""
+    """The selected positions that lie in the page [page_start, page_start + page_tokens): (active queries [A]
+    (those with at least one), slots [A, m] (rows of the page, 0 where unused), slot_valid [A, m]) with m the most
+    any query has there, or None when no query has one. Each query's rows keep their order in its selection: a
+    row's slot is the count of the query's selected rows there before it (a cumulative sum and one scatter, no
+    sort), the rows elsewhere go to a spare column that is dropped. Only those rows are gathered: a page costs what
+    its share of the selection costs, not a pass over every slot of every query."""
     inside = valid & (positions >= page_start) & (positions < page_start + page_tokens)
     counts = inside.sum(-1)
     active = counts.nonzero().squeeze(-1)
@@ -306,27 +311,17 @@ def _page_slots(positions, valid, page_start, page_tokens):
         return None
     inside = inside.index_select(0, active)
     most = int(counts.max())
-    order = torch.sort(inside.to(torch.int8), dim=-1, descending=True, stable=True).indices[:, :most]
-    slot_valid = inside.gather(-1, order)
-    slots = positions.index_select(0, active).gather(-1, order) - page_start
-    return active, torch.where(slot_valid, slots, torch.zeros_like(slots)), slot_valid
+    place = torch.where(inside, inside.cumsum(-1) - 1, most)
+    local = torch.where(inside, positions.index_select(0, active) - page_start, 0)
+    slots = local.new_zeros(active.numel(), most + 1).scatter_(1, place, local)[:, :most]
+    slot_valid = inside.new_zeros(active.numel(), most + 1).scatter_(1, place, inside)[:, :most]
+    return active, slots, slot_valid
 
 
-def _page_blocks(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
-    """The query blocks of a page walk: for each block that selected rows of the page, (rows of the block's
-    active queries (absolute), the slots' validity [A, m], their latent and rope rows [A, m, ...] in the
-    accumulation dtype, the active queries' q_lat and q_rope in it)."""
-    tokens, _, rank = q_lat.shape
-    acc = _acc(q_lat.dtype)
-    block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
-    for q0 in range(0, tokens, block):
-        q1 = min(tokens, q0 + block)
-        found = _page_slots(positions[q0:q1], valid[q0:q1], page_start, latent_page.shape[0])
-        if found is None:
-            continue
-        active, slots, slot_valid = found
-        yield (q0 + active, slots, slot_valid, latent_page[slots].to(acc), rope_page[slots].to(acc),
-               q_lat[q0:q1].index_select(0, active).to(acc), q_rope[q0:q1].index_select(0, active).to(acc))
+def _page_block(found, q_lat, q_rope):
+    """Query blocks for a page's compacted slots: their rows [Tq, m, R + E] bound the transient memory."""
+    active, slots, _ = found
+    return _query_block(slots.shape[1] * (q_lat.shape[-1] + q_rope.shape[-1]), active.numel())
 
 
 def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, scale):
@@ -344,14 +339,14 @@ def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, v
     acc = _acc(q_lat.dtype)
     out = torch.zeros(tokens, heads, rank, dtype=acc, device=q_lat.device)
     lse = torch.full((tokens, heads), float("-inf"), dtype=acc, device=q_lat.device)
-    with torch.no_grad():
-        for rows, _, slot_valid, rows_lat, rows_rope, q_l, q_r in _page_blocks(
-                q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
-            s = _block_scores(q_l, q_r, rows_lat, rows_rope, slot_valid, scale, acc)
-            block_lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - block_lse.unsqueeze(-1))
-            out[rows] = torch.einsum("thk,tkr->thr", p, rows_lat)
-            lse[rows] = block_lse
+    found = _page_slots(positions, valid, page_start, latent_page.shape[0])
+    if found is None:
+        return out, lse
+    active, slots, slot_valid = found
+    with torch.no_grad():  # the segment's table path over the page: one gather and two products per query block
+        out[active], lse[active] = _forward_table(
+            q_lat.index_select(0, active), q_rope.index_select(0, active), [latent_page], [rope_page], slots,
+            slot_valid, scale, _page_block(found, q_lat, q_rope), out_dtype=acc)
     return out, lse
 
 
@@ -369,22 +364,16 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     acc = _acc(q_lat.dtype)
     d_q_lat = torch.zeros(q_lat.shape, dtype=acc, device=q_lat.device)
     d_q_rope = torch.zeros(q_rope.shape, dtype=acc, device=q_rope.device)
-    d_lat = torch.zeros(latent_page.shape, dtype=acc, device=latent_page.device)
-    d_rope = torch.zeros(rope_page.shape, dtype=acc, device=rope_page.device)
-    with torch.no_grad():
-        for rows, slots, slot_valid, rows_lat, rows_rope, q_l, q_r in _page_blocks(
-                q_lat, q_rope, latent_page, rope_page, page_start, positions, valid):
-            s = _block_scores(q_l, q_r, rows_lat, rows_rope, slot_valid, scale, acc)
-            p = torch.exp(s - _finite(lse.index_select(0, rows).to(acc)).unsqueeze(-1))  # [A, H, m]
-            d_o = d_out.index_select(0, rows).to(acc)
-            d_p = torch.einsum("thr,tkr->thk", d_o, rows_lat)
-            d_s = p * (d_p - delta.index_select(0, rows).to(acc).unsqueeze(-1)) * scale
-            d_q_lat[rows] = torch.einsum("thk,tkr->thr", d_s, rows_lat)
-            d_q_rope[rows] = torch.einsum("thk,tke->the", d_s, rows_rope)
-            d_rows_lat = torch.einsum("thk,thr->tkr", d_s, q_l) + torch.einsum("thk,thr->tkr", p, d_o)
-            d_rows_rope = torch.einsum("thk,the->tke", d_s, q_r)
-            # every slot is added, an unselected one (slot 0, p = 0) as exact zeros: no boolean-mask compaction
-            flat = slots.reshape(-1)
-            d_lat.index_add_(0, flat, d_rows_lat.reshape(flat.shape[0], -1))
-            d_rope.index_add_(0, flat, d_rows_rope.reshape(flat.shape[0], -1))
-    return d_q_lat, d_q_rope, d_lat, d_rope
+    found = _page_slots(positions, valid, page_start, latent_page.shape[0])
+    if found is None:
+        return (d_q_lat, d_q_rope, torch.zeros(latent_page.shape, dtype=acc, device=latent_page.device),
+                torch.zeros(rope_page.shape, dtype=acc, device=rope_page.device))
+    active, slots, slot_valid = found
+    with torch.no_grad():  # the segment's backward over the page, from the merged lse and delta
+        d_lat_q, d_rope_q, d_table = _backward_blocks(
+            q_lat.index_select(0, active), q_rope.index_select(0, active), [latent_page], [rope_page], slots,
+            slot_valid, None, lse.index_select(0, active), d_out.index_select(0, active), None, scale,
+            _page_block(found, q_lat, q_rope), True, delta=delta.index_select(0, active))
+    d_q_lat[active], d_q_rope[active] = d_lat_q, d_rope_q
+    rank = q_lat.shape[-1]
+    return d_q_lat, d_q_rope, d_table[:, :rank].contiguous(), d_table[:, rank:].contiguous()
