@@ -85,14 +85,26 @@ def answer(prompt_ids) -> int:
 
 def reward(prompt_ids, response_ids) -> float:
     """1.0 when the response begins with the queried key's value, else 0.0."""
-    response = torch.as_tensor(response_ids).tolist()
-    return 1.0 if response and response[0] == answer(prompt_ids) else 0.0
+    return first_token_reward(answer, prompt_ids, response_ids)
 
 
 def batch(seed, first, count, **sizes):
     """(prompts [count, prompt_tokens], answers [count]) of prompts first .. first+count-1 of stream `seed`."""
-    prompts = torch.stack([prompt(seed, first + i, **sizes) for i in range(count)])
-    return prompts, torch.tensor([answer(p) for p in prompts])
+    return batch_of(prompt, answer, seed, first, count, **sizes)
+
+
+# -- shared by the tasks whose answer is one token (reread.py) ------------------------------------------------------
+def first_token_reward(answer_of, prompt_ids, response_ids) -> float:
+    """1.0 when the response begins with answer_of(prompt_ids), else 0.0."""
+    response = torch.as_tensor(response_ids).tolist()
+    return 1.0 if response and response[0] == answer_of(prompt_ids) else 0.0
+
+
+def batch_of(prompt_of, answer_of, seed, first, count, **sizes):
+    """(prompts [count, prompt_tokens], answers [count]): prompt_of(seed, index, **sizes) for the indices first ..
+    first+count-1, and answer_of each."""
+    prompts = torch.stack([prompt_of(seed, first + i, **sizes) for i in range(count)])
+    return prompts, torch.tensor([answer_of(p) for p in prompts])
 
 
 @torch.no_grad()

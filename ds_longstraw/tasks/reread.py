@@ -32,7 +32,8 @@ the end.
 
 import torch
 
-from ds_longstraw.tasks.recall import accuracy  # noqa: F401 -- greedy exact match on the last position, shared
+# accuracy: greedy exact match on the last position, shared
+from ds_longstraw.tasks.recall import accuracy, batch_of, first_token_reward  # noqa: F401
 
 MARKER, ASK_FIRST, ASK_SECOND = 0, 1, 2
 FIRST_KEY = 3
@@ -111,11 +112,9 @@ def answer(prompt_ids) -> int:
 
 def reward(prompt_ids, response_ids) -> float:
     """1.0 when the response begins with the field the query asks for, else 0.0."""
-    response = torch.as_tensor(response_ids).tolist()
-    return 1.0 if response and response[0] == answer(prompt_ids) else 0.0
+    return first_token_reward(answer, prompt_ids, response_ids)
 
 
 def batch(seed, first, count, **sizes):
     """(prompts [count, prompt_tokens], answers [count]) of prompts first .. first+count-1 of stream `seed`."""
-    prompts = torch.stack([prompt(seed, first + i, **sizes) for i in range(count)])
-    return prompts, torch.tensor([answer(p) for p in prompts])
+    return batch_of(prompt, answer, seed, first, count, **sizes)
