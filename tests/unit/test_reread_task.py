@@ -7,7 +7,7 @@
             right for "!" (the warm-up's habit scores 0)
   sizes:    sizes that cannot fit are ValueErrors naming the size and its value
 The learning test (GRPO from the warm-up raises the second field's accuracy, exact mode) is
-tests/launcher/test_reread_task.py.
+tests/launcher/test_reread_grpo.py.
 """
 
 import pytest
