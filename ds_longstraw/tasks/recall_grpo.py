@@ -64,7 +64,12 @@ def _one_rank():
         yield
     finally:
         if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            # through DeepSpeed's comm, which also drops the groups DeepSpeed cached from this one (its world and
+            # data-parallel groups): torch's call alone leaves them behind, and a second run in this process (a
+            # study's next seed, another task's test) then asks a destroyed group for its rank
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

@@ -49,3 +49,23 @@ def test_grpo_exact_leaves_the_first_field(tmp_path):
     # measured on 2 cores shared with other work (load ~5): 42 s with the warm-up cached, 131 s from a clean clone
     # (the warm-up built here, 97 s of CPU in all); the bound leaves room for a busier machine
     assert time.perf_counter() - start < 300
+
+
+@pytest.mark.slow
+def test_two_runs_in_one_process(tmp_path):
+    """recall_grpo.train twice in one process (a study's seeds, the recall and reread tests in one pytest run): the
+    first run's process group is torn down with the groups DeepSpeed cached from it, so the second builds its
+    engine on its own group (with torch's teardown alone, ZeRO-3 asked the destroyed group for its rank)."""
+    from ds_longstraw.tasks import recall_demo, recall_grpo
+
+    torch.set_num_threads(1)
+    warm, _ = recall_demo.warm_checkpoint(WARMUP_DIR, log=lambda line: None, task=reread,
+                                          short=reread.WARMUP_SIZES, recipe=reread.WARMUP,
+                                          eval_lengths=reread.WARMUP_EVAL_LENGTHS)
+    run_config = recall_grpo.CONFIGS_DIR / "run" / "reread_task.yaml"
+    for run in range(2):
+        result = recall_grpo.train(tmp_path / str(run), warm_dir=warm, prefix_grad="detached", seed=run, steps=1,
+                                   eval_every=1, eval_lengths=(LENGTH,), eval_prompts=16, run_config=run_config,
+                                   log=lambda line: None)
+        assert [e["step"] for e in result["evals"]] == [0, 1]
+    assert not torch.distributed.is_initialized()
