@@ -29,6 +29,7 @@ chat-template parser (token ids in, token ids out; integrations/trl maps TRL's t
 
 from __future__ import annotations
 
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -135,9 +136,13 @@ class TurnRules:
     # an observation runs through the model in forwards of at most this many tokens (the longstraw block's
     # capture_chunk, as the prompt's capture): its activations are a chunk's, not the whole observation's
     chunk: int = 1 << 62
-    # seconds of the observations' forwards so far (generate reports them as its "observations" phase, inside
-    # "decode")
+    # seconds of the observations' forwards so far (generate reports them, with `asked`'s wall seconds, as its
+    # "observations" phase, inside "decode")
     captured: list = field(default_factory=lambda: [0.0])
+    # [wall, CPU] seconds so far of asking for observations: the environment's answer (a tool's run, under context
+    # parallelism the wait for the first rank's) and taking it into the response. Not decoding: a decode step's
+    # time (generate.DecodeStep) leaves it out, as it leaves out the observation's forward
+    asked: list = field(default_factory=lambda: [0.0, 0.0])
 
     def note_captured(self, seconds: float) -> None:
         self.captured[0] += seconds
@@ -153,7 +158,12 @@ class TurnRules:
         """Take sample `sample`'s drawn token: ([], the token to feed next) where it decodes on; (the tokens to
         capture, the token to feed after them) where the environment answered; ([], the token) where it ended."""
         if response.draw(token, logp):
-            capture = response.observe(self.ask(sample, response.ids))
+            began, began_cpu = time.perf_counter(), time.process_time()
+            try:
+                capture = response.observe(self.ask(sample, response.ids))
+            finally:
+                self.asked[0] += time.perf_counter() - began
+                self.asked[1] += time.process_time() - began_cpu
             if capture is not None:
                 return capture
         return [], token

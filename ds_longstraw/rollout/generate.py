@@ -82,8 +82,8 @@ if TYPE_CHECKING:
 class DecodeStep:
     """One step of the batched decode: `samples` decoded one token each, the longest of them at `context` tokens
     (prompt and response so far), in `seconds` of wall time and `cpu_seconds` of the process's CPU time (the
-    forward, the head, the draw; the observations' forwards the step started are not counted). CPU time is what
-    the step cost where other work shares the cores."""
+    forward, the head, the draw; the observations the step asked for are not counted: neither the environment's
+    answers nor their forwards). CPU time is what the step cost where other work shares the cores."""
 
     samples: int
     context: int
@@ -98,8 +98,8 @@ class Rollouts:
     1; no top-p truncation): the sampling policy's log-probs, usable as a GRPOGroup's old_logprobs (0.0 at an
     observation's tokens); finished: whether each sample ended with eos, or its environment ended it (else it stopped
     at max_new_tokens or max_turns); seed: the seed that reproduces the samples (drawn at random when none was
-    given); phases: name -> memory.PhaseStats of "capture" and "decode" (and "observations", the seconds of the
-    observations' forwards within "decode"). With an environment (rollout/environment.py): response_masks, G boolean
+    given); phases: name -> memory.PhaseStats of "capture" and "decode" (and "observations", the seconds within
+    "decode" of the observations: the environment's answers and their forwards). With an environment (rollout/environment.py): response_masks, G boolean
     tensors (True: an action token the policy sampled, False: an observation's), and turns, the observations each
     sample got; without one response_masks is None and turns all 0. decode_steps: one DecodeStep per step of the
     batched decode (empty with batched=False): how many samples it decoded, at what context, in how many seconds;
@@ -384,8 +384,8 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
         finally:
             if kept is None:
                 state.release()  # page files of a host/NVMe tier go on error as on success
-    if rules.ask is not None:  # the observations' forwards, inside "decode": seconds only (its peak is decode's)
-        meter.phases["observations"] = PhaseStats(seconds=rules.captured[0], peak_measured=False)
+    if rules.ask is not None:  # the observations, inside "decode": seconds only (its peak is decode's)
+        meter.phases["observations"] = PhaseStats(seconds=rules.captured[0] + rules.asked[0], peak_measured=False)
     ids, logprobs, finished, masks, turns = (list(column) for column in zip(*samples, strict=True)) if samples \
         else ([],) * 5
     return Rollouts(prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs, finished=finished,
@@ -508,6 +508,7 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
             _ghost_steps(adapter, view, start, max_new - step, True, schedule)
             break
         began, began_cpu = time.perf_counter(), time.process_time()
+        asked, asked_cpu = rules.asked  # the environment's time this step (rules.step) is not the step's
         lengths = [own.lengths[sample] for sample in active]
         # no observation yet: one position for all
         position = start + lengths[0] if len(set(lengths)) == 1 else start + torch.tensor(lengths)
@@ -539,7 +540,9 @@ def _decode_batch(adapter: CausalLMAdapter, view: ReplayView, start: int, first:
         rules.note_captured(time.perf_counter() - captured)
         _ghost_captures(adapter, view, start, common - len(forwards))
         if steps is not None:  # the context: the prompt, the sample's response so far and this step's token
-            steps.append(DecodeStep(len(active), start + max(lengths) + 1, captured - began, captured_cpu - began_cpu))
+            asked, asked_cpu = rules.asked[0] - asked, rules.asked[1] - asked_cpu
+            steps.append(DecodeStep(len(active), start + max(lengths) + 1, captured - began - asked,
+                                    captured_cpu - began_cpu - asked_cpu))
         if len(keep) < len(active):  # finished samples leave the batch
             index = torch.tensor(keep, dtype=torch.long, device=adapter.device)
             carry = {layer: tuple(t.index_select(0, index) for t in parts) for layer, parts in carry.items()}

@@ -12,6 +12,8 @@ the order of their sums; measured ~1e-15). Token ids exactly. Response-row buffe
 sample does not have share the batched buffer with rows it has, and must never reach its output.
 """
 
+import time
+
 import pytest
 import torch
 from cp_scripts.rollout_ranks import case_rollouts, run_rollouts
@@ -115,6 +117,34 @@ def _assert_decode_steps(result, prompt):
     assert all(step.seconds > 0 and step.cpu_seconds > 0 for step in steps)
     decoding = result.phases["decode"].seconds - result.phases["observations"].seconds
     assert sum(step.seconds for step in steps) <= decoding
+
+
+class _SlowTable(ToolTable):
+    """A ToolTable whose every answer burns BURN seconds of CPU (a tool's run)."""
+
+    BURN = 0.2
+
+    def observe(self, sample, response_ids):
+        began = time.process_time()
+        while time.process_time() - began < self.BURN:
+            pass
+        return super().observe(sample, response_ids)
+
+
+def test_decode_steps_leave_out_the_environment(models):
+    """A tool's run is not decoding: with an environment that burns 0.2 s of CPU per answer, no decode step counts
+    it (a tiny model's step takes a few ms of CPU) and the "observations" phase does (with the observations'
+    forwards), so that the decode phase less the observations still holds every step (_assert_decode_steps)."""
+    model, prompt = models["qwen3_5"], _prompt("qwen3_5")
+    env = _SlowTable(STOPS)
+    with float64_model():
+        result = generate(model, prompt, 3, 24, temperature=0.9, seed=5, environment=env, max_turns=2,
+                          longstraw=FAMILIES["qwen3_5"]["longstraw"])
+    asked = len(env.calls)
+    assert asked >= 2  # the case is exercised
+    assert max(step.cpu_seconds for step in result.decode_steps) < _SlowTable.BURN
+    assert result.phases["observations"].seconds >= asked * _SlowTable.BURN
+    _assert_decode_steps(result, prompt)
 
 
 def test_the_budget_cuts_an_observation(models):
