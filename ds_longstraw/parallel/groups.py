@@ -218,6 +218,42 @@ def _nbytes(tensor):
     return tensor.numel() * tensor.element_size()
 
 
+class TokenBytes:
+    """Tensors that share their token count along `dim`, laid out as one row of bytes per token: rows [T, B] uint8
+    (each tensor's elements of a token, tensor after tensor), so that they travel in one collective. unpack(rows)
+    takes any [T', B] rows of the same layout back to the tensors (T' tokens each): bit for bit, booleans
+    included (they travel as uint8)."""
+
+    def __init__(self, tensors, dim):
+        self.dim, self.layouts, columns = dim, [], []
+        for tensor in tensors:
+            wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
+            moved = wire.movedim(dim, 0).contiguous()
+            row = moved.reshape(moved.shape[0], math.prod(moved.shape[1:]))
+            if row.shape[1] == 0:
+                row = row.new_empty(row.shape, dtype=torch.uint8)
+            elif moved.element_size() > 1:
+                row = row.view(torch.uint8)  # [T, n] -> [T, n * element size]
+            columns.append(row)
+            self.layouts.append((tensor.dtype, wire.dtype, tuple(moved.shape[1:]), row.shape[1]))
+        self.rows = torch.cat(columns, 1) if len(columns) > 1 else columns[0]
+
+    def unpack(self, rows):
+        out, at = [], 0
+        for dtype, wire_dtype, shape, width in self.layouts:
+            # a fresh [T', width] block: a view's row stride stays the whole row's where T' is 0 or 1 (contiguous()
+            # then keeps it), which view(dtype) refuses
+            piece = rows.new_empty(rows.shape[0], width).copy_(rows[:, at: at + width])
+            at += width
+            if width == 0:
+                piece = piece.new_empty(piece.shape, dtype=wire_dtype)
+            elif wire_dtype.itemsize > 1:
+                piece = piece.view(wire_dtype)
+            piece = piece.reshape(rows.shape[0], *shape).movedim(0, self.dim)
+            out.append(piece.bool() if dtype == torch.bool else piece)
+        return tuple(out)
+
+
 class CPContext:
     """A context-parallel process group and its bookkeeping.
 
@@ -301,35 +337,38 @@ class CPContext:
 
     def gather_tokens(self, tensors, dim=0, layer=-1, op="gather_tokens"):
         """Every rank's `tensors` (each with this rank's own number of tokens along `dim`, the same on all of its
-        tensors), concatenated in rank order; returns (tuple of gathered tensors, token counts by rank). Booleans
-        travel as uint8 (not every backend reduces or gathers bool)."""
+        tensors), concatenated in rank order; returns (tuple of gathered tensors, token counts by rank). The
+        tensors travel together as one row of bytes per token (TokenBytes): one all_gather of the counts and one
+        of the rows, however many tensors (a replayed block's exchange per layer was one collective per tensor)."""
         count = torch.tensor([tensors[0].shape[dim]], dtype=torch.int64)
         counts = [torch.zeros_like(count) for _ in range(self.size)]
         with self.waiting():
             dist.all_gather(counts, count, group=self.process_group)
         counts = [int(c) for c in counts]
-        width = max(counts)
-        out = []
-        for tensor in tensors:
-            wire = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
-            pad = [0, 0] * (wire.dim() - 1 - dim % wire.dim()) + [0, width - wire.shape[dim]]
-            parts = self.all_gather(torch.nn.functional.pad(wire, pad), layer, op)
-            whole = torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, counts, strict=True)], dim)
-            out.append(whole.bool() if tensor.dtype == torch.bool else whole)
-        return tuple(out), counts
+        packed = TokenBytes(tensors, dim)
+        rows = torch.nn.functional.pad(packed.rows, (0, 0, 0, max(counts) - counts[self.rank]))
+        parts = self.all_gather(rows, layer, op)
+        whole = torch.cat([part[:n] for part, n in zip(parts, counts, strict=True)])
+        return packed.unpack(whole), counts
 
     def return_tokens(self, tensor, counts, dim=0, layer=-1, op="return_tokens"):
         """The inverse journey of gather_tokens: `tensor` holds every rank's tokens along `dim` (counts by rank, in
         rank order); rank r gets its own tokens' slice from every rank. Returns the slices by source rank."""
-        moved = tensor.movedim(dim, 0).contiguous()
-        row = math.prod(moved.shape[1:])
-        recv = torch.empty(self.size * counts[self.rank] * row, dtype=tensor.dtype, device=tensor.device)
+        return self.return_tokens_together((tensor,), counts, dim, layer, op)[0]
+
+    def return_tokens_together(self, tensors, counts, dim=0, layer=-1, op="return_tokens"):
+        """return_tokens of several tensors with the same tokens along `dim`, in one all_to_all (one row of bytes
+        per token): per tensor, its slices by source rank."""
+        packed = TokenBytes(tensors, dim)
+        width = packed.rows.shape[1]
+        mine = counts[self.rank] * width
+        recv = torch.empty(self.size * mine, dtype=torch.uint8, device=packed.rows.device)
         with self.waiting():
-            dist.all_to_all_single(recv, moved.reshape(-1), [counts[self.rank] * row] * self.size,
-                                   [n * row for n in counts], group=self.process_group)
-        self.traffic.add(self.phase_name, layer, op, (self.size - 1) * counts[self.rank] * row * tensor.element_size())
-        shape = (counts[self.rank], *moved.shape[1:])
-        return [piece.view(shape).movedim(0, dim) for piece in recv.split(counts[self.rank] * row)]
+            dist.all_to_all_single(recv, packed.rows.reshape(-1), [mine] * self.size, [n * width for n in counts],
+                                   group=self.process_group)
+        self.traffic.add(self.phase_name, layer, op, (self.size - 1) * mine)
+        slices = [packed.unpack(piece.view(counts[self.rank], width)) for piece in recv.split(mine)]
+        return [list(by_rank) for by_rank in zip(*slices, strict=True)]
 
     def send(self, tensor, dst):
         with self.waiting():

@@ -455,3 +455,31 @@ def test_auto_scan_holds_outputs_where_they_fit():
     assert not holds_scan_outputs(auto, int(SCAN_HOLD_FRACTION * 96 * gib) + 1, cuda, device_total=96 * gib)
     assert not holds_scan_outputs(LongstrawConfig(cp_size=2, cp_scan="two_pass"), 0, cpu)
     assert holds_scan_outputs(LongstrawConfig(cp_size=2, cp_scan="one_pass"), 10 ** 15, cuda, device_total=1)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_token_bytes_round_trip_bit_for_bit(dim):
+    """CPContext's exchanges carry several tensors as one row of bytes per token (TokenBytes): every dtype the
+    replay sends (float64/32, bfloat16, int32, bool), a [T] vector, a tensor with no elements per token, and any run
+    of the rows (a rank's tokens) come back bit for bit with their dtypes; a layout off by one byte would not."""
+    from ds_longstraw.parallel.groups import TokenBytes
+
+    g = torch.Generator().manual_seed(0)
+    tokens = 5
+    # per tensor: its shape with the tokens at `dim` (T), its dtype
+    cases = {0: [((5, 3, 2), torch.float64), ((5, 4), torch.bfloat16), ((5, 0), torch.float32),
+                 ((5, 2, 3), torch.int32), ((5, 7), torch.bool), ((5,), torch.float32)],
+             1: [((3, 5, 2), torch.float64), ((2, 5), torch.bfloat16), ((0, 5), torch.float32),
+                 ((4, 5, 3), torch.int32), ((2, 5, 1), torch.bool)]}[dim]
+    tensors = []
+    for shape, dtype in cases:
+        value = torch.randn(shape, generator=g) * 100
+        tensors.append(value > 0 if dtype == torch.bool else value.to(dtype))
+    packed = TokenBytes(tensors, dim)
+    assert packed.rows.dtype == torch.uint8 and packed.rows.shape[0] == tokens
+    assert packed.rows.shape[1] == sum(t.numel() * t.element_size() for t in tensors) // tokens
+    for rows, lo, hi in [(packed.rows, 0, tokens), (packed.rows[1:4], 1, 4), (packed.rows[:0], 0, 0)]:
+        back = packed.unpack(rows)
+        for got, want in zip(back, tensors, strict=True):
+            assert got.dtype == want.dtype
+            assert torch.equal(got, want.narrow(dim, lo, hi - lo))

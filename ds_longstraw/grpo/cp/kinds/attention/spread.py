@@ -30,8 +30,7 @@ class SpreadPagesAttention:
     def forward(self, layer: int, q_HTD: torch.Tensor) -> Partial:
         (q_all,), counts = self.cp.gather_tokens((q_HTD,), 1, layer, "spread_q")
         out, lse = self.pages.own_partial(layer, q_all)
-        outs = self.cp.return_tokens(out, counts, 1, layer, "spread_out")
-        lses = self.cp.return_tokens(lse, counts, 1, layer, "spread_lse")
+        outs, lses = self.cp.return_tokens_together((out, lse), counts, 1, layer, "spread_partial")
         return merge_in_order(list(zip(outs, lses, strict=True)))
 
     def backward(self, layer: int, q_HTD: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dout_HTD: torch.Tensor,

@@ -1,5 +1,6 @@
 """The "topk_lse" layers' replay spread (grpo/cp/spread.py says the schedule): selectors and queries of every rank
-against every rank's pages by all-gather, candidates and partials back to their owners by all-to-all."""
+against every rank's pages by all-gather, candidates and partials back to their owners by all-to-all. Each exchange
+carries all of its tensors in one collective (CPContext.gather_tokens, return_tokens_together)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ class SpreadSparsePagesAttention:
     def candidates(self, layer: int, selector: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
         gathered, counts = self.cp.gather_tokens(tuple(selector), 0, layer, "spread_selector")
         scores, positions = self.pages.own_candidates(layer, gathered)
-        all_scores = self.cp.return_tokens(scores, counts, 0, layer, "spread_candidate_scores")
-        all_positions = self.cp.return_tokens(positions, counts, 0, layer, "spread_candidates")
+        all_scores, all_positions = self.cp.return_tokens_together((scores, positions), counts, 0, layer,
+                                                                   "spread_candidates")
         return merge_rank_candidates(self.adapter, all_scores, all_positions)
 
     def attend(self, layer: int, query: tuple[torch.Tensor, ...], positions: torch.Tensor,
@@ -54,8 +55,7 @@ class SpreadSparsePagesAttention:
         (*q_all, pos_all, valid_all), counts = self.cp.gather_tokens((*query, positions, valid), 0, layer,
                                                                      "spread_query")
         out, lse = self.pages.own_partial(layer, Selected(tuple(q_all), pos_all, valid_all))
-        outs = self.cp.return_tokens(out, counts, 0, layer, "spread_out")
-        lses = self.cp.return_tokens(lse, counts, 0, layer, "spread_lse")
+        outs, lses = self.cp.return_tokens_together((out, lse), counts, 0, layer, "spread_partial")
         return merge_partials_as(self.adapter.sparse_geometry(layer), list(zip(outs, lses, strict=True)))
 
     def partial_grads(self, layer: int, selected: Selected, partial: Partial,
@@ -67,7 +67,8 @@ class SpreadSparsePagesAttention:
         q_all, (pos_all, valid_all) = tuple(gathered[: len(query)]), gathered[len(query):]
         shares = self.pages.own_grads(layer, Selected(q_all, pos_all, valid_all),
                                       MergedGrad(lse_all, d_out_all, delta_all))
-        return [sum_in_order(self.cp.return_tokens(share, counts, 0, layer, "spread_dq")) for share in shares]
+        return [sum_in_order(by_rank)
+                for by_rank in self.cp.return_tokens_together(tuple(shares), counts, 0, layer, "spread_dq")]
 
     def close(self) -> None:
         self.pages.close()
