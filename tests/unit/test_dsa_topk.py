@@ -64,6 +64,37 @@ def test_ties_straddling_the_kth_place_keep_position_order(dtype):
     assert dsa.canonical_top(scores, 3, ties).tolist() == [[3, 0, 5], [0, 1, 2], [3, 1, 0]]
 
 
+
+def test_canonical_keys_sort_float32_as_the_stable_sort():
+    """float32 scores without ties take one sort of int64 keys (_canonical_keys): sorting a row's keys gives the
+    reference's whole canonical order, over values that stress the bit trick: -0.0 beside 0.0 (equal scores),
+    negative and positive values of one magnitude, subnormals, the largest finite values, -inf (no candidate) and
+    +inf. A key that kept -0.0 below 0.0, or left the negative values' low bits unflipped, orders them otherwise."""
+    tiny, big = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, tiny / 4, -tiny / 4, tiny, -tiny, big, -big, float("inf"), NEG,
+                           2.5, -2.5, 3.0, -3.0], dtype=torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    rows, n = 16, 40
+    scores = values[torch.randint(0, values.numel(), (rows, n), generator=gen)]
+    keys = dsa._canonical_keys(scores, torch.arange(n).expand(rows, n))
+    assert torch.equal(torch.sort(keys, dim=-1).values & 0xFFFFFFFF, dsa.canonical_top_reference(scores, n))
+
+
+@pytest.mark.parametrize("n,k", [(4608, 512), (700, 512)])
+def test_canonical_top_at_the_model_scale(n, k):
+    """The small GLM shape's merge (512 of 512 + 4,096 candidates) in float32: scores from a ReLU of few levels, so
+    that many are exactly 0.0 or -0.0 and rows with fewer positive scores than k rebuild their ties, beside rows
+    without a tie at the k-th place and rows of fewer than k candidates (-inf)."""
+    gen = torch.Generator().manual_seed(n + k)
+    rows = 24
+    scores = torch.relu(torch.randint(-8, 40, (rows, n), generator=gen).float()) * torch.tensor([1.0, -1.0])[
+        torch.randint(0, 2, (rows, 1), generator=gen)]
+    scores[:8] = torch.randn(8, n, generator=gen)  # no ties
+    scores[8:12, :300] = torch.randint(1, 9, (4, 300), generator=gen).float()  # fewer than k positive: ties at 0
+    scores[8:12, 300:] = 0.0
+    scores[12, 100:] = NEG  # fewer than k candidates
+    assert torch.equal(dsa.canonical_top(scores, k), dsa.canonical_top_reference(scores, k))
+
 def _canonical(scores, positions, k):
     """A canonical candidate set (scores, positions) [T, min(k, n)] from raw scores at positions [n] (a stable
     sort over the positions in ascending order: score descending, position ascending)."""

@@ -177,3 +177,42 @@ def test_pages_merged_equal_plain_autograd(monkeypatch, block):
     for page, g in enumerate(grads):
         torch.testing.assert_close(g[2], plain[2 + page], rtol=0, atol=TOL)
         torch.testing.assert_close(g[3], plain[2 + pages + page], rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize("block", [2, 3], ids=lambda b: f"block{b}")
+def test_blocks_fully_selected_and_not(monkeypatch, block):
+    """A causal selection as a prompt makes it (query t selects up to K = 5 of positions 0 .. t): the first queries'
+    blocks have unselected slots and are masked, the later ones are wholly selected and skip the mask; one query
+    in a late block selects nothing (o_lat 0, lse -inf, no gradient from it). Values and gradients equal plain
+    autograd over the queries that select something; a block taken as wholly selected while it is not would
+    attend position 0 in its unselected slots."""
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", block * 5 * (6 + 4))
+    gen = torch.Generator().manual_seed(block)
+    tokens, heads, k, lengths = 13, 2, 5, [4, 9]
+    positions = torch.stack([torch.nn.functional.pad(torch.randperm(t + 1, generator=gen)[:k], (0, max(0, k - t - 1)))
+                             for t in range(tokens)])
+    valid = torch.arange(k).unsqueeze(0) <= torch.arange(tokens).unsqueeze(1)
+    empty = 10
+    valid[empty] = False
+    positions = torch.where(valid, positions, torch.zeros_like(positions))
+    full = sparse_mla._selected(valid, block)
+    assert any(full) and not all(full)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q_lat, q_rope = randn(tokens, heads, 6), randn(tokens, heads, 4)
+    latents, ropes = [randn(n, 6) for n in lengths], [randn(n, 4) for n in lengths]
+    inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
+    d_out, d_lse = randn(tokens, heads, 6), randn(tokens, heads)
+    out, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, 0.7,
+                                                  with_lse=True)
+    assert torch.equal(out[empty].detach(), torch.zeros(heads, 6)) and bool(torch.isneginf(lse[empty]).all())
+    some = torch.arange(tokens) != empty
+    grads = torch.autograd.grad((out[some] * d_out[some]).sum() + (lse[some] * d_lse[some]).sum(), inputs)
+    plain_out, plain_lse = _plain(q_lat[some], q_rope[some], latents, ropes, positions[some], valid[some], 0.7)
+    torch.testing.assert_close(out[some], plain_out, rtol=0, atol=TOL)
+    torch.testing.assert_close(lse[some], plain_lse, rtol=0, atol=TOL)
+    plain = torch.autograd.grad((plain_out * d_out[some]).sum() + (plain_lse * d_lse[some]).sum(), inputs)
+    for grad, ref in zip(grads, plain, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=0, atol=TOL)

@@ -33,8 +33,10 @@ from ..dispatch import fast_path, record
 from . import triton_selection
 
 # Elements of one query block's indexer scores [Tq, I, keys]: the unit that bounds the transient memory of the
-# selection. 2^24 elements are 64 MiB in float32.
-BLOCK_ELEMENTS = 1 << 24
+# selection. 2^20 elements are 4 MiB in float32: a block's scores stay in the CPU's cache from the product to the
+# top-k (on the small GLM shape, 64 queries a block, the selection took half the CPU time of 2^24's 1,024;
+# BENCHMARKS.md, issue 46).
+BLOCK_ELEMENTS = 1 << 20
 # Keys scored at once by the selection (a query block's scores are [Tq, I, KEY_BLOCK]).
 KEY_BLOCK = 4096
 
@@ -77,10 +79,14 @@ def canonical_top(scores_TN, k, ties_TN=None):
     the k-th place; where they are equal (ties straddling the k-th place: equal scores, or -inf where a row holds
     fewer than k candidates) the row is rebuilt: every entry above the k-th score and the first of those equal to
     it in (ties, column) order. The k kept columns are then ordered by column, stably by tie, stably by score
-    descending. Scores must not be NaN (an indexer score of finite inputs never is)."""
+    descending. Scores must not be NaN (an indexer score of finite inputs never is). float32 scores without ties_TN
+    (the one-rank selection's) take one sort of int64 keys (score, column) instead of the two sorts
+    (_canonical_top_keyed)."""
     tokens, n = scores_TN.shape
     if k == 0 or k >= n:  # nothing to leave out: the reference's sort is over at most k
         return canonical_top_reference(scores_TN, k, ties_TN)
+    if ties_TN is None and scores_TN.dtype == torch.float32:
+        return _canonical_top_keyed(scores_TN, k)
     values, columns = torch.topk(scores_TN, k + 1, dim=-1, sorted=False)
     last, kth = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values.unbind(-1)
     # the (k+1)-th is unique among the k + 1 where it is below the k-th: drop it (column n sorts past the k kept)
@@ -95,6 +101,33 @@ def canonical_top(scores_TN, k, ties_TN=None):
         columns = columns.gather(-1, torch.sort(ties_TN.gather(-1, columns), dim=-1, stable=True).indices)
     order = torch.sort(scores_TN.gather(-1, columns), dim=-1, descending=True, stable=True).indices
     return columns.gather(-1, order)
+
+
+def _canonical_keys(scores, columns):
+    """int64 keys whose ascending order is the canonical order of float32 `scores` at `columns`: score descending,
+    then column ascending (distinct within a row, as the columns are). A float's bits with the 31 low ones flipped
+    where it is negative are an int32 in the float order (-0.0 first made 0.0: they are equal scores); complemented,
+    that int32 orders descending, and the column fills the 32 low bits."""
+    bits = torch.where(scores == 0, 0.0, scores).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return ((~ordered).to(torch.int64) << 32) | columns
+
+
+def _canonical_top_keyed(scores_TN, k):
+    """canonical_top of float32 scores without ties_TN (k < N): one sort of k + 1 int64 keys per row instead of a
+    sort by column and a stable sort by score. torch.topk of k + 1 holds the k best unless ties straddle the k-th
+    place (the k-th and (k+1)-th keys' scores equal); those rows are rebuilt by _boundary_ties, as in
+    canonical_top, and ordered by their keys."""
+    values, columns = torch.topk(scores_TN, k + 1, dim=-1, sorted=False)
+    keys = torch.sort(_canonical_keys(values, columns), dim=-1).values
+    top = keys[:, :k] & 0xFFFFFFFF
+    straddle = (keys[:, k - 1] >> 32) == (keys[:, k] >> 32)
+    if bool(straddle.any()):
+        rows = straddle.nonzero().squeeze(1)
+        scores_RN = scores_TN.index_select(0, rows)
+        kept = _boundary_ties(scores_RN, scores_RN.gather(-1, top[rows, k - 1:k]), k, None)
+        top[rows] = torch.sort(_canonical_keys(scores_RN.gather(-1, kept), kept), dim=-1).values & 0xFFFFFFFF
+    return top
 
 
 def _boundary_ties(scores_RN, kth_R1, k, ties_RN):
@@ -131,9 +164,25 @@ def merge_candidates(best, part, k):
     in position order (canonical_top; merge_candidates_reference sorts). A score of -inf marks no candidate (a key
     the query cannot see, or padding)."""
     cat_scores = torch.cat([best[0], part[0]], dim=-1)
-    cat_pos = torch.cat([best[1], part[1].expand(part[0].shape[0], -1)], dim=-1)
     order = canonical_top(cat_scores, k)
-    return cat_scores.gather(-1, order), cat_pos.gather(-1, order)
+    return cat_scores.gather(-1, order), _positions_at(best[1], part[1], order)
+
+
+def _positions_at(best_pos, part_pos, order):
+    """cat([best_pos, part_pos expanded to best's rows], -1).gather(-1, order), without the concatenation (a
+    [T, n] int64 tensor per merge, most of whose columns no query keeps): part_pos is [1, m] (one row of positions
+    for every query) or [T, m]."""
+    n_best = best_pos.shape[1]
+    if part_pos.shape[1] == 0:
+        return best_pos.gather(-1, order)
+    from_part = (order - n_best).clamp_(min=0)
+    if part_pos.shape[0] == 1:
+        taken = part_pos[0].index_select(0, from_part.reshape(-1)).view_as(order)
+    else:
+        taken = part_pos.gather(-1, from_part)
+    if n_best:
+        taken = torch.where(order < n_best, best_pos.gather(-1, order.clamp(max=n_best - 1)), taken)
+    return taken
 
 
 def merge_candidate_sets_reference(best, part, k):
@@ -167,8 +216,11 @@ def no_candidates(tokens, dtype, device):
 def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, topk, scale, key_block=None):
     """Candidates of queries at positions query_start .. (None: after every key, so every key is visible) merged
     with keys_ND [N, D] at positions key_start ..: the topk best of best and these keys, canonical (best: None or
-    canonical candidates, all below key_start). Keys a query cannot see score -inf. Gradient-free; memory per
-    query block its scores [Tq, I, key_block] and running best [Tq, topk + key_block]."""
+    canonical candidates, all below key_start). Keys a query cannot see score -inf; a query block scores only the
+    keys up to its last query (those after it are unseen by all of the block), so where a query sees fewer than
+    topk keys its -inf candidates (invalid: candidates_selection drops them) may be fewer or at other positions
+    than a whole key block's. Gradient-free; memory per query block its scores [Tq, I, key_block] and running
+    best [Tq, topk + key_block]."""
     key_block = key_block or KEY_BLOCK
     tokens = q_TID.shape[0]
     acc = score_dtype(q_TID.dtype)
@@ -188,13 +240,16 @@ def extend_candidates(best, q_TID, weights_TI, keys_ND, key_start, query_start, 
             w = weights_TI[q0:q1].to(acc)
             mine = (best[0][q0:q1].to(acc), best[1][q0:q1])
             for k0 in range(0, keys_ND.shape[0], key_block):
-                first = key_start + k0
-                if query_start is not None and first > query_start + q1 - 1:  # beyond every query's horizon
-                    break
-                keys = keys_ND[k0:k0 + key_block].to(acc)
+                first, stop = key_start + k0, k0 + key_block
+                if query_start is not None:
+                    if first > query_start + q1 - 1:  # beyond every query's horizon
+                        break
+                    # keys past the block's last query score -inf for every query of the block: left out
+                    stop = min(stop, query_start + q1 - key_start)
+                keys = keys_ND[k0:stop].to(acc)
                 positions = torch.arange(first, first + keys.shape[0], device=device).unsqueeze(0)
                 scores = _index_scores(q, w, keys, scale)
-                if query_start is not None:
+                if query_start is not None and first + keys.shape[0] - 1 > query_start + q0:  # some unseen
                     query_pos = torch.arange(query_start + q0, query_start + q1, device=device).unsqueeze(1)
                     scores.masked_fill_(positions > query_pos, float("-inf"))  # scores: a fresh tensor
                 mine = merge_candidates(mine, (scores, positions), topk)

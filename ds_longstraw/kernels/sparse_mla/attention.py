@@ -32,8 +32,10 @@ from ..dispatch import fast_path, record
 from . import triton_attention
 
 # Elements of one query block's gathered rows [Tq, K, R + E]: the unit that bounds the transient memory of the
-# attention. 2^24 elements are 64 MiB in float32.
-BLOCK_ELEMENTS = 1 << 24
+# attention. 2^20 elements are 4 MiB in float32: small enough that a block's rows stay in the CPU's cache between
+# the gather and the products that read them (on the small GLM shape, 25 queries a block, the attention took half
+# the CPU time of 2^24's 409, whose 64 MiB of rows went through memory each time; BENCHMARKS.md, issue 46).
+BLOCK_ELEMENTS = 1 << 20
 
 
 def _query_block(per_query, tokens):
@@ -112,27 +114,48 @@ def _block_positions(positions, valid):
     return torch.where(valid, positions, torch.zeros((), dtype=positions.dtype, device=positions.device)).reshape(-1)
 
 
+def _selected(valid, block):
+    """Per query block of `block` queries: whether every slot of it is selected (its scores need no -inf mask), as
+    a list read without a tensor op per block (most blocks of a prompt are: only queries that see fewer than K
+    keys have unselected slots)."""
+    full = valid.all(dim=1)
+    tokens = full.shape[0]
+    pad = (-tokens) % block
+    if pad:
+        full = torch.cat([full, full.new_ones(pad)])
+    return full.view(-1, block).all(dim=1).tolist()
+
+
 def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block, out_dtype=None):
     """(o_lat, lse) of `_SparseLatentAttention`, each query block one gather from the row table into a workspace
-    reused by every block (a fresh [Tq, K, R + E] tensor per block is paid again in page faults: it is tens of
-    MiB, so malloc maps it anew) and two batched products."""
+    reused by every block (a fresh [Tq, K, R + E] tensor per block is paid again in page faults) and two batched
+    products. The softmax takes one exponential: p = exp(s - max) unnormalised, o = (p @ rows) / sum(p) and
+    lse = max + log(sum(p)) (a query with nothing selected: sum 0, so o = 0 and lse = -inf)."""
     tokens, heads, rank = q_lat.shape
     acc, k = _acc(q_lat.dtype), positions.shape[1]
     table = _row_table(latents, ropes, acc)
     width = table.shape[-1]
     q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
+    full = _selected(valid, block)
     out = q_lat.new_empty(tokens, heads, rank, dtype=out_dtype or q_lat.dtype)
     lse = torch.empty(tokens, heads, dtype=acc, device=q_lat.device)
     rows_buf = table.new_empty(min(block, tokens) * k, width)
-    for q0 in range(0, tokens, block):
+    scores_buf = table.new_empty(min(block, tokens), heads, k)
+    out_buf = table.new_empty(min(block, tokens), heads, rank)
+    tiny = torch.finfo(acc).tiny
+    for i, q0 in enumerate(range(0, tokens, block)):
         q1 = min(tokens, q0 + block)
         flat = _block_positions(positions[q0:q1], valid[q0:q1])
         rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
-        s = torch.bmm(q[q0:q1], rows.transpose(1, 2)).mul_(scale)  # [Tq, H, K]
-        s.masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
-        lse[q0:q1] = torch.logsumexp(s, dim=-1)
-        p = s.sub_(_finite(lse[q0:q1]).unsqueeze(-1)).exp_()
-        out[q0:q1] = torch.bmm(p, rows[..., :rank]).to(out.dtype)
+        s = torch.bmm(q[q0:q1], rows.transpose(1, 2), out=scores_buf[:q1 - q0]).mul_(scale)  # [Tq, H, K]
+        if not full[i]:
+            s.masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
+        top = _finite(s.amax(dim=-1))  # [Tq, H]
+        p = s.sub_(top.unsqueeze(-1)).exp_()
+        total = p.sum(dim=-1)  # [Tq, H], 0 for a query with nothing selected
+        o = torch.bmm(p, rows[..., :rank], out=out_buf[:q1 - q0])
+        out[q0:q1] = o.div_(total.clamp_min(tiny).unsqueeze(-1))
+        lse[q0:q1] = total.log_().add_(top)
     return out, lse
 
 
@@ -220,7 +243,9 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
         delta_all = (d_o * out.to(acc)).sum(-1, keepdim=True)  # [T, H, 1]
         if d_lse is not None:
             delta_all = delta_all - d_lse.to(acc).unsqueeze(-1)
+    lse_finite = _finite(lse.to(acc))
     d_o = torch.nn.functional.pad(d_o, (0, width - rank))  # [T, H, R + E], zeros over the rope columns
+    full = _selected(valid, block)
     d_q = torch.empty_like(q)
     d_table = torch.zeros_like(table) if row_grads else None
     # One workspace per call, reused by every block: a fresh [Tq, K, R + E] tensor per block is paid again in page
@@ -228,7 +253,7 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
     rows_buf = table.new_empty(min(block, tokens) * k, width)
     d_rows_buf = table.new_empty(min(block, tokens), k, width) if row_grads else None
     scores_buf = table.new_empty(min(block, tokens), 2 * heads, k)
-    for q0 in range(0, tokens, block):
+    for i, q0 in enumerate(range(0, tokens, block)):
         q1 = min(tokens, q0 + block)
         flat = _block_positions(positions[q0:q1], valid[q0:q1])
         rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
@@ -236,8 +261,10 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
         # [s | d_p] [Tq, 2H, K], then in place [p | d_s]: p = exp(s - lse), d_s = p (d_p - delta) scale
         p_and_d_s = torch.bmm(q_and_d_o, rows.transpose(1, 2), out=scores_buf[:q1 - q0])
         p, d_s = p_and_d_s[:, :heads], p_and_d_s[:, heads:]
-        p.mul_(scale).masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
-        p.sub_(_finite(lse[q0:q1].to(acc)).unsqueeze(-1)).exp_()
+        p.mul_(scale)
+        if not full[i]:
+            p.masked_fill_(~valid[q0:q1].unsqueeze(1), float("-inf"))
+        p.sub_(lse_finite[q0:q1].unsqueeze(-1)).exp_()
         d_s.sub_(delta_all[q0:q1]).mul_(p).mul_(scale)
         torch.bmm(d_s, rows, out=d_q[q0:q1])
         if row_grads:
