@@ -162,3 +162,18 @@ def test_blocked_selection_with_ties_equals_the_plain_sort(monkeypatch, dtype, s
     plain = dsa.dsa_select_reference(q, weights, keys, start, topk, 0.5)
     assert torch.equal(mine[1], plain[1]) and torch.equal(mine[0], plain[0])
     assert mine[1].sum(-1).tolist() == [min(topk, start + t + 1) for t in range(tokens)]
+
+
+def test_ties_past_the_keys_low_bits_take_the_sorts():
+    """float32 scores with ties take one sort of (score, tie) keys; a tie of 2^32 or more (a position past what a
+    key's 32 low bits hold) or a negative one would alias another, so those calls take the sorts, and still equal
+    the reference; the same ties shifted into range give the same order through the keys."""
+    gen = torch.Generator().manual_seed(11)
+    scores = _tied_scores(9, 50, torch.float32, gen, levels=3)
+    ties = torch.randperm(50, generator=gen).expand(9, 50).clone()
+    for shift in (0, (1 << 32) - 10, -20):
+        shifted = ties + shift
+        for k in (1, 7, 49):
+            top = dsa.canonical_top(scores, k, shifted)
+            assert torch.equal(top, dsa.canonical_top_reference(scores, k, shifted))
+            assert torch.equal(top, dsa.canonical_top(scores, k, ties))  # the order depends on ties' order only

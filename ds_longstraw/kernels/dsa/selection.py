@@ -79,14 +79,16 @@ def canonical_top(scores_TN, k, ties_TN=None):
     the k-th place; where they are equal (ties straddling the k-th place: equal scores, or -inf where a row holds
     fewer than k candidates) the row is rebuilt: every entry above the k-th score and the first of those equal to
     it in (ties, column) order. The k kept columns are then ordered by column, stably by tie, stably by score
-    descending. Scores must not be NaN (an indexer score of finite inputs never is). float32 scores without ties_TN
-    (the one-rank selection's) take one sort of int64 keys (score, column) instead of the two sorts
+    descending. Scores must not be NaN (an indexer score of finite inputs never is). float32 scores (the
+    selection's) take one sort of int64 keys, (score, column) or (score, tie), instead of the sorts
     (_canonical_top_keyed)."""
     tokens, n = scores_TN.shape
     if k == 0 or k >= n:  # nothing to leave out: the reference's sort is over at most k
         return canonical_top_reference(scores_TN, k, ties_TN)
-    if ties_TN is None and scores_TN.dtype == torch.float32:
-        return _canonical_top_keyed(scores_TN, k)
+    if scores_TN.dtype == torch.float32:
+        top = _canonical_top_keyed(scores_TN, k, ties_TN)
+        if top is not None:
+            return top
     values, columns = torch.topk(scores_TN, k + 1, dim=-1, sorted=False)
     last, kth = torch.topk(values, 2, dim=-1, largest=False, sorted=True).values.unbind(-1)
     # the (k+1)-th is unique among the k + 1 where it is below the k-th: drop it (column n sorts past the k kept)
@@ -113,21 +115,35 @@ def _canonical_keys(scores, columns):
     return ((~ordered).to(torch.int64) << 32) | columns
 
 
-def _canonical_top_keyed(scores_TN, k):
-    """canonical_top of float32 scores without ties_TN (k < N): one sort of k + 1 int64 keys per row instead of a
-    sort by column and a stable sort by score. torch.topk of k + 1 holds the k best unless ties straddle the k-th
-    place (the k-th and (k+1)-th keys' scores equal); those rows are rebuilt by _boundary_ties, as in
-    canonical_top, and ordered by their keys."""
+def _canonical_top_keyed(scores_TN, k, ties_TN=None):
+    """canonical_top of float32 scores (k < N): one sort of k + 1 int64 keys per row, (score, column) or with
+    ties_TN (score, tie), instead of a sort by column, one by tie and a stable one by score. torch.topk of k + 1
+    holds the k best unless ties straddle the k-th place (the k-th and (k+1)-th keys' scores equal); those rows
+    are rebuilt by _boundary_ties, as in canonical_top, and ordered by their keys (stably: a tie repeats only at
+    the padding's -inf, whose entries keep column order). None where a tie does not fit the key's 32 low bits
+    (the caller then sorts): ties are positions, so a prompt of 2^32 tokens."""
     values, columns = torch.topk(scores_TN, k + 1, dim=-1, sorted=False)
-    keys = torch.sort(_canonical_keys(values, columns), dim=-1).values
-    top = keys[:, :k] & 0xFFFFFFFF
+    low = columns if ties_TN is None else ties_TN.gather(-1, columns)
+    if ties_TN is not None and not _fits_low_bits(low):
+        return None
+    keys, order = torch.sort(_canonical_keys(values, low), dim=-1)
+    top = columns.gather(-1, order[:, :k])
     straddle = (keys[:, k - 1] >> 32) == (keys[:, k] >> 32)
     if bool(straddle.any()):
         rows = straddle.nonzero().squeeze(1)
         scores_RN = scores_TN.index_select(0, rows)
-        kept = _boundary_ties(scores_RN, scores_RN.gather(-1, top[rows, k - 1:k]), k, None)
-        top[rows] = torch.sort(_canonical_keys(scores_RN.gather(-1, kept), kept), dim=-1).values & 0xFFFFFFFF
+        ties_RN = None if ties_TN is None else ties_TN.index_select(0, rows)
+        kept = _boundary_ties(scores_RN, scores_RN.gather(-1, top[rows, k - 1:k]), k, ties_RN)
+        kept_low = kept if ties_RN is None else ties_RN.gather(-1, kept)
+        if ties_RN is not None and not _fits_low_bits(kept_low):
+            return None
+        by_key = torch.sort(_canonical_keys(scores_RN.gather(-1, kept), kept_low), dim=-1, stable=True).indices
+        top[rows] = kept.gather(-1, by_key)
     return top
+
+
+def _fits_low_bits(ties):
+    return ties.numel() == 0 or (int(ties.min()) >= 0 and int(ties.max()) < (1 << 32))
 
 
 def _boundary_ties(scores_RN, kth_R1, k, ties_RN):
