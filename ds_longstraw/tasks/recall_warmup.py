@@ -41,13 +41,14 @@ def evaluate(model, sets) -> dict:
 
 
 def warm_up(shape, sizes, *, steps, lr=1e-3, batch_size=64, seed=0, lengths=None, eval_lengths=(),
-            eval_every=0, eval_prompts=EVAL_PROMPTS, task=recall, log=print):
-    """A model built from `shape` (random weights from `seed`) trained `steps` AdamW steps on `task`'s prompts of
-    `sizes` (prompt_tokens drawn per step from `lengths` when given); returns (model, history) where history
-    holds {"step", "loss", "accuracy": {length: acc}} every `eval_every` steps (and at the end)."""
+            eval_every=0, eval_prompts=EVAL_PROMPTS, task=recall, init=None, log=print):
+    """A model built from `shape` (random weights from `seed`; or `init`, a model to train further, shape unused)
+    trained `steps` AdamW steps on `task`'s prompts of `sizes` (prompt_tokens drawn per step from `lengths` when
+    given); returns (model, history) where history holds {"step", "loss", "accuracy": {length: acc}} every
+    `eval_every` steps (and at the end)."""
     from ds_longstraw.models.modeling import build_model
 
-    model = build_model(shape=shape, seed=seed)
+    model = init if init is not None else build_model(shape=shape, seed=seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     lengths = list(lengths or [sizes["prompt_tokens"]])
     sets = held_out(sizes, eval_lengths, eval_prompts, task)

@@ -6,8 +6,8 @@
   rewards:  reward == 1 exactly when the response begins with the asked field: v after "?", w after "!"; v is never
             right for "!" (the warm-up's habit scores 0)
   sizes:    sizes that cannot fit are ValueErrors naming the size and its value
-The learning test (GRPO from the warm-up raises the second field's accuracy, exact mode) is
-tests/launcher/test_reread_grpo.py.
+GRPO on this task (bench/exact_pays_study.py) left the warm-up's answer but rose no higher than chance in either
+mode; the learning test is the variant's (tasks/reread_hint.py, tests/launcher/test_reread_grpo.py).
 """
 
 import pytest
