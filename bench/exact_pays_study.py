@@ -2,9 +2,14 @@
 
     python bench/exact_pays_study.py                   # sweep + 3 seeds x {detached, exact}; JSON + PNG under bench/
     python bench/exact_pays_study.py --lrs 1e-3 --sweep-steps 0 --steps 20 --seeds 0   # one lr, no sweep, shorter
+    python bench/exact_pays_study.py --task reread_hint --lrs 5e-4,1e-3 --steps 40   # the variant with a hint warm-up
 
-1. The warm-up (ds_longstraw.tasks.reread.WARMUP: "? k" -> the key's first field v at short prompts; built once into
-   runs/reread/warmup by recall_warmup.cached, then reused). GRPO then asks "! k" -> the second field w.
+--task picks the task (TASKS): reread (tasks/reread.py, configs/run/reread_task.yaml) or reread_hint
+(tasks/reread_hint.py, configs/run/reread_hint_task.yaml: a warm-up that reads second fields at one record, GRPO on a
+mark it never saw at two records); each has its own warm-up directory, work directory, JSON and plot.
+
+1. The warm-up (reread: reread.WARMUP, "? k" -> the key's first field v at short prompts; reread_hint: its two-phase
+   warm_checkpoint; built once into runs/<task>/warmup, then reused). GRPO then asks "! k" -> the second field w.
 2. The learning-rate sweep: every lr of --lrs, for each mode, one run of --sweep-steps steps at seed SWEEP_SEED (its
    own training prompts and samples; the held-out prompts are the study's); each mode keeps the lr whose run ends
    with the best held-out accuracy at the trained length (the mean of its last two evaluations, so that one noisy
@@ -12,14 +17,15 @@
 3. The study: --seeds x {detached, exact} at each mode's lr, --steps steps each, the held-out accuracy (stream
    recall_warmup.EVAL_SEED, never trained on) at the trained length and at --long-length every --eval-every steps.
 
-Every run is ds_longstraw.tasks.recall_grpo with configs/run/reread_task.yaml (one rank, gloo, ZeRO-3 on CPU) in its
+Every run is ds_longstraw.tasks.recall_grpo with the task's run config (one rank, gloo, ZeRO-3 on CPU) in its
 own process; the detached and the exact run of one seed (or of one sweep lr) run side by side, one thread each, so
 that their seconds are measured under the same load. Equal seconds: each run's clock is the sum of its steps'
 seconds (rollout + transaction + optimizer; evaluations excluded); a mode's accuracy at S seconds is read off its
 evaluations by linear interpolation in that clock. A seed's fixed-seconds budget is the shorter total of its two
-runs (the pair ran under the same load; the machine's load may differ between pairs). Writes
-bench/results/exact_pays_study.json and bench/exact_pays_study.png (accuracy against step and against seconds, both
-lengths). --reuse keeps the runs that finished (a study cut short, or a new summary of the same runs).
+runs (the pair ran under the same load; the machine's load may differ between pairs). Writes the task's JSON and
+plot (reread: bench/results/exact_pays_study.json, bench/exact_pays_study.png; reread_hint: exact_pays_hint.*):
+accuracy against step and against seconds, both lengths. --reuse keeps the runs that finished (a study cut short, or
+a new summary of the same runs).
 """
 
 import argparse
@@ -34,15 +40,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from recall_study import run_pair  # noqa: E402 -- two runs side by side, the recall study's helper
 
-RUN_CONFIG = ROOT / "configs" / "run" / "reread_task.yaml"
+# task -> (run config, work directory under runs/, JSON and plot names)
+TASKS = {"reread": ("reread_task.yaml", "reread", "exact_pays_study"),
+         "reread_hint": ("reread_hint_task.yaml", "reread_hint", "exact_pays_hint")}
 SWEEP_SEED = 100
 MODES = ("detached", "exact")
 
 
 def grpo_job(work, name, warm, prefix_grad, seed, steps, lr, args):
-    """(argv, log path) of one recall_grpo run on the reread run config."""
+    """(argv, log path) of one recall_grpo run on the task's run config."""
     lengths = f"{args.length},{args.long_length}"
-    argv = [sys.executable, "-m", "ds_longstraw.tasks.recall_grpo", "--run-config", str(RUN_CONFIG),
+    run_config = ROOT / "configs" / "run" / TASKS[args.task][0]
+    argv = [sys.executable, "-m", "ds_longstraw.tasks.recall_grpo", "--run-config", str(run_config),
             "--warm", str(warm), "--prefix-grad", prefix_grad, "--seed", str(seed), "--steps", str(steps),
             "--eval-every", str(args.eval_every), "--eval-lengths", lengths, "--eval-prompts", str(args.eval_prompts),
             "--threads", "1", "--out", str(work / name), f"optim.lr={lr}",
@@ -147,7 +156,7 @@ def plot(study, path):
     axes[0][0].text(0, study["levels"]["random_record"] + 0.01,
                     f"random record 1/records = {study['levels']['random_record']:.2f}", fontsize=8, color="gray")
     axes[0][0].legend(fontsize=7, loc="upper left", ncol=2)
-    fig.suptitle("reread: GRPO asks for the field the warm-up never asked for, detached against exact")
+    fig.suptitle(f"{study.get('task', 'reread')}: GRPO asks '! k' for the second field, detached against exact")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -169,6 +178,7 @@ def table(study):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--task", choices=sorted(TASKS), default="reread")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--lrs", default="2e-3,6e-3", help="the sweep's learning rates (one: no sweep)")
@@ -177,14 +187,19 @@ def main():
     parser.add_argument("--long-length", type=int, default=160, help="the longer held-out length")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=256)
-    parser.add_argument("--warm", default=str(ROOT / "runs" / "reread" / "warmup"))
-    parser.add_argument("--work", default=str(ROOT / "runs" / "reread" / "study"))
-    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "exact_pays_study.json"))
-    parser.add_argument("--plot", default=str(ROOT / "bench" / "exact_pays_study.png"))
+    parser.add_argument("--warm", default=None, help="the warm-up directory (default runs/<task>/warmup)")
+    parser.add_argument("--work", default=None, help="the runs' directory (default runs/<task>/study)")
+    parser.add_argument("--json", default=None, help="default bench/results/<TASKS' name>.json")
+    parser.add_argument("--plot", default=None, help="default bench/<TASKS' name>.png")
     parser.add_argument("--reuse", action="store_true", help="keep runs that already wrote their result.json")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot (and the table) from --json")
     parser.add_argument("overrides", nargs="*", help="run-config overrides for every run, e.g. data.groups_per_rank=4")
     args = parser.parse_args()
+    _, runs_dir, name = TASKS[args.task]
+    args.warm = args.warm or str(ROOT / "runs" / runs_dir / "warmup")
+    args.work = args.work or str(ROOT / "runs" / runs_dir / "study")
+    args.json = args.json or str(ROOT / "bench" / "results" / f"{name}.json")
+    args.plot = args.plot or str(ROOT / "bench" / f"{name}.png")
     if args.replot:
         study = json.loads(Path(args.json).read_text())
         plot(study, args.plot)
@@ -193,16 +208,21 @@ def main():
     import torch
 
     torch.set_num_threads(1)
-    from ds_longstraw.tasks import recall_demo, reread
+    from ds_longstraw.tasks import recall_demo, reread, reread_hint
 
     started = time.perf_counter()
 
     def progress(line):
         print(f"[{time.perf_counter() - started:6.0f} s] {line}", flush=True)
 
-    warm, warm_info = recall_demo.warm_checkpoint(args.warm, log=progress, task=reread, short=reread.WARMUP_SIZES,
-                                                  recipe=reread.WARMUP, eval_lengths=reread.WARMUP_EVAL_LENGTHS)
-    progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): '? k' accuracy {warm_info['accuracy_by_length']}")
+    if args.task == "reread":
+        warm, warm_info = recall_demo.warm_checkpoint(args.warm, log=progress, task=reread, short=reread.WARMUP_SIZES,
+                                                      recipe=reread.WARMUP, eval_lengths=reread.WARMUP_EVAL_LENGTHS)
+        progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): '? k' accuracy "
+                 f"{warm_info['accuracy_by_length']}")
+    else:
+        warm, warm_info = reread_hint.warm_checkpoint(args.warm, log=progress)
+        progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): levels {warm_info['levels']}")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     lrs = [float(x) for x in args.lrs.split(",")]
@@ -241,7 +261,8 @@ def main():
     # a seed's fixed seconds: the shorter total of its two runs (they ran side by side, under the same load; the
     # machine's load differed between seeds, so one clock for all seeds would compare different loads)
     seconds_budget = {seed: min(r["total_seconds"] for r in runs if r["seed"] == seed) for seed in seeds}
-    study = {"length": args.length, "long_length": args.long_length, "steps": args.steps, "seeds": seeds,
+    study = {"task": args.task, "length": args.length, "long_length": args.long_length, "steps": args.steps,
+             "seeds": seeds,
              "warmup": warm_info, "lrs": lrs, "sweep_steps": args.sweep_steps, "sweep_seed": SWEEP_SEED,
              "chosen_lr": chosen, "sweep": sweep, "overrides": args.overrides,
              "levels": {"chance": 1 / sizes["values"], "random_record": 1 / sizes["records"],

@@ -54,8 +54,8 @@ SHIFT = FIRST_KEY - reread.FIRST_KEY  # reread's ids of keys, values and fillers
 #            quarter "! k" (random labels) at 1 record (HintMix)
 # Measured (held-out, 256 prompts, at 20 / 40 tokens): "? k" 1.000 / 1.000; "@ k" at one record 1.000 / 0.965; "@ k" at
 # two records 0.512 / 0.496 (one of the two second fields: no binding); "! k" at two records 0.199 / 0.231 (chance
-# 0.167: 0.231 is 2.7 binomial sd above it, "!" leaning a little on "@"'s readout). 95 s of one thread unloaded, 205 s
-# at a load of 6.
+# 0.167: 0.231 is 2.7 binomial sd above it, "!" leaning a little on "@"'s readout). Built in 95 s of one thread at a
+# load of ~4, 205 s at a load of 6.
 WARMUP_SIZES = {"prompt_tokens": 20, "records": 2, "keys": 4, "values": 6, "fillers": 3}
 WARMUP = {"steps": 400, "lr": 2e-3, "batch_size": 64, "seed": 0}
 HINT_PHASE = {"steps": 150, "lr": 1e-3, "batch_size": 64, "seed": 1}

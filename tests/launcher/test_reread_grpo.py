@@ -56,7 +56,7 @@ def test_grpo_exact_rises_above_chance(tmp_path):
     assert after > CHANCE + MARGIN and after > before + MARGIN, (before, after, result["evals"])
     # measured on 2 cores shared with other work: 68 s at a load of ~3 (78 s for this file, the warm-up cached); 313 s
     # with two more GRPO runs beside it at a load of ~6. Building the warm-up (a clean clone) comes before the clock:
-    # 95 s unloaded, 205 s at a load of 6. The bound catches a step grown several times slower, not a busy machine.
+    # 95 s at a load of ~4, 205 s at ~6. The bound catches a step grown several times slower, not a busy machine.
     assert time.perf_counter() - start < 420
 
 
