@@ -99,12 +99,12 @@ class Rollouts:
     observation's tokens); finished: whether each sample ended with eos, or its environment ended it (else it stopped
     at max_new_tokens or max_turns); seed: the seed that reproduces the samples (drawn at random when none was
     given); phases: name -> memory.PhaseStats of "capture" and "decode" (and "observations", the seconds within
-    "decode" of the observations: the environment's answers and their forwards). With an environment (rollout/environment.py): response_masks, G boolean
-    tensors (True: an action token the policy sampled, False: an observation's), and turns, the observations each
-    sample got; without one response_masks is None and turns all 0. decode_steps: one DecodeStep per step of the
-    batched decode (empty with batched=False): how many samples it decoded, at what context, in how many seconds;
-    a batch decodes fewer tokens per second once samples of different lengths have ended, and these say how fast
-    each step was at the batch it had."""
+    "decode" of the observations: the environment's answers and their forwards). With an environment
+    (rollout/environment.py): response_masks, G boolean tensors (True: an action token the policy sampled, False:
+    an observation's), and turns, the observations each sample got; without one response_masks is None and turns
+    all 0. decode_steps: one DecodeStep per step of the batched decode (empty with batched=False): how many samples
+    it decoded, at what context, in how many seconds; a batch decodes fewer tokens per second once samples of
+    different lengths have ended, and these say how fast each step was at the batch it had."""
 
     prompt_ids: torch.Tensor
     response_ids: list

@@ -13,9 +13,8 @@ import json
 import time
 from pathlib import Path
 
-from ds_longstraw.models.modeling import MODELS_DIR
+from ds_longstraw.tasks.recall_warmup import SHAPE
 
-SHAPE = MODELS_DIR / "recall_qwen3_5.yaml"
 # The warm-up: the task's sizes at the short length, and its optimizer settings (recall_warmup.warm_up).
 SHORT = {"prompt_tokens": 32, "records": 4, "keys": 8, "values": 8, "fillers": 8}
 WARMUP = {"steps": 600, "lr": 2e-3, "batch_size": 64, "seed": 0}

@@ -18,8 +18,11 @@ from pathlib import Path
 
 import torch
 
+from ds_longstraw.models.modeling import MODELS_DIR
 from ds_longstraw.tasks import recall
 
+# The model the recall tasks' warm-ups build (recall_demo's, reread's and reread_hint's)
+SHAPE = MODELS_DIR / "recall_qwen3_5.yaml"
 # Held-out evaluation prompts come from streams far from any training seed; the warm-up and GRPO measure the same
 # EVAL_PROMPTS prompts per length, so their accuracies compare (one prompt is 1/256 = 0.004).
 EVAL_SEED = 10_000

@@ -146,15 +146,15 @@ def warm_checkpoint(directory, log=print):
     """(path, info) of the two-phase warm-up checkpoint (module docstring), built into `directory` on first use
     (save_pretrained, with recipe.json) and reused while the recipe is the same; info: the levels of
     `warmup_levels`, the seconds it took to build (0 when reused) and the recipe."""
-    from ds_longstraw.tasks import recall_demo, recall_warmup
+    from ds_longstraw.tasks import recall_warmup
 
     directory = Path(directory)
-    recipe = {"shape": recall_demo.SHAPE.name, "shape_text": recall_demo.SHAPE.read_text(), "sizes": WARMUP_SIZES,
+    recipe = {"shape": recall_warmup.SHAPE.name, "shape_text": recall_warmup.SHAPE.read_text(), "sizes": WARMUP_SIZES,
               "phase_1": WARMUP, "phase_2": HINT_PHASE, "phase_2_mix": MIX, "layout": "reread_hint"}
     stamp = directory / "recipe.json"
     start = time.perf_counter()
     if not (stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe):
-        model, _ = recall_warmup.warm_up(recall_demo.SHAPE, {**WARMUP_SIZES, "ask": "first"}, **WARMUP,
+        model, _ = recall_warmup.warm_up(recall_warmup.SHAPE, {**WARMUP_SIZES, "ask": "first"}, **WARMUP,
                                          task=sys.modules[__name__],
                                          log=log)
         model.train()
