@@ -71,13 +71,16 @@ class LongstrawConfig(DeepSpeedConfigModel):
         and the DeepSpeed engine alike. With context parallelism only together with prefix_keep_attention (a
         layer's remote exchanges must not run twice); otherwise the segment's graph stays (bound it with
         prefix_block).
-    prefix_keep_attention: exact mode only: keep each prompt token's attention output and log-sum-exp from capture
-        on pages of offload.kept_attention_tier (default: the K/V pages' tier), so the prefix pass never recomputes
-        the prompt's quadratic attention: its forward then costs what the linear layers cost. Costs (H D + H)
-        values per token per full-attention layer (H query heads: (H/K)/2 times the K/V pages under GQA), reported
-        as retained "kept_attention_pages". Under context parallelism each rank keeps its own tokens' result,
-        merged over every rank's keys, so the prefix pass also skips the remote partials (no query leaves the rank
-        in its forward; its backward still sends them to the earlier ranks for their keys' gradients).
+    prefix_keep_attention: exact mode only: keep from capture what makes the prompt's attention more than linear,
+        on pages of offload.kept_attention_tier (default: the pages' tier), reported as retained
+        "kept_attention_pages", so the prefix pass never recomputes it. qwen3_5 keeps each token's attention output
+        and log-sum-exp ((H D + H) values per token per full-attention layer: (H/K)/2 times the K/V pages under
+        GQA), and the prefix pass's forward then costs what the linear layers cost; under context parallelism each
+        rank keeps its own tokens' result, merged over every rank's keys, so the prefix pass also skips the remote
+        partials (no query leaves the rank in its forward; its backward still sends them to the earlier ranks for
+        their keys' gradients). glm_moe_dsa keeps each full indexer layer's selection (index_topk int32 positions
+        per token), and the prefix pass scores no prompt key again; one rank only so far. "auto" (the default):
+        keep where the kept streams are a selection, on one rank (offload/auto.keeps_attention: GLM yes, Qwen no).
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     member_span_capture: a member whose untrained span (response_masks False: a tool output, an observation)
         reaches this many tokens runs in steps (grpo/member_steps.py): a forward without a graph over its response,
@@ -131,7 +134,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     capture_chunk: int = Field(4096, gt=0)
     prefix_block: int | None = Field(None, gt=0)
     prefix_recompute: bool = True
-    prefix_keep_attention: bool = False
+    prefix_keep_attention: bool | Literal["auto"] = "auto"
     replay_block: int = Field(1024, gt=0)
     member_span_capture: int | None = Field(1024, gt=0)
     shared_prefix_min: int | None = Field(1024, gt=0)
@@ -162,7 +165,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
         capture (no rank then sends a forward request). It depends on settings alone, the same on every rank, as
         ZeRO-3 lockstep needs: a recomputed layer gathers its weights again in backward, so real segments and
         padding iterations must be recomputed alike on every rank."""
-        return self.prefix_recompute and (self.cp_size == 1 or self.prefix_keep_attention)
+        return self.prefix_recompute and (self.cp_size == 1 or self.prefix_keep_attention is True)
 
     @property
     def segment_tokens(self) -> int:

@@ -43,6 +43,7 @@ from .specs import LayerState, SparseGeometry, Stream, carry_layers, paged_layer
 
 FULL_INDEXER, SHARED_INDEXER = "full", "shared"
 LATENT, ROPE_KEY, INDEX_KEY = "latent", "rope_key", "index_key"  # the streams of a layer's pages
+SELECTION = "selection"  # a full indexer layer's kept stream (exact mode's prefix_keep_attention)
 # Linear layers that LoRA adapters attach to by default: the MLA projections, the dense MLP and the shared
 # expert's projections. Not the indexer (it gets no gradient), the router, or the routed experts (3-D parameters,
 # not Linear modules).
@@ -60,6 +61,19 @@ def decode_selection(code):
     """encode_selection's inverse: (positions [T, K] int64, 0 where invalid as dsa_select leaves them; valid)."""
     valid = code >= 0
     return code.clamp(min=0).long(), valid
+
+
+def kept_selection(code, topk):
+    """A segment's selection codes [T, K] as the kept pages hold them: [topk, T] (the kept streams' convention is
+    per-token values on the first axis, as attention heads are, grpo/state.py), -1 past K (K = min(topk, the
+    segment's end): its first tokens see fewer than topk keys)."""
+    return torch.nn.functional.pad(code, (0, topk - code.shape[1]), value=-1).t()
+
+
+def known_selection(kept, start, tokens, topk):
+    """kept_selection's inverse for the segment of `tokens` tokens at positions start..: its codes [T, K], cut to
+    the K = min(topk, start + tokens) columns dsa_select returns there."""
+    return kept.t()[:, :min(topk, start + tokens)]
 
 
 def zero3_leaf_modules(model) -> list:
@@ -92,12 +106,16 @@ def state_specs(config, dtype) -> list:
     latent = Stream(LATENT, (config.kv_lora_rank,), dtype)
     rope_key = Stream(ROPE_KEY, (config.qk_rope_head_dim,), dtype)
     index_key = Stream(INDEX_KEY, (config.index_head_dim,), dtype, grad=False, label="indexer_key_pages")
+    # exact mode's prefix_keep_attention keeps what makes this family's attention cost more than linear: a full
+    # indexer layer's selection (the scores over every earlier key and their top-k), as int32 codes
+    selection = Stream(SELECTION, (config.index_topk,), torch.int32, grad=False)
     specs = []
     for index, kind in enumerate(indexer_types(config)):
         full = kind == FULL_INDEXER
         specs.append(LayerState(index, f"mla_{kind}_indexer", "mla_latent_pages",
                                 streams=(latent, rope_key, index_key) if full else (latent, rope_key),
-                                combine="topk_lse", select=(INDEX_KEY,) if full else ()))
+                                combine="topk_lse", select=(INDEX_KEY,) if full else (),
+                                kept=(selection,) if full else ()))
     return specs
 
 
@@ -371,23 +389,30 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         (context parallelism) the earlier keys on other ranks (attention_forward's `remote`);
         prefix_recompute: keep only each layer's input for backward and recompute the layer there (re-entrant, as
         the qwen3_5 adapter does, so ZeRO-3 gathers the layer's weights again; the caller sees to it that no layer's
-        forward then makes a remote exchange). known_attention (prefix_keep_attention) is not supported for this
-        family yet.
+        forward then makes a remote exchange). known_attention: layer -> (its kept selection [topk, T],) of this
+        segment (kept_selection; exact mode's prefix pass with prefix_keep_attention) for full indexer layers: those
+        layers attend that selection and score no key (the segment's forward and its recompute alike).
+        out.attention holds each full indexer layer's selection in the same form, for the capture to keep.
 
         With prefix_recompute a selection travels between the layers' checkpoints as int32 codes [T, K] (the
         position, -1 where none), and each full indexer layer's codes made in the forward are reused by the layer's
         recompute in backward instead of selecting again (_recomputed_layer): the next layer's checkpoint holds the
         same tensor as its input anyway, so this keeps no more bytes than that, 4 per selected row and query and
         full indexer layer (offload/plan.py counts them: "prefix_selections")."""
-        if known_attention:
-            raise NotImplementedError("glm_moe_dsa: prefix_keep_attention (kept attention) is not supported yet")
+        topk = self.config.index_topk
+        known = {}  # layer -> the selection codes [T, K] kept from capture
+        for index, kept in (known_attention or {}).items():
+            if self.layers[index].self_attn.indexer is None:
+                raise ValueError(f"glm_moe_dsa layer {index}: a kept selection for a shared indexer layer (it "
+                                 "reuses the last full layer's)")
+            known[index] = known_selection(kept[0], start, ids.numel(), topk)
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         past = past if past is not None else {}
         positions = valid = None  # the last full indexer layer's selection
         code = None  # the same as int32 codes, where each layer is recomputed in backward
-        kept = {}  # the full indexer layers' own selections (codes), from the forward for their recompute
+        kept = dict(known)  # the full indexer layers' own selections (codes), from the forward for their recompute
         for index, layer in enumerate(self.layers[: len(self.specs)]):
             if prefix_recompute and torch.is_grad_enabled():
                 # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
@@ -399,9 +424,14 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                     self._recomputed_layer, index, layer, hidden, cos, sin, start, past, code, remote_attention,
                     kept, use_reentrant=True)
             else:
+                selected = None if index not in known else decode_selection(known[index])
                 hidden, positions, valid, *rows = self._layer(index, layer, hidden, cos, sin, start, past,
-                                                              positions, valid, remote_attention)
+                                                              positions, valid, remote_attention, selected)
+                if layer.self_attn.indexer is not None:
+                    code = encode_selection(positions, valid)
             out.rows[index] = tuple(rows)
+            if layer.self_attn.indexer is not None:
+                out.attention[index] = (kept_selection(code.detach(), topk),)
         out.hidden = hidden
         return out
 

@@ -18,6 +18,7 @@ from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.lockstep import ceil_div
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, Stager, make_pool, node_past
+from ds_longstraw.offload.auto import keeps_attention
 from ds_longstraw.offload.pages import ReadyRead
 
 if TYPE_CHECKING:
@@ -363,7 +364,8 @@ def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, toke
             for stream in spec.streams:
                 pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
         exact = prefix_grad == "exact"  # what the prefix pass reads: checkpoints, kept attention
-        if exact and longstraw.prefix_keep_attention:
+        if keeps_attention(longstraw.prefix_keep_attention, prefix_grad, longstraw.cp_size,
+                           any(spec.select for spec in adapter.specs)):
             state.kept_pool = open_kept_pool(adapter, longstraw, pool, tokens, rank)
         if exact:
             slots = ceil_div(tokens, longstraw.segment_tokens) if chunks is None else chunks

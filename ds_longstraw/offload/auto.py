@@ -6,6 +6,7 @@ the planner (offload/plan.py, tools/planner.py), so that what the planner predic
                        (layer_major_fits, layer_major_prefix)
   prefix_inputs_every  inputs_every_for              the layer inputs the layer-major pass keeps
   cp_layout            layout_for                    "zigzag" or "contiguous" shards
+  prefix_keep_attention keeps_attention              what exact mode's prefix pass takes from capture
 
 Each is a function of the model's per-token shape (offload/plan.ModelShape, which the transaction builds from its
 adapter: models/model_shape.py), the settings and what is known of the device (the smallest total memory of a CP
@@ -21,6 +22,22 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from ds_longstraw.offload.state_shape import ModelShape
+
+# "prefix_keep_attention": "auto" keeps where a layer's kept stream is its top-k selection (glm_moe_dsa's full
+# indexer layers): 4 B per selected row (index_topk per token, 1.9x the latent pages at GLM-5.2, flat in G) against
+# scoring every earlier key and sorting again in the prefix pass's forward, the largest part of that forward at 8K
+# tokens and beyond (BENCHMARKS.md). A dense attention's kept output and LSE (qwen3_5: (H D + H) values per token,
+# 3x the K/V pages at Qwen3.6-27B) saves less per byte and stays asked-for. Under context parallelism the sparse
+# layers keep nothing yet (grpo/cp/kinds/sparse/selection.check_sparse), so "auto" keeps on one rank only.
+def keeps_attention(keep: bool | str, prefix_grad: str, cp_size: int, selects: bool) -> bool:
+    """Whether capture keeps the specs' kept streams for the prefix pass: prefix_keep_attention (True, False or
+    "auto") for a model with (`selects`) or without top-k selecting layers; only exact mode has a prefix pass."""
+    if prefix_grad != "exact":
+        return False
+    if keep != "auto":
+        return bool(keep)
+    return cp_size == 1 and selects
+
 
 def gdn_scan_outputs(shape: ModelShape, tokens_per_rank: int) -> int:
     """Bytes a context-parallel rank holds of one layer's outputs while its capture waits for the layer's exchange:

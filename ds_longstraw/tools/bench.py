@@ -17,10 +17,12 @@ import time
 
 import torch
 
-# longstraw-exact-keep: exact mode with prefix_keep_attention (the capture's attention outputs kept on pages with
-# the K/V pages); longstraw-exact-keep-nvme: the same with the kept pages on the NVMe tier (files under $TMPDIR).
+# longstraw-exact: exact mode's defaults (prefix_keep_attention "auto": the selections kept for glm_moe_dsa, nothing
+# for qwen3_5); longstraw-exact-keep: prefix_keep_attention true (qwen3_5: the capture's attention outputs kept on
+# pages with the K/V pages); longstraw-exact-keep-nvme: the same with the kept pages on the NVMe tier (files under
+# $TMPDIR); longstraw-exact-recompute: prefix_keep_attention false (the prefix pass recomputes what it needs).
 METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "longstraw-exact-keep-nvme",
-           "conventional", "per_member")
+           "longstraw-exact-recompute", "conventional", "per_member")
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
@@ -47,7 +49,10 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
     nvme_dir = None
     if method.startswith("longstraw"):
         config["prefix_grad"] = method.split("-")[1]
-        config["prefix_keep_attention"] = method.startswith("longstraw-exact-keep")
+        if method.startswith("longstraw-exact-keep"):
+            config["prefix_keep_attention"] = True
+        elif method == "longstraw-exact-recompute":
+            config["prefix_keep_attention"] = False
         if method == "longstraw-exact-keep-nvme":
             from ds_longstraw.offload import io_engine
 

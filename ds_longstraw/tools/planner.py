@@ -27,6 +27,7 @@ from ds_longstraw.offload.auto import (
     LAYER_MAJOR_DEVICE_FRACTION,
     LAYER_MAJOR_STATE_RATIO,
     gdn_scan_outputs,
+    keeps_attention,
     layer_inputs_bytes,
     layer_major_prefix,
     layer_major_workspace,
@@ -35,6 +36,8 @@ from ds_longstraw.offload.auto import (
 from ds_longstraw.offload.plan import TIERS, Cluster, GiB, make_plan, recommended_tier, rollout_figures
 from ds_longstraw.sizes import parse_bytes, parse_tokens
 from ds_longstraw.tools.cp_time import predict, unmodelled
+
+KEEP_CHOICES = {"auto": "auto", "true": True, "false": False}  # --keep-attention -> longstraw.prefix_keep_attention
 
 
 def _memory(text: str) -> int:
@@ -65,8 +68,10 @@ def _parser():
     p.add_argument("--capture-chunk", type=int, default=4096, help="longstraw.capture_chunk")
     p.add_argument("--prefix-block", type=int, default=None,
                    help="longstraw.prefix_block (exact mode: carry checkpoints every min(capture-chunk, this) tokens)")
-    p.add_argument("--keep-attention", action="store_true",
-                   help="longstraw.prefix_keep_attention (exact mode): attention outputs kept with the pages")
+    p.add_argument("--keep-attention", nargs="?", choices=("auto", "true", "false"), const="true", default="auto",
+                   help="longstraw.prefix_keep_attention (exact mode): what makes the prompt's attention more than "
+                        "linear kept from capture (qwen3_5: the outputs and LSE; glm_moe_dsa: the selections); alone: "
+                        "true; default auto (kept for glm_moe_dsa on one rank)")
     p.add_argument("--kept-attention-tier", choices=("none", "cpu", "nvme"), default=None,
                    help="longstraw.offload.kept_attention_tier: the kept outputs' own tier (default: the pages')")
     p.add_argument("--new-tokens", type=parse_tokens, default=None,
@@ -464,12 +469,14 @@ def main(argv=None) -> int:
                         reserve_fraction=args.reserve, host_fraction=args.host_fraction)
         # The stride capture checkpoints at in exact mode, as the transaction computes it (bad values are named).
         longstraw = parse_config({"prefix_grad": args.prefix_grad, "capture_chunk": args.capture_chunk,
-                                 "prefix_block": args.prefix_block, "prefix_keep_attention": args.keep_attention,
+                                 "prefix_block": args.prefix_block,
+                                 "prefix_keep_attention": KEEP_CHOICES[args.keep_attention],
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
                                  "prefix_inputs_every": args.prefix_inputs_every,
                                  "member_span_capture": args.member_span_capture})
         plan = make_plan(shape, args.context, args.group_size, args.prefix_grad, cluster, longstraw.segment_tokens,
-                         longstraw.prefix_keep_attention, args.kept_attention_tier, longstraw.cp_scan,
+                         keeps_attention(longstraw.prefix_keep_attention, args.prefix_grad, cp,
+                                         bool(shape.selecting)), args.kept_attention_tier, longstraw.cp_scan,
                          longstraw.cp_prefix, longstraw.prefix_inputs_every, args.response_tokens, args.trains,
                          args.tool_tokens, longstraw.member_span_capture)
         if args.groups_per_document < 1:

@@ -290,6 +290,47 @@ def test_prefix_recompute_reuses_the_forward_selection(model, monkeypatch):
             torch.testing.assert_close(mine, plain, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("case,tier", [("chunk-and-page-do-not-divide", "cpu"),
+                                       ("prefix-block-without-recompute", "cpu"), ("G1", "kept-on-nvme")])
+def test_kept_selection_is_exact_and_the_prefix_pass_selects_nothing(model, tmp_path, monkeypatch, case, tier):
+    """prefix_keep_attention "auto" (the default; on one rank it keeps for this family): capture keeps each full
+    indexer layer's selection (int32 codes, index_topk per token) and the prefix pass attends it instead of scoring
+    the prompt's keys again; prefix_keep_attention false selects again. Chain: exact(kept) == transformers'
+    full-sequence autograd (TOL, as test_matches_transformers) and == exact(selected again) to 1e-12 (the same
+    float64 operations on the same selection: 0 in practice; a stale or shifted kept selection moves whole attention
+    rows, >1e-3). The prefix pass then selects nothing: the run without kept selections selects once more per full
+    indexer layer and prefix-pass segment, exactly. The kept pages hold 4 index_topk bytes per captured token per
+    full indexer layer, on the pages' tier or a tier of their own (offload.kept_attention_tier), whose files go."""
+    from call_counts import counting
+
+    from ds_longstraw.kernels import dsa as dsa_package
+
+    prompt_len, response_lens, longstraw, objective_kwargs = CASES[case]
+    group, objective = _group(prompt_len, response_lens), GRPOObjective(**objective_kwargs)
+    offload = ({"tier": "cpu", "kept_attention_tier": "nvme", "nvme_path": str(tmp_path)} if tier == "kept-on-nvme"
+               else _tier(tier, tmp_path, monkeypatch))
+    kept_config = {**longstraw, "offload": offload}
+    result = _assert_matches(model, group, objective, "exact", kept_config)
+    counts = counting(monkeypatch, dsa_package, ["dsa_select"])
+    calls = {}
+    with glm_reference():
+        for name, mode, config in (("kept", "exact", kept_config),
+                                   ("again", "exact", {**longstraw, "prefix_keep_attention": False})):
+            counts["dsa_select"] = 0
+            calls[name] = _run(model, group, objective, mode, config), counts["dsa_select"]
+    (kept, kept_result), kept_calls = calls["kept"]
+    (again, _), again_calls = calls["again"]
+    assert relative_l2(kept, again) <= 1e-12
+    assert kept_result.loss == result.loss
+    config = model.config
+    full = config.indexer_types.count("full")
+    segment = min(longstraw["capture_chunk"], longstraw.get("prefix_block") or longstraw["capture_chunk"])
+    segments = -(-(prompt_len - 1) // segment)
+    assert again_calls - kept_calls == full * segments
+    assert result.retained_bytes["kept_attention_pages"] == (prompt_len - 1) * full * config.index_topk * 4
+    assert list(tmp_path.iterdir()) == []  # the kept pages' files are removed
+
+
 # -- the family math against its plain references -----------------------------------------------------------------
 def _pieces(lengths, width, gen, zero_rows=0.0):
     pieces = []
@@ -351,7 +392,7 @@ def test_sparse_latent_attention_matches_plain_autograd(monkeypatch):
 def test_unsupported_paths_say_so(model):
     adapter = adapter_for(model)
     ids = torch.tensor([1, 2, 3])
-    with pytest.raises(NotImplementedError, match="kept attention"):
-        adapter.forward_segment(ids, 0, {}, {}, known_attention={0: None})
+    with pytest.raises(ValueError, match="layer 1: a kept selection for a shared indexer layer"):
+        adapter.forward_segment(ids, 0, {}, {}, known_attention={1: None})
     with pytest.raises(ValueError, match="past covers 0 positions from 0, the segment starts at 5"):
         adapter.forward_segment(ids, 5, {}, {})

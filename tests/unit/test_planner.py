@@ -54,10 +54,13 @@ def test_retained_bytes_match_a_real_capture(dtype, prompt_len, chunk, mode):
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_glm_retained_bytes_match_a_real_capture(mode):
-    """glm_moe_dsa: latent + rope key pages on every layer, indexer-key pages on "full" indexer layers only, and
-    gradient pages for the latent streams only (the indexer key takes no gradient), against a real capture and
-    exact run of the tiny model."""
+    """glm_moe_dsa: latent + rope key pages on every layer, indexer-key pages on "full" indexer layers only,
+    gradient pages for the latent streams only (the indexer key takes no gradient), and in exact mode the kept
+    selections that prefix_keep_attention "auto" (the default) keeps on one rank, against a real capture and exact
+    run of the tiny model; the planner resolves "auto" as the transaction does (offload/auto.keeps_attention)."""
     from glm_models import tiny_glm_moe_dsa, tiny_glm_moe_dsa_config
+
+    from ds_longstraw.offload.auto import keeps_attention
 
     prompt_len = 45
     model = tiny_glm_moe_dsa(torch.float64)
@@ -66,11 +69,16 @@ def test_glm_retained_bytes_match_a_real_capture(mode):
                       rewards=[1.0])
     result = grpo_backward(model, group, longstraw={"prefix_grad": mode, "capture_chunk": 16, "page_tokens": 7})
     shape = shape_from_config("tiny-glm", tiny_glm_moe_dsa_config().to_dict(), 8)
-    estimate = retained_per_rank(shape, prompt_len, 1, mode, 16)
+    keep = keeps_attention("auto", mode, 1, bool(shape.selecting))
+    assert keep == (mode == "exact") and not keeps_attention("auto", mode, 2, bool(shape.selecting))
+    estimate = retained_per_rank(shape, prompt_len, 1, mode, 16, keep)
     for key in ("mla_latent_pages", "indexer_key_pages"):
         assert estimate[key] == result.retained_bytes[key] > 0, key
     assert estimate["gradient_pages"] == result.grad_page_bytes == (
         (prompt_len - 1) * 4 * (24 + 8) * 8 if mode == "exact" else 0)  # 4 layers of latent 24 + rope key 8
+    # 2 full indexer layers keep index_topk (8) int32 positions per token
+    assert estimate["kept_attention_pages"] == result.retained_bytes["kept_attention_pages"] == (
+        (prompt_len - 1) * 2 * 8 * 4 if mode == "exact" else 0)
 
 
 def test_gradient_pages_match_a_real_exact_run():
@@ -159,6 +167,14 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
                  "--host-memory", "2TB", "--prefix-grad", "exact"]) == 0
     out = capsys.readouterr().out
     assert "mla_latent_pages" in out and "indexer_key_pages" in out and "Recommended:" in out
+    # --keep-attention: "auto" keeps GLM-5.2's selections on one rank (21 full indexer layers x 2,048 int32
+    # positions a token), not under CP (the sparse layers keep nothing there yet); "false" keeps nothing
+    kept = {}
+    for gpus, keep in (("1", "auto"), ("1", "false"), ("2", "auto")):
+        assert main(["--model", "glm-5.2", "--context", "128K", "--gpus", gpus, "--gpu-memory", "141GB",
+                     "--host-memory", "2TB", "--prefix-grad", "exact", "--keep-attention", keep, "--json"]) == 0
+        kept[gpus, keep] = json.loads(capsys.readouterr().out)["retained_bytes_per_rank"]["kept_attention_pages"]
+    assert kept == {("1", "auto"): (128 * 1024 - 1) * 21 * 2048 * 4, ("1", "false"): 0, ("2", "auto"): 0}
     config = tmp_path / "config.json"
     config.write_text(json.dumps(tiny_qwen3_5_config().to_dict()))
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--host-memory", "2GiB",

@@ -92,9 +92,9 @@ def check_sparse(specs: Iterable[LayerState], longstraw: LongstrawConfig, cp_siz
     if longstraw.cp_attention == "ulysses":
         raise ValueError(f"'longstraw.cp_attention' = 'ulysses': {where}, which a head/sequence all-to-all does not "
                          "serve; use 'lse'")
-    if longstraw.prefix_grad == "exact" and longstraw.prefix_keep_attention:
-        raise ValueError(f"'longstraw.prefix_keep_attention' = True: {where}, which keep no attention yet; set it "
-                         "to false")
+    if longstraw.prefix_grad == "exact" and longstraw.prefix_keep_attention is True:
+        raise ValueError(f"'longstraw.prefix_keep_attention' = True: {where}, which keep no selection under context "
+                         "parallelism yet; set it to false or 'auto'")
 
 
 def sparse_servers(pieces: PromptShards, rank: int) -> list[int]:
