@@ -108,9 +108,12 @@ def _row_table(latents, ropes, acc):
     return torch.cat([torch.cat(list(latents)).to(acc), torch.cat(list(ropes)).to(acc)], dim=-1)
 
 
-def _block_positions(positions, valid):
+def _block_positions(positions, valid, full=False):
     """A query block's selected positions [Tq * K], those of unselected slots replaced by 0: their value is never
-    read (p = 0 there), they are only kept in range."""
+    read (p = 0 there), they are only kept in range. full: every slot of the block is selected, so its positions
+    are read as they are (a view: the replacement cost a tenth of the prefix pass's attention on the small shape)."""
+    if full:
+        return positions.reshape(-1)
     return torch.where(valid, positions, torch.zeros((), dtype=positions.dtype, device=positions.device)).reshape(-1)
 
 
@@ -145,7 +148,7 @@ def _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block
     tiny = torch.finfo(acc).tiny
     for i, q0 in enumerate(range(0, tokens, block)):
         q1 = min(tokens, q0 + block)
-        flat = _block_positions(positions[q0:q1], valid[q0:q1])
+        flat = _block_positions(positions[q0:q1], valid[q0:q1], full[i])
         rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
         s = torch.bmm(q[q0:q1], rows.transpose(1, 2), out=scores_buf[:q1 - q0]).mul_(scale)  # [Tq, H, K]
         if not full[i]:
@@ -255,7 +258,7 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
     scores_buf = table.new_empty(min(block, tokens), 2 * heads, k)
     for i, q0 in enumerate(range(0, tokens, block)):
         q1 = min(tokens, q0 + block)
-        flat = _block_positions(positions[q0:q1], valid[q0:q1])
+        flat = _block_positions(positions[q0:q1], valid[q0:q1], full[i])
         rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
         q_and_d_o = torch.cat([q[q0:q1], d_o[q0:q1]], dim=1)  # [Tq, 2H, R + E]
         # [s | d_p] [Tq, 2H, K], then in place [p | d_s]: p = exp(s - lse), d_s = p (d_p - delta) scale
