@@ -72,8 +72,9 @@ def kept_selection(code, topk):
 
 def known_selection(kept, start, tokens, topk):
     """kept_selection's inverse for the segment of `tokens` tokens at positions start..: its codes [T, K], cut to
-    the K = min(topk, start + tokens) columns dsa_select returns there."""
-    return kept.t()[:, :min(topk, start + tokens)]
+    the K = min(topk, start + tokens) columns dsa_select returns there, token-major in memory (a transposed view
+    would hand the attention column-major positions, whose gathers ran the prefix pass's backward 20% slower)."""
+    return kept.t()[:, :min(topk, start + tokens)].contiguous()
 
 
 def zero3_leaf_modules(model) -> list:
