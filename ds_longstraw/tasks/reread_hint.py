@@ -60,6 +60,16 @@ WARMUP_SIZES = {"prompt_tokens": 20, "records": 2, "keys": 4, "values": 6, "fill
 WARMUP = {"steps": 400, "lr": 2e-3, "batch_size": 64, "seed": 0}
 HINT_PHASE = {"steps": 150, "lr": 1e-3, "batch_size": 64, "seed": 1}
 WARMUP_EVAL_LENGTHS = (20, 40)
+# The CI's warm-up (tests/launcher/test_reread_grpo.py, built from nothing on every run): phase 2 alone, HintMix from
+# random weights (seed 1), 150 steps of 32 prompts at lr 2e-3, on recall's model. It forms the "@" readout at one
+# record without phase 1's "? k" lookup (that stays near 1/records). Measured (held-out, 256 prompts, at 40 tokens):
+# "@ k" at one record 0.980, at two 0.457; "? k" 0.488; "! k" at two records 0.219 (the study's warm-up: 0.965, 0.496,
+# 1.000, 0.231): the start GRPO needs, in 150 of the study's 550 steps, at half the batch.
+CI_PHASES = (None, {"steps": 150, "lr": 2e-3, "batch_size": 32, "seed": 1})
+# The GDN-heavy model (three Gated DeltaNet layers, then one attention layer), in configs/models: warm_checkpoint's
+# shape for the study's reread_hint_gdn variant. The same recipe on it (a probe at a load of ~4, 177 s): "? k" 1.000 /
+# 1.000; "@ k" at one record 1.000 / 1.000, at two 0.590 / 0.563; "! k" at two records 0.168 / 0.258.
+GDN_SHAPE = "recall_qwen3_5_gdn.yaml"
 MIX = "half '? k' at the sizes' records, a quarter '@ k' and a quarter '! k' (random labels) at one record"  # HintMix
 
 
@@ -142,29 +152,41 @@ def warmup_levels(model, lengths=WARMUP_EVAL_LENGTHS, count=256) -> dict:
     return out
 
 
-def warm_checkpoint(directory, log=print):
+def warm_checkpoint(directory, log=print, shape=None, phases=(WARMUP, HINT_PHASE), eval_lengths=WARMUP_EVAL_LENGTHS):
     """(path, info) of the two-phase warm-up checkpoint (module docstring), built into `directory` on first use
     (save_pretrained, with recipe.json) and reused while the recipe is the same; info: the levels of
-    `warmup_levels`, the seconds it took to build (0 when reused) and the recipe."""
+    `warmup_levels`, the seconds it took to build (0 when reused) and the recipe. shape: the model's shape config
+    (default recall_warmup.SHAPE; GDN_SHAPE names the GDN-heavy variant, a file in configs/models). phases: the two
+    phases' warm_up arguments (steps, lr, batch_size, seed); a phase of None is left out (CI_PHASES: phase 2 only).
+    eval_lengths: the prompt lengths the levels are measured at."""
     from ds_longstraw.tasks import recall_warmup
 
     directory = Path(directory)
-    recipe = {"shape": recall_warmup.SHAPE.name, "shape_text": recall_warmup.SHAPE.read_text(), "sizes": WARMUP_SIZES,
-              "phase_1": WARMUP, "phase_2": HINT_PHASE, "phase_2_mix": MIX, "layout": "reread_hint"}
+    shape = recall_warmup.SHAPE if shape is None else Path(shape)
+    if not shape.is_absolute():
+        shape = recall_warmup.SHAPE.parent / shape
+    first, second = phases
+    recipe = {"shape": shape.name, "shape_text": shape.read_text(), "sizes": WARMUP_SIZES,
+              "phase_1": first, "phase_2": second, "phase_2_mix": MIX, "layout": "reread_hint"}
+    if tuple(eval_lengths) != WARMUP_EVAL_LENGTHS:  # the default's recipe predates the argument: it stays as it was
+        recipe["eval_lengths"] = list(eval_lengths)
     stamp = directory / "recipe.json"
     start = time.perf_counter()
     if not (stamp.exists() and json.loads(stamp.read_text()).get("recipe") == recipe):
-        model, _ = recall_warmup.warm_up(recall_warmup.SHAPE, {**WARMUP_SIZES, "ask": "first"}, **WARMUP,
-                                         task=sys.modules[__name__],
-                                         log=log)
-        model.train()
-        model, _ = recall_warmup.warm_up(None, WARMUP_SIZES, **HINT_PHASE, task=HintMix, init=model, log=log)
-        levels = warmup_levels(model)
+        model = None
+        if first is not None:
+            model, _ = recall_warmup.warm_up(shape, {**WARMUP_SIZES, "ask": "first"}, **first,
+                                             task=sys.modules[__name__], log=log)
+            model.train()
+        model, _ = recall_warmup.warm_up(shape if model is None else None, WARMUP_SIZES, **second, task=HintMix,
+                                         init=model, log=log)
+        levels = warmup_levels(model, lengths=eval_lengths)
         directory.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(directory)
         stamp.write_text(json.dumps({"recipe": recipe, "levels": levels}, indent=1))
         log(f"[warm-up] reread_hint levels {levels}")
     levels = json.loads(stamp.read_text())["levels"]
     return directory, {"levels": levels, "build_seconds": round(time.perf_counter() - start, 1),
-                       "short_length": WARMUP_SIZES["prompt_tokens"], "accuracy_short": levels["first@2"]["20"],
+                       "short_length": WARMUP_SIZES["prompt_tokens"],
+                       "accuracy_short": levels["first@2"].get(str(WARMUP_SIZES["prompt_tokens"])),
                        "recipe": {k: v for k, v in recipe.items() if k != "shape_text"}}
