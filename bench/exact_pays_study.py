@@ -3,10 +3,13 @@
     python bench/exact_pays_study.py                   # sweep + 3 seeds x {detached, exact}; JSON + PNG under bench/
     python bench/exact_pays_study.py --lrs 1e-3 --sweep-steps 0 --steps 20 --seeds 0   # one lr, no sweep, shorter
     python bench/exact_pays_study.py --task reread_hint --lrs 5e-4,1e-3 --steps 40   # the variant with a hint warm-up
+    python bench/exact_pays_study.py --task reread_hint_gdn --lrs 1e-3,2e-3 --sweep-steps 10 --steps 40  # GDN-heavy
 
 --task picks the task (TASKS): reread (tasks/reread.py, configs/run/reread_task.yaml) or reread_hint
 (tasks/reread_hint.py, configs/run/reread_hint_task.yaml: a warm-up that reads second fields at one record, GRPO on a
-mark it never saw at two records); each has its own warm-up directory, work directory, JSON and plot.
+mark it never saw at two records) or reread_hint_gdn (the same task and recipe on the GDN-heavy model
+configs/models/recall_qwen3_5_gdn.yaml: three Gated DeltaNet layers, then one attention layer; configs/run/
+reread_hint_gdn.yaml); each has its own warm-up directory, work directory, JSON and plot.
 
 1. The warm-up (reread: reread.WARMUP, "? k" -> the key's first field v at short prompts; reread_hint: its two-phase
    warm_checkpoint; built once into runs/<task>/warmup, then reused). GRPO then asks "! k" -> the second field w.
@@ -42,7 +45,8 @@ from recall_study import run_pair  # noqa: E402 -- two runs side by side, the re
 
 # task -> (run config, work directory under runs/, JSON and plot names)
 TASKS = {"reread": ("reread_task.yaml", "reread", "exact_pays_study"),
-         "reread_hint": ("reread_hint_task.yaml", "reread_hint", "exact_pays_hint")}
+         "reread_hint": ("reread_hint_task.yaml", "reread_hint", "exact_pays_hint"),
+         "reread_hint_gdn": ("reread_hint_gdn.yaml", "reread_hint_gdn", "exact_pays_hint_gdn")}
 SWEEP_SEED = 100
 MODES = ("detached", "exact")
 
@@ -110,6 +114,83 @@ def summarise(runs, lengths, steps_budget, seconds_budget):
     out["steps_budget"] = steps_budget
     out["seconds_budget"] = {str(seed): round(t, 1) for seed, t in seconds_budget.items()}
     return out
+
+
+def gradient_reach(warm, *, prompts=8, samples=8, temperature=2.0, seed=0, length=40):
+    """Where one GRPO step's gradient lands, exact against detached, in plain torch on the warm-up checkpoint `warm`
+    (transformers forwards, no engine): `prompts` "! k" prompts at `length` tokens (the training stream, seed `seed`),
+    `samples` one-token answers each drawn at `temperature`, rewarded by reread_hint.reward; the loss is the GRPO
+    surrogate of a step's first update (ratio 1, so no clipping): -mean(advantage * log p(answer)), the advantage a
+    reward minus its group's mean over the group's std (+1e-6). Two gradients of that one loss:
+      exact     full-sequence autograd (what exact mode equals)
+      detached  the prompt's first length-1 tokens run under no_grad into the model's cache (K/V, the GDN layers'
+                convolution tails and recurrent states: constants), then the last token with grad: the transformers
+                cache continuation that detached mode equals (tests/equivalence/test_transaction.py)
+    Returns per mode the gradient's norm per parameter group (the embedding rows of "!", of the keys and of the
+    values; each layer and its mixer; lm_head; all), the same norms of exact minus detached (the part that reaches
+    the parameters through the prompt's positions) and the cosine between the two whole gradients."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ds_longstraw.tasks import reread_hint
+
+    model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
+    model.eval()  # no dropout: the two modes differ only in the gradient's path
+    sizes = {"prompt_tokens": length, "records": 2, "keys": 4, "values": 6, "fillers": 3, "ask": "second"}
+    batch, _ = reread_hint.batch(seed, 0, prompts, **sizes)
+    ids = batch.repeat_interleave(samples, dim=0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=batch).logits[:, -1] / temperature, dim=-1)
+        answers = torch.multinomial(probs, samples, replacement=True, generator=gen).reshape(-1)
+    rewards = torch.tensor([reread_hint.reward(p, [int(a)]) for p, a in zip(ids, answers, strict=True)])
+    grouped = rewards.reshape(prompts, samples)
+    advantages = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).reshape(-1)
+
+    def gradient(mode):
+        model.zero_grad()
+        if mode == "exact":
+            logits = model(input_ids=ids).logits[:, -1]
+        else:
+            with torch.no_grad():
+                cache = model(input_ids=ids[:, :-1], use_cache=True).past_key_values
+            for layer in cache.layers:  # transformers copies the new recurrent state into the tensor autograd saved:
+                if hasattr(layer, "recurrent_states"):  # assign instead (tests/models.py does the same)
+                    def update(states, state_idx=0, _layer=layer, **kwargs):
+                        _layer.recurrent_states[state_idx] = states
+                        return states
+
+                    layer.update_recurrent_state = update
+            logits = model(input_ids=ids[:, -1:], past_key_values=cache).logits[:, -1]
+        logp = torch.log_softmax(logits, dim=-1).gather(1, answers[:, None])[:, 0]
+        (-(advantages * logp).mean()).backward()
+        return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+    grads = {mode: gradient(mode) for mode in MODES}
+    first_value = reread_hint.FIRST_KEY + sizes["keys"]
+    rows = {"embedding '!'": [reread_hint.ASK_SECOND],
+            "embedding, keys": list(range(reread_hint.FIRST_KEY, first_value)),
+            "embedding, values": list(range(first_value, first_value + sizes["values"]))}
+
+    def norms(g):
+        out = {group: float(g["model.embed_tokens.weight"][ids_].norm()) for group, ids_ in rows.items()}
+        for i, kind in enumerate(model.config.layer_types):
+            layer = [t for name, t in g.items() if name.startswith(f"model.layers.{i}.")]
+            out[f"layer {i} ({kind})"] = float(torch.cat([t.reshape(-1) for t in layer]).norm())
+            mixer = "linear_attn" if kind == "linear_attention" else "self_attn"
+            mine = [t for name, t in g.items() if name.startswith(f"model.layers.{i}.{mixer}.")]
+            out[f"layer {i} {mixer}"] = float(torch.cat([t.reshape(-1) for t in mine]).norm())
+        out["lm_head"] = float(g["lm_head.weight"].norm())
+        out["all"] = float(torch.cat([t.reshape(-1) for t in g.values()]).norm())
+        return {k: round(v, 6) for k, v in out.items()}
+
+    flat = {mode: torch.cat([t.reshape(-1) for t in grads[mode].values()]) for mode in MODES}
+    cosine = float(torch.nn.functional.cosine_similarity(flat["exact"], flat["detached"], dim=0))
+    return {"warm": str(warm), "layer_types": list(model.config.layer_types), "prompts": prompts, "samples": samples,
+            "length": length, "temperature": temperature, "seed": seed, "mean_reward": round(float(rewards.mean()), 4),
+            "norms": {mode: norms(grads[mode]) for mode in MODES},
+            "through_prompt": norms({k: grads["exact"][k] - grads["detached"][k] for k in grads["exact"]}),
+            "cosine": round(cosine, 6)}
 
 
 def plot(study, path):
@@ -193,6 +274,10 @@ def main():
     parser.add_argument("--plot", default=None, help="default bench/<TASKS' name>.png")
     parser.add_argument("--reuse", action="store_true", help="keep runs that already wrote their result.json")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot (and the table) from --json")
+    parser.add_argument("--gradient", action="store_true",
+                        help="only measure where one step's gradient lands (gradient_reach) on both reread_hint "
+                             "warm-ups (runs/reread_hint/warmup, runs/reread_hint_gdn/warmup), seeds --seeds; writes "
+                             "bench/results/exact_pays_hint_gdn_gradient.json")
     parser.add_argument("overrides", nargs="*", help="run-config overrides for every run, e.g. data.groups_per_rank=4")
     args = parser.parse_args()
     _, runs_dir, name = TASKS[args.task]
@@ -200,6 +285,21 @@ def main():
     args.work = args.work or str(ROOT / "runs" / runs_dir / "study")
     args.json = args.json or str(ROOT / "bench" / "results" / f"{name}.json")
     args.plot = args.plot or str(ROOT / "bench" / f"{name}.png")
+    if args.gradient:
+        import torch
+
+        torch.set_num_threads(1)
+        out = {}
+        for task in ("reread_hint", "reread_hint_gdn"):
+            warm = ROOT / "runs" / TASKS[task][1] / "warmup"
+            out[task] = [gradient_reach(warm, seed=int(seed), length=args.length) for seed in args.seeds.split(",")]
+            for r in out[task]:
+                print(task, "seed", r["seed"], "cosine", r["cosine"], {m: {k: r["norms"][m][k] for k in
+                      ("embedding '!'", "embedding, values", "all")} for m in MODES})
+        path = ROOT / "bench" / "results" / "exact_pays_hint_gdn_gradient.json"
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
+        return
     if args.replot:
         study = json.loads(Path(args.json).read_text())
         plot(study, args.plot)
@@ -221,7 +321,8 @@ def main():
         progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): '? k' accuracy "
                  f"{warm_info['accuracy_by_length']}")
     else:
-        warm, warm_info = reread_hint.warm_checkpoint(args.warm, log=progress)
+        shape = reread_hint.GDN_SHAPE if args.task == "reread_hint_gdn" else None
+        warm, warm_info = reread_hint.warm_checkpoint(args.warm, log=progress, shape=shape)
         progress(f"warm-up {warm} ({warm_info['build_seconds']:.0f} s): levels {warm_info['levels']}")
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
