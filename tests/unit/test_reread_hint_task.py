@@ -5,7 +5,8 @@ sizes it refuses.
             query mark of `ask` ("?" 1, "!" 2, "@" 3); the three asks of one index differ only in the mark
   rewards:  reward == 1 exactly when the response begins with the asked field: v after "?", w after "!" and "@"
   warm-up:  HintMix.batch is half "? k" at the sizes' records, a quarter "@ k" and a quarter "! k" at one record,
-            the "!" prompts with a random value for a label
+            the "!" prompts with a random value for a label; warm_checkpoint builds once per recipe (a phase left
+            out, another shape) and reuses it while the recipe is the same
   sizes:    sizes that cannot fit are ValueErrors naming this task, the size and its value
 The learning test (GRPO from the warm-up rises above chance, exact mode) is tests/launcher/test_reread_grpo.py.
 """
@@ -99,3 +100,26 @@ def test_bad_sizes_name_the_size(sizes, words):
     with pytest.raises(ValueError) as caught:
         reread_hint.prompt(0, 0, **{**dict(prompt_tokens=40, records=4, keys=8, values=10, fillers=5), **sizes})
     assert all(word in str(caught.value) for word in words), str(caught.value)
+
+
+def test_warm_checkpoint_phases_shape_and_reuse(tmp_path):
+    """warm_checkpoint with a phase left out (CI_PHASES' form) builds once, writes its recipe, and is reused while the
+    recipe is the same; another shape (GDN_SHAPE, named as in configs/models) is another recipe and is rebuilt. Two
+    steps of 4 prompts: this checks the bookkeeping, not the learning (tests/launcher/test_reread_grpo.py)."""
+    import json
+
+    torch.set_num_threads(1)
+    phases = (None, {"steps": 2, "lr": 1e-3, "batch_size": 4, "seed": 1})
+    build = dict(log=lambda line: None, phases=phases, eval_lengths=(23,))
+    directory, info = reread_hint.warm_checkpoint(tmp_path / "w", **build)
+    recipe = json.loads((directory / "recipe.json").read_text())["recipe"]
+    assert recipe["phase_1"] is None and recipe["phase_2"] == phases[1] and recipe["eval_lengths"] == [23]
+    assert recipe["shape"] == "recall_qwen3_5.yaml" and set(info["levels"]) == {"first@2", "hint@1", "hint@2",
+                                                                                "second@2"}
+    assert all(set(by_length) == {"23"} for by_length in info["levels"].values())
+    stamp = (directory / "recipe.json").stat().st_mtime_ns
+    _, again = reread_hint.warm_checkpoint(tmp_path / "w", **build)  # reused: nothing rewritten
+    assert (directory / "recipe.json").stat().st_mtime_ns == stamp and again["levels"] == info["levels"]
+    _, other = reread_hint.warm_checkpoint(tmp_path / "w", shape=reread_hint.GDN_SHAPE, **build)
+    assert json.loads((directory / "recipe.json").read_text())["recipe"]["shape"] == "recall_qwen3_5_gdn.yaml"
+    assert other["recipe"]["shape"] == "recall_qwen3_5_gdn.yaml"
