@@ -389,6 +389,45 @@ def test_sparse_latent_attention_matches_plain_autograd(monkeypatch):
         torch.testing.assert_close(grad, torch.zeros_like(grad) if ref is None else ref, rtol=0, atol=1e-13)
 
 
+def test_rows_below_the_offset_are_left_out_exactly():
+    """sparse_latent_attention with an offset (context parallelism: the selected rows below it lie on other ranks)
+    equals the same call over the rows placed at their positions behind filler rows, with the slots below the offset
+    unselected: values, lse and every gradient. The offset call compacts each query's slots to the rows that are
+    here (most queries have a few of K); a slot moved to the wrong row or dropped changes whole rows (>1e-2). Float64,
+    the same sums in another order: ~1e-16, asserted at 1e-13."""
+    gen = torch.Generator().manual_seed(11)
+    offset, lengths, heads, k = 37, [5, 9], 3, 12
+    tokens = sum(lengths)
+    latents = [p.requires_grad_() for p in _pieces(lengths, 6, gen)]
+    ropes = [p.requires_grad_() for p in _pieces(lengths, 4, gen)]
+    q_lat = torch.randn(tokens, heads, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    q_rope = torch.randn(tokens, heads, 4, generator=gen, dtype=torch.float64, requires_grad=True)
+    # each query's K selected positions among every earlier one (most below the offset), canonical or not
+    positions = torch.stack([torch.randperm(offset + t + 1, generator=gen)[:k] for t in range(tokens)])
+    valid = torch.rand(tokens, k, generator=gen) < 0.9
+    d_out = torch.randn(tokens, heads, 6, generator=gen, dtype=torch.float64)
+    d_lse = torch.randn(tokens, heads, generator=gen, dtype=torch.float64)
+    filler_lat, filler_rope = torch.randn(offset, 6, dtype=torch.float64), torch.randn(offset, 4, dtype=torch.float64)
+    inputs = [q_lat, q_rope, *latents, *ropes]
+    results = []
+    for placed in (False, True):
+        if placed:
+            out, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, [filler_lat, *latents], [filler_rope, *ropes],
+                                                          positions, valid & (positions >= offset), 0.7, with_lse=True)
+        else:
+            out, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, 0.7,
+                                                          offset=offset, with_lse=True)
+        here = torch.isfinite(lse)  # a query with no row here: lse -inf, no gradient through it
+        grads = torch.autograd.grad([out, lse[here]], inputs, [d_out, d_lse[here]], allow_unused=True)
+        results.append((out, lse, grads))
+    (out, lse, grads), (ref_out, ref_lse, ref_grads) = results
+    assert ((valid & (positions >= offset)).sum(-1) < k).all() and torch.isfinite(lse).any()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-13)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-13)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=0, atol=1e-13)
+
+
 def test_unsupported_paths_say_so(model):
     adapter = adapter_for(model)
     ids = torch.tensor([1, 2, 3])

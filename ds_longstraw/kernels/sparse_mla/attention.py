@@ -305,7 +305,7 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
     _check(q_lat, q_rope, latents, ropes, positions, valid)
     if offset:
         valid = valid & (positions >= offset)
-        positions = torch.where(valid, positions - offset, torch.zeros_like(positions))
+        positions, valid = _rows_here(torch.where(valid, positions - offset, torch.zeros_like(positions)), valid)
     if fast_path(q_lat, "triton") and triton_attention.supported(q_lat, q_rope, [*latents, *ropes]):
         record("sparse MLA", "triton")
         out, lse = triton_attention.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
@@ -313,6 +313,20 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
     record("sparse MLA", "torch")
     out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
     return (out, lse) if with_lse else out
+
+
+def _rows_here(positions, valid):
+    """The slots of rows that are here, each query's first (in their order), cut to the most any query has (at
+    least one): under context parallelism a replayed block's own rows are a few of its K selected slots (the rest
+    lie on the prompt's ranks), and the products over K slots ran at K's width for them (as many multiply-adds as
+    the whole one-process attention, on every rank)."""
+    counts = valid.sum(-1)
+    most = max(int(counts.max()) if counts.numel() else 0, 1)
+    if most >= valid.shape[1]:
+        return positions, valid
+    place = torch.where(valid, valid.cumsum(-1) - 1, most)
+    slots = positions.new_zeros(positions.shape[0], most + 1).scatter_(1, place, positions)[:, :most]
+    return slots, valid.new_zeros(valid.shape[0], most + 1).scatter_(1, place, valid)[:, :most]
 
 
 def sparse_latent_attention_reference(q_lat, q_rope, latents, ropes, positions, valid, scale):
