@@ -393,7 +393,8 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         forward then makes a remote exchange). known_attention: layer -> (its kept selection [topk, T],) of this
         segment (kept_selection; exact mode's prefix pass with prefix_keep_attention) for full indexer layers: those
         layers attend that selection and score no key (the segment's forward and its recompute alike).
-        out.attention holds each full indexer layer's selection in the same form, for the capture to keep.
+        Without autograd (the capture), out.attention holds each full indexer layer's selection in the same form,
+        for the capture to keep.
 
         With prefix_recompute a selection travels between the layers' checkpoints as int32 codes [T, K] (the
         position, -1 where none), and each full indexer layer's codes made in the forward are reused by the layer's
@@ -428,11 +429,9 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
                 selected = None if index not in known else decode_selection(known[index])
                 hidden, positions, valid, *rows = self._layer(index, layer, hidden, cos, sin, start, past,
                                                               positions, valid, remote_attention, selected)
-                if layer.self_attn.indexer is not None:
-                    code = encode_selection(positions, valid)
             out.rows[index] = tuple(rows)
-            if layer.self_attn.indexer is not None:
-                out.attention[index] = (kept_selection(code.detach(), topk),)
+            if layer.self_attn.indexer is not None and not torch.is_grad_enabled():  # what the capture keeps
+                out.attention[index] = (kept_selection(encode_selection(positions, valid), topk),)
         out.hidden = hidden
         return out
 
