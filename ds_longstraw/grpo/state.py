@@ -348,6 +348,13 @@ def open_input_pool(longstraw: LongstrawConfig, hidden_size: int, dtype: torch.d
     return pool
 
 
+def keeps_kept_streams(adapter: CausalLMAdapter, longstraw: LongstrawConfig, prefix_grad: str) -> bool:
+    """longstraw.prefix_keep_attention resolved for this model (offload/auto.keeps_attention): whether capture keeps
+    the specs' kept streams for the prefix pass."""
+    return keeps_attention(longstraw.prefix_keep_attention, prefix_grad, longstraw.cp_size,
+                           any(spec.select for spec in adapter.specs))
+
+
 def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens: int, prefix_grad: str,
                       rank: int = 0, length: int | None = None, offset: int = 0, chunks: int | None = None,
                       keep_inputs: bool = False) -> PrefixState:
@@ -364,8 +371,7 @@ def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, toke
             for stream in spec.streams:
                 pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
         exact = prefix_grad == "exact"  # what the prefix pass reads: checkpoints, kept attention
-        if keeps_attention(longstraw.prefix_keep_attention, prefix_grad, longstraw.cp_size,
-                           any(spec.select for spec in adapter.specs)):
+        if keeps_kept_streams(adapter, longstraw, prefix_grad):
             state.kept_pool = open_kept_pool(adapter, longstraw, pool, tokens, rank)
         if exact:
             slots = ceil_div(tokens, longstraw.segment_tokens) if chunks is None else chunks

@@ -42,15 +42,9 @@ from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
 from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
-from ds_longstraw.grpo.state import PrefixState, capture_prefix
+from ds_longstraw.grpo.state import PrefixState, capture_prefix, keeps_kept_streams
 from ds_longstraw.models.model_shape import shape_from_config
-from ds_longstraw.offload.auto import (
-    inputs_every_for,
-    keeps_attention,
-    layer_major_fits,
-    layout_for,
-    prefix_schedule,
-)
+from ds_longstraw.offload.auto import inputs_every_for, layer_major_fits, layout_for, prefix_schedule
 from ds_longstraw.offload.plan import captured_tokens_per_rank
 from ds_longstraw.parallel.experts import is_expert_param
 from ds_longstraw.parallel.groups import CPContext, as_cp_context
@@ -370,7 +364,7 @@ def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_
         raise ValueError(f"'longstraw.cp_prefix' = 'layer_major' does not run with {'; '.join(blockers)}: use 'auto' "
                          "or 'turns'")
     return prefix_schedule(longstraw.prefix_grad, longstraw.cp_prefix, bool(blockers), lambda: layer_major_fits(
-        _state_shape(adapter), longstraw.segment_tokens, _keeps_attention(adapter, longstraw),
+        _state_shape(adapter), longstraw.segment_tokens, keeps_kept_streams(adapter, longstraw, longstraw.prefix_grad),
         longstraw.prefix_inputs_every, tokens_per_rank, device_memory))
 
 
@@ -392,14 +386,9 @@ def _state_shape(adapter: CausalLMAdapter) -> ModelShape:
 def resolve_inputs_every(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> int:
     """longstraw.prefix_inputs_every as the layer-major pass runs it: "auto" resolved by offload/auto.inputs_every_for
     (the same on every rank: a function of the model and settings)."""
-    return inputs_every_for(_state_shape(adapter), longstraw.segment_tokens, _keeps_attention(adapter, longstraw),
-                            longstraw.prefix_inputs_every)
+    keep = keeps_kept_streams(adapter, longstraw, longstraw.prefix_grad)
+    return inputs_every_for(_state_shape(adapter), longstraw.segment_tokens, keep, longstraw.prefix_inputs_every)
 
-
-def _keeps_attention(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -> bool:
-    """longstraw.prefix_keep_attention resolved for this model (offload/auto.keeps_attention)."""
-    return keeps_attention(longstraw.prefix_keep_attention, longstraw.prefix_grad, longstraw.cp_size,
-                           any(spec.select for spec in adapter.specs))
 
 
 def check_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig, cp_size: int) -> None:
