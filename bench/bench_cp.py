@@ -215,7 +215,7 @@ def main(argv=None):
     parser.add_argument("--inputs-every", default="auto", help="layer-major prefix pass: keep every k-th layer's "
                         "input (prefix_inputs_every: auto or k), comma-separated")
     parser.add_argument("--replay", default="replicated",
-                        help="CP replay schedules (cp_replay): replicated, spread, or both comma-separated")
+                        help="CP replay schedules (cp_replay): replicated, spread, gathered, auto, comma-separated")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (1: a loaded shared "
                         "machine makes multi-threaded OpenMP spin)")
     args = parser.parse_args(argv)

@@ -121,10 +121,15 @@ class LongstrawConfig(DeepSpeedConfigModel):
         layers' inputs on the tier instead of L, for about one more forward of the prompt. 1: every layer's; "auto"
         (the default): the smallest k whose added bytes fit the cp_prefix "auto" rule, else the k that adds the
         fewest (offload/auto.inputs_every_for; `longstraw plan` shows the k it takes).
-    cp_replay: under context parallelism, who replays the members: "spread" (rank r replays members m with
-        m mod cp_size = r; queries travel to the pages' owners and partials back, grpo/cp/spread.py; the default:
-        0.3-0.6x the replay's CPU time summed over ranks, BENCHMARKS.md) or "replicated" (every rank every member,
-        the same bits everywhere; the schedule before the spread, kept for comparison).
+    cp_replay: under context parallelism, who replays the members and how they reach the prompt's pages:
+        "spread" (rank r replays members m with m mod cp_size = r; queries travel to the pages' owners and partials
+        back, grpo/cp/spread.py: 0.3-0.6x the replicated replay's CPU time summed over ranks, BENCHMARKS.md),
+        "gathered" (the same members, but the whole prompt's pages are all-gathered on every rank once and each rank
+        replays as one process does, with no exchange per layer and block; exact mode sums the pages' gradients
+        back once: grpo/cp/gathered.py), "replicated" (every rank every member, the same bits everywhere; the
+        schedule before the spread, kept for comparison) or "auto" (the default: gathered where the whole prompt's
+        pages, with their gradient pages in exact mode, take at most GATHER_FRACTION of the device's total memory
+        (off CUDA: GATHER_HOST_BYTES), else spread: offload/auto.replay_schedule, decided per prompt).
     ep_size: expert-parallel ranks a MoE layer's routed experts are sharded over (ds_longstraw.shard_experts); with
         cp_size > 1 they are the CP group's ranks (ep_size = cp_size).
     """
@@ -146,7 +151,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     cp_scan: Literal["auto", "one_pass", "two_pass"] = "auto"
     cp_prefix: Literal["auto", "layer_major", "turns"] = "auto"
     prefix_inputs_every: Literal["auto"] | Annotated[int, Field(ge=1)] = "auto"
-    cp_replay: Literal["replicated", "spread"] = "spread"
+    cp_replay: Literal["auto", "gathered", "spread", "replicated"] = "auto"
     ep_size: int = Field(1, ge=1)
     progress: bool = False
     kernels: Literal["auto", "reference"] = "auto"

@@ -102,8 +102,9 @@ class GroupCalls:
 
 
 def replayed_members(group: GRPOGroup, longstraw: LongstrawConfig, cp: CPContext | None = None) -> list:
-    """The members this rank replays: all of them, or (context parallelism with "cp_replay": "spread") its share."""
-    if cp is not None and longstraw.cp_replay == "spread":
+    """The members this rank replays: all of them, or (context parallelism, "cp_replay" other than "replicated":
+    spread, gathered or either by "auto") its share."""
+    if cp is not None and longstraw.cp_replay != "replicated":
         return list(range(cp.rank, group.size, cp.size))
     return list(range(group.size))
 

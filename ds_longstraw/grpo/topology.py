@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from ds_longstraw.grpo.cp.capture import cp_capture_prefix
+from ds_longstraw.grpo.cp.gathered import GatheredPages
 from ds_longstraw.grpo.cp.kinds import KINDS, LayerKind, kinds_in, unrun
 from ds_longstraw.grpo.cp.kinds.attention.ulysses import check_heads
 from ds_longstraw.grpo.cp.kinds.sparse.selection import check_sparse, uses_selection
@@ -44,7 +45,14 @@ from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
 from ds_longstraw.grpo.state import PrefixState, capture_prefix, keeps_kept_streams
 from ds_longstraw.models.model_shape import shape_from_config
-from ds_longstraw.offload.auto import inputs_every_for, layer_major_fits, layout_for, prefix_schedule
+from ds_longstraw.offload.auto import (
+    gathered_bytes,
+    inputs_every_for,
+    layer_major_fits,
+    layout_for,
+    prefix_schedule,
+    replay_schedule,
+)
 from ds_longstraw.offload.plan import captured_tokens_per_rank
 from ds_longstraw.parallel.experts import is_expert_param
 from ds_longstraw.parallel.groups import CPContext, as_cp_context
@@ -67,6 +75,15 @@ class ReplayView:
     leaves: PrefixLeaves
     # None (the prompt's pages are local), or the attention over the pages of every rank (interfaces.py)
     remote_attention: RemoteAttention | RemoteSelection | None = None
+    # "cp_replay": "gathered": the whole prompt's pages gathered on this rank (grpo/cp/gathered.py); else None
+    gathered: GatheredPages | None = None
+
+    def release(self) -> None:
+        """Drop the staged pages; a gathered view also returns its pages' gradients to their ranks (exact mode:
+        collective over the CP group, so every rank releases at the same point) and frees what it gathered."""
+        self.leaves.release()
+        if self.gathered is not None:
+            self.gathered.release()
 
 
 class Topology(Protocol):
@@ -184,6 +201,9 @@ class ContextParallel:
              "spread": rank r replays its own members (m mod N = r; grpo/cp/spread.py): queries travel to the
              pages' owners and partials back; the members' losses, log-probs and d(final carry) are then summed or
              gathered over the CP group, and replay's gradients are each rank's own members' (no 1/N below).
+             "gathered": the same members, replayed over the whole prompt's pages gathered once on every rank
+             (grpo/cp/gathered.py), as one process does; exact mode's page gradients go back to their ranks once,
+             when the view is released. ("auto" is resolved per prompt by build_topology: resolve_replay.)
     prefix   (exact) a turn per segment of the layout (cp_layout: zigzag, two per rank; contiguous, one), last first;
              the parameter gradients it produces differ per rank (each covers its own tokens)
     reduce   ONE all-reduce over the CP group of (replay's gradients / N + this rank's prefix gradients): the sum
@@ -201,15 +221,18 @@ class ContextParallel:
     """
 
     def __init__(self, cp: CPContext, longstraw: LongstrawConfig, *, prefix_schedule: str | None, inputs_every: int,
-                 caller_reduces: bool = False, prompt_tokens: int | None = None) -> None:
+                 caller_reduces: bool = False, prompt_tokens: int | None = None, replay: str = "spread") -> None:
         """Made by build_topology, which resolves every argument (this constructor decides nothing).
         prefix_schedule: exact mode's prefix pass ("layer_major", "turns"; None in detached mode) and inputs_every
         its prefix_inputs_every, both for a prompt of prompt_tokens tokens (None: no prompt known: the capture
-        then refuses one); caller_reduces: the caller sums the gradients over the group (no reduce here)."""
+        then refuses one); caller_reduces: the caller sums the gradients over the group (no reduce here); replay:
+        cp_replay resolved ("gathered", "spread" or "replicated")."""
         self.cp = cp
         self.size, self.rank = cp.size, cp.rank
         self.longstraw = longstraw
-        self.spread = longstraw.cp_replay == "spread"
+        self.replay = replay
+        self.spread = replay != "replicated"  # each rank its own members: spread or gathered
+        self.gathered = replay == "gathered"
         self.prefix_schedule, self.inputs_every = prefix_schedule, inputs_every
         self.caller_reduces = caller_reduces
         self.reduces = not caller_reduces
@@ -232,6 +255,9 @@ class ContextParallel:
                                  keep_inputs=prefix_grad == "exact" and self.prefix_schedule == "layer_major")
 
     def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> ReplayView:
+        if self.gathered:  # the whole prompt's pages here: one process's view of them
+            gathered = GatheredPages(self.cp, adapter, state, prefix_grad)
+            return ReplayView(gathered.leaves(adapter, prefix_grad), gathered=gathered)
         # No local prompt pages in the past: every rank's pages, this one's included, are reached through
         # PagesAttention (SparsePagesAttention for layers that attend a global top-k selection).
         # Spread: each rank its own members, queries travel to the pages (grpo/cp/spread.py).
@@ -248,8 +274,8 @@ class ContextParallel:
 
     def replay_lockstep(self, group: GRPOGroup, longstraw: LongstrawConfig) -> Lockstep | None:
         """Spread members make the ranks' replays exchange with each other, so ranks with fewer members or blocks
-        pad them (capture and the prefix pass pair up already)."""
-        if not self.spread:
+        pad them (capture and the prefix pass pair up already); gathered pages exchange nothing while replaying."""
+        if not self.spread or self.gathered:
             return None
         return padded_to_common(group, longstraw, self.cp, self.cp.process_group, ReplayLockstep)
 
@@ -305,7 +331,8 @@ class ContextParallel:
         pieces = self.cp.pieces(state.length).mine
         replayed = sum(group.response_ids[m].numel() for m in self.replay_members(group))
         return {"cp": dict(self.cp.report(), shard=pieces[0] if len(pieces) == 1 else pieces, layout=self.cp.layout,
-                           prefix=self.prefix_schedule, inputs_every=self.inputs_every, replayed_tokens=replayed,
+                           prefix=self.prefix_schedule, inputs_every=self.inputs_every, replay=self.replay,
+                           replayed_tokens=replayed,
                            replayed_members=self.replay_members(group))}
 
 
@@ -391,6 +418,16 @@ def resolve_inputs_every(adapter: CausalLMAdapter, longstraw: LongstrawConfig) -
 
 
 
+def resolve_replay(adapter: CausalLMAdapter, longstraw: LongstrawConfig, prompt_tokens: int | None,
+                   device_memory: int | None) -> str:
+    """longstraw.cp_replay as this prompt's replay runs it ("auto": offload/auto.replay_schedule, with the bytes the
+    whole prompt's gathered pages would take; no prompt known: "spread")."""
+    if longstraw.cp_replay == "auto" and prompt_tokens is None:
+        return "spread"
+    held = 0 if prompt_tokens is None else gathered_bytes(_state_shape(adapter), prompt_tokens, longstraw.prefix_grad)
+    return replay_schedule(longstraw.cp_replay, held, device_memory)
+
+
 def check_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig, cp_size: int) -> None:
     """ValueError, naming the key, for what the CP schedule does not run over `cp_size` ranks with this model and
     these settings (pure: nothing runs, nothing is set). One rank runs every setting."""
@@ -408,9 +445,11 @@ def check_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig, cp_size
 
 def build_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig,
                    cp_group: ProcessGroup | CPContext | None = None, *, prompt_tokens: int | None = None,
-                   caller_reduces: bool = False) -> Topology:
+                   caller_reduces: bool = False, decoding: bool = False) -> Topology:
     """The topology a transaction (or a generate call) runs over, whole: OneRank, or ContextParallel over
-    `cp_group` (a process group or a parallel.CPContext; validated against longstraw.cp_size).
+    `cp_group` (a process group or a parallel.CPContext; validated against longstraw.cp_size). decoding: a
+    generate call's, where every rank decodes every sample: its view is the gathered pages' where cp_replay
+    resolves to "gathered" for the prompt, else the replicated schedule's (whatever cp_replay says).
 
     Everything is checked first (as_cp_context, check_topology: a ValueError naming the key before any work), then
     resolved once, the same on every rank: the group's layout (set on its CPContext), the prefix pass's schedule
@@ -428,9 +467,12 @@ def build_topology(adapter: CausalLMAdapter, longstraw: LongstrawConfig,
     tokens = None if prompt_tokens is None else captured_tokens_per_rank(prompt_tokens, cp.size)
     prefix_schedule = resolve_prefix(adapter, longstraw, tokens, device_memory)
     inputs_every = resolve_inputs_every(adapter, longstraw) if prefix_schedule == "layer_major" else 1
+    replay = resolve_replay(adapter, longstraw, prompt_tokens, device_memory)
+    if decoding and replay != "gathered":
+        replay = "replicated"
     cp.reset()
     return ContextParallel(cp, longstraw, prefix_schedule=prefix_schedule, inputs_every=inputs_every,
-                           caller_reduces=caller_reduces, prompt_tokens=prompt_tokens)
+                           caller_reduces=caller_reduces, prompt_tokens=prompt_tokens, replay=replay)
 
 
 def _take_grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:

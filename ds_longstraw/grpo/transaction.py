@@ -127,7 +127,7 @@ def score_reference(ref_model: torch.nn.Module, group: GRPOGroup, longstraw: Lon
             scores = score_group(source, group, schedule=schedule, members=members)
             return topology.collect_members(scores, members, group.size)
         finally:
-            view.leaves.release()
+            view.release()
     finally:
         state.release()  # page files of a host/NVMe tier go on error as on success
 
@@ -271,12 +271,12 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
             view = topology.replay_view(adapter, state, longstraw.prefix_grad)
             source = MemberReplay(adapter, view.leaves, group.prompt_ids.numel() - 1, longstraw.replay_block,
                                   view.remote_attention, span_capture=longstraw.member_span_capture)
-            # generate's kept observations (grpo/kept_spans.py) where nothing pads or exchanges per forward
-            kept = None if schedule.pads_calls or view.remote_attention is not None else state.kept_spans
+            # generate's kept observations (grpo/kept_spans.py): on one rank, where nothing pads the calls
+            kept = None if schedule.pads_calls or topology.size != 1 else state.kept_spans
             loss, logprobs, stepped, entropies = replay_group(source, group, objective, advantages, ref_logprobs,
                                                               backward=backward, schedule=schedule, members=members,
                                                               kept=kept)
-            view.leaves.release()  # staged pages of the replay are not needed by the prefix pass
+            view.release()  # staged (or gathered) pages of the replay are not needed by the prefix pass
             loss = topology.collect_loss(loss / weight)
             if entropies is not None:  # a member that ran in steps has none: NaN, so that a CP gather takes tensors
                 entropies = topology.collect_members([torch.full_like(lp, float("nan")) if e is None else e

@@ -7,6 +7,7 @@ the planner (offload/plan.py, tools/planner.py), so that what the planner predic
   prefix_inputs_every  inputs_every_for              the layer inputs the layer-major pass keeps
   cp_layout            layout_for                    "zigzag" or "contiguous" shards
   prefix_keep_attention keeps_attention              what exact mode's prefix pass takes from capture
+  cp_replay            replay_schedule               "gathered" or "spread" pages for the CP replay
 
 Each is a function of the model's per-token shape (offload/plan.ModelShape, which the transaction builds from its
 adapter: models/model_shape.py), the settings and what is known of the device (the smallest total memory of a CP
@@ -190,3 +191,33 @@ def prefix_schedule(prefix_grad: str, cp_prefix: str, blocked: bool, fits: Calla
     if blocked:
         return "turns"
     return "layer_major" if fits() else "turns"
+
+
+# "cp_replay": "auto" gathers the whole prompt's pages on every rank for the replay (grpo/cp/gathered.py) where they
+# and, in exact mode, their gradient pages take at most this fraction of the device's total memory: 2.5 GB of an 80
+# GB H100, 26K tokens of GLM-5.2's pages (93 KiB a token; 13K in exact mode) and 38K of Qwen3.6-27B's (64 KiB; 19K).
+# Gathering moves the prompt's pages once; the spread replay moves each replayed token's queries at every layer and
+# its partials back (GLM-5.2: 64 heads x 576 values of query against 1.2 KB of a layer's page per token, some 60
+# times more), in several collectives per layer and block. So within this budget gathering moves fewer bytes and
+# waits less (BENCHMARKS.md "The CP replay gathered"); beyond it the sharded pages are what context parallelism is
+# for. A short prompt in a job sized for long ones is the case it serves.
+GATHER_FRACTION = 1 / 32
+# Off CUDA (CPU ranks: the device is the host) no device memory bounds it: a fixed 1 GiB per rank.
+GATHER_HOST_BYTES = 1 << 30
+
+
+def gathered_bytes(shape: ModelShape, prompt_tokens: int, prefix_grad: str) -> int:
+    """Bytes a rank holds while the replay runs over the whole prompt's gathered pages: every paged layer's streams,
+    and in exact mode their gradient pages."""
+    per_token = shape.bytes_per_token + (shape.grad_bytes_per_token if prefix_grad == "exact" else 0)
+    return prompt_tokens * per_token
+
+
+def replay_schedule(cp_replay: str, held_bytes: int, device_memory: int | None) -> str:
+    """The CP replay a prompt runs: cp_replay as given, or "auto": "gathered" where `held_bytes` (gathered_bytes)
+    fit GATHER_FRACTION of the device's memory (GATHER_HOST_BYTES where none is known), else "spread". The
+    topology (grpo/topology.py) and the planner both ask this."""
+    if cp_replay != "auto":
+        return cp_replay
+    limit = GATHER_HOST_BYTES if device_memory is None else GATHER_FRACTION * device_memory
+    return "gathered" if held_bytes <= limit else "spread"

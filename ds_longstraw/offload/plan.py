@@ -37,6 +37,9 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
                  (arch/qwen3_5_graph.py; LoRA on a frozen body or every weight trained: `trains`); the
                  kernels' scratch runs inside it, so the two add up
   gradients      trains "full": the trained weights' gradients, as large as the weights' share         GPU
+  gathered pages (context parallelism, cp_replay "gathered", or "auto" where they fit: offload/auto.replay_schedule)
+                 the whole prompt's pages, in exact mode with their gradient pages, on each GPU      GPU
+                 while the replay runs (grpo/cp/gathered.py)
 The GPU budget for all of this is the GPU memory minus the weights' share (default estimate: ZeRO-3 shards the
 parameters over all GPUs at `weight_bytes` each) minus a reserve for the allocator and what is not modelled
 (default 10%). Host memory per rank is the node's memory times `host_fraction`, split over the node's GPUs.
@@ -70,11 +73,13 @@ Routed experts (a model with a MoEShape), `moe_figures`:
 from dataclasses import dataclass, field
 
 from ds_longstraw.offload.auto import (
+    gathered_bytes,
     inputs_every_for,
     layer_inputs_bytes,
     layer_major_prefix,
     layer_major_workspace,
     recomputed_inputs_bytes,
+    replay_schedule,
     scan_holds,
 )
 from ds_longstraw.offload.kind_costs import delta_rule_floats  # the gated delta rule's scratch (and its chunk)
@@ -114,6 +119,9 @@ class Plan:
     capture_chunk: int
     cp_scan: str = "auto"  # longstraw.cp_scan: whether the GDN capture holds its outputs across the exchange
     cp_prefix: str = "auto"  # longstraw.cp_prefix: exact mode's CP prefix pass, layer-major or in turns
+    cp_replay: str = "auto"  # longstraw.cp_replay as given
+    replay: str = "one rank"  # as it runs for this prompt: "gathered", "spread", "replicated" (CP), or "one rank"
+    gathered_pages: int = 0  # "gathered": the whole prompt's pages (exact: and their gradients) on each GPU in replay
     keep_attention: bool = False  # longstraw.prefix_keep_attention
     inputs_every: int = 1  # longstraw.prefix_inputs_every, as it runs (inputs_every_for)
     inputs_every_asked: int | str = "auto"  # as given
@@ -338,7 +346,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
               capture_chunk: int = 4096, keep_attention: bool = False, kept_tier: str | None = None,
               cp_scan: str = "auto", cp_prefix: str = "auto", inputs_every: int | str = "auto",
               response_tokens: int = 1024, trains: str = "lora", tool_tokens: int = 0,
-              member_span_capture: int | None = 1024) -> Plan:
+              member_span_capture: int | None = 1024, cp_replay: str = "auto") -> Plan:
     if prefix_grad not in ("detached", "exact"):
         raise ValueError(f"prefix_grad must be 'detached' or 'exact', got {prefix_grad!r}")
     if cluster.cp < 1 or cluster.gpus % cluster.cp:
@@ -353,6 +361,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
             shape, cluster.cp, prefix_grad, cp_prefix):
         raise ValueError(f"cp_prefix 'layer_major' does not run for {shape.family} (layers that combine by "
                          f"{list(shape.not_layer_major)})")
+    if cp_replay not in ("auto", "gathered", "spread", "replicated"):
+        raise ValueError(f"cp_replay must be 'auto', 'gathered', 'spread' or 'replicated', got {cp_replay!r}")
     if inputs_every != "auto" and (not isinstance(inputs_every, int) or inputs_every < 1):
         raise ValueError(f"inputs_every must be 'auto' or at least 1, got {inputs_every!r}")
     asked, inputs_every = inputs_every, inputs_every_for(shape, capture_chunk, keep_attention, inputs_every)
@@ -361,10 +371,14 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
     plan = Plan(shape, context, group_size, prefix_grad, cluster, capture_chunk, cp_scan=cp_scan, cp_prefix=cp_prefix,
                 keep_attention=keep_attention, inputs_every=inputs_every, inputs_every_asked=asked,
                 response_tokens=response_tokens, trains=trains, tool_tokens=tool_tokens,
-                member_span_capture=member_span_capture,
+                member_span_capture=member_span_capture, cp_replay=cp_replay,
                 member_steps=member["steps"], tool_rows=member["tool_rows"], tool_carries=member["tool_carries"],
                 replay_graph=None if graph is None else graph + member["tool_rows"] + member["tool_carries"])
     plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
+    if cluster.cp > 1:  # the replay's schedule for this prompt, as the topology resolves it (resolve_replay)
+        gathered = gathered_bytes(shape, context - 1, prefix_grad)
+        plan.replay = replay_schedule(cp_replay, gathered, cluster.gpu_memory)
+        plan.gathered_pages = gathered if plan.replay == "gathered" else 0
     if keep_attention and not shape.kept_bytes_per_token:
         raise ValueError(f"prefix_keep_attention: {shape.family} models declare no attention outputs to keep")
     plan.retained = retained_per_rank(shape, context, cluster.cp, prefix_grad, capture_chunk, keep_attention, cp_prefix,
@@ -385,7 +399,8 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
         plan.nvme_budget = cluster.nvme_free // cluster.gpus_per_node
     for tier in TIERS:
         depth = _depth_for(tier)
-        workspace = _live_beside_pages(plan)
+        # a gathered replay's pages are on the GPU while the replay runs, beside what it keeps (counted with it)
+        workspace = _live_beside_pages(plan) + plan.gathered_pages
         needs = _needs(shape, plan.tokens_per_rank, plan.retained, tier, depth, kept_tier, workspace)
         if tier == "nvme" and not _fits(needs, plan):
             depth = 1

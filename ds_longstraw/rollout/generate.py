@@ -248,7 +248,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor | Sequence[int], n
     token); seed: reproduces the samples on any topology (None: a random seed, reported in Rollouts.seed).
     cp_group: None (one rank), or the process group (or parallel.CPContext) of the context-parallel ranks the
     prompt is sharded over, with the config's cp_size; every rank calls with the same arguments and gets the same
-    samples (decoded on every rank, as the replicated replay does, whatever "cp_replay" says).
+    samples (decoded on every rank: over the whole prompt's pages gathered once where "cp_replay" resolves to
+    "gathered" for this prompt, else as the replicated replay does).
     dp_group: None, or the ranks whose module calls are collectives (ZeRO-3's data-parallel ranks): every rank of it
     calls generate together, each with its own prompt, samples and eos, and the calls are padded to the same ones
     (decode_lockstep.py). A model with sharded experts (shard_experts) decodes in lockstep over its expert-parallel
@@ -322,9 +323,9 @@ def _decode_setup(model: torch.nn.Module, adapter: CausalLMAdapter, longstraw: L
     # Capture: a kept capture is the training's, under its config as given; otherwise nothing is kept for a prefix
     # pass, so exact mode's cap on capture segments (prefix_block) would only slow it.
     captured = longstraw if keep_capture else longstraw.model_copy(update={"prefix_grad": "detached"})
-    # Every rank decodes every sample, so the view is the replicated replay's (the spread one splits the members).
-    topology = build_topology(adapter, captured.model_copy(update={"cp_replay": "replicated"}), cp_group,
-                              prompt_tokens=prompt_tokens)
+    # Every rank decodes every sample, so the view is the gathered pages' where cp_replay resolves so for this
+    # prompt (no exchange per token), else the replicated replay's (the spread one splits the members).
+    topology = build_topology(adapter, captured, cp_group, prompt_tokens=prompt_tokens, decoding=True)
     ep = expert_parallel(model)
     check_expert_parallel(ep, longstraw, None if ep is None else ep.process_group, cp_group)
     return captured, topology
@@ -378,7 +379,7 @@ def _generate(model: torch.nn.Module, adapter: CausalLMAdapter, topology: Topolo
                         samples = _decode_each(adapter, view, state.length, prompt_ids[-1], num_samples, sampling,
                                                rules, schedule)
                 finally:
-                    view.leaves.release()
+                    view.release()
             if keep_capture:
                 kept = KeptCapture(state, longstraw, model, prompt_ids, schedule.capture_padded_to)
         finally:

@@ -82,6 +82,10 @@ def _parser():
     p.add_argument("--cp-prefix", choices=("auto", "layer_major", "turns"), default="auto",
                    help="longstraw.cp_prefix (exact mode under CP: layer_major, every rank at once, keeps every "
                         "layer's input; turns, one rank after another; auto: layer_major where it runs)")
+    p.add_argument("--cp-replay", choices=("auto", "gathered", "spread", "replicated"), default="auto",
+                   help="longstraw.cp_replay (under CP: gathered, the whole prompt's pages on every GPU for the "
+                        "replay; spread, queries to the pages' ranks; auto: gathered where they take at most 1/32 of "
+                        "the GPU)")
     p.add_argument("--prefix-inputs-every", type=_inputs_every, default="auto",
                    help="longstraw.prefix_inputs_every (layer-major prefix pass: capture keeps every k-th layer's "
                         "input, the pass recomputes the rest of a group of k; auto: the smallest k that fits)")
@@ -101,6 +105,16 @@ def _parser():
     p.add_argument("--dtype-bytes", type=int, default=None, help="bytes per state element (default: config dtype)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
+
+
+def _replay_line(plan) -> str:
+    """How the CP replay reaches the prompt's pages for this prompt (longstraw.cp_replay)."""
+    if plan.replay == "gathered":
+        return (f"Replay (longstraw.cp_replay {plan.cp_replay}): gathered, the whole prompt's pages"
+                f"{' and their gradients' if plan.prefix_grad == 'exact' else ''} ({_gib(plan.gathered_pages)}) on "
+                "each GPU while it runs, counted in GPU above; nothing crosses ranks per layer and block.")
+    return (f"Replay (longstraw.cp_replay {plan.cp_replay}): {plan.replay}, the prompt's pages stay sharded; each "
+            "attention layer exchanges queries and partials with every rank per replayed block.")
 
 
 def _detect_host_memory():
@@ -185,6 +199,8 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     elif plan.cluster.cp > 1 and plan.shape.delta_heads:
         lines.append(f"longstraw.cp_scan {plan.cp_scan}: the Gated DeltaNet capture holds no outputs across the CP "
                      "exchange (two passes over those layers).")
+    if plan.cluster.cp > 1:
+        lines.append(_replay_line(plan))
     if "layer_major_prefix" in plan.workspace:
         lines.append("layer_major_prefix: what exact mode's layer-major CP prefix pass holds across a layer (beside "
                      "the layer_inputs kept with the pages); --cp-prefix turns holds one chunk's graph instead, and "
@@ -441,7 +457,8 @@ def as_dict(plan) -> dict:
             "trained_grad_bytes": plan.trained_grads, "tool_tokens": plan.tool_tokens,
             "member_steps": plan.member_steps, "tool_rows_bytes": plan.tool_rows,
             "tool_carry_bytes": plan.tool_carries,
-            "groups_per_document": plan.groups_per_document}
+            "groups_per_document": plan.groups_per_document, "replay": plan.replay,
+            "gathered_pages_bytes": plan.gathered_pages}
 
 
 def main(argv=None) -> int:
@@ -472,13 +489,14 @@ def main(argv=None) -> int:
                                  "prefix_block": args.prefix_block,
                                  "prefix_keep_attention": KEEP_CHOICES[args.keep_attention],
                                  "cp_size": cp, "cp_scan": args.cp_scan, "cp_prefix": args.cp_prefix,
+                                 "cp_replay": args.cp_replay,
                                  "prefix_inputs_every": args.prefix_inputs_every,
                                  "member_span_capture": args.member_span_capture})
         plan = make_plan(shape, args.context, args.group_size, args.prefix_grad, cluster, longstraw.segment_tokens,
                          keeps_attention(longstraw.prefix_keep_attention, args.prefix_grad, cp,
                                          bool(shape.selecting)), args.kept_attention_tier, longstraw.cp_scan,
                          longstraw.cp_prefix, longstraw.prefix_inputs_every, args.response_tokens, args.trains,
-                         args.tool_tokens, longstraw.member_span_capture)
+                         args.tool_tokens, longstraw.member_span_capture, longstraw.cp_replay)
         if args.groups_per_document < 1:
             raise ValueError(f"--groups-per-document {args.groups_per_document}: at least 1 group asks of a document")
         plan.groups_per_document = args.groups_per_document

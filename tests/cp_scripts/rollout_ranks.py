@@ -72,12 +72,13 @@ def case_train(case, cp_size=1, cp_group=None, reuse=True):
 
 def worker(rank, world, cases, out_dir):
     """One rank of run_rollouts (inside fork_ranks' process group). A case without rewards runs generate on a
-    CPContext of the group, whose traffic counts the token exchanges (op "rollout_token") it made."""
+    CPContext of the group, whose traffic counts the token exchanges (op "rollout_token") it made and names what
+    the decode phase exchanged."""
     from ds_longstraw.parallel.groups import CPContext
 
     group = dist.new_group(list(range(world)), backend="gloo")
     for case in cases:
-        grads = extras = exchanges = None
+        grads = extras = exchanges = decode_ops = None
         if "rewards" in case:
             result, grads, trained = case_train(case, world, group)
             extras = {"capture_reused": trained.extras["capture_reused"], "phases": sorted(trained.phases)}
@@ -85,10 +86,12 @@ def worker(rank, world, cases, out_dir):
             cp = CPContext(group)
             result = case_rollouts(case, world, cp)
             exchanges = sum(n for (_, _, op), n in cp.traffic.messages.items() if op == "rollout_token")
+            decode_ops = sorted({op for (phase, _, op) in cp.traffic.received if phase == "decode"})
         torch.save({"response_ids": result.response_ids, "logprobs": result.logprobs,
                     "finished": result.finished, "seed": result.seed, "grads": grads, "extras": extras,
                     "response_masks": result.response_masks, "turns": result.turns,
-                    "token_exchanges": exchanges}, os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
+                    "token_exchanges": exchanges, "decode_ops": decode_ops},
+                   os.path.join(out_dir, f"{case['name']}.rank{rank}.pt"))
 
 
 def run_rollouts(cases, out_dir, timeout=600):

@@ -11,7 +11,9 @@ Replica 0 brings [A, B], replica 1 (W = 4) brings [C]: lockstep pads chunks, blo
 The step must follow the data-parallel average: W = 2: (g_A + g_B) / 2; W = 4: (g_A + g_B) / 4 + g_C / 2.
 
 Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
-  zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2
+  zero3   ZeRO-3 with every parameter partitioned (persistence threshold 0), detached, cp_size 2, "cp_replay":
+          "auto" (gathered at these sizes: each rank replays its members over the whole prompt's pages, gathered
+          once; no replay lockstep of its own, the engine's pads the calls)
   zero2   ZeRO stage 2, exact (the layer-major CP prefix pass; no weight gathers to keep in step)
   zero3exact  ZeRO-3, exact, Ulysses capture (padded like the LSE capture), pages on the host tier: the
           layer-major prefix pass, each of its per-chunk loops padded to the most chunks of any shard (7)
@@ -32,7 +34,8 @@ Checks (float32 tiny qwen3_5, SGD, gradient_clipping 0):
           CP32/EP32 layout at toy size) and the layer-major prefix pass (its sparse layers' loops padded, the
           experts' dispatch in every padded call): routed pairs dispatched over the CP group, each slice's gradient
           summed over the replicas holding it; the step on the non-expert weights and each rank's slice == the
-          average
+          average. "cp_replay": "gathered": each rank replays its own members over the gathered pages, and the
+          pages' gradients go back to their ranks once before the prefix pass
   rollout ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids: replica 0 two prompts, replica 1 one (an idle
           decode slot, shard captures padded, ghost steps); then one prompt each of different lengths (trained on
           the kept shard captures, padded alike): samples == one process's, two steps == the averages
@@ -154,7 +157,8 @@ def check(mode, stage, seed, family="qwen", **block_options):
             "rank_groups": len(result.groups), "cp_rank": cp.rank, "cp_size": cp.size,
             "shards": [g.extras["cp"]["shard"] for g in result.groups],
             "layouts": [g.extras["cp"]["layout"] for g in result.groups],
-            "prefixes": [g.extras["cp"]["prefix"] for g in result.groups]}
+            "prefixes": [g.extras["cp"]["prefix"] for g in result.groups],
+            "replays": [g.extras["cp"]["replay"] for g in result.groups]}
 
 
 def check_rollout(out_dir):
@@ -225,13 +229,14 @@ def check_document(out_dir, mode="exact"):
             "documents": [g.extras.get("document", {}).get("questions") for g in result.groups]}
 
 
-CHECKS = {"zero3": lambda out: check("detached", 3, 0),
+CHECKS = {"zero3": lambda out: check("detached", 3, 0, cp_replay="auto"),
           "zero2": lambda out: check("exact", 2, 1, cp_prefix="layer_major"),
           "zero3exact": lambda out: check("exact", 3, 2, tier="cpu", cp_attention="ulysses", cp_prefix="layer_major"),
           "zero3kept": lambda out: check("exact", 3, 3, keep=True, cp_prefix="turns"),
           "glm3": lambda out: check("detached", 3, 4, family="glm"),
           "glm3exact": lambda out: check("exact", 3, 5, family="glm", tier="cpu", cp_prefix="turns"),
-          "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2, cp_prefix="layer_major"),
+          "glm3ep": lambda out: check("exact", 3, 6, family="glm_ep", ep_size=2, cp_prefix="layer_major",
+                                      cp_replay="gathered"),
           "zero3spread": lambda out: check("exact", 3, 7, tier="cpu", cp_replay="spread", cp_prefix="layer_major",
                                            inputs_every=2),
           "rollout": check_rollout, "document": check_document,

@@ -1,6 +1,7 @@
 """The CP replay spread ("cp_replay": "spread"): rank r replays and scores only the members m with m mod N = r,
 its attention reaching every rank's pages by queries out and partials back (grpo/cp/spread.py), on 2, 3 and 4
-gloo ranks, against single-process float64 references.
+gloo ranks, against single-process float64 references; and gathered ("gathered", or "auto" at these sizes): the
+same members over every rank's pages gathered once (grpo/cp/gathered.py), nothing exchanged per layer.
 
   qwen3_5   every rank == transformers cache continuation (detached) / full-sequence autograd (exact), as
             test_cp_transaction.py, for G = 1 (fewer members than ranks: the others replay dummies), 2, 3
@@ -52,9 +53,25 @@ CASES = [
     # the same case replicated (the switch keeps today's schedule)
     dict(name="G3-detached-replicated", prompt_len=23, response_lens=[5, 3, 4], mode="detached", chunk=4, page=3,
          block=3, cp_replay="replicated"),
+    # "gathered": the same members, every rank's pages gathered once and replayed locally (grpo/cp/gathered.py);
+    # exact mode's page gradients summed back to the rows' ranks. Host and NVMe tiers, KL, G < N, both families.
+    dict(name="gathered-G2-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         seed=1, cp_replay="gathered"),
+    dict(name="gathered-host-kl-exact", prompt_len=19, response_lens=[4, 6, 2], mode="exact", chunk=5, page=4,
+         block=4, tier="cpu", objective={"kl_coef": 0.3}, ref_seed=7, seed=4, worlds=(2, 3), cp_replay="gathered"),
+    dict(name="gathered-nvme-detached", prompt_len=20, response_lens=[4, 2, 3], mode="detached", chunk=5, page=2,
+         block=3, tier="nvme", seed=5, worlds=(3, 4), cp_replay="gathered"),
+    dict(name="gathered-glm-G3-exact", family=GLM, prompt_len=45, response_lens=[5, 3, 4], mode="exact", chunk=5,
+         page=4, block=3, seed=6, cp_replay="gathered"),
+    dict(name="gathered-glm-G1-short-exact", family=GLM, prompt_len=5, response_lens=[4], mode="exact", chunk=2,
+         page=2, block=2, seed=8, worlds=(2, 3), cp_replay="gathered"),
+    # "auto" at these sizes gathers (offload/auto.replay_schedule: far below GATHER_HOST_BYTES)
+    dict(name="auto-glm-G5-detached", family=GLM, prompt_len=44, response_lens=[1, 4, 2, 3, 5], mode="detached",
+         chunk=9, page=4, block=2, seed=7, worlds=(2, 4), cp_replay="auto"),
 ]
 for _case in CASES:
     _case.setdefault("cp_replay", "spread")
+RESOLVED = {"auto": "gathered"}  # what each case's cp_replay runs as, where "auto" decides
 BY_NAME = {case["name"]: case for case in CASES}
 OUT_DIRS = {}
 
@@ -119,10 +136,27 @@ def test_each_rank_replays_its_share(world_results):
     for name, ranks in results.items():
         members = len(BY_NAME[name]["response_lens"])
         shares = [r["cp"]["replayed_members"] for r in ranks]
-        if BY_NAME[name]["cp_replay"] == "spread":
+        asked = BY_NAME[name]["cp_replay"]
+        assert all(r["cp"]["replay"] == RESOLVED.get(asked, asked) for r in ranks), name
+        if asked != "replicated":
             assert shares == [list(range(rank, members, world)) for rank in range(world)], name
         else:
             assert all(share == list(range(members)) for share in shares), name
+
+
+def test_gathered_replay_exchanges_nothing_per_layer(world_results):
+    """A gathered replay's only collectives are the one gather of the pages (and exact mode's one return of their
+    gradients): no query, partial or candidate travels per layer and block, as the spread replay's do."""
+    world, results = world_results
+    for name, ranks in results.items():
+        asked = BY_NAME[name]["cp_replay"]
+        ops = {op for r in ranks for op in r["cp"]["received_bytes_by_op"].get("replay", {})}
+        if RESOLVED.get(asked, asked) == "gathered":
+            exact = BY_NAME[name]["mode"] == "exact"
+            assert ops <= {"gather_pages", "return_page_grads"}, (name, ops)
+            assert "gather_pages" in ops and ("return_page_grads" in ops) == exact, (name, ops)
+        elif asked == "spread":
+            assert any(op.startswith("spread") for op in ops), (name, ops)
 
 
 def test_no_page_files_left(world_results):

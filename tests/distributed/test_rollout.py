@@ -277,7 +277,9 @@ def cp_results(tmp_path_factory):
 @pytest.mark.parametrize("case", CP_CASES, ids=[case["name"] for case in CP_CASES])
 def test_cp2_equals_one_rank(cp_results, case):
     """Every rank of CP 2 gets the single-process samples (prompt shards 11/11, 10/9, 22/22, 20/20 tokens);
-    "cp_replay": "spread" in the config changes nothing (every rank decodes every sample)."""
+    "cp_replay": "spread" in the config decodes as "replicated" does (every rank decodes every sample), and "auto"
+    at these sizes decodes over the pages gathered once: nothing but the pages and the sampled tokens crosses
+    ranks (a partial exchanged per layer and token would name its op here)."""
     reference = case_rollouts(case)
     ranks = cp_results[case["name"]]
     assert len({result["seed"] for result in ranks}) == 1  # a drawn seed too: the first rank's
@@ -295,6 +297,13 @@ def test_cp2_equals_one_rank(cp_results, case):
         steps = max(len(ids) for ids in reference.response_ids)
         drawn_seed = "seed" not in case["sampling"]
         assert all(result["token_exchanges"] == steps + drawn_seed for result in ranks), ranks
+        gathered = case["longstraw"].get("cp_replay", "auto") == "auto"
+        for result in ranks:
+            ops = set(result["decode_ops"])
+            if gathered:
+                assert ops <= {"gather_pages", "rollout_token"} and "gather_pages" in ops, ops
+            else:
+                assert "gather_pages" not in ops and ops - {"rollout_token"}, ops
 
 
 TRAIN_CASES = [case for case in CP_CASES if "rewards" in case]

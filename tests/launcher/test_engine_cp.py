@@ -3,9 +3,10 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
 
   W = 4  two data-parallel replicas x CP 2 (ranks 0-1 and 2-3 form the CP groups); replica 0 brings [A, B],
          replica 1 brings [C]:
-           zero3  ZeRO-3, every parameter partitioned, detached: the CP capture and replay are padded so all four
-                  ranks make the same submodule calls (shard chunk counts 5/5, 5/4 vs 7/7; members, blocks and a
-                  whole group slot differ) == SGD on (g_A + g_B)/4 + g_C/2 from single-process grpo_backward
+           zero3  ZeRO-3, every parameter partitioned, detached, "cp_replay": "auto" (gathered here): the CP
+                  capture and replay are padded so all four ranks make the same submodule calls (shard chunk
+                  counts 5/5, 5/4 vs 7/7; members, blocks and a whole group slot differ) == SGD on
+                  (g_A + g_B)/4 + g_C/2 from single-process grpo_backward
            zero2  ZeRO stage 2, exact (the layer-major CP prefix pass) == the same average
            zero3exact  ZeRO-3, exact, Ulysses capture, host-tier pages: the Ulysses capture and the layer-major
                   prefix pass padded (every rank makes the same submodule calls) == the same average
@@ -15,7 +16,7 @@ launcher (tests/dist_scripts/engine_cp_checks.py; see its docstring for groups a
                   padded to the common member slots of all four ranks
            glm3ep  the same with "ep_size" 2 and the layer-major prefix pass: each CP group is also the EP group
                   (GLM-5.2's CP32/EP32 layout), each rank's expert slice outside ZeRO, its gradient summed over the
-                  replicas holding it
+                  replicas holding it; "cp_replay": "gathered", the pages' gradients returned to their ranks
            rollout  ZeRO-3, detached, grpo_step(prompts, rollout=) with eos ids (replica 0 two prompts, replica 1
                   one): the replicas decode in lockstep; samples == one process's, the step == the average
            document  ZeRO-3, exact: replica 0's two groups share a document, run as one group over it sharded
@@ -109,6 +110,9 @@ def test_cp_step_equals_data_parallel_average(results, world, name):
     # glm3exact); detached mode runs none
     prefix = None if name in ("zero3", "glm3") else "turns" if name in ("zero3kept", "glm3exact") else "layer_major"
     assert all(set(r["prefixes"]) == {prefix} for r in checks)
+    # how the members reach the pages: "auto" gathers at these sizes (zero3), as "gathered" asks (glm3ep)
+    replay = {"zero3": "gathered", "glm3ep": "gathered", "zero3spread": "spread"}.get(name, "replicated")
+    assert all(set(r["replays"]) == {replay} for r in checks), [r["replays"] for r in checks]
     if world == 4:
         assert [r["rank_groups"] for r in checks] == [2, 2, 1, 1]
         assert "vs_equal_weights" in checks[0]["controls"]

@@ -752,3 +752,45 @@ def test_exact_prefix_pass_counts_the_selections_it_keeps():
     assert "prefix_selections" not in make_plan(glm, 1 << 17, 8, "exact", cp2, capture_chunk=4096).workspace
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
     assert "prefix_selections" not in make_plan(qwen, 1 << 17, 8, "exact", one, capture_chunk=4096).workspace
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_cp_replay_gathers_only_where_the_pages_fit(mode):
+    """cp_replay "auto" (offload/auto.replay_schedule, which the topology and the planner both ask): the bytes a
+    gathered replay holds are the whole prompt's pages, and in exact mode their gradient pages, that is what one rank
+    keeps of the same prompt (measured on a real capture and run); "gathered" up to GATHER_FRACTION of the device's
+    memory (GATHER_HOST_BYTES off CUDA), "spread" beyond; the plan adds them to the GPU while the replay runs."""
+    from ds_longstraw.offload.auto import GATHER_FRACTION, GATHER_HOST_BYTES, gathered_bytes, replay_schedule
+
+    prompt_len = 23
+    with float64_model():
+        model = tiny_qwen3_5()
+        gen = torch.Generator().manual_seed(4)
+        group = GRPOGroup(torch.randint(0, 97, (prompt_len,), generator=gen),
+                          [torch.randint(0, 97, (3,), generator=gen)], rewards=[1.0])
+        result = grpo_backward(model, group, longstraw={"prefix_grad": mode, "capture_chunk": 8, "page_tokens": 5})
+    shape = shape_from_config("tiny", tiny_qwen3_5_config().to_dict(), 8)
+    pages = sum(result.retained_bytes[label] for label in shape.page_bytes_per_token)
+    assert gathered_bytes(shape, prompt_len - 1, mode) == pages + result.grad_page_bytes and pages > 0
+    assert (result.grad_page_bytes > 0) == (mode == "exact")
+
+    assert replay_schedule("auto", GATHER_HOST_BYTES, None) == "gathered"
+    assert replay_schedule("auto", GATHER_HOST_BYTES + 1, None) == "spread"
+    assert replay_schedule("auto", int(GATHER_FRACTION * 64 * GiB), 64 * GiB) == "gathered"
+    assert replay_schedule("auto", int(GATHER_FRACTION * 64 * GiB) + 1, 64 * GiB) == "spread"
+    for asked in ("gathered", "spread", "replicated"):
+        assert replay_schedule(asked, 1 << 50, 64 * GiB) == asked
+
+    big = shape_from_config(*load_config("qwen3.6-27b"))
+    cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB, host_memory=1024 * GiB)
+    short = make_plan(big, 16 << 10, 8, mode, cluster)  # 16K: 1 GiB of pages (2 GiB exact), under 2.5 GiB
+    long = make_plan(big, 64 << 10, 8, mode, cluster)  # 64K: 4 GiB (8 GiB exact), over
+    assert short.replay == "gathered" and short.gathered_pages == gathered_bytes(big, (16 << 10) - 1, mode)
+    assert long.replay == "spread" and long.gathered_pages == 0
+    spread = make_plan(big, 16 << 10, 8, mode, cluster, cp_replay="spread")
+    assert spread.replay == "spread"
+    for tier in spread.needs:
+        assert short.needs[tier]["gpu"] - spread.needs[tier]["gpu"] == short.gathered_pages, tier
+    assert make_plan(big, 16 << 10, 8, mode, Cluster(gpus=1, cp=1, gpu_memory=80 * GiB)).replay == "one rank"
+    with pytest.raises(ValueError, match="cp_replay must be"):
+        make_plan(big, 16 << 10, 8, mode, cluster, cp_replay="scattered")

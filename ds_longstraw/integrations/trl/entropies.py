@@ -44,7 +44,7 @@ def score_entropies(model: torch.nn.Module, groups: Sequence[PromptGroup], longs
                         _, entropy = replay_member(source, inputs, targets, with_entropy=True)
                         entropies[member] = entropy.double().cpu()
                 finally:
-                    view.leaves.release()
+                    view.release()
             finally:
                 state.release()
     return entropies

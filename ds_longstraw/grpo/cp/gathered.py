@@ -1,0 +1,111 @@
+"""Replay over the whole prompt's pages, gathered on every rank ("cp_replay": "gathered"; "auto" where they are small).
+
+The spread replay (spread.py) leaves the pages where capture put them, so every attention layer of every replayed
+block exchanges queries and partials with every rank (a sparse layer also its selection's candidates): about nine
+collectives per layer and block, and the merges of the ranks' partials. Where the whole prompt's pages are small
+(a short prompt in a job sized for long ones: offload/auto.replay_schedule), it is cheaper to move the pages once:
+
+  gather    every rank's replay streams, one all-gather per paged layer (CPContext.gather_tokens packs a token's
+            rows of the layer's streams as one row of bytes), laid out in prompt order on a device pool of the
+            whole prompt (`GatheredPages.pool`), bit for bit what each rank captured
+  replay    rank r replays its own members (m mod N = r, as spread) exactly as one process does: the prompt's pages
+            are local (replay.prefix_leaves), no exchange per layer or block
+  return    exact mode: the pages' gradients this rank's members left on the gathered pool are summed over the group
+            (one all-reduce per paged layer), and each rank adds the rows of its own pieces to its gradient pages,
+            where the prefix pass reads them (as the spread replay's page shares land there)
+
+The carry of recurrent layers is every rank's already (the capture's scan ends on all ranks). What is gathered is
+freed when the replay's view is released (ReplayView.release). A sum over ranks of d(pages) re-associates the
+float64 sums of the spread schedule, nothing more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.replay import PrefixLeaves, prefix_leaves
+from ds_longstraw.grpo.state import PrefixState
+from ds_longstraw.offload.pages import PagePool
+
+if TYPE_CHECKING:
+    from ds_longstraw.arch.base import CausalLMAdapter
+    from ds_longstraw.parallel.groups import CPContext, PromptShards
+
+
+def prompt_order(pieces: PromptShards) -> torch.Tensor:
+    """For each prompt position, its row among the ranks' shards concatenated in rank order (each in local order):
+    the index that lays gathered rows out in prompt order."""
+    sizes = pieces.sizes
+    rank_starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
+    order = torch.empty(sum(sizes), dtype=torch.long)
+    for rank, own in enumerate(pieces):
+        row = rank_starts[rank]
+        for lo, hi in own:
+            order[lo:hi] = torch.arange(row, row + hi - lo)
+            row += hi - lo
+    return order
+
+
+class GatheredPages:
+    """The whole prompt's replay pages of every paged layer on this rank (gathered once from the CP group), and
+    in exact mode the return of their gradients to the ranks that own the rows."""
+
+    def __init__(self, cp: CPContext, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> None:
+        """Collective over the CP group: every rank gathers at once."""
+        self.cp, self.state, self.exact = cp, state, prefix_grad == "exact"
+        self.pieces = cp.pieces(state.length)
+        self.layers = stream_names(adapter.specs)  # layer -> its streams' names
+        self.grads = {(spec.layer, stream.name) for spec in adapter.specs for stream in spec.streams if stream.grad}
+        self.pool = PagePool(state.pool.page_tokens, device=state.pool.device, rank=cp.rank,
+                             staging_depth=state.pool.staging_depth)
+        order = prompt_order(self.pieces).to(state.pool.device)
+        # a layer at a time (its streams in one collective): what is in flight beside the pool is one layer's
+        for layer, names in self.layers.items():
+            local = tuple(state.pool.read(layer, name) for name in names)
+            whole, _ = cp.gather_tokens(local, 0, layer, "gather_pages")
+            for name, rows in zip(names, whole, strict=True):
+                self.pool.reserve(layer, name, state.length, rows.shape[1:], rows.dtype)
+                self.pool.append(layer, name, rows.index_select(0, order))
+        # the state replay reads: the whole prompt's pages, the carry every rank holds
+        self.view = PrefixState(length=state.length, pool=self.pool, specs=state.specs, carry=state.carry)
+
+    def leaves(self, adapter: CausalLMAdapter, prefix_grad: str) -> PrefixLeaves:
+        """Replay's view of the gathered state, as one process's (exact mode: page gradients on self.pool)."""
+        return prefix_leaves(adapter, self.view, prefix_grad)
+
+    def release(self) -> None:
+        """Exact mode: the gradients of every rank's members summed, this rank's rows added to its own gradient
+        pages (collective over the CP group: every rank releases at the same point); then the gathered pages go."""
+        try:
+            if self.exact:
+                self._return_grads()
+        finally:
+            self.pool.release()
+
+    def _return_grads(self) -> None:
+        starts = self.pieces.starts
+        for layer, names in self.layers.items():
+            names = [name for name in names if (layer, name) in self.grads]
+            if not names:
+                continue
+            grads = [self.pool.read_grad(layer, name) for name in names]
+            # one all-reduce per layer, widened to float32 at least: bf16 pages' gradients summed in bf16 would lose
+            # what each rank's own accumulation kept
+            dtype = torch.float32
+            for grad in grads:
+                dtype = torch.promote_types(dtype, grad.dtype)
+            flat = torch.cat([grad.reshape(grad.shape[0], math.prod(grad.shape[1:])).to(dtype) for grad in grads], 1)
+            # all-reduce, not reduce-scatter: gloo has none, and a rank's rows lie in two pieces under zigzag
+            self.cp.all_reduce_(flat, layer, "return_page_grads")
+            at = 0
+            for name, grad in zip(names, grads, strict=True):
+                width = math.prod(grad.shape[1:])
+                summed = flat[:, at: at + width].reshape(grad.shape)
+                at += width
+                for (lo, hi), start in zip(self.pieces.mine, starts, strict=False):
+                    if hi > lo:
+                        self.state.pool.add_grad(layer, name, start, summed[lo:hi])
