@@ -335,6 +335,15 @@ class CPContext:
         self.traffic.add(self.phase_name, layer, op, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         return tensor
 
+    def reduce_scatter(self, tensor, layer=-1, op="reduce_scatter"):
+        """The sum over ranks of `tensor` [size * n, ...], rank r getting rows [r n, (r + 1) n) of it ([n, ...])."""
+        tensor = tensor.contiguous()
+        out = tensor.new_empty(tensor.shape[0] // self.size, *tensor.shape[1:])
+        with self.waiting():
+            dist.reduce_scatter_tensor(out, tensor, group=self.process_group)
+        self.traffic.add(self.phase_name, layer, op, (self.size - 1) * _nbytes(out))
+        return out
+
     def gather_tokens(self, tensors, dim=0, layer=-1, op="gather_tokens"):
         """Every rank's `tensors` (each with this rank's own number of tokens along `dim`, the same on all of its
         tensors), concatenated in rank order; returns (tuple of gathered tensors, token counts by rank). The

@@ -11,8 +11,9 @@ collectives per layer and block, and the merges of the ranks' partials. Where th
   replay    rank r replays its own members (m mod N = r, as spread) exactly as one process does: the prompt's pages
             are local (replay.prefix_leaves), no exchange per layer or block
   return    exact mode: the pages' gradients this rank's members left on the gathered pool are summed over the group
-            (one all-reduce per paged layer), and each rank adds the rows of its own pieces to its gradient pages,
-            where the prefix pass reads them (as the spread replay's page shares land there)
+            by one reduce-scatter per paged layer, laid out rank-major so that each rank receives only its own
+            rows, which it adds to its gradient pages, where the prefix pass reads them (as the spread replay's
+            page shares land there); return_grads_reference is the plain all-reduce form
 
 The carry of recurrent layers is every rank's already (the capture's scan ends on all ranks). What is gathered is
 freed when the replay's view is released (ReplayView.release). A sum over ranks of d(pages) re-associates the
@@ -87,25 +88,50 @@ class GatheredPages:
             self.pool.release()
 
     def _return_grads(self) -> None:
-        starts = self.pieces.starts
+        # Every rank's rows in rank order, each shard padded to the largest (the pad row, index length, is zero):
+        # one reduce-scatter per layer then leaves each rank the sum of its own rows, in its local order.
+        rows = self._rank_major_rows()
         for layer, names in self.layers.items():
             names = [name for name in names if (layer, name) in self.grads]
             if not names:
                 continue
             grads = [self.pool.read_grad(layer, name) for name in names]
-            # one all-reduce per layer, widened to float32 at least: bf16 pages' gradients summed in bf16 would lose
-            # what each rank's own accumulation kept
+            # widened to float32 at least: bf16 pages' gradients summed in bf16 would lose what each rank's own
+            # accumulation kept
             dtype = torch.float32
             for grad in grads:
                 dtype = torch.promote_types(dtype, grad.dtype)
             flat = torch.cat([grad.reshape(grad.shape[0], math.prod(grad.shape[1:])).to(dtype) for grad in grads], 1)
-            # all-reduce, not reduce-scatter: gloo has none, and a rank's rows lie in two pieces under zigzag
-            self.cp.all_reduce_(flat, layer, "return_page_grads")
-            at = 0
+            flat = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])  # the pad row
+            mine = self.cp.reduce_scatter(flat.index_select(0, rows), layer, "return_page_grads")
+            at, tokens = 0, self.pieces.tokens
             for name, grad in zip(names, grads, strict=True):
                 width = math.prod(grad.shape[1:])
-                summed = flat[:, at: at + width].reshape(grad.shape)
+                if tokens:
+                    self.state.pool.add_grad(layer, name, 0, mine[:tokens, at: at + width].reshape(tokens,
+                                                                                                   *grad.shape[1:]))
                 at += width
-                for (lo, hi), start in zip(self.pieces.mine, starts, strict=False):
-                    if hi > lo:
-                        self.state.pool.add_grad(layer, name, start, summed[lo:hi])
+
+    def _rank_major_rows(self) -> torch.Tensor:
+        """[size * largest] prompt positions: each rank's in its local order, padded with `length` (the pad row)."""
+        largest, pad = self.pieces.largest, self.state.length
+        index = []
+        for own in self.pieces:
+            positions = [p for lo, hi in own for p in range(lo, hi)]
+            index += positions + [pad] * (largest - len(positions))
+        return torch.tensor(index, dtype=torch.long, device=self.pool.device)
+
+
+def return_grads_reference(cp: CPContext, gathered: GatheredPages) -> None:
+    """The plain form of GatheredPages._return_grads: each stream's gradient over the whole prompt all-reduced,
+    this rank's pieces' rows added at their local starts (tests hold the reduce-scatter to it)."""
+    starts = gathered.pieces.starts
+    for layer, names in gathered.layers.items():
+        for name in names:
+            if (layer, name) not in gathered.grads:
+                continue
+            summed = gathered.pool.read_grad(layer, name).to(torch.float64).clone()
+            cp.all_reduce_(summed, layer, "return_page_grads")
+            for (lo, hi), start in zip(gathered.pieces.mine, starts, strict=False):
+                if hi > lo:
+                    gathered.state.pool.add_grad(layer, name, start, summed[lo:hi])
