@@ -18,8 +18,8 @@ def replay_ratios(path):
     ratios, section, in_phases = {}, None, False
     with open(path) as handle:
         for line in handle:
-            if line.startswith("## "):
-                section, in_phases = line[3:].strip(), False
+            if line.startswith("#"):  # a run's heading (## or ###): its label
+                section, in_phases = line.lstrip("#").strip(), False
             elif line.startswith("Phases against one process"):
                 in_phases = True
             elif in_phases and line.startswith("| none | 2 |"):
@@ -43,14 +43,14 @@ def main(argv=None):
     spread = [values[0] for values in ratios.values()]
     gathered = [values[1] for values in ratios.values()]
     xs = range(len(labels))
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 4))
     ax.bar([x - 0.2 for x in xs], spread, 0.4, label="spread")
     ax.bar([x + 0.2 for x in xs], gathered, 0.4, label="gathered (auto here)")
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(list(xs), labels, fontsize=8)
     ax.set_ylabel("CP 2 replay wall / one process's")
     ax.set_title("The CP replay: pages gathered once against queries sent per layer and block")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
