@@ -31,23 +31,26 @@ from ds_longstraw.arch.specs import stream_names
 from ds_longstraw.grpo.replay import PrefixLeaves, prefix_leaves
 from ds_longstraw.grpo.state import PrefixState
 from ds_longstraw.offload.pages import PagePool
+from ds_longstraw.parallel.groups import local_tokens
 
 if TYPE_CHECKING:
     from ds_longstraw.arch.base import CausalLMAdapter
     from ds_longstraw.parallel.groups import CPContext, PromptShards
 
 
+def shard_positions(pieces: PromptShards) -> list[torch.Tensor]:
+    """Per rank, the prompt positions of its shard in its local order: what gather_tokens concatenates in rank
+    order, and how each rank's pool holds its rows."""
+    positions = torch.arange(sum(pieces.sizes))
+    return [local_tokens(positions, own) for own in pieces]
+
+
 def prompt_order(pieces: PromptShards) -> torch.Tensor:
     """For each prompt position, its row among the ranks' shards concatenated in rank order (each in local order):
-    the index that lays gathered rows out in prompt order."""
-    sizes = pieces.sizes
-    rank_starts = [sum(sizes[:rank]) for rank in range(len(sizes))]
-    order = torch.empty(sum(sizes), dtype=torch.long)
-    for rank, own in enumerate(pieces):
-        row = rank_starts[rank]
-        for lo, hi in own:
-            order[lo:hi] = torch.arange(row, row + hi - lo)
-            row += hi - lo
+    the index that lays gathered rows out in prompt order (the inverse of shard_positions concatenated)."""
+    positions = torch.cat(shard_positions(pieces))
+    order = torch.empty_like(positions)
+    order[positions] = torch.arange(positions.numel())
     return order
 
 
@@ -115,11 +118,8 @@ class GatheredPages:
     def _rank_major_rows(self) -> torch.Tensor:
         """[size * largest] prompt positions: each rank's in its local order, padded with `length` (the pad row)."""
         largest, pad = self.pieces.largest, self.state.length
-        index = []
-        for own in self.pieces:
-            positions = [p for lo, hi in own for p in range(lo, hi)]
-            index += positions + [pad] * (largest - len(positions))
-        return torch.tensor(index, dtype=torch.long, device=self.pool.device)
+        padded = [torch.cat([own, own.new_full((largest - own.numel(),), pad)]) for own in shard_positions(self.pieces)]
+        return torch.cat(padded).to(self.pool.device)
 
 
 def return_grads_reference(cp: CPContext, gathered: GatheredPages) -> None:
