@@ -207,10 +207,10 @@ GATHER_HOST_BYTES = 1 << 30
 
 
 def gathered_bytes(shape: ModelShape, prompt_tokens: int, prefix_grad: str) -> int:
-    """Bytes a rank holds while the replay runs over the whole prompt's gathered pages: every paged layer's streams,
-    and in exact mode their gradient pages."""
+    """Bytes a rank holds while the replay runs over the whole prompt's gathered pages (a prompt of `prompt_tokens`
+    ids, all but the last captured): every paged layer's streams, and in exact mode their gradient pages."""
     per_token = shape.bytes_per_token + (shape.grad_bytes_per_token if prefix_grad == "exact" else 0)
-    return prompt_tokens * per_token
+    return max(prompt_tokens - 1, 0) * per_token
 
 
 def replay_schedule(cp_replay: str, held_bytes: int, device_memory: int | None) -> str:

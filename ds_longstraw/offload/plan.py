@@ -376,7 +376,7 @@ def make_plan(shape: ModelShape, context: int, group_size: int, prefix_grad: str
                 replay_graph=None if graph is None else graph + member["tool_rows"] + member["tool_carries"])
     plan.tokens_per_rank = captured_tokens_per_rank(context, cluster.cp)
     if cluster.cp > 1:  # the replay's schedule for this prompt, as the topology resolves it (resolve_replay)
-        gathered = gathered_bytes(shape, context - 1, prefix_grad)
+        gathered = gathered_bytes(shape, context, prefix_grad)
         plan.replay = replay_schedule(cp_replay, gathered, cluster.gpu_memory)
         plan.gathered_pages = gathered if plan.replay == "gathered" else 0
     if keep_attention and not shape.kept_bytes_per_token:

@@ -771,7 +771,7 @@ def test_cp_replay_gathers_only_where_the_pages_fit(mode):
         result = grpo_backward(model, group, longstraw={"prefix_grad": mode, "capture_chunk": 8, "page_tokens": 5})
     shape = shape_from_config("tiny", tiny_qwen3_5_config().to_dict(), 8)
     pages = sum(result.retained_bytes[label] for label in shape.page_bytes_per_token)
-    assert gathered_bytes(shape, prompt_len - 1, mode) == pages + result.grad_page_bytes and pages > 0
+    assert gathered_bytes(shape, prompt_len, mode) == pages + result.grad_page_bytes and pages > 0
     assert (result.grad_page_bytes > 0) == (mode == "exact")
 
     assert replay_schedule("auto", GATHER_HOST_BYTES, None) == "gathered"
@@ -785,7 +785,7 @@ def test_cp_replay_gathers_only_where_the_pages_fit(mode):
     cluster = Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB, host_memory=1024 * GiB)
     short = make_plan(big, 16 << 10, 8, mode, cluster)  # 16K: 1 GiB of pages (2 GiB exact), under 2.5 GiB
     long = make_plan(big, 64 << 10, 8, mode, cluster)  # 64K: 4 GiB (8 GiB exact), over
-    assert short.replay == "gathered" and short.gathered_pages == gathered_bytes(big, (16 << 10) - 1, mode)
+    assert short.replay == "gathered" and short.gathered_pages == gathered_bytes(big, 16 << 10, mode)
     assert long.replay == "spread" and long.gathered_pages == 0
     spread = make_plan(big, 16 << 10, 8, mode, cluster, cp_replay="spread")
     assert spread.replay == "spread"
