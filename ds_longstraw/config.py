@@ -81,6 +81,16 @@ class LongstrawConfig(DeepSpeedConfigModel):
         their keys' gradients). glm_moe_dsa keeps each full indexer layer's selection (index_topk int32 positions
         per token), and the prefix pass scores no prompt key again; one rank only so far. "auto" (the default):
         keep where the kept streams are a selection, on one rank (offload/auto.keeps_attention: GLM yes, Qwen no).
+    prefix_keep_graph: exact mode on one rank only: capture runs its first segments WITH autograd and keeps their
+        graph, while what that graph saves stays within a budget, so the prefix pass runs no forward for them
+        (grpo/kept_graph.py): where the whole prompt's graph fits, the exact step does the work of full-sequence
+        autograd and no more, at the prompt's graph and one member's (flat in G). Later segments are captured
+        without a graph and recomputed as before. "auto" (the default): the budget is prefix_graph_budget_gb, or
+        KEEP_GRAPH_FRACTION of the device memory free when capture starts (off CUDA: KEEP_GRAPH_HOST_BYTES;
+        offload/auto.graph_budget); True: every segment's, unbounded; False: none. Not under context parallelism,
+        under a lockstep that pads the calls (ZeRO-3 data parallelism, expert parallelism), for a shared
+        document's groups or for a capture reused from generate: those capture without a graph.
+    prefix_graph_budget_gb: the budget of prefix_keep_graph "auto" in GiB (0: keep none); None: the rule above.
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     member_span_capture: a member whose untrained span (response_masks False: a tool output, an observation)
         reaches this many tokens runs in steps (grpo/member_steps.py): a forward without a graph over its response,
@@ -140,6 +150,8 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_block: int | None = Field(None, gt=0)
     prefix_recompute: bool = True
     prefix_keep_attention: bool | Literal["auto"] = "auto"
+    prefix_keep_graph: bool | Literal["auto"] = "auto"
+    prefix_graph_budget_gb: float | None = Field(None, ge=0)
     replay_block: int = Field(1024, gt=0)
     member_span_capture: int | None = Field(1024, gt=0)
     shared_prefix_min: int | None = Field(1024, gt=0)
@@ -161,6 +173,14 @@ class LongstrawConfig(DeepSpeedConfigModel):
         if self.ep_size > 1 and self.cp_size > 1 and self.ep_size != self.cp_size:
             raise ValueError(f"'{BLOCK_NAME}.ep_size' = {self.ep_size} with 'cp_size' = {self.cp_size}: under context "
                              "parallelism the experts are sharded over the CP group (set ep_size = cp_size)")
+        return self
+
+    @model_validator(mode="after")
+    def _graph_budget_for_auto(self) -> "LongstrawConfig":
+        if self.prefix_graph_budget_gb is not None and self.prefix_keep_graph != "auto":
+            raise ValueError(f"'{BLOCK_NAME}.prefix_graph_budget_gb' = {self.prefix_graph_budget_gb} with "
+                             f"'prefix_keep_graph' = {self.prefix_keep_graph!r}: the budget is that of \"auto\" "
+                             "(True keeps every segment's graph, False none)")
         return self
 
     @property

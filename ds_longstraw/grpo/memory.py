@@ -74,6 +74,18 @@ def host_peak_bytes() -> int:
     return _read_status_kib("VmHWM") * 1024
 
 
+def free_device_bytes(device: torch.device | str | int) -> int:
+    """Memory this rank may still take: on CUDA the device's free memory plus what torch's allocator holds unused;
+    on CPU the host's available memory over the node's ranks (LOCAL_WORLD_SIZE, set by the launcher)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    import psutil
+
+    return psutil.virtual_memory().available // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+
+
 def host_current_bytes() -> int:
     return _read_status_kib("VmRSS") * 1024
 

@@ -8,6 +8,8 @@ the gradients that land on earlier pages to their gradient pages, and yields d(b
 The live graph is one chunk; every prompt token's contribution is counted once, as in full-sequence autograd.
 Earlier pages are staged one layer at a time from the pool's tier (forward ascending, the backward re-stages
 descending; ds_longstraw.offload.staged_past) and their gradients go straight to the gradient pages.
+Where capture kept the graph of its first segments (longstraw.prefix_keep_graph: grpo/kept_graph.py), the walk
+stops at them and ends with one backward of that graph, which runs no forward again.
 """
 
 from __future__ import annotations
@@ -75,10 +77,20 @@ def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.T
     stager = Stager(state.pool, names)
     # a tree's node (grpo/document.py): its segments attend its ancestors' pages too, whose gradients go to them
     ancestors = state.ancestor_stagers(names)
+    kept = state.kept_graph if boundaries is None else None
     boundaries = list(reversed(state.boundaries if boundaries is None else boundaries))
     try:
         with closing(_segments_ahead(state, boundaries)) as segments:
-            return _reverse_chunks(reverse, stager, ancestors, segments, d_final_carry)
+            d_carry = _reverse_chunks(reverse, stager, ancestors, segments, d_final_carry)
+        if kept is not None and kept.segments:
+            # the segments capture kept with their graph (grpo/kept_graph.py), from the prompt start: one backward
+            tokens = kept.tokens
+            kept.backward(state.pool, d_carry, reverse.backward, reverse.timings)
+            return_freed_host_memory(reverse.adapter.device)
+            if reverse.progress is not None:
+                reverse.progress(tokens)
+            return {}
+        return d_carry
     finally:
         for each in (stager, *(ancestor for ancestor, _ in ancestors)):
             each.close()

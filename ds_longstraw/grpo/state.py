@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ds_longstraw.arch.specs import stream_names
+from ds_longstraw.grpo.kept_graph import KeptGraph
 from ds_longstraw.grpo.lockstep import ceil_div
 from ds_longstraw.grpo.memory import return_freed_host_memory
 from ds_longstraw.offload import PagePool, Stager, make_pool, node_past
@@ -62,6 +63,15 @@ class PrefixState:
     # generate's kept capture of a multi-turn rollout: per sample, what its observations' forwards left
     # (grpo/kept_spans.KeptSpans: their rows and carries), which the members' first pass takes; None otherwise
     kept_spans: list | None = None
+    # exact mode's capture with prefix_keep_graph: the segments it ran with autograd and keeps, from the prompt
+    # start (grpo/kept_graph.KeptGraph; the prefix pass back-propagates them last, and `boundaries` holds only the
+    # segments after them); None otherwise
+    kept_graph: KeptGraph | None = None
+
+    @property
+    def kept_from(self) -> int:
+        """The first captured token of the kept attention's pages: the kept graph's segments keep none."""
+        return 0 if self.kept_graph is None else self.kept_graph.tokens
 
     def lineage(self) -> list[PrefixState]:
         """The root first, ..., this state: whose pages a token after this capture sees, in position order."""
@@ -110,6 +120,7 @@ class PrefixState:
         if self.kept_pool is None:
             return ReadyRead(None)
         kept = {spec.layer: spec.kept for spec in self.specs if spec.kept}
+        start, end = start - self.kept_from, end - self.kept_from
         tickets = {(layer, s.name): self.kept_pool.begin_read(layer, s.name, start, end)
                    for layer, streams in kept.items() for s in streams}
         return PendingReads(tickets, lambda got: {
@@ -136,6 +147,8 @@ class PrefixState:
         """Drop every page and checkpoint (page files of a host/NVMe tier go, on error as on success)."""
         for pool in [*self._other_pools(), self.pool]:
             pool.release()
+        if self.kept_graph is not None:
+            self.kept_graph.release()
         self.carry.clear()
         self.boundaries.clear()
         self.kept_spans = None
@@ -390,11 +403,12 @@ def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, toke
 
 def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
                    prefix_grad: str = "detached", progress: Callable[[int], object] | None = None,
-                   rank: int = 0, parent: PrefixState | None = None) -> PrefixState:
+                   rank: int = 0, parent: PrefixState | None = None, graph_budget: int | None = 0) -> PrefixState:
     """Capture prompt_ids[:-1] under no_grad into a PrefixState (one rank, token-major: chunk by chunk through
     every layer). parent: None, or the capture of the tokens before these (a tree's node, grpo/document.py):
     this one then starts at the parent's end, from its final carry, with its pages before its own as the past;
-    the parent is neither changed nor released here."""
+    the parent is neither changed nor released here. graph_budget (exact mode, a root): the bytes of autograd
+    graph the first segments may keep (grpo/kept_graph.py; None: no bound, 0: none)."""
     ids = prompt_ids[:-1]
     length = ids.numel()
     # The tier (device, host or NVMe pages) comes from longstraw.offload; pages of earlier chunks are staged one
@@ -402,31 +416,47 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
     offset = 0 if parent is None else parent.offset + parent.length
     state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank, offset=offset)
     state.parent = parent
-    pool, kept_pool, checkpoints = state.pool, state.kept_pool, state.checkpoints
+    if graph_budget != 0:
+        if prefix_grad != "exact" or parent is not None:
+            raise ValueError("a kept capture graph is exact mode's, for a prompt's root capture")
+        state.kept_graph = KeptGraph(adapter, graph_budget)
+    pool, kept_pool, checkpoints, kept_graph = state.pool, state.kept_pool, state.checkpoints, state.kept_graph
     paged = [spec for spec in adapter.specs if spec.streams]
     names = stream_names(adapter.specs)
     chunk = longstraw.segment_tokens  # exact mode: the prefix pass's autograd segment
     ancestors = state.ancestor_stagers(names)
     try:
         carry = {} if parent is None else dict(parent.carry)
+        live_carry = carry  # the kept graph's: its last segment's end carry, with its graph
         stager = Stager(pool, names)
-        with torch.no_grad():
-            for index, start in enumerate(range(0, length, chunk)):
+        start, index = 0, 0
+        while start < length:
+            end = start if kept_graph is None or not kept_graph.open else kept_graph.next_end(start, length, chunk)
+            kept = end > start
+            if kept:  # a kept segment: with autograd, over the kept segments' live rows
+                out = kept_graph.run(ids, start, end, offset + start, live_carry)
+                live_carry = out.carry
+            else:
                 end = min(length, start + chunk)
                 if checkpoints is not None:  # exact mode: the prefix pass starts its segments here
                     saved = checkpoints.save(index, carry) if carry else {}
                     state.boundaries.append(ChunkBoundary(start, end, saved))
+                index += 1
                 past = node_past(ancestors, stager, start)
-                out = adapter.forward_segment(ids[start:end], offset + start, carry, past)
-                carry = _detached_carry(out.carry)
+                with torch.no_grad():
+                    out = adapter.forward_segment(ids[start:end], offset + start, carry, past)
+                del past
+            carry = _detached_carry(out.carry)
+            with torch.no_grad():
                 for spec in paged:
-                    append_rows(pool, spec, out.rows[spec.layer])
-                    if kept_pool is not None and spec.kept:
+                    append_rows(pool, spec, [rows.detach() for rows in out.rows[spec.layer]])
+                    if kept_pool is not None and spec.kept and not kept:  # the kept graph's need none
                         keep_segment_attention(kept_pool, spec, out.attention[spec.layer])
-                del out, past
-                return_freed_host_memory(adapter.device)
-                if progress is not None:
-                    progress(end - start)
+            del out
+            return_freed_host_memory(adapter.device)
+            if progress is not None:
+                progress(end - start)
+            start = end
         stager.close()
         state.flush()
     except BaseException:

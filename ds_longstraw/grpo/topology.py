@@ -41,12 +41,14 @@ from ds_longstraw.grpo.cp.prefix_turns import cp_prefix_backward
 from ds_longstraw.grpo.cp.spread import gather_members
 from ds_longstraw.grpo.interfaces import RemoteAttention, RemoteSelection
 from ds_longstraw.grpo.lockstep import ReplayLockstep, Schedule, padded_to_common, replayed_members
+from ds_longstraw.grpo.memory import free_device_bytes
 from ds_longstraw.grpo.prefix_pass import ReversePass, prefix_backward
 from ds_longstraw.grpo.replay import PrefixLeaves, ResponsePast, carry_leaves, prefix_leaves
 from ds_longstraw.grpo.state import PrefixState, capture_prefix, keeps_kept_streams
 from ds_longstraw.models.model_shape import shape_from_config
 from ds_longstraw.offload.auto import (
     gathered_bytes,
+    graph_budget,
     inputs_every_for,
     layer_major_fits,
     layout_for,
@@ -143,7 +145,10 @@ class OneRank:
 
     def capture(self, adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw: LongstrawConfig,
                 prefix_grad: str, schedule: Schedule, progress: Callable[[int], object] | None = None) -> PrefixState:
-        state = capture_prefix(adapter, prompt_ids, longstraw, prefix_grad, progress=progress)
+        # A lockstep pads this rank's module calls to the other ranks': a kept graph would change which segments
+        # the prefix pass runs, so it keeps none there.
+        budget = 0 if schedule.pads_calls else capture_graph_budget(longstraw, prefix_grad, adapter.device)
+        state = capture_prefix(adapter, prompt_ids, longstraw, prefix_grad, progress=progress, graph_budget=budget)
         schedule.pad_capture(adapter)
         return state
 
@@ -393,6 +398,13 @@ def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_
     return prefix_schedule(longstraw.prefix_grad, longstraw.cp_prefix, bool(blockers), lambda: layer_major_fits(
         _state_shape(adapter), longstraw.segment_tokens, keeps_kept_streams(adapter, longstraw, longstraw.prefix_grad),
         longstraw.prefix_inputs_every, tokens_per_rank, device_memory))
+
+
+def capture_graph_budget(longstraw: LongstrawConfig, prefix_grad: str, device: torch.device) -> int | None:
+    """The bytes of graph one rank's capture may keep (longstraw.prefix_keep_graph: offload/auto.graph_budget, with
+    the memory this rank may still take: grpo/memory.free_device_bytes)."""
+    free = free_device_bytes(device) if longstraw.prefix_keep_graph == "auto" and prefix_grad == "exact" else None
+    return graph_budget(longstraw.prefix_keep_graph, longstraw.prefix_graph_budget_gb, prefix_grad, free)
 
 
 def group_device_memory(device: torch.device, cp: CPContext) -> int | None:

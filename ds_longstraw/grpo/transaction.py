@@ -307,6 +307,9 @@ def _run_transaction(request: Request, reused: PrefixState | None) -> GroupResul
         state.release()  # page files of a host/NVMe tier go on error as on success
     extras = {f"prefix_{name}_seconds": value for name, value in prefix_seconds.items()}
     extras["capture_reused"] = reused is not None
+    if state.kept_graph is not None:  # exact mode's capture graph kept (grpo/kept_graph.py): its tokens and bytes
+        extras["kept_graph_tokens"] = state.kept_graph.tokens
+        extras["kept_graph_bytes"] = state.kept_graph.saved_bytes
     extras["members_in_steps"] = stepped  # this rank's replayed members that ran in steps (grpo/member_steps.py)
     extras.update(topology.report(state, group))
     if ep is not None:

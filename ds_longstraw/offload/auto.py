@@ -8,6 +8,7 @@ the planner (offload/plan.py, tools/planner.py), so that what the planner predic
   cp_layout            layout_for                    "zigzag" or "contiguous" shards
   prefix_keep_attention keeps_attention              what exact mode's prefix pass takes from capture
   cp_replay            replay_schedule               "gathered" or "spread" pages for the CP replay
+  prefix_keep_graph    graph_budget                  the bytes of graph exact mode's capture may keep
 
 Each is a function of the model's per-token shape (offload/plan.ModelShape, which the transaction builds from its
 adapter: models/model_shape.py), the settings and what is known of the device (the smallest total memory of a CP
@@ -221,3 +222,29 @@ def replay_schedule(cp_replay: str, held_bytes: int, device_memory: int | None) 
         return cp_replay
     limit = GATHER_HOST_BYTES if device_memory is None else GATHER_FRACTION * device_memory
     return "gathered" if held_bytes <= limit else "spread"
+
+
+# "prefix_keep_graph": "auto" lets exact mode's capture keep its graph (grpo/kept_graph.py) up to this fraction of the
+# memory the rank may still take when capture starts (grpo/memory.free_device_bytes: the GPU's free memory; off CUDA
+# the host's available memory over the node's ranks): the rest is left to what runs while that graph lives (one
+# member's replay graph, the pages, their gradient pages, the prefix pass over the segments not kept). Every kept
+# byte saves a forward of its tokens in the prefix pass: at 8K tokens of the small GLM shape that forward and the
+# per-layer recompute are 0.3x the step (BENCHMARKS.md). At Qwen3.6-27B's width a token's graph is some 31 MiB
+# (LoRA, bf16: arch/qwen3_5_graph.py), so on an 80 GB GPU this keeps a prompt's first few hundred tokens; on small
+# models it keeps short prompts whole.
+KEEP_GRAPH_FRACTION = 1 / 4
+
+
+def graph_budget(keep: bool | str, budget_gb: float | None, prefix_grad: str, free_bytes: int | None) -> int | None:
+    """The bytes of autograd graph exact mode's capture may keep (prefix_keep_graph, prefix_graph_budget_gb): 0
+    none (detached mode, False), None no bound (True), else prefix_graph_budget_gb or KEEP_GRAPH_FRACTION of
+    `free_bytes`, the memory the rank may still take ("auto" needs it)."""
+    if prefix_grad != "exact" or keep is False:
+        return 0
+    if keep is True:
+        return None
+    if budget_gb is not None:
+        return int(budget_gb * (1 << 30))
+    if free_bytes is None:
+        raise ValueError("prefix_keep_graph 'auto' needs the memory the rank may still take")
+    return int(KEEP_GRAPH_FRACTION * free_bytes)

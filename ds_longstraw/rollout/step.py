@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -67,6 +66,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ds_longstraw.config import parse_block
 from ds_longstraw.group import as_ids
+from ds_longstraw.grpo.memory import free_device_bytes
 from ds_longstraw.offload.plan import decode_state_bytes
 from ds_longstraw.seeds import splitmix64
 
@@ -258,18 +258,6 @@ def rollout_samples(model: torch.nn.Module,
             samples.release()
         raise
     return sampled
-
-
-def free_device_bytes(device: torch.device | str | int) -> int:
-    """Memory this rank may still take: on CUDA the device's free memory plus what torch's allocator holds unused;
-    on CPU the host's available memory over the node's ranks (LOCAL_WORLD_SIZE, set by the launcher)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    import psutil
-
-    return psutil.virtual_memory().available // max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
 
 
 def decoding_bytes(adapter: CausalLMAdapter, prompts: Sequence[torch.Tensor], rollout: RolloutConfig,

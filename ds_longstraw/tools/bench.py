@@ -20,9 +20,10 @@ import torch
 # longstraw-exact: exact mode's defaults (prefix_keep_attention "auto": the selections kept for glm_moe_dsa, nothing
 # for qwen3_5); longstraw-exact-keep: prefix_keep_attention true (qwen3_5: the capture's attention outputs kept on
 # pages with the K/V pages); longstraw-exact-keep-nvme: the same with the kept pages on the NVMe tier (files under
-# $TMPDIR); longstraw-exact-recompute: prefix_keep_attention false (the prefix pass recomputes what it needs).
+# $TMPDIR); longstraw-exact-recompute: prefix_keep_attention false (the prefix pass recomputes what it needs);
+# longstraw-exact-nograph: prefix_keep_graph false (capture keeps no graph: the prefix pass runs every segment).
 METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "longstraw-exact-keep-nvme",
-           "longstraw-exact-recompute", "conventional", "per_member")
+           "longstraw-exact-recompute", "longstraw-exact-nograph", "conventional", "per_member")
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
@@ -53,6 +54,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
             config["prefix_keep_attention"] = True
         elif method == "longstraw-exact-recompute":
             config["prefix_keep_attention"] = False
+        elif method == "longstraw-exact-nograph":
+            config["prefix_keep_graph"] = False
         if method == "longstraw-exact-keep-nvme":
             from ds_longstraw.offload import io_engine
 
@@ -84,7 +87,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
         "process_peak_bytes": peak, "step_peak_bytes": peak - before,
         "loss": result.loss, "retained_bytes": result.retained_bytes, "grad_page_bytes": result.grad_page_bytes,
         "phases": {name: {"seconds": p.seconds, "peak_bytes": p.peak_bytes} for name, p in result.phases.items()},
-        "kl_coef": kl_coef, "extras": {k: v for k, v in result.extras.items() if k.startswith("prefix_")},
+        "kl_coef": kl_coef,
+        "extras": {k: v for k, v in result.extras.items() if k.startswith(("prefix_", "kept_graph_"))},
     }
 
 

@@ -24,6 +24,7 @@ import sys
 from ds_longstraw.config import parse_config
 from ds_longstraw.models.model_shape import load_config, shape_from_config
 from ds_longstraw.offload.auto import (
+    KEEP_GRAPH_FRACTION,
     LAYER_MAJOR_DEVICE_FRACTION,
     LAYER_MAJOR_STATE_RATIO,
     gdn_scan_outputs,
@@ -201,6 +202,8 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
                      "exchange (two passes over those layers).")
     if plan.cluster.cp > 1:
         lines.append(_replay_line(plan))
+    if plan.prefix_grad == "exact" and plan.cluster.cp == 1:
+        lines.append(_kept_graph_line(plan))
     if "layer_major_prefix" in plan.workspace:
         lines.append("layer_major_prefix: what exact mode's layer-major CP prefix pass holds across a layer (beside "
                      "the layer_inputs kept with the pages); --cp-prefix turns holds one chunk's graph instead, and "
@@ -239,6 +242,30 @@ def _render_document(plan) -> list:
     return ["", f"{n} groups per document (grpo_backward_shared): a step captures the document once instead of {n} "
             f"times{passes}, each question as its child; the figures above hold (the document's pages and one "
             f"question's at a time: measured 1.00-1.02x one group's peak, BENCHMARKS.md).{lockstep}"]
+
+
+def _kept_graph_line(plan) -> str:
+    """Exact mode on one rank: what capture's kept graph (longstraw.prefix_keep_graph "auto", grpo/kept_graph.py)
+    may take: KEEP_GRAPH_FRACTION of what the recommended tier leaves free on the GPU, and the tokens that buys."""
+    rule = (f"prefix_keep_graph \"auto\": capture keeps its first segments' autograd graph within "
+            f"{KEEP_GRAPH_FRACTION:.0%} of the GPU memory free when it starts, and the prefix pass runs no forward "
+            "for them")
+    tier = plan.tier
+    if plan.gpu_budget is None:
+        return f"Exact mode on one rank: {rule} (give --gpu-memory to size it)."
+    if tier is None:
+        return f"Exact mode on one rank: {rule} (no tier fits here, so none is left for it)."
+    budget = int(KEEP_GRAPH_FRACTION * max(plan.gpu_budget - plan.needs[tier]["gpu"], 0))
+    graph = plan.shape.replay_graph.get(plan.trains)
+    if graph is None:
+        return (f"Exact mode on one rank: {rule}: here about {_gib(budget)} beside the {tier} tier's needs (the "
+                f"{plan.shape.family} family declares no graph figures: capture measures its graph as it goes).")
+    captured = max(plan.context - 1, 0)
+    kept = min(captured, budget // max(graph[0], 1))
+    whole = " (the whole prompt)" if kept == captured else ""
+    return (f"Exact mode on one rank: {rule}: here about {_gib(budget)} beside the {tier} tier's needs, "
+            f"{kept:,} of the prompt's {captured:,} tokens{whole} at {_gib(graph[0])} a token (training "
+            f"{'LoRA adapters' if plan.trains == 'lora' else 'every weight'}).")
 
 
 def _graph_line(plan) -> str:

@@ -38,9 +38,11 @@ _REFERENCE = {}
 
 
 def _run(model, mode, offload, objective=None):
-    # "exact-keep": exact mode with the attention outputs kept on pages of the same tier (prefix_keep_attention)
-    config = {"prefix_grad": mode.removesuffix("-keep"), "prefix_keep_attention": mode.endswith("-keep"), **SETTINGS,
-              "offload": offload}
+    # "exact-keep": exact mode with the attention outputs kept on pages of the same tier (prefix_keep_attention);
+    # exact mode otherwise keeps no capture graph, so that its prefix pass walks every segment from the tiers' pages,
+    # except "exact-graph": the capture's graph kept where it fits (prefix_keep_graph "auto", the default)
+    config = {"prefix_grad": mode.split("-")[0], "prefix_keep_attention": mode.endswith("-keep"), **SETTINGS,
+              "prefix_keep_graph": "auto" if mode.endswith("-graph") else False, "offload": offload}
     with float64_model():
         return grads_of(model, lambda: grpo_backward(model, _group(), objective, longstraw=config))
 
@@ -71,7 +73,7 @@ def _offload(tier, path, monkeypatch, depth=1):
 # the host and aio tiers in detached mode.
 CASES = [("detached", "cpu", 1), ("detached", "nvme-aio", 1),
          ("exact", "cpu", 1), ("exact", "nvme-aio", 2), ("exact", "nvme-buffered", 1), ("exact-keep", "nvme-aio", 1),
-         ("exact-keep", "kept-on-nvme", 1)]
+         ("exact-keep", "kept-on-nvme", 1), ("exact-graph", "cpu", 1), ("exact-graph", "nvme-aio", 1)]
 
 
 @pytest.mark.parametrize("mode,tier,depth", CASES)
@@ -112,7 +114,7 @@ def test_prefix_pass_error_leaves_no_read_in_flight(model, tmp_path, monkeypatch
             raise RuntimeError("segment 2 failed")
         scalar.backward()
 
-    config = {"prefix_grad": "exact", "prefix_keep_attention": True, **SETTINGS,
+    config = {"prefix_grad": "exact", "prefix_keep_attention": True, "prefix_keep_graph": False, **SETTINGS,
               "offload": _offload("kept-on-nvme", tmp_path, monkeypatch)}
     with float64_model(), pytest.raises(RuntimeError, match="segment 2 failed"):
         grpo_backward(model, _group(), GRPOObjective(), longstraw=config, backward=backward)

@@ -42,7 +42,10 @@ def _group(prompt_len, response_lens, seed=0, **extra):
 
 
 def _run(model, group, objective, mode, chunk, page, block, **kwargs):
-    config = {"prefix_grad": mode, "capture_chunk": chunk, "page_tokens": page, "replay_block": block}
+    # "exact-recompute": exact mode without the capture's graph kept, so the prefix pass recomputes every segment
+    # ("exact" keeps these short prompts' graph whole: longstraw.prefix_keep_graph, grpo/kept_graph.py)
+    config = {"prefix_grad": mode.removesuffix("-recompute"), "capture_chunk": chunk, "page_tokens": page,
+              "replay_block": block, "prefix_keep_graph": "auto" if mode != "exact-recompute" else False}
     return grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, **kwargs))
 
 
@@ -58,7 +61,7 @@ def model():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-recompute"])
 def test_matches_reference(model, case, mode):
     prompt_len, response_lens, chunk, page, block, objective_kwargs = CASES[case]
     group = _group(prompt_len, response_lens)
@@ -73,7 +76,7 @@ def test_matches_reference(model, case, mode):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
 
 
-@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-recompute"])
 def test_kl_to_separate_reference_model(model, mode):
     ref_model = tiny_qwen3_5(seed=7)
     group = _group(22, [4, 6, 2], seed=3)
@@ -176,7 +179,7 @@ def test_prefix_block_splits_the_prefix_pass(model, recompute):
     group = _group(30, [4, 6], seed=3)
     objective = GRPOObjective()
     config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4, "replay_block": 3,
-              "prefix_recompute": recompute}
+              "prefix_recompute": recompute, "prefix_keep_graph": False}  # a kept capture graph has no checkpoints
     with float64_model():
         ref_grads, (ref_loss, _) = _reference(model, group, objective, full_sequence_logprobs)
         grads, result = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config))
@@ -205,7 +208,9 @@ def test_kept_attention_is_exact_and_skips_the_prompt_attention(model, monkeypat
     group = _group(prompt_len, response_lens)
     objective = GRPOObjective(kl_coef=kl_coef, **objective_kwargs)
     ref_model = tiny_qwen3_5(seed=2) if kl_coef else None
-    base = {"capture_chunk": chunk, "page_tokens": page, "replay_block": block, "prefix_block": prefix_block}
+    # the prefix pass over every segment (a kept capture graph would leave it none: test_kept_graph.py)
+    base = {"capture_chunk": chunk, "page_tokens": page, "replay_block": block, "prefix_block": prefix_block,
+            "prefix_keep_graph": False}
     forward = attention_module._forward
     calls = []
     monkeypatch.setattr(attention_module, "_forward", lambda *a: calls.append(1) or forward(*a))
@@ -261,7 +266,7 @@ def test_prefix_recompute_under_a_callers_backward(lora):
     def run(recompute):
         calls.clear()
         config = {"prefix_grad": "exact", "capture_chunk": 12, "prefix_block": 5, "page_tokens": 4,
-                  "replay_block": 3, "prefix_recompute": recompute}
+                  "replay_block": 3, "prefix_recompute": recompute, "prefix_keep_graph": False}
         grads, _ = grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, backward=backward))
         return grads, len(calls)
 

@@ -40,6 +40,12 @@ BAD = {
     "accumulation": ({**_ds(), "gradient_accumulation_steps": 4}, ["gradient_accumulation_steps", "4"]),
     "zero-stage-0": ({**_ds(), "zero_optimization": {"stage": 0}}, ["zero_optimization.stage", "0"]),
     "zero-prefix-block": (_ds(prefix_grad="exact", prefix_block=0), ["longstraw.prefix_block", "0"]),
+    "unknown-keep-graph": (_ds(prefix_grad="exact", prefix_keep_graph="sometimes"),
+                           ["longstraw.prefix_keep_graph", "sometimes"]),
+    "negative-graph-budget": (_ds(prefix_grad="exact", prefix_graph_budget_gb=-1),
+                              ["longstraw.prefix_graph_budget_gb"]),
+    "graph-budget-without-auto": (_ds(prefix_grad="exact", prefix_keep_graph=True, prefix_graph_budget_gb=2),
+                                  ["longstraw.prefix_graph_budget_gb", "prefix_keep_graph"]),
     "kept-attention-nvme-without-path": (_ds(prefix_grad="exact", prefix_keep_attention=True,
                                              offload={"kept_attention_tier": "nvme"}),
                                          ["longstraw.offload", "nvme_path", "kept_attention_tier"]),
@@ -201,3 +207,19 @@ def test_glm_5_2_shape_config_builds_its_transformers_config():
     per_token = (config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim) * 2
                  + full * config.index_head_dim * 2)
     assert per_token == 95_232
+
+
+def test_graph_budget_follows_its_settings():
+    """prefix_keep_graph / prefix_graph_budget_gb as offload/auto.graph_budget reads them: none in detached mode or
+    with False, no bound with True, the given GiB, else a quarter of what the rank may still take."""
+    from ds_longstraw.offload.auto import KEEP_GRAPH_FRACTION, graph_budget
+
+    gib = 1 << 30
+    assert graph_budget("auto", None, "detached", 8 * gib) == 0
+    assert graph_budget(False, None, "exact", 8 * gib) == 0
+    assert graph_budget(True, None, "exact", None) is None
+    assert graph_budget("auto", 0.5, "exact", None) == gib // 2
+    assert graph_budget("auto", 0, "exact", 8 * gib) == 0
+    assert graph_budget("auto", None, "exact", 8 * gib) == int(KEEP_GRAPH_FRACTION * 8 * gib) == 2 * gib
+    with pytest.raises(ValueError, match="may still take"):
+        graph_budget("auto", None, "exact", None)

@@ -794,3 +794,35 @@ def test_cp_replay_gathers_only_where_the_pages_fit(mode):
     assert make_plan(big, 16 << 10, 8, mode, Cluster(gpus=1, cp=1, gpu_memory=80 * GiB)).replay == "one rank"
     with pytest.raises(ValueError, match="cp_replay must be"):
         make_plan(big, 16 << 10, 8, mode, cluster, cp_replay="scattered")
+
+
+def test_kept_graph_line_sizes_what_capture_may_keep(capsys):
+    """Exact mode on one rank: the plan says how much of the prompt's graph capture keeps (prefix_keep_graph "auto":
+    KEEP_GRAPH_FRACTION of what the recommended tier leaves free on the GPU), in tokens at the family's per-token
+    graph figure, the whole prompt where it fits; a family without figures says capture measures it; nothing under
+    CP or in detached mode."""
+    from ds_longstraw.offload.auto import KEEP_GRAPH_FRACTION
+    from ds_longstraw.tools.planner import _kept_graph_line
+
+    big = shape_from_config(*load_config("qwen3.6-27b"))
+    one = Cluster(gpus=1, cp=1, gpu_memory=141 * GiB, host_memory=1024 * GiB)
+    for context in (8 << 10, 128):
+        plan = make_plan(big, context, 8, "exact", one)
+        budget = int(KEEP_GRAPH_FRACTION * (plan.gpu_budget - plan.needs[plan.tier]["gpu"]))
+        tokens = min(context - 1, budget // big.replay_graph["lora"][0])
+        line = _kept_graph_line(plan)
+        assert f"{tokens:,} of the prompt's {context - 1:,} tokens" in line, line
+        assert ("(the whole prompt)" in line) == (tokens == context - 1)
+    assert 0 < min((8 << 10) - 1, budget // big.replay_graph["lora"][0])
+    glm = shape_from_config(*load_config("glm-5.2"))
+    sharded = Cluster(gpus=32, cp=1, gpus_per_node=8, gpu_memory=141 * GiB, host_memory=2048 * GiB)
+    assert "measures its graph" in _kept_graph_line(make_plan(glm, 4096, 8, "exact", sharded))
+    assert "no tier fits" in _kept_graph_line(make_plan(glm, 4096, 8, "exact", one))
+    assert main(["--model", "qwen3.6-27b", "--context", "8K", "--gpu-memory", "141GB", "--host-memory", "1TB",
+                 "--prefix-grad", "exact"]) == 0
+    assert "prefix_keep_graph" in capsys.readouterr().out
+    for mode, cluster in (("detached", one), ("exact", Cluster(gpus=8, cp=8, gpus_per_node=8, gpu_memory=80 * GiB,
+                                                               host_memory=1024 * GiB))):
+        assert main(["--model", "qwen3.6-27b", "--context", "64K", "--gpu-memory", "80GB", "--host-memory", "1TB",
+                     "--prefix-grad", mode, "--gpus", str(cluster.gpus)]) == 0
+        assert "prefix_keep_graph" not in capsys.readouterr().out
