@@ -4,7 +4,9 @@ Capture runs prompt[:-1] through the model chunk by chunk WITHOUT autograd and k
 read, as the adapter's layer-state specs (arch/specs.py) declare: each layer's per-token streams on owned pages,
 each layer's per-sequence carry. In exact mode it also checkpoints the carry at every chunk start (on the pages'
 tier), so the prefix pass can recompute one chunk at a time, and with prefix_keep_attention keeps each layer's
-`kept` streams (its attention output and log-sum-exp) so that recompute skips the prompt's attention.
+`kept` streams (its attention output and log-sum-exp) so that recompute skips the prompt's attention. With a graph
+budget (exact mode, a root capture: prefix_keep_graph) its first segments run WITH autograd and keep their graph
+instead (kept_graph.py); the checkpoints and kept streams then start where they end.
 """
 
 from __future__ import annotations

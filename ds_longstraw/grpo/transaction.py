@@ -2,10 +2,11 @@
 
     capture-ref  (kl_coef > 0) capture the reference policy's prompt state without autograd
     score-ref    reference log-probs of every member without a graph; then free that state
-    capture      the policy's prompt state without autograd (exact mode: plus chunk-boundary checkpoints)
+    capture      the policy's prompt state without autograd (exact mode: plus chunk-boundary checkpoints; on one
+                 rank the first segments with autograd, their graph kept where it fits: kept_graph.py)
     replay       for each member: replay [prompt[-1], response[:-1]] with autograd, backward its loss share,
                  drop the graph (exact mode: d(state) accumulates on gradient pages)
-    prefix       (exact mode) reverse pass over the capture chunks
+    prefix       (exact mode) reverse pass over the capture chunks, then one backward of the kept graph
     reduce       (context parallelism unless the caller reduces) one all-reduce of .grad over the CP group
 What each layer keeps comes from the adapter's layer-state specs (arch/specs.py); where the prompt lives and what
 crosses ranks from the topology (topology.py); how this rank pads its calls under ZeRO-3 from the schedule
