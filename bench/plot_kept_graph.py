@@ -1,5 +1,5 @@
-"""Plot: GLM's exact step with the capture's graph kept (prefix_keep_graph "auto", the default) beside the step
-that keeps none, conventional full autograd and the detached step: the median CPU seconds of each and its step peak,
+"""Plot: GLM's exact step with the capture's graph kept (prefix_keep_graph "fits") beside the default step, which
+keeps none, conventional full autograd and the detached step: the median CPU seconds of each and its step peak,
 at 8K and 32K tokens, from bench/results/grpo-glm-kept-graph-46.json (BENCHMARKS.md, "The capture's graph kept").
 
     python bench/plot_kept_graph.py [--results bench/results/grpo-glm-kept-graph-46.json]
@@ -12,7 +12,7 @@ import os
 import statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-METHODS = {"longstraw-exact": "exact, graph kept (default)", "longstraw-exact-nograph": "exact, no graph kept",
+METHODS = {"longstraw-exact-graph": "exact, graph kept (\"fits\")", "longstraw-exact": "exact (default)",
            "conventional": "conventional autograd", "longstraw-detached": "detached"}
 
 

@@ -84,13 +84,16 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_keep_graph: exact mode on one rank only: capture runs its first segments WITH autograd and keeps their
         graph, while what that graph saves stays within a budget, so the prefix pass runs no forward for them
         (grpo/kept_graph.py): where the whole prompt's graph fits, the exact step does the work of full-sequence
-        autograd and no more, at the prompt's graph and one member's (flat in G). Later segments are captured
-        without a graph and recomputed as before. "auto" (the default): the budget is prefix_graph_budget_gb, or
-        KEEP_GRAPH_FRACTION of the device memory free when capture starts (off CUDA: KEEP_GRAPH_HOST_BYTES;
-        offload/auto.graph_budget); True: every segment's, unbounded; False: none. Not under context parallelism,
-        under a lockstep that pads the calls (ZeRO-3 data parallelism, expert parallelism), for a shared
-        document's groups or for a capture reused from generate: those capture without a graph.
-    prefix_graph_budget_gb: the budget of prefix_keep_graph "auto" in GiB (0: keep none); None: the rule above.
+        autograd and no more, at the prompt's graph and one member's (flat in G, but the prompt's graph is what
+        the transaction otherwise never holds). Later segments are captured without a graph and recomputed as
+        before. False (the default): none, so the live graph stays one segment's and exact mode's peak within the
+        detached step's plus the gradient pages; "fits": within prefix_graph_budget_gb, or KEEP_GRAPH_FRACTION of
+        the memory the rank may still take when capture starts (offload/auto.graph_budget); True: every segment's,
+        unbounded. ("fits", not "auto": DeepSpeed's config model reads "auto" as the key's default.) Not under
+        context parallelism, under a lockstep that pads the calls (ZeRO-3 data parallelism,
+        expert parallelism), for a shared document's groups or for a capture reused from generate: those capture
+        without a graph.
+    prefix_graph_budget_gb: the budget of prefix_keep_graph "fits" in GiB (0: keep none); None: the rule above.
     replay_block: response tokens per replay block (bounds attention score memory of one replay step).
     member_span_capture: a member whose untrained span (response_masks False: a tool output, an observation)
         reaches this many tokens runs in steps (grpo/member_steps.py): a forward without a graph over its response,
@@ -150,7 +153,7 @@ class LongstrawConfig(DeepSpeedConfigModel):
     prefix_block: int | None = Field(None, gt=0)
     prefix_recompute: bool = True
     prefix_keep_attention: bool | Literal["auto"] = "auto"
-    prefix_keep_graph: bool | Literal["auto"] = "auto"
+    prefix_keep_graph: bool | Literal["fits"] = False
     prefix_graph_budget_gb: float | None = Field(None, ge=0)
     replay_block: int = Field(1024, gt=0)
     member_span_capture: int | None = Field(1024, gt=0)
@@ -176,10 +179,10 @@ class LongstrawConfig(DeepSpeedConfigModel):
         return self
 
     @model_validator(mode="after")
-    def _graph_budget_for_auto(self) -> "LongstrawConfig":
-        if self.prefix_graph_budget_gb is not None and self.prefix_keep_graph != "auto":
+    def _graph_budget_for_fits(self) -> "LongstrawConfig":
+        if self.prefix_graph_budget_gb is not None and self.prefix_keep_graph != "fits":
             raise ValueError(f"'{BLOCK_NAME}.prefix_graph_budget_gb' = {self.prefix_graph_budget_gb} with "
-                             f"'prefix_keep_graph' = {self.prefix_keep_graph!r}: the budget is that of \"auto\" "
+                             f"'prefix_keep_graph' = {self.prefix_keep_graph!r}: the budget is that of \"fits\" "
                              "(True keeps every segment's graph, False none)")
         return self
 

@@ -403,7 +403,7 @@ def resolve_prefix(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens_
 def capture_graph_budget(longstraw: LongstrawConfig, prefix_grad: str, device: torch.device) -> int | None:
     """The bytes of graph one rank's capture may keep (longstraw.prefix_keep_graph: offload/auto.graph_budget, with
     the memory this rank may still take: grpo/memory.free_device_bytes)."""
-    free = free_device_bytes(device) if longstraw.prefix_keep_graph == "auto" and prefix_grad == "exact" else None
+    free = free_device_bytes(device) if longstraw.prefix_keep_graph == "fits" and prefix_grad == "exact" else None
     return graph_budget(longstraw.prefix_keep_graph, longstraw.prefix_graph_budget_gb, prefix_grad, free)
 
 

@@ -224,21 +224,21 @@ def replay_schedule(cp_replay: str, held_bytes: int, device_memory: int | None) 
     return "gathered" if held_bytes <= limit else "spread"
 
 
-# "prefix_keep_graph": "auto" lets exact mode's capture keep its graph (grpo/kept_graph.py) up to this fraction of the
-# memory the rank may still take when capture starts (grpo/memory.free_device_bytes: the GPU's free memory; off CUDA
-# the host's available memory over the node's ranks): the rest is left to what runs while that graph lives (one
-# member's replay graph, the pages, their gradient pages, the prefix pass over the segments not kept). Every kept
-# byte saves a forward of its tokens in the prefix pass: at 8K tokens of the small GLM shape that forward and the
-# per-layer recompute are 0.3x the step (BENCHMARKS.md). At Qwen3.6-27B's width a token's graph is some 31 MiB
-# (LoRA, bf16: arch/qwen3_5_graph.py), so on an 80 GB GPU this keeps a prompt's first few hundred tokens; on small
-# models it keeps short prompts whole.
+# "prefix_keep_graph": "fits" (asked for: the default keeps none, so the live graph stays one segment's) lets exact
+# mode's capture keep its graph (grpo/kept_graph.py) up to this fraction of the memory the rank may still take when
+# capture starts (grpo/memory.free_device_bytes: the GPU's free memory; off CUDA the host's available memory over the
+# node's ranks): the rest is left to what runs while that graph lives (one member's replay graph, the pages, their
+# gradient pages, the prefix pass over the segments not kept). Every kept byte saves a forward of its tokens in the
+# prefix pass: at 8K tokens of the small GLM shape that forward and the per-layer recompute are 0.3x the step
+# (BENCHMARKS.md). At Qwen3.6-27B's width a token's graph is some 31 MiB (LoRA, bf16: arch/qwen3_5_graph.py), so on
+# an 80 GB GPU this keeps a prompt's first few hundred tokens; on small models it keeps short prompts whole.
 KEEP_GRAPH_FRACTION = 1 / 4
 
 
 def graph_budget(keep: bool | str, budget_gb: float | None, prefix_grad: str, free_bytes: int | None) -> int | None:
     """The bytes of autograd graph exact mode's capture may keep (prefix_keep_graph, prefix_graph_budget_gb): 0
     none (detached mode, False), None no bound (True), else prefix_graph_budget_gb or KEEP_GRAPH_FRACTION of
-    `free_bytes`, the memory the rank may still take ("auto" needs it)."""
+    `free_bytes`, the memory the rank may still take ("fits" needs it)."""
     if prefix_grad != "exact" or keep is False:
         return 0
     if keep is True:
@@ -246,5 +246,5 @@ def graph_budget(keep: bool | str, budget_gb: float | None, prefix_grad: str, fr
     if budget_gb is not None:
         return int(budget_gb * (1 << 30))
     if free_bytes is None:
-        raise ValueError("prefix_keep_graph 'auto' needs the memory the rank may still take")
+        raise ValueError("prefix_keep_graph 'fits' needs the memory the rank may still take")
     return int(KEEP_GRAPH_FRACTION * free_bytes)

@@ -21,9 +21,9 @@ import torch
 # for qwen3_5); longstraw-exact-keep: prefix_keep_attention true (qwen3_5: the capture's attention outputs kept on
 # pages with the K/V pages); longstraw-exact-keep-nvme: the same with the kept pages on the NVMe tier (files under
 # $TMPDIR); longstraw-exact-recompute: prefix_keep_attention false (the prefix pass recomputes what it needs);
-# longstraw-exact-nograph: prefix_keep_graph false (capture keeps no graph: the prefix pass runs every segment).
+# longstraw-exact-graph: prefix_keep_graph "fits" (capture keeps its graph where it fits: grpo/kept_graph.py).
 METHODS = ("longstraw-detached", "longstraw-exact", "longstraw-exact-keep", "longstraw-exact-keep-nvme",
-           "longstraw-exact-recompute", "longstraw-exact-nograph", "conventional", "per_member")
+           "longstraw-exact-recompute", "longstraw-exact-graph", "conventional", "per_member")
 
 
 def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dtype="float32", seed=0, progress=False,
@@ -54,8 +54,8 @@ def run_one(method, prompt, group_size, response, shape="small", chunk=4096, dty
             config["prefix_keep_attention"] = True
         elif method == "longstraw-exact-recompute":
             config["prefix_keep_attention"] = False
-        elif method == "longstraw-exact-nograph":
-            config["prefix_keep_graph"] = False
+        elif method == "longstraw-exact-graph":
+            config["prefix_keep_graph"] = "fits"
         if method == "longstraw-exact-keep-nvme":
             from ds_longstraw.offload import io_engine
 

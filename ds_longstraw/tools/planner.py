@@ -245,11 +245,11 @@ def _render_document(plan) -> list:
 
 
 def _kept_graph_line(plan) -> str:
-    """Exact mode on one rank: what capture's kept graph (longstraw.prefix_keep_graph "auto", grpo/kept_graph.py)
+    """Exact mode on one rank: what capture's kept graph (longstraw.prefix_keep_graph "fits", grpo/kept_graph.py)
     may take: KEEP_GRAPH_FRACTION of what the recommended tier leaves free on the GPU, and the tokens that buys."""
-    rule = (f"prefix_keep_graph \"auto\": capture keeps its first segments' autograd graph within "
-            f"{KEEP_GRAPH_FRACTION:.0%} of the GPU memory free when it starts, and the prefix pass runs no forward "
-            "for them")
+    rule = (f"with prefix_keep_graph \"fits\" (the default keeps none) capture keeps its first segments' autograd "
+            f"graph within {KEEP_GRAPH_FRACTION:.0%} of the GPU memory free when it starts, and the prefix pass runs "
+            "no forward for them")
     tier = plan.tier
     if plan.gpu_budget is None:
         return f"Exact mode on one rank: {rule} (give --gpu-memory to size it)."

@@ -57,11 +57,11 @@ def _group(prompt_len, response_lens, seed=0):
 
 
 def _run(model, group, objective, mode, longstraw, **kwargs):
-    # "exact-recompute": exact mode without the capture's graph kept, so the prefix pass recomputes every segment
-    # ("exact" keeps these short prompts' graph whole: longstraw.prefix_keep_graph, grpo/kept_graph.py)
-    config = {"prefix_grad": mode.removesuffix("-recompute"), **longstraw}
-    if mode == "exact-recompute":
-        config["prefix_keep_graph"] = False
+    # "exact-graph": exact mode with the capture's graph kept where it fits (prefix_keep_graph "fits": these short
+    # prompts' whole graph; grpo/kept_graph.py); "exact", the default, keeps none and recomputes every segment
+    config = {"prefix_grad": mode.removesuffix("-graph"), **longstraw}
+    if mode == "exact-graph":
+        config["prefix_keep_graph"] = "fits"
     return grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, **kwargs))
 
 
@@ -109,7 +109,7 @@ def test_tiny_model_exercises_every_part(model):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["detached", "exact", "exact-recompute"])
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-graph"])
 def test_matches_transformers(model, case, mode):
     prompt_len, response_lens, longstraw, objective_kwargs = CASES[case]
     _assert_matches(model, _group(prompt_len, response_lens), GRPOObjective(**objective_kwargs), mode, longstraw)
@@ -140,8 +140,8 @@ def _tier(tier, path, monkeypatch):
     return {"tier": "nvme", "nvme_path": str(path), "staging_depth": 2, "aio": {"block_size": 4096, "queue_depth": 4}}
 
 
-@pytest.mark.parametrize("mode,tier", [("exact", "cpu"), ("detached", "nvme-buffered"),
-                                       ("exact-recompute", "nvme-aio")])
+@pytest.mark.parametrize("mode,tier", [("exact", "cpu"), ("detached", "nvme-buffered"), ("exact", "nvme-aio"),
+                                       ("exact-graph", "nvme-aio")])
 def test_tiers(model, tmp_path, monkeypatch, mode, tier):
     """Pages (latent, rope key, indexer key) and exact mode's gradient pages on the host or in NVMe files."""
     longstraw = {"capture_chunk": 12, "page_tokens": 5, "replay_block": 3,
@@ -314,8 +314,6 @@ def test_kept_selection_is_exact_and_the_prefix_pass_selects_nothing(model, tmp_
     group, objective = _group(prompt_len, response_lens), GRPOObjective(**objective_kwargs)
     offload = ({"tier": "cpu", "kept_attention_tier": "nvme", "nvme_path": str(tmp_path)} if tier == "kept-on-nvme"
                else _tier(tier, tmp_path, monkeypatch))
-    # the prefix pass over every segment (a kept capture graph would leave it none to recompute: test_kept_graph.py)
-    longstraw = {**longstraw, "prefix_keep_graph": False}
     kept_config = {**longstraw, "offload": offload}
     result = _assert_matches(model, group, objective, "exact", kept_config)
     counts = counting(monkeypatch, dsa_package, ["dsa_select"])

@@ -57,7 +57,7 @@ def _group(prompt_len, response_lens, seed=0):
 
 
 def _step(model, group, settings, objective=None, ref_model=None, backward=None):
-    config = {"prefix_grad": "exact", **settings}
+    config = {"prefix_grad": "exact", "prefix_keep_graph": "fits", **settings}
     return grads_of(model, lambda: grpo_backward(model, group, objective or GRPOObjective(), longstraw=config,
                                                  ref_model=ref_model, backward=backward))
 
@@ -83,9 +83,9 @@ def _assert_exact(model, reference, group, settings, objective=None, ref_model=N
     return result
 
 
-@pytest.mark.parametrize("kept", ["whole", "auto", "probe", "part"])
+@pytest.mark.parametrize("kept", ["whole", "fits", "probe", "part"])
 def test_kept_graph_matches_full_sequence_autograd(family, kept):
-    """The kept graph whole (True, and "auto" where the prompt fits), the probe alone (a budget below it) and part
+    """The kept graph whole (True, and "fits" where the prompt fits), the probe alone (a budget below it) and part
     of it (half the whole graph's bytes): the rest is captured without a graph and recomputed."""
     _, model, reference, group, settings = family
     captured = group.prompt_ids.numel() - 1
@@ -97,7 +97,7 @@ def test_kept_graph_matches_full_sequence_autograd(family, kept):
         settings = {**settings, "prefix_graph_budget_gb": _whole_graph_bytes(model, group, settings) / 2 / GIB}
     result = _assert_exact(model, reference, group, settings)
     tokens = result.extras["kept_graph_tokens"]
-    if kept in ("whole", "auto"):
+    if kept in ("whole", "fits"):
         assert tokens == captured
     elif kept == "probe":
         assert tokens == 4
@@ -189,10 +189,11 @@ def test_later_segments_are_never_charged_less_than_they_save(family, monkeypatc
 
 
 def test_no_graph_kept_where_none_may_be(family):
-    """Detached mode, prefix_keep_graph False and a zero budget capture without a graph, and say none was kept."""
+    """Detached mode, exact mode's default (prefix_keep_graph False) and a zero budget capture without a graph, and
+    say none was kept."""
     _, model, _, group, settings = family
-    for mode, extra in [("detached", {}), ("exact", {"prefix_keep_graph": False}),
-                        ("exact", {"prefix_graph_budget_gb": 0})]:
+    for mode, extra in [("detached", {}), ("exact", {}), ("exact", {"prefix_keep_graph": False}),
+                        ("exact", {"prefix_keep_graph": "fits", "prefix_graph_budget_gb": 0})]:
         result = grpo_backward(model, group, GRPOObjective(), longstraw={"prefix_grad": mode, **settings, **extra})
         assert "kept_graph_tokens" not in result.extras, (mode, extra)
         model.zero_grad(set_to_none=True)
@@ -207,7 +208,8 @@ def test_a_shared_document_keeps_no_graph(family):
     other = GRPOGroup(torch.cat([group.prompt_ids[:30], group.prompt_ids[5:12]]), group.response_ids,
                       rewards=[0.3, 0.9, 0.1])
     results = grpo_backward_shared(model, [group, other], GRPOObjective(),
-                                   longstraw={"prefix_grad": "exact", **settings, "shared_prefix_min": 8})
+                                   longstraw={"prefix_grad": "exact", "prefix_keep_graph": "fits", **settings,
+                                              "shared_prefix_min": 8})
     model.zero_grad(set_to_none=True)
     assert all("document" in result.extras for result in results), "the tree path ran"
     assert all("kept_graph_tokens" not in result.extras for result in results)

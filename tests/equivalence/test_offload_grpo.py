@@ -40,9 +40,9 @@ _REFERENCE = {}
 def _run(model, mode, offload, objective=None):
     # "exact-keep": exact mode with the attention outputs kept on pages of the same tier (prefix_keep_attention);
     # exact mode otherwise keeps no capture graph, so that its prefix pass walks every segment from the tiers' pages,
-    # except "exact-graph": the capture's graph kept where it fits (prefix_keep_graph "auto", the default)
+    # except "exact-graph": the capture's graph kept where it fits (prefix_keep_graph "fits", asked for)
     config = {"prefix_grad": mode.split("-")[0], "prefix_keep_attention": mode.endswith("-keep"), **SETTINGS,
-              "prefix_keep_graph": "auto" if mode.endswith("-graph") else False, "offload": offload}
+              "prefix_keep_graph": "fits" if mode.endswith("-graph") else False, "offload": offload}
     with float64_model():
         return grads_of(model, lambda: grpo_backward(model, _group(), objective, longstraw=config))
 

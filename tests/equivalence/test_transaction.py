@@ -42,10 +42,10 @@ def _group(prompt_len, response_lens, seed=0, **extra):
 
 
 def _run(model, group, objective, mode, chunk, page, block, **kwargs):
-    # "exact-recompute": exact mode without the capture's graph kept, so the prefix pass recomputes every segment
-    # ("exact" keeps these short prompts' graph whole: longstraw.prefix_keep_graph, grpo/kept_graph.py)
-    config = {"prefix_grad": mode.removesuffix("-recompute"), "capture_chunk": chunk, "page_tokens": page,
-              "replay_block": block, "prefix_keep_graph": "auto" if mode != "exact-recompute" else False}
+    # "exact-graph": exact mode with the capture's graph kept where it fits (prefix_keep_graph "fits": these short
+    # prompts' whole graph; grpo/kept_graph.py); "exact", the default, keeps none and recomputes every segment
+    config = {"prefix_grad": mode.removesuffix("-graph"), "capture_chunk": chunk, "page_tokens": page,
+              "replay_block": block, "prefix_keep_graph": "fits" if mode == "exact-graph" else False}
     return grads_of(model, lambda: grpo_backward(model, group, objective, longstraw=config, **kwargs))
 
 
@@ -61,7 +61,7 @@ def model():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["detached", "exact", "exact-recompute"])
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-graph"])
 def test_matches_reference(model, case, mode):
     prompt_len, response_lens, chunk, page, block, objective_kwargs = CASES[case]
     group = _group(prompt_len, response_lens)
@@ -76,7 +76,7 @@ def test_matches_reference(model, case, mode):
         torch.testing.assert_close(mine, ref.double(), rtol=0, atol=1e-11)
 
 
-@pytest.mark.parametrize("mode", ["detached", "exact", "exact-recompute"])
+@pytest.mark.parametrize("mode", ["detached", "exact", "exact-graph"])
 def test_kl_to_separate_reference_model(model, mode):
     ref_model = tiny_qwen3_5(seed=7)
     group = _group(22, [4, 6, 2], seed=3)

@@ -44,7 +44,7 @@ BAD = {
                            ["longstraw.prefix_keep_graph", "sometimes"]),
     "negative-graph-budget": (_ds(prefix_grad="exact", prefix_graph_budget_gb=-1),
                               ["longstraw.prefix_graph_budget_gb"]),
-    "graph-budget-without-auto": (_ds(prefix_grad="exact", prefix_keep_graph=True, prefix_graph_budget_gb=2),
+    "graph-budget-without-fits": (_ds(prefix_grad="exact", prefix_keep_graph=True, prefix_graph_budget_gb=2),
                                   ["longstraw.prefix_graph_budget_gb", "prefix_keep_graph"]),
     "kept-attention-nvme-without-path": (_ds(prefix_grad="exact", prefix_keep_attention=True,
                                              offload={"kept_attention_tier": "nvme"}),
@@ -215,11 +215,11 @@ def test_graph_budget_follows_its_settings():
     from ds_longstraw.offload.auto import KEEP_GRAPH_FRACTION, graph_budget
 
     gib = 1 << 30
-    assert graph_budget("auto", None, "detached", 8 * gib) == 0
+    assert graph_budget("fits", None, "detached", 8 * gib) == 0
     assert graph_budget(False, None, "exact", 8 * gib) == 0
     assert graph_budget(True, None, "exact", None) is None
-    assert graph_budget("auto", 0.5, "exact", None) == gib // 2
-    assert graph_budget("auto", 0, "exact", 8 * gib) == 0
-    assert graph_budget("auto", None, "exact", 8 * gib) == int(KEEP_GRAPH_FRACTION * 8 * gib) == 2 * gib
+    assert graph_budget("fits", 0.5, "exact", None) == gib // 2
+    assert graph_budget("fits", 0, "exact", 8 * gib) == 0
+    assert graph_budget("fits", None, "exact", 8 * gib) == int(KEEP_GRAPH_FRACTION * 8 * gib) == 2 * gib
     with pytest.raises(ValueError, match="may still take"):
-        graph_budget("auto", None, "exact", None)
+        graph_budget("fits", None, "exact", None)

@@ -797,7 +797,7 @@ def test_cp_replay_gathers_only_where_the_pages_fit(mode):
 
 
 def test_kept_graph_line_sizes_what_capture_may_keep(capsys):
-    """Exact mode on one rank: the plan says how much of the prompt's graph capture keeps (prefix_keep_graph "auto":
+    """Exact mode on one rank: the plan says how much of the prompt's graph capture keeps (prefix_keep_graph "fits":
     KEEP_GRAPH_FRACTION of what the recommended tier leaves free on the GPU), in tokens at the family's per-token
     graph figure, the whole prompt where it fits; a family without figures says capture measures it; nothing under
     CP or in detached mode."""
