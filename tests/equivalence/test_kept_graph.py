@@ -199,6 +199,23 @@ def test_no_graph_kept_where_none_may_be(family):
         model.zero_grad(set_to_none=True)
 
 
+def test_a_padding_lockstep_keeps_no_graph(family):
+    """Under a lockstep that pads this rank's module calls to other ranks' (ZeRO-3 data parallelism) a kept graph
+    would change which segments the prefix pass runs, so "fits" keeps none there; the step is still exact."""
+    from ds_longstraw.grpo.lockstep import GroupCalls, Lockstep, calls_of
+
+    _, model, reference, group, settings = family
+    config = parse_config({"prefix_grad": "exact", "prefix_keep_graph": "fits", **settings})
+    calls = calls_of(group, config)
+    lockstep = Lockstep(calls, GroupCalls(chunks=calls.chunks + 1, blocks=calls.blocks), config)
+    with reference():
+        ref_grads, _ = reference_step(model, group, GRPOObjective().group_loss, full_sequence_logprobs)
+        grads, result = grads_of(model, lambda: grpo_backward(model, group, GRPOObjective(), longstraw=config,
+                                                              lockstep=lockstep))
+    assert "kept_graph_tokens" not in result.extras
+    assert relative_l2(grads, ref_grads) <= TOL
+
+
 def test_a_shared_document_keeps_no_graph(family):
     """Groups sharing a document capture it once as a tree's root and themselves as its children: neither keeps a
     graph (a child's past is its parent's pages), and the gradients stay exact (test_shared_document.py)."""
