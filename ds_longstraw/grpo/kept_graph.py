@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ds_longstraw.arch.base import CausalLMAdapter, SegmentOutput
     from ds_longstraw.offload import PagePool
@@ -149,7 +149,7 @@ class KeptGraph:
         return out
 
     def backward(self, pool: PagePool | TieredPagePool, d_carry: Mapping[int, Sequence[torch.Tensor]],
-                 backward: object | None, timings: dict[str, float]) -> None:
+                 backward: Callable[[torch.Tensor], object] | None, timings: dict[str, float]) -> None:
         """The kept graph's one backward, after the replay and the prefix pass over the later segments: each kept
         segment's rows get the gradients on their gradient pages, the last one's end carry d_carry (layer ->
         d(its carry), the later segments' or the replay's); `backward` as ReversePass.backward. The graph is
