@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ds_longstraw.grpo.prefix_pass import injected_grads, segment_roots
+
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
@@ -155,16 +157,11 @@ class KeptGraph:
         d(its carry), the later segments' or the replay's); `backward` as ReversePass.backward. The graph is
         dropped afterwards."""
         outputs, grads = [], []
+        specs = self.adapter.specs
         for index, segment in enumerate(self.segments):
-            last = index == len(self.segments) - 1
-            for spec in self.adapter.specs:
-                if last and spec.carry and spec.layer in d_carry:
-                    outputs += list(segment.out.carry[spec.layer])
-                    grads += list(d_carry[spec.layer])
-                for stream, rows in zip(spec.streams, segment.out.rows.get(spec.layer, ()), strict=True):
-                    if stream.grad:
-                        outputs.append(rows)
-                        grads.append(pool.read_grad(spec.layer, stream.name, segment.start, segment.end))
+            last = index == len(self.segments) - 1  # the earlier ones' end carries are inside the graph
+            outputs += segment_roots(specs, segment.out, carries=last)
+            grads += injected_grads(specs, d_carry, pool, segment.start, segment.end, carries=last)
         # A frozen model part (a LoRA policy whose adapters miss a layer) can leave an output graph-free.
         live = [(o, g.to(o)) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
         started = time.perf_counter()

@@ -154,7 +154,8 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager, ancestors: Sequence[tu
                                           reverse.remote_attention, prefix_recompute=reverse.prefix_recompute,
                                           known_attention=kept)
             outputs = segment_roots(adapter.specs, out)
-            grads = [g.to(o) for o, g in zip(outputs, _injected(adapter.specs, d_carry, pool, start, end), strict=True)]
+            grads = [g.to(o) for o, g in zip(outputs, injected_grads(adapter.specs, d_carry, pool, start, end),
+                                             strict=True)]
             # A frozen model part (say a LoRA policy whose adapters miss a layer) can leave an output graph-free.
             live = [(o, g) for o, g in zip(outputs, grads, strict=True) if o.requires_grad]
             forwarded = time.perf_counter()
@@ -173,12 +174,13 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager, ancestors: Sequence[tu
     return d_carry
 
 
-def segment_roots(specs: Iterable[LayerState], out: SegmentOutput) -> list[torch.Tensor]:
-    """The outputs of a segment that later tokens read, in a fixed order: each layer's end carry, then its rows of
-    every stream that carries a gradient."""
+def segment_roots(specs: Iterable[LayerState], out: SegmentOutput, carries: bool = True) -> list[torch.Tensor]:
+    """The outputs of a segment that later tokens read, in a fixed order: each layer's end carry (unless `carries`
+    is False: a kept segment whose carry the next one reads inside the same graph, grpo/kept_graph.py), then its
+    rows of every stream that carries a gradient."""
     outputs = []
     for spec in specs:
-        if spec.carry:
+        if spec.carry and carries:
             outputs += list(out.carry[spec.layer])
         for stream, rows in zip(spec.streams, out.rows.get(spec.layer, ()), strict=True):
             if stream.grad:
@@ -186,13 +188,13 @@ def segment_roots(specs: Iterable[LayerState], out: SegmentOutput) -> list[torch
     return outputs
 
 
-def _injected(specs: Iterable[LayerState], d_carry: Mapping[int, Sequence[torch.Tensor]],
-              pool: PagePool | TieredPagePool, start: int, end: int) -> list[torch.Tensor]:
-    """The accumulated gradients of segment_roots' outputs: d(end carry) from the later segment (or replay), and
-    the gradient pages of the segment's rows."""
+def injected_grads(specs: Iterable[LayerState], d_carry: Mapping[int, Sequence[torch.Tensor]],
+                   pool: PagePool | TieredPagePool, start: int, end: int, carries: bool = True) -> list[torch.Tensor]:
+    """The accumulated gradients of segment_roots' outputs (with the same `carries`): d(end carry) from the later
+    segment (or replay), and the gradient pages of the segment's rows."""
     grads = []
     for spec in specs:
-        if spec.carry:
+        if spec.carry and carries:
             grads += list(d_carry[spec.layer])
         for stream in spec.streams:
             if stream.grad:
