@@ -258,11 +258,14 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         q_lat = torch.einsum("thn,rhn->thr", q_nope, w_uk)
         latents = [piece[0] for piece in past] + [latent]
         ropes = [piece[1] for piece in past] + [k_rope]
+        # staged prompt pages in exact mode (offload.PagesPair) take their selected rows' gradients themselves
+        sinks = [getattr(piece, "row_sink", None) for piece in past] + [None]
         if remote is None:
-            o_lat = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling)
+            o_lat = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling,
+                                                       row_sinks=sinks)
         else:
             o_lat, lse = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, *selection, module.scaling,
-                                                            offset=offset, with_lse=True)
+                                                            offset=offset, with_lse=True, row_sinks=sinks)
             remote_out, remote_lse = remote.attend(index, (q_lat, q_rope), *selection)
             o_lat, _ = merge_partials(o_lat, lse, remote_out, remote_lse.to(lse.dtype))
         out = torch.einsum("thr,rhv->thv", o_lat, w_uv).reshape(1, h_1TC.shape[1], -1)

@@ -72,6 +72,18 @@ class HostPagePool(TieredPagePool):
             entry.filled = entry.end - entry.start
             self._seal(entry)
 
+    def _accumulate_grad_rows(self, info: StreamInfo, rows: torch.Tensor, grad_cpu: torch.Tensor) -> None:
+        """The rows added where they lie in the arena (no dense span); only the pages holding one are re-opened."""
+        arena = self._arenas[(info.layer, info.name, "grad")]
+        arena.index_add_(0, rows, grad_cpu)
+        for page in torch.unique_consecutive(rows // self.page_tokens).tolist():
+            first = page * self.page_tokens
+            for entry in self.table.lookup(info.layer, info.name, first, min(info.tokens, first + self.page_tokens),
+                                           "grad"):
+                advance(entry, PageState.FILLING)
+                entry.filled = entry.end - entry.start
+                self._seal(entry)
+
     def _flush(self) -> None:
         for entry in self.table.all_entries():
             if entry.state is PageState.FILLING:

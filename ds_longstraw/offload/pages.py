@@ -10,7 +10,8 @@ host_pool.py, nvme_pool.py) store the same pages elsewhere behind the same inter
 compute device one layer at a time (stager.py).
 
 The interface every pool offers: reserve / append / flush / read / begin_read (a ticket whose `result()` is the
-tensor, so reads can be issued ahead) / add_grad / read_grad / release, and the bookkeeping queries streams /
+tensor, so reads can be issued ahead) / add_grad / add_grad_rows (only given rows: a sparse attention's) /
+read_grad / release, and the bookkeeping queries streams /
 length / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says whether `read` returns a fresh copy
 (host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
 """
@@ -40,6 +41,26 @@ class ReadyRead:
 
     def release(self) -> None:
         self._tensor = None
+
+
+def check_grad_rows(stream: tuple[int, str], start: int, rows: torch.Tensor, grad: torch.Tensor, tokens: int) -> None:
+    """add_grad_rows' arguments, checked before anything is added: one gradient row per row, ascending, distinct,
+    inside the stream's tokens."""
+    if rows.dim() != 1 or grad.shape[0] != rows.numel():
+        raise ValueError(f"gradient rows of stream {stream}: {rows.numel()} rows for a gradient of shape "
+                         f"{tuple(grad.shape)} (one row index per gradient row)")
+    if rows.numel() == 0:
+        return
+    first, last = start + int(rows[0]), start + int(rows[-1])
+    if not (0 <= first and last < tokens):
+        raise ValueError(f"gradient rows [{first}, {last}] outside stream {stream} of {tokens} tokens")
+    if rows.numel() > 1 and not bool((rows[1:] > rows[:-1]).all()):
+        raise ValueError(f"gradient rows of stream {stream} must ascend without repeats")
+
+
+def is_one_run(rows: torch.Tensor) -> bool:
+    """Whether ascending distinct rows [u > 0] are one run of consecutive rows."""
+    return int(rows[-1]) - int(rows[0]) + 1 == rows.numel()
 
 
 class PoolBase:
@@ -123,6 +144,20 @@ class PagePool(PoolBase):
         if stream.grad is None:
             stream.grad = torch.zeros_like(stream.data)
         stream.grad[start:start + grad.shape[0]].add_(grad.to(stream.grad.dtype))
+
+    def add_grad_rows(self, layer: int, name: str, start: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Accumulate d(loss)/d(tokens start + rows) on the stream's gradient pages: rows [u] int64, ascending and
+        distinct (a sparse attention's selected rows); grad [u, ...]. Only those rows are touched."""
+        stream = self._stream(layer, name)
+        check_grad_rows((layer, name), start, rows, grad, stream.length)
+        if stream.grad is None:
+            stream.grad = torch.zeros_like(stream.data)
+        if rows.numel():
+            first = start + int(rows[0])
+            if is_one_run(rows):  # a dense slice (every row of a range selected): one add, no scatter
+                stream.grad[first:first + rows.numel()].add_(grad.to(stream.grad.dtype))
+            else:
+                stream.grad.index_add_(0, rows.to(stream.grad.device) + start, grad.to(stream.grad.dtype))
 
     def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         stream = self._stream(layer, name)

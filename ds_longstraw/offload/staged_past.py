@@ -13,7 +13,9 @@ What stays alive, with a host or NVMe tier:
 With the device tier the pages are views of storage that stays resident, and the hooks leave them alone.
 
 Exact mode: the staged pair is a `PagesPair` whose `grad_sink` the attention kernel calls key block by key block
-(d(pages) goes to `pool.add_grad`, the gradient pages, without a whole layer's dK/dV alive); for any other consumer
+(d(pages) goes to `pool.add_grad`, the gradient pages, without a whole layer's dK/dV alive), and whose `row_sink` a
+sparse attention calls with the selected rows only (`pool.add_grad_rows`: no dense page gradient); for any other
+consumer
 each segment also goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to the gradient pages
 instead of accumulating it on a leaf.
 """
@@ -51,14 +53,18 @@ class _PagesWithGrad(torch.autograd.Function):
 
 
 class PagesPair(tuple):
-    """A staged (K, V) pair with `grad_sink(offset, dk_KTD, dv_KTD)`: an attention kernel that takes it (see
-    kernels.attention_with_past's sinks) adds the pages' gradient to the gradient pages one key block at a time
-    instead of returning the pair's whole dK/dV through autograd."""
+    """A staged tuple of a layer's pages (K, V; or GLM's latent, rope key, indexer key) with two sinks that take
+    the pages' gradient straight to the gradient pages instead of autograd carrying it whole:
+    `grad_sink(offset, dk_KTD, dv_KTD)`, which a dense attention kernel calls one key block at a time (see
+    kernels.attention_with_past's sinks), and `row_sink(rows, *grads)`, which a sparse attention calls with only
+    the rows its queries selected (rows [u] ascending, from the pages' first token; grads [u, ...] of the first
+    streams, in order: kernels/sparse_mla/selected_rows.py)."""
 
-    def __new__(cls, pair: Iterable[torch.Tensor],
-                grad_sink: Callable[[int, torch.Tensor, torch.Tensor], None]) -> PagesPair:
+    def __new__(cls, pair: Iterable[torch.Tensor], grad_sink: Callable[[int, torch.Tensor, torch.Tensor], None],
+                row_sink: Callable[..., None] | None = None) -> PagesPair:
         self = super().__new__(cls, pair)
         self.grad_sink = grad_sink
+        self.row_sink = row_sink
         return self
 
 
@@ -67,6 +73,15 @@ def _block_sink(pool: PagePool | TieredPagePool, layer: int, names: Sequence[str
     def sink(offset: int, dk_KTD: torch.Tensor, dv_KTD: torch.Tensor) -> None:
         for name, grad in zip(names, (dk_KTD, dv_KTD), strict=True):
             pool.add_grad(layer, name, start + offset, grad.transpose(0, 1))
+
+    return sink
+
+
+def _row_sink(pool: PagePool | TieredPagePool, layer: int, names: Sequence[str],
+              start: int) -> Callable[..., None]:
+    def sink(rows: torch.Tensor, *grads: torch.Tensor) -> None:
+        for name, grad in zip(names, grads, strict=False):  # the first streams' gradients (not the indexer key's)
+            pool.add_grad_rows(layer, name, start, rows, grad)
 
     return sink
 
@@ -127,7 +142,8 @@ class StagedPast(_AppendedSegments):
             pool = self.stager.pool
             pair = tuple(_PagesWithGrad.apply(self._anchor, tensor, _grad_sink(pool, layer, name, self.start))
                          for name, tensor in zip(names, pair, strict=True))
-            pair = PagesPair(pair, _block_sink(pool, layer, names, self.start))
+            pair = PagesPair(pair, _block_sink(pool, layer, names, self.start),
+                             _row_sink(pool, layer, names, self.start))
         return [pair, *later]
 
 

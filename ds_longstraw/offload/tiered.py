@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .page_table import PageTable
-from .pages import PoolBase
+from .pages import PoolBase, check_grad_rows, is_one_run
 from .states import STAGING_TRANSITIONS, PageState, advance
 
 
@@ -197,13 +197,43 @@ class TieredPagePool(PoolBase):
         info = self._stream(layer, name)
         if not (0 <= start <= start + grad.shape[0] <= info.tokens):
             raise ValueError(f"gradient rows [{start}, {start + grad.shape[0]}) outside stream {(layer, name)}")
-        if not info.has_grad:
-            self._create_stream(info, "grad")
-            self.table.add_stream(layer, name, "grad", info.tokens)
-            info.has_grad = True
+        self._open_grad(info)
         if grad.shape[0]:
             # .to(dtype) first, on the gradient's own device: the device tier rounds there too.
             self._accumulate_grad(info, start, grad.detach().to(info.dtype).to("cpu").contiguous())
+
+    def add_grad_rows(self, layer: int, name: str, start: int, rows: torch.Tensor, grad: torch.Tensor) -> None:
+        """Accumulate d(loss)/d(tokens start + rows) on the stream's gradient pages: rows [u] int64, ascending and
+        distinct (a sparse attention's selected rows); grad [u, ...]. Only the pages holding one of them are
+        touched (an NVMe page that no row lies in is neither read nor written)."""
+        self._check_open()
+        info = self._stream(layer, name)
+        check_grad_rows((layer, name), start, rows, grad, info.tokens)
+        if not rows.numel():
+            return
+        self._open_grad(info)
+        grad_cpu = grad.detach().to(info.dtype).to("cpu").contiguous()
+        if is_one_run(rows):  # a dense slice (every row of a range selected): the dense addition
+            self._accumulate_grad(info, start + int(rows[0]), grad_cpu)
+        else:
+            self._accumulate_grad_rows(info, rows.to("cpu") + start, grad_cpu)
+
+    def _open_grad(self, info: StreamInfo) -> None:
+        if not info.has_grad:
+            self._create_stream(info, "grad")
+            self.table.add_stream(info.layer, info.name, "grad", info.tokens)
+            info.has_grad = True
+
+    def _accumulate_grad_rows(self, info: StreamInfo, rows: torch.Tensor, grad_cpu: torch.Tensor) -> None:
+        """Rows (absolute, ascending) added page run by page run: each run of consecutive pages that hold a row
+        is one dense read-add-write of those pages (`_accumulate_grad`, zero where no row lies)."""
+        pages = rows // self.page_tokens
+        cuts = ((pages[1:] - pages[:-1]) > 1).nonzero().squeeze(1).add(1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, rows.numel()], strict=True):
+            first = int(pages[lo]) * self.page_tokens
+            end = min(info.tokens, (int(pages[hi - 1]) + 1) * self.page_tokens)
+            span = grad_cpu.new_zeros((end - first, *grad_cpu.shape[1:]))
+            self._accumulate_grad(info, first, span.index_copy_(0, rows[lo:hi] - first, grad_cpu[lo:hi]))
 
     def read_grad(self, layer: int, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self.begin_read(layer, name, start, end, kind="grad").result()

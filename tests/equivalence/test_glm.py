@@ -143,11 +143,36 @@ def _tier(tier, path, monkeypatch):
 @pytest.mark.parametrize("mode,tier", [("exact", "cpu"), ("detached", "nvme-buffered"), ("exact", "nvme-aio"),
                                        ("exact-graph", "nvme-aio")])
 def test_tiers(model, tmp_path, monkeypatch, mode, tier):
-    """Pages (latent, rope key, indexer key) and exact mode's gradient pages on the host or in NVMe files."""
+    """Pages (latent, rope key, indexer key) and exact mode's gradient pages on the host or in NVMe files. In exact
+    mode the prompt pages' gradients reach them as the selected rows only (the sparse attention's row sinks:
+    add_grad_rows), never as a dense page gradient (add_grad)."""
     longstraw = {"capture_chunk": 12, "page_tokens": 5, "replay_block": 3,
                 "offload": _tier(tier, tmp_path, monkeypatch)}
+    calls = _count_gradient_adds(monkeypatch)
     _assert_matches(model, _group(43, [3, 5], seed=4), GRPOObjective(), mode, longstraw)
     assert list(tmp_path.iterdir()) == []  # page files are removed
+    assert calls["add_grad"] == 0
+    if mode == "detached":
+        assert calls["add_grad_rows"] == 0
+    else:  # every layer's latent and rope key, in replay and in the prefix pass
+        assert calls["add_grad_rows"] >= 2 * model.config.num_hidden_layers
+
+
+def _count_gradient_adds(monkeypatch):
+    """Counts the host and NVMe pools' gradient additions, dense (add_grad) and by rows (add_grad_rows): the real
+    methods, wrapped."""
+    from ds_longstraw.offload.tiered import TieredPagePool
+
+    calls = {"add_grad": 0, "add_grad_rows": 0}
+    for name in calls:
+        real = getattr(TieredPagePool, name)
+
+        def counted(self, *args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(self, *args)
+
+        monkeypatch.setattr(TieredPagePool, name, counted)
+    return calls
 
 
 def test_exact_differs_from_detached(model):

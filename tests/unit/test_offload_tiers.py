@@ -148,6 +148,43 @@ def test_gradient_pages_accumulate_exactly(tier, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("tier", TIERS)
+def test_gradient_rows_touch_only_their_pages(tier, tmp_path):
+    """add_grad_rows (a sparse attention's selected rows, offload/staged_past.py's row sink), mixed with dense
+    add_grad: the gradient pages equal the same additions on a plain tensor, exactly; on the host and NVMe tiers a
+    page that no row lies in is never opened (it stays FREE: neither read nor written); bad rows are refused by
+    name before anything is added."""
+    page, tokens, shape = 6, 40, (2, 3)
+    pool = make_pool(tier, tmp_path, page)
+    pool.reserve(1, "k", tokens, shape, torch.float64)
+    pool.append(1, "k", torch.zeros(tokens, *shape, dtype=torch.float64))
+    reference = torch.zeros(tokens, *shape, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(2)
+    # rows in pages 0, 1 (adjacent: one run), 3 and 6 (the last, partial page); pages 2, 4 and 5 untouched
+    for start, rows in [(0, [1, 5, 7]), (18, [0, 3, 5]), (36, [0, 3]), (7, [0, 11])]:
+        rows = torch.tensor(rows)
+        grad = torch.randn(rows.numel(), *shape, generator=gen, dtype=torch.float64)
+        pool.add_grad_rows(1, "k", start, rows, grad)
+        reference[start + rows] += grad
+        assert torch.equal(_bits(pool.read_grad(1, "k")), _bits(reference))
+    if tier != "device":
+        states = [entry.state for entry in pool.table.lookup(1, "k", 0, tokens, "grad")]
+        assert [state is PageState.FREE for state in states] == [False, False, True, False, True, True, False]
+    grad = torch.randn(5, *shape, generator=gen, dtype=torch.float64)
+    pool.add_grad(1, "k", 20, grad)  # dense, over the touched page 3 and the untouched page 4
+    reference[20:25] += grad
+    for start, rows, count, message in [(30, [4, 10], 2, r"\[34, 40\] outside stream \(1, 'k'\)"),
+                                        (0, [3, 3], 2, "ascend without repeats"),
+                                        (0, [5, 2], 2, "ascend without repeats"),
+                                        (0, [1, 2], 3, "2 rows for a gradient of shape")]:
+        with pytest.raises(ValueError, match=message):
+            pool.add_grad_rows(1, "k", start, torch.tensor(rows), torch.ones(count, *shape, dtype=torch.float64))
+    pool.add_grad_rows(1, "k", 0, torch.zeros(0, dtype=torch.long), torch.zeros(0, *shape, dtype=torch.float64))
+    assert torch.equal(_bits(pool.read_grad(1, "k")), _bits(reference))
+    pool.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("tier", ["cpu", "nvme-aio", "nvme-buffered"])
 def test_append_after_flush_reopens_the_partial_page(tier, tmp_path):
     pool = make_pool(tier, tmp_path, 4)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds_longstraw.kernels.sparse_mla import attention as sparse_mla
+from ds_longstraw.kernels.sparse_mla import selected_rows
 
 # Both sides compute the same float64 sums in different orders (one product over [latent | rope] vs two; index_add_
 # vs autograd's accumulation of indexing gradients): ~1e-15 on values of order 1-10. A missing term or a row added
@@ -216,3 +217,79 @@ def test_blocks_fully_selected_and_not(monkeypatch, block):
     plain = torch.autograd.grad((plain_out * d_out[some]).sum() + (plain_lse * d_lse[some]).sum(), inputs)
     for grad, ref in zip(grads, plain, strict=True):
         torch.testing.assert_close(grad, ref, rtol=0, atol=TOL)
+
+
+# -- the rows some query selected (selected_rows.py) ----------------------------------------------------------------
+def test_select_rows_are_the_distinct_selected_positions():
+    """rows == the sorted distinct positions of the valid slots; rows[slots] gives back every valid slot's
+    position; unselected slots (whatever position they hold) index row 0 and add no row."""
+    gen = torch.Generator().manual_seed(5)
+    positions = torch.randint(0, 22, (9, 6), generator=gen)
+    valid = torch.rand(9, 6, generator=gen) > 0.3
+    valid[:, 0] = True
+    positions[~valid] = 39  # held by unselected slots only: not a selected row
+    selected = selected_rows.select_rows(positions, valid, 40)
+    assert torch.equal(selected.rows, torch.unique(positions[valid]))
+    assert 39 not in selected.rows.tolist()
+    assert torch.equal(selected.rows[selected.slots[valid]], positions[valid])
+    assert bool((selected.slots[~valid] == 0).all())
+    assert not selected.whole  # fewer than half of the 40 rows: compact
+    nothing = selected_rows.select_rows(positions, torch.zeros_like(valid), 40)
+    assert nothing.rows.numel() == 0 and bool((nothing.slots == 0).all())
+    most = selected_rows.select_rows(positions, valid, 23)  # the same rows, over fewer than twice as many
+    assert most.whole and torch.equal(most.rows, torch.arange(23))
+    assert torch.equal(most.slots, torch.where(valid, positions, 0))
+
+
+@pytest.mark.parametrize("tokens", [3, 25], ids=["few-queries", "many-queries"])
+def test_row_sinks_take_only_the_selected_rows(monkeypatch, tokens):
+    """Pieces 0 and 2 with a row sink (the prompt's staged pages do this, offload/staged_past.py), piece 1 and the
+    last without: each sink is called once, with exactly its piece's distinct selected rows (ascending, local to
+    the piece) and their gradients, equal to plain autograd's rows of that piece; the piece itself gets no autograd
+    gradient. The other pieces' dense gradients and the queries' equal plain autograd's. Few queries select under
+    half of the rows (the compact layout); many select over half, and every row is laid out and handed to the sinks
+    (the unselected ones' gradient zero)."""
+    monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", 4 * 7 * (6 + 4))
+    lengths = [29, 6, 31, 5]
+    gen = torch.Generator().manual_seed(tokens)
+    q_lat, q_rope, latents, ropes, positions, valid = _case(lengths, tokens, 3, 7, gen, shared=3)
+    whole = selected_rows.select_rows(positions, valid, sum(lengths)).whole
+    assert whole == (tokens == 25)
+    inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
+    taken = {}
+
+    def sink_of(piece):
+        def sink(rows, d_latent, d_rope):
+            assert piece not in taken, "one call per piece and backward"
+            taken[piece] = (rows, d_latent, d_rope)
+        return sink
+
+    sinks = [sink_of(0), None, sink_of(2), None]
+    d_out = torch.randn(tokens, 3, 6, generator=gen, dtype=torch.float64)
+    out = sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, 0.8, row_sinks=sinks)
+    grads = torch.autograd.grad(out, inputs, d_out, allow_unused=True)
+    plain_out, _ = _plain(q_lat, q_rope, latents, ropes, positions, valid, 0.8)
+    plain = torch.autograd.grad(plain_out, inputs, d_out)
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    chosen = torch.unique(positions[valid])
+    for piece in (0, 2):
+        rows, d_latent, d_rope = taken[piece]
+        mine = chosen[(chosen >= starts[piece]) & (chosen < starts[piece] + lengths[piece])] - starts[piece]
+        # compact: every selected row of the piece, none other; whole: every row (the unselected ones' zero)
+        assert torch.equal(rows, torch.arange(lengths[piece]) if whole else mine)
+        torch.testing.assert_close(d_latent, plain[2 + piece][rows], rtol=0, atol=TOL)
+        torch.testing.assert_close(d_rope, plain[2 + 4 + piece][rows], rtol=0, atol=TOL)
+        unselected = torch.ones(lengths[piece], dtype=torch.bool)
+        unselected[mine] = False
+        assert bool((plain[2 + piece][unselected] == 0).all())  # so the sink's rows are the whole gradient
+        assert grads[2 + piece] is None and grads[2 + 4 + piece] is None
+    for i, (grad, ref) in enumerate(zip(grads, plain, strict=True)):
+        if i not in (2, 4, 6, 8):
+            torch.testing.assert_close(grad, ref, rtol=0, atol=TOL)
+
+
+def test_row_sinks_must_match_the_pieces():
+    q_lat, q_rope, latents, ropes, positions, valid = _case([5, 4], 2, 1, 3, torch.Generator().manual_seed(0),
+                                                            shared=1)
+    with pytest.raises(ValueError, match="row_sinks has 1 entries for 2 pieces"):
+        sparse_mla.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, 1.0, row_sinks=[None])

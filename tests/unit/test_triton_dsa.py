@@ -226,6 +226,44 @@ def test_sparse_latent_attention_matches_float64(triton_path, lengths, tokens, h
         torch.testing.assert_close(grad.double(), ref, rtol=0, atol=ATOL)
 
 
+def test_row_sinks_on_the_triton_path(triton_path):
+    """Pieces 0 and 2 of four with a row sink (the prompt's staged pages): the Triton backward's compact row
+    gradients reach each sink as the piece's distinct selected rows with the torch path's gradients of those rows
+    (float64); the other pieces' dense gradients equal the torch path's too."""
+    gen = torch.Generator().manual_seed(23)
+    lengths, tokens, heads, rank, rope, k = [30, 5, 26, 4], 4, 3, 24, 8, 6
+    q_lat, q_rope, latents, ropes, positions, valid = _attention_inputs(lengths, tokens, heads, rank, rope, k, gen)
+    d_out = torch.randn(tokens, heads, rank, generator=gen, **F64)
+
+    def run(tensors):
+        inputs = [x.detach().clone().requires_grad_() for x in tensors]
+        taken = {}
+        sinks = [lambda *got: taken.setdefault(0, got), None, lambda *got: taken.setdefault(2, got), None]
+        out = sparse_mla.sparse_latent_attention(inputs[0], inputs[1], inputs[2:6], inputs[6:], positions, valid,
+                                                 0.3, row_sinks=sinks)
+        return taken, torch.autograd.grad(out, inputs, d_out.to(out.dtype), allow_unused=True)
+
+    taken, grads = run(_f32([q_lat, q_rope, *latents, *ropes]))
+    with torch_path():
+        ref_taken, ref_grads = run([q_lat, q_rope, *latents, *ropes])
+    assert sorted(taken) == sorted(ref_taken) == [0, 2]
+    starts = [0, 30, 35, 61]
+    chosen = torch.unique(positions[valid])
+    for piece in (0, 2):
+        rows, *piece_grads = taken[piece]
+        assert torch.equal(rows, chosen[(chosen >= starts[piece]) & (chosen < starts[piece] + lengths[piece])]
+                           - starts[piece])
+        assert torch.equal(rows, ref_taken[piece][0])
+        for mine, ref in zip(piece_grads, ref_taken[piece][1:], strict=True):
+            assert mine.dtype == torch.float32
+            torch.testing.assert_close(mine.double(), ref, rtol=0, atol=ATOL)
+    for i, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+        if i in (2, 4, 6, 8):  # the sinks' pieces
+            assert grad is None and ref is None
+        else:
+            torch.testing.assert_close(grad.double(), ref, rtol=0, atol=ATOL)
+
+
 def test_page_partial_and_grads_match_float64(triton_path):
     """One page of rows (positions 5 .. 14): the Triton partial and gradients equal the torch ones (float64)."""
     gen = torch.Generator().manual_seed(11)

@@ -5,6 +5,8 @@
                          dispatch to Triton
     triton_attention.py  the same functions in Triton, rows read by index from the pieces (imports triton if
                          installed)
+    selected_rows.py     the rows some query selected, laid out compactly for the backward, and their gradients
+                         handed to the pieces or to a piece's row sink (the prompt pages' gradient pages)
 """
 
 from .attention import (

@@ -11,10 +11,12 @@ softmax, and the result stays in the latent space (o_lat = P @ c [T, H, R]); the
 Nothing per head is materialised for the keys: each query block gathers its selected rows [Tq, K, R + E] once.
 
 `sparse_latent_attention` keeps memory bounded in backward too: it saves its inputs and its output (no gathered
-rows, no probabilities) and recomputes each query block's rows and probabilities in backward. Backward (and forward,
-where the queries select at least as many rows as there are) lays the pieces side by side in one row table
-[N, R + E] (latent | rope key), so that a query block's rows are one gather and their gradients one index_add_ at
-the selected positions, into a workspace reused by every block.
+rows, no probabilities) and recomputes each query block's rows and probabilities in backward. Forward, where the
+queries select at least as many rows as there are, lays the pieces side by side in one row table [N, R + E]
+(latent | rope key); backward lays out only the U rows some query selected (selected_rows.py: no O(N (R + E))
+pass over rows nobody reads), so that a query block's rows are one gather and their gradients one index_add_,
+into a workspace reused by every block; the rows' gradients go to the pieces, or to a piece's row sink (the
+prompt pages' gradient pages take only the selected rows).
 `sparse_latent_attention_reference` is the plain autograd version with the same signature; tests compare the two.
 
 Context parallelism (the rows split over ranks, each read page by page): `page_partial` is the attention over
@@ -30,6 +32,7 @@ import torch
 
 from ..dispatch import fast_path, record
 from . import triton_attention
+from .selected_rows import compact_table, hand_out, select_rows
 
 # Elements of one query block's gathered rows [Tq, K, R + E]: the unit that bounds the transient memory of the
 # attention. 2^20 elements are 4 MiB in float32: small enough that a block's rows stay in the CPU's cache between
@@ -188,7 +191,7 @@ class _SparseLatentAttention(torch.autograd.Function):
     valid position gets (0, -inf)."""
 
     @staticmethod
-    def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
+    def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, sinks, *pieces):
         latents, ropes = list(pieces[:n_pieces]), list(pieces[n_pieces:])
         tokens, _, rank = q_lat.shape
         block = _query_block(positions.shape[1] * (rank + q_rope.shape[-1]), tokens)
@@ -199,44 +202,43 @@ class _SparseLatentAttention(torch.autograd.Function):
             out, lse = _forward_table(q_lat, q_rope, latents, ropes, positions, valid, scale, block)
         else:
             out, lse = _forward_pieces(q_lat, q_rope, latents, ropes, positions, valid, scale, block)
-        triton_attention.save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces)
+        triton_attention.save_inputs(ctx, scale, n_pieces, sinks, q_lat, q_rope, positions, valid, out, lse, pieces)
         ctx.block = block
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q_lat, q_rope, positions, valid, out, lse, latents, ropes = triton_attention.saved_inputs(ctx)
-        needs = ctx.needs_input_grad
-        row_grads = any(needs[6:])
-        d_q_lat, d_q_rope, d_table = _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse,
-                                                      d_out, d_lse, ctx.scale, ctx.block, row_grads)
+        needs = ctx.needs_input_grad[triton_attention.PIECES_AT:]
+        row_grads = any(needs)
+        # Only the rows some query selected: their table [U, R + E] and their gradients, handed to the pieces (the
+        # prompt pages' row sinks take just those rows; selected_rows.py)
+        selected = select_rows(positions, valid, sum(piece.shape[0] for piece in latents))
+        table = compact_table(selected, latents, ropes, _acc(q_lat.dtype))
+        d_q_lat, d_q_rope, d_table = _backward_blocks(q_lat, q_rope, table, selected.slots, valid, out, lse, d_out,
+                                                      d_lse, ctx.scale, ctx.block, row_grads)
         d_pieces = [None] * (2 * ctx.n_pieces)
         if row_grads:
-            rank, lengths = q_lat.shape[-1], [piece.shape[0] for piece in latents]
-            rows = [*torch.split(d_table[:, :rank], lengths), *torch.split(d_table[:, rank:], lengths)]
-            # contiguous: a view of the table would keep all of it alive as long as any piece's gradient
-            d_pieces = [d.contiguous().to(piece.dtype) if need else None
-                        for d, piece, need in zip(rows, [*latents, *ropes], needs[6:], strict=True)]
+            rank = q_lat.shape[-1]
+            d_pieces = hand_out(selected, d_table[:, :rank], d_table[:, rank:], latents, ropes, needs, ctx.sinks)
         return triton_attention.input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces)
 
 
-def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, d_out, d_lse, scale, block,
-                     row_grads, delta=None):
-    """The torch backward of `_SparseLatentAttention`: (d_q_lat [T, H, R], d_q_rope [T, H, E], d_table [N, R + E]
-    or None), in the accumulation dtype; d_table holds every piece's rows' gradients, latent then rope columns, in
-    position order (N rows in all).
+def _backward_blocks(q_lat, q_rope, table, index, valid, out, lse, d_out, d_lse, scale, block, row_grads,
+                     delta=None):
+    """The torch backward of an attention over selected rows: (d_q_lat [T, H, R], d_q_rope [T, H, E], d_table
+    [M, R + E] or None), in the accumulation dtype. table [M, R + E] (in that dtype): the rows the slots read,
+    latent then rope-key columns; index [T, K]: each slot's row in it (any value where the slot is not valid);
+    d_table: each table row's gradient. The autograd Function passes the selected rows only (selected_rows.py:
+    M = U), page_grads one page's rows (M = the page's length).
 
-    The pieces are laid side by side once in a table [N, R + E] (latent | rope key, one row per position), so that
-    a query block's rows are one gather of the selected positions and their gradients one index_add_ at the same
-    positions: nothing per piece, no pass over rows that no query selected (the cost is O(N) for the table and the
-    gradient table, which were dense per piece before too, plus O(T K (R + E)) for the selected rows). The queries
-    carry the same layout (q = [q_lat | q_rope], d_o padded with zeros over the rope columns), so that each block is
-    three batched products: scores and d_p together, d_q, and the rows' gradients
+    A query block's rows are one gather from the table and their gradients one index_add_ at the same rows: nothing
+    per piece. The queries carry the table's layout (q = [q_lat | q_rope], d_o padded with zeros over the rope
+    columns), so that each block is three batched products: scores and d_p together, d_q, and the rows' gradients
     d_row(t, k) = sum_h d_s(t, h, k) q(t, h) + p(t, h, k) d_o(t, h)."""
     tokens, heads, rank = q_lat.shape
     acc = _acc(q_lat.dtype)
-    k = positions.shape[1]
-    table = _row_table(latents, ropes, acc)  # [N, R + E]
+    k = index.shape[1]
     width = table.shape[-1]
     q = torch.cat([q_lat.to(acc), q_rope.to(acc)], dim=-1)  # [T, H, R + E]
     d_o = d_out.to(acc)
@@ -258,7 +260,7 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
     scores_buf = table.new_empty(min(block, tokens), 2 * heads, k)
     for i, q0 in enumerate(range(0, tokens, block)):
         q1 = min(tokens, q0 + block)
-        flat = _block_positions(positions[q0:q1], valid[q0:q1], full[i])
+        flat = _block_positions(index[q0:q1], valid[q0:q1], full[i])
         rows = torch.index_select(table, 0, flat, out=rows_buf[:flat.shape[0]]).view(q1 - q0, k, width)
         q_and_d_o = torch.cat([q[q0:q1], d_o[q0:q1]], dim=1)  # [Tq, 2H, R + E]
         # [s | d_p] [Tq, 2H, K], then in place [p | d_s]: p = exp(s - lse), d_s = p (d_p - delta) scale
@@ -277,9 +279,12 @@ def _backward_blocks(q_lat, q_rope, latents, ropes, positions, valid, out, lse, 
     return d_q[..., :rank], d_q[..., rank:], d_table
 
 
-def _check(q_lat, q_rope, latents, ropes, positions, valid):
+def _check(q_lat, q_rope, latents, ropes, positions, valid, row_sinks=None):
     if len(latents) != len(ropes) or not latents:
         raise ValueError("sparse_latent_attention: give one rope-key piece per latent piece (at least one)")
+    if row_sinks is not None and len(row_sinks) != len(latents):
+        raise ValueError(f"sparse_latent_attention: row_sinks has {len(row_sinks)} entries for {len(latents)} pieces "
+                         "(one per piece, None where autograd takes the piece's gradient)")
     if q_lat.dim() != 3 or q_rope.shape[:2] != q_lat.shape[:2]:
         raise ValueError(f"sparse_latent_attention: q_lat {tuple(q_lat.shape)} and q_rope {tuple(q_rope.shape)} "
                          "must be [T, H, R] and [T, H, E]")
@@ -291,7 +296,8 @@ def _check(q_lat, q_rope, latents, ropes, positions, valid):
             raise ValueError("sparse_latent_attention: a latent piece and its rope-key piece differ in length")
 
 
-def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale, offset=0, with_lse=False):
+def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale, offset=0, with_lse=False,
+                            row_sinks=None):
     """Absorbed MLA over selected latent rows (see the module docstring).
 
     q_lat [T, H, R] (the no-RoPE query mapped through W_UK), q_rope [T, H, E]; latents / ropes: lists of [N_s, R] /
@@ -300,18 +306,22 @@ def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, sca
     and are left out. Returns o_lat [T, H, R] = softmax(scale * scores over the selected rows here) @ latent rows,
     and with_lse also its log-sum-exp [T, H] (max(float32, dtype); -inf, with o_lat 0, for a query none of whose
     selected rows is here). Differentiable in q_lat, q_rope and every piece (and through the lse); memory per query
-    block [Tq, K, R + E], in forward and in backward alike.
+    block [Tq, K, R + E], in forward and in backward alike. row_sinks: None, or per latent piece None or a sink
+    (selected_rows.RowSink) that takes the piece's selected rows' gradients in backward instead of autograd taking
+    the piece's dense gradient (the prompt pages' gradient pages: offload/staged_past.py).
     """
-    _check(q_lat, q_rope, latents, ropes, positions, valid)
+    _check(q_lat, q_rope, latents, ropes, positions, valid, row_sinks)
     if offset:
         valid = valid & (positions >= offset)
         positions, valid = _rows_here(torch.where(valid, positions - offset, torch.zeros_like(positions)), valid)
     if fast_path(q_lat, "triton") and triton_attention.supported(q_lat, q_rope, [*latents, *ropes]):
         record("sparse MLA", "triton")
-        out, lse = triton_attention.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale)
+        out, lse = triton_attention.sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale,
+                                                            row_sinks)
         return (out, lse) if with_lse else out
     record("sparse MLA", "torch")
-    out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
+    out, lse = _SparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), row_sinks,
+                                            *latents, *ropes)
     return (out, lse) if with_lse else out
 
 
@@ -415,8 +425,8 @@ def page_grads(q_lat, q_rope, latent_page, rope_page, page_start, positions, val
     active, slots, slot_valid = found
     with torch.no_grad():  # the segment's backward over the page, from the merged lse and delta
         d_lat_q, d_rope_q, d_table = _backward_blocks(
-            q_lat.index_select(0, active), q_rope.index_select(0, active), [latent_page], [rope_page], slots,
-            slot_valid, None, lse.index_select(0, active), d_out.index_select(0, active), None, scale,
+            q_lat.index_select(0, active), q_rope.index_select(0, active), _row_table([latent_page], [rope_page], acc),
+            slots, slot_valid, None, lse.index_select(0, active), d_out.index_select(0, active), None, scale,
             _page_block(found, q_lat, q_rope), True, delta=delta.index_select(0, active))
     d_q_lat[active], d_q_rope[active] = d_lat_q, d_rope_q
     rank = q_lat.shape[-1]

@@ -5,7 +5,7 @@ N rows in all the pieces together, P pieces. Layouts:
     q_lat_THR [T, H, R], q_rope_THE [T, H, E]; positions_TK int64 [T, K], valid_TK bool [T, K] (as dsa_select gives
     them); latents / ropes: lists of P token-major pieces [N_p, R] / [N_p, E] in position order from 0 (any row
     stride, unit column stride); out_THR [T, H, R]; lse_TH, delta_TH [T, H] float32;
-    d_lat_NR, d_rope_NE [N, R] / [N, E] float32: the rows' gradients, by position.
+    d_lat_MR, d_rope_ME [M, R] / [M, E] float32: the rows' gradients (M: the selected rows, or every row by position).
 
 What it is: the same function as attention.py's `sparse_latent_attention`
 (score = scale * (q_lat . c + q_rope . k_rope) over the valid selected rows, softmax, o_lat = P @ c), with its
@@ -19,7 +19,8 @@ dot products in the inputs' dtype, as in flash attention. A query with no valid 
 The backward takes the MERGED lse and delta = rowsum(d_out * o_lat) - d_lse (the ring-attention form, as
 `page_grads`), so the same kernel serves the whole attention and one page's share of it. It recomputes each
 block's scores and probabilities (nothing [T, K, ...] is saved) and writes d_q_lat, d_q_rope per program; the rows'
-gradients go into float32 buffers by position with ATOMIC adds: many queries select the same row (DSA's popular
+gradients go into float32 buffers, one row per selected row (selected_rows.py; by position for a page's share),
+with ATOMIC adds: many queries select the same row (DSA's popular
 rows, the first tokens), and a deterministic alternative needs the inverse of the selection (a sort of the T*K
 positions) and a second, key-major pass that recomputes every probability again. The price is the summation
 order: d(latent rows) and d(rope rows) may differ between runs in the last bits of float32 (they are cast once to
@@ -40,6 +41,7 @@ here only where `kernels.dispatch.fast_path(q, "triton")` says so.
 import torch
 
 from ..triton_common import pow2
+from .selected_rows import hand_out, select_rows
 
 try:
     import triton
@@ -124,8 +126,8 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(Q_LAT, Q_ROPE, POS, VALID, LAT, ROPE, STARTS, LAT_OFF, LAT_STRIDE, ROPE_OFF, ROPE_STRIDE,
-                         LSE, DOUT, DELTA, DQ_LAT, DQ_ROPE, D_LAT, D_ROPE, scale, H, R, E, K, P,
-                         s_qlt, s_qlh, s_qrt, s_qrh, s_pt, s_vt, s_lt, s_dot, s_doh, s_dlt,
+                         LSE, DOUT, DELTA, DQ_LAT, DQ_ROPE, SLOTS, D_LAT, D_ROPE, scale, H, R, E, K, P,
+                         s_qlt, s_qlh, s_qrt, s_qrh, s_pt, s_vt, s_lt, s_dot, s_doh, s_dlt, s_st,
                          LOG_P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                          BLOCK_E: tl.constexpr, PRECISION: tl.constexpr, ROW_GRADS: tl.constexpr):
         t = tl.program_id(0)
@@ -156,8 +158,11 @@ if triton is not None:
                 d_rows = tl.dot(tl.trans(d_s), q_lat, input_precision=PRECISION)
                 d_rows += tl.dot(tl.trans(p.to(rows.dtype)), d_o, input_precision=PRECISION)
                 d_ropes = tl.dot(tl.trans(d_s), q_rope, input_precision=PRECISION)
-                tl.atomic_add(D_LAT + pos[:, None] * R + r[None, :], d_rows, mask=ok[:, None] & r_in[None, :])
-                tl.atomic_add(D_ROPE + pos[:, None] * E + e[None, :], d_ropes, mask=ok[:, None] & e_in[None, :])
+                # each slot's gradient row: its index among the selected rows (or its position, for a page's dense
+                # gradient)
+                slot = tl.load(SLOTS + t * s_st + k0 + tl.arange(0, BLOCK_K), mask=ok, other=0)
+                tl.atomic_add(D_LAT + slot[:, None] * R + r[None, :], d_rows, mask=ok[:, None] & r_in[None, :])
+                tl.atomic_add(D_ROPE + slot[:, None] * E + e[None, :], d_ropes, mask=ok[:, None] & e_in[None, :])
         tl.store(DQ_LAT + t * (H * R) + h[:, None] * R + r[None, :], d_q_lat, mask=hr)
         tl.store(DQ_ROPE + t * (H * E) + h[:, None] * E + e[None, :], d_q_rope, mask=he)
 
@@ -226,19 +231,23 @@ def sparse_mla_forward(q_lat, q_rope, latents, ropes, positions, valid, scale, o
     return out, lse
 
 
-def sparse_mla_grads(q_lat, q_rope, latents, ropes, positions, valid, lse, d_out, delta, scale, row_grads=True):
-    """(d_q_lat [T, H, R], d_q_rope [T, H, E], d_lat [N, R], d_rope [N, E]), all float32, of the attention over the
-    valid selected rows given the MERGED lse [T, H] and delta [T, H] (see the module docstring); N counts every row
-    of the pieces, empty pieces included (the rows' gradients by position). row_grads=False leaves d_lat and
-    d_rope None (and skips their atomics)."""
+def sparse_mla_grads(q_lat, q_rope, latents, ropes, positions, valid, lse, d_out, delta, scale, row_grads=True,
+                     selected=None):
+    """(d_q_lat [T, H, R], d_q_rope [T, H, E], d_lat [M, R], d_rope [M, E]), all float32, of the attention over the
+    valid selected rows given the MERGED lse [T, H] and delta [T, H] (see the module docstring). The rows'
+    gradients: with `selected` (selected_rows.SelectedRows of these positions), those of the selected rows only
+    (M = max(U, 1), in selected.rows' order); without, by position (M = N, every row of the pieces, empty pieces
+    included). row_grads=False leaves d_lat and d_rope None (and skips their atomics)."""
     tokens, heads, rank = q_lat.shape
     rope_dim = q_rope.shape[2]
     device = q_lat.device
     total = sum(lat.shape[0] for lat in latents)
+    rows = total if selected is None else max(1, selected.rows.numel())
+    slots = (positions if selected is None else selected.slots).contiguous()
     d_q_lat = torch.zeros(tokens, heads, rank, dtype=torch.float32, device=device)
     d_q_rope = torch.zeros(tokens, heads, rope_dim, dtype=torch.float32, device=device)
-    d_lat = torch.zeros(total, rank, dtype=torch.float32, device=device) if row_grads else None
-    d_rope = torch.zeros(total, rope_dim, dtype=torch.float32, device=device) if row_grads else None
+    d_lat = torch.zeros(rows, rank, dtype=torch.float32, device=device) if row_grads else None
+    d_rope = torch.zeros(rows, rope_dim, dtype=torch.float32, device=device) if row_grads else None
     k = positions.shape[1]
     if total == 0 or k == 0 or tokens == 0:
         return d_q_lat, d_q_rope, d_lat, d_rope
@@ -249,10 +258,10 @@ def sparse_mla_grads(q_lat, q_rope, latents, ropes, positions, valid, lse, d_out
     meta, head_blocks = _blocks(q_lat, q_rope, positions)
     _backward_kernel[(tokens, head_blocks)](
         q_lat, q_rope, positions, valid, lat, rope, starts, lat_off, lat_stride, rope_off, rope_stride,
-        lse, d_out, delta, d_q_lat, d_q_rope, d_lat if row_grads else d_q_lat, d_rope if row_grads else d_q_rope,
-        float(scale), heads, rank, rope_dim, k, pieces,
+        lse, d_out, delta, d_q_lat, d_q_rope, slots, d_lat if row_grads else d_q_lat,
+        d_rope if row_grads else d_q_rope, float(scale), heads, rank, rope_dim, k, pieces,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), positions.stride(0), valid.stride(0),
-        lse.stride(0), d_out.stride(0), d_out.stride(1), delta.stride(0),
+        lse.stride(0), d_out.stride(0), d_out.stride(1), delta.stride(0), slots.stride(0),
         LOG_P=_log2_pieces(pieces), ROW_GRADS=row_grads, **meta)
     return d_q_lat, d_q_rope, d_lat, d_rope
 
@@ -261,9 +270,14 @@ def sparse_mla_grads(q_lat, q_rope, latents, ropes, positions, valid, lse, d_out
 # Both autograd Functions of sparse MLA (attention.py's torch `_SparseLatentAttention` and the Triton one below)
 # take (q_lat, q_rope, positions, valid, scale, n_pieces, *latents, *ropes), save the same tensors and return the
 # same gradients: these three functions are that shared part.
-def save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces):
-    """Forward's end: keep the inputs, o_lat and lse (nothing [T, K, ...]) for a backward that recomputes."""
-    ctx.scale, ctx.n_pieces = scale, n_pieces
+# The pieces' place among the Functions' inputs (q_lat, q_rope, positions, valid, scale, n_pieces, sinks, *pieces)
+PIECES_AT = 7
+
+
+def save_inputs(ctx, scale, n_pieces, sinks, q_lat, q_rope, positions, valid, out, lse, pieces):
+    """Forward's end: keep the inputs, o_lat and lse (nothing [T, K, ...]) for a backward that recomputes, and the
+    pieces' row sinks (None, or per piece None or a selected_rows.RowSink)."""
+    ctx.scale, ctx.n_pieces, ctx.sinks = scale, n_pieces, sinks
     ctx.save_for_backward(q_lat, q_rope, positions, valid, out, lse, *pieces)
 
 
@@ -276,46 +290,47 @@ def saved_inputs(ctx):
 
 def input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces):
     """Backward's result: the gradients of forward's inputs, d_q_lat / d_q_rope in q_lat's / q_rope's dtypes where
-    needed, None for positions, valid, scale and n_pieces, then the pieces' (d_pieces, None where not needed)."""
+    needed, None for positions, valid, scale, n_pieces and sinks, then the pieces' (d_pieces, None where not needed
+    or where a sink took them)."""
     needs = ctx.needs_input_grad
     return (d_q_lat.to(q_lat.dtype) if needs[0] else None, d_q_rope.to(q_rope.dtype) if needs[1] else None,
-            None, None, None, None, *d_pieces)
+            None, None, None, None, None, *d_pieces)
 
 
 class _TritonSparseLatentAttention(torch.autograd.Function):
     """Saves the inputs, o_lat and lse (nothing [T, K, ...]); backward recomputes the probabilities."""
 
     @staticmethod
-    def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, *pieces):
+    def forward(ctx, q_lat, q_rope, positions, valid, scale, n_pieces, sinks, *pieces):
         out, lse = sparse_mla_forward(q_lat, q_rope, list(pieces[:n_pieces]), list(pieces[n_pieces:]), positions,
                                       valid, scale)
-        save_inputs(ctx, scale, n_pieces, q_lat, q_rope, positions, valid, out, lse, pieces)
+        save_inputs(ctx, scale, n_pieces, sinks, q_lat, q_rope, positions, valid, out, lse, pieces)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
         q_lat, q_rope, positions, valid, out, lse, latents, ropes = saved_inputs(ctx)
-        needs = ctx.needs_input_grad
+        needs = ctx.needs_input_grad[PIECES_AT:]
         delta = (d_out.float() * out.float()).sum(-1)
         if d_lse is not None:
             delta = delta - d_lse.float()
-        row_grads = any(needs[6:])
+        row_grads = any(needs)
+        # the rows' gradients of the selected rows only, handed to the pieces or their row sinks (selected_rows.py)
+        selected = select_rows(positions, valid, sum(piece.shape[0] for piece in latents)) if row_grads else None
         d_q_lat, d_q_rope, d_lat, d_rope = sparse_mla_grads(
-            q_lat, q_rope, latents, ropes, positions, valid, lse, d_out, delta, ctx.scale, row_grads)
+            q_lat, q_rope, latents, ropes, positions, valid, lse, d_out, delta, ctx.scale, row_grads, selected)
         d_pieces = [None] * (len(latents) + len(ropes))
         if row_grads:
-            lengths = [piece.shape[0] for piece in latents]
-            rows = list(torch.split(d_lat, lengths)) + list(torch.split(d_rope, lengths))
-            d_pieces = [d.to(piece.dtype) if need else None
-                        for d, piece, need in zip(rows, [*latents, *ropes], needs[6:], strict=True)]
+            d_pieces = hand_out(selected, d_lat, d_rope, latents, ropes, needs, ctx.sinks)
         return input_grads(ctx, q_lat, q_rope, d_q_lat, d_q_rope, d_pieces)
 
 
-def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale):
+def sparse_latent_attention(q_lat, q_rope, latents, ropes, positions, valid, scale, row_sinks=None):
     """(o_lat [T, H, R] in q_lat's dtype, lse [T, H] float32): attention.py's `_SparseLatentAttention`
     in Triton, differentiable in q_lat, q_rope and every piece (positions count from the first piece's first row;
-    the caller has checked the shapes and applied any offset)."""
-    return _TritonSparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), *latents, *ropes)
+    the caller has checked the shapes and applied any offset); row_sinks as attention.py's."""
+    return _TritonSparseLatentAttention.apply(q_lat, q_rope, positions, valid, scale, len(latents), row_sinks,
+                                              *latents, *ropes)
 
 
 def page_partial(q_lat, q_rope, latent_page, rope_page, page_start, positions, valid, scale):
