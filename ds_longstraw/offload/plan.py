@@ -11,7 +11,8 @@ Per rank (the largest CP shard, ceil((context - 1) / cp) captured tokens):
   checkpoints    exact mode: the whole carry per chunk start            with the pages (tier none: GPU);
                  off the device two of them staged on the GPU (one read ahead)
   staging        (depth + 1) staged layers of pages, plus (exact mode) one layer's page gradients in float32
-                 during backward (detached mode computes no gradient for the pages)             GPU
+                 during backward (a sparse attention's: its rows laid out and their gradients, both float32;
+                 detached mode computes no gradient for the pages)                               GPU
   host staging   nvme: (depth + 1) layers of landing buffers + the 64 MiB write queue        host
   workspace      the kernels' scratch, the largest of (they never run at once):                 GPU
                  log-probs   a replay block's vocabulary chunk of float32 logits, probabilities and their
@@ -305,6 +306,17 @@ def _needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, 
     return needs
 
 
+def _page_backward_bytes(shape: ModelShape, tokens: int, layer: int) -> int:
+    """What one layer's backward holds for its pages in float32 (exact mode): a dense attention's dK/dV of the
+    layer; a top-k selecting model's sparse attention, the rows it lays out and their gradients, [rows,
+    attention_head_dim] twice, at most every row (kernels/sparse_mla/selected_rows.py: only the selected rows where
+    fewer than half are)."""
+    dense = layer * 4 // shape.dtype_bytes
+    if shape.selecting:
+        return max(dense, 2 * tokens * shape.attention_head_dim * 4)
+    return dense
+
+
 def _page_needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: str, depth: int,
                 kept_tier: str | None) -> dict[str, int]:
     # state and gradient pages, and the layer-major prefix pass's layer inputs (on the pages' tier)
@@ -314,7 +326,7 @@ def _page_needs(shape: ModelShape, tokens: int, retained: dict[str, int], tier: 
         pages -= retained["kept_attention_pages"]
     layer = shape.staged_layer_bytes_per_token * tokens
     exact = retained["gradient_pages"] > 0
-    backward = layer * 4 // shape.dtype_bytes if exact else 0  # one layer's dK/dV in float32
+    backward = _page_backward_bytes(shape, tokens, layer) if exact else 0
     checkpoints = retained["carry_checkpoints"]
     carry = shape.carry_total
     if tier == "none":

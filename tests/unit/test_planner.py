@@ -22,6 +22,7 @@ from ds_longstraw import GRPOGroup, grpo_backward, parse_config
 from ds_longstraw.arch import adapter_for
 from ds_longstraw.grpo.state import capture_prefix
 from ds_longstraw.models.model_shape import load_config, shape_from_config
+from ds_longstraw.offload import plan as plan_module
 from ds_longstraw.offload.plan import Cluster, GiB, make_plan, retained_per_rank, rollout_figures
 from ds_longstraw.sizes import parse_bytes, parse_tokens
 from ds_longstraw.tools.planner import main
@@ -752,6 +753,28 @@ def test_exact_prefix_pass_counts_the_selections_it_keeps():
     assert "prefix_selections" not in make_plan(glm, 1 << 17, 8, "exact", cp2, capture_chunk=4096).workspace
     qwen = shape_from_config(*load_config("qwen3.6-27b"))
     assert "prefix_selections" not in make_plan(qwen, 1 << 17, 8, "exact", one, capture_chunk=4096).workspace
+
+
+def test_exact_staging_counts_the_sparse_backward_rows():
+    """Exact mode's staging on the GPU holds one layer's page gradients in backward: for qwen3.6-27b the dense dK/dV
+    of its largest staged layer in float32; for GLM-5.2 the sparse attention's rows laid out and their gradients
+    (kernels/sparse_mla/selected_rows.py), [tokens, kv_lora_rank + qk_rope_head_dim = 576] float32 twice, more than
+    its staged layer (latent, rope key and indexer key in bf16) in float32. The host tier's GPU need of exact mode
+    less detached mode's is exactly that term (the gradient pages live on the host), once the scratch and graph
+    beside the pages and exact mode's carry checkpoints are set apart."""
+    one = Cluster(gpus=1, cp=1, gpu_memory=96 * GiB)
+    tokens = 1 << 17
+    for name, expected in [("glm-5.2", 2 * 576 * 4), ("qwen3.6-27b", None)]:
+        shape = shape_from_config(*load_config(name))
+        exact, detached = (make_plan(shape, tokens + 1, 8, mode, one, capture_chunk=4096) for mode in
+                           ("exact", "detached"))
+        # the kernels' scratch and the replay's graph apart, and exact mode's two carry checkpoints staged ahead
+        term = (exact.needs["cpu"]["gpu"] - plan_module._live_beside_pages(exact) - 2 * shape.carry_total
+                - detached.needs["cpu"]["gpu"] + plan_module._live_beside_pages(detached))
+        dense = shape.staged_layer_bytes_per_token * 4 // shape.dtype_bytes
+        assert term == tokens * (expected or dense), name
+        if expected:
+            assert expected > dense
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
