@@ -6,7 +6,7 @@ N rows and the block's own rows), its backward and the prompt pages' gradient ad
 - dense (the form before the row sink): every row laid out in a table [N + T, R + E], a dense gradient table of the
   same size, split per piece, and the prompt piece's whole gradient added to its gradient pages (pool.add_grad);
 - rows (the default now): only the U rows some query selected (kernels/sparse_mla/selected_rows.py; every row where
-  more than half are), the prompt piece's share handed to its row sink, which adds just those rows
+  more than three quarters are), the prompt piece's share handed to its row sink, which adds just those rows
   (pool.add_grad_rows).
 Both give the same gradient pages (checked, 1e-5 relative in float32: the same sums in different orders).
 CPU seconds per backward, the median of --repeat rounds that run both in turn; rows land in

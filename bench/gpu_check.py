@@ -384,6 +384,18 @@ def triton_section(report, clock, device, dtype, sizes):
         with torch.no_grad():
             sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06)
 
+    # the prompt piece's gradients by rows, into float32 gradient pages as the device tier keeps them (a replay
+    # block's backward in exact mode: kernels/sparse_mla/selected_rows.py, offload/staged_past.py's row sink)
+    page_grads = (torch.zeros(n - t, latent, device=device), torch.zeros(n - t, rope, device=device))
+
+    def page_sink(rows, d_latent, d_rope):
+        for pages, grad in zip(page_grads, (d_latent, d_rope), strict=True):
+            pages.index_add_(0, rows, grad.float())
+
+    def sparse_mla_rows():
+        out = sparse_latent_attention(q_lat, q_rope, lat, ropes, positions, valid, 0.06, row_sinks=[page_sink, None])
+        torch.autograd.grad(out, [q_lat, q_rope, lat[1], ropes[1]], d_out)
+
     p_heads, p_kv, p_dim, p_tq, p_tk, page = (sizes[key] for key in (
         "paged_heads", "paged_kv_heads", "paged_dim", "paged_queries", "paged_keys", "page_tokens"))
     pages = p_tk // page + 2
@@ -400,6 +412,7 @@ def triton_section(report, clock, device, dtype, sizes):
         torch.autograd.grad(out, pq, p_dout)
 
     for name, fn in (("dsa_select", select), ("sparse_mla fwd", sparse_mla_forward), ("sparse_mla fwd+bwd", sparse_mla),
+                     ("sparse_mla fwd+bwd, prompt rows to a sink", sparse_mla_rows),
                      ("paged attention fwd+bwd", paged)):
         for path, mode in (("fast", "auto"), ("reference", "reference")):
             with kernel_mode(mode):

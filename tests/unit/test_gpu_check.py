@@ -46,7 +46,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert {(row["head"], row["path"]) for row in sections["logprobs"]["rows"]} == {
         (head, path) for head in ("trained", "frozen") for path in ("chunked", "full_logits")}
     assert {(row["kernel"], row["path"]) for row in sections["triton"]["rows"]} == {
-        (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd", "sparse_mla fwd+bwd", "paged attention fwd+bwd")
+        (kernel, path) for kernel in ("dsa_select", "sparse_mla fwd", "sparse_mla fwd+bwd",
+                                      "sparse_mla fwd+bwd, prompt rows to a sink", "paged attention fwd+bwd")
         for path in ("fast", "reference")}
     for name in ("attention", "gated_delta", "logprobs"):  # the planner's workspace beside each measured peak
         assert all(row["planned_mib"] > 0 for row in sections[name]["rows"]), name

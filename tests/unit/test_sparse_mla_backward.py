@@ -233,7 +233,7 @@ def test_select_rows_are_the_distinct_selected_positions():
     assert 39 not in selected.rows.tolist()
     assert torch.equal(selected.rows[selected.slots[valid]], positions[valid])
     assert bool((selected.slots[~valid] == 0).all())
-    assert not selected.whole  # fewer than half of the 40 rows: compact
+    assert not selected.whole  # fewer than three quarters of the 40 rows: compact
     nothing = selected_rows.select_rows(positions, torch.zeros_like(valid), 40)
     assert nothing.rows.numel() == 0 and bool((nothing.slots == 0).all())
     most = selected_rows.select_rows(positions, valid, 23)  # the same rows, over fewer than twice as many
@@ -241,20 +241,20 @@ def test_select_rows_are_the_distinct_selected_positions():
     assert torch.equal(most.slots, torch.where(valid, positions, 0))
 
 
-@pytest.mark.parametrize("tokens", [3, 25], ids=["few-queries", "many-queries"])
+@pytest.mark.parametrize("tokens", [3, 40], ids=["few-queries", "many-queries"])
 def test_row_sinks_take_only_the_selected_rows(monkeypatch, tokens):
     """Pieces 0 and 2 with a row sink (the prompt's staged pages do this, offload/staged_past.py), piece 1 and the
     last without: each sink is called once, with exactly its piece's distinct selected rows (ascending, local to
     the piece) and their gradients, equal to plain autograd's rows of that piece; the piece itself gets no autograd
     gradient. The other pieces' dense gradients and the queries' equal plain autograd's. Few queries select under
-    half of the rows (the compact layout); many select over half, and every row is laid out and handed to the sinks
-    (the unselected ones' gradient zero)."""
+    three quarters of the rows (the compact layout); many select more, and every row is laid out and handed to the
+    sinks (the unselected ones' gradient zero)."""
     monkeypatch.setattr(sparse_mla, "BLOCK_ELEMENTS", 4 * 7 * (6 + 4))
     lengths = [29, 6, 31, 5]
     gen = torch.Generator().manual_seed(tokens)
     q_lat, q_rope, latents, ropes, positions, valid = _case(lengths, tokens, 3, 7, gen, shared=3)
     whole = selected_rows.select_rows(positions, valid, sum(lengths)).whole
-    assert whole == (tokens == 25)
+    assert whole == (tokens == 40)
     inputs = [t.requires_grad_() for t in (q_lat, q_rope, *latents, *ropes)]
     taken = {}
 

@@ -34,11 +34,11 @@ RowSink = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 # Above this share of the N rows selected, the rows are laid out whole (the table one concatenation, each piece's
-# gradient a slice of the table's) instead of compactly (a gather of the U rows, a scatter of their gradients): with
-# U near N the compact form cost 10-35% more in a replayed block's backward on the small GLM shape, and it pays once
-# a fair share of the rows is left out (bench/bench_sparse_row_grads.py; BENCHMARKS.md, "The prompt pages'
-# gradients by rows").
-WHOLE_FRACTION = 0.5
+# gradient a slice of the table's) instead of compactly (a gather of the U rows, a scatter of their gradients): in a
+# replayed block's backward the compact form cost 1.11-1.17x the whole one at U = 0.98 N and 0.78-0.85x at
+# U = 0.63 N, at the small GLM shape's row width and at GLM-5.2's (bench/bench_sparse_row_grads.py; BENCHMARKS.md,
+# "The prompt pages' gradients by rows"): the two cross near 0.8.
+WHOLE_FRACTION = 0.75
 
 
 @dataclass(frozen=True)
