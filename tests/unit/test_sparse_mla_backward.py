@@ -236,6 +236,8 @@ def test_select_rows_are_the_distinct_selected_positions():
     assert not selected.whole  # fewer than three quarters of the 40 rows: compact
     nothing = selected_rows.select_rows(positions, torch.zeros_like(valid), 40)
     assert nothing.rows.numel() == 0 and bool((nothing.slots == 0).all())
+    empty = selected_rows.select_rows(positions[:, :0], valid[:, :0], 0)  # no rows at all
+    assert empty.rows.numel() == 0 and empty.slots.shape == (9, 0)
     most = selected_rows.select_rows(positions, valid, 23)  # the same rows, over fewer than twice as many
     assert most.whole and torch.equal(most.rows, torch.arange(23))
     assert torch.equal(most.slots, torch.where(valid, positions, 0))

@@ -64,6 +64,8 @@ def select_rows(positions: torch.Tensor, valid: torch.Tensor, total: int) -> Sel
     """The distinct rows among the valid slots of positions [T, K] (each in [0, total)), and each slot's index
     among them: one mark per row (a spare last row takes the unselected slots), their running count, one gather.
     Where more than WHOLE_FRACTION of the rows are selected, every row (whole: the slots are the positions)."""
+    if total == 0:  # no rows at all (every piece empty): nothing is selected
+        return SelectedRows(rows=positions.new_zeros(0), slots=torch.zeros_like(positions))
     invalid = ~valid
     spare = positions.masked_fill(invalid, total)
     marks = torch.zeros(total + 1, dtype=torch.bool, device=positions.device)
