@@ -30,6 +30,7 @@ from ds_longstraw.arch.qwen3_5_scan import (
 )
 from ds_longstraw.config import LongstrawConfig
 from ds_longstraw.grpo.cp.kinds.attention.ring import capture_move_bytes
+from ds_longstraw.grpo.cp.kinds.sparse.selection import _rows_in
 from ds_longstraw.kernels import partial_attention_reference, recurrent_gated_delta_rule
 from ds_longstraw.kernels.attention import attention_delta, blockwise_grads_from_delta
 from ds_longstraw.parallel import local_spans, shard_bounds, shard_pieces, visible_prefix
@@ -483,3 +484,14 @@ def test_token_bytes_round_trip_bit_for_bit(dim):
         for got, want in zip(back, tensors, strict=True):
             assert got.dtype == want.dtype
             assert torch.equal(got, want.narrow(dim, lo, hi - lo))
+
+
+def test_a_pages_gradient_rows_are_its_selected_rows():
+    """Under context parallelism a run of pages [lo, hi) gets the gradients of the rows some query selected there
+    (streamed_sparse_grads -> pool.add_grad_rows): _rows_in gives exactly those, distinct, ascending, from lo;
+    slots elsewhere or not valid add none."""
+    positions = torch.tensor([[3, 12, 7, 20], [12, 9, 3, 0], [15, 2, 11, 12]])
+    valid = torch.tensor([[True, True, True, False], [True, True, False, True], [True, True, True, True]])
+    assert _rows_in(positions, valid, 8, 16).tolist() == [1, 3, 4, 7]  # 9, 11, 12, 15 (12 thrice)
+    assert _rows_in(positions, valid, 0, 8).tolist() == [0, 2, 3, 7]  # 0, 2, 3 (one valid of two), 7
+    assert _rows_in(positions, valid, 16, 24).tolist() == []  # 20 is not valid

@@ -183,6 +183,15 @@ def _has_rows(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) ->
     return bool((valid & (positions >= lo) & (positions < hi)).any())
 
 
+def _rows_in(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The distinct selected rows in [lo, hi), ascending, from lo: one mark per row of the run (a spare last one
+    takes the slots elsewhere)."""
+    inside = valid & (positions >= lo) & (positions < hi)
+    marks = torch.zeros(hi - lo + 1, dtype=torch.bool, device=positions.device)
+    marks.index_fill_(0, torch.where(inside, positions - lo, hi - lo).reshape(-1), True)
+    return marks[:hi - lo].nonzero().squeeze(1)
+
+
 def streamed_candidates(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selector: tuple[torch.Tensor, ...],
                         best: tuple[torch.Tensor, torch.Tensor] | None = None, query_start: int | None = None,
                         end: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -210,13 +219,15 @@ def streamed_sparse_partial(stager: Stager, adapter: CausalLMAdapter, spec: Laye
 def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selected: Selected,
                           merged: MergedGrad, pool: PagePool | TieredPagePool | None = None) -> list[torch.Tensor]:
     """This rank's pages' share of d(query) given the MERGED lse and delta (the selection in this rank's own
-    positions), page by page (in lse's dtype); with `pool`, each page's d(rows) is added to its gradient pages as
-    it is computed (streams that carry one)."""
+    positions), page by page (in lse's dtype); with `pool`, the gradients of the page's rows some query selected
+    are added to its gradient pages as they are computed (streams that carry one; the other rows' are zero and
+    are not touched: pool.add_grad_rows)."""
     (query, positions, valid), (lse, d_out, delta) = selected, merged
     d_query = [torch.zeros(q.shape, dtype=lse.dtype, device=q.device) for q in query]
     grads = {stream.name for stream in spec.streams if stream.grad}
     for lo, hi, pages in _runs(stager, spec.layer, spec.row_names):
-        if not _has_rows(positions, valid, lo, hi):
+        rows = _rows_in(positions, valid, lo, hi)
+        if not rows.numel():
             continue
         parts, d_rows = adapter.sparse_grads(spec.layer, query, pages, lo, positions, valid, lse, d_out, delta)
         for total, part in zip(d_query, parts, strict=True):
@@ -224,7 +235,7 @@ def streamed_sparse_grads(stager: Stager, adapter: CausalLMAdapter, spec: LayerS
         if pool is not None:
             for name, grad in d_rows.items():
                 if name in grads:
-                    pool.add_grad(spec.layer, name, lo, grad)
+                    pool.add_grad_rows(spec.layer, name, lo, rows, grad.index_select(0, rows))
     return d_query
 
 
