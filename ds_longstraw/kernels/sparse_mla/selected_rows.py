@@ -9,7 +9,8 @@ which at GLM-5.2's 2.1M-token prompt is gigabytes moved for every replayed block
 costs O(N) bytes (one mark per row, the running count of the marks) plus O(T K + U (R + E)):
 
 - `select_rows`: rows [U] (ascending) and slots [T, K] (each slot's index into rows, 0 where the slot is not
-  valid). No sort of the T K positions: a row's index is the number of marked rows before it. Where most rows are
+  valid), from `selected_marks` (one mark per row; context parallelism's pages use it alone). No sort of the T K
+  positions: a row's index is the number of marked rows before it. Where most rows are
   selected anyway (a prompt segment's queries over the rows before it), every row is taken ("whole": the slots are
   the positions, the table one concatenation), which costs less than gathering nearly all of them.
 - `compact_table`: the U rows [U, R + E], gathered piece by piece (each piece's rows are one contiguous run of
@@ -60,18 +61,23 @@ class SelectedRows:
         return [(starts[i], bounds[i], bounds[i + 1]) for i in range(len(lengths))]
 
 
+def selected_marks(positions: torch.Tensor, valid: torch.Tensor, total: int) -> torch.Tensor:
+    """[total] bool: whether some valid slot of positions [T, K] selects each row 0 .. total-1 (the valid slots'
+    positions lie in that range; the others, whatever they hold, mark a spare last row that is dropped)."""
+    marks = torch.zeros(total + 1, dtype=torch.bool, device=positions.device)
+    marks.index_fill_(0, positions.masked_fill(~valid, total).reshape(-1), True)
+    return marks[:total]
+
+
 def select_rows(positions: torch.Tensor, valid: torch.Tensor, total: int) -> SelectedRows:
     """The distinct rows among the valid slots of positions [T, K] (each in [0, total)), and each slot's index
-    among them: one mark per row (a spare last row takes the unselected slots), their running count, one gather.
-    Where more than WHOLE_FRACTION of the rows are selected, every row (whole: the slots are the positions)."""
+    among them: one mark per row, their running count, one gather. Where more than WHOLE_FRACTION of the rows are
+    selected, every row (whole: the slots are the positions)."""
     if total == 0:  # no rows at all (every piece empty): nothing is selected
         return SelectedRows(rows=positions.new_zeros(0), slots=torch.zeros_like(positions))
     invalid = ~valid
-    spare = positions.masked_fill(invalid, total)
-    marks = torch.zeros(total + 1, dtype=torch.bool, device=positions.device)
-    marks.index_fill_(0, spare.reshape(-1), True)
-    marks = marks[:total]
-    at = spare.masked_fill_(invalid, 0)  # in place: the positions, 0 where not valid
+    marks = selected_marks(positions, valid, total)
+    at = positions.masked_fill(invalid, 0)  # the positions, 0 where not valid
     if int(marks.sum()) > WHOLE_FRACTION * total:
         return SelectedRows(rows=torch.arange(total, device=positions.device), slots=at, whole=True)
     index = marks.cumsum(0) - 1  # [N]: the compact index of each marked row

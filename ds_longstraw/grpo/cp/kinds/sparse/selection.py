@@ -56,6 +56,7 @@ from ds_longstraw.grpo.cp.kinds.attention.ring import merge_in_order, page_runs
 from ds_longstraw.grpo.interfaces import MergedGrad, Selected
 from ds_longstraw.grpo.state import append_rows, decode_selection, encode_selection
 from ds_longstraw.kernels.attention import attention_delta
+from ds_longstraw.kernels.sparse_mla.selected_rows import selected_marks
 from ds_longstraw.offload import Stager
 from ds_longstraw.parallel.groups import local_starts, local_to_prompt, prompt_to_local, visible_prefix
 
@@ -184,12 +185,9 @@ def _has_rows(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) ->
 
 
 def _rows_in(positions: torch.Tensor, valid: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-    """The distinct selected rows in [lo, hi), ascending, from lo: one mark per row of the run (a spare last one
-    takes the slots elsewhere)."""
+    """The distinct selected rows in [lo, hi), ascending, from lo: one mark per row of the run."""
     inside = valid & (positions >= lo) & (positions < hi)
-    marks = torch.zeros(hi - lo + 1, dtype=torch.bool, device=positions.device)
-    marks.index_fill_(0, torch.where(inside, positions - lo, hi - lo).reshape(-1), True)
-    return marks[:hi - lo].nonzero().squeeze(1)
+    return selected_marks(positions - lo, inside, hi - lo).nonzero().squeeze(1)
 
 
 def streamed_candidates(stager: Stager, adapter: CausalLMAdapter, spec: LayerState, selector: tuple[torch.Tensor, ...],
