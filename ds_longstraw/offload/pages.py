@@ -11,9 +11,9 @@ compute device one layer at a time (stager.py).
 
 The interface every pool offers: reserve / append / flush / read / begin_read (a ticket whose `result()` is the
 tensor, so reads can be issued ahead) / add_grad / add_grad_rows (only given rows: a sparse attention's) /
-read_grad / release, and the bookkeeping queries streams /
-length / state_bytes / grad_bytes / bytes_by_stream. `copies_on_read` says whether `read` returns a fresh copy
-(host and NVMe tiers: autograd must not keep it alive) or a view of storage that stays resident.
+read_grad / release, and the bookkeeping queries streams / length / state_bytes / grad_bytes / bytes_by_stream.
+`copies_on_read` says whether `read` returns a fresh copy (host and NVMe tiers: autograd must not keep it alive) or a
+view of storage that stays resident.
 """
 
 from collections.abc import Sequence

@@ -310,7 +310,7 @@ def _page_backward_bytes(shape: ModelShape, tokens: int, layer: int) -> int:
     """What one layer's backward holds for its pages in float32 (exact mode): a dense attention's dK/dV of the
     layer; a top-k selecting model's sparse attention, the rows it lays out and their gradients, [rows,
     attention_head_dim] twice, at most every row (kernels/sparse_mla/selected_rows.py: only the selected rows where
-    fewer than half are)."""
+    at most three quarters are)."""
     dense = layer * 4 // shape.dtype_bytes
     if shape.selecting:
         return max(dense, 2 * tokens * shape.attention_head_dim * 4)

@@ -15,9 +15,8 @@ With the device tier the pages are views of storage that stays resident, and the
 Exact mode: the staged pair is a `PagesPair` whose `grad_sink` the attention kernel calls key block by key block
 (d(pages) goes to `pool.add_grad`, the gradient pages, without a whole layer's dK/dV alive), and whose `row_sink` a
 sparse attention calls with the selected rows only (`pool.add_grad_rows`: no dense page gradient); for any other
-consumer
-each segment also goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to the gradient pages
-instead of accumulating it on a leaf.
+consumer each segment also goes through `_PagesWithGrad`, an identity whose backward hands d(pages) to the gradient
+pages instead of accumulating it on a leaf.
 """
 
 from __future__ import annotations
