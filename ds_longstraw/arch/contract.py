@@ -58,9 +58,11 @@ class Adapter(Protocol):
         """Log-probs of `targets` under the head (and the entropy per position with_entropy)."""
 
     def forward_segment(self, ids: torch.Tensor, start: int, carry: dict, past: dict, remote_attention: Any = None,
-                        prefix_recompute: bool = False, known_attention: Any = None) -> SegmentOutput:
+                        prefix_recompute: bool = False, known_attention: Any = None,
+                        need_hidden: bool = True) -> SegmentOutput:
         """Tokens `ids` at positions start.. through every layer, from `carry` and `past` (grad mode as the caller
-        set it): hidden states, the new rows of each paged layer, the carry after the segment."""
+        set it): hidden states, the new rows of each paged layer, the carry after the segment. need_hidden False
+        (a capture): no hidden states; the last layer computes only what later tokens read of it."""
 
     def decode_step(self, ids_G: torch.Tensor, position: int | torch.Tensor, carry: dict, past: dict, own: Any,
                     remote_attention: Any = None, slots: list[int] | None = None) -> SegmentOutput:

@@ -190,11 +190,18 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         q_resid = module.q_a_layernorm(module.q_a_proj(h_1TC))
         query = module.q_b_proj(q_resid).view(1, t, -1, module.qk_head_dim).transpose(1, 2)
         q_nope, q_rope = torch.split(query, [module.qk_nope_head_dim, module.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.mla_rows(module, h_1TC, cos, sin)
+        q_rope = _roped(q_rope, cos, sin)
+        return q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), q_resid, latent, k_rope
+
+    def mla_rows(self, module, h_1TC, cos, sin):
+        """The latent c_kv [T, R] (after kv_a_layernorm) and the roped shared key k_rope [T, E]: the rows a layer
+        pages, all that later tokens read of its attention."""
+        t = h_1TC.shape[1]
         latent, k_rope = torch.split(module.kv_a_proj_with_mqa(h_1TC), [module.kv_lora_rank, module.qk_rope_head_dim],
                                      dim=-1)
         latent = module.kv_a_layernorm(latent)
-        q_rope, k_rope = apply_rotary_pos_emb_interleave(q_rope, k_rope.view(1, 1, t, -1), cos, sin)
-        return q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), q_resid, latent[0], k_rope[0, 0]
+        return latent[0], _roped(k_rope.view(1, 1, t, -1), cos, sin)[0, 0]
 
     def indexer_inputs(self, indexer, h_1TC, q_resid, cos, sin):
         """The DSA indexer's query [T, I, D], per-head weights [T, I] (times I^-0.5) and key [T, D] (the key
@@ -204,15 +211,21 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         with torch.no_grad():
             query = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
             q_rot, q_pass = torch.split(query, [rope, indexer.head_dim - rope], dim=-1)
-            key = indexer.k_norm(indexer.wk(h_1TC)).unsqueeze(2)
-            k_rot, k_pass = torch.split(key, [rope, indexer.head_dim - rope], dim=-1)
-            q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-            query = torch.cat([q_rot, q_pass], dim=-1)[0]
-            key = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]
+            query = torch.cat([_roped(q_rot, cos, sin, unsqueeze_dim=2), q_pass], dim=-1)[0]
+            key = self.indexer_key(indexer, h_1TC, cos, sin)
             weights_proj = indexer.weights_proj
             weights = weights_proj(h_1TC.to(weights_proj.weight.dtype))[0]
             weights = weights.to(score_dtype(query.dtype)) * indexer.n_heads ** -0.5
         return query, weights, key
+
+    def indexer_key(self, indexer, h_1TC, cos, sin):
+        """The DSA indexer's key [T, D] ([rope | pass], roped interleaved, as the model's indexer builds it): a full
+        indexer layer's third row; no gradient, as the model defines."""
+        rope = indexer.qk_rope_head_dim
+        with torch.no_grad():
+            key = indexer.k_norm(indexer.wk(h_1TC)).unsqueeze(2)
+            k_rot, k_pass = torch.split(key, [rope, indexer.head_dim - rope], dim=-1)
+            return torch.cat([_roped(k_rot, cos, sin, unsqueeze_dim=2), k_pass], dim=-1)[0, :, 0]
 
     def absorbed_maps(self, module):
         """W_UK [R, H, n] and W_UV [R, H, v] of kv_b_proj, read by calling the module on the identity: the output
@@ -383,8 +396,19 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
             kept[index] = code
         return (hidden, code, *rows)
 
+    def layer_rows(self, index, hidden_1TC, cos, sin):
+        """Layer `index`'s rows of the tokens whose layer input is hidden_1TC, in its streams' order (latent, rope
+        key[, indexer key]), and nothing else: no query, selection, attention or MLP."""
+        layer = self.layers[index]
+        module = layer.self_attn
+        h = layer.input_layernorm(hidden_1TC)
+        rows = self.mla_rows(module, h, cos, sin)
+        if module.indexer is not None:
+            rows += (self.indexer_key(module.indexer, h, cos, sin),)
+        return rows
+
     def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
-                        known_attention=None):
+                        known_attention=None, need_hidden=True):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         carry: unused (no layer carries per-sequence state); past: layer -> list of row tuples (latent, rope key
@@ -403,7 +427,11 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         position, -1 where none), and each full indexer layer's codes made in the forward are reused by the layer's
         recompute in backward instead of selecting again (_recomputed_layer): the next layer's checkpoint holds the
         same tensor as its input anyway, so this keeps no more bytes than that, 4 per selected row and query and
-        full indexer layer (offload/plan.py counts them: "prefix_selections")."""
+        full indexer layer (offload/plan.py counts them: "prefix_selections").
+
+        need_hidden False: no one reads the segment's hidden states, nor the last layer's selection (a capture,
+        whose later tokens read only its rows): the last layer computes its rows alone (layer_rows; any kept
+        selection of it is not used), and out.hidden is None."""
         topk = self.config.index_topk
         known = {}  # layer -> the selection codes [T, K] kept from capture
         for index, kept in (known_attention or {}).items():
@@ -418,7 +446,11 @@ class GlmMoeDsaAdapter(CausalLMAdapter):
         positions = valid = None  # the last full indexer layer's selection
         code = None  # the same as int32 codes, where each layer is recomputed in backward
         kept = dict(known)  # the full indexer layers' own selections (codes), from the forward for their recompute
+        last = len(self.specs) - 1
         for index, layer in enumerate(self.layers[: len(self.specs)]):
+            if index == last and not need_hidden:
+                out.rows[index] = self.layer_rows(index, hidden, cos, sin)
+                return out
             if prefix_recompute and torch.is_grad_enabled():
                 # Re-entrant: the backward recomputes the layer and back-propagates through it at once (ZeRO-3
                 # gathers the weights again for it); the prompt pages inside `past` get their gradients from that
@@ -624,6 +656,12 @@ def _own_partial_each(q_lat, q_rope, own, first_own, selection, scale):
         outs.append(torch.einsum("hs,sr->hr", probs_HS, lat_SR))
         lses.append(lse_H)
     return torch.stack(outs), torch.stack(lses)
+
+
+def _roped(x, cos, sin, unsqueeze_dim=1):
+    """x roped interleaved as the model ropes its queries and keys: the rotation is elementwise per tensor, so one
+    tensor alone (its partner argument a one-head slice of itself, discarded) equals its share of the joint call."""
+    return apply_rotary_pos_emb_interleave(x, x.narrow(unsqueeze_dim, 0, 1), cos, sin, unsqueeze_dim=unsqueeze_dim)[0]
 
 
 def _past_start(index, past, start, remote):

@@ -185,11 +185,18 @@ class Qwen35Adapter(CausalLMAdapter):
         d = module.head_dim
         query, gate = torch.chunk(module.q_proj(h_1TC).view(batch, t, -1, d * 2), 2, dim=-1)
         gate = gate.reshape(batch, t, -1)
-        query = module.q_norm(query).transpose(1, 2)
+        query = _roped(module.q_norm(query).transpose(1, 2), cos, sin)
+        key, value = self.attention_rows(module, h_1TC, cos, sin)
+        return query, gate, key, value
+
+    def attention_rows(self, module, h_1TC, cos, sin):
+        """key (after k_norm, RoPE) and value [1, K, T, D]: the rows an attention layer pages, all that later tokens
+        read of it."""
+        batch, t, _ = h_1TC.shape
+        d = module.head_dim
         key = module.k_norm(module.k_proj(h_1TC).view(batch, t, -1, d)).transpose(1, 2)
         value = module.v_proj(h_1TC).view(batch, t, -1, d).transpose(1, 2)
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        return query, gate, key, value
+        return _roped(key, cos, sin), value
 
     def attention_output(self, module, out_HTD, gate):
         """The gated output projection of attention results out_HTD [H, T, D]."""
@@ -281,8 +288,18 @@ class Qwen35Adapter(CausalLMAdapter):
                 remote_keys=remote_keys)
         return self.mlp_residual(index, residual + mixed), first, second, attention
 
+    def _last_layer_state(self, index, layer, hidden, cos, sin, carry):
+        """What later tokens read of layer `index` and nothing more: an attention layer's (K, V) rows, without its
+        queries, attention or MLP; a Gated DeltaNet layer's (end state, conv tail), without its MLP."""
+        h = self.mixer_input(index, hidden)
+        if self.layer_types[index] == LINEAR_ATTENTION:
+            _, state, tail = self.gdn_forward(layer.linear_attn, h, *carry.get(index, (None, None)))
+            return state, tail
+        key, value = self.attention_rows(layer.self_attn, h, cos, sin)
+        return key[0].transpose(0, 1), value[0].transpose(0, 1)
+
     def forward_segment(self, ids, start, carry, past, remote_attention=None, prefix_recompute=False,
-                        known_attention=None):
+                        known_attention=None, need_hidden=True):
         """Run tokens `ids` (positions start .. start+T-1) through every layer.
 
         carry: layer -> (recurrent state, conv tail) before the segment (missing or None: zeros);
@@ -297,12 +314,20 @@ class Qwen35Adapter(CausalLMAdapter):
         known_attention: layer -> (out_HTD, lse_HT) of this segment's attention kept from capture (exact mode's
         prefix pass with prefix_keep_attention): those layers skip the attention itself (ds_longstraw.kernels).
         The result's `attention` holds every attention layer's (out_HTD, lse_HT).
+        need_hidden False: no one reads the segment's hidden states, nor the last layer's attention (a capture,
+        whose later tokens read only its rows and carries): the last layer computes those alone
+        (_last_layer_state; any known attention of it is not used), and out.hidden is None.
         """
         hidden = self.embed(ids)
         cos, sin = self.rotary(hidden, start)
         out = SegmentOutput(hidden=None)
         known_attention = known_attention or {}
+        last = len(self.layer_types) - 1
         for index, layer in enumerate(self.layers[: len(self.layer_types)]):
+            if index == last and not need_hidden:
+                first, second = self._last_layer_state(index, layer, hidden, cos, sin, carry)
+                (out.carry if self.layer_types[index] == LINEAR_ATTENTION else out.rows)[index] = (first, second)
+                return out
             if prefix_recompute and torch.is_grad_enabled():
                 # The re-entrant form: its backward recomputes the layer and back-propagates through it at once,
                 # so ZeRO-3 gathers the layer's weights for the recompute and keeps them through its backward
@@ -363,6 +388,13 @@ class Qwen35Adapter(CausalLMAdapter):
             hidden = self.mlp_residual(index, hidden + mixed)
         out.hidden = hidden
         return out
+
+
+def _roped(x, cos, sin):
+    """x [B, heads, T, D] roped as the model ropes its queries and keys: the rotation is elementwise per tensor, so
+    one tensor alone (its partner argument a one-head slice of itself, discarded) equals its share of the joint
+    call."""
+    return apply_rotary_pos_emb(x, x[:, :1], cos, sin)[0]
 
 
 FAMILY = Family(name="qwen3_5", model_types=("qwen3_5", "qwen3_5_text"), adapter=Qwen35Adapter,

@@ -186,6 +186,9 @@ def carry_layers(specs) -> list:
     return [s.layer for s in specs if s.carry]
 
 
-def stream_names(specs) -> dict:
-    """layer -> the names of its streams, for every paged layer in order (what a stager walks)."""
-    return {s.layer: s.stream_names for s in specs if s.streams}
+def stream_names(specs, last_layer=True) -> dict:
+    """layer -> the names of its streams, for every paged layer in order (what a stager walks); last_layer False:
+    not the last layer's (a capture or prefix pass whose last layer computes only its rows attends no past there,
+    grpo/state.PrefixState.last_layer_whole)."""
+    last = specs[-1].layer if specs else None
+    return {s.layer: s.stream_names for s in specs if s.streams and (last_layer or s.layer != last)}

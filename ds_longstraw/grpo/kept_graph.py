@@ -134,7 +134,8 @@ class KeptGraph:
         measured = self._steady is None or self._steady[0] != tokens
         before = self._saved.bytes
         with torch.enable_grad(), self._saved if measured else nullcontext():
-            out = self.adapter.forward_segment(ids[start:end], position, carry, past)
+            # no hidden states: the kept segments' rows and carries are what the replay and the later ones read
+            out = self.adapter.forward_segment(ids[start:end], position, carry, past, need_hidden=False)
         if measured:
             saved = self._saved.bytes - before
             last, self._last = self._last, (tokens, saved)

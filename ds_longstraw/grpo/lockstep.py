@@ -270,11 +270,13 @@ class Schedule:
         the ranks whose pages it reads take part)."""
         return None
 
-    def pad_capture(self, adapter: CausalLMAdapter) -> None:
-        """After a one-rank capture: the extra chunks' calls."""
+    def pad_capture(self, adapter: CausalLMAdapter, last_layer_whole: bool = True) -> None:
+        """After a one-rank capture: the extra chunks' calls (the last layer run as the capture ran it,
+        PrefixState.last_layer_whole)."""
 
-    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
-        """After a one-rank prefix pass: the extra iterations."""
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None,
+                   last_layer_whole: bool = True) -> None:
+        """After a one-rank prefix pass: the extra iterations (the last layer as the pass ran it)."""
 
     def pad_member(self, member: int, inputs: torch.Tensor,
                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,17 +329,21 @@ class Lockstep(Schedule):
         return TurnIterations(real, self.common.segments[segment] - real)
 
     # -- capture and prefix ------------------------------------------------------------------------------
-    def pad_capture(self, adapter: CausalLMAdapter) -> None:
-        """Extra no-grad forwards (the reference capture, the policy capture)."""
+    def pad_capture(self, adapter: CausalLMAdapter, last_layer_whole: bool = True) -> None:
+        """Extra no-grad forwards (the reference capture, the policy capture), the last layer run as the real
+        chunks ran it."""
         ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
         with torch.no_grad():
             for _ in range(self.capture_pad):
-                adapter.forward_segment(ids, 0, {}, {})
+                adapter.forward_segment(ids, 0, {}, {}, need_hidden=last_layer_whole)
 
-    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
-        """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed as the real segments are."""
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None,
+                   last_layer_whole: bool = True) -> None:
+        """Extra prefix-pass iterations (see zero_prefix_iteration), recomputed and their last layer run as the
+        real segments' are."""
         for _ in range(self.capture_pad):
-            zero_prefix_iteration(adapter, backward, prefix_recompute=self.longstraw.prefix_recompute_runs)
+            zero_prefix_iteration(adapter, backward, prefix_recompute=self.longstraw.prefix_recompute_runs,
+                                  need_hidden=last_layer_whole)
 
     # -- replay ------------------------------------------------------------------------------------------
     def _padded_length(self, member: int, length: int) -> int:
@@ -406,24 +412,27 @@ class ReplayLockstep(Lockstep):
     def prefix_turn(self, segment: int, real: int) -> None:
         return None
 
-    def pad_capture(self, adapter: CausalLMAdapter) -> None:
+    def pad_capture(self, adapter: CausalLMAdapter, last_layer_whole: bool = True) -> None:
         pass
 
-    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None) -> None:
+    def pad_prefix(self, adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None,
+                   last_layer_whole: bool = True) -> None:
         pass
 
 
 def zero_prefix_iteration(adapter: CausalLMAdapter, backward: Callable[[torch.Tensor], object] | None = None,
                           remote_attention: RemoteAttention | RemoteSelection | None = None,
-                          prefix_recompute: bool = False) -> None:
+                          prefix_recompute: bool = False, need_hidden: bool = True) -> None:
     """One prefix-pass iteration of zero gradient: a one-token forward with grad whose chunk outputs (every layer's
     end carry and rows, prefix_pass.segment_roots) are the roots of a zero surrogate, back-propagated like a real
     chunk's. remote_attention: as forward_segment's (a context-parallel rank mirroring another rank's chunk serves
     its requests through it);
-    prefix_recompute: each layer recomputed in backward, as the real segments are (longstraw.prefix_recompute_runs)."""
+    prefix_recompute: each layer recomputed in backward, as the real segments are (longstraw.prefix_recompute_runs);
+    need_hidden: False where the real segments run only the last layer's rows (PrefixState.last_layer_whole)."""
     ids = torch.full((1,), PAD_TOKEN, dtype=torch.long)
     with torch.enable_grad():
-        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, prefix_recompute=prefix_recompute)
+        out = adapter.forward_segment(ids, 0, {}, {}, remote_attention, prefix_recompute=prefix_recompute,
+                                      need_hidden=need_hidden)
         live = [o for o in segment_roots(adapter.specs, out) if o.requires_grad]
         if live:
             surrogate = sum((o * 0.0).sum() for o in live)

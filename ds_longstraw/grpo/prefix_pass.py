@@ -73,7 +73,7 @@ def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.T
     piece's), last first, from d_final_carry (layer -> d(its carry) after them). Returns d(carry) at the start of
     the captured tokens (empty at the prompt start)."""
     state = reverse.state
-    names = stream_names(reverse.adapter.specs)
+    names = stream_names(reverse.adapter.specs, last_layer=state.last_layer_whole)
     stager = Stager(state.pool, names)
     # a tree's node (grpo/document.py): its segments attend its ancestors' pages too, whose gradients go to them
     ancestors = state.ancestor_stagers(names)
@@ -152,7 +152,7 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager, ancestors: Sequence[tu
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
             out = adapter.forward_segment(ids[start:end], position, carry, past,
                                           reverse.remote_attention, prefix_recompute=reverse.prefix_recompute,
-                                          known_attention=kept)
+                                          known_attention=kept, need_hidden=state.last_layer_whole)
             outputs = segment_roots(adapter.specs, out)
             grads = [g.to(o) for o, g in zip(outputs, injected_grads(adapter.specs, d_carry, pool, start, end),
                                              strict=True)]

@@ -69,6 +69,11 @@ class PrefixState:
     # start (grpo/kept_graph.KeptGraph; the prefix pass back-propagates them last, and `boundaries` holds only the
     # segments after them); None otherwise
     kept_graph: KeptGraph | None = None
+    # whether this state's capture and prefix pass run the last layer whole (context parallelism's), or only what
+    # later tokens read of it, its rows and carry (False: one rank, capture_prefix; forward_segment's need_hidden).
+    # No token reads a captured segment's hidden states (the prompt's last token is replayed with the members), so
+    # the last layer's queries, attention and MLP over the prompt feed nothing, and none of its attention is kept.
+    last_layer_whole: bool = True
 
     @property
     def kept_from(self) -> int:
@@ -100,7 +105,7 @@ class PrefixState:
         kept = 0
         if self.kept_pool is not None:
             kept_by_stream = self.kept_pool.bytes_by_stream()
-            kept = sum(kept_by_stream.get((spec.layer, s.name), 0) for spec in self.specs for s in spec.kept)
+            kept = sum(kept_by_stream.get((spec.layer, s.name), 0) for spec in self.kept_specs() for s in spec.kept)
         out["kept_attention_pages"] = kept
         if self.input_pool is not None:
             out["layer_inputs"] = sum(self.input_pool.bytes_by_stream().values())
@@ -115,13 +120,18 @@ class PrefixState:
         """The selection (positions, valid) [T, topk] that base layer `layer` reuses, kept with its input."""
         return decode_selection(self.input_pool.read(layer, SELECTION_STREAM))
 
+    def kept_specs(self) -> list[LayerState]:
+        """The specs of the layers whose attention capture keeps for the prefix pass (prefix_keep_attention), where
+        it keeps any: every layer with kept streams, but the last one where it runs only its rows."""
+        return kept_specs(self.specs, self.last_layer_whole)
+
     def begin_kept_attention(self, start: int, end: int) -> ReadyRead | PendingReads:
         """Issue the reads of tokens [start, end) of the attention kept from capture (issued a segment ahead, the
         reads of a slower tier overlap the prefix pass's compute); result(): layer -> its kept tensors, each
         head-major ([H, T, ...]), or None when none was kept."""
         if self.kept_pool is None:
             return ReadyRead(None)
-        kept = {spec.layer: spec.kept for spec in self.specs if spec.kept}
+        kept = {spec.layer: spec.kept for spec in self.kept_specs()}
         start, end = start - self.kept_from, end - self.kept_from
         tickets = {(layer, s.name): self.kept_pool.begin_read(layer, s.name, start, end)
                    for layer, streams in kept.items() for s in streams}
@@ -175,15 +185,20 @@ class PendingReads:
             ticket.release()
 
 
+def kept_specs(specs: Sequence[LayerState], last_layer_whole: bool) -> list[LayerState]:
+    """The specs with kept streams, without the last layer's where it runs only its rows (PrefixState)."""
+    return [spec for spec in specs if spec.kept and (last_layer_whole or spec is not specs[-1])]
+
+
 def open_kept_pool(adapter: CausalLMAdapter, longstraw: LongstrawConfig, pool: PagePool | TieredPagePool, length: int,
-                   rank: int = 0) -> PagePool | TieredPagePool:
-    """The pool that keeps `length` tokens of every layer's `kept` streams (exact mode's prefix_keep_attention):
-    `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
+                   rank: int = 0, last_layer_whole: bool = True) -> PagePool | TieredPagePool:
+    """The pool that keeps `length` tokens of the kept layers' `kept` streams (exact mode's prefix_keep_attention;
+    kept_specs): `pool` itself, or one of offload.kept_attention_tier, with the streams reserved."""
     own = longstraw.offload.kept_attention_pool()
     # A pool of its own holds one prefix-pass segment a page: the prefix pass reads whole segments.
     kept_pool = pool if own is None else make_pool(own, longstraw.segment_tokens, adapter.device, rank)
     try:
-        for spec in adapter.specs:
+        for spec in kept_specs(adapter.specs, last_layer_whole):
             for stream in spec.kept:
                 kept_pool.reserve(spec.layer, stream.name, length, stream.shape, stream.dtype)
     except BaseException:
@@ -372,22 +387,23 @@ def keeps_kept_streams(adapter: CausalLMAdapter, longstraw: LongstrawConfig, pre
 
 def open_prefix_state(adapter: CausalLMAdapter, longstraw: LongstrawConfig, tokens: int, prefix_grad: str,
                       rank: int = 0, length: int | None = None, offset: int = 0, chunks: int | None = None,
-                      keep_inputs: bool = False) -> PrefixState:
+                      keep_inputs: bool = False, last_layer_whole: bool = True) -> PrefixState:
     """An empty PrefixState for `tokens` captured tokens of this rank (all of the prompt's `length`, default
     `tokens`, from position `offset`) in `chunks` capture chunks (default: ceil(tokens / segment); a CP rank's
     pieces are chunked one by one): every layer's streams reserved on a pool of offload.tier and, for prefix_grad
     "exact", the carry checkpoint store and with prefix_keep_attention the kept attention's pool;
-    keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass). What was opened is released
-    again on error."""
+    keep_inputs: also the pool of every layer's inputs (the layer-major prefix pass); last_layer_whole: as
+    PrefixState's. What was opened is released again on error."""
     pool = make_pool(longstraw.offload, longstraw.page_tokens, adapter.device, rank)
-    state = PrefixState(length=tokens if length is None else length, pool=pool, specs=adapter.specs, offset=offset)
+    state = PrefixState(length=tokens if length is None else length, pool=pool, specs=adapter.specs, offset=offset,
+                        last_layer_whole=last_layer_whole)
     try:
         for spec in adapter.specs:
             for stream in spec.streams:
                 pool.reserve(spec.layer, stream.name, tokens, stream.shape, stream.dtype)
         exact = prefix_grad == "exact"  # what the prefix pass reads: checkpoints, kept attention
         if keeps_kept_streams(adapter, longstraw, prefix_grad):
-            state.kept_pool = open_kept_pool(adapter, longstraw, pool, tokens, rank)
+            state.kept_pool = open_kept_pool(adapter, longstraw, pool, tokens, rank, last_layer_whole)
         if exact:
             slots = ceil_div(tokens, longstraw.segment_tokens) if chunks is None else chunks
             state.checkpoints = open_checkpoints(longstraw, slots, adapter.device, rank)
@@ -416,7 +432,8 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
     # The tier (device, host or NVMe pages) comes from longstraw.offload; pages of earlier chunks are staged one
     # layer at a time as the chunk's forward reaches the layer (offload/stager.py).
     offset = 0 if parent is None else parent.offset + parent.length
-    state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank, offset=offset)
+    # the last layer's rows alone: no token reads its outputs over the prompt (PrefixState.last_layer_whole)
+    state = open_prefix_state(adapter, longstraw, length, prefix_grad, rank, offset=offset, last_layer_whole=False)
     state.parent = parent
     if graph_budget != 0:
         if prefix_grad != "exact" or parent is not None:
@@ -424,7 +441,8 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
         state.kept_graph = KeptGraph(adapter, graph_budget)
     pool, kept_pool, checkpoints, kept_graph = state.pool, state.kept_pool, state.checkpoints, state.kept_graph
     paged = [spec for spec in adapter.specs if spec.streams]
-    names = stream_names(adapter.specs)
+    keeps = state.kept_specs() if kept_pool is not None else []  # the kept attention's layers
+    names = stream_names(adapter.specs, last_layer=state.last_layer_whole)
     chunk = longstraw.segment_tokens  # exact mode: the prefix pass's autograd segment
     ancestors = state.ancestor_stagers(names)
     try:
@@ -446,13 +464,13 @@ def capture_prefix(adapter: CausalLMAdapter, prompt_ids: torch.Tensor, longstraw
                 index += 1
                 past = node_past(ancestors, stager, start)
                 with torch.no_grad():
-                    out = adapter.forward_segment(ids[start:end], offset + start, carry, past)
+                    out = adapter.forward_segment(ids[start:end], offset + start, carry, past, need_hidden=False)
                 del past
             carry = _detached_carry(out.carry)
             with torch.no_grad():
                 for spec in paged:
                     append_rows(pool, spec, [rows.detach() for rows in out.rows[spec.layer]])
-                    if kept_pool is not None and spec.kept and not kept:  # the kept graph's need none
+                    if spec in keeps and not kept:  # the kept graph's segments need none
                         keep_segment_attention(kept_pool, spec, out.attention[spec.layer])
             del out
             return_freed_host_memory(adapter.device)

@@ -149,7 +149,7 @@ class OneRank:
         # the prefix pass runs, so it keeps none there.
         budget = 0 if schedule.pads_calls else capture_graph_budget(longstraw, prefix_grad, adapter.device)
         state = capture_prefix(adapter, prompt_ids, longstraw, prefix_grad, progress=progress, graph_budget=budget)
-        schedule.pad_capture(adapter)
+        schedule.pad_capture(adapter, state.last_layer_whole)
         return state
 
     def replay_view(self, adapter: CausalLMAdapter, state: PrefixState, prefix_grad: str) -> ReplayView:
@@ -158,7 +158,7 @@ class OneRank:
     def prefix(self, reverse: ReversePass, d_final: dict[int, tuple[torch.Tensor, ...]],
                longstraw: LongstrawConfig, schedule: Schedule) -> None:
         prefix_backward(replace(reverse, prefix_recompute=longstraw.prefix_recompute_runs), d_final)
-        schedule.pad_prefix(reverse.adapter, reverse.backward)
+        schedule.pad_prefix(reverse.adapter, reverse.backward, reverse.state.last_layer_whole)
 
     def begin_gradients(self, model: torch.nn.Module) -> None:
         """What .grad holds before the group, kept out of this topology's reduction: none here."""

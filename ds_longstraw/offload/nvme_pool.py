@@ -288,11 +288,17 @@ class NvmePagePool(TieredPagePool):
         engine = self._idle_readers.pop() if self._idle_readers else self._new_engine()
         path = stream.paths[kind]
         run = []  # consecutive resident pages: one request
+        # (row, page, its bytes, its checksum) of every page read from the file, as they were when the read was
+        # issued: a page filling then is copied from its tail and may be sealed (RESIDENT, a new checksum) before
+        # finish() runs, and a resident one re-opened and grown; finish() checks what was read, as it was
+        from_file = []
 
         def submit_run() -> None:
             if run:
                 first = run[0][0]
                 engine.submit_read(landing[first * slot: (run[-1][0] + 1) * slot], path, run[0][1].index * slot)
+                from_file.extend((row, entry, entry.filled * stream.info.token_bytes, entry.checksum)
+                                 for row, entry in run)
                 run.clear()
 
         try:
@@ -318,11 +324,8 @@ class NvmePagePool(TieredPagePool):
 
         def finish() -> None:
             self._finish_reader(engine)
-            for row, entry in enumerate(entries):
-                if entry.state is not PageState.RESIDENT:
-                    continue
-                data = landing[row * slot: row * slot + entry.filled * stream.info.token_bytes]
-                if _crc(data) != entry.checksum:
+            for row, entry, nbytes, checksum in from_file:
+                if _crc(landing[row * slot: row * slot + nbytes]) != checksum:
                     self._error = PageFileError(
                         f"page file {path} is corrupted: page {entry.index} (tokens [{entry.start}, "
                         f"{entry.start + entry.filled}) of layer {entry.layer} {entry.name!r}) fails its checksum")

@@ -239,7 +239,7 @@ def retained_per_rank(shape: ModelShape, context: int, cp: int, prefix_grad: str
     # Rank 0's first chunk starts from a zero state and keeps no checkpoint; other ranks checkpoint every chunk.
     out["carry_checkpoints"] = shape.carry_total * max(chunks - (1 if cp == 1 else 0), 0) if exact else 0
     out["gradient_pages"] = shape.grad_bytes_per_token * tokens if exact else 0
-    out["kept_attention_pages"] = shape.kept_bytes_per_token * tokens if exact and keep_attention else 0
+    out["kept_attention_pages"] = shape.kept_per_rank(cp)[1] * tokens if exact and keep_attention else 0
     layer_major = layer_major_prefix(shape, cp, prefix_grad, cp_prefix, capture_chunk, keep_attention, inputs_every,
                                      tokens, gpu_memory)
     out["layer_inputs"] = layer_inputs_bytes(shape, tokens, inputs_every) if layer_major else 0

@@ -33,6 +33,9 @@ class ModelShape:
     carry_layers: dict = field(default_factory=dict)  # label -> layers that carry it
     kept_bytes_per_token: int = 0  # exact mode's prefix_keep_attention, all layers
     kept_layers: int = 0
+    # of those, the last layer's: a one-rank capture runs that layer for its rows alone and keeps none of it
+    # (grpo/state.PrefixState.last_layer_whole)
+    kept_last_bytes_per_token: int = 0
     layer_counts: dict = field(default_factory=dict)  # the family's layer kinds -> layers
     combine_counts: dict = field(default_factory=dict)  # how layers cross CP ranks (the specs' combine) -> layers
     # the combines among them that exact mode's layer-major prefix pass does not run (arch/specs.CombineRule)
@@ -57,6 +60,13 @@ class ModelShape:
     # combine rule -> its cost under context parallelism (offload/kind_costs.py), for the rules of combine_counts
     # that declare one (arch/specs.CombineRule.cost)
     kind_costs: dict = field(default_factory=dict)
+
+    def kept_per_rank(self, cp: int) -> tuple[int, int]:
+        """(layers, bytes per token) of the attention each rank keeps for exact mode's prefix pass
+        (prefix_keep_attention): on one rank not the last layer's."""
+        if cp == 1 and self.kept_last_bytes_per_token:
+            return self.kept_layers - 1, self.kept_bytes_per_token - self.kept_last_bytes_per_token
+        return self.kept_layers, self.kept_bytes_per_token
 
     @property
     def select_layers(self) -> int:

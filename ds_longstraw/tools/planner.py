@@ -171,7 +171,7 @@ def render(plan, detected, gpu_tflops=148.0) -> str:
     rows.update({label: (s.carry_layers[label], "per sequence") for label in s.carry_bytes})
     rows.update({"carry_checkpoints": (carry_layers, "per chunk start"),
                  "gradient_pages": ("as the pages", s.grad_bytes_per_token),
-                 "kept_attention_pages": (s.kept_layers, s.kept_bytes_per_token),
+                 "kept_attention_pages": s.kept_per_rank(lay.cp),
                  "layer_inputs": (-(-sum(s.combine_counts.values()) // plan.inputs_every),
                                   layer_inputs_bytes(s, 1, plan.inputs_every)),
                  "recomputed_inputs": (max(min(plan.inputs_every, sum(s.combine_counts.values())) - 1, 0),

@@ -203,6 +203,30 @@ def test_append_after_flush_reopens_the_partial_page(tier, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("tier", ["cpu", "nvme-aio", "nvme-buffered"])
+def test_a_read_returns_the_pages_as_they_were_at_its_issue(tier, tmp_path):
+    """A read issued while a page fills (a stager's read-ahead that the walk never takes) and collected after the
+    page was sealed and written, or after a flushed page was re-opened and grown: it returns the tokens as they
+    were when it was issued, and the tier's checksums (of what it read from the file, as it was) hold."""
+    pool = make_pool(tier, tmp_path, 4)
+    pool.reserve(0, "k", 12, (3,), torch.float32)
+    values = torch.arange(36, dtype=torch.float32).reshape(12, 3)
+    pool.append(0, "k", values[:6])  # page 0 sealed, page 1 filling with 2 of its 4 tokens
+    filling = pool.begin_read(0, "k", 0, 6)
+    pool.append(0, "k", values[6:9])  # page 1 sealed and written, page 2 filling
+    pool.flush()  # page 2 (1 token) goes to its tier
+    flushed = pool.begin_read(0, "k", 0, 9)
+    pool.append(0, "k", values[9:])  # page 2 re-opened, grown and sealed
+    pool.flush()
+    assert torch.equal(filling.result(), values[:6])
+    assert torch.equal(flushed.result(), values[:9])
+    filling.release()
+    flushed.release()
+    assert torch.equal(pool.read(0, "k"), values)
+    pool.release()
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("tier", ["nvme-aio", "nvme-buffered"])
 def test_page_files_are_aligned_and_hold_the_pages(tier, tmp_path):
     """The state really lives in files: one per stream, every page slot padded to the I/O alignment."""

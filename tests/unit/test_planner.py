@@ -177,18 +177,20 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
         kept[gpus, keep] = json.loads(capsys.readouterr().out)["retained_bytes_per_rank"]["kept_attention_pages"]
     assert kept == {("1", "auto"): (128 * 1024 - 1) * 21 * 2048 * 4, ("1", "false"): 0, ("2", "auto"): 0}
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(tiny_qwen3_5_config().to_dict()))
+    config.write_text(json.dumps(tiny_qwen3_5_config(layers=8).to_dict()))  # attention layers 3 and 7
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--host-memory", "2GiB",
                  "--nvme-path", str(tmp_path), "--dtype-bytes", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["tokens_per_rank"] == 100 * 1024 - 1
-    assert plan["retained_bytes_per_rank"]["attention_kv_pages"] == (100 * 1024 - 1) * 2 * 2 * 16 * 4
+    assert plan["retained_bytes_per_rank"]["attention_kv_pages"] == (100 * 1024 - 1) * 2 * 2 * 2 * 16 * 4
     assert plan["recommended_tier"] == "none"
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--prefix-grad", "exact",
                  "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     with_pages = json.loads(capsys.readouterr().out)
     kept = with_pages["retained_bytes_per_rank"]["kept_attention_pages"]
-    assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)  # 1 attention layer, 4 heads: out (16 dims) + lse
+    # 4 heads: out (16 dims) + lse, of one attention layer: one rank keeps none of the last layer's, which its
+    # capture runs for its rows alone
+    assert kept == (100 * 1024 - 1) * 1 * 4 * (16 * 4 + 4)
     assert main(["--model", str(config), "--context", "100K", "--gpu-memory", "1GiB", "--prefix-grad", "exact",
                  "--keep-attention", "--kept-attention-tier", "nvme", "--dtype-bytes", "4", "--json"]) == 0
     on_nvme = json.loads(capsys.readouterr().out)["needs"]["none"]
@@ -197,7 +199,7 @@ def test_cli_reports_and_recommends(capsys, tmp_path):
     assert main(["--model", str(config), "--context", "100K", "--gpus", "2", "--gpu-memory", "1GiB", "--prefix-grad",
                  "exact", "--keep-attention", "--dtype-bytes", "4", "--json"]) == 0
     sharded = json.loads(capsys.readouterr().out)
-    assert sharded["retained_bytes_per_rank"]["kept_attention_pages"] == (100 * 1024 // 2) * 1 * 4 * (16 * 4 + 4)
+    assert sharded["retained_bytes_per_rank"]["kept_attention_pages"] == (100 * 1024 // 2) * 2 * 4 * (16 * 4 + 4)
     assert main(["--model", "no-such-model", "--context", "1M", "--gpu-memory", "1", "--host-memory", "1"]) == 2
     assert "neither a built-in shape" in capsys.readouterr().err
 
