@@ -224,9 +224,13 @@ def _run_step(source: MemberReplay, step: Step, inputs: torch.Tensor, targets: t
     adapter, block = source.adapter, source.block
     carry = dict(carry)
     blocks, logps, entropies = {}, [], []
+    # a captured span's step scores nothing: its last layer computes only its rows and carry, which is all its later
+    # tokens read (under context parallelism the whole layer, whose exchanges the other ranks serve)
+    need_hidden = step.scored or source.remote_attention is not None
     for offset in range(step.start, step.end, block):
         end = min(step.end, offset + block)
-        out = adapter.forward_segment(inputs[offset:end], source.start + offset, carry, past, source.remote_attention)
+        out = adapter.forward_segment(inputs[offset:end], source.start + offset, carry, past, source.remote_attention,
+                                      need_hidden=need_hidden)
         carry = dict(out.carry)
         for layer, parts in out.rows.items():
             if buffers is not None:

@@ -153,6 +153,29 @@ def test_glm_captured_spans_equal_the_reference(stepped, row_sinks, mode):
     assert result.loss == pytest.approx(ref_loss, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_captured_steps_run_the_last_layer_for_its_rows_alone(qwen, mode):
+    """A captured span's steps score nothing, so their last layer computes only its rows and carry: the last
+    layer's MLP sees each scored token of a stepped member twice (pass 1 and pass 2), each token of a member
+    replayed whole once, and no prompt token (the capture runs its last layer for its rows alone too)."""
+    model, _ = qwen
+    prompt_len, members, block, _, _, _ = CASES["spans-start-middle-end"]
+    group = masked_group(prompt_len, members, seed=5)
+    tokens = []
+    hook = model.model.layers[-1].mlp.register_forward_hook(lambda _, args, __: tokens.append(args[0].shape[1]))
+    try:
+        grpo_backward(model, group, GRPOObjective(), longstraw=_config(mode, block, None, THRESHOLD))
+    finally:
+        hook.remove()
+        model.zero_grad(set_to_none=True)
+    expected = 0
+    for steps, response in zip(_steps(group), group.response_ids, strict=True):
+        scored = [step for step in steps or [] if step.scored]
+        expected += response.numel() if steps is None else 2 * sum(step.end - step.start for step in scored)
+    assert any(steps and not all(step.scored for step in steps) for steps in _steps(group))
+    assert sum(tokens) == expected
+
+
 def test_steps_follow_the_spans():
     """Captured runs of at least the threshold cut into blocks; the regions between them one scored step each; a
     shorter untrained run stays inside its region; no captured run: None (replayed whole)."""
