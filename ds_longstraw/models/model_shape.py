@@ -77,7 +77,7 @@ def shape_from_config(name: str, config, dtype_bytes: int | None = None, paramet
         if spec.kept:
             shape.kept_bytes_per_token += spec.kept_bytes_per_token
             shape.kept_layers += 1
-            shape.kept_last_bytes_per_token = spec.kept_bytes_per_token if spec is specs[-1] else 0
+    shape.kept_last_bytes_per_token = specs[-1].kept_bytes_per_token if specs else 0
     shape.not_layer_major = tuple(sorted(name for name in shape.combine_counts if not combine_rule(name).layer_major))
     shape.kind_costs = {name: combine_rule(name).cost for name in shape.combine_counts}
     shape.params = parameter_count(config) if parameters else 0
