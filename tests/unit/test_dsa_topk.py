@@ -5,6 +5,8 @@
   merge_candidates(best, part, k)      == merge_candidates_reference (one stable sort of the concatenation)
   merge_candidate_sets(best, part, k)  == merge_candidate_sets_reference (sort by position, then stably by score)
   dsa_select (blocked, fast merges)    == dsa_select_reference (one stable sort of the whole score matrix)
+  key_blocks(pieces, block)            == key_blocks_reference (the pieces joined, then cut): pages joined into
+                                          whole blocks, so pages cost no more merges than one tensor
 
 Every comparison is torch.equal on scores and positions: the selection is discrete, the fast path only moves the
 same values, so any difference at all is a different selection (no tolerance applies). Cases: scores drawn from a
@@ -162,6 +164,43 @@ def test_blocked_selection_with_ties_equals_the_plain_sort(monkeypatch, dtype, s
     plain = dsa.dsa_select_reference(q, weights, keys, start, topk, 0.5)
     assert torch.equal(mine[1], plain[1]) and torch.equal(mine[0], plain[0])
     assert mine[1].sum(-1).tolist() == [min(topk, start + t + 1) for t in range(tokens)]
+
+
+@pytest.mark.parametrize("lengths,block,offset", [([37], 8, 0), ([8, 8, 8], 8, 5), ([3, 0, 5, 9, 1], 8, 0),
+                                                  ([1024] * 8, 4096, 0), ([5000, 100, 3000], 4096, 7), ([], 8, 0),
+                                                  ([0, 0], 8, 0)])
+def test_key_blocks_join_pages_and_cut_long_pieces(lengths, block, offset):
+    """Blocks of `block` rows at their positions, whatever the pieces' lengths: equal to the pieces joined and cut;
+    mixed dtypes join in the promoted dtype (pages in bfloat16 beside a float32 segment)."""
+    gen = torch.Generator().manual_seed(len(lengths) + block)
+    dtypes = [torch.bfloat16 if i % 2 else torch.float32 for i in range(len(lengths))]
+    keys = [torch.randn(n, 3, generator=gen).to(dtype) for n, dtype in zip(lengths, dtypes, strict=True)]
+    mine = list(dsa.key_blocks(keys, block, offset))
+    plain = dsa.key_blocks_reference(keys, block, offset)
+    assert [start for start, _ in mine] == [start for start, _ in plain]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(mine, plain, strict=True))
+    assert all(rows.shape[0] == block for _, rows in mine[:-1])
+    assert sum(rows.shape[0] for _, rows in mine) == sum(lengths)
+
+
+def test_pages_cost_the_merges_of_one_tensor(monkeypatch):
+    """A query block's keys given as eight pages take as many merges as the same keys as one tensor (two blocks of
+    32 here), and select the same: a merge is a top-k over topk + a block's keys, so one per page cost 1 + topk /
+    page its top-k elements and a sort of topk per page. Counted by wrapping merge_candidates."""
+    calls = []
+    merge = dsa.merge_candidates
+    monkeypatch.setattr(dsa, "merge_candidates", lambda *args: calls.append(args[1][0].shape[1]) or merge(*args))
+    gen = torch.Generator().manual_seed(3)
+    whole = torch.randn(64, 4, generator=gen)
+    q, weights = torch.randn(16, 2, 4, generator=gen), torch.rand(16, 2, generator=gen)
+    picked = {}
+    for name, keys in (("whole", [whole]), ("pages", list(whole.split(8)))):
+        calls.clear()
+        picked[name] = dsa.dsa_select(q, weights, keys, 48, 8, 0.5, key_block=32)
+        assert calls == [32, 32], name  # one query block (16 x 2 x 32 scores fit), two key blocks
+    assert torch.equal(picked["whole"][0], picked["pages"][0]) and torch.equal(picked["whole"][1], picked["pages"][1])
+    plain = dsa.dsa_select_reference(q, weights, [whole], 48, 8, 0.5)
+    assert torch.equal(picked["pages"][0], plain[0]) and torch.equal(picked["pages"][1], plain[1])
 
 
 def test_ties_past_the_keys_low_bits_take_the_sorts():

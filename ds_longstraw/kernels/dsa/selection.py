@@ -292,12 +292,41 @@ def candidates_selection(best, width):
     return out_pos, out_valid
 
 
-def _key_pieces(keys, key_block, offset=0):
-    """(first position, key rows) of each piece of at most key_block rows, in position order from `offset`."""
+def key_blocks(keys, key_block, offset=0):
+    """(first position, key rows) of each block of key_block rows (the last may be shorter), in position order from
+    `offset`: a piece longer than key_block is cut, and consecutive shorter pieces are joined (a past in pieces: a
+    kept capture graph's segments after its 128-token probe, a tree node's ancestors then its own pages, a long
+    member's earlier replay blocks). Each block costs a query one merge (a top-k over topk + its keys, then a sort
+    of topk), so pieces cut each on its own cost a merge apiece: 1,024-token pieces took 1.5-1.7x the selection of
+    one tensor (bench/bench_key_blocks.py; BENCHMARKS.md, issue 46). A joined block is a copy of its keys,
+    [key_block, D]: far below the block's scores [Tq, I, key_block] computed from it. Pieces of different dtypes
+    join in their promoted dtype (the scores' dtype is at least it)."""
+    held, held_rows = [], 0  # the current block's parts, not yet key_block rows
     for piece in keys:
-        for lo in range(0, piece.shape[0], key_block):
-            yield offset + lo, piece[lo:lo + key_block]
-        offset += piece.shape[0]
+        lo = 0
+        while lo < piece.shape[0]:
+            take = min(key_block - held_rows, piece.shape[0] - lo)
+            held.append(piece[lo:lo + take])
+            held_rows += take
+            lo += take
+            if held_rows == key_block:
+                yield offset, _joined(held)
+                offset += held_rows
+                held, held_rows = [], 0
+    if held:
+        yield offset, _joined(held)
+
+
+def key_blocks_reference(keys, key_block, offset=0):
+    """Plain version of key_blocks: every piece joined, then cut into key_block rows."""
+    if not keys:
+        return []
+    joined = torch.cat(list(keys))
+    return [(offset + lo, joined[lo:lo + key_block]) for lo in range(0, joined.shape[0], key_block)]
+
+
+def _joined(parts):
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offset=0, prior=None):
@@ -327,7 +356,7 @@ def dsa_select(q_TID, weights_TI, keys, start, topk, scale, key_block=None, offs
         return candidates_selection(best, min(topk, total))
     best = prior
     with torch.no_grad():
-        for k0, piece in _key_pieces(keys, key_block, offset):
+        for k0, piece in key_blocks(keys, key_block, offset):
             if k0 > start + tokens - 1:  # beyond the causal horizon of every query
                 break
             best = extend_candidates(best, q_TID, weights_TI, piece, k0, start, topk, scale, key_block)
