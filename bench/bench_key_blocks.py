@@ -4,9 +4,9 @@
 keys, then a sort of topk). Its keys come as pieces (a kept capture graph's segments, a tree node's ancestors then
 its own pages, a long member's earlier replay blocks), which used to be cut each on its own: a merge per piece
 however short. `selection.key_blocks` joins consecutive pieces into blocks of KEY_BLOCK rows, so pieces cost the
-merges of one tensor. Here the pieces are --page tokens each. This times both over the same keys side by side in one process, on one CPU thread, the forms
-in turn each round, and the keys as one tensor beside them; every selection is checked equal. CPU seconds, the
-median of --repeat rounds; rows land in bench/results/key-blocks.json.
+merges of one tensor. Here the pieces are --page tokens each. This times both over the same keys side by side in
+one process, on one CPU thread, the forms in turn each round, and the keys as one tensor beside them; every
+selection is checked equal. CPU seconds, the median of --repeat rounds; rows land in bench/results/key-blocks.json.
 
     python bench/bench_key_blocks.py [--prompts 8192 32768] [--queries 256 4096] [--page 1024] [--repeat 5]
         [--heads 4 --dim 32 --topk 512] [--out bench/results/key-blocks.json]
