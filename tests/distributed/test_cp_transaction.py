@@ -119,6 +119,19 @@ CASES = [
 ]
 for _case in CASES:
     _case["model"] = MODEL
+# A model whose last layer is an attention layer: the capture runs it for its K/V alone, moving nothing (with the
+# attention kept, whole: the prefix pass reads its output); its rows' gradients still reach the projections.
+LAST_ATTENTION = dict(layers=4, layer_types=["linear_attention", "full_attention", "linear_attention",
+                                             "full_attention"])
+CASES += [
+    dict(name="last-attention-detached", prompt_len=23, response_lens=[5, 3], mode="detached", chunk=4, page=3,
+         block=3, seed=17, worlds=(2, 3), model=LAST_ATTENTION),
+    dict(name="last-attention-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3, block=3,
+         seed=18, worlds=(2, 3), model=LAST_ATTENTION),
+    dict(name="last-attention-kept-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3,
+         block=3, keep=True, seed=19, worlds=(2,), model=LAST_ATTENTION),
+]
+for _case in CASES:
     if _case["mode"] == "exact":  # the layer-major pass, asked for ("auto" takes it only where its layer inputs fit,
         _case.setdefault("prefix", "layer_major")  # offload/auto.layer_major_fits); the turns cases ask for "turns"
 BY_NAME = {case["name"]: case for case in CASES}
@@ -162,14 +175,16 @@ def test_tiered_pages_leave_no_files(world_results):
 def references():
     """name -> (grads, loss, logps, ref_logps) of the single-process float64 reference."""
     out = {}
-    model = tiny_qwen3_5(**MODEL)
+    models = {}  # one model per config, as the ranks build it
     for case in CASES:
         if case.get("expect_error") or case.get("low_precision"):
             continue
+        key = repr(case["model"])
+        model = models[key] = models.get(key) or tiny_qwen3_5(**case["model"])
         group = make_group(case["prompt_len"], case["response_lens"], seed=case.get("seed", 0))
         objective = GRPOObjective(**case.get("objective", {}))
         fn = cache_continuation_logprobs if case["mode"] == "detached" else full_sequence_logprobs
-        ref_model = tiny_qwen3_5(seed=case["ref_seed"], **MODEL) if "ref_seed" in case else None
+        ref_model = tiny_qwen3_5(seed=case["ref_seed"], **case["model"]) if "ref_seed" in case else None
 
         with float64_model():
             grads, (loss, logps, ref) = reference_step(model, group, objective.group_loss, fn, ref_model)
@@ -267,6 +282,24 @@ def test_traffic_accounting(world_results):
     if "queries-travel-exact" in results:
         for result in results["queries-travel-exact"]:
             assert set(result["cp"]["capture_moves"]["capture"].values()) == {"q"}
+
+
+def test_the_capture_runs_the_last_layer_for_its_rows_alone(world_results):
+    """A last attention layer's output over the prompt feeds nothing: the capture puts its K/V on the pages and
+    moves nothing for it (no pages or queries travel), where the attention layer below it exchanges as before; with
+    the attention kept the layer runs whole, since the prefix pass reads the kept output. The gradients of all
+    three equal the reference (test_gradients_loss_logprobs_match_reference)."""
+    world, results = world_results
+    last = len(LAST_ATTENTION["layer_types"]) - 1
+    if world not in (2, 3):
+        pytest.skip("the last-attention cases run on 2 and 3 ranks")
+    for name in ("last-attention-detached", "last-attention-exact"):
+        for result in results[name]:
+            capture = result["cp"]["received_bytes_by_layer"]["capture"]
+            assert 1 in capture and last not in capture, (name, capture)
+            assert last not in result["cp"]["capture_moves"]["capture"]
+    for result in results.get("last-attention-kept-exact", ()):
+        assert result["cp"]["received_bytes_by_layer"]["capture"][last] > 0
 
 
 def test_planner_counts_the_scan_outputs_a_capture_holds(world_results):

@@ -352,7 +352,8 @@ def test_traffic_accounting(world_results, name):
     d(q_lat, q_rope). Capture: a rank's "servers" are the ranks holding keys before its last piece; from each rank
     it serves it receives the selectors (full layers) and the queries with the positions it owns (every layer),
     from each of its servers the candidates (as many columns as min(topk, the server's keys its latest piece
-    sees)) and the partials; rows never travel."""
+    sees)) and the partials; rows never travel. The capture's last layer moves nothing: it runs for its rows alone
+    (grpo/cp/capture.last_layer_rows_only; a shared layer here, so the full layers' counts keep every full layer)."""
     world, results = world_results
     config = tiny_glm_moe_dsa().config
     heads, rank_, rope = config.num_attention_heads, config.kv_lora_rank, config.qk_rope_head_dim
@@ -379,17 +380,20 @@ def test_traffic_accounting(world_results, name):
         served = sum(sizes[j] for j in range(world) if rank in _servers(pieces, j))  # tokens of the ranks it serves
         seen = max(lo for lo, hi in pieces[rank] if hi > lo)  # the start of its last piece
         columns = sum(min(topk, sum(max(0, min(hi, seen) - lo) for lo, hi in pieces[i])) for i in servers)
+        attending = layers - 1  # every layer but the last attends in capture
+        assert config.indexer_types[-1] == "shared"
         expected_capture = {
             "sparse_selector": full * served * (index_heads * index_dim + index_heads) * 8,
-            "sparse_query": layers * served * heads * (rank_ + rope) * 8,
-            "sparse_positions": layers * served * topk * 4,
+            "sparse_query": attending * served * heads * (rank_ + rope) * 8,
+            "sparse_positions": attending * served * topk * 4,
             "sparse_candidate_scores": full * columns * sizes[rank] * 8,
             "sparse_candidates": full * columns * sizes[rank] * 4,
-            "sparse_out": layers * len(servers) * sizes[rank] * heads * rank_ * 8,
-            "sparse_lse": layers * len(servers) * sizes[rank] * heads * 8,
+            "sparse_out": attending * len(servers) * sizes[rank] * heads * rank_ * 8,
+            "sparse_lse": attending * len(servers) * sizes[rank] * heads * 8,
         }
         got = report["received_bytes_by_op"]["capture"]
         assert got == {op: n for op, n in expected_capture.items() if n}
+        assert layers - 1 not in report["received_bytes_by_layer"]["capture"]
 
 
 def test_tiered_pages_leave_no_files(world_results):

@@ -13,6 +13,8 @@ on, as the layer's kind does it (grpo/cp/kinds/, found by the spec's `combine`):
   "topk_lse"     this rank's rows go onto its own pages; its queries' global top-k selection gathers the earlier
                  ranks' candidates and the selected rows' partials come back from their owners (kinds/sparse/); a
                  layer that selects nothing reuses the last selection.
+The last layer runs for its state alone (LayerKind.capture_rows: its rows onto the pages, no exchange, no MLP), since
+no token reads its output over the prompt (last_layer_rows_only; with the attention kept it runs whole).
 Inside a layer the shard is processed `capture_chunk` tokens (exact mode: at most `prefix_block`) at a time;
 what stays alive across a layer is the shard's hidden states [1, T_r, C] (smaller than the shard's pages of all
 paged layers for the target models). Every rank keeps the pages of its own tokens only, the prompt's final carry
@@ -91,6 +93,7 @@ def _capture_layers(frame: CaptureFrame, ids: torch.Tensor, progress: Callable[[
     every = longstraw.prefix_inputs_every
     bases = ({layer: adapter.sparse_geometry(layer).topk for layer in selection_bases(adapter.specs, every)}
              if state.input_pool is not None else {})
+    last = adapter.specs[-1].layer if last_layer_rows_only(state) else None
     with torch.no_grad():
         hidden = adapter.embed(ids)
         for spec in adapter.specs:
@@ -100,6 +103,11 @@ def _capture_layers(frame: CaptureFrame, ids: torch.Tensor, progress: Callable[[
                 if index in bases:  # the selection this base reuses, made in a group below
                     state.input_pool.append(index, SELECTION_STREAM, encode_selection(*frame.selection, bases[index]))
             normed = adapter.mixer_input(index, hidden)
+            if index == last:  # its state only: no attention, exchange or MLP over the shard
+                kind_of(spec).capture_rows(frame, spec, normed)
+                if progress is not None:
+                    progress(index)
+                break
             mixed = kind_of(spec).capture(frame, spec, normed)
             del normed
             hidden = mlp_over_chunks(adapter, index, hidden + mixed, frame.chunks)
@@ -108,6 +116,16 @@ def _capture_layers(frame: CaptureFrame, ids: torch.Tensor, progress: Callable[[
                 progress(index)
     state.flush()  # the last partial pages too: after capture every page is on its tier
     state.carry, state.boundaries = frame.final_carry, frame.boundaries or []
+
+
+def last_layer_rows_only(state: PrefixState) -> bool:
+    """Whether the capture runs the last layer for its state alone (LayerKind.capture_rows). No token reads a
+    captured layer's output over the prompt: the prompt's last token is replayed with the members, later layers
+    read pages and carries, and exact mode's prefix pass computes its own (the layer-major pass from the layers'
+    kept inputs, the turns from the pages). Only the kept attention (prefix_keep_attention) stores the last
+    layer's output for the prefix pass; with it the layer runs whole. Every rank decides alike (the same settings).
+    One rank: capture_prefix's need_hidden=False (grpo/state.py) does the same for the whole segment."""
+    return state.kept_pool is None
 
 
 def mlp_over_chunks(adapter: CausalLMAdapter, layer: int, hidden_1TC: torch.Tensor,

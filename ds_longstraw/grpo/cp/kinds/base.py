@@ -113,6 +113,13 @@ class LayerKind:
         """The layer's mixer output [1, T, C] over the shard from its normed input, its state onto the pages."""
         raise self._not_run(spec, "the capture")
 
+    def capture_rows(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> None:
+        """The layer's state onto the pages without its output: the capture's last layer, whose output over the
+        prompt no token reads (grpo/cp/capture.py). Every rank calls it for the same layer, so a kind that leaves
+        out its exchanges here leaves them out everywhere. Default: the whole capture, its output dropped (a kind
+        whose state needs the exchanges anyway, as the scan's carry does)."""
+        self.capture(frame, spec, normed)
+
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
                 selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:
         """(The mixer output per chunk, the last selection): the capture's forward again, no graph, reading what

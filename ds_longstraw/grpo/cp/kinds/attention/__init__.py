@@ -52,6 +52,11 @@ class AttentionKind(LayerKind):
             return ulysses_attention_layer(frame, spec, normed)
         return capture_attention_layer(frame, spec, normed)
 
+    def capture_rows(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> None:
+        """K/V of the shard onto its pages, chunk by chunk (the dummy chunks' projections too, results dropped):
+        no queries travel and no pages, in either cp_attention."""
+        project_chunks(frame.adapter, spec, normed, frame.chunks, frame.state.pool)
+
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
                 selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:
         adapter, spans = frame.adapter, frame.chunks.spans

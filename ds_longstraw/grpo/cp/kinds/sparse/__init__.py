@@ -31,6 +31,7 @@ from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     answer_grads,
     answer_partial,
     capture_sparse_layer,
+    capture_sparse_rows,
 )
 from ds_longstraw.grpo.cp.kinds.sparse.spread import SpreadSparsePagesAttention
 
@@ -48,6 +49,11 @@ class SparseKind(LayerKind):
     def capture(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> torch.Tensor:
         mixed, frame.selection = capture_sparse_layer(frame, spec, normed, frame.selection)
         return mixed
+
+    def capture_rows(self, frame: CaptureFrame, spec: LayerState, normed: torch.Tensor) -> None:
+        """The shard's rows (latent, rope key, and on a selecting layer the indexer key) onto its pages, chunk by
+        chunk (the dummy chunks' projections too, results dropped): no selection, no partials, no exchange."""
+        capture_sparse_rows(frame, spec, normed)
 
     def forward(self, frame: LayerMajorFrame, spec: LayerState, normed: torch.Tensor,
                 selection: Selection | None) -> tuple[list[torch.Tensor], Selection | None]:

@@ -458,6 +458,16 @@ def capture_sparse_layer(frame: ShardFrame, spec: LayerState, normed_1TC: torch.
     return (torch.cat(outs, 1) if outs else normed_1TC.new_zeros(normed_1TC.shape)), selection
 
 
+def capture_sparse_rows(frame: ShardFrame, spec: LayerState, normed_1TC: torch.Tensor) -> None:
+    """The rows of a "topk_lse" layer over this rank's shard onto its pages, as capture_sparse_layer's pass A
+    appends them, and nothing else (the capture's last layer: grpo/cp/capture.py). The dummy chunks are projected
+    too, so every rank makes the same module calls (ZeRO-3 lockstep)."""
+    for chunk in frame.chunks:
+        rows = frame.adapter.sparse_project(spec.layer, chunk.of(normed_1TC), chunk.position)[3]
+        if not chunk.dummy:
+            append_rows(frame.state.pool, spec, rows)
+
+
 def _query_groups(client_pieces: Sequence[tuple[int, int]],
                   server_pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """(rows, end of the server's pages they see) of each of a client's pieces."""
