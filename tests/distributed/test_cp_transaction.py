@@ -286,7 +286,8 @@ def test_traffic_accounting(world_results):
 
 def test_the_capture_runs_the_last_layer_for_its_rows_alone(world_results):
     """A last attention layer's output over the prompt feeds nothing: the capture puts its K/V on the pages and
-    moves nothing for it (no pages or queries travel), where the attention layer below it exchanges as before; with
+    moves nothing for it (no pages or queries travel), and the layer-major prefix pass back-propagates its K/V's
+    gradients alone (no ring), where the attention layer below it exchanges as before; with
     the attention kept the layer runs whole, since the prefix pass reads the kept output. The gradients of all
     three equal the reference (test_gradients_loss_logprobs_match_reference)."""
     world, results = world_results
@@ -298,6 +299,9 @@ def test_the_capture_runs_the_last_layer_for_its_rows_alone(world_results):
             capture = result["cp"]["received_bytes_by_layer"]["capture"]
             assert 1 in capture and last not in capture, (name, capture)
             assert last not in result["cp"]["capture_moves"]["capture"]
+            if name.endswith("exact"):  # the layer-major pass's top layer: its K/V's gradients alone, no ring
+                prefix = result["cp"]["received_bytes_by_layer"]["prefix"]
+                assert 1 in prefix and last not in prefix, prefix
     for result in results.get("last-attention-kept-exact", ()):
         assert result["cp"]["received_bytes_by_layer"]["capture"][last] > 0
 

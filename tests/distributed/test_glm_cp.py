@@ -255,6 +255,23 @@ def test_prefix_pass_runs_as_asked(world_results):
         assert all(result["cp"]["layout"] == _layout(case) for result in ranks), name
 
 
+def test_layer_major_runs_the_top_layer_for_its_rows_alone(world_results):
+    """The layer-major pass's top layer (a shared one here) feeds nothing over the prompt: only its rows' gradients
+    (on its gradient pages) go back through their projections, with no queries or partials exchanged for it, where
+    the layers below it exchange as before (the gradients equal the reference: test_gradients_...)."""
+    world, results = world_results
+    top = tiny_glm_moe_dsa().config.num_hidden_layers - 1
+    ran = 0
+    for name, ranks in results.items():
+        if _prefix(BY_NAME[name]) != "layer_major" or BY_NAME[name].get("model"):
+            continue
+        for result in ranks:
+            prefix = result["cp"]["received_bytes_by_layer"]["prefix"]
+            assert top not in prefix and top - 1 in prefix, (name, prefix)
+            ran += 1
+    assert ran
+
+
 def test_layer_major_keeps_every_layer_input_as_the_planner_counts(world_results):
     """The layer-major pass's retained layer inputs on each rank: the kept layers' over its own tokens (hidden x 8 B
     a token each; with prefix_inputs_every 3 also the selection layer 3 reuses from layer 2, index_topk int32 a

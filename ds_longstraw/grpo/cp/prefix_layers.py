@@ -22,7 +22,9 @@ all ranks together, breaks that chain everywhere but inside a layer, where it is
   "affine_scan"  (GDN) scan_backward.py over the family's math (qwen3_5: arch/qwen3_5_scan_backward.py): summaries of
                  the state adjoint all-gathered and folded from the prompt's end, each piece's backward from its
                  own end-state gradient, then the conv tails' gradients likewise.
-Finally the embedding gets d(layer 0 input). Nothing of the prompt's graph outlives one chunk of one layer.
+The top layer's output feeds nothing (d(output) = 0): it runs its kind's rows_backward, its state's gradients through
+their projections alone, without the attention, its exchanges or the MLP. Finally the embedding gets d(layer 0
+input). Nothing of the prompt's graph outlives one chunk of one layer.
 
 The attention's forward result the output side needs is the capture's kept (out, lse) (prefix_keep_attention),
 or recomputed for the layer by the capture's own exchange (cp_attention.shard_attention, over the pages already in
@@ -109,7 +111,10 @@ def layer_major_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int
                     group = recompute_inputs(frame, base, layer)
                     inputs["group"] = group
                 read_input = partial(_read_group, group, layer)
-            d_hidden = kind_of(spec).backward(frame, spec, read_input, d_hidden)
+            if spec is adapter.specs[-1]:  # its output feeds nothing: what its state's gradients reach alone
+                d_hidden = kind_of(spec).rows_backward(frame, spec, read_input, d_hidden)
+            else:
+                d_hidden = kind_of(spec).backward(frame, spec, read_input, d_hidden)
             if selections is not None:
                 selections.done(layer)
             if group is not None and layer == base + 1:  # the group is done

@@ -131,6 +131,13 @@ class LayerKind:
         """d(layer input) [1, T, C] from d(layer output); parameter gradients accumulate."""
         raise self._not_run(spec, "the layer-major prefix pass")
 
+    def rows_backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                      d_hidden: torch.Tensor) -> torch.Tensor:
+        """backward of a layer whose output over the prompt feeds nothing (the pass's top layer: d_hidden is zero),
+        so only what its state's gradients reach: every rank calls it for the same layer, so a kind that leaves out
+        its exchanges here leaves them out everywhere. Default: the whole backward."""
+        return self.backward(frame, spec, read_input, d_hidden)
+
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:
         """Answer a turn owner's request against this rank's pages (the turns' schedule, grpo/cp/prefix_turns.py)."""

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ds_longstraw.grpo.cp.kinds.attention.layer_major import attention_layer_backward, kept_partials
+from ds_longstraw.grpo.cp.kinds.attention.layer_major import (
+    attention_layer_backward,
+    attention_rows_backward,
+    kept_partials,
+)
 from ds_longstraw.grpo.cp.kinds.attention.ring import (
     PagesAttention,
     accumulation_dtype,
@@ -69,6 +73,10 @@ class AttentionKind(LayerKind):
     def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                  d_hidden: torch.Tensor) -> torch.Tensor:
         return attention_layer_backward(frame, spec, read_input, d_hidden)
+
+    def rows_backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                      d_hidden: torch.Tensor) -> torch.Tensor:
+        return attention_rows_backward(frame, spec, read_input, d_hidden)
 
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:

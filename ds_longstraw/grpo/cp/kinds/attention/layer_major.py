@@ -113,6 +113,23 @@ def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, posit
     return grad_of(x)
 
 
+def attention_rows_backward(frame: LayerMajorFrame, spec: LayerState,
+                            read_input: Callable[[int, int], torch.Tensor], dy_1TC: torch.Tensor) -> torch.Tensor:
+    """attention_layer_backward of a layer whose output over the prompt feeds nothing (the pass's top layer; dy_1TC
+    is zero and only its shape is read): step (3) alone, its K/V's gradients on the gradient pages (the replay's,
+    the only queries that read them with a gradient) through their projections. No queries, attention or ring:
+    with d(output) = 0 the output side and the attention's backward give zeros."""
+    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
+    zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
+    d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
+    for a, b, position in chunks.spans:
+        rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
+        d_x[:, a:b] = _input_side(adapter, layer, read_input(a, b), position, (None, None, *rows), backward)
+    for _ in chunks.dummies():
+        _input_side(adapter, layer, zero, 0, None, backward)
+    return d_x
+
+
 def _attention_grads(frame: LayerMajorFrame, spec: LayerState, queries: Sequence[torch.Tensor],
                      results: Sequence[Partial], d_outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """dq of every chunk of this rank's shard (accumulation precision), with dK/dV of this rank's keys from its own

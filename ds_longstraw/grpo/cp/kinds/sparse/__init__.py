@@ -24,7 +24,7 @@ from ds_longstraw.grpo.cp.kinds.base import (
     Selection,
     register_kind,
 )
-from ds_longstraw.grpo.cp.kinds.sparse.layer_major import sparse_layer_backward
+from ds_longstraw.grpo.cp.kinds.sparse.layer_major import sparse_layer_backward, sparse_rows_backward
 from ds_longstraw.grpo.cp.kinds.sparse.selection import (
     SparsePagesAttention,
     answer_candidates,
@@ -63,6 +63,10 @@ class SparseKind(LayerKind):
     def backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                  d_hidden: torch.Tensor) -> torch.Tensor:
         return sparse_layer_backward(frame, spec, read_input, d_hidden)
+
+    def rows_backward(self, frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                      d_hidden: torch.Tensor) -> torch.Tensor:
+        return sparse_rows_backward(frame, spec, read_input, d_hidden)
 
     def answer(self, cp: CPContext, adapter: CausalLMAdapter, stager: Stager, chunk: int,
                request: PageRequest) -> None:

@@ -168,19 +168,37 @@ def sparse_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: 
     return d_x
 
 
+def sparse_rows_backward(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                         dy_1TC: torch.Tensor) -> torch.Tensor:
+    """sparse_layer_backward of a layer whose output over the prompt feeds nothing (the pass's top layer; dy_1TC is
+    zero and only its shape is read): its rows' gradients on the gradient pages (the replay's, the only queries
+    that read them with a gradient) through their projections, chunk by chunk. No selection, attention or exchange:
+    the whole step's other terms are zero there."""
+    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
+    d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
+    for a, b, position in chunks.spans:
+        grads = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
+        d_x[:, a:b] = _input_side(adapter, layer, read_input(a, b), position, grads, backward, rows_only=True)
+    for _ in chunks.dummies():
+        _input_side(adapter, layer, _zero(adapter), 0, None, backward)
+    return d_x
+
+
 def _output_map(adapter: CausalLMAdapter, layer: int, mixed: torch.Tensor, position: int) -> Any:
     return adapter.sparse_project(layer, mixed, position)[2]
 
 
 def _input_side(adapter: CausalLMAdapter, layer: int, x_1TC: torch.Tensor, position: int,
                 injected: list[torch.Tensor | None] | None,
-                backward: Callable[[torch.Tensor], Any] | None) -> torch.Tensor:
-    """d x of the chunk's query and rows given their gradients (None: a lockstep zero iteration); the indexer's
-    outputs take none, as the model defines it."""
+                backward: Callable[[torch.Tensor], Any] | None, rows_only: bool = False) -> torch.Tensor:
+    """d x of the chunk's query and rows given their gradients (None: a lockstep zero iteration; rows_only: the
+    rows' alone, the query's zero); the indexer's outputs take none, as the model defines it."""
     x = grad_leaf(x_1TC)
     with torch.enable_grad():
         _, query, _, rows = adapter.sparse_project(layer, adapter.mixer_input(layer, x), position)
         roots = [*query, *rows]
+        if rows_only:
+            injected = [None] * len(query) + list(injected)
         inject_gradients(roots, (injected or []) + [None] * (len(roots) - len(injected or [])), backward)
     return grad_of(x)
 
