@@ -56,7 +56,6 @@ def attention_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_inpu
     adapter, state, chunks, backward = frame.adapter, frame.state, frame.chunks, frame.backward
     layer = spec.layer
     spans = chunks.spans
-    pool = state.pool
     zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     heads, _, dim = adapter.attention_geometry()
     # (0) the shard's queries and its merged attention
@@ -80,11 +79,7 @@ def attention_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_inpu
     dq = _attention_grads(frame, spec, queries, results, d_outs)
     del results, d_outs, queries
     # (3) the input side: (q, K, V) of each chunk with their complete gradients
-    for (a, b, position), d_query in zip(spans, dq, strict=True):
-        rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
-        d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, (d_query, None, *rows), backward)
-    for _ in chunks.dummies():
-        _input_side(adapter, layer, zero, 0, None, backward)
+    _input_sides(frame, spec, read_input, dq, d_x)
     return d_x
 
 
@@ -119,15 +114,23 @@ def attention_rows_backward(frame: LayerMajorFrame, spec: LayerState,
     is zero and only its shape is read): step (3) alone, its K/V's gradients on the gradient pages (the replay's,
     the only queries that read them with a gradient) through their projections. No queries, attention or ring:
     with d(output) = 0 the output side and the attention's backward give zeros."""
-    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
-    zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
-    for a, b, position in chunks.spans:
+    _input_sides(frame, spec, read_input, None, d_x)
+    return d_x
+
+
+def _input_sides(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                 dq: Sequence[torch.Tensor] | None, d_x: torch.Tensor) -> None:
+    """Step (3): each chunk's (q, K, V) projections back-propagated with their gradients (dq: each chunk's, None:
+    zero; K/V's from the gradient pages), d(input) added to d_x; then the dummy chunks' zero iterations."""
+    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
+    for index, (a, b, position) in enumerate(chunks.spans):
         rows = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
-        d_x[:, a:b] = _input_side(adapter, layer, read_input(a, b), position, (None, None, *rows), backward)
+        d_query = None if dq is None else dq[index]
+        d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, (d_query, None, *rows), backward)
+    zero = torch.zeros(1, 1, adapter.hidden_size, dtype=adapter.dtype, device=adapter.device)
     for _ in chunks.dummies():
         _input_side(adapter, layer, zero, 0, None, backward)
-    return d_x
 
 
 def _attention_grads(frame: LayerMajorFrame, spec: LayerState, queries: Sequence[torch.Tensor],

@@ -22,7 +22,7 @@ lockstep.ShardChunks).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,29 +159,36 @@ def sparse_layer_backward(frame: LayerMajorFrame, spec: LayerState, read_input: 
         rows.close()
     del out, d_out
     # (3) the input side: the query and the rows of each chunk with their complete gradients
-    for a, b, position in spans:
-        grads = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
-        injected = [d[a:b] for d in d_query] + grads
-        d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, injected, backward)
-    for _ in chunks.dummies():
-        _input_side(adapter, layer, _zero(adapter), 0, None, backward)
+    _input_sides(frame, spec, read_input, d_query, d_x)
     return d_x
 
 
 def sparse_rows_backward(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
                          dy_1TC: torch.Tensor) -> torch.Tensor:
     """sparse_layer_backward of a layer whose output over the prompt feeds nothing (the pass's top layer; dy_1TC is
-    zero and only its shape is read): its rows' gradients on the gradient pages (the replay's, the only queries
-    that read them with a gradient) through their projections, chunk by chunk. No selection, attention or exchange:
+    zero and only its shape is read): step (3) alone, its rows' gradients on the gradient pages (the replay's, the
+    only queries that read them with a gradient) through their projections. No selection, attention or exchange:
     the whole step's other terms are zero there."""
-    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
     d_x = torch.zeros(dy_1TC.shape, dtype=dy_1TC.dtype, device=dy_1TC.device)
+    _input_sides(frame, spec, read_input, None, d_x)
+    return d_x
+
+
+def _input_sides(frame: LayerMajorFrame, spec: LayerState, read_input: Callable[[int, int], torch.Tensor],
+                 d_query: Sequence[torch.Tensor] | None, d_x: torch.Tensor) -> None:
+    """Step (3): each chunk's query and rows back-propagated with their gradients (d_query: the shard's, per query
+    part; None: zero; the rows' from the gradient pages), d(input) added to d_x; then the dummy chunks' zero
+    iterations."""
+    adapter, chunks, backward, pool, layer = frame.adapter, frame.chunks, frame.backward, frame.state.pool, spec.layer
     for a, b, position in chunks.spans:
         grads = [pool.read_grad(layer, s.name, a, b) if s.grad else None for s in spec.streams]
-        d_x[:, a:b] = _input_side(adapter, layer, read_input(a, b), position, grads, backward, rows_only=True)
+        if d_query is None:
+            d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, grads, backward, rows_only=True)
+        else:
+            injected = [d[a:b] for d in d_query] + grads
+            d_x[:, a:b] += _input_side(adapter, layer, read_input(a, b), position, injected, backward)
     for _ in chunks.dummies():
         _input_side(adapter, layer, _zero(adapter), 0, None, backward)
-    return d_x
 
 
 def _output_map(adapter: CausalLMAdapter, layer: int, mixed: torch.Tensor, position: int) -> Any:
