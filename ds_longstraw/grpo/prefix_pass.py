@@ -54,7 +54,10 @@ class ReversePass:
     to each output is exactly the injected grad. prefix_recompute: recompute each layer in backward (one layer's
     graph alive instead of the segment's); longstraw.prefix_recompute_runs says where that is allowed. progress:
     called with each segment's tokens; timings: gets the seconds spent in the segments' forwards and in their
-    backwards ("forward", "backward"; with `prefix_recompute`, the backward includes the layers' recompute)."""
+    backwards ("forward", "backward"; with `prefix_recompute`, the backward includes the layers' recompute).
+    last_layer_whole: whether the segments run their last layer whole (None: the state's,
+    PrefixState.last_layer_whole; a context-parallel turn decides as its capture did, cp/capture.last_layer_rows_only:
+    a state it captured layer-major always has the last layer's pages)."""
 
     adapter: CausalLMAdapter
     state: PrefixState
@@ -65,6 +68,12 @@ class ReversePass:
     past_start: int = 0
     progress: Callable[[int], object] | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    last_layer_whole: bool | None = None
+
+    @property
+    def whole_last_layer(self) -> bool:
+        """Whether the segments run their last layer whole (else its rows alone: no token reads its outputs)."""
+        return self.state.last_layer_whole if self.last_layer_whole is None else self.last_layer_whole
 
 
 def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.Tensor, ...]],
@@ -73,7 +82,7 @@ def prefix_backward(reverse: ReversePass, d_final_carry: dict[int, tuple[torch.T
     piece's), last first, from d_final_carry (layer -> d(its carry) after them). Returns d(carry) at the start of
     the captured tokens (empty at the prompt start)."""
     state = reverse.state
-    names = stream_names(reverse.adapter.specs, last_layer=state.last_layer_whole)
+    names = stream_names(reverse.adapter.specs, last_layer=reverse.whole_last_layer)
     stager = Stager(state.pool, names)
     # a tree's node (grpo/document.py): its segments attend its ancestors' pages too, whose gradients go to them
     ancestors = state.ancestor_stagers(names)
@@ -152,7 +161,7 @@ def _reverse_chunks(reverse: ReversePass, stager: Stager, ancestors: Sequence[tu
             position = getattr(state, "offset", 0) + start if boundary.position is None else boundary.position
             out = adapter.forward_segment(ids[start:end], position, carry, past,
                                           reverse.remote_attention, prefix_recompute=reverse.prefix_recompute,
-                                          known_attention=kept, need_hidden=state.last_layer_whole)
+                                          known_attention=kept, need_hidden=reverse.whole_last_layer)
             outputs = segment_roots(adapter.specs, out)
             grads = [g.to(o) for o, g in zip(outputs, injected_grads(adapter.specs, d_carry, pool, start, end),
                                              strict=True)]

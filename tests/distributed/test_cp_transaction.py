@@ -130,6 +130,8 @@ CASES += [
          seed=18, worlds=(2, 3), model=LAST_ATTENTION),
     dict(name="last-attention-kept-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3,
          block=3, keep=True, seed=19, worlds=(2,), model=LAST_ATTENTION),
+    dict(name="last-attention-turns-exact", prompt_len=23, response_lens=[5, 3], mode="exact", chunk=4, page=3,
+         block=3, seed=20, worlds=(2, 3), model=LAST_ATTENTION, prefix="turns"),
 ]
 for _case in CASES:
     if _case["mode"] == "exact":  # the layer-major pass, asked for ("auto" takes it only where its layer inputs fit,
@@ -287,21 +289,22 @@ def test_traffic_accounting(world_results):
 def test_the_capture_runs_the_last_layer_for_its_rows_alone(world_results):
     """A last attention layer's output over the prompt feeds nothing: the capture puts its K/V on the pages and
     moves nothing for it (no pages or queries travel), and the layer-major prefix pass back-propagates its K/V's
-    gradients alone (no ring), where the attention layer below it exchanges as before; with
-    the attention kept the layer runs whole, since the prefix pass reads the kept output. The gradients of all
-    three equal the reference (test_gradients_loss_logprobs_match_reference)."""
+    gradients alone (no ring), where the attention layer below it exchanges as before; so does the prefix pass in
+    turns (no request for it reaches a page owner); with the attention kept the layer runs whole, since the prefix
+    pass reads the kept output. The gradients of all four equal the reference
+    (test_gradients_loss_logprobs_match_reference)."""
     world, results = world_results
     last = len(LAST_ATTENTION["layer_types"]) - 1
     if world not in (2, 3):
         pytest.skip("the last-attention cases run on 2 and 3 ranks")
-    for name in ("last-attention-detached", "last-attention-exact"):
+    for name in ("last-attention-detached", "last-attention-exact", "last-attention-turns-exact"):
         for result in results[name]:
             capture = result["cp"]["received_bytes_by_layer"]["capture"]
             assert 1 in capture and last not in capture, (name, capture)
             assert last not in result["cp"]["capture_moves"]["capture"]
-            if name.endswith("exact"):  # the layer-major pass's top layer: its K/V's gradients alone, no ring
+            if name.endswith("exact"):  # the prefix pass's top layer: its K/V's gradients alone, no exchange
                 prefix = result["cp"]["received_bytes_by_layer"]["prefix"]
-                assert 1 in prefix and last not in prefix, prefix
+                assert 1 in prefix and last not in prefix, (name, prefix)
     for result in results.get("last-attention-kept-exact", ()):
         assert result["cp"]["received_bytes_by_layer"]["capture"][last] > 0
 

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ds_longstraw.grpo.cp.capture import last_layer_rows_only
 from ds_longstraw.grpo.cp.kinds.attention.ring import (
     accumulation_dtype,
     attention_delta,
@@ -328,9 +329,15 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
     answers the owner's requests from inside its mirror (PageServer), at the same layer of the same module sequence.
 
     reverse.prefix_recompute: each layer recomputed in backward, real segments and zero iterations alike
-    (longstraw.prefix_recompute_runs: only where no layer's forward makes a remote exchange)."""
+    (longstraw.prefix_recompute_runs: only where no layer's forward makes a remote exchange).
+
+    The last layer runs for its rows alone where the capture ran it so (capture.last_layer_rows_only): its output
+    over the prompt feeds nothing, so the owner back-propagates the replay's gradients on its pages through the
+    row projections and sends no request for it; the mirrors' zero iterations skip its attention alike, so every
+    rank's module calls stay the same."""
     adapter, state, backward, prefix_recompute = reverse.adapter, reverse.state, reverse.backward, \
         reverse.prefix_recompute
+    whole = not last_layer_rows_only(state)
     pieces = cp.pieces(state.length)
     selects = uses_selection(adapter.specs)
     order, mine = pieces.order, pieces.mine
@@ -350,7 +357,7 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
             visible = visible_prefix(mine, lo)
             if iterations is not None:
                 _mirror_turn(adapter, state, cp, owner, chunk, iterations, cp.rank in servers, backward,
-                             prefix_recompute, visible)
+                             prefix_recompute, visible, whole)
             elif cp.rank in servers:
                 serve(cp, owner, adapter, state.pool, chunk, end=visible)
             continue
@@ -368,11 +375,11 @@ def cp_prefix_backward(reverse: ReversePass, d_final_carry: Mapping[int, Sequenc
                            if selects and past_start else None)
             remote = RemotePages(cp, pieces, servers, adapter, start=lo, earlier=own_earlier)
             turn_pass = replace(reverse, remote_attention=remote if servers or own_earlier else None,
-                                past_start=past_start)
+                                past_start=past_start, last_layer_whole=whole)
             d_carry = prefix_backward(turn_pass, d_carry, boundaries=turn)
             remote.close(adapter.device)
         for _ in iterations.dummies() if iterations is not None else ():  # the turn's dummy iterations
-            zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)
+            zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute, need_hidden=whole)
         if turn and earlier and order[earlier[-1]][0] != cp.rank:  # hand d(carry at this piece's start) over
             handoffs += [cp.isend(_carry_part(d_carry.get(layer), part, shape, dtype, adapter.device),
                                   order[earlier[-1]][0])
@@ -389,19 +396,20 @@ def _carry_part(grads: Sequence[torch.Tensor] | None, part: int, shape: torch.Si
 
 def _mirror_turn(adapter: CausalLMAdapter, state: PrefixState, cp: CPContext, owner: int, chunk: int,
                  iterations: TurnIterations, serving: bool, backward: Callable[[torch.Tensor], Any] | None,
-                 prefix_recompute: bool, visible: int) -> None:
+                 prefix_recompute: bool, visible: int, whole: bool) -> None:
     """`owner`'s turn seen from another rank under lockstep: one zero iteration per owner iteration; those that
     mirror the owner's real chunks answer its requests (against this rank's pages [0, visible)) when this rank
-    serves it, then its DONE is read; then the turn's dummy iterations."""
+    serves it, then its DONE is read; then the turn's dummy iterations. whole: whether the owner runs its last
+    layer whole (else its rows alone, and so do these)."""
     server = PageServer(cp, owner, adapter, state.pool, chunk, kept=state.kept_pool is not None,
                         visible=visible) if serving else None
     try:
         for _ in range(iterations.real):
-            zero_prefix_iteration(adapter, backward, server, prefix_recompute)
+            zero_prefix_iteration(adapter, backward, server, prefix_recompute, need_hidden=whole)
         if serving:  # the owner says DONE after its real chunks, before its padding
             server.answer(DONE, -1)
     finally:
         if server is not None:
             server.close()
     for _ in iterations.dummies():
-        zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute)
+        zero_prefix_iteration(adapter, backward, prefix_recompute=prefix_recompute, need_hidden=whole)
